@@ -1,0 +1,473 @@
+"""The planner: (layout, slots, head slice) x (layout, slots, head slice) -> runs.
+
+Pure and vectorized: numpy over slot arrays, no I/O, no Python loop per token or page.
+
+A ``TransferPlan`` is a few ``RunGroup``s. A group factors its runs as
+*parts x rows*: every part pair (same layer and kind on both sides) shares the same
+row pattern, so a 160-part, 8k-page request is stored as 160 bases plus 8k rows,
+and ``TransferPlan.runs()`` expands it into flat arrays on demand.
+
+How runs are made as large as both sides allow:
+
+1. per token, the heads of the slice are one segment when heads are adjacent on both
+   sides (NHD), else one segment per head (HND);
+2. consecutive segments that are adjacent in both source and destination merge
+   (slot runs in token-major, whole pages of one head in HND);
+3. parts whose blocks sit back to back on both sides fuse (a page-major page holds
+   every layer's K and V contiguously: one run per page run, not per layer);
+4. rows shorter than ``pack_below`` bytes go into a *packed* group: the sender gathers
+   them into one staging block and the receiver scatters it (see ``gather_runs``).
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .errors import PlanError
+from .layout import Layout, Part
+
+# Runs shorter than this are packed. Measured by scripts/bench_pack.py: on this class of
+# machine a vectorized gather/scatter beats one copy per run below roughly 16-32 KiB.
+PACK_BELOW = 16 * 1024
+# Runs at least this long are copied one by one; shorter ones go through index gather.
+BIG_RUN = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """Slice ``index`` of ``count`` equal slices of a part's local heads.
+
+    Scaling per part keeps sub-blocked parts right: slice (1, 2) of a [q | k | v] conv
+    state is the second half of q, of k and of v, never a cut across them.
+    """
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self):
+        if not (self.count >= 1 and 0 <= self.index < self.count):
+            raise PlanError(f"HeadSlice index {self.index} must be in 0..count-1 (count {self.count})")
+
+    def of(self, part: Part, side: str) -> tuple[int, int]:
+        if part.heads % self.count:
+            raise PlanError(f"{side} part {part.key} has {part.heads} heads, not divisible into "
+                            f"{self.count} slices (head slice {self.index}/{self.count})")
+        n = part.heads // self.count
+        return self.index * n, n
+
+    def to_list(self) -> list[int]:
+        return [self.index, self.count]
+
+
+WHOLE = HeadSlice(0, 1)
+
+
+class Runs(NamedTuple):
+    """Flat runs; every array has one entry per run."""
+    src_region: np.ndarray
+    src_offset: np.ndarray
+    dst_region: np.ndarray
+    dst_offset: np.ndarray
+    nbytes: np.ndarray
+    packed: np.ndarray  # bool
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RunGroup:
+    """Runs = every part p x row r x head j (``heads`` is 1 unless heads could not merge):
+    ``(src_region[p], src_base[p] + row_src[r] + j * src_head_stride, dst_region[p],
+    dst_base[p] + row_dst[r] + j * dst_head_stride, row_len[r])``."""
+    src_region: np.ndarray  # [parts] int64
+    src_base: np.ndarray    # [parts]
+    dst_region: np.ndarray  # [parts]
+    dst_base: np.ndarray    # [parts]
+    row_src: np.ndarray     # [rows]
+    row_dst: np.ndarray     # [rows]
+    row_len: np.ndarray     # [rows]
+    packed: bool
+    heads: int = 1
+    src_head_stride: int = 0
+    dst_head_stride: int = 0
+
+    @property
+    def num_runs(self) -> int:
+        return len(self.src_base) * len(self.row_len) * self.heads
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.src_base) * int(self.row_len.sum()) * self.heads
+
+    def runs(self) -> Runs:
+        nparts, nrows, h = len(self.src_base), len(self.row_len), self.heads
+        j = np.arange(h, dtype=np.int64)[None, None, :]
+        so = (self.src_base[:, None, None] + self.row_src[None, :, None] + j * self.src_head_stride).ravel()
+        do = (self.dst_base[:, None, None] + self.row_dst[None, :, None] + j * self.dst_head_stride).ravel()
+        return Runs(np.repeat(self.src_region, nrows * h), so, np.repeat(self.dst_region, nrows * h), do,
+                    np.tile(np.repeat(self.row_len, h), nparts), np.full(nparts * nrows * h, self.packed))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TransferPlan:
+    groups: tuple[RunGroup, ...]
+
+    @property
+    def num_runs(self) -> int:
+        return sum(g.num_runs for g in self.groups)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def num_packed_runs(self) -> int:
+        return sum(g.num_runs for g in self.groups if g.packed)
+
+    def runs(self) -> Runs:
+        if not self.groups:
+            e = np.zeros(0, np.int64)
+            return Runs(e, e, e, e, e, np.zeros(0, bool))
+        parts = [g.runs() for g in self.groups]
+        return Runs(*(np.concatenate(cols) for cols in zip(*parts)))
+
+    @staticmethod
+    def concat(plans: Sequence["TransferPlan"]) -> "TransferPlan":
+        return TransferPlan(tuple(g for p in plans for g in p.groups))
+
+
+EMPTY_PLAN = TransferPlan(())
+
+
+# ------------------------------------------------------------------------------------
+def _merge(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray):
+    """Merge consecutive rows that are adjacent on both sides."""
+    if len(lens) <= 1:
+        return rs, rd, lens
+    ends_s, ends_d = rs[:-1] + lens[:-1], rd[:-1] + lens[:-1]
+    cont = (rs[1:] == ends_s) & (rd[1:] == ends_d)
+    if not cont.any():
+        return rs, rd, lens
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return rs[starts], rd[starts], np.add.reduceat(lens, starts)
+
+
+def _token_offsets(slots: np.ndarray, page_size: int, page_stride: int, token_stride: int) -> np.ndarray:
+    return (slots // page_size) * page_stride + (slots % page_size) * token_stride
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Geometry:
+    """Part pairs that share one row pattern."""
+    src_space: str
+    dst_space: str
+    src_page_size: int
+    dst_page_size: int
+    src: tuple[int, int, int]   # page_stride, token_stride, head_stride
+    dst: tuple[int, int, int]
+    head_bytes: int
+    src_head0: int
+    dst_head0: int
+    nheads: int
+    src_region: np.ndarray
+    src_base: np.ndarray
+    dst_region: np.ndarray
+    dst_base: np.ndarray
+
+    def rows(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> list[tuple]:
+        """Row sets ``(row_src, row_dst, row_len, heads, src_head_stride, dst_head_stride)``."""
+        (sps, sts, shs), (dps, dts, dhs), hb, nh = self.src, self.dst, self.head_bytes, self.nheads
+        so = _token_offsets(src_slots, self.src_page_size, sps, sts) + self.src_head0 * shs
+        do = _token_offsets(dst_slots, self.dst_page_size, dps, dts) + self.dst_head0 * dhs
+        if nh == 1 or (shs == hb and dhs == hb):
+            return [(*_merge(so, do, np.full(len(so), nh * hb, np.int64)), 1, 0, 0)]
+        # One segment per head: merge tokens per head (whole HND pages), then heads whose
+        # blocks touch on both sides, and keep the rest as a head factor of the group.
+        rs, rd, lens = _merge(so, do, np.full(len(so), hb, np.int64))
+        fuse = (lens == shs) & (lens == dhs)
+        out = []
+        if fuse.any():
+            out.append((*_merge(rs[fuse], rd[fuse], lens[fuse] * nh), 1, 0, 0))
+        if (~fuse).any():
+            out.append((rs[~fuse], rd[~fuse], lens[~fuse], nh, shs, dhs))
+        return out
+
+
+def _fuse_parts(g: _Geometry, rs, rd, lens, heads: int) -> list[tuple]:
+    """Fuse parts that sit back to back on both sides (see module docstring, step 3)."""
+    sreg, sbase, dreg, dbase = g.src_region, g.src_base, g.dst_region, g.dst_base
+    whole = [(sreg, sbase, dreg, dbase, rs, rd, lens)]
+    if len(sbase) < 2 or len(lens) == 0 or heads > 1:
+        return whole
+    order = np.lexsort((sbase, sreg))
+    sreg, sbase, dreg, dbase = sreg[order], sbase[order], dreg[order], dbase[order]
+    longest = lens.max()
+    link = ((np.diff(sbase) == longest) & (np.diff(dbase) == longest)
+            & (sreg[1:] == sreg[:-1]) & (dreg[1:] == dreg[:-1]))
+    full = lens == longest
+    if not link.any():
+        return whole
+    out = []
+    if (~full).any():
+        out.append((sreg, sbase, dreg, dbase, rs[~full], rd[~full], lens[~full]))
+    starts = np.flatnonzero(np.concatenate(([True], ~link)))
+    chain = np.diff(np.concatenate((starts, [len(sbase)])))
+    for c in np.unique(chain):
+        pick = starts[chain == c]
+        frs, frd, flens = _merge(rs[full], rd[full], lens[full] * c)
+        out.append((sreg[pick], sbase[pick], dreg[pick], dbase[pick], frs, frd, flens))
+    return out
+
+
+class Planner:
+    """The prepared path: match parts once, then plan many requests.
+
+    ``Planner(src, dst, ...)`` pairs parts and checks that they agree (dtype, head
+    bytes, head counts after slicing); ``plan(src_slots, dst_slots)`` then costs only
+    the vectorized row work. ``plan_transfer`` is the one-shot form.
+    """
+
+    def __init__(self, src: Layout, dst: Layout, *, src_heads: HeadSlice = WHOLE, dst_heads: HeadSlice = WHOLE,
+                 layers: Sequence[int] | None = None, kinds: Sequence[str] | None = None,
+                 pack_below: int = PACK_BELOW):
+        self.src, self.dst, self.pack_below = src, dst, int(pack_below)
+        keep_layers = None if layers is None else set(layers)
+        keep_kinds = None if kinds is None else set(kinds)
+        groups: dict[tuple, list] = {}
+        for sp in src.parts:
+            if (keep_layers is not None and sp.layer not in keep_layers) or \
+               (keep_kinds is not None and sp.kind not in keep_kinds):
+                continue
+            if not dst.has_part(sp.key):
+                raise PlanError(f"destination {dst.kind} has no part layer={sp.layer} kind={sp.kind!r} "
+                                f"(it holds layers {list(dst.layers)}, kinds {list(dst.kinds)})")
+            dp = dst.part(*sp.key)
+            if sp.dtype != dp.dtype:
+                raise PlanError(f"part {sp.key}: dtype src {sp.dtype} vs dst {dp.dtype}")
+            if sp.head_bytes != dp.head_bytes:
+                raise PlanError(f"part {sp.key}: head_dim src {sp.head_dim} vs dst {dp.head_dim} "
+                                f"(head_bytes {sp.head_bytes} vs {dp.head_bytes})")
+            sh0, sn = src_heads.of(sp, "src")
+            dh0, dn = dst_heads.of(dp, "dst")
+            if sn != dn:
+                raise PlanError(f"part {sp.key}: src slice {src_heads.index}/{src_heads.count} has {sn} heads "
+                                f"but dst slice {dst_heads.index}/{dst_heads.count} has {dn}")
+            ssp, dsp = src.space(sp.space), dst.space(dp.space)
+            key = (sp.space, dp.space, ssp.page_size, dsp.page_size,
+                   (sp.page_stride, sp.token_stride, sp.head_stride),
+                   (dp.page_stride, dp.token_stride, dp.head_stride), sp.head_bytes, sh0, dh0, sn)
+            groups.setdefault(key, []).append((sp.region, sp.base, dp.region, dp.base))
+        if not groups:
+            raise PlanError(f"nothing to plan: no source part matches layers={layers} kinds={kinds}")
+        self._geoms = []
+        for key, members in groups.items():
+            a = np.asarray(members, dtype=np.int64)
+            self._geoms.append(_Geometry(*key, a[:, 0], a[:, 1], a[:, 2], a[:, 3]))
+        self.spaces = sorted({(g.src_space, g.dst_space) for g in self._geoms})
+
+    def plan(self, src_slots, dst_slots) -> TransferPlan:
+        """``*_slots``: one array (the plan has one slot space) or ``{space: array}``."""
+        slots = {}
+        for s_space, d_space in self.spaces:
+            s = self.src.check_slots(s_space, _pick(src_slots, s_space, "src_slots"), f"src_slots[{s_space}]")
+            d = self.dst.check_slots(d_space, _pick(dst_slots, d_space, "dst_slots"), f"dst_slots[{d_space}]")
+            if len(s) != len(d):
+                raise PlanError(f"space {s_space}: {len(s)} src slots vs {len(d)} dst slots")
+            slots[(s_space, d_space)] = (s, d)
+        out = []
+        for g in self._geoms:
+            s, d = slots[(g.src_space, g.dst_space)]
+            if len(s) == 0:
+                continue
+            for rs, rd, lens, heads, shs, dhs in g.rows(s, d):
+                for sreg, sbase, dreg, dbase, frs, frd, flens in _fuse_parts(g, rs, rd, lens, heads):
+                    small = flens < self.pack_below
+                    for mask, packed in ((~small, False), (small, True)):
+                        if mask.any():
+                            out.append(RunGroup(sreg, sbase, dreg, dbase, frs[mask], frd[mask], flens[mask],
+                                                packed, heads, shs, dhs))
+        return TransferPlan(tuple(out))
+
+
+def _pick(slots, space: str, what: str):
+    if isinstance(slots, Mapping):
+        if space not in slots:
+            raise PlanError(f"{what} has no entry for slot space {space!r} (got {sorted(slots)})")
+        return slots[space]
+    return slots
+
+
+def plan_transfer(src: Layout, src_slots, dst: Layout, dst_slots, *, src_heads: HeadSlice = WHOLE,
+                  dst_heads: HeadSlice = WHOLE, layers: Sequence[int] | None = None,
+                  kinds: Sequence[str] | None = None, pack_below: int = PACK_BELOW) -> TransferPlan:
+    """Plan moving the request's KV from ``src`` (at ``src_slots``) to ``dst`` (at ``dst_slots``).
+
+    Token ``i`` of the request sits in ``src_slots[i]`` and goes to ``dst_slots[i]``.
+    ``src_heads`` / ``dst_heads`` pick the head slice on each side (heterogeneous TP);
+    ``layers`` / ``kinds`` restrict which parts move (pipeline stages, MLA-only ranks).
+    """
+    return Planner(src, dst, src_heads=src_heads, dst_heads=dst_heads, layers=layers, kinds=kinds,
+                   pack_below=pack_below).plan(src_slots, dst_slots)
+
+
+# ------------------------------------------------------------------------------------
+# Byte ranges: what a grant allows a peer to write.
+# ------------------------------------------------------------------------------------
+MAX_OFFSET = 1 << 62
+
+
+class ByteRanges:
+    """Sorted, merged ``[start, end)`` intervals per region; checks runs against them."""
+
+    def __init__(self, region: np.ndarray, start: np.ndarray, nbytes: np.ndarray):
+        self._by_region: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for r in np.unique(region):
+            m = region == r
+            order = np.argsort(start[m], kind="stable")
+            s, n = start[m][order], nbytes[m][order]
+            s, _, n = _merge(s, s, n)
+            self._by_region[int(r)] = (s, s + n)
+        self.nbytes = int(nbytes.sum())
+
+    @classmethod
+    def of_slots(cls, layout: Layout, slots) -> "ByteRanges":
+        """Every byte of every part of ``layout`` at ``slots`` (one array, or ``{space: array}``)."""
+        spaces = sorted({p.space for p in layout.parts})
+        if not isinstance(slots, Mapping):
+            slots = {s: slots for s in spaces}
+        pieces = []
+        for space in spaces:
+            if space in slots and len(slots[space]):
+                pieces.append(Planner(layout, layout, kinds=[p.kind for p in layout.parts if p.space == space],
+                                      pack_below=0).plan(slots[space], slots[space]))
+        r = TransferPlan.concat(pieces).runs()
+        return cls(r.dst_region, r.dst_offset, r.nbytes)
+
+    def covers(self, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Bool per run: lies wholly inside one granted interval. Safe on hostile values."""
+        region, offset, nbytes = (np.asarray(x, dtype=np.int64) for x in (region, offset, nbytes))
+        ok = (offset >= 0) & (nbytes > 0) & (offset < MAX_OFFSET) & (nbytes < MAX_OFFSET)
+        for r, (starts, ends) in self._by_region.items():
+            m = ok & (region == r)
+            if not m.any():
+                continue
+            o, n = offset[m], nbytes[m]
+            i = np.searchsorted(starts, o, side="right") - 1
+            good = (i >= 0) & (o + n <= ends[np.clip(i, 0, None)])
+            ok[m] = good
+        known = np.isin(region, np.fromiter(self._by_region, np.int64, len(self._by_region)))
+        return ok & known
+
+
+# ------------------------------------------------------------------------------------
+# Executing runs on torch byte views (the reference executor and the packing helpers).
+# regions: sequences of 1-D uint8 tensors, indexed by region id.
+# ------------------------------------------------------------------------------------
+def _unit_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
+    return t[: (t.numel() // unit) * unit].view(-1, unit)
+
+
+def _element_index(offsets: np.ndarray, lens: np.ndarray, unit: int) -> np.ndarray:
+    """Indices of every ``unit``-sized element covered by the runs, in run order."""
+    counts = lens // unit
+    total = int(counts.sum())
+    firsts = np.repeat(offsets // unit - np.concatenate(([0], np.cumsum(counts)[:-1])), counts)
+    return firsts + np.arange(total, dtype=np.int64)
+
+
+def _unit(*arrays: np.ndarray) -> int:
+    return int(np.gcd.reduce(np.concatenate([np.asarray(a, np.int64).ravel() for a in arrays]))) or 1
+
+
+def _by_region(region: np.ndarray):
+    """Yield (region id, index array) for each region present, without a loop per run."""
+    if len(region) == 0:
+        return
+    order = np.argsort(region, kind="stable")
+    r = region[order]
+    cuts = np.flatnonzero(np.diff(r)) + 1
+    for idx in np.split(order, cuts):
+        yield int(region[idx[0]]), idx
+
+
+def gather_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.ndarray,
+                nbytes: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate the bytes of the runs (in run order) into one uint8 tensor."""
+    total = int(nbytes.sum())
+    device = regions[0].device if len(regions) else "cpu"
+    out = torch.empty(total, dtype=torch.uint8, device=device) if out is None else out
+    pos = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
+    for r, idx in _by_region(region):
+        unit = _unit(offset[idx], nbytes[idx], pos[idx])
+        src = _element_index(offset[idx], nbytes[idx], unit)
+        dst = _element_index(pos[idx], nbytes[idx], unit)
+        _unit_rows(out, unit)[torch.from_numpy(dst).to(out.device)] = \
+            _unit_rows(regions[r], unit)[torch.from_numpy(src).to(regions[r].device)].to(out.device)
+    return out
+
+
+def scatter_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.ndarray,
+                 nbytes: np.ndarray, data: torch.Tensor) -> None:
+    """Inverse of ``gather_runs``: write consecutive bytes of ``data`` to the runs."""
+    pos = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
+    for r, idx in _by_region(region):
+        big = idx[nbytes[idx] >= BIG_RUN]
+        for i in big.tolist():  # one copy per >= 64 KiB run: bounded by bytes / 64 KiB
+            regions[r][offset[i]: offset[i] + nbytes[i]].copy_(data[pos[i]: pos[i] + nbytes[i]])
+        small = idx[nbytes[idx] < BIG_RUN]
+        if len(small):
+            unit = _unit(offset[small], nbytes[small], pos[small])
+            dst = _element_index(offset[small], nbytes[small], unit)
+            src = _element_index(pos[small], nbytes[small], unit)
+            _unit_rows(regions[r], unit)[torch.from_numpy(dst).to(regions[r].device)] = \
+                _unit_rows(data, unit)[torch.from_numpy(src).to(data.device)].to(regions[r].device)
+
+
+def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.Tensor], runs: Runs) -> None:
+    """Apply runs between two sets of local byte regions (any device)."""
+    sr, so, dr, do, n = runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset, runs.nbytes
+    big = np.flatnonzero(n >= BIG_RUN)
+    for i in big.tolist():  # one copy per >= 64 KiB run: bounded by bytes / 64 KiB
+        dst_regions[dr[i]][do[i]: do[i] + n[i]].copy_(src_regions[sr[i]][so[i]: so[i] + n[i]],
+                                                     non_blocking=True)
+    small = np.flatnonzero(n < BIG_RUN)
+    if not len(small):
+        return
+    pair = sr[small] * (len(dst_regions) + 1) + dr[small]
+    for _, idx in _by_region(pair):
+        idx = small[idx]
+        s_reg, d_reg = src_regions[sr[idx[0]]], dst_regions[dr[idx[0]]]
+        unit = _unit(so[idx], do[idx], n[idx])
+        si = torch.from_numpy(_element_index(so[idx], n[idx], unit)).to(s_reg.device)
+        di = torch.from_numpy(_element_index(do[idx], n[idx], unit)).to(d_reg.device)
+        _unit_rows(d_reg, unit)[di] = _unit_rows(s_reg, unit)[si].to(d_reg.device)
+
+
+def execute_plan(plan: TransferPlan, src_regions: Sequence[torch.Tensor],
+                 dst_regions: Sequence[torch.Tensor]) -> None:
+    """The reference executor: apply ``plan`` between two local pools' byte regions."""
+    check_plan_bounds(plan, [r.numel() for r in src_regions], [r.numel() for r in dst_regions])
+    for g in plan.groups:
+        copy_runs(src_regions, dst_regions, g.runs())
+
+
+def check_plan_bounds(plan: TransferPlan, src_sizes: Sequence[int], dst_sizes: Sequence[int]) -> None:
+    """Raise PlanError if any run leaves its region (before any byte moves)."""
+    for g in plan.groups:
+        for side, regs, bases, rows, hs, sizes in (
+                ("src", g.src_region, g.src_base, g.row_src, g.src_head_stride, src_sizes),
+                ("dst", g.dst_region, g.dst_base, g.row_dst, g.dst_head_stride, dst_sizes)):
+            if len(regs) and (regs.min() < 0 or regs.max() >= len(sizes)):
+                raise PlanError(f"{side} region id outside 0..{len(sizes) - 1}")
+            lim = np.asarray(sizes, np.int64)[regs]
+            lo = bases + (rows.min() if len(rows) else 0)
+            hi = bases + (int((rows + g.row_len).max()) + (g.heads - 1) * hs if len(rows) else 0)
+            if (lo < 0).any() or (hi > lim).any():
+                p = int(np.argmax((lo < 0) | (hi > lim)))
+                raise PlanError(f"{side} run reaches byte {int(hi[p])} of region {int(regs[p])} "
+                                f"which has {int(lim[p])}")
+
+
+__all__ = ["HeadSlice", "WHOLE", "Runs", "RunGroup", "TransferPlan", "Planner", "plan_transfer",
+           "ByteRanges", "gather_runs", "scatter_runs", "copy_runs", "execute_plan", "PACK_BELOW"]

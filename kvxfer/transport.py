@@ -1,0 +1,252 @@
+"""The transport contract, the grant table every receiver uses, and the plugin registry.
+
+A transport moves the bytes of a ``TransferPlan`` from local regions into a peer's
+regions. It knows regions, byte offsets and peers; never layers, heads or slots.
+
+Who calls what, and when
+------------------------
+Both sides, once at start-up (may block briefly):
+    ``register(regions)``   the pool's byte regions, in layout order (ids = positions).
+    ``descriptor()``        plain data (msgpack/JSON-safe) the peer needs to reach us;
+                            the control plane carries it in the handshake.
+Prefill (sender), once per decode peer at handshake:
+    ``connect(descriptor) -> peer``
+Prefill, per chunk of a request (never blocks on the network):
+    ``submit(peer, request_id, plan, timeout=..., notify=b"") -> TransferHandle``
+    The handle is done when the receiver confirmed that every byte landed, failed
+    with a reason (rejected, peer died) or timed out at its deadline. ``wait`` blocks
+    at most until that deadline; ``poll`` never blocks.
+Decode (receiver), per request:
+    ``expect(request_id, ranges)``  before the sender may write: the byte ranges the
+                                    request's slot grant covers. Runs outside are
+                                    rejected whole, counted and logged.
+    ``arrivals()``                  completed (or rejected) incoming transfers; the
+                                    control plane polls it. Never blocks for long.
+    ``forget(request_id)``          the request ended: later writes are dropped.
+Both, at the end: ``close()`` (idempotent).
+
+Transports are found through the ``kvxfer.transports`` entry-point group:
+``get_transport("zmq")``. kvxfer never imports a transport module by name.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .errors import ConnectError, PeerError, TransferTimeout, TransportError
+from .plan import ByteRanges, TransferPlan
+
+log = logging.getLogger("kvxfer.transport")
+
+DEFAULT_TIMEOUT = 30.0
+
+
+class TransferStatus(enum.IntEnum):
+    PENDING = 0
+    DONE = 1
+    FAILED = 2
+
+
+class TransferHandle:
+    """One submitted transfer. Thread-safe; completed once by the transport."""
+    __slots__ = ("request_id", "nbytes", "deadline", "_event", "_status", "_error", "started")
+
+    def __init__(self, request_id: str, nbytes: int, timeout: float):
+        self.request_id, self.nbytes = request_id, nbytes
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self._event = threading.Event()
+        self._status, self._error = TransferStatus.PENDING, None
+
+    # -- transport side ----------------------------------------------------------------
+    def finish(self, error: Exception | None = None) -> bool:
+        """Complete the handle; the first call wins. Returns whether this call completed it."""
+        if self._event.is_set():
+            return False
+        self._status, self._error = (TransferStatus.DONE, None) if error is None else (TransferStatus.FAILED, error)
+        self._event.set()
+        return True
+
+    # -- caller side --------------------------------------------------------------------
+    def poll(self) -> TransferStatus:
+        if not self._event.is_set() and time.monotonic() > self.deadline:
+            self.finish(TransferTimeout(f"transfer for request {self.request_id} passed its deadline"))
+        return self._status
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until done or failed (at most until the deadline); True when done."""
+        limit = self.deadline - time.monotonic()
+        if timeout is not None:
+            limit = min(limit, timeout)
+        self._event.wait(max(limit, 0))
+        return self.poll() == TransferStatus.DONE
+
+    @property
+    def error(self) -> Exception | None:
+        self.poll()
+        return self._error
+
+    def result(self, timeout: float | None = None) -> None:
+        """Wait, then raise the failure if any."""
+        self.wait(timeout)
+        if self._status == TransferStatus.PENDING:
+            raise TransferTimeout(f"transfer for request {self.request_id} still running after {timeout}s")
+        if self._error is not None:
+            raise self._error
+
+    def __repr__(self) -> str:
+        return f"TransferHandle({self.request_id!r}, {self._status.name}, {self.nbytes} bytes)"
+
+
+class Arrival(NamedTuple):
+    """A completed (ok) or rejected (not ok) incoming transfer, as the receiver saw it."""
+    request_id: str
+    nbytes: int
+    ok: bool
+    reason: str = ""
+    notify: bytes = b""
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (shares memory)."""
+    if not t.is_contiguous():
+        raise TransportError(f"region tensor of shape {tuple(t.shape)} is not contiguous")
+    return t.reshape(-1).view(torch.uint8)
+
+
+class GrantTable:
+    """The receiver's record of what each request may write. Every transport uses it.
+
+    Thread-safe. Rejections are counted by reason (``rejected``) and logged with the
+    request id; a rejected message never writes a byte.
+    """
+
+    def __init__(self, region_sizes: Sequence[int] = ()):
+        self._lock = threading.Lock()
+        self._grants: dict[str, ByteRanges] = {}
+        self._ended: set[str] = set()
+        self.region_sizes = list(region_sizes)
+        self.rejected: Counter[str] = Counter()
+
+    def expect(self, request_id: str, ranges: ByteRanges) -> None:
+        with self._lock:
+            if request_id in self._grants:
+                raise TransportError(f"request {request_id} is already expected")
+            self._ended.discard(request_id)
+            self._grants[request_id] = ranges
+
+    def forget(self, request_id: str) -> bool:
+        """End a grant; True if it was live (so callers release slots exactly once)."""
+        with self._lock:
+            live = self._grants.pop(request_id, None) is not None
+            self._ended.add(request_id)
+            if len(self._ended) > 100_000:
+                self._ended.clear()
+            return live
+
+    def live(self) -> int:
+        with self._lock:
+            return len(self._grants)
+
+    def reject(self, request_id: str, reason: str) -> str:
+        with self._lock:
+            self.rejected[reason.split(":")[0]] += 1
+        log.warning("rejected write for request %s: %s", request_id, reason)
+        return reason
+
+    def check(self, request_id: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> str | None:
+        """None when every run lies inside the request's grant and the regions; else the reason."""
+        with self._lock:
+            ranges = self._grants.get(request_id)
+            ended = request_id in self._ended
+        if ranges is None:
+            return self.reject(request_id, "ended request: write after the request ended" if ended
+                               else "unknown request: no grant for this request id")
+        if not (len(region) == len(offset) == len(nbytes)):
+            return self.reject(request_id, "malformed header: run arrays differ in length")
+        if len(region) and ((region < 0).any() or (region >= len(self.region_sizes)).any()):
+            return self.reject(request_id, f"unknown region: id outside 0..{len(self.region_sizes) - 1}")
+        bad = ~ranges.covers(region, offset, nbytes)
+        if bad.any():
+            i = int(np.argmax(bad))
+            return self.reject(request_id, f"outside grant: run {i} (region {int(region[i])}, offset "
+                                           f"{int(offset[i])}, {int(nbytes[i])} bytes) is not granted")
+        return None
+
+
+class Transport(ABC):
+    """Data plane of one rank. See the module docstring for the calling contract."""
+    name: str = "?"
+
+    @abstractmethod
+    def register(self, regions: Sequence[torch.Tensor]) -> None: ...
+
+    @abstractmethod
+    def descriptor(self) -> dict: ...
+
+    @abstractmethod
+    def connect(self, descriptor: dict) -> str: ...
+
+    @abstractmethod
+    def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
+               notify: bytes = b"") -> TransferHandle: ...
+
+    @abstractmethod
+    def expect(self, request_id: str, ranges: ByteRanges) -> None: ...
+
+    @abstractmethod
+    def forget(self, request_id: str) -> bool: ...
+
+    @abstractmethod
+    def arrivals(self, timeout: float = 0.0) -> list[Arrival]: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    @property
+    def rejected(self) -> Counter:
+        """Rejected incoming writes by reason."""
+        return Counter()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ------------------------------------------------------------------------------------
+# Registry
+# ------------------------------------------------------------------------------------
+ENTRY_POINT_GROUP = "kvxfer.transports"
+
+
+def available_transports() -> list[str]:
+    return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
+def get_transport(name: str, **options) -> Transport:
+    """Instantiate the transport registered under ``name`` (e.g. "local", "zmq", "ucx")."""
+    eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    if name not in eps:
+        raise ConnectError(f"unknown transport {name!r}; installed: {', '.join(sorted(eps)) or 'none'}")
+    try:
+        cls = eps[name].load()
+    except ImportError as e:
+        raise ConnectError(f"transport {name!r} is installed but its dependency is missing ({e}); "
+                           f"for ucx: pip install 'kvxfer[ucx]'. Installed: {', '.join(sorted(eps))}") from e
+    return cls(**options)
+
+
+def peer_failed(request_id: str, why: str) -> PeerError:
+    return PeerError(f"request {request_id}: {why}")

@@ -1,0 +1,1 @@
+"""Transport plugins. kvxfer finds them through the ``kvxfer.transports`` entry points."""

@@ -1,0 +1,95 @@
+"""Same-process transport: copies with the reference executor. The suite's reference.
+
+Writes go through the receiver's ``GrantTable`` exactly as on a wire transport, so
+tests that need no network still exercise the grant checks.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import uuid
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from kvxfer.plan import ByteRanges, TransferPlan, copy_runs
+from kvxfer.transport import (DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle, byte_view,
+                              peer_failed)
+from kvxfer.errors import ConnectError
+
+_LIVE: "weakref.WeakValueDictionary[str, LocalTransport]" = weakref.WeakValueDictionary()
+_LIVE_LOCK = threading.Lock()
+
+
+class LocalTransport(Transport):
+    name = "local"
+
+    def __init__(self, **_options):
+        self.id = uuid.uuid4().hex
+        self.regions: list[torch.Tensor] = []
+        self.grants = GrantTable()
+        self._arrivals: queue.Queue[Arrival] = queue.Queue()
+        self._closed = False
+        with _LIVE_LOCK:
+            _LIVE[self.id] = self
+
+    def register(self, regions: Sequence[torch.Tensor]) -> None:
+        self.regions = [byte_view(t) for t in regions]
+        self.grants.region_sizes = [r.numel() for r in self.regions]
+
+    def descriptor(self) -> dict:
+        return {"transport": self.name, "id": self.id, "region_sizes": self.grants.region_sizes}
+
+    def connect(self, descriptor: dict) -> str:
+        peer_id = descriptor.get("id")
+        with _LIVE_LOCK:
+            if peer_id not in _LIVE:
+                raise ConnectError(f"local peer {peer_id!r} does not exist in this process")
+        return peer_id
+
+    def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
+               notify: bytes = b"") -> TransferHandle:
+        handle = TransferHandle(request_id, plan.nbytes, timeout)
+        with _LIVE_LOCK:
+            dst = _LIVE.get(peer)
+        if dst is None or dst._closed:
+            handle.finish(peer_failed(request_id, f"local peer {peer} is closed"))
+            return handle
+        dst._receive(request_id, plan, self.regions, notify, handle)
+        return handle
+
+    def _receive(self, request_id, plan, src_regions, notify, handle) -> None:
+        runs = plan.runs()
+        reason = self.grants.check(request_id, runs.dst_region, runs.dst_offset, runs.nbytes)
+        if reason is None:
+            copy_runs(src_regions, self.regions, runs)
+            self._arrivals.put(Arrival(request_id, plan.nbytes, True, "", notify))
+            handle.finish()
+        else:
+            self._arrivals.put(Arrival(request_id, plan.nbytes, False, reason, notify))
+            handle.finish(peer_failed(request_id, f"receiver rejected the write: {reason}"))
+
+    def expect(self, request_id: str, ranges: ByteRanges) -> None:
+        self.grants.expect(request_id, ranges)
+
+    def forget(self, request_id: str) -> bool:
+        return self.grants.forget(request_id)
+
+    def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
+        out = []
+        try:
+            out.append(self._arrivals.get(timeout=timeout) if timeout > 0 else self._arrivals.get_nowait())
+            while True:
+                out.append(self._arrivals.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    @property
+    def rejected(self) -> Counter:
+        return self.grants.rejected
+
+    def close(self) -> None:
+        self._closed = True
