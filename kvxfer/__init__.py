@@ -1,0 +1,26 @@
+"""kvxfer: move KV cache between prefill and decode ranks, and offload decode KV to host.
+
+The public surface is ``__all__``; see README.md for a tour of the modules.
+"""
+from .errors import (CompatibilityError, ConnectError, KVXferError, LayoutError, PeerError, PlanError,
+                     RejectedWrite, RequestError, TransferTimeout, TransportError)
+from .layout import (Layout, Part, Region, Space, hnd_layout, host_layout, hybrid_swa_layout, mla_layout,
+                     page_major_layout, state_layout, token_major_layout)
+from .plan import WHOLE, ByteRanges, HeadSlice, Planner, TransferPlan, execute_plan, plan_transfer
+from .pools import HybridSWAPool, KVPool, MHAPool, MLAPool, PageAllocator, StatePool
+from .transport import Arrival, Transport, TransferHandle, available_transports, get_transport
+
+__all__ = [
+    # errors
+    "KVXferError", "LayoutError", "PlanError", "CompatibilityError", "TransportError", "ConnectError",
+    "TransferTimeout", "PeerError", "RejectedWrite", "RequestError",
+    # layouts
+    "Layout", "Part", "Region", "Space", "token_major_layout", "hnd_layout", "page_major_layout",
+    "mla_layout", "state_layout", "hybrid_swa_layout", "host_layout",
+    # planning
+    "HeadSlice", "WHOLE", "Planner", "plan_transfer", "TransferPlan", "ByteRanges", "execute_plan",
+    # pools
+    "KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator",
+    # transports
+    "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
+]

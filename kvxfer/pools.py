@@ -1,0 +1,328 @@
+"""Torch-backed pools that expose their layout.
+
+One class, ``KVPool``, does everything for every layout: it reads and writes parts
+through strided views built from the layout, and copies to and from host memory
+through the planner. The named pools below only choose a layout and the names of
+the parts that ``set_kv_buffer`` fills, so a page-major pool offers exactly what a
+token-major one does.
+
+Who calls what: the serving engine writes KV with ``set_kv_buffer`` (every forward
+step), allocates slots with ``PageAllocator``, and hands ``regions()`` /
+``layout`` to kvxfer's transports and planner at start-up.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .errors import LayoutError
+from .layout import (STATE, SWA, TOKEN, Layout, Part, host_layout, hnd_layout, hybrid_swa_layout,
+                     mla_layout, page_major_layout, state_layout, token_major_layout)
+from .plan import execute_plan, plan_transfer
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8, "uint8": torch.uint8, "int32": torch.int32}
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return TORCH_DTYPES[dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class BufInfos:
+    """What engines hand to a byte mover. Per region: pointer, length, and the bytes of
+    one page (``item_lens``). ``page_parts`` describes, for regions that hold several
+    parts per page (page-major, host page-first), where each part sits inside a page:
+    ``(region, layer, kind, offset_in_page, bytes_per_page, token_stride, head_stride)``."""
+    data_ptrs: list[int]
+    data_lens: list[int]
+    item_lens: list[int]
+    page_parts: list[tuple]
+
+
+@dataclass(frozen=True, slots=True)
+class CPUCopy:
+    """A request's KV on the host, in a compact layer-first host layout."""
+    layout: Layout
+    slots: dict[str, np.ndarray]      # where the tokens sit in ``regions``
+    positions: dict[str, np.ndarray]  # which of the request's tokens each space holds
+    regions: list[torch.Tensor]
+
+    @property
+    def num_tokens(self) -> dict[str, int]:
+        return {k: len(v) for k, v in self.slots.items()}
+
+
+class KVPool:
+    """A pool whose memory is exactly ``layout``: one uint8 tensor per region."""
+
+    #: part kinds that ``set_kv_buffer(layer, slots, *tensors)`` fills, in order
+    kv_kinds: tuple[str, ...] = ("k", "v")
+
+    def __init__(self, layout: Layout, device: str | torch.device = "cpu", pin_memory: bool = False):
+        self.layout = layout
+        self.device = torch.device(device)
+        self.buffers = [torch.zeros(r.nbytes, dtype=torch.uint8, device=self.device,
+                                    pin_memory=pin_memory and self.device.type == "cpu")
+                        for r in layout.regions]
+
+    # -- what transports and planners see ------------------------------------------------
+    def regions(self) -> list[torch.Tensor]:
+        return self.buffers
+
+    def get_contiguous_buf_infos(self) -> BufInfos:
+        ptrs = [b.data_ptr() for b in self.buffers]
+        lens = [b.numel() for b in self.buffers]
+        item = [0] * len(self.buffers)
+        page_parts, per_region = [], {}
+        for p in self.layout.parts:
+            sp = self.layout.space(p.space)
+            item[p.region] = p.page_stride
+            per_region.setdefault(p.region, []).append(p)
+            page_parts.append((p.region, p.layer, p.kind, p.base % p.page_stride if p.page_stride else p.base,
+                               sp.page_size * p.token_stride, p.token_stride, p.head_stride))
+        shared = {r for r, ps in per_region.items() if len({q.base // max(q.page_stride, 1) for q in ps}) == 1
+                  and len(ps) > 1}
+        return BufInfos(ptrs, lens, item, [pp for pp in page_parts if pp[0] in shared])
+
+    # -- slots -------------------------------------------------------------------------
+    def space_slots(self, space: str, slots: np.ndarray) -> np.ndarray:
+        """Map the engine's slot ids to ``space``'s slots (identity; hybrid SWA maps)."""
+        return slots
+
+    def _part_view(self, p: Part) -> torch.Tensor:
+        sp = self.layout.space(p.space)
+        # [pages, page_size, heads, head_bytes] uint8, strided into the region
+        return self.buffers[p.region].as_strided((sp.num_pages, sp.page_size, p.heads, p.head_bytes),
+                                                 (p.page_stride, p.token_stride, p.head_stride, 1), p.base)
+
+    def _index(self, p: Part, slots) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.layout.check_slots(p.space, self.space_slots(p.space, np.asarray(slots, dtype=np.int64)))
+        page_size = self.layout.space(p.space).page_size
+        t = torch.from_numpy(s).to(self.device)
+        return t // page_size, t % page_size
+
+    # -- typed part access -------------------------------------------------------------
+    def get_part(self, layer: int, kind: str, slots) -> torch.Tensor:
+        """``[tokens, heads, head_dim]`` of part (layer, kind) at ``slots`` (a copy)."""
+        p = self.layout.part(layer, kind)
+        page, off = self._index(p, slots)
+        raw = self._part_view(p)[page, off]          # [tokens, heads, head_bytes]
+        return raw.view(torch_dtype(p.dtype)) if raw.numel() else raw.view(torch_dtype(p.dtype))
+
+    def _prepare(self, p: Part, slots, data: torch.Tensor, name: str):
+        page, off = self._index(p, slots)
+        want = (len(page), p.heads, p.head_dim)
+        if tuple(data.shape) != want:
+            raise LayoutError(f"{name} for layer {p.layer} has shape {tuple(data.shape)}, expected {want} "
+                              f"(tokens, heads, head_dim)")
+        if data.dtype not in (torch_dtype(p.dtype), torch.uint8) and not str(data.dtype).startswith("torch.float8"):
+            raise LayoutError(f"{name} for layer {p.layer} has dtype {data.dtype}, pool dtype is {p.dtype}")
+        raw = data.contiguous().view(torch.uint8).reshape(len(page), p.heads, p.head_bytes)
+        return page, off, raw.to(self.device)
+
+    def set_parts(self, layer: int, slots, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Write several parts of one layer; every argument is checked before any byte is written."""
+        ready = [(self.layout.part(layer, kind), *self._prepare(self.layout.part(layer, kind), slots, t, kind))
+                 for kind, t in named]
+        for p, page, off, raw in ready:
+            self._part_view(p)[page, off] = raw
+
+    def set_kv_buffer(self, layer: int, slots, *tensors: torch.Tensor, **extra: torch.Tensor) -> None:
+        """Write ``tensors`` (for MHA: k, v; MLA: kv; each ``[tokens, heads, head_dim]``) at ``slots``.
+        Keyword tensors name further parts, e.g. ``k_scale=...``."""
+        if len(tensors) != len(self.kv_kinds):
+            raise LayoutError(f"set_kv_buffer takes {len(self.kv_kinds)} tensors {self.kv_kinds}, got {len(tensors)}")
+        self.set_parts(layer, slots, list(zip(self.kv_kinds, tensors)) + list(extra.items()))
+
+    def get_kv_buffer(self, layer: int, slots) -> tuple[torch.Tensor, ...]:
+        return tuple(self.get_part(layer, kind, slots) for kind in self.kv_kinds)
+
+    def set_kv_buffer_prefix_valid(self, layer: int, slots_2d, commit_lens, *tensors: torch.Tensor) -> None:
+        """Rows of ``slots_2d`` ``[batch, cols]``; write only columns below each row's commit length.
+        ``tensors`` are ``[batch, cols, heads, head_dim]``."""
+        slots_2d = torch.as_tensor(np.asarray(slots_2d))
+        lens = torch.as_tensor(np.asarray(commit_lens))
+        if slots_2d.dim() != 2 or lens.shape != (slots_2d.shape[0],):
+            raise LayoutError(f"slots_2d shape {tuple(slots_2d.shape)} and commit_lens shape "
+                              f"{tuple(lens.shape)} disagree: want [batch, cols] and [batch]")
+        if (lens < 0).any() or (lens > slots_2d.shape[1]).any():
+            raise LayoutError(f"commit_lens must be in 0..{slots_2d.shape[1]}, got {lens.tolist()}")
+        for t in tensors:
+            if tuple(t.shape[:2]) != tuple(slots_2d.shape):
+                raise LayoutError(f"tensor shape {tuple(t.shape)} does not start with slots_2d shape "
+                                  f"{tuple(slots_2d.shape)}")
+        mask = torch.arange(slots_2d.shape[1])[None, :] < lens[:, None]
+        self.set_kv_buffer(layer, slots_2d[mask].numpy(), *(t[mask.to(t.device)] for t in tensors))
+
+    # -- host copies through the planner -----------------------------------------------
+    def _spaces_of(self, slots) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Per space: the slots of the tokens it holds, and those tokens' positions.
+        A space may hold a subset (a sliding window maps only its last tokens)."""
+        s = np.asarray(slots, dtype=np.int64)
+        out, pos = {}, {}
+        for sp in self.layout.spaces:
+            mapped = self.space_slots(sp.name, s)
+            keep = np.flatnonzero(mapped != 0) if mapped is not s else np.arange(len(s))
+            out[sp.name], pos[sp.name] = mapped[keep], keep
+        return out, pos
+
+    def get_cpu_copy(self, slots) -> CPUCopy:
+        """The KV at ``slots`` (every part) copied to host memory."""
+        src, positions = self._spaces_of(slots)
+        sizes = {sp.name: (-(-len(src[sp.name]) // sp.page_size) + 1) * sp.page_size for sp in self.layout.spaces}
+        host = host_layout(self.layout, "layer_first", sizes)
+        dst = {sp.name: sp.page_size + np.arange(len(src[sp.name])) for sp in self.layout.spaces}
+        regions = [torch.zeros(r.nbytes, dtype=torch.uint8) for r in host.regions]
+        if any(len(v) for v in src.values()):
+            execute_plan(plan_transfer(self.layout, src, host, dst), self.buffers, regions)
+        return CPUCopy(host, dst, positions, regions)
+
+    def load_cpu_copy(self, copy: CPUCopy, slots) -> None:
+        """Write a ``get_cpu_copy`` result into ``slots`` (may differ from where it came from)."""
+        s = np.asarray(slots, dtype=np.int64)
+        dst = {}
+        for name, pos in copy.positions.items():
+            if len(pos) and pos.max() >= len(s):
+                raise LayoutError(f"load_cpu_copy: copy holds token {int(pos.max())} of space {name!r}, "
+                                  f"only {len(s)} slots given")
+            dst[name] = self.space_slots(name, s)[pos]
+        if any(len(v) for v in dst.values()):
+            execute_plan(plan_transfer(copy.layout, copy.slots, self.layout, dst), copy.regions, self.buffers)
+
+
+class MHAPool(KVPool):
+    """Multi-head (or GQA) KV: K and V per layer, in a token-major, HND or page-major layout."""
+    LAYOUTS = ("token_major", "hnd", "page_major")
+
+    def __init__(self, *, layers: int | Sequence[int], heads: int, head_dim: int, dtype: str, num_pages: int,
+                 page_size: int, layout: str = "token_major", v_head_dim: int | None = None,
+                 scale_block: int | None = None, device: str | torch.device = "cpu"):
+        common = dict(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size,
+                      v_head_dim=v_head_dim, scale_block=scale_block)
+        if layout == "token_major":
+            lay = token_major_layout(num_slots=num_pages * page_size, **common)
+        elif layout == "hnd":
+            lay = hnd_layout(num_pages=num_pages, **common)
+        elif layout == "page_major":
+            lay = page_major_layout(num_pages=num_pages, **common)
+        else:
+            raise LayoutError(f"MHA layout {layout!r} is not one of {self.LAYOUTS}")
+        super().__init__(lay, device)
+
+
+class MLAPool(KVPool):
+    """MLA latent KV ``[slots, 1, kv_lora_rank + rope_dim]`` per layer."""
+    kv_kinds = ("kv",)
+
+    def __init__(self, *, layers: int | Sequence[int], kv_lora_rank: int, rope_dim: int, dtype: str,
+                 num_pages: int, page_size: int, device: str | torch.device = "cpu"):
+        super().__init__(mla_layout(layers=layers, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype=dtype,
+                                    num_slots=num_pages * page_size, page_size=page_size), device)
+
+
+class StatePool(KVPool):
+    """Mamba-style per-request state; ``set_kv_buffer(layer, slots, conv0, ..., temporal)``."""
+
+    def __init__(self, *, layers: int | Sequence[int], conv_blocks: Sequence[int], conv_width: int,
+                 temporal_heads: int, temporal_head_shape: Sequence[int], num_slots: int,
+                 conv_dtype: str = "bfloat16", temporal_dtype: str = "float32",
+                 device: str | torch.device = "cpu"):
+        self.kv_kinds = tuple(f"conv{i}" for i in range(len(conv_blocks))) + ("temporal",)
+        self.temporal_head_shape = tuple(temporal_head_shape)
+        super().__init__(state_layout(layers=layers, conv_blocks=conv_blocks, conv_width=conv_width,
+                                      temporal_heads=temporal_heads, temporal_head_shape=temporal_head_shape,
+                                      num_slots=num_slots, conv_dtype=conv_dtype,
+                                      temporal_dtype=temporal_dtype), device)
+
+
+class HybridSWAPool(KVPool):
+    """Full-attention layers in space "token" and sliding-window layers in space "swa".
+
+    The engine addresses both with its full-pool slot ids; ``full_to_swa`` maps them
+    to the smaller sliding-window pool (0 = not mapped), as SGLang's hybrid pool does.
+    """
+
+    def __init__(self, *, full_layers: Sequence[int], swa_layers: Sequence[int], heads: int, head_dim: int,
+                 dtype: str, num_pages: int, swa_num_pages: int, page_size: int, window: int,
+                 layout: str = "token_major", device: str | torch.device = "cpu"):
+        full = MHAPool(layers=full_layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=num_pages,
+                       page_size=page_size, layout=layout).layout
+        swa = MHAPool(layers=swa_layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=swa_num_pages,
+                      page_size=page_size, layout=layout).layout
+        self.window = int(window)
+        self.full_to_swa = np.zeros(num_pages * page_size, dtype=np.int64)
+        super().__init__(hybrid_swa_layout(full, swa), device)
+
+    def map_swa(self, full_slots, swa_slots) -> None:
+        full = self.layout.check_slots(TOKEN, full_slots, "full_slots")
+        swa = self.layout.check_slots(SWA, swa_slots, "swa_slots")
+        if len(full) != len(swa):
+            raise LayoutError(f"map_swa: {len(full)} full slots vs {len(swa)} swa slots")
+        self.full_to_swa[full] = swa
+
+    def unmap_swa(self, full_slots) -> np.ndarray:
+        full = self.layout.check_slots(TOKEN, full_slots, "full_slots")
+        old = self.full_to_swa[full]
+        self.full_to_swa[full] = 0
+        return old[old > 0]
+
+    def space_slots(self, space: str, slots: np.ndarray) -> np.ndarray:
+        if space != SWA:
+            return slots
+        if len(slots) and (slots.min() < 0 or slots.max() >= len(self.full_to_swa)):
+            raise LayoutError(f"full slot outside 0..{len(self.full_to_swa) - 1}")
+        return self.full_to_swa[slots]
+
+
+class PageAllocator:
+    """Whole pages of a slot space; page 0 is padding and never handed out.
+
+    ``alloc`` returns the slots of the first ``num_tokens`` positions of freshly taken
+    pages; ``free`` takes them back. Freeing a page twice raises: a grant is released
+    exactly once.
+    """
+
+    def __init__(self, num_pages: int, page_size: int):
+        if num_pages < 2:
+            raise LayoutError(f"PageAllocator needs at least 2 pages (page 0 is padding), got {num_pages}")
+        self.page_size = int(page_size)
+        self.num_pages = int(num_pages)
+        self._free = np.ones(num_pages, dtype=bool)
+        self._free[0] = False
+
+    @property
+    def free_pages(self) -> int:
+        return int(self._free.sum())
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    def alloc(self, num_tokens: int) -> np.ndarray | None:
+        """Slots for ``num_tokens`` tokens, or None when not enough pages are free."""
+        need = -(-int(num_tokens) // self.page_size)
+        free = np.flatnonzero(self._free)
+        if len(free) < need:
+            return None
+        pages = free[:need]
+        self._free[pages] = False
+        slots = (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()
+        return slots[:num_tokens]
+
+    def free(self, slots) -> None:
+        pages = np.unique(np.asarray(slots, dtype=np.int64) // self.page_size)
+        if len(pages) == 0:
+            return
+        if pages.min() < 1 or pages.max() >= self.num_pages:
+            raise LayoutError(f"free: page outside 1..{self.num_pages - 1}")
+        if self._free[pages].any():
+            raise LayoutError(f"free: page {int(pages[self._free[pages]][0])} is already free (double free)")
+        self._free[pages] = True
+
+
+__all__ = ["KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator", "CPUCopy",
+           "BufInfos", "torch_dtype", "STATE"]

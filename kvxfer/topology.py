@@ -1,0 +1,108 @@
+"""Which prefill ranks feed which decode rank, with which heads and layers. Pure data.
+
+Heads are global KV heads of the model. With ``tp`` ranks and ``H`` KV heads a rank
+holds ``H / tp`` heads when ``H >= tp``, else one head replicated on ``tp / H`` ranks
+(GQA with few KV heads). MLA KV is replicated on every rank.
+
+``sources_for_decode_rank`` answers "whom does my decode rank pull from"; every
+(decode rank, head) has exactly one source, so no byte is written twice.
+``targets_for_prefill_rank`` is the inverse the prefill side needs: a prefill rank
+that feeds nobody (a replica) still confirms its requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import PlanError
+from .plan import HeadSlice
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Source:
+    """Decode rank ``d_rank`` takes heads from prefill rank (``p_tp_rank``, ``p_pp_rank``):
+    slice ``src_heads`` of the prefill rank's local heads lands at slice ``dst_heads`` of
+    the decode rank's local heads; ``layers`` are the global layers that stage holds."""
+    d_rank: int
+    p_tp_rank: int
+    p_pp_rank: int
+    src_heads: HeadSlice
+    dst_heads: HeadSlice
+    layers: tuple[int, ...]
+
+    def to_dict(self) -> dict:
+        return {"d_rank": self.d_rank, "p_tp_rank": self.p_tp_rank, "p_pp_rank": self.p_pp_rank,
+                "src_heads": self.src_heads.to_list(), "dst_heads": self.dst_heads.to_list(),
+                "layers": list(self.layers)}
+
+
+def heads_held(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
+    """Global KV heads that ``tp_rank`` of ``tp_size`` holds."""
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise PlanError(f"KV heads {num_kv_heads} are not divisible by TP size {tp_size}")
+        n = num_kv_heads // tp_size
+        return range(tp_rank * n, (tp_rank + 1) * n)
+    if tp_size % num_kv_heads:
+        raise PlanError(f"TP size {tp_size} is not a multiple of KV heads {num_kv_heads}")
+    h = tp_rank * num_kv_heads // tp_size
+    return range(h, h + 1)
+
+
+def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, ...]:
+    """Layers of pipeline stage ``pp_rank``: an even split, earlier stages take the remainder."""
+    if not 1 <= pp_size <= num_layers:
+        raise PlanError(f"PP size {pp_size} must be in 1..{num_layers} (layers)")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return tuple(range(start, start + base + (pp_rank < extra)))
+
+
+def _slice_of(held: range, chunk: range) -> HeadSlice:
+    n, m = len(held), len(chunk)
+    off = chunk.start - held.start
+    if n % m or off % m:
+        raise PlanError(f"heads {chunk.start}..{chunk.stop - 1} are not an aligned slice of "
+                        f"{held.start}..{held.stop - 1}")
+    return HeadSlice(off // m, n // m)
+
+
+def sources_for_decode_rank(*, num_kv_heads: int, p_tp: int, d_tp: int, d_rank: int, num_layers: int,
+                            p_pp: int = 1, replicated: bool = False) -> list[Source]:
+    """The prefill sources of decode rank ``d_rank``; each (head, layer) comes from exactly one.
+
+    ``replicated``: KV is identical on every rank (MLA): one prefill rank sends it all.
+    """
+    if max(p_tp, d_tp) % min(p_tp, d_tp):
+        raise PlanError(f"P TP {p_tp} and D TP {d_tp}: one must divide the other")
+    if not 0 <= d_rank < d_tp:
+        raise PlanError(f"decode rank {d_rank} outside 0..{d_tp - 1}")
+    stages = [stage_layers(num_layers, p_pp, s) for s in range(p_pp)]
+    if replicated:
+        p = d_rank % p_tp
+        return [Source(d_rank=d_rank, p_tp_rank=p, p_pp_rank=s, src_heads=HeadSlice(), dst_heads=HeadSlice(),
+                       layers=layers) for s, layers in enumerate(stages)]
+    mine = heads_held(num_kv_heads, d_tp, d_rank)
+    holders = {h: [p for p in range(p_tp) if h in heads_held(num_kv_heads, p_tp, p)] for h in mine}
+    # Spread replicas: decode ranks that hold the same head pick different prefill replicas.
+    pick = {h: ps[d_rank % len(ps)] for h, ps in holders.items()}
+    out, start = [], mine.start
+    for h in list(mine)[1:] + [None]:
+        if h is None or pick[h] != pick[start]:
+            stop = mine.stop if h is None else h
+            chunk = range(start, stop)
+            p = pick[start]
+            p_held = heads_held(num_kv_heads, p_tp, p)
+            for s, layers in enumerate(stages):
+                out.append(Source(d_rank=d_rank, p_tp_rank=p, p_pp_rank=s, src_heads=_slice_of(p_held, chunk),
+                                  dst_heads=_slice_of(mine, chunk), layers=layers))
+            start = stop
+    return out
+
+
+def targets_for_prefill_rank(*, num_kv_heads: int, p_tp: int, d_tp: int, p_rank: int, num_layers: int,
+                             p_pp: int = 1, p_pp_rank: int = 0, replicated: bool = False) -> list[Source]:
+    """Every Source whose prefill side is (``p_rank``, ``p_pp_rank``); empty for a silent replica."""
+    return [s for d in range(d_tp)
+            for s in sources_for_decode_rank(num_kv_heads=num_kv_heads, p_tp=p_tp, d_tp=d_tp, d_rank=d,
+                                             num_layers=num_layers, p_pp=p_pp, replicated=replicated)
+            if s.p_tp_rank == p_rank and s.p_pp_rank == p_pp_rank]
