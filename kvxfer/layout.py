@@ -298,17 +298,25 @@ def page_major_layout(*, layers: int | Sequence[int], heads: int, head_dim: int,
 
 
 def mla_layout(*, layers: int | Sequence[int], kv_lora_rank: int, rope_dim: int, dtype: str,
-               num_slots: int, page_size: int = 1, space: str = TOKEN) -> Layout:
-    """Per-layer latent ``[slots, 1, kv_lora_rank + rope_dim]``; identical on every TP rank."""
+               num_slots: int, page_size: int = 1, page_major: bool = False, space: str = TOKEN) -> Layout:
+    """Per-layer latent ``[slots, 1, kv_lora_rank + rope_dim]``, identical on every TP rank;
+    or, ``page_major``, one raw buffer ``[pages][layer][page_size, 1, kv_lora_rank + rope_dim]``."""
     ids, es = _layer_ids(layers), dtype_size(dtype)
     _require(kv_lora_rank >= 1 and rope_dim >= 0, f"kv_lora_rank {kv_lora_rank} / rope_dim {rope_dim} invalid")
     hb = (kv_lora_rank + rope_dim) * es
     sp = Space(name=space, num_slots=num_slots, page_size=page_size)
-    parts = tuple(Part(layer=layer, kind="kv", space=space, region=i, base=0, page_stride=page_size * hb,
-                       token_stride=hb, heads=1, head_stride=hb, head_bytes=hb, dtype=dtype)
-                  for i, layer in enumerate(ids))
-    regions = tuple(Region(name=f"kv{layer}", nbytes=num_slots * hb) for layer in ids)
-    return Layout(kind="mla", spaces=(sp,), regions=regions, parts=parts)
+    chunk = page_size * hb
+    if page_major:
+        parts = tuple(Part(layer=layer, kind="kv", space=space, region=0, base=i * chunk,
+                           page_stride=len(ids) * chunk, token_stride=hb, heads=1, head_stride=hb, head_bytes=hb,
+                           dtype=dtype) for i, layer in enumerate(ids))
+        regions = (Region(name="pages", nbytes=sp.num_pages * len(ids) * chunk),)
+    else:
+        parts = tuple(Part(layer=layer, kind="kv", space=space, region=i, base=0, page_stride=chunk,
+                           token_stride=hb, heads=1, head_stride=hb, head_bytes=hb, dtype=dtype)
+                      for i, layer in enumerate(ids))
+        regions = tuple(Region(name=f"kv{layer}", nbytes=num_slots * hb) for layer in ids)
+    return Layout(kind="mla_page_major" if page_major else "mla", spaces=(sp,), regions=regions, parts=parts)
 
 
 def state_layout(*, layers: int | Sequence[int], conv_blocks: Sequence[int], conv_width: int,

@@ -12,9 +12,11 @@ How runs are made as large as both sides allow:
 1. per token, the heads of the slice are one segment when heads are adjacent on both
    sides (NHD), else one segment per head (HND);
 2. consecutive segments that are adjacent in both source and destination merge
-   (slot runs in token-major, whole pages of one head in HND);
+   (slot runs in token-major, whole pages of one head in HND), in request order and
+   then in source order (pages handed out in descending order on both sides);
 3. parts whose blocks sit back to back on both sides fuse (a page-major page holds
-   every layer's K and V contiguously: one run per page run, not per layer);
+   every layer's K and V contiguously, whatever their head dims: one run per page run,
+   not per layer);
 4. rows shorter than ``pack_below`` bytes go into a *packed* group: the sender gathers
    them into one staging block and the receiver scatters it (see ``gather_runs``).
 """
@@ -30,11 +32,15 @@ import torch
 from .errors import PlanError
 from .layout import Layout, Part
 
-# Runs shorter than this are packed. Measured by scripts/bench_pack.py: on this class of
-# machine a vectorized gather/scatter beats one copy per run below roughly 16-32 KiB.
+# Runs shorter than this are packed. Measured by scripts/bench_pack.py (shared 2-core CPU
+# box, 16 MiB of scattered runs, four runs): packing always wins at 8 KiB and below
+# (x1.2-x24), one copy per run wins from 32 KiB up in 3 of 4 runs (x1.6-x2.0), 16 KiB
+# is a toss-up (packed x1.3-x1.8 in 3 of 4); the crossover is 16-32 KiB.
 PACK_BELOW = 16 * 1024
 # Runs at least this long are copied one by one; shorter ones go through index gather.
 BIG_RUN = 64 * 1024
+# copy_runs (local copies) moves runs shorter than this as rows of one index_select / scatter.
+COPY_ONE_BY_ONE = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +159,29 @@ def _merge(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray):
     return rs[starts], rd[starts], np.add.reduceat(lens, starts)
 
 
+def _merge_any_order(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray, can_touch: bool):
+    """``_merge`` in request order, then once more in source order when rows are out of
+    order: the order of runs is free, and pages handed out in descending order on both
+    sides (allocators that free a request's pages last-first) touch only in source order.
+    ``can_touch`` False (see ``_can_touch``) skips that sort where it cannot merge anything."""
+    rs, rd, lens = _merge(rs, rd, lens)
+    if can_touch and len(lens) > 1 and (rs[1:] < rs[:-1]).any():
+        order = np.argsort(rs, kind="stable")
+        rs, rd, lens = _merge(rs[order], rd[order], lens[order])
+    return rs, rd, lens
+
+
+def _can_touch(page_size: int, page_stride: int, token_stride: int, length: int) -> bool:
+    """Whether one slot's block of ``length`` bytes can end where another slot's starts:
+    ``d_page * page_stride + d_in_page * token_stride == length`` has an integer solution
+    with ``|d_in_page| < page_size``. (NHD rows of one head never touch: heads sit between.)"""
+    for di in range(-(page_size - 1), page_size):
+        rest = length - di * token_stride
+        if (rest == 0) if page_stride == 0 else (rest % page_stride == 0):
+            return True
+    return False
+
+
 def _token_offsets(slots: np.ndarray, page_size: int, page_stride: int, token_stride: int) -> np.ndarray:
     return (slots // page_size) * page_stride + (slots % page_size) * token_stride
 
@@ -180,11 +209,14 @@ class _Geometry:
         (sps, sts, shs), (dps, dts, dhs), hb, nh = self.src, self.dst, self.head_bytes, self.nheads
         so = _token_offsets(src_slots, self.src_page_size, sps, sts) + self.src_head0 * shs
         do = _token_offsets(dst_slots, self.dst_page_size, dps, dts) + self.dst_head0 * dhs
+        def touch(length: int) -> bool:
+            return (_can_touch(self.src_page_size, sps, sts, length)
+                    and _can_touch(self.dst_page_size, dps, dts, length))
         if nh == 1 or (shs == hb and dhs == hb):
-            return [(*_merge(so, do, np.full(len(so), nh * hb, np.int64)), 1, 0, 0)]
+            return [(*_merge_any_order(so, do, np.full(len(so), nh * hb, np.int64), touch(nh * hb)), 1, 0, 0)]
         # One segment per head: merge tokens per head (whole HND pages), then heads whose
         # blocks touch on both sides, and keep the rest as a head factor of the group.
-        rs, rd, lens = _merge(so, do, np.full(len(so), hb, np.int64))
+        rs, rd, lens = _merge_any_order(so, do, np.full(len(so), hb, np.int64), touch(hb))
         fuse = (lens == shs) & (lens == dhs)
         out = []
         if fuse.any():
@@ -194,29 +226,56 @@ class _Geometry:
         return out
 
 
-def _fuse_parts(g: _Geometry, rs, rd, lens, heads: int) -> list[tuple]:
-    """Fuse parts that sit back to back on both sides (see module docstring, step 3)."""
-    sreg, sbase, dreg, dbase = g.src_region, g.src_base, g.dst_region, g.dst_base
-    whole = [(sreg, sbase, dreg, dbase, rs, rd, lens)]
-    if len(sbase) < 2 or len(lens) == 0 or heads > 1:
-        return whole
-    order = np.lexsort((sbase, sreg))
-    sreg, sbase, dreg, dbase = sreg[order], sbase[order], dreg[order], dbase[order]
-    longest = lens.max()
-    link = ((np.diff(sbase) == longest) & (np.diff(dbase) == longest)
-            & (sreg[1:] == sreg[:-1]) & (dreg[1:] == dreg[:-1]))
-    full = lens == longest
-    if not link.any():
-        return whole
-    out = []
-    if (~full).any():
-        out.append((sreg, sbase, dreg, dbase, rs[~full], rd[~full], lens[~full]))
-    starts = np.flatnonzero(np.concatenate(([True], ~link)))
-    chain = np.diff(np.concatenate((starts, [len(sbase)])))
-    for c in np.unique(chain):
-        pick = starts[chain == c]
-        frs, frd, flens = _merge(rs[full], rd[full], lens[full] * c)
-        out.append((sreg[pick], sbase[pick], dreg[pick], dbase[pick], frs, frd, flens))
+def _fuse_parts(row_sets: list[tuple]) -> list[tuple]:
+    """Fuse parts that sit back to back on both sides (see module docstring, step 3).
+
+    ``row_sets`` holds ``(geometry, rs, rd, lens, heads, shs, dhs)`` per geometry. Parts
+    of *different* geometries fuse too when their full rows start at the same offsets: a
+    page-major page with K and V of different head dims is ``[L0 K | L0 V | L1 K | ...]``
+    and must still move as one run per page run. Returns ``(src_region, src_base,
+    dst_region, dst_base, rs, rd, lens, heads, shs, dhs)`` tuples.
+    """
+    out, candidates = [], []
+    for g, rs, rd, lens, heads, shs, dhs in row_sets:
+        whole = (g.src_region, g.src_base, g.dst_region, g.dst_base, rs, rd, lens, heads, shs, dhs)
+        if len(lens) == 0 or heads > 1:
+            out.append(whole)
+        else:
+            candidates.append((whole, lens == lens.max()))
+    # Group row sets whose full rows start at the same offsets on both sides.
+    groups: list[list[tuple]] = []
+    for whole, full in candidates:
+        for grp in groups:
+            w0, f0 = grp[0]
+            if np.array_equal(w0[4][f0], whole[4][full]) and np.array_equal(w0[5][f0], whole[5][full]):
+                grp.append((whole, full))
+                break
+        else:
+            groups.append([(whole, full)])
+    for grp in groups:
+        sreg = np.concatenate([w[0] for w, _ in grp])
+        sbase = np.concatenate([w[1] for w, _ in grp])
+        dreg = np.concatenate([w[2] for w, _ in grp])
+        dbase = np.concatenate([w[3] for w, _ in grp])
+        plen = np.concatenate([np.full(len(w[1]), w[6].max(), np.int64) for w, _ in grp])  # full-row length
+        order = np.lexsort((sbase, sreg))
+        sreg, sbase, dreg, dbase, plen = sreg[order], sbase[order], dreg[order], dbase[order], plen[order]
+        link = ((np.diff(sbase) == plen[:-1]) & (np.diff(dbase) == plen[:-1])
+                & (sreg[1:] == sreg[:-1]) & (dreg[1:] == dreg[:-1]))
+        if not link.any():
+            out.extend(w for w, _ in grp)
+            continue
+        for w, full in grp:  # rows shorter than the full length move per part
+            if (~full).any():
+                out.append((*w[:4], w[4][~full], w[5][~full], w[6][~full], 1, 0, 0))
+        rs, rd = grp[0][0][4][grp[0][1]], grp[0][0][5][grp[0][1]]
+        starts = np.flatnonzero(np.concatenate(([True], ~link)))
+        chain_len = np.add.reduceat(plen, starts)  # bytes of a chain of back-to-back parts
+        for c in np.unique(chain_len):
+            pick = starts[chain_len == c]
+            # fused rows (whole pages of several parts) may touch in source order only
+            frs, frd, flens = _merge_any_order(rs, rd, np.full(len(rs), c, np.int64), True)
+            out.append((sreg[pick], sbase[pick], dreg[pick], dbase[pick], frs, frd, flens, 1, 0, 0))
     return out
 
 
@@ -275,18 +334,18 @@ class Planner:
             if len(s) != len(d):
                 raise PlanError(f"space {s_space}: {len(s)} src slots vs {len(d)} dst slots")
             slots[(s_space, d_space)] = (s, d)
-        out = []
+        row_sets = []
         for g in self._geoms:
             s, d = slots[(g.src_space, g.dst_space)]
-            if len(s) == 0:
-                continue
-            for rs, rd, lens, heads, shs, dhs in g.rows(s, d):
-                for sreg, sbase, dreg, dbase, frs, frd, flens in _fuse_parts(g, rs, rd, lens, heads):
-                    small = flens < self.pack_below
-                    for mask, packed in ((~small, False), (small, True)):
-                        if mask.any():
-                            out.append(RunGroup(sreg, sbase, dreg, dbase, frs[mask], frd[mask], flens[mask],
-                                                packed, heads, shs, dhs))
+            if len(s):
+                row_sets.extend((g, *rows) for rows in g.rows(s, d))
+        out = []
+        for sreg, sbase, dreg, dbase, frs, frd, flens, heads, shs, dhs in _fuse_parts(row_sets):
+            small = flens < self.pack_below
+            for mask, packed in ((~small, False), (small, True)):
+                if mask.any():
+                    out.append(RunGroup(sreg, sbase, dreg, dbase, frs[mask], frd[mask], flens[mask],
+                                        packed, heads, shs, dhs))
         return TransferPlan(tuple(out))
 
 
@@ -364,8 +423,26 @@ class ByteRanges:
 # Executing runs on torch byte views (the reference executor and the packing helpers).
 # regions: sequences of 1-D uint8 tensors, indexed by region id.
 # ------------------------------------------------------------------------------------
-def _unit_rows(t: torch.Tensor, unit: int) -> torch.Tensor:
-    return t[: (t.numel() // unit) * unit].view(-1, unit)
+_WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+
+
+def _unit_views(unit: int, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """``tensors`` as rows of ``unit`` bytes, all in the widest element type every one of
+    them allows (the same for all, so assigning rows between them moves bytes, never
+    converts values): torch's index kernels move a uint8 row one byte at a time."""
+    size, dt = 1, torch.uint8
+    for s, d in _WIDE:
+        if unit % s == 0 and all(t.data_ptr() % s == 0 and t.storage_offset() % s == 0 for t in tensors):
+            size, dt = s, d
+            break
+    return [t[: (t.numel() // unit) * unit].view(dt).view(-1, unit // size) for t in tensors]
+
+
+def _span(index: np.ndarray) -> slice | None:
+    """``index`` as a slice when it is consecutive: rows then need no index."""
+    if len(index) and int(index[-1]) - int(index[0]) == len(index) - 1 and bool((np.diff(index) == 1).all()):
+        return slice(int(index[0]), int(index[-1]) + 1)
+    return None
 
 
 def _element_index(offsets: np.ndarray, lens: np.ndarray, unit: int) -> np.ndarray:
@@ -400,10 +477,14 @@ def gather_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.
     pos = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
     for r, idx in _by_region(region):
         unit = _unit(offset[idx], nbytes[idx], pos[idx])
-        src = _element_index(offset[idx], nbytes[idx], unit)
+        src = torch.from_numpy(_element_index(offset[idx], nbytes[idx], unit)).to(regions[r].device)
         dst = _element_index(pos[idx], nbytes[idx], unit)
-        _unit_rows(out, unit)[torch.from_numpy(dst).to(out.device)] = \
-            _unit_rows(regions[r], unit)[torch.from_numpy(src).to(regions[r].device)].to(out.device)
+        reg_rows, out_rows = _unit_views(unit, regions[r], out)
+        span = _span(dst)
+        if span is not None and out.device == regions[r].device:  # one region: straight into the block
+            torch.index_select(reg_rows, 0, src, out=out_rows[span])
+        else:
+            out_rows[torch.from_numpy(dst).to(out.device)] = reg_rows[src].to(out.device)
     return out
 
 
@@ -418,20 +499,24 @@ def scatter_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np
         small = idx[nbytes[idx] < BIG_RUN]
         if len(small):
             unit = _unit(offset[small], nbytes[small], pos[small])
-            dst = _element_index(offset[small], nbytes[small], unit)
+            dst = torch.from_numpy(_element_index(offset[small], nbytes[small], unit)).to(regions[r].device)
             src = _element_index(pos[small], nbytes[small], unit)
-            _unit_rows(regions[r], unit)[torch.from_numpy(dst).to(regions[r].device)] = \
-                _unit_rows(data, unit)[torch.from_numpy(src).to(data.device)].to(regions[r].device)
+            reg_rows, data_rows = _unit_views(unit, regions[r], data)
+            span = _span(src)
+            rows = data_rows[span] if span is not None else data_rows[torch.from_numpy(src).to(data.device)]
+            reg_rows.index_copy_(0, dst, rows.to(regions[r].device))
 
 
 def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.Tensor], runs: Runs) -> None:
     """Apply runs between two sets of local byte regions (any device)."""
     sr, so, dr, do, n = runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset, runs.nbytes
-    big = np.flatnonzero(n >= BIG_RUN)
-    for i in big.tolist():  # one copy per >= 64 KiB run: bounded by bytes / 64 KiB
+    # Runs of >= 1 MiB are copied one by one (bounded by bytes / 1 MiB calls). Shorter ones move
+    # as rows, so that one pair's pages (32 KiB, two merged into 64 KiB, ...) stay one block.
+    big = np.flatnonzero(n >= COPY_ONE_BY_ONE)
+    for i in big.tolist():
         dst_regions[dr[i]][do[i]: do[i] + n[i]].copy_(src_regions[sr[i]][so[i]: so[i] + n[i]],
                                                      non_blocking=True)
-    small = np.flatnonzero(n < BIG_RUN)
+    small = np.flatnonzero(n < COPY_ONE_BY_ONE)
     if not len(small):
         return
     pair = sr[small] * (len(dst_regions) + 1) + dr[small]
@@ -439,9 +524,45 @@ def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.T
         idx = small[idx]
         s_reg, d_reg = src_regions[sr[idx[0]]], dst_regions[dr[idx[0]]]
         unit = _unit(so[idx], do[idx], n[idx])
-        si = torch.from_numpy(_element_index(so[idx], n[idx], unit)).to(s_reg.device)
-        di = torch.from_numpy(_element_index(do[idx], n[idx], unit)).to(d_reg.device)
-        _unit_rows(d_reg, unit)[di] = _unit_rows(s_reg, unit)[si].to(d_reg.device)
+        si, di = _element_index(so[idx], n[idx], unit), _element_index(do[idx], n[idx], unit)
+        s_rows, d_rows = _unit_views(unit, s_reg, d_reg)
+        # index_select moves whole rows (memcpy); advanced indexing (rows[i] = ...) goes element
+        # by element, ~10x slower. A side whose rows are evenly spaced (in any order; e.g. one
+        # part's pages in a page-first host pool) is a strided view and needs no index.
+        d_ord = np.argsort(di, kind="stable")
+        d_span = _block(di[d_ord])
+        if d_span is not None:   # the destination is one (strided) block: gather straight into it
+            sel = torch.from_numpy(si[d_ord]).to(s_reg.device)
+            if s_reg.device == d_reg.device:
+                torch.index_select(s_rows, 0, sel, out=d_rows[d_span])
+            else:
+                d_rows[d_span].copy_(torch.index_select(s_rows, 0, sel), non_blocking=True)
+            continue
+        s_ord = np.argsort(si, kind="stable")
+        s_span = _block(si[s_ord])
+        if s_span is not None:   # the source is one (strided) block: scatter it
+            rows, di = s_rows[s_span], di[s_ord]
+        else:
+            rows = torch.index_select(s_rows, 0, torch.from_numpy(si).to(s_reg.device))
+        if d_reg.device.type == "cpu":   # numpy moves a row of void bytes as one memcpy (~2x index_copy_)
+            _void_rows(d_rows)[di] = _void_rows(rows.cpu())
+        else:
+            d_rows.index_copy_(0, torch.from_numpy(di).to(d_reg.device), rows.to(d_reg.device))
+
+
+def _block(index: np.ndarray) -> slice | None:
+    """Sorted ``index`` as a slice when its steps are all equal (a strided view of the rows)."""
+    if len(index) < 2:
+        return slice(int(index[0]), int(index[0]) + 1) if len(index) else None
+    step = int(index[1] - index[0])
+    if step >= 1 and bool((np.diff(index) == step).all()):
+        return slice(int(index[0]), int(index[-1]) + 1, step)
+    return None
+
+
+def _void_rows(rows: torch.Tensor) -> np.ndarray:
+    """A CPU ``[n, k]`` tensor as ``n`` numpy elements of ``k * itemsize`` raw bytes (shares memory)."""
+    return rows.numpy().view(np.dtype((np.void, rows.shape[1] * rows.element_size()))).reshape(-1)
 
 
 def execute_plan(plan: TransferPlan, src_regions: Sequence[torch.Tensor],

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .errors import LayoutError
-from .layout import (STATE, SWA, TOKEN, Layout, Part, host_layout, hnd_layout, hybrid_swa_layout,
+from .layout import (STATE, SWA, TOKEN, Layout, Part, dtype_size, host_layout, hnd_layout, hybrid_swa_layout,
                      mla_layout, page_major_layout, state_layout, token_major_layout)
 from .plan import execute_plan, plan_transfer
 
@@ -31,16 +32,33 @@ def torch_dtype(dtype: str) -> torch.dtype:
     return TORCH_DTYPES[dtype]
 
 
+class PagePart(NamedTuple):
+    """Where one part sits inside the pages of a region shared by several parts. Byte of
+    (page ``p``, in-page slot ``t``, head ``h``) is ``page0 + p * page_stride +
+    offset_in_page + t * token_stride + h * head_stride``. ``page0`` is 0 for page-major;
+    a host page-first region holds a block of K pages and then a block of V pages."""
+    region: int
+    layer: int
+    kind: str
+    offset_in_page: int
+    bytes_per_page: int
+    token_stride: int
+    head_stride: int
+    page0: int
+    page_stride: int
+
+
 @dataclass(frozen=True, slots=True)
 class BufInfos:
     """What engines hand to a byte mover. Per region: pointer, length, and the bytes of
     one page (``item_lens``). ``page_parts`` describes, for regions that hold several
     parts per page (page-major, host page-first), where each part sits inside a page:
-    ``(region, layer, kind, offset_in_page, bytes_per_page, token_stride, head_stride)``."""
+    ``PagePart(region, layer, kind, offset_in_page, bytes_per_page, token_stride,
+    head_stride, page0, page_stride)``."""
     data_ptrs: list[int]
     data_lens: list[int]
     item_lens: list[int]
-    page_parts: list[tuple]
+    page_parts: list[PagePart]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,16 +95,23 @@ class KVPool:
         ptrs = [b.data_ptr() for b in self.buffers]
         lens = [b.numel() for b in self.buffers]
         item = [0] * len(self.buffers)
-        page_parts, per_region = [], {}
         for p in self.layout.parts:
-            sp = self.layout.space(p.space)
             item[p.region] = p.page_stride
-            per_region.setdefault(p.region, []).append(p)
-            page_parts.append((p.region, p.layer, p.kind, p.base % p.page_stride if p.page_stride else p.base,
-                               sp.page_size * p.token_stride, p.token_stride, p.head_stride))
-        shared = {r for r, ps in per_region.items() if len({q.base // max(q.page_stride, 1) for q in ps}) == 1
-                  and len(ps) > 1}
-        return BufInfos(ptrs, lens, item, [pp for pp in page_parts if pp[0] in shared])
+        # A block: parts of one region and page stride whose page 0 lies within one page of
+        # the first (lowest) of them. Blocks of two or more parts are pages shared by parts.
+        page_parts = []
+        for p in sorted(self.layout.parts, key=lambda q: (q.region, q.page_stride, q.base)):
+            last = page_parts[-1][-1] if page_parts else None
+            if not (last and last.region == p.region and last.page_stride == p.page_stride
+                    and p.base < last.page0 + p.page_stride):
+                page_parts.append([])
+            page0 = last.page0 if page_parts[-1] else p.base
+            # the part's span inside one page (for page-major: page_size * heads * head bytes)
+            span = ((self.layout.space(p.space).page_size - 1) * p.token_stride
+                    + (p.heads - 1) * p.head_stride + p.head_bytes)
+            page_parts[-1].append(PagePart(p.region, p.layer, p.kind, p.base - page0, span,
+                                           p.token_stride, p.head_stride, page0, p.page_stride))
+        return BufInfos(ptrs, lens, item, [pp for block in page_parts if len(block) > 1 for pp in block])
 
     # -- slots -------------------------------------------------------------------------
     def space_slots(self, space: str, slots: np.ndarray) -> np.ndarray:
@@ -119,7 +144,9 @@ class KVPool:
         if tuple(data.shape) != want:
             raise LayoutError(f"{name} for layer {p.layer} has shape {tuple(data.shape)}, expected {want} "
                               f"(tokens, heads, head_dim)")
-        if data.dtype not in (torch_dtype(p.dtype), torch.uint8) and not str(data.dtype).startswith("torch.float8"):
+        one_byte = data.dtype == torch.uint8 or str(data.dtype).startswith("torch.float8")
+        # fp8 pools store uint8 and accept torch.float8_* too; any other pool needs its own dtype.
+        if data.dtype != torch_dtype(p.dtype) and not (one_byte and dtype_size(p.dtype) == 1):
             raise LayoutError(f"{name} for layer {p.layer} has dtype {data.dtype}, pool dtype is {p.dtype}")
         raw = data.contiguous().view(torch.uint8).reshape(len(page), p.heads, p.head_bytes)
         return page, off, raw.to(self.device)
@@ -141,9 +168,10 @@ class KVPool:
     def get_kv_buffer(self, layer: int, slots) -> tuple[torch.Tensor, ...]:
         return tuple(self.get_part(layer, kind, slots) for kind in self.kv_kinds)
 
-    def set_kv_buffer_prefix_valid(self, layer: int, slots_2d, commit_lens, *tensors: torch.Tensor) -> None:
+    def set_kv_buffer_prefix_valid(self, layer: int, slots_2d, commit_lens, *tensors: torch.Tensor,
+                                   **extra: torch.Tensor) -> None:
         """Rows of ``slots_2d`` ``[batch, cols]``; write only columns below each row's commit length.
-        ``tensors`` are ``[batch, cols, heads, head_dim]``."""
+        ``tensors`` (and keyword parts such as ``k_scale``) are ``[batch, cols, heads, head_dim]``."""
         slots_2d = torch.as_tensor(np.asarray(slots_2d))
         lens = torch.as_tensor(np.asarray(commit_lens))
         if slots_2d.dim() != 2 or lens.shape != (slots_2d.shape[0],):
@@ -151,12 +179,13 @@ class KVPool:
                               f"{tuple(lens.shape)} disagree: want [batch, cols] and [batch]")
         if (lens < 0).any() or (lens > slots_2d.shape[1]).any():
             raise LayoutError(f"commit_lens must be in 0..{slots_2d.shape[1]}, got {lens.tolist()}")
-        for t in tensors:
+        for t in (*tensors, *extra.values()):
             if tuple(t.shape[:2]) != tuple(slots_2d.shape):
                 raise LayoutError(f"tensor shape {tuple(t.shape)} does not start with slots_2d shape "
                                   f"{tuple(slots_2d.shape)}")
         mask = torch.arange(slots_2d.shape[1])[None, :] < lens[:, None]
-        self.set_kv_buffer(layer, slots_2d[mask].numpy(), *(t[mask.to(t.device)] for t in tensors))
+        self.set_kv_buffer(layer, slots_2d[mask].numpy(), *(t[mask.to(t.device)] for t in tensors),
+                           **{k: t[mask.to(t.device)] for k, t in extra.items()})
 
     # -- host copies through the planner -----------------------------------------------
     def _spaces_of(self, slots) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -173,7 +202,9 @@ class KVPool:
     def get_cpu_copy(self, slots) -> CPUCopy:
         """The KV at ``slots`` (every part) copied to host memory."""
         src, positions = self._spaces_of(slots)
-        sizes = {sp.name: (-(-len(src[sp.name]) // sp.page_size) + 1) * sp.page_size for sp in self.layout.spaces}
+        # One padding page plus enough pages for the tokens; at least one, as a Space requires.
+        sizes = {sp.name: (max(-(-len(src[sp.name]) // sp.page_size), 1) + 1) * sp.page_size
+                 for sp in self.layout.spaces}
         host = host_layout(self.layout, "layer_first", sizes)
         dst = {sp.name: sp.page_size + np.arange(len(src[sp.name])) for sp in self.layout.spaces}
         regions = [torch.zeros(r.nbytes, dtype=torch.uint8) for r in host.regions]
@@ -215,13 +246,17 @@ class MHAPool(KVPool):
 
 
 class MLAPool(KVPool):
-    """MLA latent KV ``[slots, 1, kv_lora_rank + rope_dim]`` per layer."""
+    """MLA latent KV ``[slots, 1, kv_lora_rank + rope_dim]`` per layer, or page-major."""
     kv_kinds = ("kv",)
+    LAYOUTS = ("token_major", "page_major")
 
     def __init__(self, *, layers: int | Sequence[int], kv_lora_rank: int, rope_dim: int, dtype: str,
-                 num_pages: int, page_size: int, device: str | torch.device = "cpu"):
+                 num_pages: int, page_size: int, layout: str = "token_major", device: str | torch.device = "cpu"):
+        if layout not in self.LAYOUTS:
+            raise LayoutError(f"MLA layout {layout!r} is not one of {self.LAYOUTS}")
         super().__init__(mla_layout(layers=layers, kv_lora_rank=kv_lora_rank, rope_dim=rope_dim, dtype=dtype,
-                                    num_slots=num_pages * page_size, page_size=page_size), device)
+                                    num_slots=num_pages * page_size, page_size=page_size,
+                                    page_major=layout == "page_major"), device)
 
 
 class StatePool(KVPool):
@@ -325,4 +360,4 @@ class PageAllocator:
 
 
 __all__ = ["KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator", "CPUCopy",
-           "BufInfos", "torch_dtype", "STATE"]
+           "BufInfos", "PagePart", "torch_dtype", "STATE"]

@@ -1,0 +1,339 @@
+"""``kvxfer demo``: a real prefill -> decode run on 127.0.0.1, verified token for token.
+
+Processes: this one (bootstrap server, request feeder, checker), a prefill group
+(default TP 2, page-major pool) and a decode group (default TP 4, token-major pool),
+each group a torch.distributed gloo world running the tiny TP transformer of
+``kvxfer.model``. Prefill computes each prompt chunk by chunk and streams every chunk
+as soon as its KV is in the pool; the last chunk carries the first output token as
+the aux record. Decode grants slots, waits until every rank of its TP group has all
+its heads (``reduce_poll``), then continues generation from the transferred KV. The
+checker compares every request's tokens with a single-process run of the same model.
+Exit status 1 if any request differs or fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+DEMO_TIMEOUT = 600.0
+
+
+def DEMO_TIMEOUTS():
+    """Prefill may run ahead of decode by the whole request list, so phases get minutes."""
+    from .request import Timeouts
+    return Timeouts(bootstrap=300.0, waiting=300.0, transfer=60.0, lease=300.0)
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    transport: str = "zmq"
+    prefill_tp: int = 2
+    decode_tp: int = 4
+    prefill_layout: str = "page_major"
+    decode_layout: str = "token_major"
+    requests: int = 24
+    min_prompt: int = 8
+    max_prompt: int = 160
+    gen_len: int = 8
+    page_size: int = 16
+    chunk_pages: int = 2
+    batch: int = 8            # requests decode grants at once
+    seed: int = 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_requests(cfg: DemoConfig) -> list[tuple[int, list[int]]]:
+    rng = np.random.default_rng(cfg.seed)
+    from .model import ModelConfig
+    vocab = ModelConfig().vocab
+    return [(room, rng.integers(0, vocab, int(rng.integers(cfg.min_prompt, cfg.max_prompt + 1))).tolist())
+            for room in range(1, cfg.requests + 1)]
+
+
+def _pool(cfg: DemoConfig, tp: int, layout: str, num_tokens: int):
+    from .model import ModelConfig, kv_heads_per_rank
+    from .pools import MHAPool
+    m = ModelConfig()
+    pages = -(-num_tokens // cfg.page_size) + cfg.requests + 2
+    return MHAPool(layers=m.layers, heads=kv_heads_per_rank(m, tp), head_dim=m.head_dim, dtype="float32",
+                   num_pages=pages, page_size=cfg.page_size, layout=layout)
+
+
+def _init_group(port: int, rank: int, world: int):
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, outbox) -> None:
+    """One prefill rank: prompts in, KV streamed out chunk by chunk."""
+    try:
+        import torch
+        import torch.distributed as dist
+        from .bootstrap import RankSpec
+        from .model import ModelConfig, TPModel, init_weights, shard_weights
+        from .pools import PageAllocator
+        from .request import AuxRecord, KVPoll, PrefillEndpoint, Timeouts
+
+        m = ModelConfig()
+        _init_group(port, rank, cfg.prefill_tp)
+        model = TPModel(m, shard_weights(init_weights(m), m, cfg.prefill_tp, rank), cfg.prefill_tp)
+        requests = make_requests(cfg)
+        pool = _pool(cfg, cfg.prefill_tp, cfg.prefill_layout, sum(len(p) for _, p in requests))
+        alloc, lock, freed = PageAllocator(pool.layout.spaces[0].num_pages, cfg.page_size), threading.Lock(), []
+        spec = RankSpec(role="prefill", num_kv_heads=m.kv_heads, num_layers=m.layers, tp_rank=rank,
+                        tp_size=cfg.prefill_tp)
+        with PrefillEndpoint(spec, pool, transport=cfg.transport, timeouts=DEMO_TIMEOUTS()) as ep:
+            ep.register(bootstrap)
+            outbox.put(("ready", "prefill", rank))
+            senders = []
+            chunk = cfg.chunk_pages * cfg.page_size
+            for room, prompt in requests:
+                slots = alloc.alloc(len(prompt))
+                sender = ep.sender(room, on_release=lambda s, slots=slots: (lock.acquire(), freed.append(slots),
+                                                                             lock.release()))
+                for start in range(0, len(prompt), chunk):
+                    end = min(start + chunk, len(prompt))
+                    x = model.forward_layer_range(model.embed(prompt[start:end]), torch.arange(start, end),
+                                                  pool, slots[start:end], slots[:end], range(m.layers))
+                    last = end == len(prompt)
+                    aux = AuxRecord(model.next_token(x)) if last else None
+                    sender.send(slots[start:end], start=start, last=last, aux=aux)
+                senders.append(sender)
+            deadline = time.monotonic() + DEMO_TIMEOUT
+            while not all(s.kv_releasable for s in senders) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with lock:
+                for slots in freed:
+                    alloc.free(slots)
+            failed = [(s.room, s.reason) for s in senders if s.poll() != KVPoll.Success]
+            outbox.put(("prefill_done", rank, failed, alloc.free_pages == alloc.capacity))
+            inbox.get(timeout=DEMO_TIMEOUT)    # stay up until decode is done
+        dist.destroy_process_group()
+    except Exception as e:   # report, never hang the demo
+        import traceback
+        outbox.put(("error", f"prefill rank {rank}", f"{e}\n{traceback.format_exc()}"))
+
+
+def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -> None:
+    """One decode rank: grant slots, wait for the whole TP group, continue generation."""
+    try:
+        import torch.distributed as dist
+        from .bootstrap import RankSpec
+        from .model import ModelConfig, TPModel, init_weights, shard_weights
+        from .plan import ByteRanges
+        from .pools import PageAllocator
+        from .request import AuxBuffer, DecodeEndpoint, KVPoll, reduce_poll
+
+        m = ModelConfig()
+        _init_group(port, rank, cfg.decode_tp)
+        group = dist.new_group(backend="gloo")
+        model = TPModel(m, shard_weights(init_weights(m), m, cfg.decode_tp, rank), cfg.decode_tp)
+        requests = make_requests(cfg)
+        pool = _pool(cfg, cfg.decode_tp, cfg.decode_layout,
+                     sum(len(p) + cfg.gen_len for _, p in requests[:cfg.batch]) + cfg.batch * cfg.page_size)
+        alloc = PageAllocator(pool.layout.spaces[0].num_pages, cfg.page_size)
+        spec = RankSpec(role="decode", num_kv_heads=m.kv_heads, num_layers=m.layers, tp_rank=rank,
+                        tp_size=cfg.decode_tp)
+        aux = AuxBuffer(cfg.batch)
+        with DecodeEndpoint(spec, pool, aux=aux, transport=cfg.transport, timeouts=DEMO_TIMEOUTS()) as ep:
+            ep.connect(bootstrap=bootstrap, timeout=120)
+            outbox.put(("ready", "decode", rank))
+            for b in range(0, len(requests), cfg.batch):
+                batch = requests[b:b + cfg.batch]
+                recv, slots, started, latency = [], [], {}, {}
+                for i, (room, prompt) in enumerate(batch):
+                    s = alloc.alloc(len(prompt) + cfg.gen_len)
+                    r = ep.receiver(room)
+                    started[room] = time.perf_counter()
+                    r.init(s[:len(prompt)], aux_slot=i)
+                    recv.append(r)
+                    slots.append(s)
+                nbytes = sum(ByteRanges.of_slots(pool.layout, s[:len(p)]).nbytes for s, (_, p) in zip(slots, batch))
+                states = [KVPoll.Bootstrapping] * len(batch)
+                deadline = time.monotonic() + DEMO_TIMEOUT
+                while any(st not in (KVPoll.Success, KVPoll.Failed) for st in states):
+                    if time.monotonic() > deadline:
+                        for r in recv:
+                            r.abort("demo deadline")
+                    states = reduce_poll([r.poll() for r in recv], group)
+                    now = time.perf_counter()
+                    for (room, _), st in zip(batch, states):
+                        if st in (KVPoll.Success, KVPoll.Failed) and room not in latency:
+                            latency[room] = now - started[room]
+                    time.sleep(0.002)
+                for i, ((room, prompt), r, s, st) in enumerate(zip(batch, recv, slots, states)):
+                    tokens = []
+                    if st == KVPoll.Success:
+                        tok = aux.read(i).first_token
+                        tokens.append(tok)
+                        for j in range(cfg.gen_len - 1):
+                            tok = model.forward([tok], len(prompt) + j, pool, s)
+                            tokens.append(tok)
+                    if rank == 0:
+                        outbox.put(("result", room, tokens, st == KVPoll.Success, r.reason, latency[room]))
+                    r.clear()
+                    alloc.free(s)
+                if rank == 0:
+                    outbox.put(("bytes", nbytes * cfg.decode_tp))
+            outbox.put(("decode_done", rank, alloc.free_pages == alloc.capacity))
+        dist.destroy_process_group()
+    except Exception as e:
+        import traceback
+        outbox.put(("error", f"decode rank {rank}", f"{e}\n{traceback.format_exc()}"))
+
+
+def reference_tokens(cfg: DemoConfig) -> dict[int, list[int]]:
+    """The same model in one process, TP 1: what every request must generate."""
+    from .model import ModelConfig, TPModel, init_weights
+    from .pools import MHAPool, PageAllocator
+    m = ModelConfig()
+    model = TPModel(m, init_weights(m))
+    out = {}
+    for room, prompt in make_requests(cfg):
+        pool = MHAPool(layers=m.layers, heads=m.kv_heads, head_dim=m.head_dim, dtype="float32",
+                       num_pages=-(-(len(prompt) + cfg.gen_len) // cfg.page_size) + 1, page_size=cfg.page_size)
+        slots = PageAllocator(pool.layout.spaces[0].num_pages, cfg.page_size).alloc(len(prompt) + cfg.gen_len)
+        tok = model.forward(prompt, 0, pool, slots)
+        toks = [tok]
+        for j in range(cfg.gen_len - 1):
+            tok = model.forward([tok], len(prompt) + j, pool, slots)
+            toks.append(tok)
+        out[room] = toks
+    return out
+
+
+def _bar(done: int, total: int, width: int = 30) -> str:
+    fill = width * done // max(total, 1)
+    return f"[{'#' * fill}{'.' * (width - fill)}] {done}/{total}"
+
+
+def run(cfg: DemoConfig, out=sys.stdout) -> dict:
+    """Run the demo; returns the summary (also printed)."""
+    import multiprocessing as mp
+    from .bootstrap import BootstrapConfig, BootstrapServer
+
+    ctx = mp.get_context("spawn")
+    outbox = ctx.Queue()
+    server = BootstrapServer(BootstrapConfig(expect=cfg.prefill_tp)).start()
+    p_port, d_port = _free_port(), _free_port()
+    inboxes = [ctx.Queue() for _ in range(cfg.prefill_tp)]
+    procs = [ctx.Process(target=prefill_rank, args=(cfg, r, p_port, server.url, inboxes[r], outbox), daemon=True)
+             for r in range(cfg.prefill_tp)]
+    procs += [ctx.Process(target=decode_rank, args=(cfg, r, d_port, server.url, outbox), daemon=True)
+              for r in range(cfg.decode_tp)]
+    t0 = time.perf_counter()
+    for p in procs:
+        p.start()
+    print(f"kvxfer demo: prefill TP {cfg.prefill_tp} ({cfg.prefill_layout}) -> decode TP {cfg.decode_tp} "
+          f"({cfg.decode_layout}) over {cfg.transport}, {cfg.requests} requests", file=out)
+    ref_box: dict = {}
+    ref_thread = threading.Thread(target=lambda: ref_box.update(reference_tokens(cfg)), daemon=True)
+    ref_thread.start()
+    results, nbytes, errors, ready, done = {}, 0, [], 0, {"prefill": [], "decode": []}
+    t_first = None
+    deadline = time.monotonic() + DEMO_TIMEOUT
+    while len(done["decode"]) < cfg.decode_tp and not errors and time.monotonic() < deadline:
+        try:
+            msg = outbox.get(timeout=1.0)
+        except queue.Empty:
+            if not all(p.is_alive() for p in procs) and outbox.empty():
+                errors.append("a rank process died: " + ", ".join(str(p.exitcode) for p in procs))
+            continue
+        kind = msg[0]
+        if kind == "ready":
+            ready += 1
+            if ready == len(procs):
+                t_first = time.perf_counter()
+        elif kind == "result":
+            results[msg[1]] = msg[2:]
+            print(f"\r  transferring and decoding {_bar(len(results), cfg.requests)}", end="", file=out, flush=True)
+        elif kind == "bytes":
+            nbytes += msg[1]
+        elif kind == "decode_done":
+            done["decode"].append(msg[2])
+        elif kind == "error":
+            errors.append(f"{msg[1]}: {msg[2]}")
+    print(file=out)
+    for q in inboxes:
+        q.put("stop")
+    while not errors and len(done["prefill"]) < cfg.prefill_tp and time.monotonic() < deadline:
+        try:
+            msg = outbox.get(timeout=5.0)
+        except queue.Empty:
+            errors.append("prefill ranks did not finish")
+            break
+        if msg[0] == "prefill_done":
+            done["prefill"].append(msg)
+        elif msg[0] == "error":
+            errors.append(f"{msg[1]}: {msg[2]}")
+    wall = time.perf_counter() - (t_first or t0)
+    for p in procs:
+        p.join(timeout=10)
+        if p.is_alive():
+            p.kill()
+    server.stop()
+    ref_thread.join()
+
+    mismatched = [room for room, (toks, ok, *_rest) in results.items() if not ok or toks != ref_box.get(room)]
+    missing = cfg.requests - len(results)
+    lat = sorted(r[3] for r in results.values())
+    pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3) if lat else (lambda q: float("nan"))
+    prefill_failed = [f for m in done["prefill"] for f in m[2]]
+    leaks = not all(done["decode"]) or not all(m[3] for m in done["prefill"])
+    summary = {"config": asdict(cfg), "requests": cfg.requests, "verified": len(results) - len(mismatched),
+               "mismatched": mismatched, "missing": missing, "bytes_moved": nbytes, "seconds": wall,
+               "throughput_mb_s": nbytes / wall / 1e6 if wall else 0.0, "p50_ms": pct(0.50), "p99_ms": pct(0.99),
+               "prefill_failed": prefill_failed, "slot_leak": leaks, "errors": errors}
+    rows = [("requests", f"{cfg.requests}"), ("verified token for token", f"{summary['verified']}/{cfg.requests}"),
+            ("bytes moved", f"{nbytes / 1e6:.2f} MB"), ("throughput (run)", f"{summary['throughput_mb_s']:.1f} MB/s"),
+            ("transfer latency p50", f"{summary['p50_ms']:.1f} ms"),
+            ("transfer latency p99", f"{summary['p99_ms']:.1f} ms"),
+            ("slots back to full", "no" if leaks else "yes")]
+    print("\n".join(f"  {k:26s} {v}" for k, v in rows), file=out)
+    for e in errors:
+        print(f"  ERROR {e}", file=out)
+    for room in mismatched:
+        got = results[room]
+        print(f"  MISMATCH room {room}: got {got[0]} (ok={got[1]}, {got[2]}), want {ref_box.get(room)}", file=out)
+    summary["ok"] = not (mismatched or missing or errors or prefill_failed or leaks)
+    print("  RESULT: " + ("every request verified" if summary["ok"] else "FAILED"), file=out)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="kvxfer demo", description=__doc__.split("\n\n")[0])
+    d = DemoConfig()
+    ap.add_argument("--transport", default=d.transport, help="zmq or ucx")
+    ap.add_argument("--prefill-tp", type=int, default=d.prefill_tp)
+    ap.add_argument("--decode-tp", type=int, default=d.decode_tp)
+    ap.add_argument("--prefill-layout", default=d.prefill_layout, choices=["token_major", "hnd", "page_major"])
+    ap.add_argument("--decode-layout", default=d.decode_layout, choices=["token_major", "hnd", "page_major"])
+    ap.add_argument("--requests", type=int, default=d.requests)
+    ap.add_argument("--gen-len", type=int, default=d.gen_len)
+    ap.add_argument("--max-prompt", type=int, default=d.max_prompt)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--json", help="write the summary here")
+    a = ap.parse_args(argv)
+    cfg = DemoConfig(transport=a.transport, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
+                     prefill_layout=a.prefill_layout, decode_layout=a.decode_layout, requests=a.requests,
+                     gen_len=a.gen_len, max_prompt=a.max_prompt, seed=a.seed)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    summary = run(cfg)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    return 0 if summary["ok"] else 1

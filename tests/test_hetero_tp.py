@@ -1,0 +1,94 @@
+"""The heterogeneous-TP matrix under torchrun, over real ZMQ and UCX transports.
+
+One torchrun launch per (P TP, D TP) pair runs every sub-configuration of that pair
+(models x layouts x transports) in one world, so the matrix fits in minutes on 2 cores;
+each sub-configuration is still its own pytest test, checked on every rank."""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from kvxfer.transport import get_transport
+
+WORKER = Path(__file__).with_name("hetero_tp_worker.py")
+TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+MODELS = ["mha8", "gqa2", "mla"]
+PAIRINGS = {"same": ("token_major", 4, 4), "page_to_token": ("page_major", 4, 4)}
+
+
+@functools.cache
+def transports() -> tuple[str, ...]:
+    usable = []
+    for name in ("zmq", "ucx"):
+        try:
+            get_transport(name).close()
+            usable.append(name)
+        except Exception:
+            pass
+    return tuple(usable)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _subs(models, pairings, transports_):
+    return [{"name": f"{m}-{p}-{t}", "model": m, "p_layout": PAIRINGS[p][0], "p_page": PAIRINGS[p][1],
+             "d_page": PAIRINGS[p][2], "transport": t} for m in models for p in pairings for t in transports_]
+
+
+LAUNCHES = {f"tp{p}to{d}": {"p_tp": p, "d_tp": d, "subs": _subs(MODELS, PAIRINGS, ("zmq", "ucx"))}
+            for p, d in TP_PAIRS}
+LAUNCHES["pp2"] = {"p_tp": 2, "p_pp": 2, "d_tp": 2, "subs": _subs(["mha8", "gqa2"], ["same"], ("zmq", "ucx"))}
+PAIRINGS["page16to64"] = ("token_major", 16, 64)
+PAIRINGS["page64to16"] = ("page_major", 64, 16)
+LAUNCHES["pages"] = {"p_tp": 2, "d_tp": 4, "subs": _subs(["mha8"], ["page16to64", "page64to16"], ("zmq", "ucx"))}
+
+
+@functools.cache
+def launch(name: str) -> dict[str, list[dict]]:
+    """Run one torchrun world; per sub-configuration name, every rank's result."""
+    cfg = dict(LAUNCHES[name])
+    cfg["subs"] = [s for s in cfg["subs"] if s["transport"] in transports()]
+    cfg["bootstrap_port"] = _port()
+    n = cfg["p_tp"] * cfg.get("p_pp", 1) + cfg["d_tp"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as out_dir:
+        cfg["out_dir"] = out_dir
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
+                               f"--master_port={_port()}", str(WORKER), "--config", json.dumps(cfg)],
+                              capture_output=True, text=True, timeout=600, env=env)
+        lines = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
+    if proc.returncode != 0 or len(lines) != n:
+        raise AssertionError(f"torchrun {name} exited {proc.returncode} with {len(lines)}/{n} rank reports:\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    out: dict[str, list[dict]] = {}
+    for line in lines:
+        for r in line["results"]:
+            out.setdefault(r["name"], []).append({**r, "rank": line["rank"], "role": line["role"]})
+    return out
+
+
+CASES = [(launch_name, sub["name"], sub["transport"]) for launch_name, cfg in LAUNCHES.items()
+         for sub in cfg["subs"]]
+
+
+@pytest.mark.parametrize("launch_name,sub,transport", CASES, ids=[f"{a}-{b}" for a, b, _ in CASES])
+def test_hetero_tp(launch_name, sub, transport):
+    if transport not in transports():
+        pytest.skip(f"transport {transport} is not usable here")
+    ranks = launch(launch_name)[sub]
+    cfg = LAUNCHES[launch_name]
+    assert len(ranks) == cfg["p_tp"] * cfg.get("p_pp", 1) + cfg["d_tp"]
+    bad = [f"rank {r['rank']} ({r['role']}): {r['why']}" for r in ranks if not r["ok"]]
+    assert not bad, "\n".join(bad)
