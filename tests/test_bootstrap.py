@@ -1,0 +1,174 @@
+"""The bootstrap registry: register, look up, health, expiry by heartbeat, HMAC, the CLI."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import request_peer as rp
+from kvxfer import bootstrap
+from kvxfer.bootstrap import (BootstrapClient, BootstrapConfig, BootstrapServer, RankInfo, RankSpec, Registration,
+                              sign_http)
+from kvxfer.errors import ConnectError
+from kvxfer.layout import token_major_layout
+
+LAYOUT = token_major_layout(layers=2, heads=2, head_dim=8, dtype="float16", num_slots=64, page_size=4).to_dict()
+
+
+def rank(tp_rank=0, tp_size=2, **kw) -> RankInfo:
+    return RankInfo(spec=RankSpec(role="prefill", num_kv_heads=2, num_layers=2, tp_rank=tp_rank, tp_size=tp_size, **kw),
+                    control=f"tcp://127.0.0.1:{5000 + tp_rank}", data={"zmq": {"endpoint": "tcp://127.0.0.1:1"}},
+                    layout=LAYOUT, aux_bytes=64)
+
+
+def get(url: str) -> tuple[int, dict]:
+    """What an operator's curl sees."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture
+def server():
+    made = []
+
+    def make(**kw):
+        s = BootstrapServer(BootstrapConfig(**kw)).start()
+        made.append(s)
+        return s
+    yield make
+    for s in made:
+        s.stop()
+
+
+def test_not_ready_until_every_rank_registered(server):
+    s = server(ttl=5.0)
+    c = BootstrapClient(s.url)
+    assert get(s.url + "/health") == (503, {"status": "not ready", "registered": 0, "expected": 0,
+                                            "missing": ["any rank: nothing registered yet"]})
+    c.register(rank(0))
+    status, body = get(s.url + "/health")
+    assert status == 503 and body["missing"] == ["default/dp0/pp0/tp1"]
+    assert c.topology()[0] is False
+    c.register(rank(1))
+    assert get(s.url + "/health") == (200, {"status": "ready", "registered": 2, "expected": 2})
+    ranks = c.wait_ready(timeout=1)
+    assert [r.spec.tp_rank for r in ranks] == [0, 1] and ranks[1] == rank(1)
+    status, body = get(s.url + "/topology?instance=default")
+    assert status == 200 and body["ready"] and len(body["ranks"]) == 2 and body["ranks"][0]["layout"] == LAYOUT
+
+
+def test_expect_overrides_the_sizes(server):
+    s = server(expect=3)
+    c = BootstrapClient(s.url)
+    c.register(rank(0))
+    c.register(rank(1))
+    assert get(s.url + "/health")[1]["missing"] == ["1 more rank(s)"]
+
+
+def test_registrations_expire_without_heartbeats(server):
+    s = server(ttl=0.5)
+    c = BootstrapClient(s.url)
+    kept = Registration(c, rank(0), ttl=0.5).start()    # heartbeats every ttl/3
+    c.register(rank(1))                                  # never heartbeats
+    try:
+        assert get(s.url + "/health")[0] == 200
+        time.sleep(1.0)
+        status, body = get(s.url + "/health")
+        assert status == 503 and body["missing"] == ["default/dp0/pp0/tp1"]
+        assert [r.spec.tp_rank for r in c.topology()[1]] == [0]
+        assert c.heartbeat("default/dp0/pp0/tp1") is False
+    finally:
+        kept.stop()
+    assert c.topology()[1] == []          # stop() deregisters
+
+
+def test_registration_survives_a_registry_restart(server):
+    s = server(ttl=5.0)
+    port = s.port
+    reg = Registration(BootstrapClient(s.url), rank(0, tp_size=1), interval=0.1).start()
+    try:
+        s.stop()
+        s2 = server(ttl=5.0, port=port)
+        deadline = time.monotonic() + 5
+        while get(s2.url + "/health")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert get(s2.url + "/health")[0] == 200
+    finally:
+        reg.stop()
+
+
+@pytest.mark.parametrize("bad,why", [
+    ({**rank(0).to_dict(), "tp_rank": 2}, "tp_rank"),
+    ({**rank(0).to_dict(), "role": "decode"}, "only prefill ranks register"),
+    ({**rank(0).to_dict(), "control": "http://x"}, "control"),
+    ({**rank(0).to_dict(), "num_layers": "2"}, "num_layers"),
+    ({**rank(0).to_dict(), "instance": "a b"}, "instance"),
+])
+def test_bad_records_are_refused(server, bad, why):
+    s = server()
+    req = urllib.request.Request(s.url + "/register", data=json.dumps(bad).encode(), method="PUT")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=5)
+    assert e.value.code == 400 and why in json.loads(e.value.read())["error"]
+
+
+def test_conflicting_sizes_are_refused(server):
+    s = server()
+    c = BootstrapClient(s.url)
+    c.register(rank(0, tp_size=2))
+    with pytest.raises(ConnectError, match="HTTP 409"):
+        c.register(rank(1, tp_size=4))
+
+
+def test_registrations_need_the_secret(server):
+    s = server(secret=b"s3cret")
+    with pytest.raises(ConnectError, match="HTTP 401.*missing authentication"):
+        BootstrapClient(s.url).register(rank(0, tp_size=1))
+    with pytest.raises(ConnectError, match="HTTP 401.*wrong shared secret"):
+        BootstrapClient(s.url, secret="nope").register(rank(0, tp_size=1))
+    body = json.dumps(rank(0, tp_size=1).to_dict()).encode()
+    stale = urllib.request.Request(s.url + "/register", data=body, method="PUT",
+                                   headers={bootstrap.AUTH_HEADER: sign_http(b"s3cret", "PUT", "/register", body,
+                                                                             now=time.time() - 3600)})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(stale, timeout=5)
+    assert e.value.code == 401
+    BootstrapClient(s.url, secret="s3cret").register(rank(0, tp_size=1))
+    assert get(s.url + "/health")[0] == 200          # reads stay open for operators
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_cli_serves_until_sigterm():
+    port = _free_port()
+    proc = rp.context().Process(target=bootstrap.main, args=(["--host", "127.0.0.1", "--port", str(port),
+                                                               "--ttl", "5"],))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                status, body = get(f"http://127.0.0.1:{port}/health")
+                break
+            except OSError:
+                time.sleep(0.05)
+        assert status == 503 and body["status"] == "not ready"
+        BootstrapClient(f"http://127.0.0.1:{port}").register(rank(0, tp_size=1))
+        assert get(f"http://127.0.0.1:{port}/health")[0] == 200
+    finally:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.join(10)
+    assert proc.exitcode == 0

@@ -1,0 +1,357 @@
+"""Conformance suite: every registered transport against the Transport contract, and only it.
+
+Network transports run sender and receiver as two processes (``tests/xfer_peer.py``) talking
+over 127.0.0.1; in-process transports ("local") run both ends in this process. A transport
+whose module does not import (an optional dependency, or not written yet) is skipped.
+
+Every transfer test fills the receiver's regions with a canary byte, moves seeded source
+bytes, and compares each destination region whole (sha256) with the image the reference
+executor (``kvxfer.plan.execute_plan``) makes from the same seed onto the same canary, so a
+byte written outside a run, or a run written wrong, fails the test.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import itertools
+import signal
+import time
+from functools import lru_cache
+from importlib.metadata import entry_points
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer.layout import page_major_layout, token_major_layout
+from kvxfer.plan import EMPTY_PLAN, ByteRanges, Planner, TransferPlan, execute_plan, plan_transfer
+from kvxfer.transport import ENTRY_POINT_GROUP, available_transports
+from xfer_peer import (CANARY, InProcessPeer, PeerProcess, make_pattern, plan_to_json, ranges_to_json, raw_plan,
+                       region_seed)
+
+IN_PROCESS = {"local"}
+KiB, MiB = 1 << 10, 1 << 20
+SMALL, BIG = 4 * MiB, 256 * MiB + 64 * KiB
+SIZES = [SMALL] * 4 + [BIG]          # regions 0-3 small, region 4 holds the 256 MiB case
+SEED = 7
+NAMES = available_transports()
+NETWORK = [n for n in NAMES if n not in IN_PROCESS]
+
+
+def _importable(name: str) -> None:
+    ep = {e.name: e for e in entry_points(group=ENTRY_POINT_GROUP)}[name]
+    try:
+        ep.load()
+    except Exception as e:  # not installed, not written yet, or broken at import
+        pytest.skip(f"transport {name!r} does not import: {type(e).__name__}: {e}")
+
+
+@lru_cache(maxsize=8)
+def source(region: int, nbytes: int) -> torch.Tensor:
+    """The sender's region ``region`` as xfer_peer fills it (cached; never written)."""
+    return torch.from_numpy(make_pattern(region_seed(SEED, region), nbytes))
+
+
+@lru_cache(maxsize=4)
+def canary_digest(nbytes: int) -> str:
+    return hashlib.sha256(np.full(nbytes, CANARY, np.uint8)).hexdigest()
+
+
+class Pair:
+    """A sender and a receiver of one transport, connected; the receiver starts all canary."""
+
+    def __init__(self, name: str, sizes: list[int], tmp, sender_fill="seed"):
+        cls = InProcessPeer if name in IN_PROCESS else PeerProcess
+        self.name, self.sizes, self.ids = name, sizes, itertools.count()
+        self.tx, self.rx = cls(tmp / "sender.log"), cls(tmp / "receiver.log")
+        try:
+            init = [dict(transport=name, sizes=sizes, fill=sender_fill, seed=SEED),
+                    dict(transport=name, sizes=sizes, fill="canary")]
+            if cls is PeerProcess:   # start both before waiting: interpreter start-up dominates
+                for p, kw in zip((self.tx, self.rx), init):
+                    p.send("init", **kw)
+                self.tx.reply(120, "init")
+                desc = self.rx.reply(120, "init")["descriptor"]
+            else:
+                self.tx.call("init", **init[0])
+                desc = self.rx.call("init", **init[1])["descriptor"]
+            self.rx_descriptor = desc
+            self.peer = self.tx.call("connect", descriptor=desc)["peer"]
+        except BaseException:
+            self.close()
+            raise
+
+    def rid(self, tag: str) -> str:
+        return f"{tag}-{next(self.ids)}"
+
+    def reset(self, regions) -> None:
+        self.rx.call("fill", regions=list(regions), fill="canary")
+
+    def expect(self, rid: str, region, start, nbytes) -> None:
+        self.rx.call("expect", request_id=rid, ranges=ranges_to_json(region, start, nbytes))
+
+    def submit(self, rid: str, plan: TransferPlan, timeout: float = 60.0, notify: bytes = b"") -> None:
+        self.tx.call("submit", peer=self.peer, request_id=rid, plan=plan_to_json(plan), timeout=timeout,
+                     notify=base64.b64encode(notify).decode())
+
+    def wait(self, rids: list[str], timeout: float = 120.0) -> dict:
+        return self.tx.call("wait", wait_s=timeout, request_ids=rids)["results"]
+
+    def arrivals(self, count: int, timeout: float = 60.0) -> list[dict]:
+        return self.rx.call("arrivals", wait_s=timeout, count=count)["arrivals"]
+
+    def rejected(self) -> int:
+        return sum(self.rx.call("rejected")["rejected"].values())
+
+    def transfer(self, plan: TransferPlan, grant=None, tag: str = "t") -> str:
+        """Grant (default: exactly the plan's destination runs), send, and check both ends."""
+        rid = self.rid(tag)
+        r = plan.runs()
+        self.expect(rid, *(grant if grant is not None else (r.dst_region, r.dst_offset, r.nbytes)))
+        self.submit(rid, plan)
+        res = self.wait([rid])[rid]
+        assert res["status"] == "DONE", res
+        (arr,) = self.arrivals(1)
+        assert (arr["request_id"], arr["ok"], arr["nbytes"]) == (rid, True, plan.nbytes), arr
+        assert self.rx.call("forget", request_id=rid)["live"]
+        return rid
+
+    def check_images(self, plan: TransferPlan, regions=range(4)) -> None:
+        """Every listed receiver region equals canary + the plan applied (reference executor)."""
+        touched = set(plan.runs().dst_region.tolist())
+        dst = [torch.full((s,), CANARY, dtype=torch.uint8) if i in touched else torch.empty(0, dtype=torch.uint8)
+               for i, s in enumerate(self.sizes)]
+        execute_plan(plan, [source(i, s) for i, s in enumerate(self.sizes)], dst)
+        want = {i: hashlib.sha256(dst[i].numpy()).hexdigest() if i in touched else canary_digest(self.sizes[i])
+                for i in sorted(set(regions) | touched)}
+        got = self.rx.call("digest", regions=sorted(want))["digests"]
+        bad = [i for i in want if got[str(i)] != want[i]]
+        assert not bad, f"{self.name}: receiver regions {bad} differ from the expected image"
+
+    def close(self) -> None:
+        for p in (getattr(self, "tx", None), getattr(self, "rx", None)):
+            if p is not None:
+                p.close()
+
+
+@pytest.fixture(scope="module", params=NAMES)
+def pair(request, tmp_path_factory):
+    _importable(request.param)
+    p = Pair(request.param, SIZES, tmp_path_factory.mktemp(request.param))
+    yield p
+    p.close()
+
+
+# -- transfers --------------------------------------------------------------------------
+def test_single_two_byte_run(pair):
+    pair.reset(range(4))
+    plan = raw_plan([0], [1001], [1], [77], [2])
+    pair.transfer(plan, tag="two-bytes")
+    pair.check_images(plan)
+
+
+@pytest.mark.parametrize("nbytes", [4097, 3 * MiB + 5, 256 * MiB])
+def test_one_run_sizes(pair, nbytes):
+    region = 4 if nbytes > SMALL - 64 else 2
+    pair.reset([0, 1, 2, 3, 4] if region == 4 else range(4))
+    plan = raw_plan([region], [3], [region], [BIG - nbytes - 1 if region == 4 else 11], [nbytes])
+    pair.transfer(plan, tag=f"size{nbytes}")
+    pair.check_images(plan, regions=[0, 1, 2, 3, region])
+
+
+def _slot_grant(layout, slots):
+    """The receiver's grant for ``slots`` as arrays, built as ByteRanges.of_slots builds it."""
+    r = Planner(layout, layout, pack_below=0).plan(slots, slots).runs()
+    assert ByteRanges.of_slots(layout, slots).covers(r.dst_region, r.dst_offset, r.nbytes).all()
+    return r.dst_region, r.dst_offset, r.nbytes
+
+
+def test_planned_token_major(pair):
+    """Per-token runs of a token-major pool (packed groups), granted by slots."""
+    layout = token_major_layout(layers=2, heads=4, head_dim=64, dtype="float16", num_slots=8192, page_size=16)
+    assert [r.nbytes for r in layout.regions] == [SMALL] * 4
+    rng = np.random.default_rng(1)
+    free = np.setdiff1d(np.arange(16, 8192), np.arange(1000, 1100))   # destination slots stay distinct
+    src, dst = rng.choice(np.arange(16, 8192), 700), rng.choice(free, 700, replace=False)
+    dst[100:200] = np.arange(1000, 1100)   # a stretch of consecutive slots merges into longer runs
+    src[100:200] = np.arange(3000, 3100)
+    plan = plan_transfer(layout, src, layout, dst)
+    assert plan.num_packed_runs > 0
+    pair.reset(range(4))
+    pair.transfer(plan, grant=_slot_grant(layout, dst), tag="token-major")
+    pair.check_images(plan)
+
+
+def test_planned_page_major(pair):
+    """Whole 128 KiB pages of a page-major pool (big runs) plus a partial page."""
+    layout = page_major_layout(layers=2, heads=4, head_dim=64, dtype="float16", num_pages=32, page_size=64)
+    rng = np.random.default_rng(2)
+    sp, dp = (rng.choice(np.arange(1, 32), 9, replace=False) for _ in range(2))
+    src = np.concatenate([p * 64 + np.arange(64) for p in sp[:8]] + [sp[8] * 64 + np.arange(5)])
+    dst = np.concatenate([p * 64 + np.arange(64) for p in dp[:8]] + [dp[8] * 64 + np.arange(5)])
+    plan = plan_transfer(layout, src, layout, dst)
+    assert plan.runs().nbytes.max() >= 128 * KiB
+    pair.reset(range(4))
+    pair.transfer(plan, grant=_slot_grant(layout, dst), tag="page-major")
+    pair.check_images(plan)
+
+
+def test_ten_thousand_scattered_runs(pair):
+    """10,000 runs of 1..1024 bytes at random places, in one request; the grant is exactly them."""
+    rng = np.random.default_rng(3)
+    n = rng.integers(1, 1025, 10_000)
+    cells = rng.choice(4 * SMALL // 1024, 10_000, replace=False)          # disjoint 1 KiB destination cells
+    dr, do = cells // (SMALL // 1024), (cells % (SMALL // 1024)) * 1024 + rng.integers(0, 1025 - n)
+    sr = rng.integers(0, 4, 10_000)
+    so = rng.integers(0, SMALL - n + 1)
+    order = rng.permutation(10_000)
+    plan = raw_plan(sr[order], so[order], dr[order], do[order], n[order])
+    assert plan.num_runs == 10_000
+    pair.reset(range(4))
+    pair.transfer(plan, tag="scattered")
+    pair.check_images(plan)
+
+
+def test_64_concurrent_requests(pair):
+    """64 requests in flight on one connection, each with its own grant and notify bytes."""
+    rng = np.random.default_rng(4)
+    plans, rids = [], []
+    pair.reset(range(4))
+    for i in range(64):
+        region, base = i % 4, (i // 4) * 256 * KiB           # disjoint 256 KiB areas
+        k = 1 + i % 4
+        n = rng.integers(1, 60 * KiB, k) if i % 8 else np.array([200 * KiB + i])
+        do = base + np.concatenate(([0], np.cumsum(n)[:-1])) + rng.integers(0, 64)
+        sr = rng.integers(0, 4, len(n))
+        plans.append(raw_plan(sr, rng.integers(0, SMALL - n + 1), np.full(len(n), region), do, n))
+        rids.append(pair.rid("concurrent"))
+        pair.expect(rids[-1], np.full(len(n), region), do, n)
+    for i, (rid, plan) in enumerate(zip(rids, plans)):
+        pair.submit(rid, plan, notify=f"notify-{i}".encode())
+    res = pair.wait(rids)
+    assert all(res[r]["status"] == "DONE" for r in rids), [res[r] for r in rids if res[r]["status"] != "DONE"][:3]
+    arrived = {a["request_id"]: a for a in pair.arrivals(64)}
+    assert sorted(arrived) == sorted(rids)
+    for i, rid in enumerate(rids):
+        a = arrived[rid]
+        assert a["ok"] and a["nbytes"] == plans[i].nbytes and base64.b64decode(a["notify"]) == f"notify-{i}".encode()
+        assert pair.rx.call("forget", request_id=rid)["live"]
+    pair.check_images(TransferPlan.concat(plans))
+
+
+def test_empty_plan_completes(pair):
+    rid = pair.rid("empty")
+    pair.expect(rid, [0], [0], [16])
+    pair.submit(rid, EMPTY_PLAN)
+    assert pair.wait([rid])[rid]["status"] == "DONE"
+    (a,) = pair.arrivals(1)
+    assert (a["request_id"], a["ok"], a["nbytes"]) == (rid, True, 0)
+    pair.rx.call("forget", request_id=rid)
+
+
+# -- what the receiver refuses -------------------------------------------------------------
+@pytest.mark.parametrize("case", ["outside grant", "never granted", "after forget", "unknown region"])
+def test_rejected_write_lands_nowhere(pair, case):
+    pair.reset(range(4))
+    rid = pair.rid(case.replace(" ", "-"))
+    plan = raw_plan([0], [0], [9 if case == "unknown region" else 1], [50], [100])
+    if case != "never granted":
+        pair.expect(rid, [1], [0], [100])       # grants bytes 0..99 of region 1 only
+    if case == "after forget":
+        assert pair.rx.call("forget", request_id=rid)["live"]
+        plan = raw_plan([0], [0], [1], [0], [100])
+    before = pair.rejected()
+    pair.submit(rid, plan, timeout=20)
+    res = pair.wait([rid])[rid]
+    assert res["status"] == "FAILED" and res["error"], res
+    # Only the receiver knows its grants. A run into a region the receiver's descriptor does
+    # not have may also be refused by the sender before anything is sent: then no arrival.
+    arrived = pair.arrivals(1, timeout=2.0 if case == "unknown region" else 15.0)
+    if arrived or case != "unknown region":
+        (a,) = arrived
+        assert a["request_id"] == rid and not a["ok"] and a["reason"], a
+        assert pair.rejected() == before + 1
+    pair.check_images(EMPTY_PLAN)              # every region still all canary
+    pair.rx.call("forget", request_id=rid)
+
+
+# -- peers that die ----------------------------------------------------------------------
+# These come last in the module: they kill the shared pair's processes (sender first, then
+# receiver, with a fresh sender process feeding it), which saves starting two more pairs.
+KILL_BYTES, DEADLINE, SLACK = 256 * MiB, 4.0, 2.0
+
+
+def _stop_mid_transfer(tx, rx, victim, rid: str, watch: int) -> bool:
+    """Stop ``victim`` with bytes landed but the transfer still open at both ends.
+
+    The victim runs only in short bursts until the byte at ``watch`` of the receiver's
+    region 4 lands, so 256 MiB cannot finish between "landed" and SIGSTOP. Returns False
+    (victim running again) if the transfer finished anyway.
+    """
+    victim.signal(signal.SIGSTOP)
+    limit = time.monotonic() + DEADLINE
+    while True:
+        victim.signal(signal.SIGCONT)
+        if victim is tx:
+            time.sleep(0.005)
+        landed = rx.call("watch", region=4, offset=watch, wait_s=0)["changed"]   # the receiver runs meanwhile
+        victim.signal(signal.SIGSTOP)
+        if landed:
+            break
+        assert time.monotonic() < limit, "no byte landed before the deadline"
+    open_ = (tx.call("status", request_ids=[rid])["status"][rid] == "PENDING" if victim is rx
+             else not rx.call("arrivals", count=1, wait_s=0)["arrivals"])
+    if not open_:
+        victim.signal(signal.SIGCONT)
+    return open_
+
+
+def _kill_mid_transfer(p: Pair, tx, peer: str, victim) -> tuple[str, float]:
+    """Send 256 MiB into the receiver's region 4 and SIGKILL ``victim`` while it is in flight.
+    Returns the request id and when it was submitted."""
+    watch = int(np.flatnonzero(source(4, BIG).numpy()[:KILL_BYTES] != CANARY)[0])
+    for _ in range(3):   # another try only when the transfer won the race against SIGSTOP
+        p.reset([4])
+        rid = p.rid("kill")
+        p.expect(rid, [4], [0], [KILL_BYTES])
+        t0 = time.monotonic()
+        tx.call("submit", peer=peer, request_id=rid, plan=plan_to_json(raw_plan([4], [0], [4], [0], [KILL_BYTES])),
+                timeout=DEADLINE)
+        if _stop_mid_transfer(tx, p.rx, victim, rid, watch):
+            victim.signal(signal.SIGKILL)
+            return rid, t0
+        p.arrivals(1)
+        p.rx.call("forget", request_id=rid)
+    pytest.fail("the transfer finished before its peer could be stopped, three times")
+
+
+def test_sender_killed_mid_transfer(pair):
+    """SIGKILL the sender mid-transfer: the receiver reports a failed arrival within the
+    deadline and releases the grant exactly once."""
+    if pair.name in IN_PROCESS:
+        pytest.skip("an in-process transport has no process to kill")
+    rid, t0 = _kill_mid_transfer(pair, pair.tx, pair.peer, pair.tx)
+    arrived = pair.arrivals(1, timeout=DEADLINE + SLACK)
+    took = time.monotonic() - t0
+    assert arrived and arrived[0]["request_id"] == rid and not arrived[0]["ok"], arrived
+    assert took <= DEADLINE + SLACK, f"failure reported {took:.1f}s after submit"
+    f = pair.rx.call("forget", request_id=rid)
+    assert f["live"] and f["grants_live"] in (0, None), f
+    assert not pair.rx.call("forget", request_id=rid)["live"]
+
+
+def test_receiver_killed_mid_transfer(pair, tmp_path):
+    """SIGKILL the receiver mid-transfer: the sender's handle fails within its deadline."""
+    if pair.name in IN_PROCESS:
+        pytest.skip("an in-process transport has no process to kill")
+    tx = PeerProcess(tmp_path / "sender2.log")
+    try:
+        tx.call("init", transport=pair.name, sizes=SIZES, fill="seed", seed=SEED)
+        peer = tx.call("connect", descriptor=pair.rx_descriptor)["peer"]
+        rid, _ = _kill_mid_transfer(pair, tx, peer, pair.rx)
+        res = tx.call("wait", request_ids=[rid], wait_s=DEADLINE + SLACK)["results"][rid]
+        assert res["status"] == "FAILED" and res["error"], res
+        assert res["elapsed"] <= DEADLINE + SLACK, res
+        assert tx.call("status", request_ids=[rid])["status"][rid] == "FAILED"   # the sender is still alive
+    finally:
+        tx.close()
