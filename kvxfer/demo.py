@@ -265,6 +265,8 @@ def run(cfg: DemoConfig, out=sys.stdout) -> dict:
             nbytes += msg[1]
         elif kind == "decode_done":
             done["decode"].append(msg[2])
+        elif kind == "prefill_done":   # prefill may finish first: decode's "done" frees its KV early
+            done["prefill"].append(msg)
         elif kind == "error":
             errors.append(f"{msg[1]}: {msg[2]}")
     print(file=out)

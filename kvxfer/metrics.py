@@ -1,7 +1,10 @@
 """Prometheus metrics and per-request log lines.
 
-The control plane calls ``record_transfer`` when a transfer completes and
-``record_request_end`` once per request end; offload calls ``record_offload``.
+The control plane calls ``record_transfer`` when a transfer completes (prefill, as it reaps
+the handle) and ``record_request_end`` once per request end on each side; offload calls
+``record_offload``. Both run on the control plane's threads, outside the endpoint lock, and
+cost a few microseconds: labelled children are cached, and the log line is only formatted
+when INFO is enabled for ``kvxfer.request``.
 ``start_exporter(port)`` serves them over HTTP for a Prometheus scrape (optional).
 Metrics live in a registry of their own so tests and several ranks in one process
 never collide with an application's default registry.
@@ -9,6 +12,7 @@ never collide with an application's default registry.
 from __future__ import annotations
 
 import logging
+import re
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
 
@@ -29,16 +33,36 @@ OFFLOAD_BYTES = Counter("kvxfer_offload_bytes", "Bytes offloaded to or reloaded 
                         registry=REGISTRY)
 
 
+_children: dict[tuple, tuple] = {}       # label values -> labelled metric children (hot path)
+_VARIABLE = re.compile(r"\S*/\S*|\d+")   # peer keys, rooms, counts: kept out of the reason label
+
+
+def reason_label(reason: str) -> str:
+    """A bounded label for a failure reason: its head (before the first colon), peer keys and
+    numbers replaced by ``*`` ("decode rank */dp0/... lost" and room numbers do not explode it)."""
+    return _VARIABLE.sub("*", reason.split(":", 1)[0])[:60] if reason else ""
+
+
 def record_transfer(transport: str, role: str, nbytes: int, runs: int, seconds: float) -> None:
-    BYTES_MOVED.labels(transport, role).inc(nbytes)
-    TRANSFER_SECONDS.labels(transport).observe(seconds)
-    RUNS_PER_TRANSFER.labels(transport).observe(runs)
+    key = ("transfer", transport, role)
+    c = _children.get(key)
+    if c is None:
+        c = _children[key] = (BYTES_MOVED.labels(transport, role), TRANSFER_SECONDS.labels(transport),
+                              RUNS_PER_TRANSFER.labels(transport))
+    c[0].inc(nbytes)
+    c[1].observe(seconds)
+    c[2].observe(runs)
 
 
-def record_request_end(role: str, room: str, state: str, reason: str = "", *, peers: str = "",
+def record_request_end(role: str, room: int | str, state: str, reason: str = "", *, peers: str = "",
                        nbytes: int = 0, seconds: float = 0.0) -> None:
-    """One call per request end: counts it and writes the per-request log line."""
-    REQUESTS.labels(role, state, reason.split(":")[0][:60]).inc()
+    """One call per request end: counts it (``state``: success / failed / aborted / timed_out)
+    and writes the per-request log line."""
+    key = ("request", role, state, reason_label(reason))
+    c = _children.get(key)
+    if c is None:
+        c = _children[key] = REQUESTS.labels(*key[1:])
+    c.inc()
     log.info("room=%s role=%s peers=%s bytes=%d duration_ms=%.2f state=%s%s", room, role, peers, nbytes,
              seconds * 1e3, state, f" reason={reason!r}" if reason else "")
 

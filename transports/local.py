@@ -1,7 +1,8 @@
 """Same-process transport: copies with the reference executor. The suite's reference.
 
 Writes go through the receiver's ``GrantTable`` exactly as on a wire transport, so
-tests that need no network still exercise the grant checks.
+tests that need no network still exercise the grant checks. The grant check and the copy
+hold the receiver's write lock, as ``forget`` does: no byte lands after ``forget`` returns.
 """
 from __future__ import annotations
 
@@ -31,13 +32,16 @@ class LocalTransport(Transport):
         self.regions: list[torch.Tensor] = []
         self.grants = GrantTable()
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
+        self._write_lock = threading.Lock()   # check + copy vs forget: none lands after forget
         self._closed = False
         with _LIVE_LOCK:
             _LIVE[self.id] = self
 
     def register(self, regions: Sequence[torch.Tensor]) -> None:
-        self.regions = [byte_view(t) for t in regions]
-        self.grants.region_sizes = [r.numel() for r in self.regions]
+        views = [byte_view(t) for t in regions]
+        with self._write_lock:
+            self.regions = views
+            self.grants.region_sizes = [r.numel() for r in views]
 
     def descriptor(self) -> dict:
         return {"transport": self.name, "id": self.id, "region_sizes": self.grants.region_sizes}
@@ -62,9 +66,11 @@ class LocalTransport(Transport):
 
     def _receive(self, request_id, plan, src_regions, notify, handle) -> None:
         runs = plan.runs()
-        reason = self.grants.check(request_id, runs.dst_region, runs.dst_offset, runs.nbytes)
+        with self._write_lock:
+            reason = self.grants.check(request_id, runs.dst_region, runs.dst_offset, runs.nbytes)
+            if reason is None:
+                copy_runs(src_regions, self.regions, runs)
         if reason is None:
-            copy_runs(src_regions, self.regions, runs)
             self._arrivals.put(Arrival(request_id, plan.nbytes, True, "", notify))
             handle.finish()
         else:
@@ -75,7 +81,9 @@ class LocalTransport(Transport):
         self.grants.expect(request_id, ranges)
 
     def forget(self, request_id: str) -> bool:
-        return self.grants.forget(request_id)
+        """End the grant. Waits out a copy in progress, so no byte of it lands afterwards."""
+        with self._write_lock:
+            return self.grants.forget(request_id)
 
     def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
         out = []

@@ -1,0 +1,326 @@
+"""Decode side: ``DecodeEndpoint`` (one per decode rank) and ``KVReceiver`` (one per request).
+
+Who calls what, and when (the whole contract is in ``kvxfer.request``):
+    start-up, once, blocking: ``DecodeEndpoint(spec, kv_pool, aux=...)``; ``connect(bootstrap=url)``
+        (the HELLO handshake with every prefill rank this rank pulls from).
+    scheduler, per request, never blocks: ``receiver(room)``; ``init(kv_slots, ...)`` grants the
+        slots (``transport.expect``) and sends the request; then ``poll()`` / ``wait(t)``;
+        ``on_release`` runs once, after the grant ended.
+    channel thread: ``on_message`` (ack / nack / abort / fin), ``on_peer_lost``, ``on_tick``
+        (phase deadlines, every 50 ms).
+    arrivals thread (owned here): ``transport.arrivals()`` -> chunk bookkeeping -> Success.
+Ending a request (``_end``, once) forgets the grant, tells the prefill ranks ("done" or
+"abort"), counts it in ``kvxfer.metrics`` and queues ``on_release``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .bootstrap import BootstrapClient, RankInfo, RankSpec
+from .errors import ConnectError, RequestError
+from .handshake import ChunkMeta, ControlChannel, aux_source, hello, peers_needed, require_compatible
+from .layout import STATE
+from .metrics import record_request_end
+from .plan import ByteRanges, Planner
+from .pools import KVPool
+from .request import _END, AUX_BYTES, AuxBuffer, AuxRecord, KVPoll, Timeouts, _Endpoint, _Request
+from .transport import Transport
+
+log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
+
+
+class _Progress:
+    """What one prefill source of one receiver has delivered."""
+    __slots__ = ("chunks", "nbytes", "total", "total_bytes")
+
+    def __init__(self):
+        self.chunks: set[int] = set()
+        self.nbytes, self.total, self.total_bytes = 0, -1, -1
+
+    def complete(self) -> bool:
+        return self.total >= 0 and len(self.chunks) == self.total and self.nbytes == self.total_bytes
+
+
+class KVReceiver(_Request):
+    """One request on a decode rank; made by ``DecodeEndpoint.receiver`` (see the module docstring).
+
+    Success only when every source (prefill rank x stage x head slice, per ``kvxfer.topology``)
+    delivered all its chunks, and the aux record if one was asked for."""
+    __slots__ = ("gen", "rid", "contacts", "peer_of", "progress", "acked", "aux_slot", "aux", "aux_from", "granted")
+
+    def __init__(self, ep: "DecodeEndpoint", room: int, gen: int, contacts: dict[str, list], on_release):
+        super().__init__(ep, room, time.monotonic() + ep.timeouts.bootstrap, on_release)
+        self.gen, self.rid = gen, f"{room}.{gen}"
+        self.contacts = contacts                      # prefill peer key -> its sources here (empty: dummy)
+        self.peer_of = {(s.p_tp_rank, s.p_pp_rank): key for key, ss in contacts.items() for s in ss}
+        self.progress = {src: _Progress() for src in self.peer_of}
+        self.acked: set[str] = set()
+        self.aux_slot: int | None = None
+        self.aux: AuxRecord | None = None
+        self.aux_from = aux_source([s for ss in contacts.values() for s in ss])
+        self.granted = False
+
+    def init(self, kv_slots, *, prefix_len: int = 0, state_slots=None, aux_slot: int | None = None) -> None:
+        """Grant the slots and request the KV. ``kv_slots``: the slot of every token of the request;
+        the first ``prefix_len`` are already filled (prefix cache) and are neither granted nor sent.
+        Raises LayoutError/RequestError on bad arguments; never blocks."""
+        self._ep._init(self, kv_slots, int(prefix_len), state_slots, aux_slot)
+
+
+class DecodeEndpoint(_Endpoint):
+    """A decode rank: its receivers, a DEALER per prefill rank, and the arrivals thread."""
+    role = "decode"
+
+    def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None = None, aux: AuxBuffer | None = None,
+                 transport: str | Transport = "zmq", transport_options: Mapping | None = None,
+                 timeouts: Timeouts = Timeouts(), secret: str | bytes | None = None, aux_bytes: int = AUX_BYTES):
+        if spec.role != "decode":
+            raise ValueError(f"DecodeEndpoint needs a decode RankSpec, got role {spec.role!r}")
+        if aux is not None and aux.record_bytes != aux_bytes:
+            raise ValueError(f"aux buffer rows are {aux.record_bytes} bytes but aux_bytes is {aux_bytes}")
+        super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
+                         timeouts=timeouts, secret=secret, aux_bytes=aux_bytes)
+        self.aux_buffer = aux
+        self._gens = itertools.count(1)
+        self._recvs: dict[str, KVReceiver] = {}
+        self._groups: dict[int, dict[str, list]] = {}     # prefill dp rank -> peer key -> sources
+        self._grant_planners: dict[str, list[Planner]] = {}
+        self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="decode-ctl",
+                                      identity=f"{spec.key}/{uuid.uuid4().hex[:12]}")
+        self._arrivals = threading.Thread(target=self._arrivals_loop, name="kvxfer-decode-arrivals", daemon=True)
+        self._arrivals.start()
+
+    # -- start-up ---------------------------------------------------------------------------
+    def connect(self, *, bootstrap: str | None = None, peers: Sequence[RankInfo] | None = None,
+                instance: str | None = None, timeout: float = 60.0) -> None:
+        """Handshake with every prefill rank this rank needs, in every prefill DP group. Blocking.
+        Raises CompatibilityError (every mismatch, in words) or ConnectError."""
+        if peers is None:
+            if bootstrap is None:
+                raise ValueError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
+            peers = BootstrapClient(bootstrap, self.secret).wait_ready(timeout, instance)
+        me = self.info
+        by_key = {p.spec.key: p for p in peers if p.spec.role == "prefill"}
+        if not by_key:
+            raise ConnectError("no prefill rank to connect to")
+        groups: dict[int, dict[str, list]] = {}
+        for p in by_key.values():
+            if p.spec.dp_rank not in groups:
+                groups[p.spec.dp_rank] = {f"{p.spec.instance}/dp{p.spec.dp_rank}/pp{pp}/tp{tp}": ss
+                                          for (tp, pp), ss in peers_needed(p.spec, self.spec).items()}
+        missing = [k for g in groups.values() for k in g if k not in by_key]
+        if missing:
+            raise ConnectError(f"prefill rank(s) {', '.join(missing)} needed but not registered")
+        require_compatible([(by_key[k], me) for g in groups.values() for k in g], self.transport.name)
+        dl = self.layout
+        for dp, group in groups.items():
+            for key, sources in group.items():
+                self.channel.connect(key, by_key[key].control)
+                hello(self.channel, key, me, self.timeouts.handshake)   # the prefill rank checks too
+                planners = [self._planner(dl, dl, s.dst_heads, s.dst_heads, s.layers, kinds)
+                            for s in sources for kinds in (self.kv_kinds, self.state_kinds)]
+                with self._lock:
+                    self._grant_planners[key] = [p for p in planners if p is not None]
+            with self._lock:
+                self._groups[dp] = group
+
+    # -- per request ------------------------------------------------------------------------
+    def receiver(self, room: int, *, p_dp_rank: int = 0,
+                 on_release: Callable[[KVReceiver], None] | None = None) -> KVReceiver:
+        """A new request, Bootstrapping, with a fresh generation. ``on_release(receiver)`` runs
+        exactly once, after the grant ended (Success or Failed); on failure free the slots there."""
+        with self._lock:
+            if p_dp_rank not in self._groups:
+                raise ConnectError(f"not connected to prefill DP group {p_dp_rank}: call connect() first")
+            r = KVReceiver(self, room, next(self._gens) % (1 << 31), self._groups[p_dp_rank], on_release)
+            self._recvs[r.rid] = r
+            return r
+
+    def _grant(self, r: KVReceiver, kv: np.ndarray, st: np.ndarray) -> ByteRanges:
+        """Exactly the bytes r's sources will write: each source's heads and layers at the slots."""
+        slots = {self.token_space: kv, STATE: st}
+        cols: list[list[np.ndarray]] = [[], [], []]
+        for key in r.contacts:
+            for pl in self._grant_planners[key]:
+                mine = {k: v for k, v in slots.items() if k in {a for a, _ in pl.spaces}}
+                runs = pl.plan(mine, mine).runs()
+                for c, a in zip(cols, (runs.dst_region, runs.dst_offset, runs.nbytes)):
+                    c.append(a)
+        return ByteRanges(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols))
+
+    def _init(self, r: KVReceiver, kv_slots, prefix_len: int, state_slots, aux_slot) -> None:
+        kv = self.layout.check_slots(self.token_space, np.asarray(kv_slots), "kv_slots")
+        st = self.layout.check_slots(STATE, np.asarray(state_slots), "state_slots") if state_slots is not None \
+            else np.zeros(0, np.int64)
+        if not 0 <= prefix_len < len(kv):
+            raise RequestError(f"prefix_len {prefix_len} must be in 0..{len(kv) - 1}: at least one token moves")
+        if aux_slot is not None and (self.aux_buffer is None or not 0 <= aux_slot < len(self.aux_buffer.tensor)):
+            raise RequestError(f"aux_slot {aux_slot} is not a row of this endpoint's aux buffer")
+        with self._guard():
+            if r.state in _END or r.granted:
+                raise RequestError(f"room {r.room}: init() on a request that is {r.state.name}"
+                                   f"{' and already initialised' if r.granted else ''}")
+            ranges = self._grant(r, kv[prefix_len:], st)
+            with self._xport_lock:
+                self.transport.expect(r.rid, ranges)
+            r.granted, r.aux_slot = True, aux_slot
+            kv_raw, st_raw = kv.astype("<i8").tobytes(), st.astype("<i8").tobytes()
+            for key, sources in r.contacts.items():
+                dummy = not sources
+                self.channel.send(key, {"t": "req", "room": r.room, "gen": r.gen, "kv": b"" if dummy else kv_raw,
+                                        "prefix": prefix_len, "state": b"" if dummy else st_raw, "dummy": dummy,
+                                        "aux": aux_slot is not None and r.peer_of.get(r.aux_from) == key})
+
+    # -- events (channel thread, arrivals thread) --------------------------------------------
+    def on_message(self, peer: str, msg: dict) -> None:
+        t = msg["t"]
+        with self._guard() as later:
+            if t == "fin":   # a last chunk that moved no bytes
+                try:
+                    meta = ChunkMeta.unpack(msg["meta"])
+                except ValueError as e:
+                    log.warning("bad FIN from %s: %s", peer, e)
+                    return
+                r = self._recvs.get(f"{meta.room}.{meta.gen}")
+                if r is not None and r.peer_of.get(meta.source) == peer:
+                    self._on_chunk(r, meta, 0, later, fin=True)
+                return
+            if t not in ("ack", "nack", "abort"):
+                return
+            r = self._recvs.get(f"{msg['room']}.{msg['gen']}")
+            if r is None or peer not in r.contacts:     # ended already, or not this peer's request
+                return
+            if t == "ack":
+                r.acked.add(peer)
+                if len(r.acked) == len(r.contacts):
+                    r._advance(KVPoll.WaitingForInput, time.monotonic() + self.timeouts.waiting)
+            else:
+                self._end(r, KVPoll.Failed, "aborted" if t == "abort" else "failed",
+                          f"prefill rank {peer}: {msg['why'][:512]}", later, tell=set(r.contacts) - {peer})
+
+    def _arrivals_loop(self) -> None:
+        while not self._closed:
+            t0 = time.monotonic()
+            try:
+                got = self.transport.arrivals(timeout=0.05)
+            except Exception:
+                if self._closed:
+                    return
+                log.exception("transport.arrivals failed")
+                got = []
+            if not got and time.monotonic() - t0 < 0.01:
+                time.sleep(0.002)   # a transport whose arrivals() does not block: do not spin
+            for a in got:
+                with self._guard() as later:
+                    r = self._recvs.get(a.request_id)
+                    if r is None:
+                        continue   # ended: its grant is gone, so no byte of it landed after the end
+                    if not a.ok:
+                        self._end(r, KVPoll.Failed, "failed", f"a write was rejected: {a.reason}", later)
+                        continue
+                    try:
+                        meta = ChunkMeta.unpack(a.notify)
+                        if f"{meta.room}.{meta.gen}" != r.rid:
+                            raise ValueError(f"it names request {meta.room}.{meta.gen}, arrived as {r.rid}")
+                    except ValueError as e:
+                        self._end(r, KVPoll.Failed, "failed", f"chunk metadata: {e}", later)
+                        continue
+                    self._on_chunk(r, meta, a.nbytes, later)
+
+    def _on_chunk(self, r: KVReceiver, meta: ChunkMeta, nbytes: int, later, fin: bool = False) -> None:
+        src, peer = r.progress.get(meta.source), r.peer_of.get(meta.source)
+        fail = None
+        if src is None:
+            fail = f"a chunk from prefill tp{meta.source[0]}/pp{meta.source[1]}, not a source of this request"
+        elif not fin and (meta.chunk in src.chunks or 0 <= src.total <= meta.chunk):
+            fail = f"chunk {meta.chunk} from {peer} is a duplicate or beyond its total {src.total}"
+        elif src.total >= 0 and meta.total >= 0 and (src.total, src.total_bytes) != (meta.total, meta.nbytes):
+            fail = f"{peer} declared two different totals ({src.total} and {meta.total} chunks)"
+        elif meta.aux is not None:
+            try:
+                if meta.source != r.aux_from or r.aux_slot is None or len(meta.aux) != self.aux_bytes:
+                    raise ValueError(f"{len(meta.aux)} bytes from a source that was not asked for it")
+                r.aux = AuxRecord.unpack(meta.aux)
+            except ValueError as e:
+                fail = f"bad aux record from {peer}: {e}"
+        if fail:
+            self._end(r, KVPoll.Failed, "failed", fail, later)
+            return
+        if not fin:
+            src.chunks.add(meta.chunk)
+            src.nbytes += nbytes
+        if meta.total >= 0:
+            src.total, src.total_bytes = meta.total, meta.nbytes
+        if meta.aux is not None:
+            self.aux_buffer.tensor[r.aux_slot] = torch.frombuffer(bytearray(meta.aux), dtype=torch.uint8)
+        r.acked.add(peer)   # data can overtake the ACK; it proves that prefill rank bound the request
+        now = time.monotonic()
+        r._advance(KVPoll.Transferring, now)
+        r.deadline = now + self.timeouts.transfer   # progress extends the transfer deadline
+        if src.total >= 0 and len(src.chunks) == src.total and src.nbytes != src.total_bytes:
+            self._end(r, KVPoll.Failed, "failed", f"{peer} declared {src.total_bytes} bytes but {src.nbytes} "
+                                                  f"arrived", later)
+        elif all(p.complete() for p in r.progress.values()):
+            if r.aux_slot is not None and r.aux_from is not None and r.aux is None:
+                self._end(r, KVPoll.Failed, "failed", "the last chunk came without the aux record", later)
+            else:
+                self._end(r, KVPoll.Success, "success", "", later)
+
+    def on_peer_lost(self, peer: str, why: str) -> None:
+        with self._guard() as later:
+            for r in [r for r in self._recvs.values() if peer in r.contacts]:
+                self._end(r, KVPoll.Failed, "failed", f"prefill rank {peer} {why}", later,
+                          tell=set(r.contacts) - {peer})
+
+    def _tick(self, now: float, later) -> float:
+        for r in [r for r in self._recvs.values() if now > r.deadline]:
+            what = {KVPoll.Bootstrapping: ("no acknowledgement from " + ", ".join(sorted(set(r.contacts) - r.acked))
+                                           if r.granted else "init() was not called"),
+                    KVPoll.WaitingForInput: "no chunk arrived",
+                    KVPoll.Transferring: "the transfer made no progress"}[r.state]
+            limit = {KVPoll.Bootstrapping: self.timeouts.bootstrap, KVPoll.WaitingForInput: self.timeouts.waiting,
+                     KVPoll.Transferring: self.timeouts.transfer}[r.state]
+            self._end(r, KVPoll.Failed, "timed_out", f"timed out in {r.state.name}: {what} within {limit}s", later)
+        return 0.05
+
+    def _live(self) -> list[KVReceiver]:
+        return list(self._recvs.values())
+
+    def _end(self, r: KVReceiver, state: KVPoll, outcome: str, reason: str, later, tell=None) -> None:
+        """End ``r`` once: forget the grant (later writes are dropped), tell the prefill ranks, release."""
+        if r.state in _END:
+            return
+        r.state, r.outcome, r.reason, r.ended_at = state, outcome, reason, time.monotonic()
+        self._recvs.pop(r.rid, None)
+        if r.granted:
+            with self._xport_lock:
+                self.transport.forget(r.rid)
+        r._done.set()   # first: the scheduler may be waiting on it
+        self._changed.notify_all()
+        if state == KVPoll.Success:   # only releases prefill's lease early: no need to wake the channel
+            msg, urgent = {"t": "done", "room": r.room, "gen": r.gen}, False
+            tell = [k for k, ss in r.contacts.items() if ss]
+        else:
+            msg, urgent = {"t": "abort", "room": r.room, "gen": r.gen, "why": reason[:1024]}, True
+            tell = r.contacts if tell is None else tell
+        for key in tell:
+            self.channel.send(key, msg, urgent=urgent)
+        nbytes = sum(p.nbytes for p in r.progress.values())
+        later.append(lambda: record_request_end(self.role, r.room, outcome, reason, peers=",".join(r.contacts),
+                                                nbytes=nbytes, seconds=r.ended_at - r.created))
+        later.append(r._release)
+
+    def close(self) -> None:
+        super().close()
+        self._arrivals.join(1.0)
+
+
+__all__ = ["DecodeEndpoint", "KVReceiver"]

@@ -1,0 +1,453 @@
+"""Prefill side: ``PrefillEndpoint`` (one per prefill rank) and ``KVSender`` (one per request).
+
+Who calls what, and when (the whole contract is in ``kvxfer.request``):
+    start-up, once: ``PrefillEndpoint(spec, kv_pool, ...)``; ``register(url)`` (bootstrap
+        registration and its heartbeats).
+    scheduler, per request, never blocks on the network: ``sender(room)``; ``send(kv_slots, ...)``
+        per chunk as prefill computes it (queued until every decode rank's grant came);
+        ``poll()``; ``kv_releasable`` / ``on_release`` once prefill may reuse the KV.
+    channel thread: ``on_message`` (hello / req / done / abort), ``on_peer_lost``, ``on_tick``
+        (reaps transfer handles every 5 ms while any is open, deadlines and leases every 50 ms).
+A sender ends once (``_end``): counted in ``kvxfer.metrics``, its KV then held under a lease
+until decode confirms ("done"), no transfer still reads it, or the lease runs out.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+
+from .bootstrap import BootstrapClient, RankInfo, RankSpec, Registration
+from .errors import ConnectError, LayoutError, PlanError, RequestError
+from .handshake import ChunkMeta, ControlChannel, answer_hello, expected_decode_ranks, peer_sources
+from .layout import STATE, Layout
+from .metrics import record_request_end, record_transfer
+from .plan import Planner, TransferPlan
+from .pools import KVPool
+from .request import _END, AUX_BYTES, AuxRecord, KVPoll, Timeouts, _Endpoint, _Request
+from .transport import Transport, TransferHandle, TransferStatus
+
+log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
+
+
+def _count_transfers(transport: str, done: list[tuple[int, int, float]]) -> None:
+    for nbytes, runs, seconds in done:
+        record_transfer(transport, "send", nbytes, runs, seconds)
+
+
+class _DecodePeer:
+    """A decode rank that said HELLO: its record, transport peer and planners from us to it."""
+    __slots__ = ("info", "layout", "xpeer", "sources", "group", "expected", "_planners")
+
+    def __init__(self, info: RankInfo, layout: Layout, xpeer: str, sources: list, expected: frozenset):
+        self.info, self.layout, self.xpeer, self.sources, self.expected = info, layout, xpeer, sources, expected
+        self.group = (info.spec.instance, info.spec.dp_rank)
+        self._planners: dict = {}
+
+
+class _Target:
+    """One decode rank's grant inside one sender."""
+    __slots__ = ("peer", "d_rank", "gen", "rid", "kv", "prefix", "state", "aux", "dummy", "chunks", "nbytes",
+                 "confirmed")
+
+    def __init__(self, peer: str, d_rank: int, msg: dict, kv: np.ndarray, state: np.ndarray):
+        self.peer, self.d_rank, self.gen = peer, d_rank, msg["gen"]
+        self.rid = f"{msg['room']}.{msg['gen']}"
+        self.kv, self.prefix, self.state = kv, msg["prefix"], state
+        self.aux, self.dummy = msg["aux"], msg["dummy"]
+        self.chunks = self.nbytes = 0
+        self.confirmed = self.dummy     # a dummy target has nothing to confirm
+
+
+class _Chunk:
+    __slots__ = ("slots", "start", "layers", "last", "aux", "state")
+
+    def __init__(self, slots, start, layers, last, aux, state):
+        self.slots, self.start, self.layers, self.last, self.aux, self.state = slots, start, layers, last, aux, state
+
+
+class KVSender(_Request):
+    """One request on a prefill rank; made by ``PrefillEndpoint.sender`` (see the module docstring)."""
+    __slots__ = ("targets", "group", "expected", "queued", "handles", "next_pos", "last_sent", "lease_end")
+
+    def __init__(self, ep: "PrefillEndpoint", room: int, on_release):
+        super().__init__(ep, room, time.monotonic() + ep.timeouts.bootstrap, on_release)
+        self.targets: dict[int, _Target] = {}
+        self.group, self.expected = None, frozenset()
+        self.queued: list[_Chunk] = []
+        self.handles: list[tuple[TransferHandle, int]] = []   # in flight: (handle, runs in its plan)
+        self.next_pos, self.last_sent, self.lease_end = 0, False, float("inf")
+
+    def send(self, kv_slots, *, start: int | None = None, layers: Sequence[int] | None = None, last: bool = False,
+             aux: AuxRecord | bytes | None = None, state_slots=None) -> bool:
+        """Send one chunk: the KV of tokens ``start .. start + len(kv_slots)`` (default: right after
+        the previous chunk), of ``layers`` (default: all; for per-layer-group streaming pass
+        ``start`` too). The last chunk carries ``aux`` and the state at ``state_slots``.
+        Never blocks on the network; False when the request has already ended."""
+        return self._ep._send(self, kv_slots, start, layers, last, aux, state_slots)
+
+    @property
+    def kv_releasable(self) -> bool:
+        """True once prefill may reuse this request's KV: decode confirmed, or the request ended
+        and no transfer still reads it, or the lease ran out. ``on_release`` runs at that moment."""
+        return self._released
+
+
+class PrefillEndpoint(_Endpoint):
+    """A prefill rank: its senders, the control ROUTER, the planners towards each decode rank."""
+    role = "prefill"
+
+    def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None = None,
+                 transport: str | Transport = "zmq", transport_options: Mapping | None = None,
+                 timeouts: Timeouts = Timeouts(), secret: str | bytes | None = None, host: str = "127.0.0.1",
+                 port: int = 0, aux_bytes: int = AUX_BYTES):
+        if spec.role != "prefill":
+            raise ValueError(f"PrefillEndpoint needs a prefill RankSpec, got role {spec.role!r}")
+        super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
+                         timeouts=timeouts, secret=secret, aux_bytes=aux_bytes)
+        self.source = (spec.tp_rank, spec.pp_rank)
+        self._peers: dict[str, _DecodePeer] = {}
+        self._senders: dict[int, KVSender] = {}               # room -> live sender
+        self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, rid) -> sender, until released
+        self._pending: dict[int, dict[str, tuple[_Target, float]]] = {}   # REQs that came before the sender
+        self._busy: set[KVSender] = set()                     # senders with transfers in flight
+        self._held: set[KVSender] = set()                     # ended, KV not yet released
+        self._aborted: dict[int, tuple[str, float]] = {}      # rooms decode aborted before the sender existed
+        self._next_scan = 0.0
+        self._registration: Registration | None = None
+        self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="prefill-ctl",
+                                      bind=f"tcp://{host}:{port}")
+
+    def register(self, bootstrap: str, ttl: float = 10.0) -> Registration:
+        """Register with the bootstrap registry and keep the registration alive (heartbeats)."""
+        self._registration = Registration(BootstrapClient(bootstrap, self.secret), self.info, ttl=ttl).start()
+        return self._registration
+
+    def sender(self, room: int, *, on_release: Callable[[KVSender], None] | None = None) -> KVSender:
+        """A new request (Bootstrapping until every decode rank's grant arrived). ``on_release(sender)``
+        runs exactly once, when prefill may reuse the request's KV."""
+        with self._guard() as later:
+            old = self._senders.get(room)
+            if old is not None:
+                raise RequestError(f"room {room} already has a live sender ({old.state.name})")
+            s = KVSender(self, room, on_release)
+            self._senders[room] = s
+            if room in self._aborted:
+                self._end(s, KVPoll.Failed, "aborted", self._aborted.pop(room)[0], later)
+            for target, _ in self._pending.pop(room, {}).values():
+                self._bind(s, target, later)
+            return s
+
+    # -- handshake and requests (channel thread) -----------------------------------------------
+    def on_message(self, peer: str, msg: dict) -> None:
+        t = msg["t"]
+        if t == "hello":
+            self._on_hello(peer, msg)
+            return
+        with self._guard() as later:
+            if t == "req":
+                self._on_req(peer, msg, later)
+            elif t == "done":
+                s = self._grants.get((peer, f"{msg['room']}.{msg['gen']}"))
+                if s is not None:
+                    for tg in s.targets.values():
+                        tg.confirmed |= tg.peer == peer and tg.gen == msg["gen"]
+                    self._settle(s, time.monotonic(), later)
+            elif t == "abort":
+                self._on_abort(peer, msg, later)
+
+    def _on_abort(self, peer: str, msg: dict, later) -> None:
+        room, why = msg["room"], f"decode rank {peer}: {msg['why'][:512]}"
+        s = self._grants.get((peer, f"{room}.{msg['gen']}"))
+        if s is None:   # not bound: the REQ is queued, or never came (decode ended before init)
+            self._pending.get(room, {}).pop(peer, None)
+            dp, s = self._peers.get(peer), self._senders.get(room)
+            if dp is None or (s is not None and s.group not in (None, dp.group)):
+                return
+            if s is None:   # the sender is not made yet: it fails as soon as it is
+                self._aborted[room] = (why, time.monotonic())
+                return
+        self._end(s, KVPoll.Failed, "aborted", why, later)
+
+    def _on_hello(self, peer: str, msg: dict) -> None:
+        d_info, reply = answer_hello(self.info, msg, self.transport.name)
+        if d_info is not None:
+            try:
+                dl = Layout.from_dict(d_info.layout)
+                sources = peer_sources(self.spec, d_info.spec)
+                with self._xport_lock:
+                    xpeer = self.transport.connect(d_info.data[self.transport.name])
+                with self._lock:
+                    self._peers[peer] = _DecodePeer(d_info, dl, xpeer, sources,
+                                                    expected_decode_ranks(self.spec, d_info.spec))
+                self.channel.watch(peer)
+                log.info("decode rank %s connected (%d source(s) from here)", peer, len(sources))
+            except KeyError:
+                reply = {"t": "refuse", "re": msg["i"],
+                         "why": [f"transport: P uses {self.transport.name!r}, D offers {sorted(d_info.data)}"]}
+            except (ConnectError, LayoutError, PlanError) as e:
+                reply = {"t": "refuse", "re": msg["i"], "why": [f"prefill {self.spec.key}: {e}"]}
+        self.channel.send(peer, reply)
+
+    def _on_req(self, peer: str, msg: dict, later) -> None:
+        nack = lambda why: self.channel.send(peer, {"t": "nack", "room": msg["room"], "gen": msg["gen"],  # noqa: E731
+                                                    "why": why})
+        dp = self._peers.get(peer)
+        if dp is None:
+            nack(f"prefill {self.spec.key} has no handshake with {peer}")
+            return
+        try:
+            if len(msg["kv"]) % 8 or len(msg["state"]) % 8:
+                raise LayoutError("slot arrays must be whole int64s")
+            kv, st = np.frombuffer(msg["kv"], "<i8"), np.frombuffer(msg["state"], "<i8")
+            if not msg["dummy"]:
+                kv = dp.layout.check_slots(self.token_space, kv, "kv slots")
+                st = dp.layout.check_slots(STATE, st, "state slots") if len(st) else st
+                if msg["prefix"] >= len(kv):
+                    raise LayoutError(f"prefix {msg['prefix']} leaves none of the {len(kv)} tokens to send")
+        except LayoutError as e:
+            nack(f"bad request: {e}")
+            return
+        target = _Target(peer, dp.info.spec.tp_rank, msg, kv, st)
+        s = self._senders.get(msg["room"])
+        if s is None:
+            self._pending.setdefault(msg["room"], {})[peer] = (target, time.monotonic())
+        else:
+            self._bind(s, target, later)
+
+    def _bind(self, s: KVSender, t: _Target, later) -> None:
+        dp = self._peers.get(t.peer)
+        why = None
+        if dp is None:
+            why = "decode rank is gone"
+        elif s.group is not None and dp.group != s.group:
+            why = f"room {s.room} is already bound to decode group {s.group}"
+        elif t.d_rank not in dp.expected:
+            why = f"decode rank {t.d_rank} does not pull from prefill {self.spec.key}"
+        elif t.d_rank in s.targets:
+            old = s.targets[t.d_rank]
+            if (old.peer, old.gen) != (t.peer, t.gen):
+                why = f"room {s.room} already has a grant from decode rank {t.d_rank} (gen {old.gen})"
+        if why:
+            self.channel.send(t.peer, {"t": "nack", "room": s.room, "gen": t.gen, "why": why})
+            return
+        if t.d_rank not in s.targets:
+            s.group, s.expected = dp.group, dp.expected
+            s.targets[t.d_rank] = t
+            self._grants[(t.peer, t.rid)] = s
+        self.channel.send(t.peer, {"t": "ack", "room": s.room, "gen": t.gen})
+        if s.state == KVPoll.Bootstrapping and set(s.targets) >= s.expected:
+            s._advance(KVPoll.WaitingForInput, time.monotonic() + self.timeouts.waiting)
+            while s.queued and s.state not in _END:   # the rest stay queued: no Success before the last
+                self._submit(s, s.queued.pop(0), later)
+
+    # -- chunks (scheduler thread; queued ones on the channel thread) --------------------------
+    def _send(self, s: KVSender, kv_slots, start, layers, last, aux, state_slots) -> bool:
+        slots = self.layout.check_slots(self.token_space, np.array(kv_slots), "kv_slots")
+        st = self.layout.check_slots(STATE, np.array(state_slots), "state_slots") if state_slots is not None else None
+        if st is not None and not last:
+            raise RequestError("state goes with the last chunk")
+        if isinstance(aux, AuxRecord):
+            aux = aux.pack(self.aux_bytes)
+        if aux is not None and len(aux) != self.aux_bytes:
+            raise RequestError(f"aux record is {len(aux)} bytes, this endpoint's aux_bytes is {self.aux_bytes}")
+        with self._guard() as later:
+            if s.state in _END:
+                return False
+            if s.last_sent:
+                raise RequestError(f"room {s.room}: send() after the last chunk")
+            begin = s.next_pos if start is None else int(start)
+            if begin < 0:
+                raise RequestError(f"chunk start {begin} is negative")
+            s.next_pos = max(s.next_pos, begin + len(slots))
+            s.last_sent = bool(last)
+            c = _Chunk(slots, begin, None if layers is None else frozenset(int(x) for x in layers), bool(last),
+                       aux, st)
+            if s.state == KVPoll.Bootstrapping:
+                s.queued.append(c)
+            else:
+                self._submit(s, c, later)
+            return s.state != KVPoll.Failed
+
+    def _planners(self, dp: _DecodePeer, layers: frozenset | None, kinds: list) -> list[Planner]:
+        key = (layers, tuple(kinds))
+        if key not in dp._planners:
+            made = [self._planner(self.layout, dp.layout, s.src_heads, s.dst_heads,
+                                  s.layers if layers is None else sorted(layers & set(s.layers)), kinds)
+                    for s in dp.sources]
+            dp._planners[key] = [p for p in made if p is not None]
+        return dp._planners[key]
+
+    def _submit(self, s: KVSender, c: _Chunk, later) -> None:
+        now = time.monotonic()
+        s._advance(KVPoll.Transferring, now)
+        s.deadline = now + self.timeouts.transfer
+        try:
+            for t in s.targets.values():
+                self._submit_to(s, t, c)
+        except (RequestError, LayoutError, PlanError) as e:
+            self._end(s, KVPoll.Failed, "failed", str(e), later)
+            return
+        self._settle(s, now, later)
+
+    def _submit_to(self, s: KVSender, t: _Target, c: _Chunk) -> None:
+        if t.dummy:
+            return
+        dp = self._peers[t.peer]
+        end = c.start + len(c.slots)
+        if end > len(t.kv):
+            raise RequestError(f"chunk reaches token {end} but decode rank {t.d_rank} granted {len(t.kv)}")
+        skip = min(max(t.prefix - c.start, 0), len(c.slots))    # tokens decode already has
+        src, dst = c.slots[skip:], t.kv[c.start + skip:end]
+        plans = [pl.plan({self.token_space: src}, {self.token_space: dst})
+                 for pl in self._planners(dp, c.layers, self.kv_kinds)] if len(src) else []
+        if c.last:
+            st = c.state if c.state is not None else np.zeros(0, np.int64)
+            if len(st) != len(t.state):
+                raise RequestError(f"state: the last chunk has {len(st)} slot(s), decode rank {t.d_rank} "
+                                   f"granted {len(t.state)}")
+            if len(st):
+                plans += [pl.plan({STATE: st}, {STATE: t.state}) for pl in self._planners(dp, None, self.state_kinds)]
+            if t.aux and c.aux is None:
+                raise RequestError("decode asked for the aux record but the last chunk carries none")
+        plan = TransferPlan.concat(plans)
+        aux = c.aux if c.last and t.aux else None
+        if plan.nbytes == 0:
+            if c.last:   # nothing left to move: say so on the control channel
+                meta = ChunkMeta(s.room, t.gen, self.source, t.chunks, t.chunks, t.nbytes, aux)
+                self.channel.send(t.peer, {"t": "fin", "meta": meta.pack()})
+            return
+        meta = ChunkMeta(s.room, t.gen, self.source, t.chunks, t.chunks + 1 if c.last else -1,
+                         t.nbytes + plan.nbytes if c.last else -1, aux)
+        with self._xport_lock:
+            h = self.transport.submit(dp.xpeer, t.rid, plan, timeout=self.timeouts.transfer, notify=meta.pack())
+        t.chunks, t.nbytes = t.chunks + 1, t.nbytes + plan.nbytes
+        s.handles.append((h, plan.num_runs))
+        self._busy.add(s)
+
+    # -- completion, deadlines, leases --------------------------------------------------------
+    def _settle(self, s: KVSender, now: float, later) -> None:
+        """Reap finished transfers, reach Success or Failed, release the KV when the lease allows."""
+        pending, failed, done = [], None, []
+        for h, runs in s.handles:
+            st = h.poll()
+            if st == TransferStatus.PENDING:
+                pending.append((h, runs))
+            elif st == TransferStatus.FAILED:
+                failed = failed or f"transfer failed: {h.error}"
+            else:
+                done.append((h.nbytes, runs, now - h.started))   # seconds: submit -> reaped (<= 1 tick late)
+                if s.state == KVPoll.Transferring:
+                    s.deadline = now + self.timeouts.transfer   # progress
+        s.handles = pending
+        if done:   # counted outside the endpoint lock
+            later.append(functools.partial(_count_transfers, self.transport.name, done))
+        if not pending:
+            self._busy.discard(s)
+        confirmed = all(t.confirmed for t in s.targets.values())
+        if failed:
+            self._end(s, KVPoll.Failed, "failed", failed, later)
+        elif s.state == KVPoll.Transferring and s.last_sent and not s.queued and (not pending or confirmed):
+            self._end(s, KVPoll.Success, "success", "", later)
+        else:
+            self._release_if_due(s, now, later)
+
+    def _release_if_due(self, s: KVSender, now: float, later, closing: bool = False) -> None:
+        """The lease: KV stays held until decode confirmed (Success), no transfer still reads it
+        (Failed), or the lease ran out."""
+        if s not in self._held:
+            return
+        confirmed = all(t.confirmed for t in s.targets.values())
+        due = (s.state == KVPoll.Success and confirmed) or (s.state == KVPoll.Failed and not s.handles)
+        if due or now > s.lease_end or closing:
+            if not due and not closing:
+                # Worth a warning only when a transfer may still read the KV and decode never said it
+                # has every byte. Decode's "done" often overtakes the transport's own ack: that is safe.
+                risky = bool(s.handles) and not confirmed
+                log.log(logging.WARNING if risky else logging.DEBUG,
+                        "room %s: lease of %ss over with %d transfer(s) still open (%s); releasing its KV", s.room,
+                        self.timeouts.lease, len(s.handles), "decode confirmed" if confirmed else
+                        "no confirmation from decode" if s.state == KVPoll.Success else "failed")
+            self._held.discard(s)
+            for t in s.targets.values():
+                self._grants.pop((t.peer, t.rid), None)
+            later.append(s._release)
+
+    def on_peer_lost(self, peer: str, why: str) -> None:
+        with self._guard() as later:
+            for room in list(self._pending):
+                self._pending[room].pop(peer, None)
+            for s in list(self._senders.values()):
+                if any(t.peer == peer for t in s.targets.values()):
+                    self._end(s, KVPoll.Failed, "failed", f"decode rank {peer} {why}", later)
+
+    def _tick(self, now: float, later) -> float:
+        for s in list(self._busy):
+            self._settle(s, now, later)
+        if now >= self._next_scan:
+            self._next_scan = now + 0.05
+            for s in [s for s in self._senders.values() if now > s.deadline]:
+                what = {KVPoll.Bootstrapping: "no request from " + (
+                            "decode rank(s) " + ", ".join(map(str, sorted(set(s.expected) - set(s.targets))))
+                            if s.group else "any decode rank"),
+                        KVPoll.WaitingForInput: "no chunk was sent",
+                        KVPoll.Transferring: "the transfer made no progress"}[s.state]
+                self._end(s, KVPoll.Failed, "timed_out", f"timed out in {s.state.name}: {what} within the deadline",
+                          later)
+            for s in list(self._held):
+                self._settle(s, now, later)
+            for room, (_, since) in list(self._aborted.items()):
+                if now - since > self.timeouts.bootstrap:
+                    del self._aborted[room]
+            for room, reqs in list(self._pending.items()):
+                for peer, (t, since) in list(reqs.items()):
+                    if now - since > self.timeouts.bootstrap:
+                        del reqs[peer]
+                        self.channel.send(peer, {"t": "nack", "room": room, "gen": t.gen,
+                                                 "why": f"no prefill request for room {room} on {self.spec.key}"})
+                if not reqs:
+                    del self._pending[room]
+        return 0.005 if self._busy else 0.05   # reaping handles is not on decode's critical path
+
+    def _live(self) -> list[KVSender]:
+        return list(self._senders.values())
+
+    def _end(self, s: KVSender, state: KVPoll, outcome: str, reason: str, later) -> None:
+        if s.state in _END:
+            return
+        s.state, s.outcome, s.reason, s.ended_at = state, outcome, reason, time.monotonic()
+        if self._senders.get(s.room) is s:
+            del self._senders[s.room]
+        if state == KVPoll.Failed:
+            notified = {t.peer for t in s.targets.values()}
+            for t in s.targets.values():
+                self.channel.send(t.peer, {"t": "abort", "room": s.room, "gen": t.gen, "why": reason[:1024]})
+            for peer, (t, _) in self._pending.pop(s.room, {}).items():
+                if peer not in notified:
+                    self.channel.send(peer, {"t": "abort", "room": s.room, "gen": t.gen, "why": reason[:1024]})
+        now = time.monotonic()
+        s.lease_end = now + self.timeouts.lease
+        self._held.add(s)
+        s._done.set()
+        self._changed.notify_all()
+        peers, nbytes = ",".join(t.peer for t in s.targets.values()), sum(t.nbytes for t in s.targets.values())
+        later.append(lambda: record_request_end(self.role, s.room, outcome, reason, peers=peers, nbytes=nbytes,
+                                                seconds=s.ended_at - s.created))
+        self._release_if_due(s, now, later)
+
+    def close(self) -> None:
+        if self._registration is not None:
+            self._registration.stop()
+        super().close()
+
+    def _after_close(self, later) -> None:
+        if self._held:   # no tick will reap their transfers now: the leases end here
+            log.info("prefill endpoint closing: releasing the KV of %d request(s) still under lease", len(self._held))
+        for s in list(self._held):
+            self._release_if_due(s, time.monotonic(), later, closing=True)
+
+
+__all__ = ["PrefillEndpoint", "KVSender"]
