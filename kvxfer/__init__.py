@@ -23,4 +23,24 @@ __all__ = [
     "KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator",
     # transports
     "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
+    # control plane and offload (loaded on first use: they bring pyzmq and aiohttp)
+    "RankSpec", "BootstrapServer", "BootstrapClient", "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
+    "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll",
+    "HostPool", "DecodeOffloadManager",
 ]
+
+_LAZY = {
+    "RankSpec": "bootstrap", "BootstrapServer": "bootstrap", "BootstrapClient": "bootstrap",
+    "KVPoll": "request", "Timeouts": "request", "AuxRecord": "request", "AuxBuffer": "request",
+    "reduce_poll": "request", "PrefillEndpoint": "prefill", "KVSender": "prefill",
+    "DecodeEndpoint": "decode", "KVReceiver": "decode", "HostPool": "offload", "DecodeOffloadManager": "offload",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+        value = getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvxfer' has no attribute {name!r}")

@@ -9,7 +9,8 @@
     │   ├── TransferTimeout  a transfer passed its deadline
     │   ├── PeerError        the peer died, stalled or reported a failure
     │   └── RejectedWrite    incoming runs fell outside what the receiver granted
-    └── RequestError         a KVSender/KVReceiver request ended badly (Failed / Aborted / TimedOut)
+    ├── RequestError         a KVSender/KVReceiver request ended badly (Failed / Aborted / TimedOut)
+    └── StorageError         an offloaded record is missing, truncated, corrupt, or for another layout
 """
 from __future__ import annotations
 
@@ -60,3 +61,7 @@ class RequestError(KVXferError):
     def __init__(self, reason: str):
         self.reason = reason
         super().__init__(reason)
+
+
+class StorageError(KVXferError):
+    """A stored record is missing, truncated, corrupt, or was written for another layout."""

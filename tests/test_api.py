@@ -26,6 +26,10 @@ PUBLIC = [
     "KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator",
     # transports
     "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
+    # control plane and offload, loaded lazily
+    "RankSpec", "BootstrapServer", "BootstrapClient", "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
+    "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll",
+    "HostPool", "DecodeOffloadManager",
 ]
 
 

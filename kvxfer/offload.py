@@ -1,0 +1,608 @@
+"""Decode-side KV offload: one manager per decode rank, coordinated over its TP group.
+
+Who calls what, and when. Every call is made by the engine's scheduler thread, and
+every rank of a TP group makes the same calls in the same order (the scheduler runs in
+lock-step across the group, as in SGLang). Calls marked (collective) talk to the group.
+
+start-up      ``host = HostPool.for_pool(pool, layout="layer_first", size=...)``
+              ``mgr = DecodeOffloadManager(pool, host, OffloadConfig(stride=...), group=cpu_group)``
+              configuration that cannot work raises ``LayoutError`` here, naming field and values.
+every step    ``mgr.step([(rid, token_ids, slots), ...])`` after the forward wrote the step's KV.
+              Never blocks: when a request crosses a stride boundary it queues that stride's
+              copy; a background thread (CPU) or a side CUDA stream (GPU) moves the bytes
+              through the planner (``Planner`` / ``execute_plan``, the same for every layout).
+              ``mgr.poll()`` (collective while releases are pending: all_reduce(MIN)) returns
+              the requests whose device slots the engine may free *now*: the same list on
+              every rank, and only requests that every rank holds on host (or on file).
+suspend/finish ``mgr.release(rid, token_ids, slots)``: queues the last partial stride and the
+              snapshot spaces; the engine keeps the slots until a later ``poll()`` lists rid.
+resume        ``mgr.reload(rid, slots)`` (collective for replicated KV): blocking, byte-exact
+              into freshly allocated slots. For a request this manager does not know (a shared
+              prefix, or files written before a restart) call ``mgr.restore(rid, token_ids)``
+              (collective) first.
+end           ``mgr.forget(rid)``: the request is done; its records stay as cache (LRU).
+direct-to-host ``grant = mgr.receive_to_host(rid, token_ids)``; prefill plans into
+              ``host.layout`` at ``grant.slots`` (``host.regions()`` are registered with the
+              transport like a device pool's), then ``mgr.commit_received(rid)``; later reload.
+shutdown      ``mgr.flush()`` writes host records to the file tier; ``mgr.close()``.
+
+Words. A *record* is one stored piece of a request: a *chunk* (``stride`` tokens of the
+*streamed* spaces, which are append-only, page-aligned) or a *tail* (the last partial
+stride plus the *snapshot* spaces, meaningful only at release: a sliding window, a
+state slot). For hybrid SWA, full-attention layers stream and sliding-window layers keep
+only their window. Records are keyed by a hash chain over token ids
+(``kvxfer.storage``), shared by requests with the same prefix, and move host -> file
+under LRU. Replicated KV (MLA): each record is stored by one rank of the group, chosen
+from its key; the others keep a *phantom* and receive the bytes by broadcast on reload.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .errors import LayoutError, PeerError, RequestError
+from .layout import TOKEN
+from .plan import Planner, execute_plan
+from .pools import KVPool
+from .storage import (DONE, GONE, FileStore, HostPool, OffloadStats, Record, RecordMeta, State, Tiers, compact_slots,
+                      key_seed, page_keys, tail_key)
+
+log = logging.getLogger("kvxfer.offload")
+EMPTY = np.zeros(0, np.int64)
+MAX_BATCH = 64   # records the background thread copies with one plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OffloadConfig:
+    """Per-rank offload settings; validated here, and against the pools by the manager."""
+    stride: int                                   # tokens per offload copy; a multiple of the page size
+    stream_spaces: tuple[str, ...] = (TOKEN,)     # append-only spaces, copied every stride
+    replicated: bool | None = None                # KV identical on every rank (None: layout.kind == "mla")
+    storage_dir: str | None = None                # the file tier; None: a full host pool makes offload wait
+    group_timeout_s: float = 10.0                 # a collective waits this long before the group is broken
+
+    def __post_init__(self):
+        if isinstance(self.stride, bool) or not isinstance(self.stride, int) or self.stride < 1:
+            raise LayoutError(f"OffloadConfig.stride must be a positive int (tokens), got {self.stride!r}")
+        if not self.group_timeout_s > 0:
+            raise LayoutError(f"OffloadConfig.group_timeout_s must be > 0, got {self.group_timeout_s}")
+        object.__setattr__(self, "stream_spaces", tuple(self.stream_spaces))
+
+
+class PollResult(NamedTuple):
+    released: list[str]             # free these requests' device slots now (same list on every rank)
+    failed: list[tuple[str, str]]   # (rid, reason): not offloaded; the device slots are still the engine's
+
+
+class HostGrant(NamedTuple):
+    """Where a direct-to-host receive lands: request ``positions[space]`` go to host ``slots[space]``."""
+    positions: dict[str, np.ndarray]
+    slots: dict[str, np.ndarray]
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    rid: str
+    chain: list[bytes] = field(default_factory=list)   # page keys of positions [0, streamed)
+    streamed: int = 0                                   # positions [0, streamed) are in chunks
+    chunks: list[Record] = field(default_factory=list)
+    tail: Record | None = None
+    phase: str = "running"                              # running | releasing | offloaded | receiving
+
+    @property
+    def records(self) -> list[Record]:
+        return self.chunks + ([self.tail] if self.tail is not None else [])
+
+
+def group_min(values: Sequence[int], group, timeout_s: float) -> list[int]:
+    """Element-wise MIN of ``values`` over ``group`` (gloo); raises RuntimeError on a dead or
+    stalled peer within ``timeout_s``."""
+    t = torch.tensor(list(values), dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+    return t.tolist()
+
+
+class DecodeOffloadManager:
+    """Offload of one decode rank. ``group``: its TP group as a gloo (CPU) process group, or
+    None for a single rank. See the module docstring for the calling contract."""
+
+    def __init__(self, pool: KVPool, host: HostPool, config: OffloadConfig, *, group=None):
+        self.pool, self.host, self.config, self.group = pool, host, config, group
+        self.rank, self.size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+        lay = pool.layout
+        self.replicated = lay.kind == "mla" if config.replicated is None else bool(config.replicated)
+        self.stream = tuple(s.name for s in lay.spaces if s.name in config.stream_spaces)
+        self.snapshot = tuple(s.name for s in lay.spaces if s.name not in self.stream)
+        if host.device_layout.signature != lay.signature:
+            raise LayoutError(f"host pool was built for layout {host.device_layout.kind} "
+                              f"({host.device_layout.signature}), this pool is {lay.kind} ({lay.signature})")
+        for s in self.stream:
+            ps = lay.space(s).page_size
+            if config.stride % ps:
+                raise LayoutError(f"OffloadConfig.stride {config.stride} is not a multiple of page_size {ps} "
+                                  f"of space {s!r}: use {-(-config.stride // ps) * ps}")
+            if host.capacity(s) < config.stride:
+                raise LayoutError(f"host pool space {s!r} holds {host.capacity(s)} slots, less than one "
+                                  f"OffloadConfig.stride ({config.stride} tokens): give HostPool size >= "
+                                  f"{config.stride}")
+        self._kps = lay.space(self.stream[0]).page_size if self.stream else 1   # pages of the key chain
+        self._d2h, self._h2d = Planner(lay, host.layout), Planner(host.layout, lay)
+        namespace = f"{lay.signature}|" + ("replicated" if self.replicated else f"tp{self.rank}of{self.size}")
+        self._seed = key_seed(namespace)
+        store = None
+        if config.storage_dir:
+            store = FileStore(Path(config.storage_dir) / hashlib.blake2b(namespace.encode(), digest_size=8).hexdigest())
+        self.tiers = Tiers(host, store)
+        self.stats: OffloadStats = self.tiers.stats
+        self._cond = self.tiers.cond
+        self._requests: dict[str, _Request] = {}
+        self._releasing: list[str] = []
+        self._broken: str | None = None
+        self._closing = False
+        self._cuda = pool.device.type == "cuda"
+        self._side = torch.cuda.Stream(pool.device) if self._cuda else None
+        self._queue: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run, name=f"kvxfer-offload-r{self.rank}", daemon=True)
+        self._worker.start()
+
+    # ---------------------------------------------------------------- engine calls
+    def step(self, batch: Iterable[tuple[str, Sequence[int], Sequence[int]]]) -> int:
+        """Each decode step, for every running request: (rid, its token ids so far, the engine
+        slots of those tokens as a host array). Queues the strides completed since the last
+        call; returns how many copies it queued. O(1) per request between stride boundaries."""
+        queued = []
+        for rid, token_ids, slots in batch:
+            req = self._requests.get(rid) or self._requests.setdefault(rid, _Request(rid))
+            if req.phase != "running":
+                raise RequestError(f"step: request {rid} is {req.phase}, not running (reload it first)")
+            while self.stream and req.streamed + self.config.stride <= len(token_ids):
+                queued.append(self._chunk(req, token_ids, slots))
+        return self._enqueue(queued)
+
+    def release(self, rid: str, token_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """The engine suspends or finishes ``rid`` and stops writing its KV: queue what is not on
+        host yet. Its device slots stay the engine's until ``poll()`` lists it."""
+        req = self._requests.get(rid) or self._requests.setdefault(rid, _Request(rid))
+        if req.phase != "running":
+            raise RequestError(f"release: request {rid} is {req.phase}, not running")
+        queued = []
+        while self.stream and req.streamed + self.config.stride <= len(token_ids):
+            queued.append(self._chunk(req, token_ids, slots))
+        queued.append(self._tail(req, token_ids, slots))
+        self._enqueue(queued)
+        req.phase = "releasing"
+        self._releasing.append(rid)
+
+    def poll(self) -> PollResult:
+        """(collective while releases are pending) Requests whose offload finished on every rank.
+        Raises PeerError when the group is broken (a rank died or stalled): nothing is released."""
+        if not self._releasing:
+            return PollResult([], [])
+        pending = list(self._releasing)
+        with self._cond:
+            votes = [self._vote(self._requests[r]) for r in pending]
+        if self.size > 1:
+            h = zlib.crc32("\0".join(pending).encode()) & 0x7FFFFFFF
+            head = self._collective(lambda: group_min([len(pending), -len(pending), h, -h], self.group,
+                                                      self.config.group_timeout_s), "release vote")
+            if head[0] != -head[1] or head[2] != -head[3]:
+                self._broken = "TP ranks disagree on which requests are being released"
+                raise PeerError(f"{self._broken} (this rank: {pending}); no device slots were released")
+            votes = self._collective(lambda: group_min(votes, self.group, self.config.group_timeout_s),
+                                     "release vote")
+        released, failed = [], []
+        for rid, v in zip(pending, votes):
+            req = self._requests[rid]
+            if v == 1:
+                req.phase = "offloaded"
+                released.append(rid)
+            elif v < 0:   # the engine still holds the KV on device; forget(rid) drops the records
+                req.phase = "running"
+                errs = [r.error for r in req.records if r.error]
+                failed.append((rid, errs[0] if errs else "another rank of the TP group failed to offload"))
+        self._releasing = [r for r in self._releasing if self._requests[r].phase == "releasing"]
+        return PollResult(released, failed)
+
+    def positions(self, rid: str) -> dict[str, np.ndarray]:
+        """Request positions held per space: what ``reload`` needs slots for. For a hybrid SWA
+        pool, map sliding-window slots for ``positions(rid)["swa"]`` before reloading."""
+        out: dict[str, list] = {}
+        for rec in self._get(rid).records:
+            for s, p in rec.positions.items():
+                out.setdefault(s, []).append(p)
+        return {s: np.concatenate(v) for s, v in out.items()}
+
+    def reload(self, rid: str, slots: Sequence[int]) -> None:
+        """Blocking: copy the offloaded request into fresh engine ``slots`` (position i ->
+        slots[i]; other spaces through ``pool.space_slots``), byte-exact; it runs again after.
+        Collective for replicated KV (each record's storing rank broadcasts it)."""
+        req = self._get(rid)
+        if req.phase != "offloaded":
+            raise RequestError(f"reload: request {rid} is {req.phase}, not offloaded")
+        s = np.asarray(slots, dtype=np.int64)
+        todo = []
+        for rec in req.records:
+            dst = {}
+            for space, pos in rec.positions.items():
+                if len(pos) and pos.max() >= len(s):
+                    raise LayoutError(f"reload {rid}: {len(s)} slots given, the request holds position "
+                                      f"{int(pos.max())} in space {space!r}")
+                dst[space] = np.asarray(self.pool.space_slots(space, s[pos]), np.int64)
+                if (dst[space] == 0).any():
+                    raise LayoutError(f"reload {rid}: no {space!r} slot mapped for positions "
+                                      f"{pos[dst[space] == 0][:8].tolist()} (see positions(rid))")
+            todo.append((rec, dst))
+        self._load(todo)
+        req.phase = "running"
+
+    def forget(self, rid: str) -> None:
+        """The request is over (after ``poll`` released it, after a failure, or on abort). Its
+        queued copies are cancelled; a copy already reading its device slots is waited for (one
+        batch at most). Its finished records stay as cache until evicted."""
+        req = self._requests.get(rid)
+        if req is None:
+            return
+        if req.phase == "releasing":
+            raise RequestError(f"forget: request {rid} is being released; wait until poll() lists it")
+        recs = req.records
+        with self._cond:
+            for rec in recs:   # never shared while queued or receiving (sharing needs a finished record)
+                if rec.state in (State.QUEUED, State.RECEIVING):
+                    self.tiers.drop_locked(rec)   # cancelled: the worker skips it
+            self._cond.wait_for(lambda: all(r.state != State.COPYING for r in recs))   # reads our slots
+            for rec in recs:
+                rec.refs -= 1
+                if rec.refs == 0 and rec.state == State.FAILED:
+                    self.tiers.drop_locked(rec)
+        del self._requests[rid]
+
+    def restore(self, rid: str, token_ids: Sequence[int]) -> int:
+        """(collective) Attach to ``rid`` the longest prefix of ``token_ids`` held on host or in
+        the file tier on every rank; returns its length in tokens (0: none). ``reload`` then
+        fills it. With snapshot spaces (SWA, state) only an exact match counts."""
+        if rid in self._requests:
+            raise RequestError(f"restore: request {rid} is already known")
+        tok, n = np.asarray(token_ids, dtype=np.int64), len(token_ids)
+        chain = page_keys(self._seed, tok, self._kps) if self.stream else []
+        agreed = n
+        while True:  # every rank runs the same rounds: stop only when all counts agree
+            found, pos, tail = [], 0, None
+            while self.stream and pos + self._kps <= agreed:
+                rec = self._find(chain[pos // self._kps], chain, pos)
+                if rec is None or pos + rec.tokens[self.stream[0]] > agreed:
+                    break
+                found.append(rec)
+                pos += rec.tokens[self.stream[0]]
+            if agreed == n and (pos < n or self.snapshot):
+                tail = self._find(tail_key(chain[pos // self._kps - 1] if pos else self._seed, tok[pos:], n))
+            count = n if tail is not None else 0 if self.snapshot else pos
+            if self.size == 1 or self.replicated:   # replicated: every rank saw the storers' answers
+                break
+            lo, neg_hi = self._collective(lambda: group_min([count, -count], self.group,
+                                                            self.config.group_timeout_s), "restore vote")
+            if lo == -neg_hi:
+                break
+            agreed = lo
+        req = _Request(rid, phase="offloaded")
+        if count:
+            req.chunks, req.tail, req.streamed, req.chain = found, tail, pos, chain[:pos // self._kps]
+        with self._cond:
+            for rec in req.records:
+                rec.refs += 1
+        self._requests[rid] = req
+        return count
+
+    def receive_to_host(self, rid: str, token_ids: Sequence[int], *,
+                        positions: Mapping[str, Sequence[int]] | None = None) -> HostGrant:
+        """Reserve host slots for a request that prefill writes straight into host memory (no
+        device slots). The streamed spaces take every token; ``positions`` gives the request
+        positions of snapshot spaces (default none). Raises RequestError when the host is full.
+        Replicated KV: only the storing rank's records are granted (others get empty arrays)."""
+        if rid in self._requests:
+            raise RequestError(f"receive_to_host: request {rid} is already known")
+        tok = np.asarray(token_ids, dtype=np.int64)
+        req = self._requests[rid] = _Request(rid, phase="receiving")
+        ident = np.arange(len(tok), dtype=np.int64)
+        while self.stream and req.streamed + self.config.stride <= len(tok):
+            self._chunk(req, tok, ident, receive=True)
+        self._tail(req, tok, ident, snap={s: np.asarray(v, np.int64) for s, v in (positions or {}).items()})
+        mine = [r for r in req.records if r.state == State.RECEIVING]
+        try:
+            for rec in mine:
+                rec.host_slots = self.tiers.alloc(rec.tokens, wait=False, closing=lambda: self._closing)
+        except Exception:
+            req.phase = "running"
+            self.forget(rid)
+            raise
+        return HostGrant(self._cat(mine, lambda r: r.positions), self._cat(mine, lambda r: r.host_slots))
+
+    def commit_received(self, rid: str, ok: bool = True) -> None:
+        """Every byte of the grant landed (``ok``), or the transfer failed (host slots freed)."""
+        req = self._get(rid)
+        if req.phase != "receiving":
+            raise RequestError(f"commit_received: request {rid} is {req.phase}, not receiving")
+        req.phase = "running"
+        if not ok:
+            return self.forget(rid)
+        with self._cond:
+            for rec in req.records:
+                if rec.state == State.RECEIVING:
+                    self.tiers.hold_locked(rec)
+        req.phase = "offloaded"
+
+    def flush(self) -> int:
+        """Write every host record to the file tier (blocking); returns how many were written."""
+        if self.tiers.store is None:
+            raise LayoutError("flush: OffloadConfig.storage_dir is not set, there is no file tier")
+        self.drain()
+        return self.tiers.flush()
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until no copy is queued or running (tests, benchmarks, shutdown)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
+
+    def close(self) -> None:
+        """Stop the background thread (idempotent). Host memory and files stay as they are."""
+        if not self._closing:
+            self._closing = True
+            self._queue.put(None)
+            with self._cond:
+                self._cond.notify_all()
+            self._worker.join(timeout=30)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---------------------------------------------------------------- records of a request
+    def _storer(self, first: bytes) -> int:
+        return int.from_bytes(first[:8], "little") % self.size if self.replicated else self.rank
+
+    def _chunk(self, req: _Request, token_ids, slots, receive: bool = False) -> Record | None:
+        """The next ``stride`` positions of the streamed spaces become a record, or reuse an
+        equal one (same prefix). Returns the record to copy, if any."""
+        a, n = req.streamed, self.config.stride
+        keys = page_keys(req.chain[-1] if req.chain else self._seed, np.asarray(token_ids[a:a + n]), self._kps)
+        req.chain.extend(keys)
+        req.streamed = a + n
+        with self._cond:
+            if not receive:
+                for old in self.tiers.index.get(keys[0], ()):   # only finished records: a queued copy
+                    if old.start == a and old.page_keys == tuple(keys) and old.state in DONE:  # reads its own slots
+                        old.refs += 1
+                        req.chunks.append(old)
+                        self.stats.records_deduped += 1
+                        self.tiers.touch_locked(old)
+                        return None
+            src = {s: np.asarray(self.pool.space_slots(s, np.asarray(slots[a:a + n], np.int64)), np.int64)
+                   for s in self.stream}
+            pos = np.arange(a, a + n, dtype=np.int64)
+            rec = self._new(keys[-1], keys[0], "chunk", a, {s: pos for s in self.stream}, tuple(keys), src, receive)
+        req.chunks.append(rec)
+        return rec if rec.state == State.QUEUED else None
+
+    def _tail(self, req: _Request, token_ids, slots, snap=None) -> Record | None:
+        """The last partial stride plus the snapshot spaces: at release, the slots mapped now
+        (a window, a state slot); for a receive, ``snap``'s positions."""
+        a, s_all, tok = req.streamed, np.asarray(slots, dtype=np.int64), np.asarray(token_ids, dtype=np.int64)
+        positions = {s: np.arange(a, len(tok), dtype=np.int64) for s in self.stream}
+        src = {s: np.asarray(self.pool.space_slots(s, s_all[a:len(tok)]), np.int64) for s in self.stream}
+        for s in self.snapshot:
+            if snap is not None:
+                positions[s], src[s] = snap.get(s, EMPTY), EMPTY
+            else:
+                mapped = np.asarray(self.pool.space_slots(s, s_all), np.int64)
+                positions[s] = np.flatnonzero(mapped != 0)
+                src[s] = mapped[positions[s]]
+        positions = {s: p for s, p in positions.items() if len(p)}
+        if req.tail is not None:   # the previous release's tail is superseded
+            with self._cond:
+                req.tail.refs -= 1
+            req.tail = None
+        if not positions:
+            return None
+        key = tail_key(req.chain[-1] if req.chain else self._seed, tok[a:], len(tok))
+        with self._cond:
+            req.tail = self._new(key, key, "tail", a, positions, (), {s: src[s] for s in positions}, snap is not None)
+        return req.tail if req.tail.state == State.QUEUED else None
+
+    def _new(self, key, first, kind, start, positions, keys, src, receive) -> Record:
+        storer = self._storer(first)
+        state = State.PHANTOM if storer != self.rank else State.RECEIVING if receive else State.QUEUED
+        return self.tiers.add_locked(Record(key=key, first=first, kind=kind, start=start, positions=positions,
+                                            page_keys=keys, state=state, storer=storer,
+                                            src=None if receive else src))
+
+    def _enqueue(self, recs: list[Record | None]) -> int:
+        recs = [r for r in recs if r is not None]
+        if recs:
+            event = torch.cuda.current_stream(self.pool.device).record_event() if self._cuda else None
+            for rec in recs:
+                rec.event = event
+                self._queue.put(rec)
+        return len(recs)
+
+    def _vote(self, req: _Request) -> int:
+        """1: every record of ``req`` is safe on this rank; 0: not yet; -1: failed."""
+        if any(r.state in GONE for r in req.records):
+            return -1
+        return int(all(r.state in DONE for r in req.records))
+
+    def _get(self, rid: str) -> _Request:
+        if rid not in self._requests:
+            raise RequestError(f"request {rid} is not known to this offload manager")
+        return self._requests[rid]
+
+    # ---------------------------------------------------------------- copies
+    def _run(self) -> None:
+        """The background thread: device -> host copies in step order. Records queued together
+        (a burst of boundaries, a batch of releases) share one plan and one execution."""
+        carry: list[Record] = []
+        while True:
+            items = carry or [self._queue.get()]
+            carry = []
+            while items[-1] is not None and len(items) < MAX_BATCH:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            recs = [r for r in items if r is not None]
+            try:
+                carry = self._offload(recs)
+            except Exception as e:
+                log.exception("offload of %d records failed", len(recs))
+                with self._cond:
+                    for rec in recs:
+                        if rec.state in (State.QUEUED, State.COPYING):
+                            if rec.host_slots is not None:
+                                self.host.free(rec.host_slots)
+                                rec.host_slots = None
+                            rec.state, rec.error = State.FAILED, f"{type(e).__name__}: {e}"
+            finally:
+                with self._cond:
+                    for _ in range(len(items) - len(carry)):
+                        self._queue.task_done()
+                    self._cond.notify_all()
+            if items[-1] is None:
+                return
+
+    def _offload(self, recs: list[Record]) -> list[Record]:
+        """Copy ``recs`` (those still queued) to host in one plan. The first waits for host room;
+        the others only take what is free now; returns the rest, for the next round."""
+        todo: list[Record] = []
+        carry: list[Record] = []
+        for i, rec in enumerate(recs):
+            if rec.state != State.QUEUED:
+                continue
+            try:
+                slots = self.tiers.alloc(rec.tokens, wait=not todo, closing=lambda: self._closing)
+            except RequestError:
+                if not todo:
+                    raise
+                carry = recs[i:]
+                break
+            with self._cond:
+                if rec.state != State.QUEUED:   # cancelled by forget() while we waited for room
+                    self.host.free(slots)
+                    continue
+                rec.host_slots, rec.state = slots, State.COPYING
+            todo.append(rec)
+        if not todo:
+            return []
+        plan = self._d2h.plan(self._cat(todo, lambda r: r.src), self._cat(todo, lambda r: r.host_slots))
+        self._copy(plan, self.pool.regions(), self.host.regions(), [r.event for r in todo])
+        with self._cond:
+            for rec in todo:
+                rec.src = rec.event = None
+                self.tiers.hold_locked(rec)
+            self.stats.records_offloaded += len(todo)
+            self.stats.bytes_offloaded += plan.nbytes
+        return carry
+
+    def _cat(self, items, side) -> dict[str, np.ndarray]:
+        """Per space of the pool: the slots ``side(item)`` of every item, concatenated."""
+        return {s.name: np.concatenate([side(it).get(s.name, EMPTY) for it in items] or [EMPTY])
+                for s in self.pool.layout.spaces}
+
+    def _copy(self, plan, src, dst, events=()) -> None:
+        if self._cuda:  # on the side stream, after the steps (or reload) that own the slots
+            with torch.cuda.stream(self._side):
+                for event in {id(e): e for e in events if e is not None}.values():
+                    self._side.wait_event(event)
+                execute_plan(plan, src, dst)
+            self._side.synchronize()
+        else:
+            execute_plan(plan, src, dst)
+
+    def _load(self, todo: list[tuple[Record, dict[str, np.ndarray]]]) -> None:
+        """Copy records to device slots: those in host memory with one plan; records on file,
+        and replicated records (broadcast by their storing rank), one by one."""
+        with self._cond:
+            for rec, _ in todo:
+                if rec.state not in DONE:
+                    raise RequestError(f"record {rec.key.hex()} is {rec.state.name}, not offloaded")
+            for rec, _ in todo:   # pinned: never evicted while we read it
+                rec.pins += 1
+                self.tiers.touch_locked(rec)
+            together = [(r, d) for r, d in todo if r.state == State.HOST and not (self.replicated and self.size > 1)]
+        try:
+            event = torch.cuda.current_stream(self.pool.device).record_event() if self._cuda else None
+            if together:
+                plan = self._h2d.plan(self._cat(together, lambda rd: rd[0].host_slots),
+                                      self._cat(together, lambda rd: rd[1]))
+                self._copy(plan, self.host.regions(), self.pool.regions(), [event])
+                self.stats.bytes_reloaded += plan.nbytes
+            for rec, dst in todo:
+                if any(rec is r for r, _ in together):
+                    continue
+                F, _, from_f = self.tiers.compact(rec.tokens)
+                if self.replicated and self.size > 1:
+                    regions = (self.tiers.materialize(rec) if rec.storer == self.rank
+                               else [torch.zeros(r.nbytes, dtype=torch.uint8) for r in F.regions])
+                    for t in regions:
+                        self._bcast(t, rec.storer, "reload broadcast")
+                else:
+                    regions = self.tiers.materialize(rec)
+                plan = from_f.plan(compact_slots(F, rec.tokens), dst)
+                self._copy(plan, regions, self.pool.regions(), [event])
+                self.stats.bytes_reloaded += plan.nbytes
+            self.stats.records_reloaded += len(todo)
+        finally:
+            with self._cond:
+                for rec, _ in todo:
+                    rec.pins -= 1
+                self._cond.notify_all()
+
+    # ---------------------------------------------------------------- the group
+    def _find(self, first: bytes, chain: list[bytes] | None = None, pos: int = 0) -> Record | None:
+        """A usable record starting with key ``first``. Replicated KV: its storing rank looks and
+        broadcasts what it found, so every rank gets the same answer (collective)."""
+        storer = self._storer(first)
+        found = self.tiers.find(first, chain, pos, self._kps, self.rank) if storer == self.rank else None
+        if not (self.replicated and self.size > 1):
+            return found
+        blob = found.meta().pack() if found is not None else b""
+        n = torch.tensor([len(blob)], dtype=torch.int64)
+        self._bcast(n, storer, "restore broadcast")
+        buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(int(n), dtype=torch.uint8)
+        if int(n):
+            self._bcast(buf, storer, "restore broadcast")
+        if storer == self.rank or not int(n):
+            return found
+        meta = RecordMeta.unpack(bytes(buf.numpy()))
+        with self._cond:
+            same = [r for r in self.tiers.index.get(first, ()) if r.key == meta.key and r.state not in GONE]
+            return same[0] if same else self.tiers.add_locked(Record.of_meta(meta, State.PHANTOM, storer, False))
+
+    def _bcast(self, t: torch.Tensor, src: int, what: str) -> None:
+        self._collective(lambda: dist.broadcast(t, group=self.group, group_src=src, async_op=True).wait(
+            timeout=timedelta(seconds=self.config.group_timeout_s)), what)
+
+    def _collective(self, fn, what: str):
+        if self._broken:
+            raise PeerError(f"the TP group is broken ({self._broken}); no device slots were released")
+        try:
+            return fn()
+        except Exception as e:  # gloo raises RuntimeError on a dead peer and on its timeout
+            self._broken = f"{what} failed: {type(e).__name__}: {e}"
+            raise PeerError(f"offload {what} over the TP group failed ({e}); no device slots were "
+                            f"released") from e
+
+
+__all__ = ["OffloadConfig", "HostPool", "DecodeOffloadManager", "PollResult", "HostGrant", "OffloadStats",
+           "group_min"]
