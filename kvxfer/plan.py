@@ -408,17 +408,17 @@ class ByteRanges:
     def covers(self, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """Bool per run: lies wholly inside one granted interval. Safe on hostile values."""
         region, offset, nbytes = (np.asarray(x, dtype=np.int64) for x in (region, offset, nbytes))
-        ok = (offset >= 0) & (nbytes > 0) & (offset < MAX_OFFSET) & (nbytes < MAX_OFFSET)
-        for r, (starts, ends) in self._by_region.items():
-            m = ok & (region == r)
-            if not m.any():
+        valid = (offset >= 0) & (nbytes > 0) & (offset < MAX_OFFSET) & (nbytes < MAX_OFFSET)
+        out = np.zeros(len(region), dtype=bool)   # runs in regions without a grant stay False
+        for r in np.unique(region[valid]).tolist():   # only the regions the runs name
+            if r not in self._by_region:
                 continue
+            starts, ends = self._by_region[r]
+            m = valid & (region == r)
             o, n = offset[m], nbytes[m]
             i = np.searchsorted(starts, o, side="right") - 1
-            good = (i >= 0) & (o + n <= ends[np.clip(i, 0, None)])
-            ok[m] = good
-        known = np.isin(region, np.fromiter(self._by_region, np.int64, len(self._by_region)))
-        return ok & known
+            out[m] = (i >= 0) & (o + n <= ends[np.clip(i, 0, None)])
+        return out
 
 
 # ------------------------------------------------------------------------------------

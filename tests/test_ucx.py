@@ -1,0 +1,341 @@
+"""UCX transport between real processes on 127.0.0.1: bytes, grants, hostile peers, dead peers.
+
+Each peer process runs ``_serve``: a small command loop over a multiprocessing pipe that
+drives one ``UCXTransport``. The test process holds the other transport. Children are
+spawned (never forked: UCX state must not be copied) and reused across tests per TLS.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ucxx")
+
+from kvxfer.errors import PeerError, RejectedWrite, TransferTimeout, TransportError  # noqa: E402
+from kvxfer.plan import ByteRanges, RunGroup, TransferPlan  # noqa: E402
+from kvxfer.transport import TransferStatus, get_transport  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+POOL = 24 * MiB
+CANARY = 0xA5
+OPTS = {"frame_bytes": 1 * MiB, "heartbeat": 0.2, "peer_timeout": 1.5}
+TLS = {"default": None, "tcp": "tcp"}
+
+
+def _plan(groups) -> TransferPlan:
+    """``groups``: (src offsets, dst offsets, lengths, packed) in region 0 on both sides."""
+    z = np.zeros(1, np.int64)
+    return TransferPlan(tuple(RunGroup(z, z, z, z, np.asarray(s, np.int64), np.asarray(d, np.int64),
+                                       np.broadcast_to(np.asarray(n, np.int64), np.shape(s)).copy(), p)
+                              for s, d, n, p in groups))
+
+
+def _serve(conn, tls, pool_bytes: int, opts: dict) -> None:
+    """Child process: one transport and one pool (filled with CANARY), driven by commands."""
+    t = get_transport("ucx", tls=tls, **opts)
+    pool = torch.full((pool_bytes,), CANARY, dtype=torch.uint8)
+    t.register([pool])
+    conn.send(t.descriptor())
+    handles = {}  # keeps submitted handles alive
+    while True:
+        cmd, *a = conn.recv()
+        if cmd == "expect":
+            t.expect(a[0], ByteRanges(*(np.asarray(x, np.int64) for x in a[1])))
+        elif cmd == "forget":
+            t.forget(a[0])
+        elif cmd == "arrivals":
+            got, end = [], time.monotonic() + a[0]
+            while len(got) < a[1] and time.monotonic() < end:
+                got += t.arrivals(0.05)
+            conn.send([tuple(x) for x in got])
+            continue
+        elif cmd == "pool":
+            conn.send(pool.numpy().tobytes())
+            continue
+        elif cmd == "fill":
+            pool.copy_(torch.from_numpy(np.frombuffer(a[0], np.uint8)))
+        elif cmd == "rejected":
+            conn.send(dict(t.rejected))
+            continue
+        elif cmd == "connect":
+            conn.send(t.connect(a[0]))
+            continue
+        elif cmd == "submit":
+            if a[4]:  # a sender frozen after GO (as if it stopped mid-transfer): never puts, never DONE
+                t._start_puts = lambda out, dtag: setattr(out, "state", "stalled")
+            handles[a[1]] = t.submit(a[0], a[1], _plan(a[2]), timeout=a[3])
+        elif cmd == "close":
+            t.close()
+            conn.send("closed")
+            return
+        conn.send("ok")
+
+
+class Peer:
+    """The test-side handle on a child process running ``_serve``."""
+
+    def __init__(self, tls, pool_bytes=POOL, **opts):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve, args=(child, tls, pool_bytes, {**OPTS, **opts}), daemon=True)
+        self.proc.start()
+        self._descriptor = None
+
+    @property
+    def descriptor(self) -> dict:
+        """The peer's transport descriptor (waits for the process to come up the first time)."""
+        if self._descriptor is None:
+            if not self.conn.poll(90):
+                raise RuntimeError("UCX peer process did not start")
+            self._descriptor = self.conn.recv()
+        return self._descriptor
+
+    def __call__(self, *cmd, timeout: float = 30):
+        self.conn.send(cmd)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"peer did not answer {cmd[0]}")
+        return self.conn.recv()
+
+    def pool(self) -> np.ndarray:
+        return np.frombuffer(self("pool"), np.uint8)
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self("close", timeout=15)
+            except (TimeoutError, EOFError, BrokenPipeError):
+                pass
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.kill()
+
+
+@pytest.fixture(scope="module")
+def peers():
+    """One peer process per TLS, all started at once: their start-up (torch, UCX) overlaps."""
+    started = {name: Peer(tls) for name, tls in TLS.items()}
+    yield started
+    for p in started.values():
+        p.stop()
+
+
+@pytest.fixture(scope="module", params=sorted(TLS))
+def pair(request, peers):
+    """(local sender transport, its source pool, remote receiver Peer, peer id) for one TLS."""
+    tls, peer = TLS[request.param], peers[request.param]
+    t = get_transport("ucx", tls=tls, **OPTS)
+    src = torch.randint(0, 256, (POOL,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    t.register([src])
+    pid = t.connect(peer.descriptor)
+    yield t, src.numpy(), peer, pid
+    t.close()
+
+
+def _whole(n: int):
+    return ([0], [0], [n])
+
+
+def test_bytes_land_exactly_with_canaries(pair):
+    t, src, peer, pid = pair
+    rng = np.random.default_rng(7)
+    # One big run (split into 1 MiB puts), 100 scattered 64 KiB pages, 1500 packed 4 KiB-16 pages.
+    big = ([0], [MiB], [5 * MiB + 123], False)
+    pages = rng.choice(np.arange(8 * MiB, 16 * MiB, 64 * KiB) // (64 * KiB), 100, replace=False) * 64 * KiB
+    scattered = (rng.permutation(pages), pages, 64 * KiB, False)
+    small = rng.choice(np.arange(16 * MiB, 24 * MiB, 4 * KiB) // (4 * KiB), 1500, replace=False) * 4 * KiB
+    packed = (rng.permutation(small) - 8 * MiB, small, 4 * KiB - 16, True)  # leaves a 16-byte canary per page
+    # 300 tiny runs the plan left unpacked: the transport packs them (put_below) rather than 300 puts.
+    tiny_dst = 7 * MiB + np.arange(300) * 256
+    tiny = (rng.integers(0, POOL - 200, 300), tiny_dst, 200, False)
+    plan = _plan([big, scattered, packed, tiny])
+    peer("expect", "r-exact", _whole(POOL))
+    h = t.submit(pid, "r-exact", plan, timeout=30, notify=b"chunk-0")
+    assert h.wait(30), h.error
+    (arr,) = peer("arrivals", 10, 1)
+    assert arr == ("r-exact", plan.nbytes, True, "", b"chunk-0")
+    want = np.full(POOL, CANARY, np.uint8)
+    r = plan.runs()
+    for s, d, n in zip(r.src_offset, r.dst_offset, r.nbytes):
+        want[d: d + n] = src[s: s + n]
+    got = peer.pool()
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} bytes differ, first at {bad[:5]}"
+    peer("forget", "r-exact")
+    peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
+
+
+def test_many_in_flight_and_empty_plan(pair):
+    """32 put transfers, 16 packed ones of varied sizes (staging blocks get reused) and an empty one."""
+    t, src, peer, pid = pair
+    peer("expect", "r-many", _whole(POOL))
+    hs = [t.submit(pid, "r-many", _plan([([i * 64 * KiB], [i * 64 * KiB], [64 * KiB], False)]), timeout=30)
+          for i in range(32)]
+    packed = [4 * MiB + i * 64 * KiB + np.arange(1 + 7 * i) * 4 * KiB for i in range(16)]
+    hs += [t.submit(pid, "r-many", _plan([(o, o, 1000 + i, True)]), timeout=30) for i, o in enumerate(packed)]
+    hs.append(t.submit(pid, "r-many", TransferPlan(()), timeout=30))
+    assert all(h.wait(30) for h in hs), [h.error for h in hs if h.error]
+    arrs = peer("arrivals", 10, len(hs))
+    assert len(arrs) == len(hs) and all(a[2] for a in arrs)
+    got = peer.pool()
+    assert np.array_equal(got[: 2 * MiB], src[: 2 * MiB])
+    for i, offs in enumerate(packed):
+        for o in offs[:: max(1, len(offs) // 5)]:
+            assert np.array_equal(got[o: o + 1000 + i], src[o: o + 1000 + i]), (i, o)
+    peer("forget", "r-many")
+    peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
+
+
+def test_writes_outside_grant_are_rejected_whole(pair):
+    t, src, peer, pid = pair
+    before = peer("rejected")
+    peer("expect", "r-grant", ([0], [MiB], [MiB]))   # bytes [1 MiB, 2 MiB) only
+    partly_out = _plan([([0], [MiB], [MiB], False), ([0], [3 * MiB], [4 * KiB], False)])
+    packed_out = _plan([([0, 8 * KiB], [MiB, 5 * MiB], [4 * KiB], True)])
+    h1 = t.submit(pid, "r-grant", partly_out, timeout=10)
+    h2 = t.submit(pid, "r-grant", packed_out, timeout=10)
+    h3 = t.submit(pid, "r-nobody", _plan([([0], [0], [4 * KiB], False)]), timeout=10)
+    for h in (h1, h2, h3):
+        assert not h.wait(10)
+        assert isinstance(h.error, RejectedWrite), h.error
+    assert "outside grant" in str(h1.error) and "unknown request" in str(h3.error)
+    arrs = peer("arrivals", 5, 3)
+    assert sorted((a[0], a[2]) for a in arrs) == [("r-grant", False), ("r-grant", False), ("r-nobody", False)]
+    after = peer("rejected")
+    assert after.get("outside grant", 0) - before.get("outside grant", 0) == 2
+    assert after.get("unknown request", 0) - before.get("unknown request", 0) == 1
+    assert (peer.pool() == CANARY).all(), "a rejected transfer wrote bytes"
+    peer("forget", "r-grant")
+    h4 = t.submit(pid, "r-grant", _plan([([0], [MiB], [4 * KiB], False)]), timeout=10)
+    assert not h4.wait(10) and "ended request" in str(h4.error)
+    assert [a[:3] for a in peer("arrivals", 5, 1)] == [("r-grant", 4 * KiB, False)]
+    assert (peer.pool() == CANARY).all()
+
+
+def _raw(t, pid: str, msg, sender: str | None = None) -> None:
+    """Send a hand-made control message from ``t`` to its connected peer (a hostile peer).
+
+    ``msg`` is one message (sent as a batch of one from ``sender``, default ``t``) or raw bytes.
+    """
+    from transports.ucx import CTRL_TAG, ucx_api, Array
+    p = t._peers[pid]
+    wire = msg if isinstance(msg, bytes) else msgpack.packb([sender or t.id, [msg]], use_bin_type=True)
+
+    def send():
+        buf = np.frombuffer(wire, np.uint8)
+        t._ctrl_sends.append((p.ep.tag_send(Array(buf), ucx_api.UCXXTag(CTRL_TAG)), buf))
+    t._call(send)
+
+
+def test_hostile_announces_are_rejected_and_counted(pair):
+    from transports.ucx import ANNOUNCE
+    t, src, peer, pid = pair
+    peer("expect", "r-host", ([0], [0], [POOL + MiB]))  # a grant reaching past the region (receiver's bug)
+    i8 = lambda *v: np.asarray(v, "<i8").tobytes()  # noqa: E731
+    e = b""
+
+    def ann(xid, dreg, doff, dn, preg=e, poff=e, pn=e, frame=MiB, rid="r-host"):
+        return [ANNOUNCE, 10_000 + xid, rid, 5.0, b"", dreg, doff, dn, preg, poff, pn, frame]
+    before = peer("rejected")
+    hostile = {  # in this order: messages on one endpoint are handled in order, and only announces yield arrivals
+        "malformed message": [b"\xc1\xff not msgpack", msgpack.packb(["x", "not a list"]), [ANNOUNCE], 7],
+        "unknown peer": [([ANNOUNCE, 1, "r-host"], "nobody")],
+        "malformed header": [ann(1, i8(0, 0), i8(0), i8(4096)),          # arrays differ in length
+                             ann(2, b"\x01\x02\x03", e, e),                # not int64 bytes
+                             ann(3, i8(0), i8(0), i8(4096), frame=7)],     # absurd frame size
+        "unknown region": [ann(4, i8(3), i8(0), i8(4096))],
+        "outside grant": [ann(5, i8(0), i8(-4096), i8(8192)),              # negative offset
+                          ann(6, i8(0), i8(2**62), i8(2**62)),             # overflow bait
+                          ann(7, i8(0), i8(0), i8(0))],                    # empty run
+        "outside region": [ann(8, i8(0), i8(POOL - 4096), i8(8192))],      # granted, but past the pool
+    }
+    for msgs in hostile.values():
+        for m in msgs:
+            _raw(t, pid, *(m if isinstance(m, tuple) else (m,)))
+    arrs = peer("arrivals", 5, 8)
+    assert len(arrs) == 8 and not any(a[2] for a in arrs)  # every announce from a known peer: one failed arrival
+    after = peer("rejected")
+    for reason, msgs in hostile.items():
+        assert after.get(reason, 0) - before.get(reason, 0) == len(msgs), (reason, after)
+    assert (peer.pool() == CANARY).all()
+    # The receiver still works for honest transfers afterwards.
+    h = t.submit(pid, "r-host", _plan([([0], [0], [64 * KiB], False)]), timeout=10)
+    assert h.wait(10), h.error
+    assert np.array_equal(peer.pool()[: 64 * KiB], src[: 64 * KiB])
+    peer("arrivals", 5, 1)
+    peer("forget", "r-host")
+    peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
+
+
+def test_receiver_fails_transfer_past_its_deadline(pair):
+    """An announce that never finishes (sender stalls) fails on the receiver at its deadline."""
+    from transports.ucx import ANNOUNCE
+    t, src, peer, pid = pair
+    peer("expect", "r-late", _whole(POOL))
+    i8 = lambda *v: np.asarray(v, "<i8").tobytes()  # noqa: E731
+    _raw(t, pid, [ANNOUNCE, 20_000, "r-late", 0.5, b"n", i8(0), i8(0), i8(4096), b"", b"", b"", MiB])
+    start = time.monotonic()
+    (arr,) = peer("arrivals", 10, 1)
+    assert arr[:3] == ("r-late", 4096, False) and "deadline passed" in arr[3]
+    assert time.monotonic() - start < 5
+    peer("forget", "r-late")
+
+
+def test_contract_edges():
+    t = get_transport("ucx", tls="tcp")
+    t.register([torch.zeros(4096, dtype=torch.uint8)])
+    h = t.submit("nobody", "r", _plan([([0], [0], [16], False)]), timeout=1)
+    assert h.poll() == TransferStatus.FAILED and isinstance(h.error, PeerError)
+    with pytest.raises(TransportError):
+        t.connect({"id": "x"})
+    t.close()
+    t.close()  # idempotent
+    h = t.submit("nobody", "r", _plan([([0], [0], [16], False)]), timeout=1)
+    assert h.poll() == TransferStatus.FAILED
+
+
+def test_killed_peer_mid_transfer_fails_both_ways(pair):
+    """Runs last per TLS: kills the pair's peer while a transfer to it and one from it are in flight.
+
+    White box, to hit the worst moments deterministically: the peer dies after it sent GO
+    and before our puts (over shared memory UCX would abort() on the dead pid without the
+    transport's log hook), and the peer's own transfer to us is stuck after its GO.
+    """
+    t, src, peer, pid = pair
+    t.expect("r-from-dead", ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, MiB)))
+    my_id = peer("connect", t.descriptor())
+    peer("submit", my_id, "r-from-dead", [([0], [0], [MiB], False)], 30.0, True)
+    end = time.monotonic() + 10
+    while not t._in and time.monotonic() < end:  # its ANNOUNCE arrived and we answered GO
+        time.sleep(0.005)
+    assert t._in, "the peer's transfer never started"
+    peer("expect", "r-to-dead", _whole(POOL))
+    real_start_puts = t._start_puts
+
+    def kill_then_put(out, dtag):
+        peer.kill()
+        real_start_puts(out, dtag)
+    t._start_puts = kill_then_put
+    start = time.monotonic()
+    h = t.submit(pid, "r-to-dead", _plan([([0], [0], [8 * MiB], False), ([0], [9 * MiB], [4 * KiB], True)]),
+                 timeout=30)
+    assert not h.wait(30)
+    assert isinstance(h.error, PeerError | TransferTimeout), h.error
+    got = []
+    while not got and time.monotonic() - start < 30:
+        got = t.arrivals(0.1)
+    assert [(a.request_id, a.ok) for a in got] == [("r-from-dead", False)], got
+    assert time.monotonic() - start < 10, "a dead peer must be noticed by heartbeats, well before the deadline"
+    t._start_puts = real_start_puts
+    h2 = t.submit(pid, "r-to-dead", _plan([([0], [0], [4096], False)]), timeout=2)
+    assert not h2.wait(10) and h2.poll() == TransferStatus.FAILED

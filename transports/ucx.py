@@ -1,0 +1,794 @@
+"""UCX transport: one-sided put for runs, a tagged block for packed runs, tagged control.
+
+Mechanism, by measurement (scripts/bench_ucx.py): unpacked runs are written with
+``ucp_put_nbx`` through the ``libucp`` bundled with ``ucxx`` (ctypes, on the worker and endpoint
+handles ucxx creates). The receiver posts nothing per run, so a scattered page costs one call
+on the sender only; raw puts beat ucxx tag send/recv into the destination at every size here
+(1000 scattered 64 KiB pages: 10-30x). Packed runs (``RunGroup.packed``) are gathered into one
+block, tag-sent in frames and scattered by the receiver. Control messages are msgpack lists,
+batched per peer and loop turn into one tagged message.
+
+One transfer (S sender, R receiver, each on its own I/O thread)::
+
+    S -> R  ANNOUNCE  request id, deadline, every destination run (int64 arrays)
+    R       GrantTable.check + region bounds; refused: FAIL to S, Arrival(ok=False)
+    R -> S  GO        a data tag for the packed frames
+    S       puts (big runs cut in frames), packed frames, one ep flush per turn
+    S -> R  DONE      after the flush, so every put is visible at R
+    R       receives frames, re-checks the grant, scatters packed runs, Arrival(ok=True)
+    R -> S  ACK       only now is the handle DONE
+
+Trust model: R checks every announced run before it answers GO, so an honest sender (even one
+with a wrong plan) never writes outside a grant. A *malicious* peer holding the rkeys of our
+``descriptor()`` can put anywhere inside the regions given to ``register()`` (nothing else)
+without announcing: give descriptors only to peers trusted with the whole pool, as with NIXL
+or any RDMA transport. S issues no put after the deadline, but issued puts cannot be recalled.
+
+Liveness: endpoints have error handling OFF (on, it excludes shared memory: ~10x slower), so
+a dead peer raises nothing. Each side pings its peers every ``heartbeat`` s; a peer silent for
+``peer_timeout`` s fails its transfers; every transfer also fails at its deadline, on both
+sides. Without error handling UCX's single-copy shared-memory transport (cma) abort()s the
+process when it touches a dead peer: the UCS log hook below turns that into a failed call.
+
+Threads: one I/O thread per transport owns the worker and makes every UCX call. It loops
+while something happens and sleeps on the worker's event fd otherwise (busy polling was
+3-40x slower on this 2-core machine whenever other processes ran). ``register``, ``connect``
+and ``close`` hand work to it and wait; ``submit`` plans and gathers in the caller's thread,
+enqueues, and never waits on the network.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+import weakref
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+import torch
+import ucxx  # noqa: F401  (loads the bundled libucx / libucxx)
+from ucxx._lib import libucxx as ucx_api
+from ucxx._lib.arr import Array
+
+from kvxfer.errors import ConnectError, PeerError, PlanError, RejectedWrite, TransferTimeout, TransportError
+from kvxfer.plan import PACK_BELOW, ByteRanges, TransferPlan, gather_runs, scatter_runs
+from kvxfer.transport import DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle, byte_view
+
+log = logging.getLogger("kvxfer.transport.ucx")
+
+# ---- libucp through ctypes (ucxx exposes no RMA); structs as in UCX 1.21's ucp.h ---------
+_ucp, _ucs = ctypes.CDLL("libucp.so.0"), ctypes.CDLL("libucs.so.0")  # the copies ucxx loaded
+_vp, _sz, _u64, _int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int
+
+
+class _MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t
+    _fields_ = [("field_mask", _u64), ("address", _vp), ("length", _sz), ("flags", ctypes.c_uint),
+                ("prot", ctypes.c_uint), ("memory_type", _int), ("exported_memh_buffer", _vp)]
+
+
+class _RequestParam(ctypes.Structure):  # ucp_request_param_t
+    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("request", _vp), ("cb", _vp),
+                ("datatype", _u64), ("user_data", _vp), ("reply_buffer", _vp), ("memory_type", _int),
+                ("recv_info", _vp), ("memh", _vp)]
+
+
+def _fn(lib, name, res, *args):
+    f = getattr(lib, name)
+    f.restype, f.argtypes = res, list(args)
+    return f
+
+
+_P = ctypes.POINTER
+_mem_map = _fn(_ucp, "ucp_mem_map", _int, _vp, _P(_MemMapParams), _P(_vp))
+_mem_unmap = _fn(_ucp, "ucp_mem_unmap", _int, _vp, _vp)
+_rkey_pack = _fn(_ucp, "ucp_rkey_pack", _int, _vp, _vp, _P(_vp), _P(_sz))
+_rkey_release = _fn(_ucp, "ucp_rkey_buffer_release", None, _vp)
+_rkey_unpack = _fn(_ucp, "ucp_ep_rkey_unpack", _int, _vp, ctypes.c_char_p, _P(_vp))
+_rkey_destroy = _fn(_ucp, "ucp_rkey_destroy", None, _vp)
+_put = _fn(_ucp, "ucp_put_nbx", _vp, _vp, _vp, _sz, _u64, _vp, _P(_RequestParam))
+_flush = _fn(_ucp, "ucp_ep_flush_nbx", _vp, _vp, _P(_RequestParam))
+_req_status = _fn(_ucp, "ucp_request_check_status", _int, _vp)
+_req_free = _fn(_ucp, "ucp_request_free", None, _vp)
+_signal = _fn(_ucp, "ucp_worker_signal", _int, _vp)
+_status_str = _fn(_ucs, "ucs_status_string", ctypes.c_char_p, _int)
+_MEMMAP_ADDR_LEN, _OP_ATTR_MEMH, _INPROGRESS = 0b11, 1 << 8, 1
+_PTR_ERR_MIN = 2**64 - 100  # UCS_PTR_IS_ERR: status pointers -100..-1
+_LOG_HANDLER_T = ctypes.CFUNCTYPE(_int, ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, _int, _vp,
+                                  ctypes.c_char_p, _vp)
+
+
+@_LOG_HANDLER_T
+def _ucs_log_hook(file, line, function, level, comp, fmt, ap) -> int:
+    """UCS log handler, called before UCX's default one (which abort()s on FATAL lines).
+
+    cma logs a failed ``process_vm_writev/readv`` to a dead pid as FATAL when the endpoint has
+    no error handler; the same call returns UCS_ERR_IO_ERROR when the line does not abort.
+    """
+    if level == 0 and file and file.rsplit(b"/", 1)[-1] == b"cma_ep.c":
+        log.error("UCX shared-memory copy failed at cma_ep.c:%d (peer gone?): failing the operation "
+                  "instead of aborting", line)
+        return 0  # UCS_LOG_FUNC_RC_STOP
+    return 1      # UCS_LOG_FUNC_RC_CONTINUE
+
+
+_fn(_ucs, "ucs_log_push_handler", None, _LOG_HANDLER_T)(_ucs_log_hook)
+
+
+def _why(status: int) -> str:
+    return _status_str(status).decode()
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise ConnectError(f"{what} failed: {_why(status)}")
+
+
+class _Flush:
+    """One ``ucp_ep_flush_nbx`` (shared by the transfers whose puts it covers)."""
+    __slots__ = ("ptr", "status")
+
+    def __init__(self, st: int | None):
+        self.ptr, self.status = (None, 0) if not st else (None, st - 2**64) if st >= _PTR_ERR_MIN else (st, None)
+
+    def poll(self) -> int | None:
+        """None while in progress, else the UCS status (0 = every put is remotely visible)."""
+        if self.ptr is not None and (s := _req_status(self.ptr)) != _INPROGRESS:
+            _req_free(self.ptr)
+            self.ptr, self.status = None, s
+        return self.status
+
+    @property
+    def completed(self) -> bool:
+        return self.poll() is not None
+
+
+# ---- wire ----------------------------------------------------------------------------
+CTRL_TAG, DATA_BIT, KIND_MASK = 1 << 63, 1 << 62, 3 << 62
+FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
+HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
+_REFUSALS = ("outside", "unknown", "ended", "malformed")  # GrantTable reasons: RejectedWrite
+_I8 = np.dtype("<i8")
+
+
+def _arr(b) -> np.ndarray:
+    if not isinstance(b, bytes) or len(b) % 8:
+        raise ValueError("run array is not int64 bytes")
+    return np.frombuffer(b, _I8)
+
+
+def _ucx_buf(t: torch.Tensor) -> Array:
+    """ucxx buffer for a uint8 tensor: numpy for host memory, CUDA array interface otherwise."""
+    return Array(t.numpy() if t.device.type == "cpu" else t)
+
+
+class _Staging:
+    """Reused staging blocks for packed runs: a fresh 64 MiB block costs 16k page faults and a
+    kernel memset each time. Keeps at most ``keep`` spare blocks. Thread-safe."""
+
+    def __init__(self, keep: int = 4):
+        self._lock, self._spare, self._keep = threading.Lock(), [], keep
+
+    def get(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            fits = [k for k, b in enumerate(self._spare) if b.device == device and nbytes <= b.numel() <= 4 * nbytes]
+            if fits:
+                return self._spare.pop(min(fits, key=lambda k: self._spare[k].numel()))[:nbytes]
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def put(self, block: torch.Tensor | None) -> None:
+        if block is not None:
+            with self._lock:
+                self._spare = (self._spare + [block])[-self._keep:]
+
+
+@dataclass(eq=False)
+class _Peer:
+    id: str
+    ep: object                       # ucx_api.UCXEndpoint, error handling off
+    last_seen: float
+    base: np.ndarray | None = None   # remote region addresses, sizes, rkeys: set by connect()
+    sizes: np.ndarray | None = None
+    rkeys: list = field(default_factory=list)
+    gone: bool = False               # silent past peer_timeout; cleared when it speaks again
+    outbox: list = field(default_factory=list)
+    last_send: object = None         # the latest control send to it
+    next_ping: float = 0.0
+
+
+@dataclass(eq=False)
+class _Out:
+    """An outgoing transfer (sender side), owned by the I/O thread once enqueued."""
+    xid: int
+    peer: _Peer
+    handle: TransferHandle
+    announce: list
+    puts: tuple                      # src addr, dst addr, nbytes, src region, dst region (lists)
+    staging: torch.Tensor | None     # gathered packed runs
+    frame_bytes: int
+    state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack
+    reqs: list = field(default_factory=list)
+    flush: _Flush | None = None
+
+
+@dataclass(eq=False)
+class _In:
+    """An incoming transfer (receiver side)."""
+    peer: _Peer
+    xid: int
+    rid: str
+    deadline: float
+    nbytes: int
+    notify: bytes
+    packed: tuple                    # region, offset, nbytes arrays of the packed runs
+    staging: torch.Tensor | None
+    frame_bytes: int
+    frames: int
+    got: int = 0
+    done: bool = False
+    reqs: list = field(default_factory=list)
+
+
+class UCXTransport(Transport):
+    """UCX data plane of one rank. Options (keyword only, via ``get_transport("ucx", ...)``):
+
+    tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...); None: UCX's choice
+                  (shared memory on one host). Both peers must share a transport.
+    frame_bytes   big runs are put in pieces of this size; packed blocks go in frames of it.
+    put_below     runs shorter than this are packed even where the plan did not pack them.
+    heartbeat     seconds between pings to each peer; ``peer_timeout`` seconds of silence
+                  fail a peer's transfers (a dead peer is silent: error handling is off).
+    ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``.
+    """
+    name = "ucx"
+
+    def __init__(self, *, tls: str | None = None, frame_bytes: int = 4 << 20, put_below: int = PACK_BELOW,
+                 heartbeat: float = 0.5, peer_timeout: float = 5.0, ucx_config: dict | None = None):
+        if not 4096 <= frame_bytes < 1 << 32:
+            raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
+        config = dict(ucx_config or {}, **({"TLS": tls} if tls else {}))
+        self.id = uuid.uuid4().hex
+        self.frame_bytes, self.put_below = int(frame_bytes), int(put_below)
+        self.heartbeat, self.peer_timeout = heartbeat, peer_timeout
+        self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
+                                                              ucx_api.Feature.WAKEUP))
+        self._worker = ucx_api.UCXWorker(self._ctx)
+        self._worker.init_blocking_progress_mode()  # so the idle I/O thread can sleep on the worker fd
+        self._whandle, self._address = self._worker.handle, self._worker.address.tobytes()
+        self.grants = GrantTable()
+        self._regions: list[torch.Tensor] = []
+        self._base = np.zeros(0, np.int64)
+        self._memh: list[int | None] = []
+        self._params: list[_RequestParam] = []
+        self._rkeys_packed: list[bytes] = []
+        self._peers: dict[str, _Peer] = {}
+        self._out: dict[int, _Out] = {}
+        self._in: dict[tuple[str, int], _In] = {}
+        self._by_dtag: dict[int, _In] = {}
+        self._unflushed: dict[str, list[_Out]] = {}  # puts issued this turn, per peer
+        self._ctrl_sends: list = []  # (request, buffer): buffers live until sent
+        self._ctrl_recvs: list = []  # (request, buffer, length) in arrival order
+        self._zombies: list = []     # requests of ended transfers that still own buffers
+        self._xids, self._dtags = itertools.count(1), itertools.count(1)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._arrivals: queue.Queue[Arrival] = queue.Queue()
+        self._flush_param = _RequestParam()
+        self._staging = _Staging()
+        self._closed = self._stop = False
+        self._next_tick, self._acts = 0.0, 0
+        self._thread = threading.Thread(target=self._loop, name=f"kvxfer-ucx-{self.id[:6]}", daemon=True)
+        self._thread.start()
+        _LIVE.add(self)
+
+    # ---- called from user threads ---------------------------------------------------------
+    def _call(self, fn: Callable, *args):
+        """Run ``fn`` on the I/O thread and wait for it (start-up and shutdown only)."""
+        if self._stop:
+            raise TransportError("UCX transport is closed")
+        fut: Future = Future()
+        self._cmds.put((fn, args, fut))
+        _signal(self._whandle)
+        return fut.result(timeout=60)
+
+    def register(self, regions: Sequence[torch.Tensor]) -> None:
+        """Both sides, once, before descriptor(): map every region for RMA (blocks briefly)."""
+        self._call(self._do_register, [byte_view(t) for t in regions])
+
+    def descriptor(self) -> dict:
+        """Plain JSON-safe data a peer needs: worker address, region addresses, sizes, rkeys."""
+        return {"transport": self.name, "id": self.id, "address": self._address.hex(),
+                "region_base": [int(b) for b in self._base], "region_sizes": list(self.grants.region_sizes),
+                "rkeys": [k.hex() for k in self._rkeys_packed]}
+
+    def connect(self, descriptor: dict) -> str:
+        """Sender, once per receiver: an endpoint to its worker (error handling off), its rkeys."""
+        try:
+            peer_id, addr = str(descriptor["id"]), bytes.fromhex(descriptor["address"])
+            base, sizes = (np.asarray(descriptor[k], np.int64) for k in ("region_base", "region_sizes"))
+            rkeys = [bytes.fromhex(k) for k in descriptor["rkeys"]]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConnectError(f"not a UCX transport descriptor ({type(e).__name__}: {e})") from e
+        if not len(base) == len(sizes) == len(rkeys):
+            raise ConnectError("UCX descriptor region lists differ in length")
+        return self._call(self._do_connect, peer_id, addr, base, sizes, rkeys)
+
+    def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
+               notify: bytes = b"") -> TransferHandle:
+        """Sender, per chunk: plans runs and gathers packed ones here; never waits on the network."""
+        handle = TransferHandle(request_id, plan.nbytes, timeout)
+        p = self._peers.get(peer)
+        why = ("transport closed" if self._closed else f"peer {peer!r} is not connected" if p is None or
+               p.sizes is None else f"peer {peer} is silent (dead or stalled)" if p.gone else None)
+        if why:
+            handle.finish(PeerError(f"request {request_id}: {why}"))
+            return handle
+        try:
+            if not self._regions and plan.num_runs:
+                raise TransportError("register(regions) must be called before submit")
+            r = plan.runs()
+            sr, so, dr, do, n = r[:5]
+            for side, reg, off, lim in (("source", sr, so, self.grants.region_sizes), ("destination", dr, do, p.sizes)):
+                lim = np.asarray(lim, np.int64)
+                if len(reg) and (reg.min() < 0 or reg.max() >= len(lim) or (off < 0).any() or (n <= 0).any()
+                                 or (off + n > lim[np.clip(reg, 0, len(lim) - 1)]).any()):
+                    raise PlanError(f"a {side} run leaves its region (the {side} has {len(lim)} regions)")
+            # Runs below put_below travel packed whatever the plan says: this bounds the put loop
+            # (one Python step per put) by bytes / put_below, and a tiny put costs more than packing.
+            pk = np.asarray(r.packed, bool) | (n < self.put_below)
+            d = ~pk
+            staging = None
+            if pk.any():
+                staging = self._staging.get(int(n[pk].sum()), self._regions[int(sr[pk][0])].device)
+                gather_runs(self._regions, sr[pk], so[pk], n[pk], out=staging)
+            if staging is not None and staging.is_cuda:  # UCX reads it right after GO
+                torch.cuda.current_stream(staging.device).synchronize()
+            puts = _split(self._base[sr[d]] + so[d], p.base[dr[d]] + do[d], n[d], sr[d], dr[d], self.frame_bytes)
+        except (PlanError, TransportError) as e:
+            handle.finish(e)
+            return handle
+        xid = next(self._xids)
+        announce = [ANNOUNCE, xid, request_id, float(timeout), bytes(notify),
+                    *(a.astype(_I8).tobytes() for a in (dr[d], do[d], n[d], dr[pk], do[pk], n[pk])), self.frame_bytes]
+        self._cmds.put((None, (_Out(xid, p, handle, announce, puts, staging, self.frame_bytes),), None))
+        _signal(self._whandle)
+        return handle
+
+    def expect(self, request_id: str, ranges: ByteRanges) -> None:
+        """Receiver, per request, before the sender writes: the byte ranges it may write."""
+        self.grants.expect(request_id, ranges)
+
+    def forget(self, request_id: str) -> bool:
+        """Receiver: the request ended; its transfers in flight fail, later writes are dropped."""
+        live = self.grants.forget(request_id)
+        if not self._closed:
+            self._cmds.put((self._drop_request, (request_id,), None))
+            _signal(self._whandle)
+        return live
+
+    def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
+        out = []
+        try:
+            out.append(self._arrivals.get(timeout=timeout) if timeout > 0 else self._arrivals.get_nowait())
+            while True:
+                out.append(self._arrivals.get_nowait())
+        except queue.Empty:
+            return out
+
+    @property
+    def rejected(self) -> Counter:
+        return self.grants.rejected
+
+    def close(self) -> None:
+        """Fail what is in flight, say BYE, release UCX resources. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True  # submit() refuses from here on
+        try:
+            self._call(self._do_close)
+        finally:
+            self._stop = True
+            _signal(self._whandle)
+            self._thread.join(timeout=10)
+            while not self._cmds.empty():  # a submit that raced with close
+                fn, args, _ = self._cmds.get_nowait()
+                if fn is None:
+                    args[0].handle.finish(PeerError(f"request {args[0].handle.request_id}: transport closed"))
+            # Endpoints were closed without a flush in _do_close: dropping them cannot block.
+            self._peers, self._out, self._in, self._by_dtag, self._zombies = {}, {}, {}, {}, []
+            self._ctrl_sends, self._ctrl_recvs = [], []
+            _LIVE.discard(self)
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            log.warning("UCXTransport %s was garbage-collected without close()", self.id[:8])
+
+    # ---- I/O thread: start-up and shutdown ------------------------------------------------
+    def _do_register(self, regions: list[torch.Tensor]) -> None:
+        if self._memh:
+            raise TransportError("register() was already called on this UCX transport")
+        for t in regions:
+            memh, buf, size = _vp(), _vp(), _sz()
+            if t.numel():
+                params = _MemMapParams(_MEMMAP_ADDR_LEN, t.data_ptr(), t.numel())  # host or device: UCX detects
+                _check(_mem_map(self._ctx.handle, ctypes.byref(params), ctypes.byref(memh)), "ucp_mem_map")
+                _check(_rkey_pack(self._ctx.handle, memh, ctypes.byref(buf), ctypes.byref(size)), "ucp_rkey_pack")
+                self._rkeys_packed.append(ctypes.string_at(buf, size.value))
+                _rkey_release(buf)
+            else:
+                self._rkeys_packed.append(b"")
+            self._memh.append(memh.value)
+            # One put parameter block per source region: its memh spares UCX a registration lookup.
+            self._params.append(_RequestParam(op_attr_mask=_OP_ATTR_MEMH if memh.value else 0, memh=memh.value))
+        self._regions = regions
+        self._base = np.asarray([t.data_ptr() for t in regions], np.int64)
+        self.grants.region_sizes = [t.numel() for t in regions]
+
+    def _do_connect(self, peer_id, addr, base, sizes, rkeys) -> str:
+        p = self._peers.get(peer_id) or self._add_peer(peer_id, addr)
+        if p.sizes is None:
+            handles = []
+            for k in rkeys:
+                h = _vp()
+                if k:
+                    _check(_rkey_unpack(p.ep.handle, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
+                handles.append(h.value)
+            p.base, p.sizes, p.rkeys = base, sizes, handles
+            self._send(p, [HELLO, self._address])
+        return peer_id
+
+    def _add_peer(self, peer_id: str, addr: bytes) -> _Peer:
+        ep = self._worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), False)
+        p = self._peers[peer_id] = _Peer(peer_id, ep, time.monotonic())
+        return p
+
+    def _do_close(self) -> None:
+        for o in list(self._out.values()):
+            self._fail_out(o, PeerError(f"request {o.handle.request_id}: transport closed"), tell=False)
+        for i in list(self._in.values()):
+            self._fail_in(i, "transport closed before the transfer finished", tell=False)
+        for p in self._peers.values():
+            self._send(p, [BYE])
+        self._flush_outboxes()
+        end = time.monotonic() + 0.2  # let BYE leave; a dead peer never takes it
+        while self._ctrl_sends and time.monotonic() < end:
+            self._worker.progress()
+            self._ctrl_sends = [s for s in self._ctrl_sends if not s[0].completed]
+        self._worker.cancel_inflight_requests()
+        for p in self._peers.values():
+            for h in p.rkeys:
+                if h:
+                    _rkey_destroy(h)
+            p.rkeys = []
+        for m in self._memh:
+            if m:
+                _mem_unmap(self._ctx.handle, m)
+        self._memh, self._params, self._regions = [], [], []
+        # Close endpoints now, without a flush: ucxx's destructor would flush-close them and
+        # spin forever on a dead peer (error handling is off).
+        for p in self._peers.values():
+            p.ep.close()
+        end = time.monotonic() + 0.1
+        while time.monotonic() < end:
+            self._worker.progress()
+        self._stop = True
+
+    # ---- I/O thread: the loop -------------------------------------------------------------
+    def _loop(self) -> None:
+        """Run commands, progress, read control and data, check deadlines; sleep when idle."""
+        while not self._stop:
+            try:
+                self._acts = 0
+                self._run_commands()
+                if self._stop:  # closed by a command: the endpoints are gone
+                    break
+                self._worker.progress()
+                self._poll_ctrl()
+                self._poll_data()
+                self._advance()
+                now = time.monotonic()
+                if now >= self._next_tick:
+                    self._housekeeping(now)
+                    self._next_tick = now + min(self.heartbeat, 0.1)
+                self._flush_puts()
+                self._flush_outboxes()
+                if not self._acts and self._cmds.empty():
+                    busy = self._out or self._in or self._ctrl_recvs  # then wake at least every ms
+                    self._worker.progress_worker_event(1 if busy else max(1, int((self._next_tick - now) * 1000)))
+            except Exception:  # the loop must outlive anything one peer or message does
+                log.exception("UCX transport %s: error in the I/O loop", self.id[:8])
+
+    def _run_commands(self) -> None:
+        while True:
+            try:
+                fn, args, fut = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            self._acts += 1
+            if fn is None:
+                self._start_out(*args)
+                continue
+            try:
+                res = fn(*args)
+            except Exception as e:
+                if fut is None:
+                    log.exception("UCX transport command failed")
+                else:
+                    fut.set_exception(e)
+            else:
+                if fut is not None:
+                    fut.set_result(res)
+
+    def _send(self, p: _Peer, msg: list) -> None:
+        """Queue a control message; each peer's queue leaves as one tagged message per turn."""
+        if not p.outbox:
+            self._acts += 1
+        p.outbox.append(msg)
+
+    def _flush_outboxes(self) -> None:
+        for p in self._peers.values():
+            if p.outbox:
+                buf = np.frombuffer(msgpack.packb([self.id, p.outbox], use_bin_type=True), np.uint8)
+                p.outbox, p.last_send = [], p.ep.tag_send(Array(buf), ucx_api.UCXXTag(CTRL_TAG))
+                self._ctrl_sends.append((p.last_send, buf))
+        self._ctrl_sends = [s for s in self._ctrl_sends if not s[0].completed]
+
+    def _poll_ctrl(self) -> None:
+        while (res := self._worker.tag_probe(ucx_api.UCXXTag(CTRL_TAG), ucx_api.UCXXTagMask(KIND_MASK),
+                                             remove=True)).matched:
+            buf = np.empty(max(res.length, 1), np.uint8)
+            self._ctrl_recvs.append((self._worker.tag_recv_with_handle(Array(buf), res), buf, res.length))
+        # In arrival order: an ANNOUNCE still streaming in must not be overtaken by its DONE.
+        while self._ctrl_recvs and self._ctrl_recvs[0][0].completed:
+            req, buf, length = self._ctrl_recvs.pop(0)
+            self._acts += 1
+            try:
+                req.check_error()
+                sender, msgs = msgpack.unpackb(buf[:length].tobytes(), raw=False, strict_map_key=True)
+                if not isinstance(sender, str) or not isinstance(msgs, list):
+                    raise ValueError("not [sender, [messages]]")
+            except Exception as e:
+                self.grants.reject("?", f"malformed message: {type(e).__name__}: {e}"[:200])
+                continue
+            for m in msgs:
+                try:
+                    self._handle(sender, m)
+                except Exception as e:
+                    self.grants.reject("?", f"malformed message: {type(e).__name__}: {e}"[:200])
+
+    def _handle(self, sender: str, m: list) -> None:
+        kind = m[0]
+        p = self._peers.get(sender)
+        if kind == HELLO and p is None:
+            p = self._add_peer(sender, bytes(m[1]))
+        if p is None:
+            self.grants.reject("?", f"unknown peer: message {kind!r} from {sender[:40]!r} before HELLO")
+            return
+        p.last_seen, p.gone = time.monotonic(), False
+        if kind == ANNOUNCE:
+            self._on_announce(p, m)
+        elif kind in (GO, ACK, FAIL):
+            o = self._out.get(m[1])
+            if o is None or o.peer is not p:
+                return  # a late answer for a transfer that already ended here
+            if kind == GO and o.state == "wait_go":
+                self._start_puts(o, int(m[2]))
+            elif kind == ACK and o.state == "wait_ack":
+                del self._out[o.xid]
+                o.handle.finish()
+            elif kind == FAIL:
+                why = str(m[2])
+                self._fail_out(o, (RejectedWrite if why.startswith(_REFUSALS) else PeerError)(
+                    f"request {o.handle.request_id}: receiver refused the transfer: {why}"), tell=False)
+        elif kind in (DONE, ABORT) and (i := self._in.get((sender, m[1]))) is not None:
+            if kind == ABORT:
+                self._fail_in(i, f"aborted by the sender: {m[2]}", tell=False)
+            else:
+                i.done = True
+                self._try_finish(i)
+        elif kind == BYE:
+            self._peer_gone(p, "peer closed its transport")
+
+    # ---- receiver -------------------------------------------------------------------------
+    def _on_announce(self, p: _Peer, m: list) -> None:
+        xid, rid = int(m[1]), str(m[2])
+        try:
+            timeout, notify, frame_bytes = float(m[3]), bytes(m[4]), int(m[11])
+            dreg, doff, dn, preg, poff, pn = (_arr(b) for b in m[5:11])
+            if not (len(dreg) == len(doff) == len(dn) and len(preg) == len(poff) == len(pn)):
+                raise ValueError("run arrays differ in length")
+            if not 4096 <= frame_bytes < 1 << 32 or not 0 <= timeout <= 86400:  # NaN fails too
+                raise ValueError(f"frame size {frame_bytes} or timeout {timeout}")
+        except (ValueError, TypeError, IndexError) as e:
+            return self._refuse(p, xid, rid, 0, b"", self.grants.reject(rid, f"malformed header: {e}"))
+        reg, off, n = np.concatenate([dreg, preg]), np.concatenate([doff, poff]), np.concatenate([dn, pn])
+        nbytes = int(n.sum()) if len(n) and (n > 0).all() and (n < 1 << 40).all() else 0
+        reason = self.grants.check(rid, reg, off, n)
+        if reason is None and len(reg) and (off + n > np.asarray(self.grants.region_sizes, np.int64)[reg]).any():
+            # GrantTable trusts the grant to lie inside the regions; a grant past the end is ours to catch.
+            reason = self.grants.reject(rid, "outside region: a granted run ends past its region")
+        if reason is None and (p.id, xid) in self._in:
+            reason = self.grants.reject(rid, f"malformed header: transfer {xid} announced twice")
+        if reason is not None:
+            return self._refuse(p, xid, rid, nbytes, notify, reason)
+        total = int(pn.sum())
+        staging = self._staging.get(total, self._regions[int(preg[0])].device) if total else None
+        i = _In(p, xid, rid, time.monotonic() + timeout, nbytes, notify, (preg, poff, pn), staging, frame_bytes,
+                -(-total // frame_bytes))
+        self._in[(p.id, xid)] = i
+        dtag = next(self._dtags)
+        if i.frames:
+            self._by_dtag[dtag] = i
+        self._send(p, [GO, xid, dtag])
+
+    def _refuse(self, p: _Peer, xid: int, rid: str, nbytes: int, notify: bytes, reason: str) -> None:
+        self._arrivals.put(Arrival(rid, nbytes, False, reason, notify))
+        self._send(p, [FAIL, xid, reason])
+
+    def _poll_data(self) -> None:
+        while (res := self._worker.tag_probe(ucx_api.UCXXTag(DATA_BIT), ucx_api.UCXXTagMask(KIND_MASK),
+                                             remove=True)).matched:
+            self._acts += 1
+            tag = res.sender_tag.value
+            i, k = self._by_dtag.get((tag & ~KIND_MASK) >> FRAME_BITS), tag & ((1 << FRAME_BITS) - 1)
+            want = -1 if i is None or k >= i.frames else min(i.frame_bytes, i.staging.numel() - k * i.frame_bytes)
+            if res.length != want:  # a frame of an ended transfer, or one that does not fit: drop it
+                if i is not None:
+                    self._fail_in(i, self.grants.reject(i.rid, f"malformed frame: {k} of {res.length} bytes"))
+                junk = np.empty(max(res.length, 1), np.uint8)
+                self._zombies.append((self._worker.tag_recv_with_handle(Array(junk), res), junk))
+                continue
+            view = i.staging[k * i.frame_bytes: k * i.frame_bytes + want]
+            i.reqs.append(self._worker.tag_recv_with_handle(_ucx_buf(view), res))
+        for i in [i for i in self._in.values() if i.reqs and all(r.completed for r in i.reqs)]:
+            try:
+                for r in i.reqs:
+                    r.check_error()
+            except Exception as e:
+                self._fail_in(i, f"peer failed: receiving packed frames: {e}")
+                continue
+            i.got, i.reqs = i.got + len(i.reqs), []
+            self._acts += 1
+            self._try_finish(i)
+        self._zombies = [z for z in self._zombies if not z[0].completed]
+
+    def _try_finish(self, i: _In) -> None:
+        if not i.done or i.got < i.frames or i.reqs:
+            return
+        preg, poff, pn = i.packed
+        if len(pn):
+            # The request may have ended while the bytes were on their way: check before scattering.
+            if (reason := self.grants.check(i.rid, preg, poff, pn)) is not None:
+                return self._fail_in(i, reason)
+            scatter_runs(self._regions, preg, poff, pn, i.staging)
+            if i.staging.is_cuda:  # "arrived" means in place, not queued on a stream
+                torch.cuda.current_stream(i.staging.device).synchronize()
+        self._forget_in(i)
+        self._staging.put(i.staging)
+        self._arrivals.put(Arrival(i.rid, i.nbytes, True, "", i.notify))
+        self._send(i.peer, [ACK, i.xid])
+
+    def _forget_in(self, i: _In) -> None:
+        self._in.pop((i.peer.id, i.xid), None)
+        for tag in [t for t, v in self._by_dtag.items() if v is i]:
+            del self._by_dtag[tag]
+        self._zombies.extend((r, i.staging) for r in i.reqs)  # posted receives still own the staging block
+
+    def _fail_in(self, i: _In, reason: str, tell: bool = True) -> None:
+        self._forget_in(i)
+        self._arrivals.put(Arrival(i.rid, i.nbytes, False, reason, i.notify))
+        if tell:
+            self._send(i.peer, [FAIL, i.xid, reason])
+
+    def _drop_request(self, rid: str) -> None:
+        for i in [i for i in self._in.values() if i.rid == rid]:
+            self._fail_in(i, self.grants.reject(rid, "ended request: the receiver forgot it mid-transfer"))
+
+    # ---- sender ---------------------------------------------------------------------------
+    def _start_out(self, o: _Out) -> None:
+        if o.handle.poll() != 0:  # failed or timed out while queued
+            return
+        self._out[o.xid] = o
+        o.announce[3] = max(o.handle.deadline - time.monotonic(), 0.0)  # relative: clocks differ across hosts
+        self._send(o.peer, o.announce)
+        o.state = "wait_go"
+
+    def _start_puts(self, o: _Out, dtag: int) -> None:
+        """GO came: issue every put and packed frame at once (all in flight); the turn flushes."""
+        ep, rkeys, params = o.peer.ep.handle, o.peer.rkeys, self._params
+        for s, d, n, sr, dr in zip(*o.puts):
+            st = _put(ep, s, n, d, rkeys[dr], ctypes.byref(params[sr]))
+            if st:
+                if st >= _PTR_ERR_MIN:
+                    return self._fail_out(o, PeerError(f"request {o.handle.request_id}: put failed: "
+                                                       f"{_why(st - 2**64)}"))
+                _req_free(st)  # its completion is covered by the flush
+        if o.staging is not None:
+            for k in range(-(-o.staging.numel() // o.frame_bytes)):  # one step per frame (MiBs)
+                view = o.staging[k * o.frame_bytes: (k + 1) * o.frame_bytes]
+                o.reqs.append((o.peer.ep.tag_send(_ucx_buf(view), ucx_api.UCXXTag(DATA_BIT | dtag << FRAME_BITS | k)),
+                               view))
+        o.state = "flushing"
+        self._unflushed.setdefault(o.peer.id, []).append(o)
+
+    def _flush_puts(self) -> None:
+        """One ep flush per peer covers every put issued to it this turn."""
+        for pid, outs in self._unflushed.items():
+            f = _Flush(_flush(outs[0].peer.ep.handle, ctypes.byref(self._flush_param)))
+            for o in outs:
+                o.flush = f
+        self._unflushed.clear()
+
+    def _advance(self) -> None:
+        for o in [o for o in self._out.values() if o.state == "flushing" and o.flush is not None]:
+            if (st := o.flush.poll()) is None or not all(r.completed for r, _ in o.reqs):
+                continue
+            if st != 0:
+                self._fail_out(o, PeerError(f"request {o.handle.request_id}: flush failed: {_why(st)}"))
+                continue
+            self._staging.put(o.staging)
+            o.reqs, o.staging, o.state = [], None, "wait_ack"
+            self._send(o.peer, [DONE, o.xid])
+
+    def _fail_out(self, o: _Out, err: Exception, tell: bool = True) -> None:
+        self._out.pop(o.xid, None)
+        o.handle.finish(err)
+        if tell:
+            self._send(o.peer, [ABORT, o.xid, str(err)])
+        self._zombies.extend(o.reqs)  # frames still being sent read the staging block
+        if o.flush is not None and o.flush.ptr is not None:
+            self._zombies.append((o.flush, None))
+        o.reqs = []
+
+    # ---- deadlines and heartbeats ---------------------------------------------------------
+    def _housekeeping(self, now: float) -> None:
+        for o in [o for o in self._out.values() if now > o.handle.deadline]:
+            self._fail_out(o, TransferTimeout(f"transfer for request {o.handle.request_id} passed its deadline "
+                                              f"({o.state.replace('_', ' ')})"))
+        for i in [i for i in self._in.values() if now > i.deadline]:
+            self._fail_in(i, self.grants.reject(i.rid, "deadline passed: the sender did not finish in time"))
+        for p in list(self._peers.values()):
+            if not p.gone and now - p.last_seen > self.peer_timeout:
+                self._peer_gone(p, f"peer silent for {now - p.last_seen:.1f}s (dead or stalled)")
+            # Ping only once the last message left: sends to a dead peer may never complete.
+            if now >= p.next_ping and (p.last_send is None or p.last_send.completed):
+                p.next_ping = now + self.heartbeat
+                self._send(p, [PING])
+
+    def _peer_gone(self, p: _Peer, why: str) -> None:
+        p.gone = True
+        for o in [o for o in self._out.values() if o.peer is p]:
+            self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"), tell=False)
+        for i in [i for i in self._in.values() if i.peer is p]:
+            self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"), tell=False)
+
+
+def _split(src: np.ndarray, dst: np.ndarray, n: np.ndarray, sreg: np.ndarray, dreg: np.ndarray,
+           frame: int) -> tuple[list, ...]:
+    """Cut runs longer than ``frame`` into frame-sized puts (vectorized); plain lists for the put loop."""
+    pieces = np.maximum(-(-n // frame), 1)
+    if len(n) and pieces.max() > 1:
+        idx = np.repeat(np.arange(len(n)), pieces)
+        off = (np.arange(len(idx)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * frame
+        src, dst, n, sreg, dreg = src[idx] + off, dst[idx] + off, np.minimum(frame, n[idx] - off), sreg[idx], dreg[idx]
+    return src.tolist(), dst.tolist(), n.tolist(), sreg.tolist(), dreg.tolist()
+
+
+_LIVE: "weakref.WeakSet[UCXTransport]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live() -> None:
+    """Close transports the program forgot: ucxx's destructors could spin on a dead peer at exit."""
+    for t in list(_LIVE):
+        try:
+            t.close()
+        except Exception:
+            log.exception("closing a UCX transport at exit")
