@@ -1,0 +1,515 @@
+#!/usr/bin/env python
+"""Heterogeneous TP (P TP 2 -> D TP 4, 4 -> 2) next to same TP (2 -> 2): aggregate throughput
+of one request's KV, moved as real bytes over a real transport between two processes.
+
+    .venv/bin/python scripts/bench_hetero.py [--quick] [--json PATH] [--transports zmq,ucx]
+                                             [--layouts hnd:hnd,token_major:token_major]
+
+Model: 8 KV heads, head_dim 128, bf16, page 16 (4 or 8 layers; a request of 2048 or 4096
+tokens). Every prefill rank lives in this process and every decode rank in one child
+process; each rank has its own pool and its own transport instance. A prefill rank plans
+with ``kvxfer.plan.Planner`` for each decode rank that ``targets_for_prefill_rank`` names
+(head slices and layers from the topology). Pages are scattered at random on both sides,
+as after some churn, and every TP rank of a side uses the same slots, as engines do.
+
+Measured: bytes of the whole request (every rank) / wall time from the first ``submit`` to
+the last handle done (a handle is done when the receiver confirmed its bytes landed).
+After the warm-up the decode side checks every byte of its heads. Repetitions interleave
+the TP pairings, so a burst of load from other processes hits them alike; best of N.
+
+Ceilings measured in the same run:
+  same TP      TP 2 -> 2 on the same transport and layouts: the goal is hetero >= 0.7x it
+  tcp raw      the same bytes over one loopback TCP socket (1 MiB ``sendall`` / ``recv_into``)
+               between the same two processes: what zmq sits on
+  memcpy       one single-thread ``copy_`` of the same bytes: what shared memory (ucx) allows
+
+Control: TP 4 -> 4 is the same TP with as many rank transports as 2 -> 4 and 4 -> 2 (6-8
+I/O threads on the box's cores). When it drops as much as they do, the cost is the number of
+ranks sharing the cores in this two-process set-up, not heterogeneity: a real deployment
+gives each rank its own process and cores.
+
+Run counts per request, per decode rank, next to what SGLang-style head slicing needs: one
+descriptor per (token, layer, K/V) from each source whose heads are a slice on either side,
+one per (page, layer, K/V) otherwise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import torch
+
+from kvxfer.plan import PACK_BELOW
+
+HEADS, HEAD_DIM, PAGE, DTYPE = 8, 128, 16, "bfloat16"
+CHUNK = 1 << 20
+GOAL = 0.7
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """One measured case: a transport, a layout on each side, a TP pairing."""
+    transport: str
+    p_layout: str
+    d_layout: str
+    p_tp: int
+    d_tp: int
+    layers: int
+    tokens: int
+    pack_below: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.transport} {self.p_layout}->{self.d_layout} TP {self.p_tp}->{self.d_tp}"
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def _pack(obj) -> bytes:
+    return msgpack.packb(obj)
+
+
+def _unpack(b: bytes):
+    return msgpack.unpackb(b, strict_map_key=False)
+
+
+def num_pages(tokens: int) -> int:
+    """Pool pages: twice the request's pages (room to scatter), plus the padding page."""
+    return 2 * (tokens // PAGE) + 1
+
+
+def request_slots(tokens: int, seed: int) -> np.ndarray:
+    """Slots of a request on random distinct pages (page 0 is padding)."""
+    pages = np.random.default_rng(seed).permutation(np.arange(1, num_pages(tokens)))[: tokens // PAGE]
+    return (pages[:, None] * PAGE + np.arange(PAGE)).ravel()
+
+
+def make_layout(cfg: Config, side: str, rank: int):
+    """The layout of one rank's pool (``side`` "p" or "d"): its share of the heads, every layer."""
+    from kvxfer.layout import hnd_layout, page_major_layout, token_major_layout
+    from kvxfer.topology import heads_held
+    kind = cfg.p_layout if side == "p" else cfg.d_layout
+    common = dict(layers=cfg.layers, heads=len(heads_held(HEADS, cfg.p_tp if side == "p" else cfg.d_tp, rank)),
+                  head_dim=HEAD_DIM, dtype=DTYPE, page_size=PAGE)
+    n = num_pages(cfg.tokens)
+    if kind == "token_major":
+        return token_major_layout(num_slots=n * PAGE, **common)
+    return hnd_layout(num_pages=n, **common) if kind == "hnd" else page_major_layout(num_pages=n, **common)
+
+
+def make_pool(cfg: Config, side: str, rank: int):
+    from kvxfer.pools import KVPool
+    return KVPool(make_layout(cfg, side, rank))
+
+
+def kv_values(layer: int, kind: str, tokens: int, heads: range) -> torch.Tensor:
+    """The full model's K or V of (layer, token, global head, dim) as bf16 bit patterns
+    ``[tokens, heads, dim]``; every coordinate changes the value, so a misplaced byte shows."""
+    k = 0 if kind == "k" else 1
+    t = torch.arange(tokens, dtype=torch.int64)[:, None, None]
+    h = torch.tensor(list(heads), dtype=torch.int64)[None, :, None]
+    d = torch.arange(HEAD_DIM, dtype=torch.int64)[None, None, :]
+    x = ((layer * 2 + k) * 40503 + t * 8191 + h * 131 + d * 7) % 65536 - 32768
+    return x.to(torch.int16).view(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------
+# The decode side: a child process holding every decode rank of the current group.
+# ---------------------------------------------------------------------------------------
+class DecodeGroup:
+    def __init__(self, cfg: Config, slots: np.ndarray):
+        from kvxfer.plan import ByteRanges
+        from kvxfer.topology import sources_for_decode_rank
+        from kvxfer.transport import get_transport
+        self.cfg, self.slots = cfg, slots
+        self.pools = [make_pool(cfg, "d", r) for r in range(cfg.d_tp)]
+        self.ts = [get_transport(cfg.transport) for _ in range(cfg.d_tp)]
+        for t, pool in zip(self.ts, self.pools):
+            t.register(pool.regions())
+        self.ranges = [ByteRanges.of_slots(pool.layout, slots) for pool in self.pools]
+        self.nsrc = [len(sources_for_decode_rank(num_kv_heads=HEADS, p_tp=cfg.p_tp, d_tp=cfg.d_tp, d_rank=r,
+                                                 num_layers=cfg.layers)) for r in range(cfg.d_tp)]
+
+    def expect(self, rid: str) -> None:
+        for t, ranges in zip(self.ts, self.ranges):
+            t.expect(rid, ranges)
+
+    def drain(self, rid: str, timeout: float = 120) -> str:
+        """Collect one arrival per source on every rank; '' when all landed, else why not."""
+        why = []
+        for r, (t, want) in enumerate(zip(self.ts, self.nsrc)):
+            got, limit = [], time.monotonic() + timeout
+            while len(got) < want and time.monotonic() < limit:
+                got += t.arrivals(timeout=0.5)
+            bad = [a.reason for a in got if not a.ok]
+            if len(got) < want or bad:
+                why.append(f"decode rank {r}: {len(got)}/{want} arrivals {bad[:1]}")
+            t.forget(rid)
+        return "; ".join(why)
+
+    def verify(self) -> str:
+        from kvxfer.topology import heads_held
+        for r, pool in enumerate(self.pools):
+            heads = heads_held(HEADS, self.cfg.d_tp, r)
+            for layer in range(self.cfg.layers):
+                for kind in ("k", "v"):
+                    got = pool.get_part(layer, kind, self.slots).view(torch.int16)
+                    if not torch.equal(got, kv_values(layer, kind, self.cfg.tokens, heads).view(torch.int16)):
+                        return f"decode rank {r} layer {layer} {kind}: bytes differ from the prefill KV"
+        return ""
+
+    def close(self) -> None:
+        for t in self.ts:
+            t.close()
+
+
+def decode_main(conn) -> None:
+    """Serve the driver's commands (msgpack over a pipe) until "quit"."""
+    torch.set_num_threads(1)
+    groups: dict[int, DecodeGroup] = {}
+    sink = socket.create_server(("127.0.0.1", 0))
+    conn.send_bytes(_pack({"tcp_port": sink.getsockname()[1]}))
+    tcp, _ = sink.accept()
+    buf = memoryview(bytearray(CHUNK))
+    while True:
+        cmd = _unpack(conn.recv_bytes())
+        op, out = cmd["op"], {}
+        try:
+            if op == "setup":
+                g = DecodeGroup(Config(**cmd["cfg"]), np.frombuffer(cmd["slots"], np.int64).copy())
+                groups[cmd["id"]] = g
+                out = {"descriptors": [t.descriptor() for t in g.ts]}
+            elif op == "expect":
+                groups[cmd["id"]].expect(cmd["rid"])
+            elif op == "drain":
+                out = {"why": groups[cmd["id"]].drain(cmd["rid"])}
+            elif op == "verify":
+                out = {"why": groups[cmd["id"]].verify()}
+            elif op == "teardown":
+                for g in groups.values():
+                    g.close()
+                groups.clear()
+            elif op == "tcp":   # receive nbytes in CHUNK messages, then ack one byte
+                left = cmd["nbytes"]
+                while left:
+                    want, got = min(CHUNK, left), 0
+                    while got < want:
+                        got += tcp.recv_into(buf[got:want], want - got)
+                    left -= want
+                tcp.sendall(b"k")
+            elif op == "quit":
+                for g in groups.values():
+                    g.close()
+                conn.send_bytes(_pack({}))
+                return
+        except Exception as e:  # report, keep serving: the driver turns it into a row
+            out = {"error": f"{type(e).__name__}: {e}"[:300]}
+        conn.send_bytes(_pack(out))
+
+
+class Decode:
+    """The driver's handle on the decode child."""
+
+    def __init__(self, ctx):
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=decode_main, args=(child,), daemon=True)
+        self.proc.start()
+        port = self.call(None)["tcp_port"]
+        self.tcp = socket.create_connection(("127.0.0.1", port))
+        self.tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def call(self, cmd: dict | None, timeout: float = 300) -> dict:
+        if cmd is not None:
+            self.conn.send_bytes(_pack(cmd))
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"decode process did not answer {cmd and cmd['op']} in {timeout} s")
+        out = _unpack(self.conn.recv_bytes())
+        if "error" in out:
+            raise RuntimeError(f"decode side, {cmd and cmd['op']}: {out['error']}")
+        return out
+
+    def close(self) -> None:
+        try:
+            self.call({"op": "quit"}, timeout=60)
+        finally:
+            self.tcp.close()
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+
+
+# ---------------------------------------------------------------------------------------
+# The prefill side (this process)
+# ---------------------------------------------------------------------------------------
+class PrefillGroup:
+    def __init__(self, cfg: Config, p_slots: np.ndarray, d_slots: np.ndarray, descriptors: list[dict]):
+        from kvxfer.plan import Planner
+        from kvxfer.topology import heads_held, targets_for_prefill_rank
+        from kvxfer.transport import get_transport
+        self.cfg = cfg
+        self.pools = [make_pool(cfg, "p", r) for r in range(cfg.p_tp)]
+        for r, pool in enumerate(self.pools):
+            for layer in range(cfg.layers):
+                pool.set_parts(layer, p_slots, [(kind, kv_values(layer, kind, cfg.tokens, heads_held(HEADS, cfg.p_tp, r)))
+                                                for kind in ("k", "v")])
+        self.ts = [get_transport(cfg.transport) for _ in range(cfg.p_tp)]
+        # (prefill rank, peer id, plan) for every source of every decode rank
+        self.jobs: list[tuple[int, str, object]] = []
+        self.per_decode: dict[int, dict] = {}
+        self.plan_ms = 0.0
+        peers: dict[tuple[int, int], str] = {}
+        for p, (t, pool) in enumerate(zip(self.ts, self.pools)):
+            t.register(pool.regions())
+            for s in targets_for_prefill_rank(num_kv_heads=HEADS, p_tp=cfg.p_tp, d_tp=cfg.d_tp, p_rank=p,
+                                              num_layers=cfg.layers):
+                if (p, s.d_rank) not in peers:
+                    peers[(p, s.d_rank)] = t.connect(descriptors[s.d_rank])
+                planner = Planner(pool.layout, make_layout(cfg, "d", s.d_rank), src_heads=s.src_heads,
+                                  dst_heads=s.dst_heads, layers=s.layers, pack_below=cfg.pack_below)
+                planner.plan(p_slots, d_slots)   # warm-up: the first call pays allocator faults
+                t0 = time.perf_counter()
+                plan = planner.plan(p_slots, d_slots)
+                self.plan_ms += (time.perf_counter() - t0) * 1e3
+                self.jobs.append((p, peers[(p, s.d_rank)], plan))
+                sliced = s.src_heads.count > 1 or s.dst_heads.count > 1
+                c = self.per_decode.setdefault(s.d_rank, {"runs": 0, "packed_runs": 0, "sglang_descriptors": 0})
+                c["runs"] += plan.num_runs
+                c["packed_runs"] += plan.num_packed_runs
+                c["sglang_descriptors"] += (cfg.tokens if sliced else cfg.tokens // PAGE) * len(s.layers) * 2
+        self.nbytes = sum(plan.nbytes for _, _, plan in self.jobs)
+
+    def send(self, rid: str) -> float:
+        """Submit every source's plan, wait for all; seconds from first submit to last done."""
+        t0 = time.perf_counter()
+        handles = [self.ts[p].submit(peer, rid, plan, timeout=120) for p, peer, plan in self.jobs]
+        for h in handles:
+            h.result()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        for t in self.ts:
+            t.close()
+
+
+def tcp_raw(dec: Decode, src: torch.Tensor) -> float:
+    """Seconds to push ``src`` through the loopback socket in CHUNK messages, acked at the end."""
+    mv = memoryview(src.numpy())
+    dec.conn.send_bytes(_pack({"op": "tcp", "nbytes": len(mv)}))
+    t0 = time.perf_counter()
+    for o in range(0, len(mv), CHUNK):
+        dec.tcp.sendall(mv[o: o + CHUNK])
+    dec.tcp.recv(1)
+    dt = time.perf_counter() - t0
+    dec.call(None)
+    return dt
+
+
+def memcpy(src: torch.Tensor, dst: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - t0
+
+
+def base_name(base: Config, pair: tuple[int, int]) -> str:
+    return Config(**{**base.to_dict(), "p_tp": pair[0], "d_tp": pair[1]}).name
+
+
+def bench_group(dec: Decode, base: Config, pairs: list[tuple[int, int]], reps: int, seed: int) -> dict:
+    """One transport and layout pairing, every TP pairing interleaved; returns results by name."""
+    p_slots, d_slots = request_slots(base.tokens, seed), request_slots(base.tokens, seed + 1)
+    groups: dict[int, tuple[Config, PrefillGroup]] = {}
+    out: dict[str, dict] = {}
+    try:
+        for i, (p_tp, d_tp) in enumerate(pairs):
+            cfg = Config(**{**base.to_dict(), "p_tp": p_tp, "d_tp": d_tp})
+            try:
+                desc = dec.call({"op": "setup", "id": i, "cfg": cfg.to_dict(), "slots": d_slots.tobytes()})
+                groups[i] = (cfg, PrefillGroup(cfg, p_slots, d_slots, desc["descriptors"]))
+                dec.call({"op": "expect", "id": i, "rid": "warm"})
+                groups[i][1].send("warm")
+                why = dec.call({"op": "drain", "id": i, "rid": "warm"})["why"] or \
+                    dec.call({"op": "verify", "id": i})["why"]
+                if why:
+                    raise RuntimeError(why)
+                out[cfg.name] = {"config": cfg.to_dict(), "seconds": [], "nbytes": groups[i][1].nbytes}
+            except Exception as e:   # one broken case is a row with its reason
+                out[cfg.name] = {"config": cfg.to_dict(), "error": f"{type(e).__name__}: {e}"[:300]}
+                groups.pop(i, None)
+        nbytes = max((g.nbytes for _, g in groups.values()), default=0)
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        ceil = {"tcp raw": [], "memcpy": []}
+        for rep in range(reps):
+            for i, (cfg, g) in groups.items():
+                rid = f"r{rep}"
+                dec.call({"op": "expect", "id": i, "rid": rid})
+                dt = g.send(rid)
+                why = dec.call({"op": "drain", "id": i, "rid": rid})["why"]
+                if why:
+                    out[cfg.name]["error"] = why
+                out[cfg.name]["seconds"].append(dt)
+            if nbytes:
+                ceil["tcp raw"].append(tcp_raw(dec, src))
+                ceil["memcpy"].append(memcpy(src, dst))
+        ref = out[base_name(base, pairs[0])].get("seconds") if 0 in groups else None
+        for i, (cfg, g) in groups.items():
+            r = out[cfg.name]
+            r.update(gbps=g.nbytes / min(r["seconds"]) / 1e9, gbps_median=g.nbytes / statistics.median(r["seconds"]) / 1e9,
+                     plan_ms=g.plan_ms, per_decode_rank={str(k): v for k, v in sorted(g.per_decode.items())})
+            if ref:   # against the same-TP run of the same repetition: robust to load that comes and goes
+                r["x_same_paired_median"] = statistics.median(a / b for a, b in zip(ref, r["seconds"]))
+        for name, secs in ceil.items():
+            if secs:
+                out[f"{base.transport} {base.p_layout}->{base.d_layout} ceiling {name}"] = {
+                    "ceiling": name, "gbps": nbytes / min(secs) / 1e9, "nbytes": nbytes}
+    finally:
+        for _, g in groups.values():
+            g.close()
+        dec.call({"op": "teardown"})
+    return out
+
+
+def rows_of(results: dict, transports: list[str], layouts: list[tuple[str, str]], pairs) -> list[dict]:
+    """The aggregator's rows: same TP against its raw ceiling, hetero against same TP, and (once
+    per layout pairing: they do not depend on the transport) runs against SGLang's descriptors."""
+    rows, counts = [], []
+    same = f"TP {pairs[0][0]}->{pairs[0][1]}"
+    for t in transports:
+        for pl, dl in layouts:
+            key = f"{t} {pl}->{dl}"
+            ceil_name = "tcp raw" if t == "zmq" else "memcpy"
+            ceil = results.get(f"{key} ceiling {ceil_name}", {}).get("gbps")
+            ref = results.get(f"{key} {same}", {})
+            for p_tp, d_tp in pairs:
+                r = results.get(f"{key} TP {p_tp}->{d_tp}", {})
+                row = {"name": f"hetero {key} TP {p_tp}->{d_tp}", "unit": "GB/s", "value": r.get("gbps")}
+                if "error" in r:
+                    row["error"] = r["error"]
+                if (p_tp, d_tp) == pairs[0]:
+                    row.update(ceiling=ceil, ceiling_name=ceil_name)
+                elif p_tp == d_tp:   # a control: same TP with more ranks sharing the cores; no goal
+                    row.update(ceiling=ref.get("gbps"), ceiling_name=f"same {same} (control)")
+                else:
+                    row.update(ceiling=ref.get("gbps"), ceiling_name=f"same {same}", goal=f">= {GOAL}x")
+                if row["value"] and row.get("ceiling"):
+                    row["ratio"] = row["value"] / row["ceiling"]
+                    if "goal" in row:
+                        row["ok"] = row["ratio"] >= GOAL
+                rows.append(row)
+                d0 = r.get("per_decode_rank", {}).get("0")
+                if d0 and t == transports[0]:
+                    counts.append({"name": f"hetero runs/request/decode rank, {pl}->{dl} TP {p_tp}->{d_tp} "
+                                           f"({d0['packed_runs']:,} packed)", "unit": "runs", "value": d0["runs"],
+                                   "ceiling": d0["sglang_descriptors"], "ceiling_name": "SGLang-style descriptors",
+                                   "ratio": d0["runs"] / d0["sglang_descriptors"]})
+    return rows + counts
+
+
+def print_table(results: dict, pairs) -> None:
+    print("\nGB/s (1 GB = 1e9 bytes), best of the repetitions. x same: best against best of the same-TP row;"
+          "\npaired: median over repetitions of same-TP time / this time, each against the same-TP run of its"
+          "\nrepetition. plan ms: every (prefill, decode) pair's plan. Runs per request for decode rank 0.")
+    head = (f"{'case':46s} {'GB/s':>6s} {'median':>7s} {'x same':>7s} {'paired':>7s} {'plan ms':>8s} {'runs':>8s} "
+            f"{'packed':>8s} {'unpacked':>8s} {'SGLang':>9s}")
+    print(head + "\n" + "-" * len(head))
+    for name, r in results.items():
+        if "ceiling" in r:
+            print(f"{name:46s} {r['gbps']:6.2f}")
+            continue
+        if "gbps" not in r:
+            print(f"{name:46s} not measured: {r.get('error')}")
+            continue
+        key = name.rsplit(" TP ", 1)[0]
+        same = results.get(f"{key} TP {pairs[0][0]}->{pairs[0][1]}", {}).get("gbps")
+        ratio = f"{r['gbps'] / same:6.2f}x" if same else ""
+        paired = f"{r['x_same_paired_median']:6.2f}x" if "x_same_paired_median" in r else ""
+        d0 = r["per_decode_rank"]["0"]
+        print(f"{name:46s} {r['gbps']:6.2f} {r['gbps_median']:7.2f} {ratio:>7s} {paired:>7s} {r['plan_ms']:8.2f} "
+              f"{d0['runs']:8,d} {d0['packed_runs']:8,d} {d0['runs'] - d0['packed_runs']:8,d} "
+              f"{d0['sglang_descriptors']:9,d}" + (f"  ERROR {r['error']}" if "error" in r else ""))
+
+
+def usable_transports(names: list[str]) -> tuple[list[str], dict[str, str]]:
+    from kvxfer.transport import get_transport
+    ok, why = [], {}
+    for n in names:
+        try:
+            get_transport(n).close()
+            ok.append(n)
+        except Exception as e:
+            why[n] = f"{type(e).__name__}: {e}"[:200]
+    return ok, why
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="4 layers, 2048 tokens, 3 repetitions")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--transports", default="zmq,ucx")
+    ap.add_argument("--layouts", default="hnd:hnd,token_major:token_major",
+                    help="prefill:decode layout pairs (token_major, hnd, page_major)")
+    ap.add_argument("--pairs", default="2:2,2:4,4:2,4:4",
+                    help="P TP:D TP; the first is the reference, other equal pairs are controls")
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--tokens", type=int)
+    ap.add_argument("--reps", type=int)
+    ap.add_argument("--pack-below", type=int, default=PACK_BELOW, help="the planner's packing threshold (bytes)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    layers = args.layers or (4 if args.quick else 8)
+    tokens = args.tokens or (2048 if args.quick else 4096)
+    reps = args.reps or (3 if args.quick else 5)
+    if tokens % PAGE:
+        ap.error(f"--tokens must be a multiple of the page size {PAGE}")
+    layouts = [tuple(x.split(":")) for x in args.layouts.split(",")]
+    pairs = [tuple(int(v) for v in x.split(":")) for x in args.pairs.split(",")]
+    torch.set_num_threads(1)   # two cores, shared: one compute thread per process, like a transport's I/O
+    transports, missing = usable_transports(args.transports.split(","))
+    print(f"model: {layers} layers x K/V, {HEADS} KV heads, head_dim {HEAD_DIM}, {DTYPE}, page {PAGE}; "
+          f"request {tokens} tokens = {tokens * layers * 2 * HEADS * HEAD_DIM * 2 / 2**20:.0f} MiB "
+          f"(all ranks); best of {reps}", flush=True)
+    for n, why in missing.items():
+        print(f"{n}: not measured: {why}")
+    results: dict[str, dict] = {}
+    ctx = mp.get_context("spawn")
+    dec = Decode(ctx)
+    try:
+        for t in transports:
+            for pl, dl in layouts:
+                base = Config(transport=t, p_layout=pl, d_layout=dl, p_tp=1, d_tp=1, layers=layers, tokens=tokens,
+                              pack_below=args.pack_below)
+                print(f"{t} {pl} -> {dl} ...", flush=True)
+                results.update(bench_group(dec, base, pairs, reps, args.seed))
+    finally:
+        dec.close()
+    print_table(results, pairs)
+    rows = rows_of(results, transports, layouts, pairs)
+    for n, why in missing.items():
+        rows.append({"name": f"hetero {n}", "error": why})
+    worst = min((r["ratio"] for r in rows if "goal" in r and "ratio" in r), default=None)
+    if worst is not None:
+        print(f"\nworst heterogeneous / same TP: {worst:.2f}x (goal >= {GOAL}x: {'met' if worst >= GOAL else 'MISSED'})")
+    for r in rows:
+        if "(control)" in r.get("ceiling_name", "") and r.get("ratio") is not None:
+            print(f"control {r['name'][7:]}: {r['ratio']:.2f}x of {pairs[0][0]}->{pairs[0][1]} "
+                  f"(same TP, as many ranks as the heterogeneous cases)")
+    if args.json:
+        args.json.write_text(json.dumps({"bench": "hetero", "rows": rows, "results": results,
+                                         "model": {"layers": layers, "kv_heads": HEADS, "head_dim": HEAD_DIM,
+                                                   "dtype": DTYPE, "page_size": PAGE, "tokens": tokens},
+                                         "repetitions": reps}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,684 @@
+#!/usr/bin/env python
+"""kvxfer next to what a user would otherwise pick, moving the same bytes between two processes
+on 127.0.0.1: torch.distributed gloo, NIXL (UCX backend) and Mooncake Transfer Engine (TCP).
+
+    .venv/bin/python scripts/bench_peers.py [--quick] [--json PATH] [--peers]
+
+Cases (pools of 1 GiB, 256 MiB with --quick, on both sides):
+  scattered    1000 pages of 64 KiB at random places of the source pool -> random places of
+               the destination pool (a request's KV pages after some churn)
+  one run      one 16 MiB contiguous run
+
+Peers, each the way its users drive it:
+  kvxfer zmq / ucx  one ``submit`` of a plan with the runs; done when the receiver acked
+  gloo              gather the pages (``index_select``), send in 1 MiB messages (gloo slows
+                    on multi-MiB ones), receiver scatters, then acks with a 1-byte send
+  NIXL              descriptor lists per transfer, one WRITE (``initialize_xfer`` + ``transfer``),
+                    done when its state is DONE; default UCX_TLS (cma puts here). No progress
+                    thread (the Python API's spins a core): both sides poll, as engines do
+  Mooncake          ``batch_transfer_sync_write`` of the runs over TCP (no RDMA NIC here)
+NIXL and Mooncake live in their own virtual environments, created on demand under
+``.bench-venvs/<peer>`` in the repository root when ``--peers`` is given (never in kvxfer's
+dependencies); a peer that cannot be installed or fails is a row with the reason.
+gloo needs only torch, so it always runs.
+
+Every peer's bytes are checked at the receiver after the warm-up (the source pool holds a
+position-dependent pattern at the source runs). All peers are started first and then take
+turns, one transfer each per round, with the ceilings sampled in the same round: a burst of
+load from other processes hits them alike. Best of N rounds (more for the small case).
+
+Ceilings measured in the same run (single thread):
+  memcpy     one ``copy_`` of the case's bytes              (shared-memory peers, one run)
+  gather     ``index_select`` of the same pages, one process (shared-memory peers, scattered)
+  tcp raw    the case's bytes over one loopback TCP socket, 1 MiB messages (TCP peers)
+Run with ``--worker`` only by this script itself (one side of one peer).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import queue
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+KiB, MiB = 1 << 10, 1 << 20
+ROOT = Path(__file__).resolve().parents[1]
+VENVS = ROOT / ".bench-venvs"
+CHUNK = MiB
+TCP_PEERS = {"kvxfer zmq", "gloo", "mooncake tcp", "tcp raw"}
+# How each peer's environment is made: pip argument lists, in order, in a fresh venv.
+# NIXL: torch first (the CPU wheel), so that nothing pulls a CUDA build; the `nixl` meta
+# package only for its `nixl._api` import path, never with its dependencies (~5.9 GB).
+INSTALL = {
+    "nixl": [["torch==2.13.0"], ["nixl-cu12"], ["--no-deps", "nixl"]],
+    "mooncake": [["mooncake-transfer-engine-non-cuda", "numpy"]],
+}
+IMPORT_CHECK = {"nixl": "from nixl._api import nixl_agent, nixl_agent_config",
+                "mooncake": "from mooncake.engine import TransferEngine"}
+APT_FOR = {"libibverbs": ["libibverbs1", "libnuma1"], "libnuma": ["libnuma1"]}
+
+
+# ---------------------------------------------------------------------------------------
+# The cases and the byte pattern (numpy only: workers run in peer venvs without torch)
+# ---------------------------------------------------------------------------------------
+def make_cases(pool_bytes: int, pages: int, page: int, run: int, seed: int) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    slots = pool_bytes // page
+    return [{"name": f"scattered {page // KiB} KiB x{pages}", "nbytes": page,
+             "so": (rng.choice(slots, pages, replace=False) * page).tolist(),
+             "do": (rng.choice(slots, pages, replace=False) * page).tolist()},
+            {"name": f"one run {run // MiB} MiB", "nbytes": run,
+             "so": [int(rng.integers(pool_bytes // run)) * run], "do": [int(rng.integers(pool_bytes // run)) * run]}]
+
+
+def pattern(word_index: np.ndarray) -> np.ndarray:
+    """The source pool's 8-byte words: every word differs, so a misplaced page shows."""
+    return (word_index.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) ^ np.uint64(0x5DEECE66D)
+
+
+def source_pool(pool_bytes: int, cases: list[dict]) -> np.ndarray:
+    """The source pool: the pattern at every source run, zero pages (never touched) elsewhere."""
+    pool = np.zeros(pool_bytes, np.uint8)
+    for c in cases:
+        for so in c["so"]:
+            pool[so: so + c["nbytes"]] = pattern(np.arange(so // 8, (so + c["nbytes"]) // 8)).view(np.uint8)
+    return pool
+
+
+def check(pool: np.ndarray, case: dict) -> str:
+    """'' when the destination runs hold the source runs' pattern, else what differs."""
+    n = case["nbytes"]
+    for i, (so, do) in enumerate(zip(case["so"], case["do"])):
+        want = pattern(np.arange(so // 8, (so + n) // 8))
+        if not np.array_equal(pool[do: do + n].view(np.uint64), want):
+            return f"{case['name']}: run {i} differs at the receiver"
+    return ""
+
+
+class Ctl:
+    """JSON lines over a loopback socket between the two workers of a peer."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock, self.f = sock, sock.makefile("rwb")
+
+    def send(self, obj) -> None:
+        self.f.write(json.dumps(obj).encode() + b"\n")
+        self.f.flush()
+
+    def readable(self) -> bool:
+        """Whether a message is waiting (never blocks)."""
+        return bool(self.f.peek(1)) if select.select([self.sock], [], [], 0)[0] else False
+
+    def recv(self):
+        line = self.f.readline()
+        if not line:
+            raise ConnectionError("the other worker went away")
+        return json.loads(line)
+
+
+# ---------------------------------------------------------------------------------------
+# Peers: the target (receiver) and the initiator (sender) side of each
+# ---------------------------------------------------------------------------------------
+class Peer:
+    """Defaults for a one-sided peer, whose target does nothing per transfer."""
+    verify = True   # check the target's bytes after the warm-up
+
+    def info(self) -> dict:
+        """Target, once: what the initiator needs to reach it."""
+        return {}
+
+    def accept(self) -> None:
+        """Target, once, while the initiator runs ``connect`` (rendezvous-style peers)."""
+
+    def connect(self, info: dict) -> None:
+        """Initiator, once."""
+
+    def prepare(self, case: dict, tag: str) -> None:
+        """Target, before the initiator starts a transfer (kvxfer: the grant)."""
+
+    def receive(self, case: dict, tag: str, ended: Callable[[], bool]) -> None:
+        """Target, during the transfer (two-sided peers receive here); ``ended()`` turns True
+        once the initiator reports its transfer complete."""
+
+    def transfer(self, case: dict, tag: str) -> None:
+        """Initiator: returns once the bytes are at the target."""
+        raise NotImplementedError
+
+    def finish(self, tag: str) -> None:
+        """Target, after the transfer was checked."""
+
+    def close(self) -> None:
+        pass
+
+
+class NixlPeer(Peer):
+    """NIXL's Python API spins its progress thread (no delay): on a 2-core box that takes a
+    core from everyone. So neither side runs it: the initiator progresses by polling its
+    transfer's state, the target by polling for notifications while a transfer may be under
+    way, as an engine's loop would."""
+
+    def __init__(self, role: str, pool: np.ndarray, spec: dict):
+        from nixl._api import nixl_agent, nixl_agent_config
+        self.pool, self.base = pool, pool.ctypes.data
+        self.agent = nixl_agent(f"{role}-{os.getpid()}", nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        self.agent.register_memory([(self.base, pool.nbytes, 0, "")], "DRAM")
+
+    def info(self) -> dict:
+        return {"meta": self.agent.get_agent_metadata().hex(), "base": self.base}
+
+    def connect(self, info: dict) -> None:
+        self.remote = self.agent.add_remote_agent(bytes.fromhex(info["meta"]))
+        self.remote_base = info["base"]
+
+    def receive(self, case: dict, tag: str, ended: Callable[[], bool]) -> None:
+        while not ended():   # keeps the worker progressing (the first transfer's wire-up needs it)
+            self.agent.get_new_notifs()
+            time.sleep(1e-4)
+
+    def transfer(self, case: dict, tag: str) -> None:
+        n = case["nbytes"]
+
+        def descs(base: int, offs: list[int]) -> np.ndarray:   # [runs, (address, length, device)]
+            return np.stack([np.uint64(base) + np.asarray(offs, np.uint64), np.full(len(offs), n, np.uint64),
+                             np.zeros(len(offs), np.uint64)], axis=1)
+        local = self.agent.get_xfer_descs(descs(self.base, case["so"]), "DRAM")
+        remote = self.agent.get_xfer_descs(descs(self.remote_base, case["do"]), "DRAM")
+        h = self.agent.initialize_xfer("WRITE", local, remote, self.remote)
+        state = self.agent.transfer(h)
+        while state == "PROC":
+            state = self.agent.check_xfer_state(h)
+        self.agent.release_xfer_handle(h)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL transfer state {state}")
+
+
+class MooncakePeer(Peer):
+    def __init__(self, role: str, pool: np.ndarray, spec: dict):
+        from mooncake.engine import TransferEngine
+        self.pool, self.base = pool, pool.ctypes.data
+        self.te = TransferEngine()
+        port = spec["port"] if role == "target" else spec["port2"]
+        if self.te.initialize(f"127.0.0.1:{port}", "P2PHANDSHAKE", "tcp", "") != 0:
+            raise RuntimeError("TransferEngine.initialize failed")
+        if self.te.register_memory(self.base, pool.nbytes) != 0:
+            raise RuntimeError("TransferEngine.register_memory failed")
+
+    def info(self) -> dict:
+        return {"host": f"127.0.0.1:{self.te.get_rpc_port()}", "base": self.base}
+
+    def connect(self, info: dict) -> None:
+        self.host, self.remote_base = info["host"], info["base"]
+
+    def transfer(self, case: dict, tag: str) -> None:
+        n = len(case["so"])
+        rc = self.te.batch_transfer_sync_write(self.host, [self.base + o for o in case["so"]],
+                                               [self.remote_base + o for o in case["do"]], [case["nbytes"]] * n)
+        if rc != 0:
+            raise RuntimeError(f"batch_transfer_sync_write returned {rc}")
+
+
+class TcpRaw(Peer):
+    """The ceiling for TCP peers: the case's bytes, contiguous, through one socket."""
+    verify = False
+
+    def __init__(self, role: str, pool: np.ndarray, spec: dict):
+        self.buf = memoryview(pool)
+        if role == "target":
+            self.ls = socket.create_server(("127.0.0.1", 0))
+        else:   # real memory: most of the source pool is untouched zero pages, which read too fast
+            most = max(c["nbytes"] * len(c["so"]) for c in spec["cases"])
+            self.buf = memoryview(np.random.default_rng(0).integers(0, 256, most, dtype=np.uint8))
+
+    def info(self) -> dict:
+        return {"port": self.ls.getsockname()[1]}
+
+    def connect(self, info: dict) -> None:
+        self.s = socket.create_connection(("127.0.0.1", info["port"]))
+        self.s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def accept(self) -> None:
+        self.s, _ = self.ls.accept()
+
+    def receive(self, case: dict, tag: str, ended: Callable[[], bool]) -> None:
+        left = case["nbytes"] * len(case["so"])
+        while left:
+            want, got = min(CHUNK, left), 0
+            while got < want:
+                got += self.s.recv_into(self.buf[got:want], want - got)
+            left -= want
+        self.s.sendall(b"k")
+
+    def transfer(self, case: dict, tag: str) -> None:
+        total = case["nbytes"] * len(case["so"])
+        for o in range(0, total, CHUNK):
+            self.s.sendall(self.buf[o: o + min(CHUNK, total - o)])
+        self.s.recv(1)
+
+
+class GlooPeer(Peer):
+    """torch.distributed gloo send/recv: gather, 1 MiB messages in flight, scatter, ack."""
+
+    def __init__(self, role: str, pool: np.ndarray, spec: dict):
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(1)
+        self.torch, self.dist, self.pool = torch, dist, pool
+        self.t = torch.from_numpy(pool)
+        self.rank, self.init = (0 if role == "initiator" else 1), f"tcp://127.0.0.1:{spec['port']}"
+        self.ack = torch.zeros(1, dtype=torch.uint8)
+
+    def accept(self) -> None:   # both sides join the group at once
+        self.dist.init_process_group("gloo", init_method=self.init, rank=self.rank, world_size=2)
+
+    def connect(self, info: dict) -> None:
+        self.accept()
+
+    def _staging(self, case: dict):
+        n, k = case["nbytes"], len(case["so"])
+        if not hasattr(self, "stage") or self.stage.numel() < n * k:
+            self.stage = self.torch.empty(n * k, dtype=self.torch.uint8)
+        return self.stage[: n * k]
+
+    def _chunks(self, buf):
+        return [buf[o: o + CHUNK] for o in range(0, buf.numel(), CHUNK)]
+
+    def transfer(self, case: dict, tag: str) -> None:
+        n = case["nbytes"]
+        if len(case["so"]) == 1:
+            buf = self.t[case["so"][0]: case["so"][0] + n]   # one run: no gather
+        else:
+            rows = self.t[: self.t.numel() // n * n].view(-1, n)
+            buf = self._staging(case)
+            self.torch.index_select(rows, 0, self.torch.tensor(case["so"]) // n, out=buf.view(-1, n))
+        for w in [self.dist.isend(c, dst=1) for c in self._chunks(buf)]:
+            w.wait()
+        self.dist.recv(self.ack, src=1)
+
+    def receive(self, case: dict, tag: str, ended: Callable[[], bool]) -> None:
+        n = case["nbytes"]
+        single = len(case["do"]) == 1
+        buf = self.t[case["do"][0]: case["do"][0] + n] if single else self._staging(case)
+        for w in [self.dist.irecv(c, src=0) for c in self._chunks(buf)]:
+            w.wait()
+        if not single:   # numpy moves a row of raw bytes as one memcpy (~2x index_copy_: kvxfer.plan.copy_runs)
+            rows = self.pool[: self.pool.size // n * n].view(np.dtype((np.void, n)))
+            rows[np.asarray(case["do"]) // n] = buf.numpy().view(np.dtype((np.void, n)))
+        self.dist.send(self.ack, dst=0)
+
+    def close(self) -> None:
+        if self.dist.is_initialized():
+            self.dist.destroy_process_group()
+
+
+class KvxferPeer(Peer):
+    """kvxfer's own transports: one plan of the runs, one submit."""
+
+    def __init__(self, role: str, pool: np.ndarray, spec: dict):
+        import torch
+        from kvxfer.transport import get_transport
+        torch.set_num_threads(1)
+        self.t = get_transport(spec["transport"])
+        self.t.register([torch.from_numpy(pool)])
+
+    def info(self) -> dict:
+        return {"descriptor": self.t.descriptor()}
+
+    def connect(self, info: dict) -> None:
+        self.peer = self.t.connect(info["descriptor"])
+
+    @staticmethod
+    def _runs(case: dict):
+        k = len(case["so"])
+        return (np.zeros(k, np.int64), np.asarray(case["so"], np.int64), np.asarray(case["do"], np.int64),
+                np.full(k, case["nbytes"], np.int64))
+
+    def transfer(self, case: dict, tag: str) -> None:
+        from kvxfer.plan import PACK_BELOW, RunGroup, TransferPlan
+        z, so, do, n = self._runs(case)
+        plan = TransferPlan((RunGroup(z[:1], z[:1], z[:1], z[:1], so, do, n, bool(n[0] < PACK_BELOW)),))
+        self.t.submit(self.peer, tag, plan, timeout=120).result()
+
+    def prepare(self, case: dict, tag: str) -> None:
+        from kvxfer.plan import ByteRanges
+        z, _, do, n = self._runs(case)
+        self.t.expect(tag, ByteRanges(z, do, n))
+
+    def receive(self, case: dict, tag: str, ended: Callable[[], bool]) -> None:
+        got = []
+        limit = time.monotonic() + 120
+        while not got and time.monotonic() < limit:
+            got = self.t.arrivals(timeout=0.5)
+        if not got or not got[0].ok:
+            raise RuntimeError(f"no arrival for {tag}" if not got else got[0].reason)
+
+    def finish(self, tag: str) -> None:
+        self.t.forget(tag)
+
+    def close(self) -> None:
+        self.t.close()
+
+
+PEERS = {"tcp raw": TcpRaw, "kvxfer zmq": KvxferPeer, "kvxfer ucx": KvxferPeer, "gloo": GlooPeer,
+         "nixl ucx": NixlPeer, "mooncake tcp": MooncakePeer}
+
+
+def worker(peer: str, role: str, spec: dict, say: Callable[[str, dict], None]) -> None:
+    """One side of one peer. The target serves the initiator over a control connection; the
+    initiator does one transfer per command line on stdin (the orchestrator interleaves the
+    peers this way) and answers each with its seconds."""
+    pool = source_pool(spec["pool_bytes"], spec["cases"]) if role == "initiator" else \
+        np.zeros(spec["pool_bytes"], np.uint8)
+    p = PEERS[peer](role, pool, spec)
+    try:
+        if role == "target":
+            ls = socket.create_server(("127.0.0.1", 0))
+            say("READY", {**p.info(), "ctl": ls.getsockname()[1]})
+            ctl = Ctl(ls.accept()[0])
+            p.accept()
+            while (cmd := ctl.recv())["op"] != "quit":
+                case = spec["cases"][cmd["case"]]
+                p.prepare(case, cmd["tag"])
+                ctl.send({"ready": True})
+                p.receive(case, cmd["tag"], ctl.readable)
+                ctl.recv()   # "end": the initiator saw its transfer complete
+                why = check(pool, case) if cmd["verify"] and p.verify else ""
+                p.finish(cmd["tag"])
+                ctl.send({"why": why})
+            return
+        ctl = Ctl(socket.create_connection(("127.0.0.1", spec["target"]["ctl"])))
+        p.connect(spec["target"])
+        say("READY", {})
+        for n, line in enumerate(sys.stdin):
+            cmd = json.loads(line)
+            if cmd["op"] == "quit":
+                break
+            case, tag = spec["cases"][cmd["case"]], f"t{n}"
+            ctl.send({"op": "begin", "case": cmd["case"], "tag": tag, "verify": cmd["verify"]})
+            ctl.recv()
+            t0 = time.perf_counter()
+            p.transfer(case, tag)
+            dt = time.perf_counter() - t0
+            ctl.send({"op": "end"})
+            say("DONE", {"seconds": dt, "why": ctl.recv()["why"]})
+        ctl.send({"op": "quit"})
+    finally:
+        p.close()
+
+
+# ---------------------------------------------------------------------------------------
+# Peer environments
+# ---------------------------------------------------------------------------------------
+def _run(cmd: list[str], timeout: float) -> tuple[bool, str]:
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return False, f"{type(e).__name__}: {e}"[:200]
+    lines = [ln for ln in (r.stderr + r.stdout).splitlines() if ln.strip() and "WARNING" not in ln]
+    return r.returncode == 0, (lines[-1] if lines else f"exit code {r.returncode}")[:200]
+
+
+def ensure_venv(name: str) -> tuple[str | None, str]:
+    """The peer's python, creating ``.bench-venvs/<name>`` when needed; else (None, reason)."""
+    VENVS.mkdir(exist_ok=True)
+    (VENVS / ".gitignore").write_text("*\n")   # never committed, whatever the root .gitignore says
+    venv, want = VENVS / name, json.dumps(INSTALL[name])
+    py, stamp = venv / "bin" / "python", venv / ".kvxfer-bench"
+    if not (stamp.exists() and stamp.read_text() == want and py.exists()):
+        print(f"  creating {venv.relative_to(ROOT)} for {name}: pip install "
+              + "; ".join(" ".join(a) for a in INSTALL[name]) + " (minutes, once)", flush=True)
+        shutil.rmtree(venv, ignore_errors=True)
+        base = getattr(sys, "_base_executable", sys.executable)   # not this venv's python: a clean venv
+        ok, why = _run([base, "-m", "venv", str(venv)], 300)
+        for args in INSTALL[name] if ok else []:
+            ok, why = _run([str(py), "-m", "pip", "install", "-q", *args], 1800)
+            if not ok:
+                break
+        if not ok:
+            return None, f"install failed: {why}"
+        stamp.write_text(want)
+    ok, why = _run([str(py), "-c", IMPORT_CHECK[name]], 120)
+    missing = [pkg for lib, pkgs in APT_FOR.items() if lib in why for pkg in pkgs]
+    if not ok and missing and shutil.which("apt-get") and os.geteuid() == 0:
+        print(f"  {name} needs {', '.join(missing)}: apt-get install -y {' '.join(missing)}", flush=True)
+        ok_apt, why_apt = _run(["apt-get", "install", "-y", "-q", *missing], 600)
+        if not ok_apt:
+            _run(["apt-get", "update", "-q"], 600)
+            _run(["apt-get", "install", "-y", "-q", *missing], 600)
+        ok, why = _run([str(py), "-c", IMPORT_CHECK[name]], 120)
+    return (str(py), "") if ok else (None, f"import failed: {why}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PeerPair:
+    """Both workers of one peer, as subprocesses, driven one transfer at a time."""
+
+    def __init__(self, peer: str, python: str, spec: dict, tmp: Path, timeout: float):
+        self.peer, self.timeout = peer, timeout
+        spec = {**spec, "port": _free_port(), "port2": _free_port()}   # for peers that need ports
+        spec_path = tmp / f"{peer.replace(' ', '_')}.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = [python, str(Path(__file__).resolve()), "--worker", peer, "--spec", str(spec_path)]
+        self.procs: list[subprocess.Popen] = []
+        self.logs = [open(tmp / f"{peer.replace(' ', '_')}.{r}.err", "w+") for r in ("target", "initiator")]
+        self.lines: list[queue.Queue] = []
+        info = self._start([*cmd, "--role", "target"], 0)
+        spec_path.write_text(json.dumps({**spec, "target": info}))
+        self._start([*cmd, "--role", "initiator"], 1)
+
+    def _start(self, cmd: list[str], side: int) -> dict:
+        p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.logs[side], text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
+        q: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [q.put(ln) for ln in p.stdout] + [q.put(None)], daemon=True).start()
+        self.procs.append(p)
+        self.lines.append(q)
+        return self._expect(side, "READY")
+
+    def _expect(self, side: int, what: str) -> dict:
+        try:
+            line = self.lines[side].get(timeout=self.timeout)
+        except queue.Empty:
+            line = None
+        if line is None or not line.startswith(f"@@{what} "):
+            time.sleep(0.5)   # the other side may have failed first: its reason is the better one
+            first = next((i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)), side)
+            raise RuntimeError(("target: " if first == 0 else "initiator: ") + _tail(self.logs[first], self.procs[first]))
+        return json.loads(line[len(what) + 3:])
+
+    def run(self, case: int, verify: bool) -> float:
+        """Seconds of one transfer of ``case`` (its bytes checked at the target when ``verify``)."""
+        self.procs[1].stdin.write(json.dumps({"op": "run", "case": case, "verify": verify}) + "\n")
+        self.procs[1].stdin.flush()
+        out = self._expect(1, "DONE")
+        if out["why"]:
+            raise RuntimeError(out["why"])
+        return out["seconds"]
+
+    def close(self) -> None:
+        if len(self.procs) == 2 and self.procs[1].poll() is None:
+            try:
+                self.procs[1].stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.procs[1].stdin.flush()
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for f in self.logs:
+            f.close()
+
+
+def _tail(log, proc: subprocess.Popen) -> str:
+    log.flush()
+    log.seek(0)
+    lines = [ln.strip() for ln in log.read().splitlines() if ln.strip() and "UCX  WARN" not in ln]
+    rc = proc.poll()
+    state = "still running at the deadline" if rc is None else f"exit code {rc}"
+    return (f"{lines[-1][:200]} ({state})" if lines else state)
+
+
+# ---------------------------------------------------------------------------------------
+# Ceilings in this process
+# ---------------------------------------------------------------------------------------
+class LocalCeilings:
+    """memcpy and gather of each case's bytes, single thread; one sample per call."""
+
+    def __init__(self, pool_bytes: int, cases: list[dict]):
+        import torch
+        torch.set_num_threads(1)
+        self.torch = torch
+        self.src = torch.from_numpy(source_pool(pool_bytes, cases))
+        self.cases = cases
+        most = max(c["nbytes"] * len(c["so"]) for c in cases)
+        self.a = torch.randint(0, 256, (most,), dtype=torch.uint8)   # not the zero page: real memory
+        self.b = torch.zeros_like(self.a)   # zeros_like writes it: no page faults inside the timing
+
+    def sample(self, i: int) -> dict[str, float]:
+        c, torch = self.cases[i], self.torch
+        n, k = c["nbytes"], len(c["so"])
+        rows, idx = self.src[: self.src.numel() // n * n].view(-1, n), torch.tensor(c["so"]) // n
+        out = {}
+        for name, fn in (("memcpy", lambda: self.b[: n * k].copy_(self.a[: n * k])),
+                         ("gather", lambda: torch.index_select(rows, 0, idx, out=self.b[: n * k].view(-1, n)))):
+            t0 = time.perf_counter()
+            fn()
+            out[name] = time.perf_counter() - t0
+        return out
+
+
+def ceiling_for(peer: str, case: str) -> str:
+    if peer in TCP_PEERS:
+        return "tcp raw"
+    return "gather" if case.startswith("scattered") else "memcpy"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="256 MiB pools, 3 repetitions")
+    ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument("--peers", action="store_true", help="include NIXL and Mooncake (creates their venvs)")
+    ap.add_argument("--pages", type=int, default=1000)
+    ap.add_argument("--page-kib", type=int, default=64)
+    ap.add_argument("--run-mib", type=int, default=16)
+    ap.add_argument("--reps", type=int)
+    ap.add_argument("--timeout", type=float, default=300, help="seconds per peer")
+    ap.add_argument("--only", help=f"comma-separated subset of: {','.join(PEERS)}")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--role", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        spec = json.loads(Path(args.spec).read_text())
+        if args.worker.startswith("kvxfer"):
+            spec["transport"] = args.worker.split()[1]
+        # stdout carries only our lines; whatever a library prints goes to stderr (the log)
+        proto = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        worker(args.worker, args.role, spec, lambda what, obj: proto.write(f"@@{what} {json.dumps(obj)}\n"))
+        return 0
+    pool_bytes = (256 if args.quick else 1024) * MiB
+    reps = args.reps or (3 if args.quick else 5)
+    cases = make_cases(pool_bytes, args.pages, args.page_kib * KiB, args.run_mib * MiB, seed=0)
+    spec = {"pool_bytes": pool_bytes, "cases": cases}
+    print(f"pools {pool_bytes // MiB} MiB on both sides; cases: {', '.join(c['name'] for c in cases)}; "
+          f"best of {reps}+ rounds after a checked warm-up; peers interleaved within each round", flush=True)
+    order = [p for p in PEERS if not args.only or p in args.only.split(",")]
+    results: dict[str, dict] = {}
+    pairs: dict[str, PeerPair] = {}
+    local = LocalCeilings(pool_bytes, cases)
+    times: dict[str, dict[str, list[float]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for peer in order:   # start every peer; each idles until its turn
+                python, why = sys.executable, ""
+                if peer in ("nixl ucx", "mooncake tcp"):
+                    if not args.peers:
+                        results[peer] = {"error": "skipped: pass --peers"}
+                        continue
+                    python, why = ensure_venv(peer.split()[0])
+                if peer == "kvxfer ucx" and importlib.util.find_spec("ucxx") is None:
+                    why = "ucxx not installed: pip install 'kvxfer[ucx]'"
+                try:
+                    if why:
+                        raise RuntimeError(why)
+                    print(f"  starting {peer}", flush=True)
+                    pairs[peer] = PeerPair(peer, python, spec, Path(tmp), args.timeout)
+                    for i in range(len(cases)):   # warm-up: connections, page faults; bytes checked
+                        pairs[peer].run(i, verify=True)
+                except Exception as e:   # a peer that cannot run is a row with its reason
+                    results[peer] = {"error": str(e)[:300]}
+                    print(f"  {peer}: {results[peer]['error']}", flush=True)
+                    pairs.pop(peer, None)
+            for i, c in enumerate(cases):
+                nbytes = c["nbytes"] * len(c["so"])
+                # small cases take a few ms: more rounds, so that the best is not a burst of load
+                for _ in range(reps * max(1, (64 * MiB) // nbytes)):
+                    for name, dt in local.sample(i).items():
+                        times.setdefault(name, {}).setdefault(c["name"], []).append(dt)
+                    for peer, pair in list(pairs.items()):
+                        try:
+                            times.setdefault(peer, {}).setdefault(c["name"], []).append(pair.run(i, verify=False))
+                        except Exception as e:
+                            results[peer] = {"error": f"{c['name']}: {e}"[:300]}
+                            pairs.pop(peer).close()
+        finally:
+            for pair in pairs.values():
+                pair.close()
+    size = {c["name"]: c["nbytes"] * len(c["so"]) for c in cases}
+    for name, by_case in times.items():
+        if name not in results:
+            results[name] = {case: {"gbps": size[case] / min(t) / 1e9, "seconds": t} for case, t in by_case.items()}
+    ceilings = {k: {case: r["gbps"] for case, r in results.pop(k).items()} for k in ("memcpy", "gather")}
+    if "tcp raw" in results and "error" not in results["tcp raw"]:
+        ceilings["tcp raw"] = {case: r["gbps"] for case, r in results["tcp raw"].items()}
+
+    rows = []
+    print("\nGB/s (1 GB = 1e9 bytes), best of the rounds; (x ceiling)")
+    print(f"| peer | {' | '.join(c['name'] for c in cases)} |\n|---|" + "---|" * len(cases))
+    for name in ("memcpy", "gather"):
+        print(f"| ceiling {name} | " + " | ".join(f"{ceilings[name][c['name']]:.2f}" for c in cases) + " |")
+    for peer in order:
+        r, cells = results.get(peer, {"error": "not run"}), []
+        for c in cases:
+            ck = ceiling_for(peer, c["name"]) if peer != "tcp raw" else None   # a ceiling has none
+            row = {"name": f"peers {'ceiling ' if ck is None else ''}{peer}, {c['name']}", "unit": "GB/s"}
+            if "error" in r:
+                row["error"] = r["error"]
+                cells.append("-")
+            else:
+                g, ceil = r[c["name"]]["gbps"], ceilings.get(ck, {}).get(c["name"])
+                row.update(value=g, ceiling=ceil, ceiling_name=ck or "", ratio=g / ceil if ceil else None)
+                cells.append(f"{g:.2f}" + (f" ({g / ceil:.2f}x {ck})" if row["ratio"] else ""))
+            rows.append(row)
+        tail = f" {r['error']}" if "error" in r else ""
+        print(f"| {peer} | " + " | ".join(cells) + f" |{tail}")
+    if args.json:
+        args.json.write_text(json.dumps({"bench": "peers", "rows": rows, "ceilings": ceilings, "results": results,
+                                         "pool_bytes": pool_bytes, "rounds": reps,
+                                         "cases": [{"name": c["name"], "runs": len(c["so"]), "run_bytes": c["nbytes"]}
+                                                   for c in cases]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""`kvxfer bench`: the aggregator runs scripts, survives broken ones, writes JSON and a PNG.
+
+Fast (no timed assertions): the planner benchmark at a tiny size, and stand-in scripts for
+the failure paths.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvxfer import bench
+
+
+def read_png(path: Path) -> tuple[int, int]:
+    """Check a PNG chunk by chunk (signature, CRCs, IHDR, IDAT size); return (width, height)."""
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        (n,) = struct.unpack(">I", data[pos: pos + 4])
+        tag, body = data[pos + 4: pos + 8], data[pos + 8: pos + 8 + n]
+        (crc,) = struct.unpack(">I", data[pos + 8 + n: pos + 12 + n])
+        assert zlib.crc32(tag + body) == crc, f"bad CRC in {tag!r}"
+        chunks.setdefault(tag, []).append(body)
+        pos += 12 + n
+    assert pos == len(data) and b"IEND" in chunks
+    w, h, depth, color = struct.unpack(">IIBB", chunks[b"IHDR"][0][:10])
+    channels = {0: 1, 2: 3, 4: 2, 6: 4}[color]
+    assert depth == 8
+    assert len(zlib.decompress(b"".join(chunks[b"IDAT"]))) == h * (1 + w * channels)
+    return w, h
+
+
+def test_planner_subset_writes_json_and_png(tmp_path, monkeypatch):
+    # The planner bench at a tiny size (passed as extra arguments, whatever --quick means to it).
+    plan = bench.Bench(name="plan", script="bench_plan.py", from_text=bench.plan_text,
+                       extra=("--tokens", "2048", "--reps", "1"))
+    monkeypatch.setattr(bench, "BENCHES", [plan, *[b for b in bench.BENCHES if b.name != "plan"]])
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert bench.main(["--only", "plan", "--json", str(out), "--chart", str(png), "--chart-with", "builtin"]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc["benches"]) == ["plan"] and doc["benches"]["plan"]["returncode"] == 0
+    rows = doc["rows"]
+    assert rows and all(not r.get("error") for r in rows), rows
+    for r in rows:
+        assert r["bench"] == "plan" and r["value"] is not None and r["ceiling"] and r["ratio"] is not None
+    w, h = read_png(png)
+    assert w > 100 and h > 10
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for a parent that is gone too)."""
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _script(dir_: Path, name: str, body: str) -> None:
+    (dir_ / name).write_text("import argparse, json, sys\n" + body)
+
+
+def test_broken_scripts_become_rows(tmp_path, monkeypatch, capsys):
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    _script(scripts, "fails.py", "print('boom: no device'); sys.exit(3)\n")
+    _script(scripts, "silent.py", "pass\n")
+    _script(scripts, "good.py", """ap = argparse.ArgumentParser()
+ap.add_argument("--quick", action="store_true")
+ap.add_argument("--json")
+a = ap.parse_args()
+rows = [{"name": "x", "value": 2.0, "unit": "GB/s", "ceiling": 4.0, "ceiling_name": "memcpy", "ratio": 0.5,
+         "quick": a.quick}]
+open(a.json, "w").write(json.dumps({"rows": rows}))
+""")
+    # hangs, with a worker of its own: the timeout must end both
+    _script(scripts, "hangs.py", f"""import subprocess, time
+w = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+open({str(tmp_path / 'worker.pid')!r}, "w").write(str(w.pid))
+time.sleep(120)
+""")
+    monkeypatch.setattr(bench, "SCRIPTS", scripts)
+    monkeypatch.setattr(bench, "BENCHES", [bench.Bench(name=n, script=f"{n}.py")
+                                           for n in ("fails", "silent", "good", "missing", "hangs")])
+    out, png = tmp_path / "b.json", tmp_path / "b.png"
+    assert bench.main(["--quick", "--json", str(out), "--chart", str(png), "--chart-with", "builtin",
+                       "--timeout", "3"]) == 0
+    rows = {r.get("bench"): r for r in json.loads(out.read_text())["rows"]}
+    assert rows["hangs"]["error"] == "timed out after 3 s"
+    assert not _alive(int((tmp_path / "worker.pid").read_text()))
+    assert rows["fails"]["error"] == "exit code 3: boom: no device"
+    assert rows["silent"]["error"] == "wrote no JSON"
+    assert rows["good"]["ratio"] == 0.5 and rows["good"]["quick"] is True   # --quick reached the script
+    assert "not found" in rows["missing"]["error"]
+    read_png(png)
+    table = capsys.readouterr().out
+    assert "boom: no device" in table and "0.50x" in table
+
+
+def test_builtin_png_draws_bars(tmp_path):
+    img = bench.draw_bars([(1, 0.5, True), (2, 1.7, False), (12, 0.02, None)])
+    assert img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
+    assert (img != 255).any()
+    bench.write_png(tmp_path / "c.png", img)
+    assert read_png(tmp_path / "c.png") == (img.shape[1], img.shape[0])
+
+
+def test_unknown_benchmark_is_a_usage_error():
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "nope"])
