@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import queue
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -115,6 +116,17 @@ class Arrival(NamedTuple):
     ok: bool
     reason: str = ""
     notify: bytes = b""
+
+
+def drain(q: "queue.Queue", timeout: float = 0.0) -> list:
+    """Everything in ``q``, waiting up to ``timeout`` for the first item (``arrivals`` of every transport)."""
+    out = []
+    try:
+        out.append(q.get(timeout=timeout) if timeout > 0 else q.get_nowait())
+        while True:
+            out.append(q.get_nowait())
+    except queue.Empty:
+        return out
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from kvxfer.plan import ByteRanges, TransferPlan, copy_runs
 from kvxfer.transport import (DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle, byte_view,
-                              peer_failed)
+                              drain, peer_failed)
 from kvxfer.errors import ConnectError
 
 _LIVE: "weakref.WeakValueDictionary[str, LocalTransport]" = weakref.WeakValueDictionary()
@@ -86,14 +86,7 @@ class LocalTransport(Transport):
             return self.grants.forget(request_id)
 
     def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
-        out = []
-        try:
-            out.append(self._arrivals.get(timeout=timeout) if timeout > 0 else self._arrivals.get_nowait())
-            while True:
-                out.append(self._arrivals.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        return drain(self._arrivals, timeout)
 
     @property
     def rejected(self) -> Counter:

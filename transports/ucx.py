@@ -61,7 +61,7 @@ from ucxx._lib.arr import Array
 
 from kvxfer.errors import ConnectError, PeerError, PlanError, RejectedWrite, TransferTimeout, TransportError
 from kvxfer.plan import PACK_BELOW, ByteRanges, TransferPlan, gather_runs, scatter_runs
-from kvxfer.transport import DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle, byte_view
+from kvxfer.transport import DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle, byte_view, drain
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
@@ -374,13 +374,7 @@ class UCXTransport(Transport):
         return live
 
     def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
-        out = []
-        try:
-            out.append(self._arrivals.get(timeout=timeout) if timeout > 0 else self._arrivals.get_nowait())
-            while True:
-                out.append(self._arrivals.get_nowait())
-        except queue.Empty:
-            return out
+        return drain(self._arrivals, timeout)
 
     @property
     def rejected(self) -> Counter:

@@ -59,7 +59,7 @@ import zmq
 from kvxfer.errors import ConnectError, PlanError, RejectedWrite
 from kvxfer.plan import ByteRanges, TransferPlan, scatter_runs
 from kvxfer.transport import (DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle,
-                              TransferStatus, byte_view, peer_failed)
+                              TransferStatus, byte_view, drain, peer_failed)
 
 log = logging.getLogger("kvxfer.transports.zmq")
 
@@ -284,14 +284,7 @@ class ZMQTransport(Transport):
             return self.grants.forget(request_id)
 
     def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
-        out = []
-        try:
-            out.append(self._arrivals.get(timeout=timeout) if timeout > 0 else self._arrivals.get_nowait())
-            while True:
-                out.append(self._arrivals.get_nowait())
-        except queue.Empty:
-            pass
-        return out
+        return drain(self._arrivals, timeout)
 
     @property
     def rejected(self):
