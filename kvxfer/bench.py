@@ -7,15 +7,15 @@ Each benchmark is a script in ``scripts/`` run as its own process, one after the
 and ``--json`` to a temporary file when it has that. A script that fails, times out or
 writes nothing readable becomes a row with the reason; the others still run.
 
-A script's JSON may carry its own rows (``bench_hetero.py``, ``bench_peers.py`` do)::
+A script's JSON carries its own rows (every script but ``bench_transport.py`` does)::
 
     {"rows": [{"name": str, "value": float, "unit": str, "ceiling": float, "ceiling_name": str,
                "ratio": float, "goal": str, "ok": bool, "error": str}, ...]}
 
 (``ceiling`` is measured in the same run by the script itself; every key but ``name`` is
-optional). For scripts without rows, a reader below turns their JSON, or failing that their
-printed text, into rows. Each row is shown next to its ceiling and the ratio; the chart
-draws the ratios. Needs a source checkout (the scripts are not part of the wheel).
+optional). For a script without rows, a reader below turns its JSON into rows. Each row is
+shown next to its ceiling and the ratio; the chart draws the ratios. Needs a source
+checkout (the scripts are not part of the wheel).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ Row = dict
 
 
 # ------------------------------------------------------------------------------------
-# Readers: a script's JSON (or printed text) -> rows
+# Readers: a script's JSON without rows -> rows
 # ------------------------------------------------------------------------------------
 def _row(name: str, value: float | None, unit: str, ceiling: float | None = None, ceiling_name: str = "",
          goal: str = "", ok: bool | None = None) -> Row:
@@ -65,62 +65,11 @@ def transport_json(d: dict) -> list[Row]:
     return rows
 
 
-def plan_text(out: str) -> list[Row]:
-    """bench_plan.py: the slowest plan against the 20 ms goal; runs against the independent minimum."""
-    line = re.compile(r"^(\S+ -> \S+)\s+(\w+)\s+([\d.]+) / +[\d.]+ ms\s+([\d.]+) / +[\d.]+ ms\s+([\d,]+)\s+([\d,]+)", re.M)
-    found = line.findall(out)
-    if not found:
-        raise ValueError("no result lines")
-    rows = []
-    slow = max(found, key=lambda f: float(f[2]))
-    rows.append(_row(f"plan: slowest Planner.plan ({slow[0]}, {slow[1]})", float(slow[2]), "ms", 20.0,
-                     "goal", "<= 1x", float(slow[2]) <= 20))
-    worst = max(found, key=lambda f: int(f[4].replace(",", "")) / int(f[5].replace(",", "")))
-    runs, floor = (int(worst[i].replace(",", "")) for i in (4, 5))
-    rows.append(_row(f"plan: runs vs fewest possible ({worst[0]}, {worst[1]})", runs, "runs", floor,
-                     "independent minimum", "1x", runs == floor))
-    return rows
-
-
-def offload_text(out: str) -> list[Row]:
-    """bench_offload.py: offload / reload against memcpy; the decode step with offload against without."""
-    rows = []
-    for style, ceil, off, rel in re.findall(r"host (\w+)\s+memcpy ceiling\s+([\d.]+) GB/s\s+offload\s+([\d.]+) GB/s"
-                                            r".*?reload\s+([\d.]+) GB/s", out):
-        for what, v in (("offload", off), ("reload", rel)):
-            x = float(v) / float(ceil)
-            rows.append(_row(f"offload: {what}, host {style}", float(v), "GB/s", float(ceil), "memcpy", ">= 0.7x",
-                             x >= 0.7))
-    m = re.search(r"off ([\d.]+) ms, on ([\d.]+) ms", out)
-    if m:
-        on, off = float(m.group(2)), float(m.group(1))
-        rows.append(_row("offload: decode step with offload on", on, "ms", off, "offload off", "<= 1.05x",
-                         on <= 1.05 * off))
-    if not rows:
-        raise ValueError("no result lines")
-    return rows
-
-
-def request_text(out: str) -> list[Row]:
-    """bench_request.py: 1-page request latency against a raw ZMQ round trip measured alongside."""
-    rtt = re.search(r"raw ZMQ round trip.*?median\s+([\d.]+) us", out)
-    one = re.search(r"1-page request, send -> Success:\s+median\s+([\d.]+) us", out)
-    if not (rtt and one):
-        raise ValueError("no result lines")
-    lat, raw = float(one.group(1)), float(rtt.group(1))
-    rows = [_row("request: 1-page latency (median)", lat, "us", raw, "raw ZMQ round trip", "<= 2x", lat <= 2 * raw)]
-    rps = re.search(r"(\d+) in flight:\s+([\d.]+) requests/s", out)
-    if rps:
-        rows.append(_row(f"request: 1-page requests/s, {rps.group(1)} in flight", float(rps.group(2)), "req/s"))
-    return rows
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Bench:
     name: str
     script: str
     from_json: Callable[[dict], list[Row]] | None = None
-    from_text: Callable[[str], list[Row]] | None = None
     quick_fallback: tuple[str, ...] = ()   # for a script without --quick: smaller sizes it understands
     quick_extra: tuple[str, ...] = ()      # with --quick, when the script understands them
     extra: tuple[str, ...] = ()
@@ -128,13 +77,13 @@ class Bench:
 
 
 BENCHES = [
-    Bench(name="plan", script="bench_plan.py", from_text=plan_text, quick_fallback=("--tokens", "32768", "--reps", "3")),
+    Bench(name="plan", script="bench_plan.py", quick_fallback=("--tokens", "32768", "--reps", "3")),
     # quick: the network transports only (the in-process "local" one is the suite's reference)
     Bench(name="transport", script="bench_transport.py", from_json=transport_json,
           quick_extra=("--transports", "zmq,ucx")),
     Bench(name="hetero", script="bench_hetero.py"),
-    Bench(name="offload", script="bench_offload.py", from_text=offload_text),
-    Bench(name="request", script="bench_request.py", from_text=request_text,
+    Bench(name="offload", script="bench_offload.py"),
+    Bench(name="request", script="bench_request.py",
           quick_fallback=("--requests", "100", "--throughput-requests", "300")),
     Bench(name="peers", script="bench_peers.py", needs_peers_flag=True),
 ]
@@ -205,8 +154,6 @@ def run_bench(b: Bench, quick: bool, peers: bool, timeout: float, verbose: bool)
                 if "rows" not in res.data and b.from_json is None:
                     raise ValueError("its JSON has no rows")
                 res.rows = res.data["rows"] if "rows" in res.data else b.from_json(res.data)
-            elif b.from_text:
-                res.rows = b.from_text(output)
             else:
                 res.rows = [{"name": b.name, "error": "wrote no JSON"}]
         except Exception as e:  # a script whose output changed shape: a row, not a crash

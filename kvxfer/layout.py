@@ -192,13 +192,15 @@ class Layout:
         """Return ``slots`` as int64, or raise naming the first bad value."""
         sp = self.space(space)
         arr = np.asarray(slots)
-        _require(arr.ndim == 1, f"{what} for space {space!r} must be 1-D, got shape {arr.shape}")
+        if arr.ndim != 1:   # messages are formatted only on failure: this runs per request
+            raise LayoutError(f"{what} for space {space!r} must be 1-D, got shape {arr.shape}")
         if arr.size == 0:
             return arr.astype(np.int64)
-        _require(np.issubdtype(arr.dtype, np.integer), f"{what} must be integers, got dtype {arr.dtype}")
+        if arr.dtype.kind not in "iu":
+            raise LayoutError(f"{what} must be integers, got dtype {arr.dtype}")
         arr = arr.astype(np.int64, copy=False)
-        bad = (arr < sp.page_size) | (arr >= sp.num_slots)
-        if bad.any():
+        if arr.min() < sp.page_size or arr.max() >= sp.num_slots:
+            bad = (arr < sp.page_size) | (arr >= sp.num_slots)
             i = int(np.argmax(bad))
             where = "in the padding page" if 0 <= arr[i] < sp.page_size else "out of range"
             raise LayoutError(f"{what}[{i}] = {int(arr[i])} is {where}: space {space!r} allows "

@@ -380,6 +380,11 @@ class DecodeOffloadManager:
         keys = page_keys(req.chain[-1] if req.chain else self._seed, np.asarray(token_ids[a:a + n]), self._kps)
         req.chain.extend(keys)
         req.streamed = a + n
+        # worked out before taking the lock, which the background thread holds while it allocates:
+        # the scheduler thread waits for it as little as it can
+        src = {s: np.asarray(self.pool.space_slots(s, np.asarray(slots[a:a + n], np.int64)), np.int64)
+               for s in self.stream}
+        pos = np.arange(a, a + n, dtype=np.int64)
         with self._cond:
             if not receive:
                 for old in self.tiers.index.get(keys[0], ()):   # only finished records: a queued copy
@@ -389,9 +394,6 @@ class DecodeOffloadManager:
                         self.stats.records_deduped += 1
                         self.tiers.touch_locked(old)
                         return None
-            src = {s: np.asarray(self.pool.space_slots(s, np.asarray(slots[a:a + n], np.int64)), np.int64)
-                   for s in self.stream}
-            pos = np.arange(a, a + n, dtype=np.int64)
             rec = self._new(keys[-1], keys[0], "chunk", a, {s: pos for s in self.stream}, tuple(keys), src, receive)
         req.chunks.append(rec)
         return rec if rec.state == State.QUEUED else None
@@ -482,28 +484,24 @@ class DecodeOffloadManager:
                 return
 
     def _offload(self, recs: list[Record]) -> list[Record]:
-        """Copy ``recs`` (those still queued) to host in one plan. The first waits for host room;
-        the others only take what is free now; returns the rest, for the next round."""
+        """Copy ``recs`` (those still queued) to host in one plan, into one host allocation:
+        wait for room for the first, take what fits for the others (evicting as needed), and
+        return the rest, for the next round."""
+        queued = [r for r in recs if r.state == State.QUEUED]
+        if not queued:
+            return []
+        got = self.tiers.alloc_many([r.tokens for r in queued], wait=True, closing=lambda: self._closing)
         todo: list[Record] = []
-        carry: list[Record] = []
-        for i, rec in enumerate(recs):
-            if rec.state != State.QUEUED:
-                continue
-            try:
-                slots = self.tiers.alloc(rec.tokens, wait=not todo, closing=lambda: self._closing)
-            except RequestError:
-                if not todo:
-                    raise
-                carry = recs[i:]
-                break
-            with self._cond:
+        with self._cond:
+            for rec, slots in zip(queued, got):
                 if rec.state != State.QUEUED:   # cancelled by forget() while we waited for room
                     self.host.free(slots)
                     continue
                 rec.host_slots, rec.state = slots, State.COPYING
-            todo.append(rec)
+                todo.append(rec)
+        carry = queued[len(got):]
         if not todo:
-            return []
+            return carry
         plan = self._d2h.plan(self._cat(todo, lambda r: r.src), self._cat(todo, lambda r: r.host_slots))
         self._copy(plan, self.pool.regions(), self.host.regions(), [r.event for r in todo])
         with self._cond:

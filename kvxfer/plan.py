@@ -22,8 +22,10 @@ How runs are made as large as both sides allow:
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -100,13 +102,12 @@ class RunGroup:
     src_head_stride: int = 0
     dst_head_stride: int = 0
 
-    @property
-    def num_runs(self) -> int:
-        return len(self.src_base) * len(self.row_len) * self.heads
+    num_runs: int = field(init=False)
+    nbytes: int = field(init=False)
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.src_base) * int(self.row_len.sum()) * self.heads
+    def __post_init__(self):   # asked several times per submit: worked out once
+        object.__setattr__(self, "num_runs", len(self.src_base) * len(self.row_len) * self.heads)
+        object.__setattr__(self, "nbytes", len(self.src_base) * int(self.row_len.sum()) * self.heads)
 
     def runs(self) -> Runs:
         nparts, nrows, h = len(self.src_base), len(self.row_len), self.heads
@@ -140,6 +141,16 @@ class TransferPlan:
         parts = [g.runs() for g in self.groups]
         return Runs(*(np.concatenate(cols) for cols in zip(*parts)))
 
+    def run_tuples(self) -> list[tuple[int, int, int, int, int]]:
+        """``runs()`` as Python ints ``(src_region, src_offset, dst_region, dst_offset, nbytes)``,
+        for a plan of a few runs (a loop per run: check ``num_runs`` first)."""
+        return [(sr, sb + rs + j * g.src_head_stride, dr, db + rd + j * g.dst_head_stride, n)
+                for g in self.groups
+                for sr, sb, dr, db in zip(g.src_region.tolist(), g.src_base.tolist(), g.dst_region.tolist(),
+                                          g.dst_base.tolist())
+                for rs, rd, n in zip(g.row_src.tolist(), g.row_dst.tolist(), g.row_len.tolist())
+                for j in range(g.heads)]
+
     @staticmethod
     def concat(plans: Sequence["TransferPlan"]) -> "TransferPlan":
         return TransferPlan(tuple(g for p in plans for g in p.groups))
@@ -149,8 +160,8 @@ EMPTY_PLAN = TransferPlan(())
 
 
 # ------------------------------------------------------------------------------------
-def _merge(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray):
-    """Merge consecutive rows that are adjacent on both sides."""
+def merge_runs(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Merge consecutive rows (runs) that are adjacent on both sides: starts ``rs`` / ``rd``."""
     if len(lens) <= 1:
         return rs, rd, lens
     ends_s, ends_d = rs[:-1] + lens[:-1], rd[:-1] + lens[:-1]
@@ -162,17 +173,18 @@ def _merge(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray):
 
 
 def _merge_any_order(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray, can_touch: bool):
-    """``_merge`` in request order, then once more in source order when rows are out of
+    """``merge_runs`` in request order, then once more in source order when rows are out of
     order: the order of runs is free, and pages handed out in descending order on both
     sides (allocators that free a request's pages last-first) touch only in source order.
     ``can_touch`` False (see ``_can_touch``) skips that sort where it cannot merge anything."""
-    rs, rd, lens = _merge(rs, rd, lens)
+    rs, rd, lens = merge_runs(rs, rd, lens)
     if can_touch and len(lens) > 1 and (rs[1:] < rs[:-1]).any():
         order = np.argsort(rs, kind="stable")
-        rs, rd, lens = _merge(rs[order], rd[order], lens[order])
+        rs, rd, lens = merge_runs(rs[order], rd[order], lens[order])
     return rs, rd, lens
 
 
+@functools.lru_cache(maxsize=4096)
 def _can_touch(page_size: int, page_stride: int, token_stride: int, length: int) -> bool:
     """Whether one slot's block of ``length`` bytes can end where another slot's starts:
     ``d_page * page_stride + d_in_page * token_stride == length`` has an integer solution
@@ -222,7 +234,7 @@ class _Geometry:
         fuse = (lens == shs) & (lens == dhs)
         out = []
         if fuse.any():
-            out.append((*_merge(rs[fuse], rd[fuse], lens[fuse] * nh), 1, 0, 0))
+            out.append((*merge_runs(rs[fuse], rd[fuse], lens[fuse] * nh), 1, 0, 0))
         if (~fuse).any():
             out.append((rs[~fuse], rd[~fuse], lens[~fuse], nh, shs, dhs))
         return out
@@ -325,6 +337,10 @@ class Planner:
         for key, members in groups.items():
             a = np.asarray(members, dtype=np.int64)
             self._geoms.append(_Geometry(*key, a[:, 0], a[:, 1], a[:, 2], a[:, 3]))
+        # Parts fuse only within one (source region, destination region) pair: a pool with a
+        # region per part (token-major, HND) never fuses, and skips the search per request.
+        pairs = [(m[0], m[2]) for members in groups.values() for m in members]
+        self._may_fuse = len(set(pairs)) < len(pairs)
         self.spaces = sorted({(g.src_space, g.dst_space) for g in self._geoms})
 
     def plan(self, src_slots, dst_slots) -> TransferPlan:
@@ -341,8 +357,12 @@ class Planner:
             s, d = slots[(g.src_space, g.dst_space)]
             if len(s):
                 row_sets.extend((g, *rows) for rows in g.rows(s, d))
+        if self._may_fuse:
+            row_sets = _fuse_parts(row_sets)
+        else:
+            row_sets = [(g.src_region, g.src_base, g.dst_region, g.dst_base, *rows) for g, *rows in row_sets]
         out = []
-        for sreg, sbase, dreg, dbase, frs, frd, flens, heads, shs, dhs in _fuse_parts(row_sets):
+        for sreg, sbase, dreg, dbase, frs, frd, flens, heads, shs, dhs in row_sets:
             small = flens < self.pack_below
             for mask, packed in ((~small, False), (small, True)):
                 if mask.any():
@@ -376,19 +396,25 @@ def plan_transfer(src: Layout, src_slots, dst: Layout, dst_slots, *, src_heads: 
 # Byte ranges: what a grant allows a peer to write.
 # ------------------------------------------------------------------------------------
 MAX_OFFSET = 1 << 62
+# Intervals of every region live on one axis, region r at [r << _REGION_BITS, (r + 1) << _REGION_BITS),
+# so a check is one searchsorted however many regions the runs name. Regions up to 1 TiB.
+_REGION_BITS = 40
 
 
 class ByteRanges:
     """Sorted, merged ``[start, end)`` intervals per region; checks runs against them."""
 
     def __init__(self, region: np.ndarray, start: np.ndarray, nbytes: np.ndarray):
-        self._by_region: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-        for r in np.unique(region):
-            m = region == r
-            order = np.argsort(start[m], kind="stable")
-            s, n = start[m][order], nbytes[m][order]
-            s, _, n = _merge(s, s, n)
-            self._by_region[int(r)] = (s, s + n)
+        region, start, nbytes = (np.asarray(x, dtype=np.int64) for x in (region, start, nbytes))
+        if len(region) and ((region < 0).any() or (region >= 1 << (62 - _REGION_BITS)).any()
+                            or (start < 0).any() or (nbytes < 0).any()
+                            or (start + nbytes > 1 << _REGION_BITS).any()):
+            raise PlanError(f"byte ranges must lie in regions 0..{(1 << (62 - _REGION_BITS)) - 1} "
+                            f"of at most {1 << _REGION_BITS} bytes")
+        key = (region << _REGION_BITS) + start
+        order = np.argsort(key, kind="stable")
+        s, _, n = merge_runs(key[order], key[order], nbytes[order])
+        self._starts, self._ends = s, s + n     # never crosses a region: ends stay <= its limit
         self.nbytes = int(nbytes.sum())
 
     @classmethod
@@ -405,20 +431,32 @@ class ByteRanges:
         r = TransferPlan.concat(pieces).runs()
         return cls(r.dst_region, r.dst_offset, r.nbytes)
 
+    def intervals(self, region: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, ends)`` of the merged intervals in ``region``."""
+        lo, hi = np.searchsorted(self._starts, [region << _REGION_BITS, (region + 1) << _REGION_BITS])
+        base = region << _REGION_BITS
+        return self._starts[lo:hi] - base, self._ends[lo:hi] - base
+
+    def covers_run(self, region: int, offset: int, nbytes: int) -> bool:
+        """``covers`` for one run of Python ints: a message of a few runs skips array setup."""
+        limit = 1 << _REGION_BITS
+        if not (0 <= region < 1 << (62 - _REGION_BITS) and 0 <= offset < limit and 0 < nbytes <= limit - offset):
+            return False
+        key = (region << _REGION_BITS) + offset
+        i = int(np.searchsorted(self._starts, key, side="right")) - 1
+        return i >= 0 and key + nbytes <= int(self._ends[i])
+
     def covers(self, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """Bool per run: lies wholly inside one granted interval. Safe on hostile values."""
         region, offset, nbytes = (np.asarray(x, dtype=np.int64) for x in (region, offset, nbytes))
-        valid = (offset >= 0) & (nbytes > 0) & (offset < MAX_OFFSET) & (nbytes < MAX_OFFSET)
-        out = np.zeros(len(region), dtype=bool)   # runs in regions without a grant stay False
-        for r in np.unique(region[valid]).tolist():   # only the regions the runs name
-            if r not in self._by_region:
-                continue
-            starts, ends = self._by_region[r]
-            m = valid & (region == r)
-            o, n = offset[m], nbytes[m]
-            i = np.searchsorted(starts, o, side="right") - 1
-            out[m] = (i >= 0) & (o + n <= ends[np.clip(i, 0, None)])
-        return out
+        limit = 1 << _REGION_BITS
+        valid = ((region >= 0) & (region < 1 << (62 - _REGION_BITS)) & (offset >= 0) & (nbytes > 0)
+                 & (offset < limit) & (nbytes <= limit - offset))   # no sum before both are bounded
+        key = np.where(valid, (region << _REGION_BITS) + np.where(valid, offset, 0), 0)
+        i = np.searchsorted(self._starts, key, side="right") - 1
+        if not len(self._starts):
+            return np.zeros(len(region), dtype=bool)
+        return valid & (i >= 0) & (key + np.where(valid, nbytes, 0) <= self._ends[np.clip(i, 0, None)])
 
 
 # ------------------------------------------------------------------------------------
@@ -533,7 +571,8 @@ def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.T
 
 def _copy_rows(s_rows: torch.Tensor, d_rows: torch.Tensor, si: np.ndarray, di: np.ndarray) -> None:
     """``d_rows[di] = s_rows[si]``, in as few passes as the rows allow (see ``_RowMoves``)."""
-    _RowMoves(si, di, d_rows.shape[1] * d_rows.element_size()).apply(s_rows, d_rows)
+    zero = np.zeros(1, np.int64)
+    _RowMoves(si, di, d_rows.shape[1] * d_rows.element_size()).apply([s_rows], zero, [d_rows], zero)
 
 
 class _RowMoves:
@@ -545,7 +584,7 @@ class _RowMoves:
     pages in a host pool, mostly consecutive host pages) are a few strided views there and need
     no staging copy: gather straight into the destination, or scatter straight from the source.
     """
-    __slots__ = ("gather", "items", "_index")
+    __slots__ = ("gather", "items")
 
     def __init__(self, si: np.ndarray, di: np.ndarray, row_bytes: int):
         # a piece costs one call (~10 us): worth it down to ~64 KiB, a staging pass costs a copy
@@ -562,44 +601,119 @@ class _RowMoves:
                 order = np.arange(len(si))
             src, dst = si[order], di[order]
             self.items = [(view if view is not None else src[a:b], dst[a:b]) for a, b, view in pieces]
-        self._index: dict = {}
 
-    def _idx(self, i: int, j: int, device: torch.device) -> torch.Tensor:
-        key = (i, j, str(device))
-        if key not in self._index:
-            self._index[key] = torch.from_numpy(self.items[i][j]).to(device)
-        return self._index[key]
+    def apply(self, s_rows: Sequence[torch.Tensor], s_base: np.ndarray, d_rows: Sequence[torch.Tensor],
+              d_base: np.ndarray, s_void: Sequence[np.ndarray] | None = None,
+              d_void: Sequence[np.ndarray] | None = None) -> None:
+        """For every part ``p``: ``d_rows[p][d_base[p] + di] = s_rows[p][s_base[p] + si]``.
 
-    def apply(self, s_rows: torch.Tensor, d_rows: torch.Tensor) -> None:
+        ``*_void``: the same rows as numpy void elements (CPU only; made here when not given).
+        A part costs one library call per piece: the indices of every part come from one
+        numpy expression per piece, so 160 parts are 160 copies, not 160 rounds of views
+        and index conversions."""
+        s_dev, d_dev = s_rows[0].device, d_rows[0].device
         if self.gather:
-            for i, (_, view) in enumerate(self.items):
-                idx = self._idx(i, 0, s_rows.device)
-                if s_rows.device == d_rows.device:
-                    torch.index_select(s_rows, 0, idx, out=d_rows[view])
-                else:
-                    d_rows[view].copy_(torch.index_select(s_rows, 0, idx), non_blocking=True)
+            for src, view in self.items:
+                idx = _shifted(src, s_base, s_dev)
+                for s, d, db, i in zip(s_rows, d_rows, d_base.tolist(), idx):
+                    out = d[view.start + db: view.stop + db: view.step]
+                    if s_dev == d_dev:
+                        torch.index_select(s, 0, i, out=out)
+                    else:
+                        out.copy_(torch.index_select(s, 0, i), non_blocking=True)
             return
-        for i, (src, dst) in enumerate(self.items):
-            rows = s_rows[src] if isinstance(src, slice) else \
-                torch.index_select(s_rows, 0, self._idx(i, 0, s_rows.device))
-            if d_rows.device.type == "cpu":   # numpy moves a row of void bytes as one memcpy (~2x index_copy_)
-                _void_rows(d_rows)[dst] = _void_rows(rows.cpu())
-            else:
-                d_rows.index_copy_(0, self._idx(i, 1, d_rows.device), rows.to(d_rows.device))
+        cpu_dst = d_dev.type == "cpu"   # numpy moves a row of void bytes as one memcpy (~2x index_copy_)
+        cpu_both = cpu_dst and s_dev.type == "cpu"
+        if cpu_dst and d_void is None:
+            d_void = [_void_rows(d) for d in d_rows]
+        if cpu_both and s_void is None:
+            s_void = [_void_rows(s) for s in s_rows]
+        for src, dst in self.items:
+            sliced = isinstance(src, slice)
+            s_idx = None if sliced else src[None, :] + s_base[:, None] if cpu_both else _shifted(src, s_base, s_dev)
+            d_idx = dst[None, :] + d_base[:, None] if cpu_dst else _shifted(dst, d_base, d_dev)
+            for p, sb in enumerate(s_base.tolist()):
+                if cpu_both:   # numpy on both sides
+                    d_void[p][d_idx[p]] = (s_void[p][src.start + sb: src.stop + sb: src.step] if sliced
+                                           else s_void[p][s_idx[p]])
+                    continue
+                s = s_rows[p]
+                rows = s[src.start + sb: src.stop + sb: src.step] if sliced else torch.index_select(s, 0, s_idx[p])
+                if cpu_dst:
+                    d_void[p][d_idx[p]] = _void_rows(rows.cpu())
+                else:
+                    d_rows[p].index_copy_(0, d_idx[p], rows.to(d_dev))
+
+
+def _shifted(index: np.ndarray, bases: np.ndarray, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``index + bases[p]`` for every part ``p``, as index tensors on ``device``: one array
+    expression and one transfer for the whole group."""
+    return torch.from_numpy(np.ascontiguousarray(index[None, :] + bases[:, None])).to(device).unbind(0)
+
+
+# Row views of regions, kept between calls: building one costs ~8 us (a slice, two dtype views,
+# the numpy view) and a plan touches every part's region on both sides each time. Keyed by
+# the region tensor's id and dropped with it (weak reference). The views are made with ``set_``
+# on the region's storage, not as views of the region: a view would keep the region alive.
+_REGION_VIEWS: dict[int, tuple] = {}
+_ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _views_of(t: torch.Tensor) -> dict:
+    """The cache of region ``t``: ``{(unit,): width, (unit, size): rows, (unit, size, "void"): ...}``."""
+    entry = _REGION_VIEWS.get(id(t))
+    if entry is None or entry[0]() is not t or entry[1] != t.data_ptr() or entry[2] != t.numel():
+        ident = id(t)
+        entry = (weakref.ref(t, lambda _, ident=ident: _REGION_VIEWS.pop(ident, None)), t.data_ptr(), t.numel(), {})
+        _REGION_VIEWS[ident] = entry
+    return entry[3]
+
+
+def _width(unit: int, t: torch.Tensor, views: dict) -> int:
+    """Widest element (bytes) that rows of ``unit`` bytes of ``t`` allow (alignment)."""
+    size = views.get((unit,))
+    if size is None:
+        size = views[(unit,)] = next((s for s, _ in _WIDE if unit % s == 0 and t.data_ptr() % s == 0
+                                      and t.storage_offset() % s == 0), 1)
+    return size
+
+
+def _region_rows(t: torch.Tensor, unit: int, size: int, views: dict) -> torch.Tensor:
+    """Region ``t`` (1-D uint8) as ``[rows, unit // size]`` elements of ``size`` bytes."""
+    rows = views.get((unit, size))
+    if rows is None:
+        rows = views[(unit, size)] = torch.empty(0, dtype=_ELEMENT[size], device=t.device).set_(
+            t.untyped_storage(), t.storage_offset() // size, (t.numel() // unit, unit // size), (unit // size, 1))
+    return rows
+
+
+def _region_void(t: torch.Tensor, unit: int, size: int, views: dict) -> np.ndarray:
+    """The same rows as numpy void elements of ``unit`` bytes (CPU)."""
+    void = views.get((unit, size, "void"))
+    if void is None:
+        void = views[(unit, size, "void")] = _void_rows(_region_rows(t, unit, size, views))
+    return void
 
 
 def _copy_group(g: "RunGroup", src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.Tensor]) -> bool:
     """Copy a group part by part with its row pattern worked out once: every part shares the
-    rows and only its bases differ, so a part costs two views and a copy, not a planning pass
-    (a token-major pool has two parts per layer). False when the group does not fit this
-    (a head factor, runs of >= COPY_ONE_BY_ONE): ``copy_runs`` then does it."""
+    rows and only its bases differ, so a part costs a copy call on cached row views, not a
+    planning pass (a token-major pool has two parts per layer). False when the group does not
+    fit this (a head factor, runs of >= COPY_ONE_BY_ONE): ``copy_runs`` then does it."""
     if g.heads != 1 or not len(g.row_len) or int(g.row_len.max()) >= COPY_ONE_BY_ONE:
         return False
     unit = _unit(g.src_base, g.dst_base, g.row_src, g.row_dst, g.row_len)
     moves = _RowMoves(_element_index(g.row_src, g.row_len, unit), _element_index(g.row_dst, g.row_len, unit), unit)
-    for sr, sb, dr, db in zip(g.src_region.tolist(), g.src_base.tolist(), g.dst_region.tolist(), g.dst_base.tolist()):
-        s_rows, d_rows = _unit_views(unit, src_regions[sr], dst_regions[dr])
-        moves.apply(s_rows[sb // unit:], d_rows[db // unit:])
+    sides = []
+    for regions, ids in ((src_regions, g.src_region), (dst_regions, g.dst_region)):
+        ts = [regions[r] for r in ids.tolist()]
+        sides.append((ts, [_views_of(t) for t in ts]))
+    # one element width for the whole group: source and destination rows must agree
+    size = min(_width(unit, t, v) for ts, vs in sides for t, v in zip(ts, vs))
+    rows = [[_region_rows(t, unit, size, v) for t, v in zip(ts, vs)] for ts, vs in sides]
+    voids = [[_region_void(t, unit, size, v) for t, v in zip(ts, vs)]   # numpy copies: scatter on CPU only
+             if not moves.gather and ts[0].device.type == "cpu" else None for ts, vs in sides]
+    moves.apply(rows[0], g.src_base // unit, rows[1], g.dst_base // unit, voids[0], voids[1])
     return True
 
 
@@ -650,4 +764,4 @@ def check_plan_bounds(plan: TransferPlan, src_sizes: Sequence[int], dst_sizes: S
 
 
 __all__ = ["HeadSlice", "WHOLE", "Runs", "RunGroup", "TransferPlan", "Planner", "plan_transfer",
-           "ByteRanges", "gather_runs", "scatter_runs", "copy_runs", "execute_plan", "PACK_BELOW"]
+           "ByteRanges", "merge_runs", "gather_runs", "scatter_runs", "copy_runs", "execute_plan", "PACK_BELOW"]

@@ -36,7 +36,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -270,13 +270,16 @@ class FileStore:
 # ------------------------------------------------------------------------------------
 class HostPages:
     """Whole pages of one host space; page 0 is padding. A request for ``n`` pages gets ``n``
-    consecutive free pages when there are any (first fit), so a record is one block and
-    copies as one strided view; otherwise the lowest free pages. Freeing twice raises."""
+    consecutive free pages when there are any (first fit), so a record (or a batch of records
+    copied together) is one block and copies as one strided view; otherwise the lowest free
+    pages. Freeing twice raises. The free count is kept, not recounted: the background thread
+    allocates for every copy, and a host pool can hold a million pages."""
 
     def __init__(self, num_pages: int, page_size: int):
         self.page_size, self.num_pages = int(page_size), int(num_pages)
         self._free = np.ones(num_pages, dtype=bool)
         self._free[0] = False
+        self._num_free = num_pages - 1
 
     @property
     def capacity(self) -> int:
@@ -284,30 +287,49 @@ class HostPages:
 
     @property
     def free_pages(self) -> int:
-        return int(self._free.sum())
+        return self._num_free
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-int(num_tokens) // self.page_size)
+
+    def take(self, need: int) -> np.ndarray | None:
+        """``need`` free pages (first fit of a free block, else the lowest), or None."""
+        if need > self._num_free:
+            return None
+        if need == 0:
+            return np.zeros(0, np.int64)
+        edges = np.flatnonzero(np.diff(self._free.view(np.int8), prepend=np.int8(0), append=np.int8(0)))
+        starts, ends = edges[0::2], edges[1::2]   # free blocks [start, end)
+        fits = np.flatnonzero(ends - starts >= need)
+        pages = (np.arange(starts[fits[0]], starts[fits[0]] + need) if len(fits)
+                 else np.flatnonzero(self._free)[:need])
+        self._free[pages] = False
+        self._num_free -= need
+        return pages
+
+    def slots_of(self, pages: np.ndarray, num_tokens: int) -> np.ndarray:
+        return (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()[:num_tokens]
 
     def alloc(self, num_tokens: int) -> np.ndarray | None:
-        need = -(-int(num_tokens) // self.page_size)
-        if need > self.free_pages:
-            return None
-        c = np.concatenate(([0], np.cumsum(self._free)))
-        fits = np.flatnonzero(c[need:] - c[:-need] == need) if need else np.zeros(1, np.int64)
-        pages = np.arange(fits[0], fits[0] + need) if len(fits) else np.flatnonzero(self._free)[:need]
-        self._free[pages] = False
-        return (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()[:num_tokens]
+        pages = self.take(self.pages_for(num_tokens))
+        return None if pages is None else self.slots_of(pages, num_tokens)
 
     def free(self, slots) -> None:
         pages = np.unique(np.asarray(slots, dtype=np.int64) // self.page_size)
         if len(pages) and (pages.min() < 1 or pages.max() >= self.num_pages or self._free[pages].any()):
             raise LayoutError(f"host free: pages {pages.tolist()[:8]} are padding, out of range or already free")
         self._free[pages] = True
+        self._num_free += len(pages)
 
 
 class HostPool(KVPool):
     """Host memory for a device pool in a host layout; a pool like any other (``layout``,
     ``regions()``), so planners and transports target it unchanged (direct-to-host
     receive registers ``regions()`` with a transport). Pinned when CUDA is present.
-    ``alloc``/``free`` hand out whole host pages per space (page 0 is padding)."""
+    ``alloc``/``free`` hand out whole host pages per space (page 0 is padding).
+
+    Its memory is resident from the start: ``torch.zeros`` writes every byte, so no offload
+    pays first-touch page faults (pinned memory is resident anyway)."""
 
     def __init__(self, layout: Layout, *, device_layout: Layout, pin_memory: bool | None = None):
         super().__init__(layout, "cpu", pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
@@ -339,9 +361,37 @@ class HostPool(KVPool):
 
     def alloc(self, tokens: Mapping[str, int]) -> dict[str, np.ndarray] | None:
         """Slots for ``tokens[space]`` tokens in every space, or None (nothing taken)."""
-        if any(-(-n // self.allocators[s].page_size) > self.allocators[s].free_pages for s, n in tokens.items()):
+        got = self.alloc_many([tokens])
+        return got[0] if got else None
+
+    def fits(self, sizes: Sequence[Mapping[str, int]]) -> int:
+        """How many leading records of ``sizes`` fit in the free pages now (all together)."""
+        left = {s: a.free_pages for s, a in self.allocators.items()}
+        for i, tokens in enumerate(sizes):
+            for s, n in tokens.items():
+                left[s] -= self.allocators[s].pages_for(n)
+            if any(v < 0 for v in left.values()):
+                return i
+        return len(sizes)
+
+    def alloc_many(self, sizes: Sequence[Mapping[str, int]]) -> list[dict[str, np.ndarray]] | None:
+        """Slots for every record of ``sizes`` (whole pages each), taken as one block per space
+        when there is one, so records copied together sit back to back; None if they do not
+        all fit (nothing taken)."""
+        if self.fits(sizes) < len(sizes):
             return None
-        return {s: self.allocators[s].alloc(n) for s, n in tokens.items()}
+        out: list[dict[str, np.ndarray]] = [{} for _ in sizes]
+        for space in {s for tokens in sizes for s in tokens}:
+            a = self.allocators[space]
+            counts = [int(tokens.get(space, 0)) for tokens in sizes]
+            need = [a.pages_for(n) for n in counts]
+            pages = a.take(sum(need))
+            slots = a.slots_of(pages, len(pages) * a.page_size)   # every slot of those pages, in order
+            first = 0
+            for rec, n, k in zip(out, counts, need):   # a record's slots: a slice (whole pages of its own)
+                rec[space] = slots[first: first + n]
+                first += k * a.page_size
+        return [{s: rec[s] for s in tokens} for rec, tokens in zip(out, sizes)]
 
     def free(self, slots: Mapping[str, np.ndarray]) -> None:
         for s, v in slots.items():
@@ -456,47 +506,90 @@ class Tiers:
         """Host slots for a record. When host memory is full, evict the least recently used
         unpinned record to the file tier (without one: drop unreferenced cache); when nothing
         can go, wait for room (``wait``) or raise RequestError."""
-        for s, n in tokens.items():
-            if n > self.host.capacity(s):
-                raise LayoutError(f"a record of {n} tokens in space {s!r} exceeds the host pool "
-                                  f"({self.host.capacity(s)} slots): raise HostPool size")
+        return self.alloc_many([tokens], wait, closing)[0]
+
+    def alloc_many(self, sizes: Sequence[Mapping[str, int]], wait: bool,
+                   closing: Callable[[], bool]) -> list[dict[str, np.ndarray]]:
+        """Host slots for the records of ``sizes`` copied together, in one allocation: evict
+        (as ``alloc``) until all fit or nothing more can go, then take the leading records that
+        fit. Returns at least one (waiting for room when ``wait``, else RequestError)."""
+        for tokens in sizes:
+            for s, n in tokens.items():
+                if n > self.host.capacity(s):
+                    raise LayoutError(f"a record of {n} tokens in space {s!r} exceeds the host pool "
+                                      f"({self.host.capacity(s)} slots): raise HostPool size")
         while True:
             with self.cond:
-                slots = self.host.alloc(tokens)
-                if slots is not None:
-                    return slots
-                short = {s for s, n in tokens.items() if n > self.host.free_slots(s)}
-                victim = next((r for r in self.lru.values() if r.pins == 0 and r.state == State.HOST
-                               and (self.store is not None or r.refs == 0) and short & set(r.positions)), None)
-                if victim is None:
+                fit = self.host.fits(sizes)
+                victims = self._victims_locked(sizes) if fit < len(sizes) else []
+                if not victims:
+                    if fit:
+                        return self.host.alloc_many(sizes[:fit])
                     if not wait or closing():
-                        raise RequestError(f"host pool is full (spaces {sorted(short)}) and nothing can be "
+                        short = sorted(s for s, n in self._pages_needed(sizes).items()
+                                       if n > self.host.allocators[s].free_pages)
+                        raise RequestError(f"host pool is full (spaces {short}) and nothing can be "
                                            f"evicted" + ("" if self.store else ": set OffloadConfig.storage_dir"))
                     self.cond.wait(0.05)
                     continue
-                victim.pins += 1
-            self._evict(victim)
+                for v in victims:
+                    v.pins += 1
+            self._evict(victims)
 
-    def _evict(self, rec: Record) -> None:
-        wrote = False
+    def _pages_needed(self, sizes: Sequence[Mapping[str, int]]) -> dict[str, int]:
+        need: dict[str, int] = {}
+        for tokens in sizes:
+            for s, n in tokens.items():
+                need[s] = need.get(s, 0) + self.host.allocators[s].pages_for(n)
+        return need
+
+    def _victims_locked(self, sizes: Sequence[Mapping[str, int]]) -> list[Record]:
+        """Least recently used evictable records, enough to make room for all of ``sizes`` (or
+        every one there is): evicted in one go rather than one per allocation attempt."""
+        need, victims = self._pages_needed(sizes), []
+        free = {s: self.host.allocators[s].free_pages for s in need}
+        for r in self.lru.values():
+            short = {s for s in need if need[s] > free[s]}
+            if not short:
+                break
+            if r.pins == 0 and r.state == State.HOST and (self.store is not None or r.refs == 0) \
+                    and short & set(r.positions):
+                victims.append(r)
+                for s, slots in r.host_slots.items():
+                    if s in free:
+                        free[s] += self.host.allocators[s].pages_for(len(slots))
+        return victims
+
+    def _evict(self, recs: list[Record]) -> None:
+        """Move pinned ``recs`` out of host memory: to the file tier, or dropped when nothing
+        refers to them and there is no file tier."""
+        wrote = set()
         try:
-            if self.store is not None and not rec.on_file:
-                self.write_file(rec)   # file I/O without the lock; the pin keeps the host slots
-                wrote = True
+            for rec in recs:
+                if self.store is not None and not rec.on_file:
+                    self.write_file(rec)   # file I/O without the lock; the pin keeps the host slots
+                    wrote.add(id(rec))
         finally:
             with self.cond:
-                rec.pins -= 1
-                rec.on_file |= wrote
-                if rec.pins == 0 and rec.state == State.HOST:
-                    if rec.on_file:
-                        self.host.free(rec.host_slots)
-                        rec.host_slots, rec.state = None, State.FILE
-                        self.lru.pop(id(rec), None)
-                        self.stats.records_evicted += 1
-                        self.cond.notify_all()
-                    elif rec.refs == 0:
-                        self.drop_locked(rec)
-                        self.stats.records_dropped += 1
+                freed = []   # host slots of every record that leaves: freed with one call per space
+                for rec in recs:
+                    rec.pins -= 1
+                    rec.on_file |= id(rec) in wrote
+                    if rec.pins == 0 and rec.state == State.HOST:
+                        if rec.on_file:
+                            freed.append(rec.host_slots)
+                            rec.host_slots, rec.state = None, State.FILE
+                            self.lru.pop(id(rec), None)
+                            self.stats.records_evicted += 1
+                        elif rec.refs == 0:
+                            freed.append(rec.host_slots)
+                            rec.host_slots = None
+                            self.drop_locked(rec)
+                            self.stats.records_dropped += 1
+                if freed:
+                    self.host.free({s: np.concatenate([f[s] for f in freed if s in f])
+                                    for s in {s for f in freed for s in f}})
+                self.cond.notify_all()
 
     def flush(self) -> int:
         """Write every host record not yet on file; returns how many were written."""

@@ -50,6 +50,9 @@ from .plan import ByteRanges, TransferPlan
 log = logging.getLogger("kvxfer.transport")
 
 DEFAULT_TIMEOUT = 30.0
+# A transfer or message of at most this many runs is handled with Python ints, not arrays:
+# below it, numpy's fixed cost per call (~1-5 us, ~20 calls) exceeds a loop over the runs.
+FEW_RUNS = 32
 
 
 class TransferStatus(enum.IntEnum):
@@ -176,8 +179,10 @@ class GrantTable:
         log.warning("rejected write for request %s: %s", request_id, reason)
         return reason
 
-    def check(self, request_id: str, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> str | None:
-        """None when every run lies inside the request's grant and the regions; else the reason."""
+    def check(self, request_id: str, region: np.ndarray | Sequence[int], offset: np.ndarray | Sequence[int],
+              nbytes: np.ndarray | Sequence[int]) -> str | None:
+        """None when every run lies inside the request's grant and the regions; else the reason.
+        Runs come as int arrays, or as lists of Python ints for a message of a few runs."""
         with self._lock:
             ranges = self._grants.get(request_id)
             ended = request_id in self._ended
@@ -186,9 +191,18 @@ class GrantTable:
                                else "unknown request: no grant for this request id")
         if not (len(region) == len(offset) == len(nbytes)):
             return self.reject(request_id, "malformed header: run arrays differ in length")
-        if len(region) and ((region < 0).any() or (region >= len(self.region_sizes)).any()):
+        if isinstance(region, np.ndarray) and len(region) <= FEW_RUNS:   # ints beat ~20 numpy calls here
+            region, offset, nbytes = region.tolist(), np.asarray(offset).tolist(), np.asarray(nbytes).tolist()
+        if isinstance(region, np.ndarray):
+            unknown = len(region) and ((region < 0).any() or (region >= len(self.region_sizes)).any())
+        else:
+            unknown = any(not 0 <= r < len(self.region_sizes) for r in region)
+        if unknown:
             return self.reject(request_id, f"unknown region: id outside 0..{len(self.region_sizes) - 1}")
-        bad = ~ranges.covers(region, offset, nbytes)
+        if isinstance(region, np.ndarray):
+            bad = ~ranges.covers(region, offset, nbytes)
+        else:
+            bad = np.array([not ranges.covers_run(*run) for run in zip(region, offset, nbytes)], bool)
         if bad.any():
             i = int(np.argmax(bad))
             return self.reject(request_id, f"outside grant: run {i} (region {int(region[i])}, offset "
@@ -197,8 +211,16 @@ class GrantTable:
 
 
 class Transport(ABC):
-    """Data plane of one rank. See the module docstring for the calling contract."""
+    """Data plane of one rank. See the module docstring for the calling contract.
+
+    The receiving side's defaults below expect a subclass to keep ``grants`` (a
+    ``GrantTable``), ``_arrivals`` (a queue of ``Arrival``) and ``_write_lock`` (held while a
+    message is checked and written, so that no byte lands after ``forget`` returns).
+    """
     name: str = "?"
+    grants: GrantTable
+    _arrivals: "queue.Queue[Arrival]"
+    _write_lock: threading.Lock
 
     @abstractmethod
     def register(self, regions: Sequence[torch.Tensor]) -> None: ...
@@ -213,14 +235,16 @@ class Transport(ABC):
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"") -> TransferHandle: ...
 
-    @abstractmethod
-    def expect(self, request_id: str, ranges: ByteRanges) -> None: ...
+    def expect(self, request_id: str, ranges: ByteRanges) -> None:
+        self.grants.expect(request_id, ranges)
 
-    @abstractmethod
-    def forget(self, request_id: str) -> bool: ...
+    def forget(self, request_id: str) -> bool:
+        """End the grant. Waits out a message being written, so no byte of it lands afterwards."""
+        with self._write_lock:
+            return self.grants.forget(request_id)
 
-    @abstractmethod
-    def arrivals(self, timeout: float = 0.0) -> list[Arrival]: ...
+    def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
+        return drain(self._arrivals, timeout)
 
     @abstractmethod
     def close(self) -> None: ...
@@ -228,7 +252,7 @@ class Transport(ABC):
     @property
     def rejected(self) -> Counter:
         """Rejected incoming writes by reason."""
-        return Counter()
+        return self.grants.rejected
 
     def __enter__(self):
         return self

@@ -18,6 +18,7 @@ import json
 import multiprocessing as mp
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -56,21 +57,22 @@ def raw_server(endpoint_q, n: int) -> None:
 
 
 def bare_sender(conn, a: dict) -> None:
-    """The transport alone: plan once, then submit on each "go" from the receiver."""
-    from kvxfer.plan import plan_transfer
+    """The transport alone: plan (prepared Planner, as the endpoints do) and submit on each "go"."""
+    from kvxfer.plan import Planner
     from kvxfer.transport import get_transport
     pool = _pool(a, seed=1)
     t = get_transport(a["transport"])
     t.register(pool.regions())
     peer = t.connect(json.loads(conn.recv_bytes()))
     slots = np.arange(a["page_size"], 2 * a["page_size"])
+    planner = Planner(pool.layout, pool.layout)
     stamps = []
     while True:
         msg = conn.recv_bytes()
         if msg == b"stop":
             break
         t0 = time.monotonic()
-        plan = plan_transfer(pool.layout, slots, pool.layout, slots)
+        plan = planner.plan(slots, slots)
         t.submit(peer, msg.decode(), plan, timeout=10)
         stamps.append((t0, time.monotonic()))
     conn.send_bytes(json.dumps(stamps).encode())
@@ -217,6 +219,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--json", type=Path, help="write the results here (rows for kvxfer bench)")
     args = ap.parse_args()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["kvxfer.request"])
@@ -240,6 +243,17 @@ def main() -> None:
           f"Success set -> wait() returns {fmt(one['wake'])}")
     print(f"{args.inflight} in flight: {many['n'] / many['elapsed']:7.0f} requests/s "
           f"({many['n'] * page_bytes / many['elapsed'] / 1e6:.0f} MB/s); per-request latency {fmt(many['latency'])}")
+    if args.json:
+        bare_med, rps = statistics.median(bare["latency"]), many["n"] / many["elapsed"]
+        rows = [{"name": f"request: 1-page latency, {args.transport} (median)", "value": lat_med * 1e6, "unit": "us",
+                 "ceiling": rtt_med * 1e6, "ceiling_name": "raw ZMQ round trip", "ratio": lat_med / rtt_med,
+                 "goal": "<= 2x", "ok": lat_med <= 2 * rtt_med},
+                {"name": f"request: transport alone, plan+submit -> arrival, {args.transport} (median)",
+                 "value": bare_med * 1e6, "unit": "us", "ceiling": rtt_med * 1e6,
+                 "ceiling_name": "raw ZMQ round trip", "ratio": bare_med / rtt_med},
+                {"name": f"request: 1-page requests/s, {args.inflight} in flight, {args.transport}", "value": rps,
+                 "unit": "req/s"}]
+        args.json.write_text(json.dumps({"bench": "request", "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -133,7 +133,7 @@ def run_decode(sub: dict, cfg: dict, rank: int, url: str, instance: str, group) 
         granted = ByteRanges.of_slots(pool.layout, np.concatenate(slots))
         for rid, buf in enumerate(pool.buffers):
             outside = np.ones(buf.numel(), bool)
-            starts, ends = granted._by_region.get(rid, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+            starts, ends = granted.intervals(rid)
             for a, b in zip(starts.tolist(), ends.tolist()):   # few merged ranges per region
                 outside[a:b] = False
             if (buf.numpy()[outside] != CANARY).any():

@@ -39,8 +39,7 @@ def read_png(path: Path) -> tuple[int, int]:
 
 def test_planner_subset_writes_json_and_png(tmp_path, monkeypatch):
     # The planner bench at a tiny size (passed as extra arguments, whatever --quick means to it).
-    plan = bench.Bench(name="plan", script="bench_plan.py", from_text=bench.plan_text,
-                       extra=("--tokens", "2048", "--reps", "1"))
+    plan = bench.Bench(name="plan", script="bench_plan.py", extra=("--tokens", "2048", "--reps", "1"))
     monkeypatch.setattr(bench, "BENCHES", [plan, *[b for b in bench.BENCHES if b.name != "plan"]])
     out, png = tmp_path / "b.json", tmp_path / "b.png"
     assert bench.main(["--only", "plan", "--json", str(out), "--chart", str(png), "--chart-with", "builtin"]) == 0

@@ -239,6 +239,65 @@ def test_launch_validation_names_fields_and_values(tmp_path):
         OffloadConfig(stride=8).stride = 16   # frozen
 
 
+def test_host_pool_batch_allocation_is_back_to_back_whole_pages():
+    host = HostPool.for_pool(POOLS["mha_token_major"](), size=10 * PAGE)
+    got = host.alloc_many([{"token": 2 * PAGE}, {"token": PAGE + 1}, {"token": PAGE}])
+    pages = [np.unique(g["token"] // PAGE) for g in got]
+    assert [len(p) for p in pages] == [2, 2, 1] and [len(g["token"]) for g in got] == [2 * PAGE, PAGE + 1, PAGE]
+    assert np.array_equal(np.concatenate(pages), np.arange(pages[0][0], pages[0][0] + 5))   # one block
+    assert host.free_slots("token") == 5 * PAGE
+    assert host.alloc_many([{"token": 3 * PAGE}, {"token": 3 * PAGE}]) is None      # not all fit: none taken
+    assert host.free_slots("token") == 5 * PAGE
+    host.free(got[1])
+    with pytest.raises(LayoutError, match="already free"):
+        host.free(got[1])
+    assert host.free_slots("token") == 7 * PAGE
+
+
+def test_a_burst_of_copies_evicts_the_cache_it_needs_in_one_go():
+    pool = POOLS["mha_token_major"]()
+    eng = Engine(pool)
+    with DecodeOffloadManager(pool, HostPool.for_pool(pool, size=32), OffloadConfig(stride=8)) as mgr:
+        first = {f"a{i}": eng.alloc(8) for i in range(4)}
+        for i, (rid, s) in enumerate(first.items()):
+            mgr.release(rid, np.arange(8) + 100 * i, s)
+        mgr.drain()
+        assert sorted(mgr.poll().released) == sorted(first)
+        for rid in first:            # cache now: droppable
+            mgr.forget(rid)
+        second = {f"b{i}": eng.alloc(8) for i in range(4)}
+        want = {rid: eng.snapshot(s, {"token": np.arange(8)}) for rid, s in second.items()}
+        for i, (rid, s) in enumerate(second.items()):
+            mgr.release(rid, np.arange(8) + 1000 + 100 * i, s)
+        mgr.drain()
+        assert sorted(mgr.poll().released) == sorted(second) and mgr.stats.records_dropped == 4
+        eng.randomize()
+        for rid, s in second.items():
+            mgr.reload(rid, s)
+            got = eng.snapshot(s, {"token": np.arange(8)})
+            assert all(torch.equal(want[rid][k], got[k]) for k in got)
+
+
+def test_copies_keep_no_pool_alive():
+    """The executor caches row views of the regions it copies between; a pool that goes away
+    takes its entries (and its memory) with it."""
+    import gc
+    import weakref
+
+    from kvxfer import plan as plan_mod
+    pool = POOLS["mha_token_major"]()
+    host = HostPool.for_pool(pool, size=16)
+    slots = host.alloc({"token": 8})
+    plan = Planner(pool.layout, host.layout).plan({"token": np.arange(8, 16)}, slots)
+    offload_mod.execute_plan(plan, pool.regions(), host.regions())
+    alive = [weakref.ref(t) for t in host.regions()]
+    before = len(plan_mod._REGION_VIEWS)
+    del host
+    gc.collect()
+    assert not any(r() is not None for r in alive)
+    assert len(plan_mod._REGION_VIEWS) == before - len(alive)
+
+
 def test_full_host_without_file_tier_waits_then_proceeds():
     pool = POOLS["mha_token_major"]()
     eng = Engine(pool)

@@ -10,14 +10,12 @@ import queue
 import threading
 import uuid
 import weakref
-from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
-from kvxfer.plan import ByteRanges, TransferPlan, copy_runs
-from kvxfer.transport import (DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle, byte_view,
-                              drain, peer_failed)
+from kvxfer.plan import TransferPlan, copy_runs
+from kvxfer.transport import DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle, byte_view, peer_failed
 from kvxfer.errors import ConnectError
 
 _LIVE: "weakref.WeakValueDictionary[str, LocalTransport]" = weakref.WeakValueDictionary()
@@ -76,21 +74,6 @@ class LocalTransport(Transport):
         else:
             self._arrivals.put(Arrival(request_id, plan.nbytes, False, reason, notify))
             handle.finish(peer_failed(request_id, f"receiver rejected the write: {reason}"))
-
-    def expect(self, request_id: str, ranges: ByteRanges) -> None:
-        self.grants.expect(request_id, ranges)
-
-    def forget(self, request_id: str) -> bool:
-        """End the grant. Waits out a copy in progress, so no byte of it lands afterwards."""
-        with self._write_lock:
-            return self.grants.forget(request_id)
-
-    def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
-        return drain(self._arrivals, timeout)
-
-    @property
-    def rejected(self) -> Counter:
-        return self.grants.rejected
 
     def close(self) -> None:
         self._closed = True

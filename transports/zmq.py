@@ -41,11 +41,13 @@ import collections
 import concurrent.futures
 import ctypes
 import ctypes.util
+import functools
 import itertools
 import logging
 import math
 import os
 import queue
+import struct
 import threading
 import time
 import uuid
@@ -57,15 +59,17 @@ import torch
 import zmq
 
 from kvxfer.errors import ConnectError, PlanError, RejectedWrite
-from kvxfer.plan import ByteRanges, TransferPlan, scatter_runs
-from kvxfer.transport import (DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle,
-                              TransferStatus, byte_view, drain, peer_failed)
+from kvxfer.plan import TransferPlan, merge_runs, scatter_runs
+from kvxfer.transport import (DEFAULT_TIMEOUT, FEW_RUNS, Arrival, GrantTable, Transport, TransferHandle,
+                              TransferStatus, byte_view, peer_failed)
 
 log = logging.getLogger("kvxfer.transports.zmq")
 
 _RUN_BYTES = 24                  # one run on the wire: region, offset, nbytes as int64
 _MAX_PARTS = 1024                # payload parts per message
 _REPLY_HWM = 1 << 20             # queued replies (tiny) before a ROUTER would drop one
+_CMDS_PER_TURN = 64              # commands handled per loop turn, so a burst of submits never
+                                 # keeps the loop from pumping, receiving and its silence checks
 _OMP_PER_THREAD = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 # Exact types per header field (bool is an int subclass, so isinstance would let it in).
 _FIELDS = {"d": {"r": (str,), "x": (int,), "dl": (int, float), "runs": (bytes,)}, "p": {}}
@@ -110,6 +114,41 @@ def _unpack(buf, fields: dict, limit: int, max_array: int = 0) -> dict:
     return h
 
 
+def _runs_of(runs: bytes, k: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """The ``k`` runs of a header as Python ints: (regions, offsets, lengths)."""
+    v = struct.unpack_from(f"<{3 * k}q", runs)
+    return v[:k], v[k: 2 * k], v[2 * k:]
+
+
+def _lengths_match(nbytes, sizes, size: int) -> bool:
+    """Every run is positive, the runs add up to the payload's ``size``, and with one part per
+    run each part is as long as its run. Lists of Python ints, or int64 arrays."""
+    if isinstance(nbytes, list):
+        return min(nbytes) > 0 and sum(nbytes) == size and (len(sizes) <= 1 or sizes == nbytes)
+    # each run is bounded by the payload first, so the sum cannot overflow
+    return bool((nbytes > 0).all() and (nbytes <= size).all() and int(nbytes.sum()) == size
+                and (len(sizes) <= 1 or (sizes == nbytes).all()))
+
+
+def _pack_runs(runs: list[tuple[int, int, int, int, int]]) -> bytes:
+    """The header's runs field for (src region, src offset, dst region, dst offset, nbytes) runs."""
+    return struct.pack(f"<{3 * len(runs)}q", *(r[2] for r in runs), *(r[3] for r in runs), *(r[4] for r in runs))
+
+
+def _fill(runs: list[tuple], budget: int, overhead: int) -> list[list[tuple]]:
+    """Runs in order, cut into messages of at most ``budget`` bytes (each run costing its
+    length plus ``overhead``) and ``_MAX_PARTS`` runs; a longer run gets a message of its own."""
+    out, cur, used = [], [], 0
+    for run in runs:
+        cost = run[4] + overhead
+        if cur and (used + cost > budget or len(cur) == _MAX_PARTS):
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(run)
+        used += cost
+    return out + [cur] if cur else out
+
+
 def _bounds(*keys: np.ndarray) -> list[tuple[int, int]]:
     """[start, end) of the stretches where every key stays the same."""
     change = np.zeros(max(len(keys[0]) - 1, 0), bool)
@@ -136,6 +175,7 @@ def _rows(off: np.ndarray, n: np.ndarray) -> tuple[int, np.ndarray, bool]:
 
 def _gather(region: torch.Tensor, off: np.ndarray, n: np.ndarray, out: torch.Tensor) -> None:
     """out = the region's runs back to back, with one index_select (any device)."""
+    off, _, n = merge_runs(off, np.cumsum(n) - n, n)   # runs that touch in the region: longer rows
     length, idx, window = _rows(off, n)
     rows = (region.as_strided((region.numel() - length + 1, length), (1, 1)) if window
             else region[: region.numel() // length * length].view(-1, length))
@@ -148,6 +188,7 @@ def _scatter(region: np.ndarray, off: np.ndarray, n: np.ndarray, data: np.ndarra
     Rows are numpy void elements, so each moves as one memcpy (~2.5x a uint8 row at 4 KiB);
     indexes are bounds-checked by numpy, window view included.
     """
+    off, _, n = merge_runs(off, np.cumsum(n) - n, n)   # runs that touch in the region: longer rows
     length, idx, window = _rows(off, n)
     row = np.dtype((np.void, length))
     rows = (np.ndarray((region.size - length + 1,), row, buffer=region, strides=(1,)) if window
@@ -158,10 +199,11 @@ def _scatter(region: np.ndarray, off: np.ndarray, n: np.ndarray, data: np.ndarra
 class _Out:
     """An outgoing transfer (I/O thread). ``ahead``: its next message, made one step early
     so the message before it knows it is the last."""
-    __slots__ = ("xid", "handle", "peer", "frames", "ahead", "end")
+    __slots__ = ("xid", "handle", "peer", "frames", "ahead", "end", "nruns")
 
     def __init__(self, xid, handle, peer, frames, end):
         self.xid, self.handle, self.peer, self.frames, self.end = xid, handle, peer, frames, end
+        self.nruns = 0   # runs in the headers sent so far: the last header's total
         self.ahead = next(frames)
 
 
@@ -275,21 +317,6 @@ class ZMQTransport(Transport):
             self._command(("submit", peer, request_id, plan, bytes(notify), handle))
         return handle
 
-    def expect(self, request_id: str, ranges: ByteRanges) -> None:
-        self.grants.expect(request_id, ranges)
-
-    def forget(self, request_id: str) -> bool:
-        """End the grant. Waits out a frame being written, so no byte of it lands afterwards."""
-        with self._write_lock:
-            return self.grants.forget(request_id)
-
-    def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
-        return drain(self._arrivals, timeout)
-
-    @property
-    def rejected(self):
-        return self.grants.rejected
-
     def close(self) -> None:
         """Fail whatever is open, close the sockets and join the I/O thread. Idempotent."""
         with self._close_lock:
@@ -382,7 +409,7 @@ class ZMQTransport(Transport):
                 pass
         except BlockingIOError:
             pass
-        while True:
+        for _ in range(_CMDS_PER_TURN):
             try:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
@@ -404,6 +431,11 @@ class ZMQTransport(Transport):
                 fut.set_result(pid)
             else:
                 self._start(*cmd[1:])
+        try:   # more may be queued: come back after a turn of sending and receiving
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass
+        return True
 
     # -- I/O thread: sending --------------------------------------------------------------
     def _start(self, pid: str, request_id: str, plan: TransferPlan, notify: bytes, handle: TransferHandle):
@@ -411,18 +443,27 @@ class ZMQTransport(Transport):
         if peer is None:
             handle.finish(peer_failed(request_id, f"unknown peer {pid!r}; call connect() first"))
             return
-        sr, so, dr, do, n, _ = plan.runs()
-        if len(n) and n.min() <= 0:   # empty runs carry nothing (and the receiver refuses them)
-            keep = n > 0
-            sr, so, dr, do, n = sr[keep], so[keep], dr[keep], do[keep], n[keep]
-        ok = (sr >= 0) & (sr < len(self._sizes))
-        if not ok.all() or ((so < 0) | (so > self._sizes[np.where(ok, sr, 0)] - n)).any():
+        # Empty runs carry nothing (and the receiver refuses them).
+        runs = [run for run in plan.run_tuples() if run[4] > 0] if plan.num_runs <= FEW_RUNS else None
+        if runs is not None and all(self._host[run[0]] is not None for run in runs):
+            sizes = self.grants.region_sizes   # a few runs in CPU regions: Python ints, no array setup
+            outside = any(not (0 <= r < len(sizes) and 0 <= o <= sizes[r] - c) for r, o, _, _, c in runs)
+            nbytes, frames = sum(run[4] for run in runs), functools.partial(self._frames_few, runs)
+        else:
+            sr, so, dr, do, n, _ = plan.runs()
+            if len(n) and n.min() <= 0:
+                keep = n > 0
+                sr, so, dr, do, n = sr[keep], so[keep], dr[keep], do[keep], n[keep]
+            ok = (sr >= 0) & (sr < len(self._sizes))
+            outside = not ok.all() or bool(((so < 0) | (so > self._sizes[np.where(ok, sr, 0)] - n)).any())
+            nbytes, frames = int(n.sum()), functools.partial(self._frames, sr, so, dr, do, n)
+        if outside:
             handle.finish(PlanError(f"request {request_id}: the plan reads outside the registered source regions"))
             return
-        end = {"nruns": int((-(-n // self.frame_bytes)).sum()), "nbytes": int(n.sum()), "notify": notify}
+        end = {"nbytes": nbytes, "notify": notify}
         xid = next(self._xids)
         try:
-            out = _Out(xid, handle, peer, self._frames(sr, so, dr, do, n), end)
+            out = _Out(xid, handle, peer, frames(), end)
         except Exception as e:  # e.g. a CUDA copy failed: this transfer fails, not the thread
             handle.finish(peer_failed(request_id, f"cannot read the source: {e}"))
             return
@@ -472,8 +513,7 @@ class ZMQTransport(Transport):
                 yield runs(sel), views(sel), None
                 continue
             pos = np.concatenate(([0], np.cumsum(n[sel])))
-            base = self._stages.popleft()[0] if self._stages and self._stages[0][1].done else \
-                torch.empty(packed + fb, dtype=torch.uint8, pin_memory=not self._is_host[:-1].all())
+            base, header = self._stage(), []
             for a, b in _bounds(sr[sel], dr[sel]):              # loop per region pair in the frame
                 region = self._regions[sr[sel[a]]]
                 out = base[pos[a]: pos[b]] if region.is_cpu else torch.empty(
@@ -481,9 +521,47 @@ class ZMQTransport(Transport):
                 _gather(region, so[sel[a:b]], n[sel[a:b]], out)
                 if not region.is_cpu:   # CUDA: gather on the device, one copy to pinned host memory
                     base[pos[a]: pos[b]].copy_(out)
-            yield runs(sel), [memoryview(base[: pos[-1]].numpy())], base
+                # Runs back to back in the frame and at the receiver are one run there: a head
+                # slice of token-major pages gathers 512 B rows into 8 KiB destination runs.
+                start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])
+                header.append((np.full(len(start), dr[sel[a]]), start, length))
+            msg = np.concatenate([np.concatenate(c) for c in zip(*header)]).astype("<i8").tobytes()
+            yield msg, [memoryview(base[: pos[-1]].numpy())], base
         if not sent:
             yield b"", [], None   # an empty transfer still sends its totals
+
+    def _frames_few(self, runs: list[tuple[int, int, int, int, int]]) -> Iterator[tuple]:
+        """``_frames`` for a few runs in CPU regions, as ``TransferPlan.run_tuples`` gives them."""
+        fb, budget = self.frame_bytes, self.frame_bytes * self.frames_per_message
+        views, small = [], []
+        for r, o, d, e, c in runs:
+            for x in range(0, c, fb):   # runs longer than a frame go in frame-sized chunks
+                (views if c >= self.zero_copy_min else small).append((r, o + x, d, e + x, min(fb, c - x)))
+        sent = False
+        for msg in _fill(views, budget, 0):
+            sent = True
+            yield _pack_runs(msg), [memoryview(self._host[r][o: o + c]) for r, o, _, _, c in msg], None
+        for msg in _fill(small, budget, _RUN_BYTES):
+            sent = True
+            if len(msg) == 1:   # a lone run needs no staging
+                r, o, _, _, c = msg[0]
+                yield _pack_runs(msg), [memoryview(self._host[r][o: o + c])], None
+                continue
+            base = self._stage()
+            stage, p = base.numpy(), 0
+            for r, o, _, _, c in msg:
+                stage[p: p + c] = self._host[r][o: o + c]
+                p += c
+            yield _pack_runs(msg), [memoryview(stage[:p])], base
+        if not sent:
+            yield b"", [], None
+
+    def _stage(self) -> torch.Tensor:
+        """A staging buffer for a packed frame: one zmq has finished sending, or a new one."""
+        if self._stages and self._stages[0][1].done:
+            return self._stages.popleft()[0]
+        return torch.empty(self.frame_bytes * (self.frames_per_message + 1), dtype=torch.uint8,
+                           pin_memory=not self._is_host[:-1].all())
 
     def _pump(self, peer: _Peer) -> None:
         """Hand messages to zmq, round-robin over the peer's transfers, until it pushes back."""
@@ -502,8 +580,9 @@ class ZMQTransport(Transport):
                     continue
                 hdr = {"t": "d", "r": out.handle.request_id, "x": out.xid,
                        "dl": out.handle.deadline - time.monotonic(), "runs": runs}
+                out.nruns += len(runs) // _RUN_BYTES
                 if out.ahead is None:
-                    hdr.update(out.end)
+                    hdr.update(out.end, nruns=out.nruns)
                 else:
                     peer.sending.append(out)
                 peer.pending = [msgpack.packb(hdr), *parts], stage
@@ -622,17 +701,23 @@ class ZMQTransport(Transport):
             self._fail_in(key, f"deadline passed: {st.nbytes} bytes arrived before it")
             return
         runs, payload = h["runs"], parts[1:]
-        region, offset, nbytes = np.frombuffer(runs, "<i8", len(runs) // _RUN_BYTES * 3).reshape(3, -1).astype(np.int64)
-        sizes = np.fromiter((len(p) for p in payload), np.int64, len(payload))
-        size = int(sizes.sum())
-        if len(runs) % _RUN_BYTES or (len(nbytes) == 0) != (len(payload) == 0) or \
-                len(payload) not in (0, 1, len(nbytes)) or len(payload) > _MAX_PARTS:
+        k = len(runs) // _RUN_BYTES
+        few = k <= FEW_RUNS   # Python ints: a few runs check and land without array setup
+        if few:
+            region, offset, nbytes = (list(c) for c in _runs_of(runs, k))
+            sizes = [len(p) for p in payload]
+            size = sum(sizes)
+        else:
+            region, offset, nbytes = np.frombuffer(runs, "<i8", 3 * k).reshape(3, -1).astype(np.int64)
+            sizes = np.fromiter((len(p) for p in payload), np.int64, len(payload))
+            size = int(sizes.sum())
+        if len(runs) % _RUN_BYTES or (k == 0) != (len(payload) == 0) or \
+                len(payload) not in (0, 1, k) or len(payload) > _MAX_PARTS:
             reason = (f"malformed message: {len(payload)} payload frames for a runs field of {len(runs)} bytes "
                       f"(expected none, 1, or one per run)")
-        # Each run is bounded by the payload first, so the sum below cannot overflow.
-        elif ((nbytes <= 0).any() or (nbytes > size).any() or int(nbytes.sum()) != size
-              or (len(payload) > 1 and (sizes != nbytes).any())):
-            reason = f"length mismatch: runs claim {int(nbytes[nbytes > 0].sum())} bytes, payload has {size}"
+        elif k and not _lengths_match(nbytes, sizes, size):
+            claimed = sum(n for n in (nbytes if few else nbytes.tolist()) if n > 0)
+            reason = f"length mismatch: runs claim {claimed} bytes, payload has {size}"
         else:
             reason = None
         if reason is not None:
@@ -640,10 +725,11 @@ class ZMQTransport(Transport):
             return
         with self._write_lock:
             reason = self.grants.check(request_id, region, offset, nbytes)   # also: request ended?
-            if reason is None and (offset + nbytes > self._sizes[region]).any():
+            if reason is None and (any(o + n > self.grants.region_sizes[r] for r, o, n in zip(region, offset, nbytes))
+                                   if few else (offset + nbytes > self._sizes[region]).any()):
                 reason = self.grants.reject(request_id, "outside region: a granted run passes its region's end")
             if reason is None and size:
-                self._write(region, offset, nbytes, payload)
+                (self._write_few if few else self._write)(region, offset, nbytes, payload)
         if reason is not None:
             self._fail_in(key, reason)
             return
@@ -657,6 +743,17 @@ class ZMQTransport(Transport):
             del self._in[key]
             self._arrivals.put(Arrival(request_id, st.nbytes, True, "", h["notify"]))
             self._acks.setdefault(rid, []).append(key[2])
+
+    def _write_few(self, region: list[int], offset: list[int], nbytes: list[int], payload: list) -> None:
+        """``_write`` for a message of a few runs, given as Python ints: a copy per run."""
+        packed, p = len(payload) == 1, 0
+        for i, (r, o, c) in enumerate(zip(region, offset, nbytes)):
+            src = payload[0].buffer[p: p + c] if packed else payload[i].buffer
+            p += c
+            if self._host[r] is not None:
+                self._host[r][o: o + c] = np.frombuffer(src, np.uint8)
+            else:
+                self._regions[r][o: o + c].copy_(torch.frombuffer(src, dtype=torch.uint8))
 
     def _write(self, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, payload: list) -> None:
         """Copy checked runs from the received frames into the regions (one copy per byte)."""
