@@ -4,7 +4,8 @@ Who calls what, and when (the whole contract is in ``kvxfer.request``):
     start-up, once, blocking: ``DecodeEndpoint(spec, kv_pool, aux=...)``; ``connect(bootstrap=url)``
         (the HELLO handshake with every prefill rank this rank pulls from).
     scheduler, per request, never blocks: ``receiver(room)``; ``init(kv_slots, ...)`` grants the
-        slots (``transport.expect``) and sends the request; then ``poll()`` / ``wait(t)``;
+        slots (``transport.expect``; a hybrid SWA pool: also ``swa_slots=``, the window it keeps)
+        and sends the request; then ``poll()`` / ``wait(t)``;
         ``on_release`` runs once, after the grant ended.
     channel thread: ``on_message`` (ack / nack / abort / fin), ``on_peer_lost``, ``on_tick``
         (phase deadlines, every 50 ms).
@@ -27,7 +28,7 @@ import torch
 from .bootstrap import BootstrapClient, RankInfo, RankSpec
 from .errors import ConnectError, RequestError
 from .handshake import ChunkMeta, ControlChannel, aux_source, hello, peers_needed, require_compatible
-from .layout import STATE
+from .layout import STATE, SWA
 from .metrics import record_request_end
 from .plan import ByteRanges, Planner
 from .pools import KVPool
@@ -68,11 +69,15 @@ class KVReceiver(_Request):
         self.aux_from = aux_source([s for ss in contacts.values() for s in ss])
         self.granted = False
 
-    def init(self, kv_slots, *, prefix_len: int = 0, state_slots=None, aux_slot: int | None = None) -> None:
+    def init(self, kv_slots, *, prefix_len: int = 0, state_slots=None, aux_slot: int | None = None,
+             swa_slots=None) -> None:
         """Grant the slots and request the KV. ``kv_slots``: the slot of every token of the request;
         the first ``prefix_len`` are already filled (prefix cache) and are neither granted nor sent.
+        ``swa_slots`` (hybrid sliding-window pools only, and required there): the "swa" slots of the
+        last ``len(swa_slots)`` tokens, 1..window of them; only those tokens' sliding-window layers
+        are sent (and of them, only the ones at or after ``prefix_len``).
         Raises LayoutError/RequestError on bad arguments; never blocks."""
-        self._ep._init(self, kv_slots, int(prefix_len), state_slots, aux_slot)
+        self._ep._init(self, kv_slots, int(prefix_len), state_slots, aux_slot, swa_slots)
 
 
 class DecodeEndpoint(_Endpoint):
@@ -144,9 +149,10 @@ class DecodeEndpoint(_Endpoint):
             self._recvs[r.rid] = r
             return r
 
-    def _grant(self, r: KVReceiver, kv: np.ndarray, st: np.ndarray) -> ByteRanges:
-        """Exactly the bytes r's sources will write: each source's heads and layers at the slots."""
-        slots = {self.token_space: kv, STATE: st}
+    def _grant(self, r: KVReceiver, kv: np.ndarray, st: np.ndarray, swa: np.ndarray) -> ByteRanges:
+        """Exactly the bytes r's sources will write: each source's heads and layers at the slots
+        (``swa``: the window slots of the sliding-window layers that will be sent)."""
+        slots = {self.token_space: kv, STATE: st, SWA: swa}
         cols: list[list[np.ndarray]] = [[], [], []]
         for key in r.contacts:
             for pl in self._grant_planners[key]:
@@ -156,8 +162,25 @@ class DecodeEndpoint(_Endpoint):
                     c.append(a)
         return ByteRanges(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols))
 
-    def _init(self, r: KVReceiver, kv_slots, prefix_len: int, state_slots, aux_slot) -> None:
+    def _window_slots(self, kv: np.ndarray, swa_slots) -> np.ndarray:
+        """The checked window slots of a hybrid pool's request; empty for any other pool."""
+        if not self.swa_window:
+            if swa_slots is not None:
+                raise RequestError("swa_slots given, but this endpoint's pool has no sliding-window layers")
+            return np.zeros(0, np.int64)
+        if swa_slots is None:
+            raise RequestError(f"this pool has sliding-window layers: pass swa_slots, the {SWA!r} slots of the "
+                               f"last 1..{self.swa_window} tokens (the window decode keeps)")
+        swa = self.layout.check_slots(SWA, np.asarray(swa_slots), "swa_slots")
+        most = min(self.swa_window, len(kv))
+        if not 1 <= len(swa) <= most:
+            raise RequestError(f"swa_slots has {len(swa)} slot(s) but must cover the last 1..{most} tokens "
+                               f"(sliding window {self.swa_window}, request of {len(kv)} tokens)")
+        return swa
+
+    def _init(self, r: KVReceiver, kv_slots, prefix_len: int, state_slots, aux_slot, swa_slots=None) -> None:
         kv = self.layout.check_slots(self.token_space, np.asarray(kv_slots), "kv_slots")
+        swa = self._window_slots(kv, swa_slots)
         st = self.layout.check_slots(STATE, np.asarray(state_slots), "state_slots") if state_slots is not None \
             else np.zeros(0, np.int64)
         if not 0 <= prefix_len < len(kv):
@@ -168,16 +191,21 @@ class DecodeEndpoint(_Endpoint):
             if r.state in _END or r.granted:
                 raise RequestError(f"room {r.room}: init() on a request that is {r.state.name}"
                                    f"{' and already initialised' if r.granted else ''}")
-            ranges = self._grant(r, kv[prefix_len:], st)
+            # window token i is request token len(kv) - len(swa) + i; those in the prefix stay as they are
+            ranges = self._grant(r, kv[prefix_len:], st, swa[max(prefix_len - (len(kv) - len(swa)), 0):])
             with self._xport_lock:
                 self.transport.expect(r.rid, ranges)
             r.granted, r.aux_slot = True, aux_slot
             kv_raw, st_raw = kv.astype("<i8").tobytes(), st.astype("<i8").tobytes()
+            swa_raw = swa.astype("<i8").tobytes()
             for key, sources in r.contacts.items():
                 dummy = not sources
-                self.channel.send(key, {"t": "req", "room": r.room, "gen": r.gen, "kv": b"" if dummy else kv_raw,
-                                        "prefix": prefix_len, "state": b"" if dummy else st_raw, "dummy": dummy,
-                                        "aux": aux_slot is not None and r.peer_of.get(r.aux_from) == key})
+                msg = {"t": "req", "room": r.room, "gen": r.gen, "kv": b"" if dummy else kv_raw,
+                       "prefix": prefix_len, "state": b"" if dummy else st_raw, "dummy": dummy,
+                       "aux": aux_slot is not None and r.peer_of.get(r.aux_from) == key}
+                if self.swa_window:   # only hybrid pairs carry the window: other requests keep their shape
+                    msg["swa"], msg["swa_n"] = (b"", 0) if dummy else (swa_raw, len(swa))
+                self.channel.send(key, msg)
 
     # -- events (channel thread, arrivals thread) --------------------------------------------
     def on_message(self, peer: str, msg: dict) -> None:
@@ -199,6 +227,8 @@ class DecodeEndpoint(_Endpoint):
             if r is None or peer not in r.contacts:     # ended already, or not this peer's request
                 return
             if t == "ack":
+                if self._late(r, f"the acknowledgement from {peer}", later):
+                    return
                 r.acked.add(peer)
                 if len(r.acked) == len(r.contacts):
                     r._advance(KVPoll.WaitingForInput, time.monotonic() + self.timeouts.waiting)
@@ -238,6 +268,8 @@ class DecodeEndpoint(_Endpoint):
     def _on_chunk(self, r: KVReceiver, meta: ChunkMeta, nbytes: int, later, fin: bool = False) -> None:
         src, peer = r.progress.get(meta.source), r.peer_of.get(meta.source)
         fail = None
+        if self._late(r, f"a chunk from {peer}", later):
+            return
         if src is None:
             fail = f"a chunk from prefill tp{meta.source[0]}/pp{meta.source[1]}, not a source of this request"
         elif not fin and (meta.chunk in src.chunks or 0 <= src.total <= meta.chunk):
@@ -273,6 +305,16 @@ class DecodeEndpoint(_Endpoint):
                 self._end(r, KVPoll.Failed, "failed", "the last chunk came without the aux record", later)
             else:
                 self._end(r, KVPoll.Success, "success", "", later)
+
+    def _late(self, r: KVReceiver, what: str, later) -> bool:
+        """End ``r`` as timed out if its deadline passed before ``what`` was handled (this process
+        was stalled, say): prefill has given up by then and may reuse the KV, so a late event
+        must neither start a fresh deadline nor count toward Success."""
+        if time.monotonic() <= r.deadline:
+            return False
+        self._end(r, KVPoll.Failed, "timed_out", f"timed out in {r.state.name}: {what} was handled after "
+                                                 f"the deadline", later)
+        return True
 
     def on_peer_lost(self, peer: str, why: str) -> None:
         with self._guard() as later:

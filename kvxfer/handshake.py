@@ -4,6 +4,8 @@ Compatibility is decided at launch, from the layouts' parts and the topology, an
 refused with every mismatch in words (``CompatibilityError.mismatches``). What the
 planner can bridge (different layouts, page sizes that tile, different TP sizes) is
 accepted; the final word is building a ``Planner`` for every ``Source`` the pair has.
+Hybrid sliding-window pools pair only with each other, with the same window (published beside
+the layout, ``layout_record``) and the same sliding-window layers.
 
 Who calls what, and when
 ------------------------
@@ -38,7 +40,7 @@ import zmq
 
 from .bootstrap import PROTOCOL, RankInfo, RankSpec, mac
 from .errors import CompatibilityError, ConnectError, LayoutError, PlanError
-from .layout import Layout
+from .layout import SWA, Layout
 from .plan import Planner
 from .topology import Source, heads_held, sources_for_decode_rank, stage_layers, targets_for_prefill_rank
 
@@ -119,6 +121,63 @@ def _layout(info: RankInfo, side: str, out: list[str]) -> Layout | None:
         return None
 
 
+# A hybrid pool's sliding window rides in its rank record beside the layout: the layout says
+# where bytes live, the window says how many trailing tokens decode keeps of the "swa" layers.
+SWA_WINDOW_KEY = "swa_window"
+MAX_WINDOW = 1 << 40
+
+
+def is_hybrid(layout: Layout) -> bool:
+    """True for a hybrid sliding-window layout (a "swa" slot space beside the token space)."""
+    return any(s.name == SWA for s in layout.spaces)
+
+
+def layout_record(layout: Layout, swa_window: int = 0) -> dict:
+    """What a rank publishes as its ``RankInfo.layout``: the layout, plus the window if hybrid."""
+    out = layout.to_dict()
+    if swa_window:
+        out[SWA_WINDOW_KEY] = int(swa_window)
+    return out
+
+
+def swa_window_of(info: RankInfo) -> int:
+    """The sliding window a rank published (0: none); ValueError when it is not a sane int."""
+    w = info.layout.get(SWA_WINDOW_KEY, 0)
+    if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= MAX_WINDOW:
+        raise ValueError(f"field {SWA_WINDOW_KEY!r} must be an int in 0..{MAX_WINDOW}, got {w!r}")
+    return w
+
+
+def _check_hybrid(pl: Layout, dl: Layout, p: RankInfo, d: RankInfo, out: list[str]) -> None:
+    """Both sides hybrid sliding-window or neither; the same window and the same SWA layers."""
+    p_hybrid, d_hybrid = is_hybrid(pl), is_hybrid(dl)
+    if p_hybrid != d_hybrid:
+        has, lacks = ("P", "D") if p_hybrid else ("D", "P")
+        out.append(f"hybrid SWA: {has} keeps its sliding-window layers in a window pool (space {SWA!r}) but "
+                   f"{lacks} does not: use a hybrid SWA pool on both sides or on neither")
+        return
+    if not p_hybrid:
+        return
+    windows = []
+    for side, info in (("P", p), ("D", d)):
+        try:
+            windows.append(swa_window_of(info))
+        except ValueError as e:
+            out.append(f"{side}'s rank record: {e}")
+            return
+    pw, dw = windows
+    if pw != dw or not pw:
+        out.append(f"sliding window: P {pw} tokens vs D {dw} tokens: not the same model (both must be >= 1 "
+                   f"and equal)")
+    p_swa = {q.layer for q in pl.parts if q.space == SWA}
+    d_swa = {q.layer for q in dl.parts if q.space == SWA}
+    for layers, on, off in ((p_swa - d_swa, "P", "D"), (d_swa - p_swa, "D", "P")):
+        layers &= set(pl.layers) & set(dl.layers)
+        if layers:
+            out.append(f"hybrid SWA: layer(s) {_span(layers)} are sliding-window on {on} but full-attention on "
+                       f"{off}: not the same model")
+
+
 def _names(keys) -> str:
     return ", ".join(sorted({str(k) for k in keys}))
 
@@ -154,6 +213,7 @@ def check_pair(p: RankInfo, d: RankInfo, transport: str | None = None) -> list[s
     pl, dl = _layout(p, "P", out), _layout(d, "D", out)
     if pl is None or dl is None:
         return out
+    _check_hybrid(pl, dl, p, d, out)
     # Page sizes: the planner maps tokens, so any pair could move; we accept pairs that tile
     # (one a multiple of the other), so P's whole-page chunks fill whole D pages or whole
     # D pages hold whole P pages, and freeing by page on either side never splits a request.
@@ -245,6 +305,12 @@ SCHEMA: dict[str, dict[str, tuple]] = {
     "ping":    {},
     "pong":    {},
 }
+# Fields a message may carry, checked like SCHEMA's when present. Only a hybrid SWA decode rank
+# sends these, so the messages of every other pair keep their shape.
+OPTIONAL: dict[str, dict[str, tuple]] = {
+    "req":     {"swa": (_Y, 0, MAX_MESSAGE),        # decode's window slots, int64 little-endian
+                "swa_n": (_I, 0, MAX_WINDOW)},     # how many (the window length decode keeps)
+}
 
 
 def _check_field(name: str, v, spec: tuple) -> None:
@@ -282,6 +348,9 @@ def decode(frames: Sequence[bytes], secret: bytes | None) -> dict:
         if name not in msg:
             raise ValueError(f"{msg['t']}: field {name!r} missing")
         _check_field(name, msg[name], spec)
+    for name, spec in OPTIONAL.get(msg["t"], {}).items():
+        if name in msg:
+            _check_field(name, msg[name], spec)
     return msg
 
 
@@ -610,4 +679,5 @@ def answer_hello(p_info: RankInfo, msg: Mapping, transport: str) -> tuple[RankIn
 
 __all__ = ["combine_layouts", "decode_sources", "peers_needed", "peer_sources", "expected_decode_ranks",
            "aux_source", "check_pair", "require_compatible", "encode", "decode", "ChunkMeta", "Heartbeat",
-           "ControlChannel", "hello", "answer_hello", "SCHEMA", "PROTOCOL"]
+           "ControlChannel", "hello", "answer_hello", "SCHEMA", "OPTIONAL", "PROTOCOL", "is_hybrid",
+           "layout_record", "swa_window_of", "SWA_WINDOW_KEY"]

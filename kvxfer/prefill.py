@@ -4,7 +4,8 @@ Who calls what, and when (the whole contract is in ``kvxfer.request``):
     start-up, once: ``PrefillEndpoint(spec, kv_pool, ...)``; ``register(url)`` (bootstrap
         registration and its heartbeats).
     scheduler, per request, never blocks on the network: ``sender(room)``; ``send(kv_slots, ...)``
-        per chunk as prefill computes it (queued until every decode rank's grant came);
+        per chunk as prefill computes it (queued until every decode rank's grant came; a hybrid
+        SWA pool's window slots are read from its ``full_to_swa`` at that call);
         ``poll()``; ``kv_releasable`` / ``on_release`` once prefill may reuse the KV.
     channel thread: ``on_message`` (hello / req / done / abort), ``on_peer_lost``, ``on_tick``
         (reaps transfer handles every 5 ms while any is open, deadlines and leases every 50 ms).
@@ -23,7 +24,7 @@ import numpy as np
 from .bootstrap import BootstrapClient, RankInfo, RankSpec, Registration
 from .errors import ConnectError, LayoutError, PlanError, RequestError
 from .handshake import ChunkMeta, ControlChannel, answer_hello, expected_decode_ranks, peer_sources
-from .layout import STATE, Layout
+from .layout import STATE, SWA, Layout
 from .metrics import record_request_end, record_transfer
 from .plan import Planner, TransferPlan
 from .pools import KVPool
@@ -50,23 +51,26 @@ class _DecodePeer:
 
 class _Target:
     """One decode rank's grant inside one sender."""
-    __slots__ = ("peer", "d_rank", "gen", "rid", "kv", "prefix", "state", "aux", "dummy", "chunks", "nbytes",
-                 "confirmed")
+    __slots__ = ("peer", "d_rank", "gen", "rid", "kv", "prefix", "state", "swa", "window_start", "aux", "dummy",
+                 "chunks", "nbytes", "confirmed")
 
-    def __init__(self, peer: str, d_rank: int, msg: dict, kv: np.ndarray, state: np.ndarray):
+    def __init__(self, peer: str, d_rank: int, msg: dict, kv: np.ndarray, state: np.ndarray, swa: np.ndarray):
         self.peer, self.d_rank, self.gen = peer, d_rank, msg["gen"]
         self.rid = f"{msg['room']}.{msg['gen']}"
         self.kv, self.prefix, self.state = kv, msg["prefix"], state
+        # hybrid SWA: decode's window slots, for request tokens window_start .. len(kv) - 1
+        self.swa, self.window_start = swa, len(kv) - len(swa)
         self.aux, self.dummy = msg["aux"], msg["dummy"]
         self.chunks = self.nbytes = 0
         self.confirmed = self.dummy     # a dummy target has nothing to confirm
 
 
 class _Chunk:
-    __slots__ = ("slots", "start", "layers", "last", "aux", "state")
+    __slots__ = ("slots", "start", "layers", "last", "aux", "state", "swa")
 
-    def __init__(self, slots, start, layers, last, aux, state):
+    def __init__(self, slots, start, layers, last, aux, state, swa):
         self.slots, self.start, self.layers, self.last, self.aux, self.state = slots, start, layers, last, aux, state
+        self.swa = swa   # hybrid SWA: full_to_swa of ``slots`` when send() was called (0 = unmapped); else None
 
 
 class KVSender(_Request):
@@ -85,7 +89,8 @@ class KVSender(_Request):
              aux: AuxRecord | bytes | None = None, state_slots=None) -> bool:
         """Send one chunk: the KV of tokens ``start .. start + len(kv_slots)`` (default: right after
         the previous chunk), of ``layers`` (default: all; for per-layer-group streaming pass
-        ``start`` too). The last chunk carries ``aux`` and the state at ``state_slots``.
+        ``start`` too). The last chunk carries ``aux`` and the state at ``state_slots``. A hybrid
+        SWA pool must have mapped (``full_to_swa``) every token of decode's window by this call.
         Never blocks on the network; False when the request has already ended."""
         return self._ep._send(self, kv_slots, start, layers, last, aux, state_slots)
 
@@ -200,23 +205,43 @@ class PrefillEndpoint(_Endpoint):
             nack(f"prefill {self.spec.key} has no handshake with {peer}")
             return
         try:
-            if len(msg["kv"]) % 8 or len(msg["state"]) % 8:
+            swa_raw = msg.get("swa", b"")
+            if len(msg["kv"]) % 8 or len(msg["state"]) % 8 or len(swa_raw) % 8:
                 raise LayoutError("slot arrays must be whole int64s")
             kv, st = np.frombuffer(msg["kv"], "<i8"), np.frombuffer(msg["state"], "<i8")
+            swa = np.frombuffer(swa_raw, "<i8")
             if not msg["dummy"]:
                 kv = dp.layout.check_slots(self.token_space, kv, "kv slots")
                 st = dp.layout.check_slots(STATE, st, "state slots") if len(st) else st
                 if msg["prefix"] >= len(kv):
                     raise LayoutError(f"prefix {msg['prefix']} leaves none of the {len(kv)} tokens to send")
+                swa = self._check_window(dp, msg, kv, swa)
         except LayoutError as e:
             nack(f"bad request: {e}")
             return
-        target = _Target(peer, dp.info.spec.tp_rank, msg, kv, st)
+        target = _Target(peer, dp.info.spec.tp_rank, msg, kv, st, swa)
         s = self._senders.get(msg["room"])
         if s is None:
             self._pending.setdefault(msg["room"], {})[peer] = (target, time.monotonic())
         else:
             self._bind(s, target, later)
+
+    def _check_window(self, dp: _DecodePeer, msg: dict, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
+        """Decode's window slots of a request (hybrid SWA), bounds-checked; LayoutError says why not."""
+        if not self.swa_window:
+            if len(swa) or msg.get("swa_n"):
+                raise LayoutError(f"sliding-window slots sent to prefill {self.spec.key}, whose pool has no "
+                                  f"sliding-window layers")
+            return swa
+        if "swa_n" not in msg or msg["swa_n"] != len(swa):
+            raise LayoutError(f"a hybrid SWA request must carry its window slots and their count; got "
+                              f"{len(swa)} slot(s) and count {msg.get('swa_n')}")
+        swa = dp.layout.check_slots(SWA, swa, "swa slots")
+        most = min(self.swa_window, len(kv))
+        if not 1 <= len(swa) <= most:
+            raise LayoutError(f"{len(swa)} window slot(s) for a request of {len(kv)} tokens: must be "
+                              f"1..{most} (sliding window {self.swa_window})")
+        return swa
 
     def _bind(self, s: KVSender, t: _Target, later) -> None:
         dp = self._peers.get(t.peer)
@@ -248,6 +273,8 @@ class PrefillEndpoint(_Endpoint):
     def _send(self, s: KVSender, kv_slots, start, layers, last, aux, state_slots) -> bool:
         slots = self.layout.check_slots(self.token_space, np.array(kv_slots), "kv_slots")
         st = self.layout.check_slots(STATE, np.array(state_slots), "state_slots") if state_slots is not None else None
+        # read the window mapping now: the engine may remap these slots before a queued chunk is planned
+        swa = np.array(self._kv_pool.space_slots(SWA, slots), dtype=np.int64) if self.swa_window else None
         if st is not None and not last:
             raise RequestError("state goes with the last chunk")
         if isinstance(aux, AuxRecord):
@@ -265,7 +292,7 @@ class PrefillEndpoint(_Endpoint):
             s.next_pos = max(s.next_pos, begin + len(slots))
             s.last_sent = bool(last)
             c = _Chunk(slots, begin, None if layers is None else frozenset(int(x) for x in layers), bool(last),
-                       aux, st)
+                       aux, st, swa)
             if s.state == KVPoll.Bootstrapping:
                 s.queued.append(c)
             else:
@@ -301,9 +328,11 @@ class PrefillEndpoint(_Endpoint):
         if end > len(t.kv):
             raise RequestError(f"chunk reaches token {end} but decode rank {t.d_rank} granted {len(t.kv)}")
         skip = min(max(t.prefix - c.start, 0), len(c.slots))    # tokens decode already has
-        src, dst = c.slots[skip:], t.kv[c.start + skip:end]
-        plans = [pl.plan({self.token_space: src}, {self.token_space: dst})
-                 for pl in self._planners(dp, c.layers, self.kv_kinds)] if len(src) else []
+        src, dst = {self.token_space: c.slots[skip:]}, {self.token_space: t.kv[c.start + skip:end]}
+        if self.swa_window:
+            src[SWA], dst[SWA] = self._window_part(c, t, c.start + skip, end)
+        plans = [pl.plan(src, dst)
+                 for pl in self._planners(dp, c.layers, self.kv_kinds)] if len(src[self.token_space]) else []
         if c.last:
             st = c.state if c.state is not None else np.zeros(0, np.int64)
             if len(st) != len(t.state):
@@ -327,6 +356,21 @@ class PrefillEndpoint(_Endpoint):
         t.chunks, t.nbytes = t.chunks + 1, t.nbytes + plan.nbytes
         s.handles.append((h, plan.num_runs))
         self._busy.add(s)
+
+    @staticmethod
+    def _window_part(c: _Chunk, t: _Target, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source, destination) "swa" slots of request tokens ``first .. end - 1`` that fall in
+        decode's window; RequestError when one of them has no window slot here (never send garbage)."""
+        first = max(first, t.window_start)
+        if first >= end:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        src = c.swa[first - c.start:end - c.start]
+        unmapped = np.flatnonzero(src == 0)
+        if len(unmapped):
+            raise RequestError(f"{len(unmapped)} token(s) of decode's sliding window (tokens {t.window_start}.."
+                               f"{len(t.kv) - 1}), first token {first + int(unmapped[0])}, have no sliding-window "
+                               f"slot on prefill (full_to_swa is 0): evicted or never written")
+        return src, t.swa[first - t.window_start:end - t.window_start]
 
     # -- completion, deadlines, leases --------------------------------------------------------
     def _settle(self, s: KVSender, now: float, later) -> None:

@@ -16,9 +16,9 @@ Decode rank, once at start-up (blocking; raises ``CompatibilityError`` naming ev
     ``ep = DecodeEndpoint(spec, kv_pool, state=..., aux=AuxBuffer(...))``; ``ep.connect(bootstrap=url)``.
 Decode scheduler, per request ("room"; never blocks):
     ``r = ep.receiver(room)``                    Bootstrapping
-    ``r.init(kv_slots, prefix_len=, state_slots=, aux_slot=)``  after allocating slots: grants them
-                                                 (``transport.expect``) and sends the request to
-                                                 every prefill rank it needs
+    ``r.init(kv_slots, prefix_len=, state_slots=, aux_slot=, swa_slots=)``  after allocating slots:
+                                                 grants them (``transport.expect``) and sends the
+                                                 request to every prefill rank it needs
     ``r.poll()`` / ``r.wait(t)``                 -> WaitingForInput (every prefill rank acknowledged)
                                                  -> Transferring (first chunk) -> Success | Failed
 Prefill scheduler, per request (never blocks on the network):
@@ -29,6 +29,14 @@ Prefill scheduler, per request (never blocks on the network):
     ``s.poll()``; ``s.kv_releasable`` / ``on_release`` when prefill may reuse the KV (lease)
 Either side, any time: ``abort(reason)``, ``failure_exception()``, ``clear()``.
 Each TP group, per scheduler step: ``reduce_poll(states, group)`` (all-reduce MIN).
+
+Hybrid sliding-window pools (``HybridSWAPool``: full-attention layers in space "token",
+sliding-window layers in space "swa"; both sides hybrid with the same window, checked at the
+handshake): decode passes ``swa_slots``, its "swa" slots for the last ``len(swa_slots)`` tokens
+(1..window), and the request carries them. Full layers move for every token past the prefix;
+sliding-window layers only for those window tokens past the prefix, read on prefill through
+the pool's ``full_to_swa`` when ``send`` is called. A window token prefill holds no "swa" slot
+for fails the request: nothing is sent from an unmapped slot.
 
 States only move forward (``KVPoll``); Failed is final. Every request ends, within the
 deadline of its phase (``Timeouts``), in Success or Failed with a reason (``outcome`` says
@@ -57,8 +65,8 @@ import torch
 
 from .bootstrap import RankInfo, RankSpec, as_secret
 from .errors import LayoutError, PlanError, RequestError
-from .handshake import ControlChannel, Heartbeat, combine_layouts
-from .layout import Layout
+from .handshake import ControlChannel, Heartbeat, combine_layouts, layout_record
+from .layout import SWA, Layout
 from .plan import Planner
 from .pools import KVPool
 from .transport import Transport, get_transport
@@ -206,19 +214,35 @@ class _Request:
         return f"{type(self).__name__}(room={self.room}, {self.state.name}{', ' + self.reason if self.reason else ''})"
 
 
+def _swa_window(kv: KVPool) -> int:
+    """The sliding window of a hybrid pool (``HybridSWAPool.window``), 0 for any other pool."""
+    if not any(s.name == SWA for s in kv.layout.spaces):
+        return 0
+    window = getattr(kv, "window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise LayoutError(f"a pool with a {SWA!r} slot space must say its sliding window in tokens "
+                          f"(an int >= 1, as HybridSWAPool.window does), got {window!r}")
+    return window
+
+
 class _Endpoint:
     role = "?"
 
     def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None, transport: str | Transport,
                  transport_options: Mapping | None, timeouts: Timeouts, secret, aux_bytes: int):
-        if len(kv.layout.spaces) != 1:
-            raise LayoutError(f"the KV pool must have one slot space, it has {[s.name for s in kv.layout.spaces]}")
+        spaces = [s.name for s in kv.layout.spaces]
+        token_spaces = [name for name in spaces if name != SWA]
+        if len(token_spaces) != 1:
+            raise LayoutError(f"the KV pool must have one token slot space (plus {SWA!r} for a hybrid "
+                              f"sliding-window pool), it has {spaces}")
         if aux_bytes != 0 and aux_bytes < _AUX_HEAD.size:
             raise ValueError(f"aux_bytes must be 0 (no aux record) or >= {_AUX_HEAD.size}, got {aux_bytes}")
         self.spec, self.timeouts, self.secret = spec, timeouts, as_secret(secret)
         self.aux_bytes = int(aux_bytes)
         self.layout = combine_layouts(kv.layout, None if state is None else state.layout)
-        self.token_space = kv.layout.spaces[0].name
+        self.token_space = token_spaces[0]
+        self.swa_window = _swa_window(kv)            # 0: no sliding-window layers
+        self._kv_pool = kv                           # hybrid SWA: prefill reads its full_to_swa per chunk
         self.kv_kinds = sorted({p.kind for p in kv.layout.parts})
         self.state_kinds = sorted({p.kind for p in state.layout.parts}) if state is not None else []
         self._owns_transport = isinstance(transport, str)
@@ -244,8 +268,8 @@ class _Endpoint:
     def info(self) -> RankInfo:
         """This rank's record for the registry and the handshake (plain data)."""
         return RankInfo(spec=self.spec, control=self.channel.address if self.channel else "",
-                        data={self.transport.name: self.transport.descriptor()}, layout=self.layout.to_dict(),
-                        aux_bytes=self.aux_bytes)
+                        data={self.transport.name: self.transport.descriptor()},
+                        layout=layout_record(self.layout, self.swa_window), aux_bytes=self.aux_bytes)
 
     def _planner(self, src: Layout, dst: Layout, src_heads, dst_heads, layers, kinds) -> Planner | None:
         """A planner for ``kinds`` of ``layers``; None when no part matches (e.g. no state here)."""

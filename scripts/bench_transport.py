@@ -15,10 +15,17 @@ Ceilings, measured here and now (this box is shared; numbers move +-30% between 
   pyzmq raw     DEALER -> ROUTER, zero-copy send, ``recv(copy=False)`` + one copy (for reference;
                 with the same malloc tuning as the zmq transport)
   ucx put raw   ``ucx_perftest -t ucp_put_bw`` from the libucx wheel
+  ucx put raw (same pages)
+                ``ucp_put_nbx`` through ctypes, one put per run of the case (the same source
+                and destination offsets as the transport), all in flight, one flush; no
+                protocol. Kept next to perftest because perftest re-sends one cache-hot buffer
+                while the cases move runs at random places of a big pool: perftest flatters
+                UCX, this one does not (measured with the ucx transport only)
   gather        single-process ``torch.index_select`` of the same pages
 
 Each transport is shown as GB/s and as a ratio to its ceiling: zmq to tcp raw, ucx to ucx put
-raw, local to memcpy; scattered cases to the gather ceiling. Best of N repetitions.
+raw (and to ucx put raw (same pages)), local to memcpy; scattered cases to the gather ceiling
+(ucx: and to the same-pages put). Best of N repetitions.
 """
 from __future__ import annotations
 
@@ -40,6 +47,7 @@ import torch
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, MiB, 16 * MiB, 256 * MiB]
 CEILING_OF = {"zmq": "tcp raw", "ucx": "ucx put raw", "local": "memcpy"}
+SAME_PAGES = "ucx put raw (same pages)"
 
 
 def _pack(obj) -> bytes:
@@ -306,6 +314,58 @@ class UcxPutRaw:
         pass
 
 
+class UcxPutSamePages:
+    """Raw one-sided puts over the runs of a case, the transport's own mechanism without its
+    protocol: an own UCX context and worker in this process, an endpoint (error handling off,
+    as the transport's) to the receiver transport's worker, its rkey, one ``ucp_put_nbx`` per
+    run (no callback), one ``ucp_ep_flush_nbx``, progress until it completes. The ctypes
+    declarations are the transport's (transports/ucx.py); the put loop is this one's."""
+    name = SAME_PAGES
+
+    def __init__(self, src: torch.Tensor, descriptor: dict, tls: str | None = None):
+        import ctypes
+        from ucxx._lib import libucxx as u
+        from transports import ucx as U
+        self.U, self.ctypes, self.base = U, ctypes, src.data_ptr()
+        self.ctx = u.UCXContext({"TLS": tls} if tls else {}, feature_flags=(u.Feature.TAG, u.Feature.RMA))
+        self.worker = u.UCXWorker(self.ctx)
+        addr = u.UCXAddress.create_from_buffer(bytes.fromhex(descriptor["address"]))
+        self.ep = self.worker.create_endpoint_from_worker_address(addr, False)
+        self.rbase, rkey, self.memh = int(descriptor["region_base"][0]), ctypes.c_void_p(), ctypes.c_void_p()
+        U._check(U._rkey_unpack(self.ep.handle, bytes.fromhex(descriptor["rkeys"][0]), ctypes.byref(rkey)), "rkey")
+        mp_ = U._MemMapParams(U._MEMMAP_ADDR_LEN, self.base, src.numel())
+        U._check(U._mem_map(self.ctx.handle, ctypes.byref(mp_), ctypes.byref(self.memh)), "ucp_mem_map")
+        self.rkey = rkey.value
+        self.param, self.flush_param = U._RequestParam(op_attr_mask=U._OP_ATTR_MEMH, memh=self.memh.value), \
+            U._RequestParam()
+
+    def put(self, so: np.ndarray, do: np.ndarray, n: np.ndarray) -> float:
+        """Seconds to put every run and see the flush complete."""
+        U, ep, pr = self.U, self.ep.handle, self.ctypes.byref(self.param)
+        t0 = time.perf_counter()
+        for s, d, k in zip((self.base + so).tolist(), (self.rbase + do).tolist(), n.tolist()):  # one call per run
+            st = U._put(ep, s, k, d, self.rkey, pr)
+            if st:
+                if st >= U._PTR_ERR_MIN:
+                    raise RuntimeError(f"ucp_put_nbx: {U._why(st - 2**64)}")
+                U._req_free(st)
+        f = U._Flush(U._flush(ep, self.ctypes.byref(self.flush_param)))
+        while f.poll() is None:
+            self.worker.progress()
+        if f.status:
+            raise RuntimeError(f"flush: {U._why(f.status)}")
+        return time.perf_counter() - t0
+
+    def __call__(self, case) -> float:
+        self.put(case["so"], case["do"], case["n"])   # untimed pass: page faults, cold caches
+        return int(case["n"].sum()) / self.put(case["so"], case["do"], case["n"]) / 1e9
+
+    def close(self) -> None:
+        self.U._rkey_destroy(self.rkey)
+        self.U._mem_unmap(self.ctx.handle, self.memh.value)
+        self.ep.close()
+
+
 # ---------------------------------------------------------------------------------------
 # Transports
 # ---------------------------------------------------------------------------------------
@@ -469,9 +529,15 @@ def main() -> None:
             meters[name] = TransportMeter(ctx, name, options.get(name, {}), src)
         except Exception as e:  # a transport that does not start is a row with its reason
             errors[name] = f"{type(e).__name__}: {e}"[:200]
+    if "ucx" in meters:
+        try:
+            ceilings.append(UcxPutSamePages(src, meters["ucx"].rx.descriptor, options.get("ucx", {}).get("tls")))
+        except Exception as e:
+            errors[SAME_PAGES] = f"{type(e).__name__}: {e}"[:200]
     print(f"pool {pool_bytes // MiB} MiB, {total // MiB} MiB per case, best of {reps}; ceilings and transports "
           f"measured in turn, case by case", flush=True)
     ceil: dict[str, dict] = {m.name: {} for m in ceilings}
+    ceil.setdefault(SAME_PAGES, {})   # a column even where it could not start
     results: dict[str, dict] = {name: {} for name in meters}
     for case in cases:
         lab = case["label"]
@@ -503,15 +569,15 @@ def main() -> None:
         m.close()
     ucx_why = ucx_put.why
 
-    cols = ["memcpy", "tcp raw", "pyzmq raw", "ucx put raw", "gather"]
+    cols = ["memcpy", "tcp raw", "pyzmq raw", "ucx put raw", SAME_PAGES, "gather"]
     head = f"| case | {' | '.join(cols)} | " + " | ".join(f"{n} (x ceiling)" for n in results) + " |"
     lines = [head, "|" + "---|" * (1 + len(cols) + len(results))]
     for c in cases:
         lab = c["label"]
         row = [f"{ceil[k][lab]:.2f}" if lab in ceil[k] else "" for k in cols]
         for name, res in results.items():
-            ck = "gather" if "page" in c else CEILING_OF.get(name, "tcp raw")
-            ratio = f" ({res[lab] / ceil[ck][lab]:.2f}x {ck})" if lab in ceil[ck] else ""
+            cks = ["gather" if "page" in c else CEILING_OF.get(name, "tcp raw")] + [SAME_PAGES] * (name == "ucx")
+            ratio = "".join(f" ({res[lab] / ceil[ck][lab]:.2f}x {ck})" for ck in cks if ceil[ck].get(lab))
             row.append(f"{res[lab]:.2f}{ratio}" if lab in res else "")
         lines.append(f"| {lab} | " + " | ".join(row) + " |")
     print("\nGB/s (1 GB = 1e9 bytes)\n" + "\n".join(lines))

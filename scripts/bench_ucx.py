@@ -9,6 +9,11 @@ Cases, for each UCX_TLS asked for (``default``: the transport's default, shared 
                sent, scattered by the receiver)
 Ceilings, measured in the same run and interleaved with the cases:
   perftest     raw ``ucx_perftest -t ucp_put_bw`` (the libucx wheel's) at the same size and TLS
+  same pages   raw ``ucp_put_nbx`` through ctypes over the very runs of the case (same offsets,
+               same pools, same receiver), all in flight, one flush, no protocol
+               (bench_transport.UcxPutSamePages). Both are kept: perftest re-sends one
+               cache-hot buffer, so it flatters UCX next to runs at random places of a 1 GiB
+               pool; the same-pages put is what UCX itself does with the transport's bytes
   gather       one process, torch ``index_select`` of the same kind of pages
 Each figure is the best of ``--rounds`` (other processes share this machine's 2 cores).
 
@@ -73,6 +78,7 @@ class Pair:
     """This process sends; a spawned child receives. Both hold a pool of ``pool_bytes``."""
 
     def __init__(self, tls: str | None, pool_bytes: int):
+        from bench_transport import UcxPutSamePages
         from kvxfer.transport import get_transport
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
@@ -80,28 +86,35 @@ class Pair:
         self.child.start()
         self.t = get_transport("ucx", tls=tls)
         self.pool_bytes = pool_bytes
-        self.t.register([torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8)])
-        self.peer = self.t.connect(self.conn.recv())
+        pool = torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8)
+        self.t.register([pool])
+        descriptor = self.conn.recv()
+        self.peer = self.t.connect(descriptor)
+        self.raw = UcxPutSamePages(pool, descriptor, tls)
 
     # Every timing follows an untimed pass over the same bytes: this VM pages out memory left
     # untouched for about a minute (DAMON), and a fault per 4 KiB would be measured, not UCX.
-    def run(self, size: int, inflight: int) -> float:
+    def run(self, size: int, inflight: int) -> tuple[float, float]:
+        """GB/s of (the transport, raw puts of the same runs)."""
         count = int(min(max(8, 256 * MiB // size), 2000))
         offs = (np.arange(count, dtype=np.int64) * size) % (self.pool_bytes - size + 1) // 4096 * 4096
         plans = [_plan([o], [o], size, False) for o in offs]
         _timed(self.t, self.peer, plans, inflight)
-        return count * size / _timed(self.t, self.peer, plans, inflight) / 1e9
+        kvx = count * size / _timed(self.t, self.peer, plans, inflight) / 1e9
+        return kvx, self.raw({"so": offs, "do": offs, "n": np.full(count, size, np.int64)})
 
-    def pages(self, page: int, npages: int, packed: bool, rng) -> float:
-        plans = [_plan(rng.choice(self.pool_bytes // page, npages, replace=False) * page,
-                       rng.choice(self.pool_bytes // page, npages, replace=False) * page, page, packed)
-                 for _ in range(3)]
+    def pages(self, page: int, npages: int, packed: bool, rng) -> tuple[float, float]:
+        so, do = (np.stack([rng.choice(self.pool_bytes // page, npages, replace=False) * page for _ in range(3)])
+                  for _ in range(2))
+        plans = [_plan(s, d, page, packed) for s, d in zip(so, do)]
         _timed(self.t, self.peer, plans, 2)
-        return 3 * npages * page / _timed(self.t, self.peer, plans, 2) / 1e9
+        kvx = 3 * npages * page / _timed(self.t, self.peer, plans, 2) / 1e9
+        return kvx, self.raw({"so": so.ravel(), "do": do.ravel(), "n": np.full(so.size, page, np.int64)})
 
     def close(self) -> None:
         self.conn.send("stop")
         bad = self.conn.recv() if self.conn.poll(30) else "?"
+        self.raw.close()
         self.t.close()
         self.child.join(30)
         if bad:
@@ -169,21 +182,21 @@ def main() -> None:
         try:
             for _ in range(rounds):  # interleaved, so load from other processes hits both columns alike
                 for size in sizes:
-                    b = best.setdefault(f"run {_h(size)}", [0.0, 0.0])
-                    b[0] = max(b[0], pair.run(size, args.inflight))
+                    b = best.setdefault(f"run {_h(size)}", [0.0, 0.0, 0.0])
+                    b[::2] = np.maximum(b[::2], pair.run(size, args.inflight)).tolist()
                     b[1] = max(b[1], perftest(tls, size, args.port))
                 for label, page, npages, packed in PAGE_CASES:
-                    b = best.setdefault(label, [0.0, 0.0])
-                    b[0] = max(b[0], pair.pages(page, npages, packed, rng))
+                    b = best.setdefault(label, [0.0, 0.0, 0.0])
+                    b[::2] = np.maximum(b[::2], pair.pages(page, npages, packed, rng)).tolist()
                     b[1] = max(b[1], gather(page, npages, local_pool, rng))
         finally:
             pair.close()
         one_mib = best["run 1 MiB"][0]
         print(f"UCX_TLS={name}  (best of {rounds}; GB/s = 1e9 bytes/s)")
-        print(f"  {'case':26s} {'kvxfer':>7s} {'ceiling':>8s} {'ratio':>6s}  ceiling is")
-        for label, (v, c) in best.items():
+        print(f"  {'case':26s} {'kvxfer':>7s} {'ceiling':>8s} {'ratio':>6s} {'same pages':>10s} {'ratio':>6s}  ceiling is")
+        for label, (v, c, raw) in best.items():
             what = "ucx_perftest ucp_put_bw" if label.startswith("run") else "index_select gather, 1 process"
-            print(f"  {label:26s} {v:7.3f} {c:8.3f} {v / c:6.2f}  {what}")
+            print(f"  {label:26s} {v:7.3f} {c:8.3f} {v / c:6.2f} {raw:10.3f} {v / raw:6.2f}  {what}")
         v = best[PAGE_CASES[1][0]][0]
         print(f"  {'4K pages vs run 1 MiB':26s} {v:7.3f} {one_mib:8.3f} {v / one_mib:6.2f}  kvxfer run 1 MiB\n",
               flush=True)

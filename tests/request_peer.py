@@ -276,6 +276,15 @@ def context():
     return _CTX
 
 
+def _state(status_path: str) -> str:
+    """The one-letter state of a thread ("T": stopped), or "" when it is gone."""
+    try:
+        with open(status_path) as f:
+            return next((line.split()[1] for line in f if line.startswith("State:")), "")
+    except FileNotFoundError:
+        return ""
+
+
 class Peer:
     """A peer process. ``call(op, **args)`` sends a command and returns its JSON reply."""
 
@@ -309,7 +318,17 @@ class Peer:
         return self.reply(timeout)
 
     def stop(self):
+        """SIGSTOP, and return once the process is stopped: the signal is delivered
+        asynchronously, and a peer still running for a moment could finish what the test
+        sends next."""
         os.kill(self.pid, signal.SIGSTOP)
+        limit = time.monotonic() + 5
+        while time.monotonic() < limit:   # every thread: they stop one by one
+            if all(_state(f"/proc/{self.pid}/task/{t}/status") in ("t", "T")
+                   for t in os.listdir(f"/proc/{self.pid}/task")):
+                return
+            time.sleep(0.001)
+        raise TimeoutError(f"process {self.pid} did not stop within 5 s of SIGSTOP")
 
     def cont(self):
         os.kill(self.pid, signal.SIGCONT)

@@ -241,29 +241,32 @@ def test_hostile_announces_are_rejected_and_counted(pair):
     from transports.ucx import ANNOUNCE
     t, src, peer, pid = pair
     peer("expect", "r-host", ([0], [0], [POOL + MiB]))  # a grant reaching past the region (receiver's bug)
-    i8 = lambda *v: np.asarray(v, "<i8").tobytes()  # noqa: E731
-    e = b""
 
-    def ann(xid, dreg, doff, dn, preg=e, poff=e, pn=e, frame=MiB, rid="r-host"):
-        return [ANNOUNCE, 10_000 + xid, rid, 5.0, b"", dreg, doff, dn, preg, poff, pn, frame]
+    def ann(xid, reg, off, n, nput=None, frame=MiB, inline=b"", runs=None):
+        """An announce of runs (region, offset, length lists), the first ``nput`` put, the rest packed."""
+        runs = np.asarray([reg, off, n], "<i8").tobytes() if runs is None else runs
+        return [ANNOUNCE, 10_000 + xid, "r-host", 5.0, b"", runs, len(reg) if nput is None else nput, frame, inline]
     before = peer("rejected")
     hostile = {  # in this order: messages on one endpoint are handled in order, and only announces yield arrivals
         "malformed message": [b"\xc1\xff not msgpack", msgpack.packb(["x", "not a list"]), [ANNOUNCE], 7],
         "unknown peer": [([ANNOUNCE, 1, "r-host"], "nobody")],
-        "malformed header": [ann(1, i8(0, 0), i8(0), i8(4096)),          # arrays differ in length
-                             ann(2, b"\x01\x02\x03", e, e),                # not int64 bytes
-                             ann(3, i8(0), i8(0), i8(4096), frame=7)],     # absurd frame size
-        "unknown region": [ann(4, i8(3), i8(0), i8(4096))],
-        "outside grant": [ann(5, i8(0), i8(-4096), i8(8192)),              # negative offset
-                          ann(6, i8(0), i8(2**62), i8(2**62)),             # overflow bait
-                          ann(7, i8(0), i8(0), i8(0))],                    # empty run
-        "outside region": [ann(8, i8(0), i8(POOL - 4096), i8(8192))],      # granted, but past the pool
+        "malformed header": [ann(1, [], [], [], runs=np.zeros(4, "<i8").tobytes()),  # not three rows
+                             ann(2, [], [], [], runs=b"\x01\x02\x03"),       # not int64 bytes
+                             ann(3, [0], [0], [4096], frame=7),                 # absurd frame size
+                             ann(9, [0], [0], [4096], nput=2),                  # more put runs than runs
+                             ann(10, [0], [0], [16], nput=0, inline=b"x" * 15)],  # inline bytes do not fit
+        "unknown region": [ann(4, [3], [0], [4096])],
+        "outside grant": [ann(5, [0], [-4096], [8192]),                # negative offset
+                          ann(6, [0], [2**62], [2**62]),               # overflow bait
+                          ann(7, [0], [0], [0])],                      # empty run
+        "outside region": [ann(8, [0], [POOL - 4096], [8192]),         # granted, but past the pool
+                           ann(11, [0], [POOL - 8], [16], nput=0, inline=b"y" * 16)],  # inline, same
     }
     for msgs in hostile.values():
         for m in msgs:
             _raw(t, pid, *(m if isinstance(m, tuple) else (m,)))
-    arrs = peer("arrivals", 5, 8)
-    assert len(arrs) == 8 and not any(a[2] for a in arrs)  # every announce from a known peer: one failed arrival
+    arrs = peer("arrivals", 5, 11)
+    assert len(arrs) == 11 and not any(a[2] for a in arrs)  # every announce from a known peer: one failed arrival
     after = peer("rejected")
     for reason, msgs in hostile.items():
         assert after.get(reason, 0) - before.get(reason, 0) == len(msgs), (reason, after)
@@ -282,13 +285,30 @@ def test_receiver_fails_transfer_past_its_deadline(pair):
     from transports.ucx import ANNOUNCE
     t, src, peer, pid = pair
     peer("expect", "r-late", _whole(POOL))
-    i8 = lambda *v: np.asarray(v, "<i8").tobytes()  # noqa: E731
-    _raw(t, pid, [ANNOUNCE, 20_000, "r-late", 0.5, b"n", i8(0), i8(0), i8(4096), b"", b"", b"", MiB])
+    _raw(t, pid, [ANNOUNCE, 20_000, "r-late", 0.5, b"n", np.asarray([0, 0, 4096], "<i8").tobytes(), 1, MiB, b""])
     start = time.monotonic()
     (arr,) = peer("arrivals", 10, 1)
     assert arr[:3] == ("r-late", 4096, False) and "deadline passed" in arr[3]
     assert time.monotonic() - start < 5
     peer("forget", "r-late")
+
+
+def test_adjacent_runs_go_as_one_put(pair):
+    """Runs adjacent on both sides are merged into one put; the announce keeps every run."""
+    t, src, peer, pid = pair
+    k = 40  # more than FEW_RUNS: the vectorized path
+    so, do = np.r_[np.arange(k // 2), 100 + np.arange(k // 2)] * 64 * KiB, np.arange(k) * 64 * KiB
+    plan = _plan([(so, do, 64 * KiB, False)])
+    puts, runs, nput, _ = t._prepare(t._peers[pid], plan)
+    # two merged runs of 1.25 MiB, each cut at frame_bytes (1 MiB here)
+    assert [n for _, _, n, _, _ in puts] == [MiB, 256 * KiB] * 2 and nput == k == len(runs) // 24
+    peer("expect", "r-merge", _whole(POOL))
+    assert t.submit(pid, "r-merge", plan, timeout=30).wait(30)
+    assert peer("arrivals", 10, 1)[0][2]
+    got = peer.pool()
+    assert np.array_equal(got[: k * 64 * KiB], np.concatenate([src[o: o + 64 * KiB] for o in so]))
+    peer("forget", "r-merge")
+    peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
 
 
 def test_contract_edges():

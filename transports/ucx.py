@@ -10,13 +10,19 @@ batched per peer and loop turn into one tagged message.
 
 One transfer (S sender, R receiver, each on its own I/O thread)::
 
-    S -> R  ANNOUNCE  request id, deadline, every destination run (int64 arrays)
-    R       GrantTable.check + region bounds; refused: FAIL to S, Arrival(ok=False)
+    S -> R  ANNOUNCE  request id, deadline, every destination run (one int64 array), and
+                      the packed bytes inline when they are few (< INLINE_BELOW: no frames)
+    R       GrantTable.check + region bounds; refused: FAIL to S, Arrival(ok=False);
+            inline bytes land now; nothing else to come (no puts, no frames): ACK at once
     R -> S  GO        a data tag for the packed frames
-    S       puts (big runs cut in frames), packed frames, one ep flush per turn
+    S       puts (big runs cut in frames), packed frames, one ep flush per peer and turn
     S -> R  DONE      after the flush, so every put is visible at R
     R       receives frames, re-checks the grant, scatters packed runs, Arrival(ok=True)
     R -> S  ACK       only now is the handle DONE
+
+Transfers that meet in a turn of the I/O thread share one control message per peer, one
+flush and one wake-up. Plans of a few runs are handled with Python ints (a numpy call costs
+more than such a loop); bigger ones stay vectorized.
 
 Trust model: R checks every announced run before it answers GO, so an honest sender (even one
 with a wrong plan) never writes outside a grant. A *malicious* peer holding the rkeys of our
@@ -34,7 +40,8 @@ Threads: one I/O thread per transport owns the worker and makes every UCX call. 
 while something happens and sleeps on the worker's event fd otherwise (busy polling was
 3-40x slower on this 2-core machine whenever other processes ran). ``register``, ``connect``
 and ``close`` hand work to it and wait; ``submit`` plans and gathers in the caller's thread,
-enqueues, and never waits on the network.
+enqueues, and never waits on the network; it signals the worker only when the I/O thread
+sleeps (a signal is a syscall and, for a busy thread, a wasted turn).
 """
 from __future__ import annotations
 
@@ -47,7 +54,6 @@ import threading
 import time
 import uuid
 import weakref
-from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -60,8 +66,8 @@ from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from kvxfer.errors import ConnectError, PeerError, PlanError, RejectedWrite, TransferTimeout, TransportError
-from kvxfer.plan import PACK_BELOW, ByteRanges, TransferPlan, gather_runs, scatter_runs
-from kvxfer.transport import DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle, byte_view, drain
+from kvxfer.plan import PACK_BELOW, Runs, TransferPlan, copy_runs, gather_runs, merge_runs
+from kvxfer.transport import DEFAULT_TIMEOUT, FEW_RUNS, Arrival, GrantTable, Transport, TransferHandle, byte_view
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
@@ -157,12 +163,14 @@ FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
 HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
 _REFUSALS = ("outside", "unknown", "ended", "malformed")  # GrantTable reasons: RejectedWrite
 _I8 = np.dtype("<i8")
+INLINE_BELOW = 64 * 1024   # packed bytes below this travel inside the ANNOUNCE
 
 
-def _arr(b) -> np.ndarray:
-    if not isinstance(b, bytes) or len(b) % 8:
-        raise ValueError("run array is not int64 bytes")
-    return np.frombuffer(b, _I8)
+def _run_array(b) -> np.ndarray:
+    """The announced runs: int64 bytes of three rows (destination region, offset, length)."""
+    if not isinstance(b, bytes) or len(b) % 24:
+        raise ValueError("run array is not 3 rows of int64")
+    return np.frombuffer(b, _I8).reshape(3, -1)
 
 
 def _ucx_buf(t: torch.Tensor) -> Array:
@@ -197,6 +205,8 @@ class _Peer:
     last_seen: float
     base: np.ndarray | None = None   # remote region addresses, sizes, rkeys: set by connect()
     sizes: np.ndarray | None = None
+    base_list: list = field(default_factory=list)   # the same as Python ints (few-runs path)
+    sizes_list: list = field(default_factory=list)
     rkeys: list = field(default_factory=list)
     gone: bool = False               # silent past peer_timeout; cleared when it speaks again
     outbox: list = field(default_factory=list)
@@ -211,8 +221,8 @@ class _Out:
     peer: _Peer
     handle: TransferHandle
     announce: list
-    puts: tuple                      # src addr, dst addr, nbytes, src region, dst region (lists)
-    staging: torch.Tensor | None     # gathered packed runs
+    puts: list                       # (src addr, dst addr, nbytes, src region, dst region) per put
+    staging: torch.Tensor | None     # gathered packed runs, unless they went in the announce
     frame_bytes: int
     state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack
     reqs: list = field(default_factory=list)
@@ -228,10 +238,11 @@ class _In:
     deadline: float
     nbytes: int
     notify: bytes
-    packed: tuple                    # region, offset, nbytes arrays of the packed runs
-    staging: torch.Tensor | None
+    packed: tuple | None             # region, offset, nbytes arrays of the packed runs; None once landed
+    staging: torch.Tensor | None     # their frames
     frame_bytes: int
     frames: int
+    dtag: int = 0                    # tag of the frames (0: no GO sent)
     got: int = 0
     done: bool = False
     reqs: list = field(default_factory=list)
@@ -265,15 +276,18 @@ class UCXTransport(Transport):
         self._whandle, self._address = self._worker.handle, self._worker.address.tobytes()
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
-        self._base = np.zeros(0, np.int64)
+        self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)
+        self._cuda_devices: set[torch.device] = set()
         self._memh: list[int | None] = []
         self._params: list[_RequestParam] = []
+        self._param_refs: list = []  # ctypes.byref of each, made once
         self._rkeys_packed: list[bytes] = []
         self._peers: dict[str, _Peer] = {}
         self._out: dict[int, _Out] = {}
         self._in: dict[tuple[str, int], _In] = {}
         self._by_dtag: dict[int, _In] = {}
         self._unflushed: dict[str, list[_Out]] = {}  # puts issued this turn, per peer
+        self._flushing: list[_Out] = []              # flushed, DONE not sent yet
         self._ctrl_sends: list = []  # (request, buffer): buffers live until sent
         self._ctrl_recvs: list = []  # (request, buffer, length) in arrival order
         self._zombies: list = []     # requests of ended transfers that still own buffers
@@ -282,7 +296,7 @@ class UCXTransport(Transport):
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._flush_param = _RequestParam()
         self._staging = _Staging()
-        self._closed = self._stop = False
+        self._closed = self._stop = self._sleeping = False
         self._next_tick, self._acts = 0.0, 0
         self._thread = threading.Thread(target=self._loop, name=f"kvxfer-ucx-{self.id[:6]}", daemon=True)
         self._thread.start()
@@ -295,8 +309,16 @@ class UCXTransport(Transport):
             raise TransportError("UCX transport is closed")
         fut: Future = Future()
         self._cmds.put((fn, args, fut))
-        _signal(self._whandle)
+        self._wake()
         return fut.result(timeout=60)
+
+    def _wake(self) -> None:
+        """After queueing a command: signal the worker if the I/O thread sleeps (or is about to).
+
+        The thread sets ``_sleeping`` before its last look at the queue, so a command queued
+        while the flag is unset is seen by that look, and one queued later sees the flag."""
+        if self._sleeping:
+            _signal(self._whandle)
 
     def register(self, regions: Sequence[torch.Tensor]) -> None:
         """Both sides, once, before descriptor(): map every region for RMA (blocks briefly)."""
@@ -333,52 +355,74 @@ class UCXTransport(Transport):
         try:
             if not self._regions and plan.num_runs:
                 raise TransportError("register(regions) must be called before submit")
-            r = plan.runs()
-            sr, so, dr, do, n = r[:5]
-            for side, reg, off, lim in (("source", sr, so, self.grants.region_sizes), ("destination", dr, do, p.sizes)):
-                lim = np.asarray(lim, np.int64)
-                if len(reg) and (reg.min() < 0 or reg.max() >= len(lim) or (off < 0).any() or (n <= 0).any()
-                                 or (off + n > lim[np.clip(reg, 0, len(lim) - 1)]).any()):
-                    raise PlanError(f"a {side} run leaves its region (the {side} has {len(lim)} regions)")
-            # Runs below put_below travel packed whatever the plan says: this bounds the put loop
-            # (one Python step per put) by bytes / put_below, and a tiny put costs more than packing.
-            pk = np.asarray(r.packed, bool) | (n < self.put_below)
-            d = ~pk
-            staging = None
-            if pk.any():
-                staging = self._staging.get(int(n[pk].sum()), self._regions[int(sr[pk][0])].device)
-                gather_runs(self._regions, sr[pk], so[pk], n[pk], out=staging)
+            puts, runs, nput, staging = (self._prepare_few if plan.num_runs <= FEW_RUNS else self._prepare)(p, plan)
+            inline = b""
+            if staging is not None and staging.numel() < INLINE_BELOW:  # no GO wait, no frames
+                inline, staging = staging.cpu().numpy().tobytes(), None
             if staging is not None and staging.is_cuda:  # UCX reads it right after GO
                 torch.cuda.current_stream(staging.device).synchronize()
-            puts = _split(self._base[sr[d]] + so[d], p.base[dr[d]] + do[d], n[d], sr[d], dr[d], self.frame_bytes)
         except (PlanError, TransportError) as e:
             handle.finish(e)
             return handle
         xid = next(self._xids)
-        announce = [ANNOUNCE, xid, request_id, float(timeout), bytes(notify),
-                    *(a.astype(_I8).tobytes() for a in (dr[d], do[d], n[d], dr[pk], do[pk], n[pk])), self.frame_bytes]
+        announce = [ANNOUNCE, xid, request_id, float(timeout), bytes(notify), runs, nput, self.frame_bytes, inline]
         self._cmds.put((None, (_Out(xid, p, handle, announce, puts, staging, self.frame_bytes),), None))
-        _signal(self._whandle)
+        self._wake()
         return handle
 
-    def expect(self, request_id: str, ranges: ByteRanges) -> None:
-        """Receiver, per request, before the sender writes: the byte ranges it may write."""
-        self.grants.expect(request_id, ranges)
+    def _prepare(self, p: _Peer, plan: TransferPlan) -> tuple:
+        """Bounds-check the runs, gather the packed ones: (puts, announced runs, put count, staging)."""
+        r = plan.runs()
+        sr, so, dr, do, n = r[:5]
+        for side, reg, off, lim in (("source", sr, so, self.grants.region_sizes), ("destination", dr, do, p.sizes)):
+            lim = np.asarray(lim, np.int64)
+            if len(reg) and (reg.min() < 0 or reg.max() >= len(lim) or (off < 0).any() or (n <= 0).any()
+                             or (off + n > lim[np.clip(reg, 0, len(lim) - 1)]).any()):
+                raise PlanError(f"a {side} run leaves its region (the {side} has {len(lim)} regions)")
+        # Runs below put_below travel packed whatever the plan says: this bounds the put loop
+        # (one Python step per put) by bytes / put_below, and a tiny put costs more than packing.
+        pk = np.asarray(r.packed, bool) | (n < self.put_below)
+        d = ~pk
+        staging = None
+        if pk.any():
+            staging = self._staging.get(int(n[pk].sum()), self._regions[int(sr[pk][0])].device)
+            gather_runs(self._regions, sr[pk], so[pk], n[pk], out=staging)
+        # Runs adjacent on both sides go as one put (the announce keeps the plan's runs for the
+        # grant check). Region ids above the offset bits keep regions apart (regions < 16 TiB).
+        ps, pso, pd, pdo, pn = sr[d], so[d], dr[d], do[d], n[d]
+        if len(pn) > 1 and max(self._region_sizes.max(), p.sizes.max()) < 1 << 44:
+            ks, kd, pn = merge_runs(ps << 44 | pso, pd << 44 | pdo, pn)
+            ps, pso, pd, pdo = ks >> 44, ks & (1 << 44) - 1, kd >> 44, kd & (1 << 44) - 1
+        puts = _split(self._base[ps] + pso, p.base[pd] + pdo, pn, ps, pd, self.frame_bytes)
+        order = np.concatenate([np.flatnonzero(d), np.flatnonzero(pk)])
+        return puts, np.stack([dr[order], do[order], n[order]]).astype(_I8).tobytes(), int(d.sum()), staging
+
+    def _prepare_few(self, p: _Peer, plan: TransferPlan) -> tuple:
+        """``_prepare`` for a plan of at most FEW_RUNS runs, with Python ints."""
+        sides = (("source", self.grants.region_sizes), ("destination", p.sizes_list))
+        put_runs, packed_runs, puts, frame = [], [], [], self.frame_bytes
+        for g, (sr, so, dr, do, n) in ((g, r) for g in plan.groups for r in TransferPlan((g,)).run_tuples()):
+            for (side, sizes), reg, off in zip(sides, (sr, dr), (so, do)):
+                if not (0 <= reg < len(sizes) and 0 <= off and 0 < n and off + n <= sizes[reg]):
+                    raise PlanError(f"a {side} run leaves its region (the {side} has {len(sizes)} regions)")
+            (packed_runs if g.packed or n < self.put_below else put_runs).append((sr, so, dr, do, n))
+        for sr, so, dr, do, n in put_runs:
+            src, dst = self._base_list[sr] + so, p.base_list[dr] + do
+            puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]
+        staging = None
+        if packed_runs:  # gather_runs costs ~100 us of index building; a few slices cost ~1 us each
+            staging = torch.cat([self._regions[sr][so: so + n] for sr, so, _, _, n in packed_runs])
+        runs = put_runs + packed_runs
+        return puts, np.array([[r[2] for r in runs], [r[3] for r in runs], [r[4] for r in runs]], _I8).tobytes(), \
+            len(put_runs), staging
 
     def forget(self, request_id: str) -> bool:
         """Receiver: the request ended; its transfers in flight fail, later writes are dropped."""
         live = self.grants.forget(request_id)
         if not self._closed:
             self._cmds.put((self._drop_request, (request_id,), None))
-            _signal(self._whandle)
+            self._wake()
         return live
-
-    def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
-        return drain(self._arrivals, timeout)
-
-    @property
-    def rejected(self) -> Counter:
-        return self.grants.rejected
 
     def close(self) -> None:
         """Fail what is in flight, say BYE, release UCX resources. Idempotent."""
@@ -396,7 +440,7 @@ class UCXTransport(Transport):
                 if fn is None:
                     args[0].handle.finish(PeerError(f"request {args[0].handle.request_id}: transport closed"))
             # Endpoints were closed without a flush in _do_close: dropping them cannot block.
-            self._peers, self._out, self._in, self._by_dtag, self._zombies = {}, {}, {}, {}, []
+            self._peers, self._out, self._in, self._by_dtag, self._zombies, self._flushing = {}, {}, {}, {}, [], []
             self._ctrl_sends, self._ctrl_recvs = [], []
             _LIVE.discard(self)
 
@@ -421,8 +465,12 @@ class UCXTransport(Transport):
             self._memh.append(memh.value)
             # One put parameter block per source region: its memh spares UCX a registration lookup.
             self._params.append(_RequestParam(op_attr_mask=_OP_ATTR_MEMH if memh.value else 0, memh=memh.value))
+            self._param_refs.append(ctypes.byref(self._params[-1]))
         self._regions = regions
-        self._base = np.asarray([t.data_ptr() for t in regions], np.int64)
+        self._base_list = [t.data_ptr() for t in regions]
+        self._base = np.asarray(self._base_list, np.int64)
+        self._region_sizes = np.asarray([t.numel() for t in regions], np.int64)
+        self._cuda_devices = {t.device for t in regions if t.is_cuda}
         self.grants.region_sizes = [t.numel() for t in regions]
 
     def _do_connect(self, peer_id, addr, base, sizes, rkeys) -> str:
@@ -435,6 +483,7 @@ class UCXTransport(Transport):
                     _check(_rkey_unpack(p.ep.handle, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
                 handles.append(h.value)
             p.base, p.sizes, p.rkeys = base, sizes, handles
+            p.base_list, p.sizes_list = base.tolist(), sizes.tolist()
             self._send(p, [HELLO, self._address])
         return peer_id
 
@@ -464,7 +513,7 @@ class UCXTransport(Transport):
         for m in self._memh:
             if m:
                 _mem_unmap(self._ctx.handle, m)
-        self._memh, self._params, self._regions = [], [], []
+        self._memh, self._params, self._param_refs, self._regions = [], [], [], []
         # Close endpoints now, without a flush: ucxx's destructor would flush-close them and
         # spin forever on a dead peer (error handling is off).
         for p in self._peers.values():
@@ -486,16 +535,19 @@ class UCXTransport(Transport):
                 self._worker.progress()
                 self._poll_ctrl()
                 self._poll_data()
+                self._flush_puts()
                 self._advance()
                 now = time.monotonic()
                 if now >= self._next_tick:
                     self._housekeeping(now)
                     self._next_tick = now + min(self.heartbeat, 0.1)
-                self._flush_puts()
                 self._flush_outboxes()
-                if not self._acts and self._cmds.empty():
-                    busy = self._out or self._in or self._ctrl_recvs  # then wake at least every ms
-                    self._worker.progress_worker_event(1 if busy else max(1, int((self._next_tick - now) * 1000)))
+                if not self._acts:
+                    self._sleeping = True
+                    if self._cmds.empty():
+                        busy = self._out or self._in or self._ctrl_recvs  # then wake at least every ms
+                        self._worker.progress_worker_event(1 if busy else max(1, int((self._next_tick - now) * 1000)))
+                    self._sleeping = False
             except Exception:  # the loop must outlive anything one peer or message does
                 log.exception("UCX transport %s: error in the I/O loop", self.id[:8])
 
@@ -574,7 +626,7 @@ class UCXTransport(Transport):
                 return  # a late answer for a transfer that already ended here
             if kind == GO and o.state == "wait_go":
                 self._start_puts(o, int(m[2]))
-            elif kind == ACK and o.state == "wait_ack":
+            elif kind == ACK and (o.state == "wait_ack" or o.state == "wait_go" and not o.puts and o.staging is None):
                 del self._out[o.xid]
                 o.handle.finish()
             elif kind == FAIL:
@@ -594,33 +646,44 @@ class UCXTransport(Transport):
     def _on_announce(self, p: _Peer, m: list) -> None:
         xid, rid = int(m[1]), str(m[2])
         try:
-            timeout, notify, frame_bytes = float(m[3]), bytes(m[4]), int(m[11])
-            dreg, doff, dn, preg, poff, pn = (_arr(b) for b in m[5:11])
-            if not (len(dreg) == len(doff) == len(dn) and len(preg) == len(poff) == len(pn)):
-                raise ValueError("run arrays differ in length")
+            timeout, notify, runs, nput, frame_bytes, inline = float(m[3]), bytes(m[4]), _run_array(m[5]), \
+                int(m[6]), int(m[7]), m[8]
+            if not 0 <= nput <= runs.shape[1] or not isinstance(inline, bytes):
+                raise ValueError(f"{nput} put runs of {runs.shape[1]}, inline {type(inline).__name__}")
             if not 4096 <= frame_bytes < 1 << 32 or not 0 <= timeout <= 86400:  # NaN fails too
                 raise ValueError(f"frame size {frame_bytes} or timeout {timeout}")
         except (ValueError, TypeError, IndexError) as e:
             return self._refuse(p, xid, rid, 0, b"", self.grants.reject(rid, f"malformed header: {e}"))
-        reg, off, n = np.concatenate([dreg, preg]), np.concatenate([doff, poff]), np.concatenate([dn, pn])
-        nbytes = int(n.sum()) if len(n) and (n > 0).all() and (n < 1 << 40).all() else 0
+        reg, off, n = runs
         reason = self.grants.check(rid, reg, off, n)
-        if reason is None and len(reg) and (off + n > np.asarray(self.grants.region_sizes, np.int64)[reg]).any():
+        # A granted run lies inside the grant: non-negative and below 2**62, so the sums below hold.
+        if reason is None and len(n) and (off + n > self._region_sizes[reg]).any():
             # GrantTable trusts the grant to lie inside the regions; a grant past the end is ours to catch.
             reason = self.grants.reject(rid, "outside region: a granted run ends past its region")
         if reason is None and (p.id, xid) in self._in:
             reason = self.grants.reject(rid, f"malformed header: transfer {xid} announced twice")
+        packed = runs[:, nput:]
+        total = int(packed[2].sum()) if reason is None else 0
+        if reason is None and inline and len(inline) != total:
+            reason = self.grants.reject(rid, f"malformed header: {len(inline)} inline bytes for {total} packed")
         if reason is not None:
-            return self._refuse(p, xid, rid, nbytes, notify, reason)
-        total = int(pn.sum())
-        staging = self._staging.get(total, self._regions[int(preg[0])].device) if total else None
-        i = _In(p, xid, rid, time.monotonic() + timeout, nbytes, notify, (preg, poff, pn), staging, frame_bytes,
-                -(-total // frame_bytes))
+            ok = len(n) and (n > 0).all() and (n < 1 << 40).all()
+            return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, notify, reason)
+        i = _In(p, xid, rid, time.monotonic() + timeout, int(n.sum()), notify, tuple(packed), None, frame_bytes,
+                0 if inline else -(-total // frame_bytes))
         self._in[(p.id, xid)] = i
-        dtag = next(self._dtags)
+        if inline:  # checked a moment ago: lands now, with no re-check and no frames
+            self._land(i.packed, torch.frombuffer(bytearray(inline), dtype=torch.uint8))
+            i.packed = None
+        elif total:
+            i.staging = self._staging.get(total, self._regions[int(packed[0, 0])].device)
+        if nput == 0 and not i.frames:  # all here already: ACK without GO and DONE
+            i.done = True
+            return self._try_finish(i)
+        i.dtag = next(self._dtags)
         if i.frames:
-            self._by_dtag[dtag] = i
-        self._send(p, [GO, xid, dtag])
+            self._by_dtag[i.dtag] = i
+        self._send(p, [GO, xid, i.dtag])
 
     def _refuse(self, p: _Peer, xid: int, rid: str, nbytes: int, notify: bytes, reason: str) -> None:
         self._arrivals.put(Arrival(rid, nbytes, False, reason, notify))
@@ -656,23 +719,35 @@ class UCXTransport(Transport):
     def _try_finish(self, i: _In) -> None:
         if not i.done or i.got < i.frames or i.reqs:
             return
-        preg, poff, pn = i.packed
-        if len(pn):
-            # The request may have ended while the bytes were on their way: check before scattering.
-            if (reason := self.grants.check(i.rid, preg, poff, pn)) is not None:
+        if i.packed is not None and len(i.packed[2]):
+            # The request may have ended while the frames were on their way: check before landing them.
+            if (reason := self.grants.check(i.rid, *i.packed)) is not None:
                 return self._fail_in(i, reason)
-            scatter_runs(self._regions, preg, poff, pn, i.staging)
-            if i.staging.is_cuda:  # "arrived" means in place, not queued on a stream
-                torch.cuda.current_stream(i.staging.device).synchronize()
+            self._land(i.packed, i.staging)
         self._forget_in(i)
         self._staging.put(i.staging)
         self._arrivals.put(Arrival(i.rid, i.nbytes, True, "", i.notify))
         self._send(i.peer, [ACK, i.xid])
 
+    def _land(self, packed: tuple, data: torch.Tensor) -> None:
+        """Write consecutive bytes of ``data`` to the packed runs (region, offset, length arrays):
+        a slice copy per run when they are few, else copy_runs, which sees the staging rows as
+        evenly spaced (~1.5x scatter_runs here)."""
+        region, offset, nbytes = packed
+        if len(nbytes) <= FEW_RUNS:
+            pos = 0
+            for r, o, n in zip(region.tolist(), offset.tolist(), nbytes.tolist()):
+                self._regions[r][o: o + n].copy_(data[pos: pos + n])
+                pos += n
+        else:
+            copy_runs([data], self._regions, Runs(np.zeros_like(nbytes), np.cumsum(nbytes) - nbytes, region, offset,
+                                                  nbytes, np.ones(len(nbytes), bool)))
+        for dev in self._cuda_devices:  # "arrived" means in place, not queued on a stream
+            torch.cuda.current_stream(dev).synchronize()
+
     def _forget_in(self, i: _In) -> None:
         self._in.pop((i.peer.id, i.xid), None)
-        for tag in [t for t, v in self._by_dtag.items() if v is i]:
-            del self._by_dtag[tag]
+        self._by_dtag.pop(i.dtag, None)
         self._zombies.extend((r, i.staging) for r in i.reqs)  # posted receives still own the staging block
 
     def _fail_in(self, i: _In, reason: str, tell: bool = True) -> None:
@@ -696,9 +771,10 @@ class UCXTransport(Transport):
 
     def _start_puts(self, o: _Out, dtag: int) -> None:
         """GO came: issue every put and packed frame at once (all in flight); the turn flushes."""
-        ep, rkeys, params = o.peer.ep.handle, o.peer.rkeys, self._params
-        for s, d, n, sr, dr in zip(*o.puts):
-            st = _put(ep, s, n, d, rkeys[dr], ctypes.byref(params[sr]))
+        ep, rkeys, params = o.peer.ep.handle, o.peer.rkeys, self._param_refs
+        # One ctypes call per put: a Python loop, bounded by bytes / put_below (see _prepare).
+        for s, d, n, sr, dr in o.puts:
+            st = _put(ep, s, n, d, rkeys[dr], params[sr])  # no callback: NULL (done) or a request
             if st:
                 if st >= _PTR_ERR_MIN:
                     return self._fail_out(o, PeerError(f"request {o.handle.request_id}: put failed: "
@@ -714,25 +790,33 @@ class UCXTransport(Transport):
 
     def _flush_puts(self) -> None:
         """One ep flush per peer covers every put issued to it this turn."""
-        for pid, outs in self._unflushed.items():
+        for outs in self._unflushed.values():
             f = _Flush(_flush(outs[0].peer.ep.handle, ctypes.byref(self._flush_param)))
             for o in outs:
                 o.flush = f
+            self._flushing += outs
         self._unflushed.clear()
 
     def _advance(self) -> None:
-        for o in [o for o in self._out.values() if o.state == "flushing" and o.flush is not None]:
+        """DONE for every flushed transfer whose packed frames left too (in the turn of its flush
+        when that completes at once, as it does for shared-memory puts)."""
+        waiting = []
+        for o in self._flushing:
+            if o.state != "flushing":  # failed meanwhile
+                continue
             if (st := o.flush.poll()) is None or not all(r.completed for r, _ in o.reqs):
-                continue
-            if st != 0:
+                waiting.append(o)
+            elif st != 0:
                 self._fail_out(o, PeerError(f"request {o.handle.request_id}: flush failed: {_why(st)}"))
-                continue
-            self._staging.put(o.staging)
-            o.reqs, o.staging, o.state = [], None, "wait_ack"
-            self._send(o.peer, [DONE, o.xid])
+            else:
+                self._staging.put(o.staging)
+                o.reqs, o.staging, o.state = [], None, "wait_ack"
+                self._send(o.peer, [DONE, o.xid])
+        self._flushing = waiting
 
     def _fail_out(self, o: _Out, err: Exception, tell: bool = True) -> None:
         self._out.pop(o.xid, None)
+        o.state = "failed"
         o.handle.finish(err)
         if tell:
             self._send(o.peer, [ABORT, o.xid, str(err)])
@@ -765,14 +849,14 @@ class UCXTransport(Transport):
 
 
 def _split(src: np.ndarray, dst: np.ndarray, n: np.ndarray, sreg: np.ndarray, dreg: np.ndarray,
-           frame: int) -> tuple[list, ...]:
-    """Cut runs longer than ``frame`` into frame-sized puts (vectorized); plain lists for the put loop."""
+           frame: int) -> list[tuple]:
+    """Cut runs longer than ``frame`` into frame-sized puts (vectorized); tuples of ints for the put loop."""
     pieces = np.maximum(-(-n // frame), 1)
     if len(n) and pieces.max() > 1:
         idx = np.repeat(np.arange(len(n)), pieces)
         off = (np.arange(len(idx)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * frame
         src, dst, n, sreg, dreg = src[idx] + off, dst[idx] + off, np.minimum(frame, n[idx] - off), sreg[idx], dreg[idx]
-    return src.tolist(), dst.tolist(), n.tolist(), sreg.tolist(), dreg.tolist()
+    return list(zip(src.tolist(), dst.tolist(), n.tolist(), sreg.tolist(), dreg.tolist()))
 
 
 _LIVE: "weakref.WeakSet[UCXTransport]" = weakref.WeakSet()
