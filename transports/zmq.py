@@ -68,6 +68,7 @@ log = logging.getLogger("kvxfer.transports.zmq")
 _RUN_BYTES = 24                  # one run on the wire: region, offset, nbytes as int64
 _MAX_PARTS = 1024                # payload parts per message
 _REPLY_HWM = 1 << 20             # queued replies (tiny) before a ROUTER would drop one
+_COPY_BELOW = 256 << 10          # messages up to this size are copied into zmq (see _pump)
 _CMDS_PER_TURN = 64              # commands handled per loop turn, so a burst of submits never
                                  # keeps the loop from pumping, receiving and its silence checks
 _OMP_PER_THREAD = "parallel backend: OpenMP" in torch.__config__.parallel_info()
@@ -558,7 +559,7 @@ class ZMQTransport(Transport):
 
     def _stage(self) -> torch.Tensor:
         """A staging buffer for a packed frame: one zmq has finished sending, or a new one."""
-        if self._stages and self._stages[0][1].done:
+        if self._stages and (self._stages[0][1] is None or self._stages[0][1].done):
             return self._stages.popleft()[0]
         return torch.empty(self.frame_bytes * (self.frames_per_message + 1), dtype=torch.uint8,
                            pin_memory=not self._is_host[:-1].all())
@@ -587,12 +588,16 @@ class ZMQTransport(Transport):
                     peer.sending.append(out)
                 peer.pending = [msgpack.packb(hdr), *parts], stage
             parts, stage = peer.pending
+            # Small messages are copied into zmq: zero-copy costs pyzmq a tracked buffer and a
+            # wake-up of its garbage-collector thread (~100 us), more than copying 256 KiB.
+            copy = sum(len(p) for p in parts) <= _COPY_BELOW
             try:
-                tracker = peer.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=False, track=stage is not None)
+                tracker = peer.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=copy,
+                                                   track=stage is not None and not copy)
             except zmq.Again:
                 break
             if stage is not None:   # reuse the buffer once zmq is done with it (no fresh pages)
-                self._stages.append((stage, tracker))
+                self._stages.append((stage, None if copy else tracker))
                 if len(self._stages) > self.window:
                     self._stages.popleft()
             peer.pending, peer.progress = None, time.monotonic()
