@@ -171,7 +171,7 @@ class DecodeEndpoint(_Endpoint):
         if swa_slots is None:
             raise RequestError(f"this pool has sliding-window layers: pass swa_slots, the {SWA!r} slots of the "
                                f"last 1..{self.swa_window} tokens (the window decode keeps)")
-        swa = self.layout.check_slots(SWA, np.asarray(swa_slots), "swa_slots")
+        swa = self.layout.check_slots(SWA, np.asarray(swa_slots), "swa_slots", distinct=True)
         most = min(self.swa_window, len(kv))
         if not 1 <= len(swa) <= most:
             raise RequestError(f"swa_slots has {len(swa)} slot(s) but must cover the last 1..{most} tokens "
@@ -179,10 +179,10 @@ class DecodeEndpoint(_Endpoint):
         return swa
 
     def _init(self, r: KVReceiver, kv_slots, prefix_len: int, state_slots, aux_slot, swa_slots=None) -> None:
-        kv = self.layout.check_slots(self.token_space, np.asarray(kv_slots), "kv_slots")
+        kv = self.layout.check_slots(self.token_space, np.asarray(kv_slots), "kv_slots", distinct=True)
         swa = self._window_slots(kv, swa_slots)
-        st = self.layout.check_slots(STATE, np.asarray(state_slots), "state_slots") if state_slots is not None \
-            else np.zeros(0, np.int64)
+        st = np.zeros(0, np.int64) if state_slots is None else \
+            self.layout.check_slots(STATE, np.asarray(state_slots), "state_slots", distinct=True)
         if not 0 <= prefix_len < len(kv):
             raise RequestError(f"prefix_len {prefix_len} must be in 0..{len(kv) - 1}: at least one token moves")
         if aux_slot is not None and (self.aux_buffer is None or not 0 <= aux_slot < len(self.aux_buffer.tensor)):

@@ -188,8 +188,9 @@ class Layout:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     # -- slots -----------------------------------------------------------------------
-    def check_slots(self, space: str, slots, what: str = "slots") -> np.ndarray:
-        """Return ``slots`` as int64, or raise naming the first bad value."""
+    def check_slots(self, space: str, slots, what: str = "slots", distinct: bool = False) -> np.ndarray:
+        """Return ``slots`` as int64, or raise naming the first bad value. ``distinct``: also
+        refuse a slot named twice (two tokens written into one slot: one of them is lost)."""
         sp = self.space(space)
         arr = np.asarray(slots)
         if arr.ndim != 1:   # messages are formatted only on failure: this runs per request
@@ -206,6 +207,16 @@ class Layout:
             raise LayoutError(f"{what}[{i}] = {int(arr[i])} is {where}: space {space!r} allows "
                               f"{sp.page_size}..{sp.num_slots - 1} (page_size {sp.page_size}, "
                               f"num_slots {sp.num_slots})")
+        if distinct and len(arr) > 1:
+            if len(arr) * 16 < sp.num_slots:   # a few slots of a big space: sort them
+                ordered = np.sort(arr)
+                twice = ordered[1:][ordered[1:] == ordered[:-1]]
+            else:                              # many: one counting pass over the space
+                twice = np.flatnonzero(np.bincount(arr, minlength=sp.num_slots) > 1)
+            if len(twice):
+                first = int(np.flatnonzero(arr == twice[0])[1])
+                raise LayoutError(f"{what}[{first}] = {int(twice[0])} is named twice: every token needs a "
+                                  f"slot of its own ({len(twice)} slot(s) repeated)")
         return arr
 
 

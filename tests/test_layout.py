@@ -123,6 +123,17 @@ def test_check_slots_names_the_first_bad_value() -> None:
         lay.check_slots("swa", [4])
 
 
+@pytest.mark.parametrize("num_slots", [24, 4096])   # few slots of a big space (sort) and many (count)
+def test_check_slots_refuses_a_slot_named_twice(num_slots: int) -> None:
+    lay = token_major_layout(num_slots=num_slots, page_size=4, **MHA)
+    assert list(lay.check_slots("token", [4, 9, 5], distinct=True)) == [4, 9, 5]
+    assert list(lay.check_slots("token", [4, 4])) == [4, 4]        # only asked for where it matters
+    for slots, first in (([4, 9, 5, 9], "[3] = 9"), ([7, 7, 8, 8], "[1] = 7")):
+        with pytest.raises(LayoutError, match="named twice") as e:
+            lay.check_slots("token", slots, distinct=True)
+        assert first in str(e.value), str(e.value)
+
+
 @pytest.mark.parametrize("build, words", [
     (lambda: token_major_layout(num_slots=100, page_size=16, **MHA), ["num_slots 100", "page_size 16"]),
     (lambda: token_major_layout(num_slots=16, page_size=16, **MHA), ["num_slots 16", "padding page"]),

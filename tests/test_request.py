@@ -157,6 +157,9 @@ def test_receiver_arguments_are_checked(cluster):
         r.init(np.arange(8, 12), prefix_len=4)
     with pytest.raises(ValueError, match="padding page"):
         r.init(np.arange(0, 4))
+    with pytest.raises(ValueError, match=r"kv_slots\[2\] = 8 is named twice"):
+        r.init(np.array([8, 9, 8, 10]))
+    assert not r.granted   # refused before anything was granted
     r.abort("test")
     assert r.poll() == KVPoll.Failed and r.outcome == "aborted" and "test" in r.reason
     assert isinstance(r.failure_exception(), RequestError)
