@@ -109,6 +109,15 @@ class RunGroup:
         object.__setattr__(self, "num_runs", len(self.src_base) * len(self.row_len) * self.heads)
         object.__setattr__(self, "nbytes", len(self.src_base) * int(self.row_len.sum()) * self.heads)
 
+    def run_tuples(self) -> list[tuple[int, int, int, int, int]]:
+        """``runs()`` as Python ints ``(src_region, src_offset, dst_region, dst_offset, nbytes)``,
+        for a group of a few runs (a loop per run: check ``num_runs`` first)."""
+        return [(sr, sb + rs + j * self.src_head_stride, dr, db + rd + j * self.dst_head_stride, n)
+                for sr, sb, dr, db in zip(self.src_region.tolist(), self.src_base.tolist(),
+                                          self.dst_region.tolist(), self.dst_base.tolist())
+                for rs, rd, n in zip(self.row_src.tolist(), self.row_dst.tolist(), self.row_len.tolist())
+                for j in range(self.heads)]
+
     def runs(self) -> Runs:
         nparts, nrows, h = len(self.src_base), len(self.row_len), self.heads
         j = np.arange(h, dtype=np.int64)[None, None, :]
@@ -142,14 +151,8 @@ class TransferPlan:
         return Runs(*(np.concatenate(cols) for cols in zip(*parts)))
 
     def run_tuples(self) -> list[tuple[int, int, int, int, int]]:
-        """``runs()`` as Python ints ``(src_region, src_offset, dst_region, dst_offset, nbytes)``,
-        for a plan of a few runs (a loop per run: check ``num_runs`` first)."""
-        return [(sr, sb + rs + j * g.src_head_stride, dr, db + rd + j * g.dst_head_stride, n)
-                for g in self.groups
-                for sr, sb, dr, db in zip(g.src_region.tolist(), g.src_base.tolist(), g.dst_region.tolist(),
-                                          g.dst_base.tolist())
-                for rs, rd, n in zip(g.row_src.tolist(), g.row_dst.tolist(), g.row_len.tolist())
-                for j in range(g.heads)]
+        """``runs()`` as Python ints, group after group (see ``RunGroup.run_tuples``)."""
+        return [run for g in self.groups for run in g.run_tuples()]
 
     @staticmethod
     def concat(plans: Sequence["TransferPlan"]) -> "TransferPlan":

@@ -401,11 +401,12 @@ class UCXTransport(Transport):
         """``_prepare`` for a plan of at most FEW_RUNS runs, with Python ints."""
         sides = (("source", self.grants.region_sizes), ("destination", p.sizes_list))
         put_runs, packed_runs, puts, frame = [], [], [], self.frame_bytes
-        for g, (sr, so, dr, do, n) in ((g, r) for g in plan.groups for r in TransferPlan((g,)).run_tuples()):
-            for (side, sizes), reg, off in zip(sides, (sr, dr), (so, do)):
-                if not (0 <= reg < len(sizes) and 0 <= off and 0 < n and off + n <= sizes[reg]):
-                    raise PlanError(f"a {side} run leaves its region (the {side} has {len(sizes)} regions)")
-            (packed_runs if g.packed or n < self.put_below else put_runs).append((sr, so, dr, do, n))
+        for g in plan.groups:
+            for sr, so, dr, do, n in g.run_tuples():
+                for (side, sizes), reg, off in zip(sides, (sr, dr), (so, do)):
+                    if not (0 <= reg < len(sizes) and 0 <= off and 0 < n and off + n <= sizes[reg]):
+                        raise PlanError(f"a {side} run leaves its region (the {side} has {len(sizes)} regions)")
+                (packed_runs if g.packed or n < self.put_below else put_runs).append((sr, so, dr, do, n))
         for sr, so, dr, do, n in put_runs:
             src, dst = self._base_list[sr] + so, p.base_list[dr] + do
             puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]

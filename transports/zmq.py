@@ -734,7 +734,7 @@ class ZMQTransport(Transport):
                                    if few else (offset + nbytes > self._sizes[region]).any()):
                 reason = self.grants.reject(request_id, "outside region: a granted run passes its region's end")
             if reason is None and size:
-                (self._write_few if few else self._write)(region, offset, nbytes, payload)
+                self._write(region, offset, nbytes, payload)
         if reason is not None:
             self._fail_in(key, reason)
             return
@@ -749,25 +749,21 @@ class ZMQTransport(Transport):
             self._arrivals.put(Arrival(request_id, st.nbytes, True, "", h["notify"]))
             self._acks.setdefault(rid, []).append(key[2])
 
-    def _write_few(self, region: list[int], offset: list[int], nbytes: list[int], payload: list) -> None:
-        """``_write`` for a message of a few runs, given as Python ints: a copy per run."""
-        packed, p = len(payload) == 1, 0
-        for i, (r, o, c) in enumerate(zip(region, offset, nbytes)):
-            src = payload[0].buffer[p: p + c] if packed else payload[i].buffer
-            p += c
-            if self._host[r] is not None:
-                self._host[r][o: o + c] = np.frombuffer(src, np.uint8)
-            else:
-                self._regions[r][o: o + c].copy_(torch.frombuffer(src, dtype=torch.uint8))
-
-    def _write(self, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, payload: list) -> None:
-        """Copy checked runs from the received frames into the regions (one copy per byte)."""
-        if len(payload) == len(nbytes):   # one part per run: loop per part (large runs)
-            for r, o, c, part in zip(region.tolist(), offset.tolist(), nbytes.tolist(), payload):
+    def _write(self, region, offset, nbytes, payload: list) -> None:
+        """Copy checked runs from the received frames into the regions (one copy per byte).
+        Runs come as lists of Python ints (a message of a few runs) or as int64 arrays."""
+        few = isinstance(region, list)
+        if few or len(payload) == len(nbytes):   # a copy per run: a few runs, or one part per (large) run
+            if not few:
+                region, offset, nbytes = region.tolist(), offset.tolist(), nbytes.tolist()
+            packed, p = len(payload) == 1, 0
+            for i, (r, o, c) in enumerate(zip(region, offset, nbytes)):
+                src = payload[0].buffer[p: p + c] if packed else payload[i].buffer
+                p += c
                 if self._host[r] is not None:
-                    self._host[r][o: o + c] = np.frombuffer(part.buffer, np.uint8)
+                    self._host[r][o: o + c] = np.frombuffer(src, np.uint8)
                 else:
-                    self._regions[r][o: o + c].copy_(torch.frombuffer(part.buffer, dtype=torch.uint8))
+                    self._regions[r][o: o + c].copy_(torch.frombuffer(src, dtype=torch.uint8))
             return
         buf = payload[0].buffer
         spans = _bounds(region)
