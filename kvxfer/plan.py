@@ -22,6 +22,7 @@ How runs are made as large as both sides allow:
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import weakref
 from collections.abc import Mapping, Sequence
@@ -404,6 +405,9 @@ MAX_OFFSET = 1 << 62
 _REGION_BITS = 40
 
 
+_FEW_INTERVALS = 4096   # grants up to this many intervals also keep them as Python ints
+
+
 class ByteRanges:
     """Sorted, merged ``[start, end)`` intervals per region; checks runs against them."""
 
@@ -418,6 +422,7 @@ class ByteRanges:
         order = np.argsort(key, kind="stable")
         s, _, n = merge_runs(key[order], key[order], nbytes[order])
         self._starts, self._ends = s, s + n     # never crosses a region: ends stay <= its limit
+        self._lists: tuple[list[int], list[int]] | None = None   # the same as Python ints, on first use
         self.nbytes = int(nbytes.sum())
 
     @classmethod
@@ -446,8 +451,14 @@ class ByteRanges:
         if not (0 <= region < 1 << (62 - _REGION_BITS) and 0 <= offset < limit and 0 < nbytes <= limit - offset):
             return False
         key = (region << _REGION_BITS) + offset
-        i = int(np.searchsorted(self._starts, key, side="right")) - 1
-        return i >= 0 and key + nbytes <= int(self._ends[i])
+        if self._lists is None and len(self._starts) <= _FEW_INTERVALS:
+            self._lists = (self._starts.tolist(), self._ends.tolist())
+        if self._lists is None:
+            i = int(np.searchsorted(self._starts, key, side="right")) - 1
+            return i >= 0 and key + nbytes <= int(self._ends[i])
+        starts, ends = self._lists   # bisect on ints: ~10x cheaper than one searchsorted call
+        i = bisect.bisect_right(starts, key) - 1
+        return i >= 0 and key + nbytes <= ends[i]
 
     def covers(self, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
         """Bool per run: lies wholly inside one granted interval. Safe on hostile values."""

@@ -75,7 +75,8 @@ class _Chunk:
 
 class KVSender(_Request):
     """One request on a prefill rank; made by ``PrefillEndpoint.sender`` (see the module docstring)."""
-    __slots__ = ("targets", "group", "expected", "queued", "handles", "next_pos", "last_sent", "lease_end")
+    __slots__ = ("targets", "group", "expected", "queued", "handles", "reading", "next_pos", "last_sent",
+                 "lease_end", "overdue")
 
     def __init__(self, ep: "PrefillEndpoint", room: int, on_release):
         super().__init__(ep, room, time.monotonic() + ep.timeouts.bootstrap, on_release)
@@ -83,7 +84,8 @@ class KVSender(_Request):
         self.group, self.expected = None, frozenset()
         self.queued: list[_Chunk] = []
         self.handles: list[tuple[TransferHandle, int]] = []   # in flight: (handle, runs in its plan)
-        self.next_pos, self.last_sent, self.lease_end = 0, False, float("inf")
+        self.reading: list[TransferHandle] = []    # handles whose transport may still read the KV
+        self.next_pos, self.last_sent, self.lease_end, self.overdue = 0, False, float("inf"), False
 
     def send(self, kv_slots, *, start: int | None = None, layers: Sequence[int] | None = None, last: bool = False,
              aux: AuxRecord | bytes | None = None, state_slots=None) -> bool:
@@ -97,7 +99,8 @@ class KVSender(_Request):
     @property
     def kv_releasable(self) -> bool:
         """True once prefill may reuse this request's KV: decode confirmed, or the request ended
-        and no transfer still reads it, or the lease ran out. ``on_release`` runs at that moment."""
+        and no transfer still reads it, or the lease ran out and no transport still holds the KV
+        (``TransferHandle.source_released``). ``on_release`` runs at that moment."""
         return self._released
 
 
@@ -355,6 +358,7 @@ class PrefillEndpoint(_Endpoint):
             h = self.transport.submit(dp.xpeer, t.rid, plan, timeout=self.timeouts.transfer, notify=meta.pack())
         t.chunks, t.nbytes = t.chunks + 1, t.nbytes + plan.nbytes
         s.handles.append((h, plan.num_runs))
+        s.reading.append(h)
         self._busy.add(s)
 
     @staticmethod
@@ -401,20 +405,24 @@ class PrefillEndpoint(_Endpoint):
 
     def _release_if_due(self, s: KVSender, now: float, later, closing: bool = False) -> None:
         """The lease: KV stays held until decode confirmed (Success), no transfer still reads it
-        (Failed), or the lease ran out."""
+        (Failed), or the lease ran out. Never while a transport may still read it (a zero-copy
+        frame queued in a socket, a put in flight): another request's bytes would go out as
+        this one's. Transports release a failed transfer's source within their peer timeout."""
         if s not in self._held:
             return
+        s.reading = [h for h in s.reading if not h.source_released]
         confirmed = all(t.confirmed for t in s.targets.values())
-        due = (s.state == KVPoll.Success and confirmed) or (s.state == KVPoll.Failed and not s.handles)
+        due = (s.state == KVPoll.Success and confirmed) or (s.state == KVPoll.Failed and not s.reading)
+        if not due and not closing and s.reading and now > s.lease_end:
+            if not s.overdue:
+                s.overdue = True
+                log.warning("room %s: lease of %ss over, but the transport still holds %d transfer(s) of its KV; "
+                            "releasing it once they are let go", s.room, self.timeouts.lease, len(s.reading))
+            return
         if due or now > s.lease_end or closing:
-            if not due and not closing:
-                # Worth a warning only when a transfer may still read the KV and decode never said it
-                # has every byte. Decode's "done" often overtakes the transport's own ack: that is safe.
-                risky = bool(s.handles) and not confirmed
-                log.log(logging.WARNING if risky else logging.DEBUG,
-                        "room %s: lease of %ss over with %d transfer(s) still open (%s); releasing its KV", s.room,
-                        self.timeouts.lease, len(s.handles), "decode confirmed" if confirmed else
-                        "no confirmation from decode" if s.state == KVPoll.Success else "failed")
+            if not due and not closing:   # nothing reads the KV: only decode's confirmation is missing
+                log.debug("room %s: lease of %ss over without confirmation from decode; releasing its KV",
+                          s.room, self.timeouts.lease)
             self._held.discard(s)
             for t in s.targets.values():
                 self._grants.pop((t.peer, t.rid), None)

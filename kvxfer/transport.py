@@ -15,7 +15,9 @@ Prefill, per chunk of a request (never blocks on the network):
     ``submit(peer, request_id, plan, timeout=..., notify=b"") -> TransferHandle``
     The handle is done when the receiver confirmed that every byte landed, failed
     with a reason (rejected, peer died) or timed out at its deadline. ``wait`` blocks
-    at most until that deadline; ``poll`` never blocks.
+    at most until that deadline; ``poll`` never blocks. The source bytes may be reused
+    once ``handle.source_released``: after a failure a transport may still hold them
+    for a while (queued zero-copy frames, puts in flight).
 Decode (receiver), per request:
     ``expect(request_id, ranges)``  before the sender may write: the byte ranges the
                                     request's slot grant covers. Runs outside are
@@ -62,24 +64,45 @@ class TransferStatus(enum.IntEnum):
 
 
 class TransferHandle:
-    """One submitted transfer. Thread-safe; completed once by the transport."""
-    __slots__ = ("request_id", "nbytes", "deadline", "_event", "_status", "_error", "started")
+    """One submitted transfer. Thread-safe; completed once by the transport.
 
-    def __init__(self, request_id: str, nbytes: int, timeout: float):
+    ``source_released`` says the transport will never read the source bytes again, so the
+    caller may reuse them. A transport that copies the source before ``submit`` returns, or
+    reads it only until the handle is done, creates its handles with ``holds_source=False``
+    (released == done). One that may still read the source after a failure (zero-copy frames
+    queued in a socket, RMA puts in flight) passes ``holds_source=True`` and calls
+    ``release_source()`` once nothing of it is referenced, for every handle, failed or not.
+    """
+    __slots__ = ("request_id", "nbytes", "deadline", "_event", "_status", "_error", "started", "_released")
+
+    def __init__(self, request_id: str, nbytes: int, timeout: float, *, holds_source: bool = False):
         self.request_id, self.nbytes = request_id, nbytes
         self.started = time.monotonic()
         self.deadline = self.started + timeout
         self._event = threading.Event()
         self._status, self._error = TransferStatus.PENDING, None
+        self._released = None if holds_source else True   # None: the transport says when
 
     # -- transport side ----------------------------------------------------------------
-    def finish(self, error: Exception | None = None) -> bool:
-        """Complete the handle; the first call wins. Returns whether this call completed it."""
+    def finish(self, error: Exception | None = None, *, release: bool = False) -> bool:
+        """Complete the handle; the first call wins. Returns whether this call completed it.
+        ``release``: the source was never read, or is no longer referenced (``release_source``)."""
+        if release:
+            self._released = True
         if self._event.is_set():
             return False
         self._status, self._error = (TransferStatus.DONE, None) if error is None else (TransferStatus.FAILED, error)
         self._event.set()
         return True
+
+    def release_source(self) -> None:
+        """The transport holds no reference to the source bytes any more (holds_source handles)."""
+        self._released = True
+
+    @property
+    def source_released(self) -> bool:
+        """Done or failed, and the transport will not read the source again: it may be reused."""
+        return self.poll() != TransferStatus.PENDING and self._released is True
 
     # -- caller side --------------------------------------------------------------------
     def poll(self) -> TransferStatus:

@@ -275,6 +275,53 @@ def test_layer_group_chunks_and_an_empty_last_chunk():
         server.stop()
 
 
+def test_prefill_holds_the_kv_while_a_transport_still_reads_it():
+    """A transfer fails while its transport may still read the KV (zero-copy frames queued for a
+    stalled peer, puts in flight: ``holds_source``). Prefill must not release the KV, not even
+    when the lease is over, until the transport lets go of the source; then it releases once."""
+    from kvxfer.errors import PeerError
+    from kvxfer.transport import TransferHandle, get_transport
+    held, released = [], []
+    p_xport = get_transport("local")
+
+    def failing_submit(peer, request_id, plan, *, timeout=30.0, notify=b""):   # fault injection
+        h = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
+        h.finish(PeerError(f"request {request_id}: injected: the peer stopped answering"))
+        held.append(h)
+        return h
+
+    p_xport.submit = failing_submit
+    server = BootstrapServer(BootstrapConfig(ttl=5.0)).start()
+    quick = Timeouts(bootstrap=20, waiting=20, transfer=20, lease=0.3, heartbeat=Heartbeat(interval=0.5, timeout=5.0))
+    pe = PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=4, num_layers=2), _pool(4, 2, seed=3),
+                         transport=p_xport, timeouts=quick)
+    de = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=4, num_layers=2), _pool(4, 2), transport="local",
+                        timeouts=quick)
+    try:
+        pe.register(server.url, ttl=5.0)
+        de.connect(bootstrap=server.url, timeout=10)
+        r, s = de.receiver(5), pe.sender(5, on_release=released.append)
+        r.init(np.arange(8, 16))
+        assert s.wait(5, until=KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        s.send(np.arange(4, 12), last=True)
+        assert s.wait(5) == KVPoll.Failed and "injected" in s.reason
+        assert r.wait(5) == KVPoll.Failed   # prefill told decode
+        time.sleep(1.0)                     # the 0.3 s lease is long over
+        assert len(held) == 1 and not s.kv_releasable and not released
+        held[0].release_source()
+        deadline = time.monotonic() + 2
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert released == [s] and s.kv_releasable
+        time.sleep(0.2)
+        assert released == [s]              # once
+    finally:
+        de.close()
+        pe.close()
+        p_xport.close()
+        server.stop()
+
+
 # ------------------------------------------------------------------------------------
 # reduce_poll: all-reduce MIN over a gloo group of 2 ranks
 # ------------------------------------------------------------------------------------

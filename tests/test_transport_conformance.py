@@ -275,10 +275,54 @@ def test_rejected_write_lands_nowhere(pair, case):
     pair.rx.call("forget", request_id=rid)
 
 
-# -- peers that die ----------------------------------------------------------------------
+# -- peers that stop or die ---------------------------------------------------------------
 # These come last in the module: they kill the shared pair's processes (sender first, then
 # receiver, with a fresh sender process feeding it), which saves starting two more pairs.
 KILL_BYTES, DEADLINE, SLACK = 256 * MiB, 4.0, 2.0
+
+
+def _until(cond, timeout: float) -> bool:
+    limit = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > limit:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+QUICK_SILENCE = {"zmq": {"heartbeat_timeout": 2.0}, "ucx": {"peer_timeout": 2.0}}
+
+
+def test_source_released_only_when_nothing_reads_it(pair, tmp_path):
+    """The receiver stops mid-transfer (SIGSTOP) long before its deadline. The sender fails the
+    transfer when the receiver goes silent and, while it is still stopped, releases the source
+    (nothing queued or in flight reads it any more). Bytes written to the source after that
+    must never reach the receiver once it runs again; its grant is still live then."""
+    if pair.name in IN_PROCESS:
+        pytest.skip("an in-process transport has no process to stop")
+    tx = PeerProcess(tmp_path / "sender3.log")
+    try:
+        tx.call("init", transport=pair.name, sizes=SIZES, fill="seed", seed=SEED,
+                options=QUICK_SILENCE.get(pair.name, {}))
+        peer = tx.call("connect", descriptor=pair.rx_descriptor)["peer"]
+        rid, _ = _kill_mid_transfer(pair, tx, peer, pair.rx, timeout=60.0, sig=signal.SIGSTOP)
+        try:
+            res = tx.call("wait", request_ids=[rid], wait_s=10.0)["results"][rid]
+            assert res["status"] == "FAILED", res
+            assert _until(lambda: tx.call("status", request_ids=[rid])["released"][rid], 10.0), \
+                "the source of a failed transfer was not released while its receiver was stopped"
+            tx.call("fill", regions=[4], fill=0x3C)   # the sender reuses its memory
+        finally:
+            pair.rx.signal(signal.SIGCONT)
+        # The receiver fails it (that sender went silent), or, when every byte had landed
+        # before the release (UCX puts into a stopped process), completes it.
+        arrived = pair.arrivals(1, timeout=15.0)
+        assert arrived and arrived[0]["request_id"] == rid, arrived
+        assert pair.rx.call("foreign", region=4, seed=SEED)["count"] == 0, \
+            "bytes written to the source after its release reached the receiver"
+        pair.rx.call("forget", request_id=rid)
+    finally:
+        tx.close()
 
 
 def _stop_mid_transfer(tx, rx, victim, rid: str, watch: int) -> bool:
@@ -306,9 +350,10 @@ def _stop_mid_transfer(tx, rx, victim, rid: str, watch: int) -> bool:
     return open_
 
 
-def _kill_mid_transfer(p: Pair, tx, peer: str, victim) -> tuple[str, float]:
-    """Send 256 MiB into the receiver's region 4 and SIGKILL ``victim`` while it is in flight.
-    Returns the request id and when it was submitted."""
+def _kill_mid_transfer(p: Pair, tx, peer: str, victim, timeout: float = DEADLINE,
+                       sig: int = signal.SIGKILL) -> tuple[str, float]:
+    """Send 256 MiB into the receiver's region 4 and SIGKILL ``victim`` (or leave it stopped:
+    ``sig`` SIGSTOP) while it is in flight. Returns the request id and when it was submitted."""
     watch = int(np.flatnonzero(source(4, BIG).numpy()[:KILL_BYTES] != CANARY)[0])
     for _ in range(3):   # another try only when the transfer won the race against SIGSTOP
         p.reset([4])
@@ -316,9 +361,9 @@ def _kill_mid_transfer(p: Pair, tx, peer: str, victim) -> tuple[str, float]:
         p.expect(rid, [4], [0], [KILL_BYTES])
         t0 = time.monotonic()
         tx.call("submit", peer=peer, request_id=rid, plan=plan_to_json(raw_plan([4], [0], [4], [0], [KILL_BYTES])),
-                timeout=DEADLINE)
+                timeout=timeout)
         if _stop_mid_transfer(tx, p.rx, victim, rid, watch):
-            victim.signal(signal.SIGKILL)
+            victim.signal(sig)
             return rid, t0
         p.arrivals(1)
         p.rx.call("forget", request_id=rid)

@@ -14,10 +14,11 @@ Commands (``{"op": ..., **arguments}``; a failing command replies ``{"error": ".
     forget   request_id -> live, grants_live  grants_live: GrantTable.live() when the transport has one
     submit   peer, request_id, plan, timeout, notify     returns at once; the handle is kept
     wait     request_ids, wait_s -> results {id: {status, error, elapsed}}
-    status   request_ids -> status {id: name}               never blocks
+    status   request_ids -> status {id: name}, released {id: source_released}   never blocks
     arrivals count, wait_s -> arrivals [...]                   until ``count`` arrived or wait_s passed
     digest   regions -> digests {region: sha256 hex}
     watch    region, offset, value, wait_s -> changed       until that byte is no longer ``value``
+    foreign  region, seed -> count                           bytes that are neither canary nor the seed's
     rejected -> rejected {reason: count}
     close
 
@@ -180,7 +181,8 @@ class Peer:
         return {"results": out}
 
     def op_status(self, request_ids: list[str]):
-        return {"status": {rid: self.handles[rid].poll().name for rid in request_ids}}
+        return {"status": {rid: self.handles[rid].poll().name for rid in request_ids},
+                "released": {rid: self.handles[rid].source_released for rid in request_ids}}
 
     def op_arrivals(self, count: int, wait_s: float = 30.0):
         limit, got = time.monotonic() + wait_s, self.lost
@@ -201,6 +203,10 @@ class Peer:
                 return {"changed": False}
             time.sleep(0.0005)
         return {"changed": True}
+
+    def op_foreign(self, region: int, seed: int):
+        r = self.regions[region].numpy()
+        return {"count": int(((r != CANARY) & (r != pattern(region_seed(seed, region), r.size))).sum())}
 
     def op_rejected(self):
         return {"rejected": dict(self.t.rejected)}

@@ -288,6 +288,7 @@ class UCXTransport(Transport):
         self._by_dtag: dict[int, _In] = {}
         self._unflushed: dict[str, list[_Out]] = {}  # puts issued this turn, per peer
         self._flushing: list[_Out] = []              # flushed, DONE not sent yet
+        self._holding: list[_Out] = []               # failed with puts maybe in flight: source not released
         self._ctrl_sends: list = []  # (request, buffer): buffers live until sent
         self._ctrl_recvs: list = []  # (request, buffer, length) in arrival order
         self._zombies: list = []     # requests of ended transfers that still own buffers
@@ -345,12 +346,12 @@ class UCXTransport(Transport):
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"") -> TransferHandle:
         """Sender, per chunk: plans runs and gathers packed ones here; never waits on the network."""
-        handle = TransferHandle(request_id, plan.nbytes, timeout)
+        handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
         p = self._peers.get(peer)
         why = ("transport closed" if self._closed else f"peer {peer!r} is not connected" if p is None or
                p.sizes is None else f"peer {peer} is silent (dead or stalled)" if p.gone else None)
         if why:
-            handle.finish(PeerError(f"request {request_id}: {why}"))
+            handle.finish(PeerError(f"request {request_id}: {why}"), release=True)
             return handle
         try:
             if not self._regions and plan.num_runs:
@@ -362,7 +363,7 @@ class UCXTransport(Transport):
             if staging is not None and staging.is_cuda:  # UCX reads it right after GO
                 torch.cuda.current_stream(staging.device).synchronize()
         except (PlanError, TransportError) as e:
-            handle.finish(e)
+            handle.finish(e, release=True)
             return handle
         xid = next(self._xids)
         announce = [ANNOUNCE, xid, request_id, float(timeout), bytes(notify), runs, nput, self.frame_bytes, inline]
@@ -439,7 +440,11 @@ class UCXTransport(Transport):
             while not self._cmds.empty():  # a submit that raced with close
                 fn, args, _ = self._cmds.get_nowait()
                 if fn is None:
-                    args[0].handle.finish(PeerError(f"request {args[0].handle.request_id}: transport closed"))
+                    args[0].handle.finish(PeerError(f"request {args[0].handle.request_id}: transport closed"),
+                                          release=True)
+            for o in self._holding:   # endpoints closed: no put of theirs is in flight any more
+                o.handle.release_source()
+            self._holding = []
             # Endpoints were closed without a flush in _do_close: dropping them cannot block.
             self._peers, self._out, self._in, self._by_dtag, self._zombies, self._flushing = {}, {}, {}, {}, [], []
             self._ctrl_sends, self._ctrl_recvs = [], []
@@ -629,7 +634,7 @@ class UCXTransport(Transport):
                 self._start_puts(o, int(m[2]))
             elif kind == ACK and (o.state == "wait_ack" or o.state == "wait_go" and not o.puts and o.staging is None):
                 del self._out[o.xid]
-                o.handle.finish()
+                o.handle.finish(release=True)   # puts flushed before DONE, or there were none
             elif kind == FAIL:
                 why = str(m[2])
                 self._fail_out(o, (RejectedWrite if why.startswith(_REFUSALS) else PeerError)(
@@ -763,7 +768,8 @@ class UCXTransport(Transport):
 
     # ---- sender ---------------------------------------------------------------------------
     def _start_out(self, o: _Out) -> None:
-        if o.handle.poll() != 0:  # failed or timed out while queued
+        if o.handle.poll() != 0:  # failed or timed out while queued: nothing read its source
+            o.handle.release_source()
             return
         self._out[o.xid] = o
         o.announce[3] = max(o.handle.deadline - time.monotonic(), 0.0)  # relative: clocks differ across hosts
@@ -777,7 +783,9 @@ class UCXTransport(Transport):
         for s, d, n, sr, dr in o.puts:
             st = _put(ep, s, n, d, rkeys[dr], params[sr])  # no callback: NULL (done) or a request
             if st:
-                if st >= _PTR_ERR_MIN:
+                if st >= _PTR_ERR_MIN:   # the puts issued so far are flushed before the source is released
+                    o.state = "flushing"
+                    self._unflushed.setdefault(o.peer.id, []).append(o)
                     return self._fail_out(o, PeerError(f"request {o.handle.request_id}: put failed: "
                                                        f"{_why(st - 2**64)}"))
                 _req_free(st)  # its completion is covered by the flush
@@ -811,14 +819,19 @@ class UCXTransport(Transport):
                 self._fail_out(o, PeerError(f"request {o.handle.request_id}: flush failed: {_why(st)}"))
             else:
                 self._staging.put(o.staging)
+                o.handle.release_source()   # every put is remotely visible: the source is read
                 o.reqs, o.staging, o.state = [], None, "wait_ack"
                 self._send(o.peer, [DONE, o.xid])
         self._flushing = waiting
 
     def _fail_out(self, o: _Out, err: Exception, tell: bool = True) -> None:
         self._out.pop(o.xid, None)
-        o.state = "failed"
         o.handle.finish(err)
+        if o.state == "flushing" and not self._puts_settled(o):
+            self._holding.append(o)   # puts issued, not flushed: they may still read the source
+        else:
+            o.handle.release_source()
+        o.state = "failed"
         if tell:
             self._send(o.peer, [ABORT, o.xid, str(err)])
         self._zombies.extend(o.reqs)  # frames still being sent read the staging block
@@ -827,7 +840,17 @@ class UCXTransport(Transport):
         o.reqs = []
 
     # ---- deadlines and heartbeats ---------------------------------------------------------
+    @staticmethod
+    def _puts_settled(o: _Out) -> bool:
+        """No put of ``o`` reads its source any more: the flush ended, or the peer is gone (a
+        dead peer takes nothing; a stalled one is past every deadline when it wakes)."""
+        return (o.flush is not None and o.flush.completed) or o.peer.gone
+
     def _housekeeping(self, now: float) -> None:
+        for o in self._holding:
+            if self._puts_settled(o):
+                o.handle.release_source()
+        self._holding = [o for o in self._holding if not o.handle.source_released]
         for o in [o for o in self._out.values() if now > o.handle.deadline]:
             self._fail_out(o, TransferTimeout(f"transfer for request {o.handle.request_id} passed its deadline "
                                               f"({o.state.replace('_', ' ')})"))

@@ -199,21 +199,24 @@ def _scatter(region: np.ndarray, off: np.ndarray, n: np.ndarray, data: np.ndarra
 
 class _Out:
     """An outgoing transfer (I/O thread). ``ahead``: its next message, made one step early
-    so the message before it knows it is the last."""
-    __slots__ = ("xid", "handle", "peer", "frames", "ahead", "end", "nruns")
+    so the message before it knows it is the last. ``trackers``: of its zero-copy messages,
+    which may read the source until zmq lets go of them."""
+    __slots__ = ("xid", "handle", "peer", "frames", "ahead", "end", "nruns", "trackers")
 
     def __init__(self, xid, handle, peer, frames, end):
         self.xid, self.handle, self.peer, self.frames, self.end = xid, handle, peer, frames, end
         self.nruns = 0   # runs in the headers sent so far: the last header's total
+        self.trackers: list[zmq.MessageTracker] = []
         self.ahead = next(frames)
 
 
 class _Peer:
-    """One DEALER and its transfers. ``pending``: a message zmq refused for now (EAGAIN)."""
-    __slots__ = ("sock", "sending", "open", "pending", "heard", "progress", "pinged")
+    """One DEALER and its transfers. ``pending``: a message zmq refused for now (EAGAIN):
+    (parts, staging buffer, the _Out it belongs to)."""
+    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "heard", "progress", "pinged")
 
-    def __init__(self, sock):
-        self.sock, self.sending, self.open, self.pending = sock, collections.deque(), {}, None
+    def __init__(self, endpoint, sock):
+        self.endpoint, self.sock, self.sending, self.open, self.pending = endpoint, sock, collections.deque(), {}, None
         self.heard = self.progress = self.pinged = time.monotonic()
 
 
@@ -311,9 +314,9 @@ class ZMQTransport(Transport):
                notify: bytes = b"") -> TransferHandle:
         """Hand the plan to the I/O thread and return at once. The source bytes must stay
         unchanged until the handle is done."""
-        handle = TransferHandle(request_id, plan.nbytes, timeout)
+        handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
         if self._closed:
-            handle.finish(peer_failed(request_id, "transport is closed"))
+            handle.finish(peer_failed(request_id, "transport is closed"), release=True)
         else:
             self._command(("submit", peer, request_id, plan, bytes(notify), handle))
         return handle
@@ -348,6 +351,12 @@ class ZMQTransport(Transport):
         s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         return s
 
+    def _dealer(self, endpoint: str) -> zmq.Socket:
+        sock = self._socket(zmq.DEALER)
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a connection that is down
+        sock.connect(endpoint)
+        return sock
+
     def _run(self, endpoint: str) -> None:
         if _OMP_PER_THREAD:
             # Copies here go one frame at a time; an OpenMP team would stall on its barrier
@@ -367,6 +376,7 @@ class ZMQTransport(Transport):
         self._dead: collections.OrderedDict = collections.OrderedDict()   # failed incoming keys
         self._seen: dict[bytes, float] = {}                               # routing id -> last message
         self._acks: dict[bytes, list[int]] = {}
+        self._releasing: list[_Out] = []   # ended, zero-copy messages of theirs still in zmq
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._wake_r, zmq.POLLIN)
@@ -397,12 +407,14 @@ class ZMQTransport(Transport):
             while not self._cmds.empty():   # commands that raced with close()
                 cmd = self._cmds.get_nowait()
                 if cmd[0] == "submit":
-                    cmd[-1].finish(peer_failed(cmd[2], "transport closed"))
+                    cmd[-1].finish(peer_failed(cmd[2], "transport closed"), release=True)
                 elif cmd[0] == "connect":
                     cmd[2].set_exception(ConnectError("transport closed"))
             for s in [self._router, *(p.sock for p in self._peers.values())]:
                 s.close(linger=0)
-            self._ctx.term()
+            self._ctx.term()   # queued messages are dropped: nothing reads a source any more
+            for out in [*self._out.values(), *self._releasing]:
+                out.handle.release_source()
 
     def _on_commands(self) -> bool:
         try:
@@ -420,14 +432,12 @@ class ZMQTransport(Transport):
             if cmd[0] == "connect":
                 _, endpoint, fut = cmd
                 try:
-                    sock = self._socket(zmq.DEALER)
-                    sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a connection that is down
-                    sock.connect(endpoint)
+                    sock = self._dealer(endpoint)
                 except zmq.ZMQError as e:
                     fut.set_exception(e)
                     continue
                 pid = f"{endpoint}#{len(self._peers)}"
-                self._peers[pid] = _Peer(sock)
+                self._peers[pid] = _Peer(endpoint, sock)
                 self._poller.register(sock, zmq.POLLIN)
                 fut.set_result(pid)
             else:
@@ -442,7 +452,7 @@ class ZMQTransport(Transport):
     def _start(self, pid: str, request_id: str, plan: TransferPlan, notify: bytes, handle: TransferHandle):
         peer = self._peers.get(pid)
         if peer is None:
-            handle.finish(peer_failed(request_id, f"unknown peer {pid!r}; call connect() first"))
+            handle.finish(peer_failed(request_id, f"unknown peer {pid!r}; call connect() first"), release=True)
             return
         # Empty runs carry nothing (and the receiver refuses them).
         runs = [run for run in plan.run_tuples() if run[4] > 0] if plan.num_runs <= FEW_RUNS else None
@@ -459,14 +469,15 @@ class ZMQTransport(Transport):
             outside = not ok.all() or bool(((so < 0) | (so > self._sizes[np.where(ok, sr, 0)] - n)).any())
             nbytes, frames = int(n.sum()), functools.partial(self._frames, sr, so, dr, do, n)
         if outside:
-            handle.finish(PlanError(f"request {request_id}: the plan reads outside the registered source regions"))
+            handle.finish(PlanError(f"request {request_id}: the plan reads outside the registered source regions"),
+                          release=True)
             return
         end = {"nbytes": nbytes, "notify": notify}
         xid = next(self._xids)
         try:
             out = _Out(xid, handle, peer, frames(), end)
         except Exception as e:  # e.g. a CUDA copy failed: this transfer fails, not the thread
-            handle.finish(peer_failed(request_id, f"cannot read the source: {e}"))
+            handle.finish(peer_failed(request_id, f"cannot read the source: {e}"), release=True)
             return
         if not peer.open:
             peer.heard = peer.progress = time.monotonic()   # silence counts from now on
@@ -586,23 +597,58 @@ class ZMQTransport(Transport):
                     hdr.update(out.end, nruns=out.nruns)
                 else:
                     peer.sending.append(out)
-                peer.pending = [msgpack.packb(hdr), *parts], stage
-            parts, stage = peer.pending
+                peer.pending = [msgpack.packb(hdr), *parts], stage, out
+            parts, stage, out = peer.pending
             # Small messages are copied into zmq: zero-copy costs pyzmq a tracked buffer and a
             # wake-up of its garbage-collector thread (~100 us), more than copying 256 KiB.
             copy = sum(len(p) for p in parts) <= _COPY_BELOW
             try:
-                tracker = peer.sock.send_multipart(parts, flags=zmq.NOBLOCK, copy=copy,
-                                                   track=stage is not None and not copy)
+                if copy:
+                    peer.sock.send_multipart(parts, flags=zmq.NOBLOCK)
+                else:   # a tracker per part: zmq reads each (the source, or staging) until it lets go
+                    last = len(parts) - 1   # only the first part can meet the high-water mark
+                    trackers = [peer.sock.send(p, zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0), copy=False,
+                                               track=True) for i, p in enumerate(parts)]
+                    out.trackers += trackers
             except zmq.Again:
                 break
             if stage is not None:   # reuse the buffer once zmq is done with it (no fresh pages)
-                self._stages.append((stage, None if copy else tracker))
+                self._stages.append((stage, None if copy else trackers[-1]))
                 if len(self._stages) > self.window:
                     self._stages.popleft()
             peer.pending, peer.progress = None, time.monotonic()
         want = zmq.POLLIN | (zmq.POLLOUT if peer.pending is not None or peer.sending else 0)
         self._poller.modify(peer.sock, want)
+
+    def _retire(self, out: _Out) -> None:
+        """``out`` ended: forget it, and release its source once zmq holds nothing of it."""
+        self._out.pop(out.xid, None)
+        out.peer.open.pop(out.xid, None)
+        if out.peer.pending is not None and out.peer.pending[2] is out:
+            out.peer.pending = None   # never handed to zmq: dropped (the receiver fails the transfer)
+        out.frames = out.ahead = None
+        if not self._released(out):
+            self._releasing.append(out)
+
+    @staticmethod
+    def _released(out: _Out) -> bool:
+        if out.handle.source_released or all(t.done for t in out.trackers):
+            out.handle.release_source()
+            return True
+        return False
+
+    def _reconnect(self, peer: _Peer) -> None:
+        """A fresh DEALER for a silent peer: closing the old one (linger 0) drops every message
+        queued for it, so zero-copy frames stop referencing their sources."""
+        self._poller.unregister(peer.sock)
+        peer.sock.close(linger=0)
+        peer.pending = None
+        try:
+            peer.sock = self._dealer(peer.endpoint)
+        except zmq.ZMQError as e:   # cannot happen for an endpoint that connected before; keep going
+            log.error("cannot reconnect to %s: %s", peer.endpoint, e)
+            peer.sock = self._ctx.socket(zmq.DEALER)
+        self._poller.register(peer.sock, zmq.POLLIN)
 
     def _on_replies(self, peer: _Peer) -> None:
         while True:
@@ -617,30 +663,33 @@ class ZMQTransport(Transport):
                 log.warning("ignoring a malformed reply: %s", e)
                 continue
             for xid in h["x"] if h["t"] == "a" else [h.get("x")]:
-                out = peer.open.pop(xid, None) if type(xid) is int else None
-                if out is not None:
-                    self._out.pop(out.xid, None)
-                    out.handle.finish(None if h["t"] == "a" else RejectedWrite(
+                out = peer.open.get(xid) if type(xid) is int else None
+                if out is None:
+                    continue
+                if h["t"] == "a":   # the receiver has every byte: zmq sent them all
+                    out.handle.finish(release=True)
+                else:
+                    out.handle.finish(RejectedWrite(
                         f"request {out.handle.request_id}: the receiver failed the transfer: {h['why']}"))
+                self._retire(out)
 
     def _tick(self, now: float, drained: bool) -> None:
         """Deadlines, pings and silence, a few times per second."""
-        for xid, out in list(self._out.items()):
+        for out in list(self._out.values()):
             if out.handle.poll() != TransferStatus.PENDING:   # poll() times out a passed deadline
-                self._out.pop(xid)
-                out.peer.open.pop(xid, None)
+                self._retire(out)
+        self._releasing = [out for out in self._releasing if not self._released(out)]
         for pid, peer in self._peers.items():
             if not peer.open:
                 continue
             silent = now - max(peer.heard, peer.progress)
             if silent > self.hb_timeout:
-                for out in peer.open.values():
-                    self._out.pop(out.xid, None)
+                for out in list(peer.open.values()):
                     out.handle.finish(peer_failed(out.handle.request_id,
                                                   f"peer {pid} stopped answering for {silent:.1f}s"))
-                peer.open.clear()
+                    self._retire(out)
                 peer.sending.clear()
-                peer.pending = None
+                self._reconnect(peer)
             elif now - peer.pinged >= self.hb_ivl:
                 peer.pinged = now
                 try:
