@@ -11,7 +11,9 @@ Who calls what, and when (the whole contract is in ``kvxfer.request``):
         (phase deadlines, every 50 ms).
     arrivals thread (owned here): ``transport.arrivals()`` -> chunk bookkeeping -> Success.
 Ending a request (``_end``, once) forgets the grant, tells the prefill ranks ("done" or
-"abort"), counts it in ``kvxfer.metrics`` and queues ``on_release``.
+"abort"), counts it in ``kvxfer.metrics`` and queues ``on_release``, or, while the transport
+says writes of it may still land (``writes_pending``: one-sided puts in flight), holds the
+slots and releases them on the tick after that ends.
 """
 from __future__ import annotations
 
@@ -96,6 +98,7 @@ class DecodeEndpoint(_Endpoint):
         self.aux_buffer = aux
         self._gens = itertools.count(1)
         self._recvs: dict[str, KVReceiver] = {}
+        self._landing: list[KVReceiver] = []               # ended; puts may still land in their slots
         self._groups: dict[int, dict[str, list]] = {}     # prefill dp rank -> peer key -> sources
         self._grant_planners: dict[str, list[Planner]] = {}
         self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="decode-ctl",
@@ -323,6 +326,14 @@ class DecodeEndpoint(_Endpoint):
                           tell=set(r.contacts) - {peer})
 
     def _tick(self, now: float, later) -> float:
+        if self._landing:
+            held = []
+            for r in self._landing:
+                if self.transport.writes_pending(r.rid):
+                    held.append(r)
+                else:
+                    later.append(r._release)
+            self._landing = held
         for r in [r for r in self._recvs.values() if now > r.deadline]:
             what = {KVPoll.Bootstrapping: ("no acknowledgement from " + ", ".join(sorted(set(r.contacts) - r.acked))
                                            if r.granted else "init() was not called"),
@@ -358,7 +369,14 @@ class DecodeEndpoint(_Endpoint):
         nbytes = sum(p.nbytes for p in r.progress.values())
         later.append(lambda: record_request_end(self.role, r.room, outcome, reason, peers=",".join(r.contacts),
                                                 nbytes=nbytes, seconds=r.ended_at - r.created))
-        later.append(r._release)
+        if r.granted and self.transport.writes_pending(r.rid):
+            self._landing.append(r)
+        else:
+            later.append(r._release)
+
+    def _after_close(self, later) -> None:   # no tick runs any more (an owned transport is closed)
+        later.extend(r._release for r in self._landing)
+        self._landing = []
 
     def close(self) -> None:
         super().close()

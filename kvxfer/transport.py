@@ -25,6 +25,9 @@ Decode (receiver), per request:
     ``arrivals()``                  completed (or rejected) incoming transfers; the
                                     control plane polls it. Never blocks for long.
     ``forget(request_id)``          the request ended: later writes are dropped.
+    ``writes_pending(request_id)``  after forget: True while writes the sender issued before
+                                    may still land (one-sided puts in flight). The grant's
+                                    memory is reused only once it is False.
 Both, at the end: ``close()`` (idempotent).
 
 Transports are found through the ``kvxfer.transports`` entry-point group:
@@ -265,6 +268,11 @@ class Transport(ABC):
         """End the grant. Waits out a message being written, so no byte of it lands afterwards."""
         with self._write_lock:
             return self.grants.forget(request_id)
+
+    def writes_pending(self, request_id: str) -> bool:
+        """After ``forget``: may bytes of this request still land? Never for a two-sided
+        transport (its receiver writes every byte itself, and not after forget)."""
+        return False
 
     def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
         return drain(self._arrivals, timeout)

@@ -322,6 +322,39 @@ def test_prefill_holds_the_kv_while_a_transport_still_reads_it():
         server.stop()
 
 
+def test_decode_holds_the_slots_while_writes_may_still_land():
+    """A request ends on decode while its transport says writes of it may still land (one-sided
+    puts in flight: ``writes_pending``): the slots are released only once that ends, once."""
+    from kvxfer.transport import get_transport
+    d_xport, pending, released = get_transport("local"), {"on": True}, []
+    d_xport.writes_pending = lambda request_id: pending["on"]   # fault injection: puts in flight
+    server = BootstrapServer(BootstrapConfig(ttl=5.0)).start()
+    pe = PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=4, num_layers=2), _pool(4, 2, seed=3),
+                         transport="local", timeouts=LENIENT)
+    de = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=4, num_layers=2), _pool(4, 2), transport=d_xport,
+                        timeouts=LENIENT)
+    try:
+        pe.register(server.url, ttl=5.0)
+        de.connect(bootstrap=server.url, timeout=10)
+        r = de.receiver(6, on_release=released.append)
+        r.init(np.arange(8, 16))
+        r.abort("the scheduler dropped it")
+        assert r.poll() == KVPoll.Failed
+        time.sleep(0.3)   # several ticks
+        assert not released
+        pending["on"] = False
+        deadline = time.monotonic() + 2
+        while not released and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert released == [r]
+    finally:
+        de.close()
+        pe.close()
+        d_xport.close()
+        server.stop()
+
+
 # ------------------------------------------------------------------------------------
 # reduce_poll: all-reduce MIN over a gloo group of 2 ranks
 # ------------------------------------------------------------------------------------

@@ -50,6 +50,12 @@ def _serve(conn, tls, pool_bytes: int, opts: dict) -> None:
             t.expect(a[0], ByteRanges(*(np.asarray(x, np.int64) for x in a[1])))
         elif cmd == "forget":
             t.forget(a[0])
+        elif cmd == "pending":
+            conn.send(t.writes_pending(a[0]))
+            continue
+        elif cmd == "open_in":   # xids of the incoming transfers open now (read off the I/O thread)
+            conn.send(sorted(k[1] for k in list(t._in)))
+            continue
         elif cmd == "arrivals":
             got, end = [], time.monotonic() + a[0]
             while len(got) < a[1] and time.monotonic() < end:
@@ -291,6 +297,46 @@ def test_receiver_fails_transfer_past_its_deadline(pair):
     assert arr[:3] == ("r-late", 4096, False) and "deadline passed" in arr[3]
     assert time.monotonic() - start < 5
     peer("forget", "r-late")
+
+
+def _until(cond, timeout: float = 5.0) -> bool:
+    limit = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > limit:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_forgotten_request_keeps_its_memory_until_no_put_is_left(pair):
+    """Puts cannot be recalled: once GO went out, a request the receiver forgets keeps
+    ``writes_pending`` True (its memory must not be reused) until the sender says that no put of
+    it is left: ABORT (sent after its flush) or DONE."""
+    from transports.ucx import ABORT, ANNOUNCE, DONE
+    t, src, peer, pid = pair
+    runs = np.asarray([[0], [0], [4096]], "<i8").tobytes()
+    for xid, end in ((30_001, [ABORT, 30_001, "sender gave up"]), (30_002, [DONE, 30_002])):
+        rid = f"r-land-{xid}"
+        peer("expect", rid, _whole(POOL))
+        _raw(t, pid, [ANNOUNCE, xid, rid, 10.0, b"", runs, 1, MiB, b""])   # one put run: GO comes back
+        assert _until(lambda: xid in peer("open_in")), "the announce was not taken"
+        assert not peer("pending", rid)
+        peer("forget", rid)
+        assert _until(lambda: peer("pending", rid)), "a forgotten transfer with puts after GO is not pending"
+        time.sleep(0.3)
+        assert peer("pending", rid)                        # no word from the sender: still pending
+        _raw(t, pid, end)
+        assert _until(lambda: not peer("pending", rid)), f"{end[0]} did not end the pending writes"
+        peer("arrivals", 2, 1)                             # the failed arrival of the forgotten transfer
+    # an announce without puts (everything packed) leaves nothing pending
+    peer("expect", "r-land-packed", _whole(POOL))
+    _raw(t, pid, [ANNOUNCE, 30_003, "r-land-packed", 10.0, b"", np.asarray([[0], [0], [8 * MiB]], "<i8").tobytes(),
+                  0, MiB, b""])
+    assert _until(lambda: 30_003 in peer("open_in"))
+    peer("forget", "r-land-packed")
+    assert _until(lambda: 30_003 not in peer("open_in")) and not peer("pending", "r-land-packed")
+    peer("arrivals", 2, 1)
+    assert (peer.pool() == CANARY).all()
 
 
 def test_adjacent_runs_go_as_one_put(pair):

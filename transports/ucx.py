@@ -46,6 +46,7 @@ sleeps (a signal is a syscall and, for a busy thread, a wasted turn).
 from __future__ import annotations
 
 import atexit
+import collections
 import ctypes
 import itertools
 import logging
@@ -227,6 +228,7 @@ class _Out:
     state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack
     reqs: list = field(default_factory=list)
     flush: _Flush | None = None
+    abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
 
 
 @dataclass(eq=False)
@@ -243,6 +245,7 @@ class _In:
     frame_bytes: int
     frames: int
     dtag: int = 0                    # tag of the frames (0: no GO sent)
+    puts: int = 0                    # announced runs the sender puts (one-sided) after GO
     got: int = 0
     done: bool = False
     reqs: list = field(default_factory=list)
@@ -292,6 +295,10 @@ class UCXTransport(Transport):
         self._ctrl_sends: list = []  # (request, buffer): buffers live until sent
         self._ctrl_recvs: list = []  # (request, buffer, length) in arrival order
         self._zombies: list = []     # requests of ended transfers that still own buffers
+        # Receiver: ended transfers whose sender had GO, so puts of theirs may still land, until
+        # its DONE or ABORT (sent once its puts are flushed) or it is gone: (peer, xid) -> rid.
+        self._landing: dict[tuple[str, int], str] = {}
+        self._landing_rids: collections.Counter = collections.Counter()
         self._xids, self._dtags = itertools.count(1), itertools.count(1)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
@@ -639,6 +646,8 @@ class UCXTransport(Transport):
                 why = str(m[2])
                 self._fail_out(o, (RejectedWrite if why.startswith(_REFUSALS) else PeerError)(
                     f"request {o.handle.request_id}: receiver refused the transfer: {why}"), tell=False)
+        elif kind in (DONE, ABORT) and (rid := self._landing.pop((sender, m[1]), None)) is not None:
+            self._landed(rid)   # its puts are flushed: nothing more of it lands
         elif kind in (DONE, ABORT) and (i := self._in.get((sender, m[1]))) is not None:
             if kind == ABORT:
                 self._fail_in(i, f"aborted by the sender: {m[2]}", tell=False)
@@ -676,7 +685,7 @@ class UCXTransport(Transport):
             ok = len(n) and (n > 0).all() and (n < 1 << 40).all()
             return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, notify, reason)
         i = _In(p, xid, rid, time.monotonic() + timeout, int(n.sum()), notify, tuple(packed), None, frame_bytes,
-                0 if inline else -(-total // frame_bytes))
+                0 if inline else -(-total // frame_bytes), puts=nput)
         self._in[(p.id, xid)] = i
         if inline:  # checked a moment ago: lands now, with no re-check and no frames
             self._land(i.packed, torch.frombuffer(bytearray(inline), dtype=torch.uint8))
@@ -758,9 +767,23 @@ class UCXTransport(Transport):
 
     def _fail_in(self, i: _In, reason: str, tell: bool = True) -> None:
         self._forget_in(i)
+        if i.dtag and i.puts and not i.done and not i.peer.gone:   # GO went out: puts may be on their way
+            self._landing[(i.peer.id, i.xid)] = i.rid
+            self._landing_rids[i.rid] += 1
         self._arrivals.put(Arrival(i.rid, i.nbytes, False, reason, i.notify))
         if tell:
             self._send(i.peer, [FAIL, i.xid, reason])
+
+    def _landed(self, rid: str) -> None:
+        self._landing_rids[rid] -= 1
+        if self._landing_rids[rid] <= 0:
+            del self._landing_rids[rid]
+
+    def writes_pending(self, request_id: str) -> bool:
+        """After ``forget``: True while a sender that had GO for this request has not said that
+        its puts are flushed (DONE or ABORT), unless it went silent past ``peer_timeout`` (taken
+        as dead). Until then its puts can land in the grant's memory."""
+        return request_id in self._landing_rids
 
     def _drop_request(self, rid: str) -> None:
         for i in [i for i in self._in.values() if i.rid == rid]:
@@ -825,15 +848,21 @@ class UCXTransport(Transport):
         self._flushing = waiting
 
     def _fail_out(self, o: _Out, err: Exception, tell: bool = True) -> None:
+        """End ``o``. Once GO came, the receiver holds the grant's memory until ABORT says that
+        no put of ours is still on its way: sent after the flush, whoever failed the transfer."""
         self._out.pop(o.xid, None)
         o.handle.finish(err)
-        if o.state == "flushing" and not self._puts_settled(o):
-            self._holding.append(o)   # puts issued, not flushed: they may still read the source
+        if o.state == "flushing":
+            o.abort = str(err)
+            if self._puts_settled(o):
+                self._settled(o)
+            else:
+                self._holding.append(o)   # puts issued, not flushed: they still read the source
         else:
             o.handle.release_source()
+            if tell:
+                self._send(o.peer, [ABORT, o.xid, str(err)])
         o.state = "failed"
-        if tell:
-            self._send(o.peer, [ABORT, o.xid, str(err)])
         self._zombies.extend(o.reqs)  # frames still being sent read the staging block
         if o.flush is not None and o.flush.ptr is not None:
             self._zombies.append((o.flush, None))
@@ -846,10 +875,16 @@ class UCXTransport(Transport):
         dead peer takes nothing; a stalled one is past every deadline when it wakes)."""
         return (o.flush is not None and o.flush.completed) or o.peer.gone
 
+    def _settled(self, o: _Out) -> None:
+        """No put of failed ``o`` reads its source or lands any more: say so to the receiver."""
+        o.handle.release_source()
+        if not o.peer.gone:
+            self._send(o.peer, [ABORT, o.xid, o.abort])
+
     def _housekeeping(self, now: float) -> None:
         for o in self._holding:
             if self._puts_settled(o):
-                o.handle.release_source()
+                self._settled(o)
         self._holding = [o for o in self._holding if not o.handle.source_released]
         for o in [o for o in self._out.values() if now > o.handle.deadline]:
             self._fail_out(o, TransferTimeout(f"transfer for request {o.handle.request_id} passed its deadline "
@@ -866,6 +901,8 @@ class UCXTransport(Transport):
 
     def _peer_gone(self, p: _Peer, why: str) -> None:
         p.gone = True
+        for key in [k for k in self._landing if k[0] == p.id]:
+            self._landed(self._landing.pop(key))
         for o in [o for o in self._out.values() if o.peer is p]:
             self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"), tell=False)
         for i in [i for i in self._in.values() if i.peer is p]:
