@@ -328,6 +328,16 @@ def test_forgotten_request_keeps_its_memory_until_no_put_is_left(pair):
         _raw(t, pid, end)
         assert _until(lambda: not peer("pending", rid)), f"{end[0]} did not end the pending writes"
         peer("arrivals", 2, 1)                             # the failed arrival of the forgotten transfer
+    # the sender aborts first (its puts are flushed by then): nothing is pending after the forget
+    peer("expect", "r-land-aborted", _whole(POOL))
+    _raw(t, pid, [ANNOUNCE, 30_004, "r-land-aborted", 10.0, b"", runs, 1, MiB, b""])
+    assert _until(lambda: 30_004 in peer("open_in"))
+    _raw(t, pid, [ABORT, 30_004, "sender gave up"])
+    (arr,) = peer("arrivals", 5, 1)
+    assert arr[0] == "r-land-aborted" and not arr[2] and "aborted by the sender" in arr[3]
+    peer("forget", "r-land-aborted")
+    time.sleep(0.2)
+    assert not peer("pending", "r-land-aborted")
     # an announce without puts (everything packed) leaves nothing pending
     peer("expect", "r-land-packed", _whole(POOL))
     _raw(t, pid, [ANNOUNCE, 30_003, "r-land-packed", 10.0, b"", np.asarray([[0], [0], [8 * MiB]], "<i8").tobytes(),

@@ -649,8 +649,8 @@ class UCXTransport(Transport):
         elif kind in (DONE, ABORT) and (rid := self._landing.pop((sender, m[1]), None)) is not None:
             self._landed(rid)   # its puts are flushed: nothing more of it lands
         elif kind in (DONE, ABORT) and (i := self._in.get((sender, m[1]))) is not None:
-            if kind == ABORT:
-                self._fail_in(i, f"aborted by the sender: {m[2]}", tell=False)
+            if kind == ABORT:   # sent once no put of it is left: nothing more lands
+                self._fail_in(i, f"aborted by the sender: {m[2]}", tell=False, puts_left=False)
             else:
                 i.done = True
                 self._try_finish(i)
@@ -765,9 +765,9 @@ class UCXTransport(Transport):
         self._by_dtag.pop(i.dtag, None)
         self._zombies.extend((r, i.staging) for r in i.reqs)  # posted receives still own the staging block
 
-    def _fail_in(self, i: _In, reason: str, tell: bool = True) -> None:
+    def _fail_in(self, i: _In, reason: str, tell: bool = True, puts_left: bool = True) -> None:
         self._forget_in(i)
-        if i.dtag and i.puts and not i.done and not i.peer.gone:   # GO went out: puts may be on their way
+        if puts_left and i.dtag and i.puts and not i.done and not i.peer.gone:   # GO went out: puts may come
             self._landing[(i.peer.id, i.xid)] = i.rid
             self._landing_rids[i.rid] += 1
         self._arrivals.put(Arrival(i.rid, i.nbytes, False, reason, i.notify))
