@@ -9,7 +9,8 @@ Who calls what, and when (the whole contract is in ``kvxfer.request``):
         ``on_release`` runs once, after the grant ended.
     channel thread: ``on_message`` (ack / nack / abort / fin), ``on_peer_lost``, ``on_tick``
         (phase deadlines, every 50 ms).
-    arrivals thread (owned here): ``transport.arrivals()`` -> chunk bookkeeping -> Success.
+    transport thread (``set_arrival_callback``), or an arrivals thread owned here polling
+        ``transport.arrivals()`` where the transport cannot call back: chunk bookkeeping -> Success.
 Ending a request (``_end``, once) forgets the grant, tells the prefill ranks ("done" or
 "abort"), counts it in ``kvxfer.metrics`` and queues ``on_release``, or, while the transport
 says writes of it may still land (``writes_pending``: one-sided puts in flight), holds the
@@ -35,7 +36,7 @@ from .metrics import record_request_end
 from .plan import ByteRanges, Planner
 from .pools import KVPool
 from .request import _END, AUX_BYTES, AuxBuffer, AuxRecord, KVPoll, Timeouts, _Endpoint, _Request
-from .transport import Transport
+from .transport import Arrival, Transport
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
@@ -103,8 +104,10 @@ class DecodeEndpoint(_Endpoint):
         self._grant_planners: dict[str, list[Planner]] = {}
         self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="decode-ctl",
                                       identity=f"{spec.key}/{uuid.uuid4().hex[:12]}")
-        self._arrivals = threading.Thread(target=self._arrivals_loop, name="kvxfer-decode-arrivals", daemon=True)
-        self._arrivals.start()
+        self._arrivals: threading.Thread | None = None
+        if not self.transport.set_arrival_callback(self._on_arrival):
+            self._arrivals = threading.Thread(target=self._arrivals_loop, name="kvxfer-decode-arrivals", daemon=True)
+            self._arrivals.start()
 
     # -- start-up ---------------------------------------------------------------------------
     def connect(self, *, bootstrap: str | None = None, peers: Sequence[RankInfo] | None = None,
@@ -252,21 +255,24 @@ class DecodeEndpoint(_Endpoint):
             if not got and time.monotonic() - t0 < 0.01:
                 time.sleep(0.002)   # a transport whose arrivals() does not block: do not spin
             for a in got:
-                with self._guard() as later:
-                    r = self._recvs.get(a.request_id)
-                    if r is None:
-                        continue   # ended: its grant is gone, so no byte of it landed after the end
-                    if not a.ok:
-                        self._end(r, KVPoll.Failed, "failed", f"a write was rejected: {a.reason}", later)
-                        continue
-                    try:
-                        meta = ChunkMeta.unpack(a.notify)
-                        if f"{meta.room}.{meta.gen}" != r.rid:
-                            raise ValueError(f"it names request {meta.room}.{meta.gen}, arrived as {r.rid}")
-                    except ValueError as e:
-                        self._end(r, KVPoll.Failed, "failed", f"chunk metadata: {e}", later)
-                        continue
-                    self._on_chunk(r, meta, a.nbytes, later)
+                self._on_arrival(a)
+
+    def _on_arrival(self, a: Arrival) -> None:
+        with self._guard() as later:
+            r = self._recvs.get(a.request_id)
+            if r is None:
+                return   # ended: its grant is gone, so no byte of it landed after the end
+            if not a.ok:
+                self._end(r, KVPoll.Failed, "failed", f"a write was rejected: {a.reason}", later)
+                return
+            try:
+                meta = ChunkMeta.unpack(a.notify)
+                if f"{meta.room}.{meta.gen}" != r.rid:
+                    raise ValueError(f"it names request {meta.room}.{meta.gen}, arrived as {r.rid}")
+            except ValueError as e:
+                self._end(r, KVPoll.Failed, "failed", f"chunk metadata: {e}", later)
+                return
+            self._on_chunk(r, meta, a.nbytes, later)
 
     def _on_chunk(self, r: KVReceiver, meta: ChunkMeta, nbytes: int, later, fin: bool = False) -> None:
         src, peer = r.progress.get(meta.source), r.peer_of.get(meta.source)
@@ -380,7 +386,8 @@ class DecodeEndpoint(_Endpoint):
 
     def close(self) -> None:
         super().close()
-        self._arrivals.join(1.0)
+        if self._arrivals is not None:
+            self._arrivals.join(1.0)
 
 
 __all__ = ["DecodeEndpoint", "KVReceiver"]

@@ -24,6 +24,8 @@ Decode (receiver), per request:
                                     rejected whole, counted and logged.
     ``arrivals()``                  completed (or rejected) incoming transfers; the
                                     control plane polls it. Never blocks for long.
+    ``set_arrival_callback(fn)``    instead, once at start-up: the transport calls ``fn``
+                                    per arrival on its own thread (no poller to wake).
     ``forget(request_id)``          the request ended: later writes are dropped.
     ``writes_pending(request_id)``  after forget: True while writes the sender issued before
                                     may still land (one-sided puts in flight). The grant's
@@ -42,7 +44,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib.metadata import entry_points
 from typing import NamedTuple
 
@@ -241,12 +243,14 @@ class Transport(ABC):
 
     The receiving side's defaults below expect a subclass to keep ``grants`` (a
     ``GrantTable``), ``_arrivals`` (a queue of ``Arrival``) and ``_write_lock`` (held while a
-    message is checked and written, so that no byte lands after ``forget`` returns).
+    message is checked and written, so that no byte lands after ``forget`` returns), and to
+    hand every arrival to ``_deliver``.
     """
     name: str = "?"
     grants: GrantTable
     _arrivals: "queue.Queue[Arrival]"
     _write_lock: threading.Lock
+    _on_arrival: "Callable[[Arrival], None] | None" = None
 
     @abstractmethod
     def register(self, regions: Sequence[torch.Tensor]) -> None: ...
@@ -276,6 +280,24 @@ class Transport(ABC):
 
     def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
         return drain(self._arrivals, timeout)
+
+    def set_arrival_callback(self, fn: "Callable[[Arrival], None]") -> bool:
+        """Receiver, once before transfers arrive: call ``fn(arrival)`` on the transport's own
+        thread for each arrival instead of queueing it for ``arrivals()`` (one thread wake-up
+        less per transfer). ``fn`` must be quick and must never wait for this transport's
+        thread (no ``connect`` or ``close`` inside). False: not supported, poll ``arrivals()``."""
+        self._on_arrival = fn
+        return True
+
+    def _deliver(self, arrival: Arrival) -> None:
+        fn = self._on_arrival
+        if fn is None:
+            self._arrivals.put(arrival)
+            return
+        try:
+            fn(arrival)
+        except Exception:   # the receiver's bug must not take the transport thread down
+            log.exception("arrival callback failed for request %s", arrival.request_id)
 
     @abstractmethod
     def close(self) -> None: ...

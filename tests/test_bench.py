@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import struct
-import sys
 import zlib
 from pathlib import Path
 

@@ -144,7 +144,7 @@ def test_page_size_16_to_64_and_back():
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 4), (4, 2)])
 def test_state_pool_qkv_subblocks_sliced_per_block(p_tp, d_tp):
     """A conv state made of [q | k | v] channel blocks: TP slices each block, never across."""
-    blocks, width, theads, T = (8, 4, 4), 3, 8, 1
+    blocks, width, theads = (8, 4, 4), 3, 8
     def pool(tp):
         return StatePool(layers=2, conv_blocks=[b // tp for b in blocks], conv_width=width,
                          temporal_heads=theads // tp, temporal_head_shape=(2, 3), num_slots=4,

@@ -75,5 +75,10 @@ class LocalTransport(Transport):
             self._arrivals.put(Arrival(request_id, plan.nbytes, False, reason, notify))
             handle.finish(peer_failed(request_id, f"receiver rejected the write: {reason}"))
 
+    def set_arrival_callback(self, fn) -> bool:
+        """Not here: the submitter's thread writes, and would run the receiver's callback under
+        the sender's locks. Poll ``arrivals()``."""
+        return False
+
     def close(self) -> None:
         self._closed = True

@@ -701,7 +701,7 @@ class UCXTransport(Transport):
         self._send(p, [GO, xid, i.dtag])
 
     def _refuse(self, p: _Peer, xid: int, rid: str, nbytes: int, notify: bytes, reason: str) -> None:
-        self._arrivals.put(Arrival(rid, nbytes, False, reason, notify))
+        self._deliver(Arrival(rid, nbytes, False, reason, notify))
         self._send(p, [FAIL, xid, reason])
 
     def _poll_data(self) -> None:
@@ -741,7 +741,7 @@ class UCXTransport(Transport):
             self._land(i.packed, i.staging)
         self._forget_in(i)
         self._staging.put(i.staging)
-        self._arrivals.put(Arrival(i.rid, i.nbytes, True, "", i.notify))
+        self._deliver(Arrival(i.rid, i.nbytes, True, "", i.notify))
         self._send(i.peer, [ACK, i.xid])
 
     def _land(self, packed: tuple, data: torch.Tensor) -> None:
@@ -770,7 +770,7 @@ class UCXTransport(Transport):
         if puts_left and i.dtag and i.puts and not i.done and not i.peer.gone:   # GO went out: puts may come
             self._landing[(i.peer.id, i.xid)] = i.rid
             self._landing_rids[i.rid] += 1
-        self._arrivals.put(Arrival(i.rid, i.nbytes, False, reason, i.notify))
+        self._deliver(Arrival(i.rid, i.nbytes, False, reason, i.notify))
         if tell:
             self._send(i.peer, [FAIL, i.xid, reason])
 

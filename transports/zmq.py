@@ -795,7 +795,7 @@ class ZMQTransport(Transport):
                                    f"{st.nruns} of {h['nruns']} runs arrived")
                 return
             del self._in[key]
-            self._arrivals.put(Arrival(request_id, st.nbytes, True, "", h["notify"]))
+            self._deliver(Arrival(request_id, st.nbytes, True, "", h["notify"]))
             self._acks.setdefault(rid, []).append(key[2])
 
     def _write(self, region, offset, nbytes, payload: list) -> None:
@@ -831,7 +831,7 @@ class ZMQTransport(Transport):
         if len(self._dead) > 65536:
             self._dead.popitem(last=False)
         log.warning("incoming transfer %d of request %s failed: %s", xid, request_id, reason)
-        self._arrivals.put(Arrival(request_id, st.nbytes if st else 0, False, reason))
+        self._deliver(Arrival(request_id, st.nbytes if st else 0, False, reason))
         self._reply(rid, {"t": "n", "x": xid, "why": reason})
 
     def _reply(self, rid: bytes, msg: dict) -> None:
