@@ -84,7 +84,8 @@ class KVReceiver(_Request):
 
 
 class DecodeEndpoint(_Endpoint):
-    """A decode rank: its receivers, a DEALER per prefill rank, and the arrivals thread."""
+    """A decode rank: its receivers, a DEALER per prefill rank, and the arrival handler
+    (called on the transport's thread, or by an arrivals thread of its own)."""
     role = "decode"
 
     def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None = None, aux: AuxBuffer | None = None,
@@ -213,7 +214,7 @@ class DecodeEndpoint(_Endpoint):
                     msg["swa"], msg["swa_n"] = (b"", 0) if dummy else (swa_raw, len(swa))
                 self.channel.send(key, msg)
 
-    # -- events (channel thread, arrivals thread) --------------------------------------------
+    # -- events (channel thread, transport thread or arrivals thread) ------------------------
     def on_message(self, peer: str, msg: dict) -> None:
         t = msg["t"]
         with self._guard() as later:

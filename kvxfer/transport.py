@@ -250,7 +250,7 @@ class Transport(ABC):
     grants: GrantTable
     _arrivals: "queue.Queue[Arrival]"
     _write_lock: threading.Lock
-    _on_arrival: "Callable[[Arrival], None] | None" = None
+    _on_arrival: Callable[[Arrival], None] | None = None
 
     @abstractmethod
     def register(self, regions: Sequence[torch.Tensor]) -> None: ...
@@ -281,7 +281,7 @@ class Transport(ABC):
     def arrivals(self, timeout: float = 0.0) -> list[Arrival]:
         return drain(self._arrivals, timeout)
 
-    def set_arrival_callback(self, fn: "Callable[[Arrival], None]") -> bool:
+    def set_arrival_callback(self, fn: Callable[[Arrival], None]) -> bool:
         """Receiver, once before transfers arrive: call ``fn(arrival)`` on the transport's own
         thread for each arrival instead of queueing it for ``arrivals()`` (one thread wake-up
         less per transfer). ``fn`` must be quick and must never wait for this transport's

@@ -313,7 +313,7 @@ class ZMQTransport(Transport):
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"") -> TransferHandle:
         """Hand the plan to the I/O thread and return at once. The source bytes must stay
-        unchanged until the handle is done."""
+        unchanged until ``handle.source_released``."""
         handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
         if self._closed:
             handle.finish(peer_failed(request_id, "transport is closed"), release=True)
