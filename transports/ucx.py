@@ -164,7 +164,7 @@ FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
 HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
 _REFUSALS = ("outside", "unknown", "ended", "malformed")  # GrantTable reasons: RejectedWrite
 _I8 = np.dtype("<i8")
-INLINE_BELOW = 64 * 1024   # packed bytes below this travel inside the ANNOUNCE
+INLINE_BELOW = 256 * 1024   # packed bytes below this travel inside the ANNOUNCE
 
 
 def _run_array(b) -> np.ndarray:
