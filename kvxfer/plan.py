@@ -42,6 +42,10 @@ from .layout import Layout, Part
 PACK_BELOW = 16 * 1024
 # Runs at least this long are copied one by one; shorter ones go through index gather.
 BIG_RUN = 64 * 1024
+# A transfer or message of at most this many runs is handled with Python ints, not arrays:
+# below it, numpy's fixed cost per call (~1-5 us, ~20 calls) exceeds a loop over the runs
+# (gather_runs / scatter_runs / copy_runs: a slice copy per run; index building costs more).
+FEW_RUNS = 32
 # copy_runs (local copies) moves runs shorter than this as rows of one index_select / scatter.
 COPY_ONE_BY_ONE = 1 << 20
 # ... in pieces of evenly spaced rows, while a piece averages at least this many bytes.
@@ -528,6 +532,12 @@ def gather_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.
     total = int(nbytes.sum())
     device = regions[0].device if len(regions) else "cpu"
     out = torch.empty(total, dtype=torch.uint8, device=device) if out is None else out
+    if len(nbytes) <= FEW_RUNS:
+        p = 0
+        for r, o, k in zip(region.tolist(), offset.tolist(), nbytes.tolist()):
+            out[p: p + k].copy_(regions[r][o: o + k])
+            p += k
+        return out
     pos = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
     for r, idx in _by_region(region):
         unit = _unit(offset[idx], nbytes[idx], pos[idx])
@@ -545,6 +555,12 @@ def gather_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.
 def scatter_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.ndarray,
                  nbytes: np.ndarray, data: torch.Tensor) -> None:
     """Inverse of ``gather_runs``: write consecutive bytes of ``data`` to the runs."""
+    if len(nbytes) <= FEW_RUNS:
+        p = 0
+        for r, o, k in zip(region.tolist(), offset.tolist(), nbytes.tolist()):
+            regions[r][o: o + k].copy_(data[p: p + k])
+            p += k
+        return
     pos = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
     for r, idx in _by_region(region):
         big = idx[nbytes[idx] >= BIG_RUN]
@@ -564,6 +580,10 @@ def scatter_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np
 def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.Tensor], runs: Runs) -> None:
     """Apply runs between two sets of local byte regions (any device)."""
     sr, so, dr, do, n = runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset, runs.nbytes
+    if len(n) <= FEW_RUNS:
+        for a, b, c, d, k in zip(sr.tolist(), so.tolist(), dr.tolist(), do.tolist(), n.tolist()):
+            dst_regions[c][d: d + k].copy_(src_regions[a][b: b + k], non_blocking=True)
+        return
     # Runs of >= 1 MiB are copied one by one (bounded by bytes / 1 MiB calls). Shorter ones move
     # as rows, so that one pair's pages (32 KiB, two merged into 64 KiB, ...) stay one block.
     big = np.flatnonzero(n >= COPY_ONE_BY_ONE)

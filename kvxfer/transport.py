@@ -52,14 +52,11 @@ import numpy as np
 import torch
 
 from .errors import ConnectError, PeerError, TransferTimeout, TransportError
-from .plan import ByteRanges, TransferPlan
+from .plan import FEW_RUNS, ByteRanges, TransferPlan
 
 log = logging.getLogger("kvxfer.transport")
 
 DEFAULT_TIMEOUT = 30.0
-# A transfer or message of at most this many runs is handled with Python ints, not arrays:
-# below it, numpy's fixed cost per call (~1-5 us, ~20 calls) exceeds a loop over the runs.
-FEW_RUNS = 32
 
 
 class TransferStatus(enum.IntEnum):

@@ -387,15 +387,17 @@ def test_empty_request_plans_nothing() -> None:
     assert plan.num_runs == 0 and plan.nbytes == 0 and len(plan.runs().nbytes) == 0
 
 
+@pytest.mark.parametrize("n", [40, 12])   # above and below FEW_RUNS: indexed rows, then a copy per run
 @pytest.mark.parametrize("shift", [0, 1, 2, 4])
-def test_gather_scatter_copy_on_unaligned_byte_views(shift: int) -> None:
+def test_gather_scatter_copy_on_unaligned_byte_views(shift: int, n: int) -> None:
     """Regions may be byte views that start anywhere (a slice of a bigger buffer): the
     executors must move bytes, whatever element width they use internally."""
+    from kvxfer.plan import FEW_RUNS
+    assert (n <= FEW_RUNS) == (n == 12)
     rng = np.random.default_rng(shift)
     base_src = torch.from_numpy(rng.integers(0, 256, 4096 + 8, dtype=np.uint8))
     base_dst = torch.from_numpy(rng.integers(0, 256, 4096 + 8, dtype=np.uint8))
     src, dst = [base_src[shift: shift + 2048], base_src[2048 + 8:]], [base_dst[3: 3 + 2048], base_dst[2048 + 8:]]
-    n = 40
     lens = rng.choice([8, 16, 24, 64], n).astype(np.int64)
     slots = rng.permutation(2048 // 64)[:n // 2]        # 64-byte cells, distinct per region
     reg = np.repeat([0, 1], n // 2)
