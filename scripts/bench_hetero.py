@@ -1,32 +1,32 @@
 #!/usr/bin/env python
 """Heterogeneous TP (P TP 2 -> D TP 4, 4 -> 2) next to same TP (2 -> 2): aggregate throughput
-of one request's KV, moved as real bytes over a real transport between two processes.
+of one request's KV, moved as real bytes over a real transport between rank processes.
 
     .venv/bin/python scripts/bench_hetero.py [--quick] [--json PATH] [--transports zmq,ucx]
                                              [--layouts hnd:hnd,token_major:token_major]
 
 Model: 8 KV heads, head_dim 128, bf16, page 16 (4 or 8 layers; a request of 2048 or 4096
-tokens). Every prefill rank lives in this process and every decode rank in one child
-process; each rank has its own pool and its own transport instance. A prefill rank plans
-with ``kvxfer.plan.Planner`` for each decode rank that ``targets_for_prefill_rank`` names
-(head slices and layers from the topology). Pages are scattered at random on both sides,
-as after some churn, and every TP rank of a side uses the same slots, as engines do.
+tokens). Every rank is a process of its own, as in a deployment, with its own pool and its
+own transport (the driver process runs no rank). A prefill rank plans with
+``kvxfer.plan.Planner`` for each decode rank that ``targets_for_prefill_rank`` names (head
+slices and layers from the topology). Pages are scattered at random on both sides, as after
+some churn, and every TP rank of a side uses the same slots, as engines do.
 
-Measured: bytes of the whole request (every rank) / wall time from the first ``submit`` to
-the last handle done (a handle is done when the receiver confirmed its bytes landed).
-After the warm-up the decode side checks every byte of its heads. Repetitions interleave
-the TP pairings, so a burst of load from other processes hits them alike; best of N.
+Measured: bytes of the whole request (every rank) / wall time from the first ``submit`` on
+any prefill rank to the last handle done on any (CLOCK_MONOTONIC, shared by the processes;
+a handle is done when the receiver confirmed its bytes landed). After the warm-up every
+decode rank checks every byte of its heads. Repetitions interleave the TP pairings, so a
+burst of load from other processes hits them alike; best of N.
 
 Ceilings measured in the same run:
   same TP      TP 2 -> 2 on the same transport and layouts: the goal is hetero >= 0.7x it
   tcp raw      the same bytes over one loopback TCP socket (1 MiB ``sendall`` / ``recv_into``)
-               between the same two processes: what zmq sits on
+               from the driver to decode rank 0's process: what zmq sits on
   memcpy       one single-thread ``copy_`` of the same bytes: what shared memory (ucx) allows
 
-Control: TP 4 -> 4 is the same TP with as many rank transports as 2 -> 4 and 4 -> 2 (6-8
-I/O threads on the box's cores). When it drops as much as they do, the cost is the number of
-ranks sharing the cores in this two-process set-up, not heterogeneity: a real deployment
-gives each rank its own process and cores.
+Control: TP 4 -> 4 is the same TP with as many ranks (processes) as 2 -> 4 and 4 -> 2 on the
+box's two cores. When it drops as much as they do, the cost is the number of ranks sharing
+the cores, not heterogeneity.
 
 Run counts per request, per decode rank, next to what SGLang-style head slicing needs: one
 descriptor per (token, layer, K/V) from each source whose heads are a slice on either side,
@@ -124,83 +124,131 @@ def kv_values(layer: int, kind: str, tokens: int, heads: range) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------
-# The decode side: a child process holding every decode rank of the current group.
+# Rank processes: one per rank, as in a deployment (a process holding several ranks' transports
+# measures their threads fighting over its GIL, not heterogeneity). The driver runs none.
 # ---------------------------------------------------------------------------------------
-class DecodeGroup:
-    def __init__(self, cfg: Config, slots: np.ndarray):
+class DecodeRank:
+    """One decode rank of one case: its pool, its transport, its grant."""
+
+    def __init__(self, cfg: Config, slots: np.ndarray, rank: int):
         from kvxfer.plan import ByteRanges
         from kvxfer.topology import sources_for_decode_rank
         from kvxfer.transport import get_transport
-        self.cfg, self.slots = cfg, slots
-        self.pools = [make_pool(cfg, "d", r) for r in range(cfg.d_tp)]
-        self.ts = [get_transport(cfg.transport) for _ in range(cfg.d_tp)]
-        for t, pool in zip(self.ts, self.pools):
-            t.register(pool.regions())
-        self.ranges = [ByteRanges.of_slots(pool.layout, slots) for pool in self.pools]
-        self.nsrc = [len(sources_for_decode_rank(num_kv_heads=HEADS, p_tp=cfg.p_tp, d_tp=cfg.d_tp, d_rank=r,
-                                                 num_layers=cfg.layers)) for r in range(cfg.d_tp)]
-
-    def expect(self, rid: str) -> None:
-        for t, ranges in zip(self.ts, self.ranges):
-            t.expect(rid, ranges)
+        self.cfg, self.slots, self.rank = cfg, slots, rank
+        self.pool = make_pool(cfg, "d", rank)
+        self.t = get_transport(cfg.transport)
+        self.t.register(self.pool.regions())
+        self.ranges = ByteRanges.of_slots(self.pool.layout, slots)
+        self.nsrc = len(sources_for_decode_rank(num_kv_heads=HEADS, p_tp=cfg.p_tp, d_tp=cfg.d_tp, d_rank=rank,
+                                                num_layers=cfg.layers))
 
     def drain(self, rid: str, timeout: float = 120) -> str:
-        """Collect one arrival per source on every rank; '' when all landed, else why not."""
-        why = []
-        for r, (t, want) in enumerate(zip(self.ts, self.nsrc)):
-            got, limit = [], time.monotonic() + timeout
-            while len(got) < want and time.monotonic() < limit:
-                got += t.arrivals(timeout=0.5)
-            bad = [a.reason for a in got if not a.ok]
-            if len(got) < want or bad:
-                why.append(f"decode rank {r}: {len(got)}/{want} arrivals {bad[:1]}")
-            t.forget(rid)
-        return "; ".join(why)
+        """Collect one arrival per source; '' when all landed, else why not."""
+        got, limit = [], time.monotonic() + timeout
+        while len(got) < self.nsrc and time.monotonic() < limit:
+            got += self.t.arrivals(timeout=0.5)
+        self.t.forget(rid)
+        bad = [a.reason for a in got if not a.ok]
+        return f"decode rank {self.rank}: {len(got)}/{self.nsrc} arrivals {bad[:1]}" if len(got) < self.nsrc or bad \
+            else ""
 
     def verify(self) -> str:
         from kvxfer.topology import heads_held
-        for r, pool in enumerate(self.pools):
-            heads = heads_held(HEADS, self.cfg.d_tp, r)
-            for layer in range(self.cfg.layers):
-                for kind in ("k", "v"):
-                    got = pool.get_part(layer, kind, self.slots).view(torch.int16)
-                    if not torch.equal(got, kv_values(layer, kind, self.cfg.tokens, heads).view(torch.int16)):
-                        return f"decode rank {r} layer {layer} {kind}: bytes differ from the prefill KV"
+        heads = heads_held(HEADS, self.cfg.d_tp, self.rank)
+        for layer in range(self.cfg.layers):
+            for kind in ("k", "v"):
+                got = self.pool.get_part(layer, kind, self.slots).view(torch.int16)
+                if not torch.equal(got, kv_values(layer, kind, self.cfg.tokens, heads).view(torch.int16)):
+                    return f"decode rank {self.rank} layer {layer} {kind}: bytes differ from the prefill KV"
         return ""
 
-    def close(self) -> None:
-        for t in self.ts:
-            t.close()
+
+class PrefillRank:
+    """One prefill rank of one case: its pool (the full model's KV, its heads), its transport,
+    and a plan per decode rank it feeds (head slices and layers from the topology)."""
+
+    def __init__(self, cfg: Config, p_slots: np.ndarray, d_slots: np.ndarray, descriptors: dict, rank: int):
+        from kvxfer.plan import Planner
+        from kvxfer.topology import heads_held, targets_for_prefill_rank
+        from kvxfer.transport import get_transport
+        self.pool = make_pool(cfg, "p", rank)
+        for layer in range(cfg.layers):
+            self.pool.set_parts(layer, p_slots, [(kind, kv_values(layer, kind, cfg.tokens,
+                                                                  heads_held(HEADS, cfg.p_tp, rank)))
+                                                 for kind in ("k", "v")])
+        self.t = get_transport(cfg.transport)
+        self.t.register(self.pool.regions())
+        self.jobs: list[tuple[str, object]] = []   # (peer id, plan) per decode rank fed
+        self.per_decode: dict[int, dict] = {}
+        self.plan_ms = 0.0
+        peers: dict[int, str] = {}
+        for s in targets_for_prefill_rank(num_kv_heads=HEADS, p_tp=cfg.p_tp, d_tp=cfg.d_tp, p_rank=rank,
+                                          num_layers=cfg.layers):
+            if s.d_rank not in peers:
+                peers[s.d_rank] = self.t.connect(descriptors[s.d_rank])
+            planner = Planner(self.pool.layout, make_layout(cfg, "d", s.d_rank), src_heads=s.src_heads,
+                              dst_heads=s.dst_heads, layers=s.layers, pack_below=cfg.pack_below)
+            planner.plan(p_slots, d_slots)   # warm-up: the first call pays allocator faults
+            t0 = time.perf_counter()
+            plan = planner.plan(p_slots, d_slots)
+            self.plan_ms += (time.perf_counter() - t0) * 1e3
+            self.jobs.append((peers[s.d_rank], plan))
+            sliced = s.src_heads.count > 1 or s.dst_heads.count > 1
+            c = self.per_decode.setdefault(s.d_rank, {"runs": 0, "packed_runs": 0, "sglang_descriptors": 0})
+            c["runs"] += plan.num_runs
+            c["packed_runs"] += plan.num_packed_runs
+            c["sglang_descriptors"] += (cfg.tokens if sliced else cfg.tokens // PAGE) * len(s.layers) * 2
+        self.nbytes = sum(plan.nbytes for _, plan in self.jobs)
+
+    def send(self, rid: str) -> tuple[float, float]:
+        """Submit every plan, wait for all: (first submit, last done), CLOCK_MONOTONIC (shared by
+        the processes of one host, so the driver can take the span over every rank)."""
+        t0 = time.monotonic()
+        handles = [self.t.submit(peer, rid, plan, timeout=120) for peer, plan in self.jobs]
+        for h in handles:
+            h.result()
+        return t0, time.monotonic()
 
 
-def decode_main(conn) -> None:
-    """Serve the driver's commands (msgpack over a pipe) until "quit"."""
+def rank_main(conn) -> None:
+    """One rank process: serve the driver's commands (msgpack over a pipe) until "quit". Holds
+    one rank of each case set up (cases are interleaved per repetition)."""
     torch.set_num_threads(1)
-    groups: dict[int, DecodeGroup] = {}
+    ranks: dict[int, DecodeRank | PrefillRank] = {}
     sink = socket.create_server(("127.0.0.1", 0))
     conn.send_bytes(_pack({"tcp_port": sink.getsockname()[1]}))
-    tcp, _ = sink.accept()
+    tcp = None
     buf = memoryview(bytearray(CHUNK))
     while True:
         cmd = _unpack(conn.recv_bytes())
         op, out = cmd["op"], {}
         try:
-            if op == "setup":
-                g = DecodeGroup(Config(**cmd["cfg"]), np.frombuffer(cmd["slots"], np.int64).copy())
-                groups[cmd["id"]] = g
-                out = {"descriptors": [t.descriptor() for t in g.ts]}
+            if op == "decode":
+                r = ranks[cmd["id"]] = DecodeRank(Config(**cmd["cfg"]), np.frombuffer(cmd["slots"], np.int64).copy(),
+                                                  cmd["rank"])
+                out = {"descriptor": r.t.descriptor()}
+            elif op == "prefill":
+                r = ranks[cmd["id"]] = PrefillRank(Config(**cmd["cfg"]), np.frombuffer(cmd["p_slots"], np.int64).copy(),
+                                                   np.frombuffer(cmd["d_slots"], np.int64).copy(),
+                                                   {int(k): v for k, v in cmd["descriptors"].items()}, cmd["rank"])
+                out = {"nbytes": r.nbytes, "plan_ms": r.plan_ms, "per_decode": r.per_decode}
             elif op == "expect":
-                groups[cmd["id"]].expect(cmd["rid"])
+                ranks[cmd["id"]].t.expect(cmd["rid"], ranks[cmd["id"]].ranges)
+            elif op == "send":
+                out = dict(zip(("t0", "t1"), ranks[cmd["id"]].send(cmd["rid"])))
             elif op == "drain":
-                out = {"why": groups[cmd["id"]].drain(cmd["rid"])}
+                out = {"why": ranks[cmd["id"]].drain(cmd["rid"])}
             elif op == "verify":
-                out = {"why": groups[cmd["id"]].verify()}
+                out = {"why": ranks[cmd["id"]].verify()}
             elif op == "teardown":
-                for g in groups.values():
-                    g.close()
-                groups.clear()
+                for r in ranks.values():
+                    r.t.close()
+                ranks.clear()
             elif op == "tcp":   # receive nbytes in CHUNK messages, then ack one byte
+                if tcp is None:
+                    tcp, _ = sink.accept()
                 left = cmd["nbytes"]
+                conn.send_bytes(_pack({}))   # ready: the driver starts its clock and sends
                 while left:
                     want, got = min(CHUNK, left), 0
                     while got < want:
@@ -208,8 +256,8 @@ def decode_main(conn) -> None:
                     left -= want
                 tcp.sendall(b"k")
             elif op == "quit":
-                for g in groups.values():
-                    g.close()
+                for r in ranks.values():
+                    r.t.close()
                 conn.send_bytes(_pack({}))
                 return
         except Exception as e:  # report, keep serving: the driver turns it into a row
@@ -217,100 +265,70 @@ def decode_main(conn) -> None:
         conn.send_bytes(_pack(out))
 
 
-class Decode:
-    """The driver's handle on the decode child."""
+class Rank:
+    """The driver's handle on one rank process."""
 
     def __init__(self, ctx):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=decode_main, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=rank_main, args=(child,), daemon=True)
         self.proc.start()
-        port = self.call(None)["tcp_port"]
-        self.tcp = socket.create_connection(("127.0.0.1", port))
-        self.tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.tcp_port, self.tcp = None, None
 
-    def call(self, cmd: dict | None, timeout: float = 300) -> dict:
-        if cmd is not None:
-            self.conn.send_bytes(_pack(cmd))
+    def send(self, cmd: dict) -> None:
+        self.conn.send_bytes(_pack(cmd))
+
+    def reply(self, what: str = "?", timeout: float = 300) -> dict:
         if not self.conn.poll(timeout):
-            raise TimeoutError(f"decode process did not answer {cmd and cmd['op']} in {timeout} s")
+            raise TimeoutError(f"rank process did not answer {what} in {timeout} s")
         out = _unpack(self.conn.recv_bytes())
         if "error" in out:
-            raise RuntimeError(f"decode side, {cmd and cmd['op']}: {out['error']}")
+            raise RuntimeError(f"rank process, {what}: {out['error']}")
         return out
+
+    def call(self, cmd: dict, timeout: float = 300) -> dict:
+        self.send(cmd)
+        return self.reply(cmd["op"], timeout)
 
     def close(self) -> None:
         try:
             self.call({"op": "quit"}, timeout=60)
         finally:
-            self.tcp.close()
+            if self.tcp is not None:
+                self.tcp.close()
             self.proc.join(10)
             if self.proc.is_alive():
                 self.proc.kill()
 
 
-# ---------------------------------------------------------------------------------------
-# The prefill side (this process)
-# ---------------------------------------------------------------------------------------
-class PrefillGroup:
-    def __init__(self, cfg: Config, p_slots: np.ndarray, d_slots: np.ndarray, descriptors: list[dict]):
-        from kvxfer.plan import Planner
-        from kvxfer.topology import heads_held, targets_for_prefill_rank
-        from kvxfer.transport import get_transport
-        self.cfg = cfg
-        self.pools = [make_pool(cfg, "p", r) for r in range(cfg.p_tp)]
-        for r, pool in enumerate(self.pools):
-            for layer in range(cfg.layers):
-                pool.set_parts(layer, p_slots, [(kind, kv_values(layer, kind, cfg.tokens, heads_held(HEADS, cfg.p_tp, r)))
-                                                for kind in ("k", "v")])
-        self.ts = [get_transport(cfg.transport) for _ in range(cfg.p_tp)]
-        # (prefill rank, peer id, plan) for every source of every decode rank
-        self.jobs: list[tuple[int, str, object]] = []
-        self.per_decode: dict[int, dict] = {}
-        self.plan_ms = 0.0
-        peers: dict[tuple[int, int], str] = {}
-        for p, (t, pool) in enumerate(zip(self.ts, self.pools)):
-            t.register(pool.regions())
-            for s in targets_for_prefill_rank(num_kv_heads=HEADS, p_tp=cfg.p_tp, d_tp=cfg.d_tp, p_rank=p,
-                                              num_layers=cfg.layers):
-                if (p, s.d_rank) not in peers:
-                    peers[(p, s.d_rank)] = t.connect(descriptors[s.d_rank])
-                planner = Planner(pool.layout, make_layout(cfg, "d", s.d_rank), src_heads=s.src_heads,
-                                  dst_heads=s.dst_heads, layers=s.layers, pack_below=cfg.pack_below)
-                planner.plan(p_slots, d_slots)   # warm-up: the first call pays allocator faults
-                t0 = time.perf_counter()
-                plan = planner.plan(p_slots, d_slots)
-                self.plan_ms += (time.perf_counter() - t0) * 1e3
-                self.jobs.append((p, peers[(p, s.d_rank)], plan))
-                sliced = s.src_heads.count > 1 or s.dst_heads.count > 1
-                c = self.per_decode.setdefault(s.d_rank, {"runs": 0, "packed_runs": 0, "sglang_descriptors": 0})
-                c["runs"] += plan.num_runs
-                c["packed_runs"] += plan.num_packed_runs
-                c["sglang_descriptors"] += (cfg.tokens if sliced else cfg.tokens // PAGE) * len(s.layers) * 2
-        self.nbytes = sum(plan.nbytes for _, _, plan in self.jobs)
-
-    def send(self, rid: str) -> float:
-        """Submit every source's plan, wait for all; seconds from first submit to last done."""
-        t0 = time.perf_counter()
-        handles = [self.ts[p].submit(peer, rid, plan, timeout=120) for p, peer, plan in self.jobs]
-        for h in handles:
-            h.result()
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        for t in self.ts:
-            t.close()
+def start_ranks(ctx, n: int) -> list[Rank]:
+    ranks = [Rank(ctx) for _ in range(n)]   # all started before waiting: start-up (torch) overlaps
+    for r in ranks:
+        r.tcp_port = r.reply("start")["tcp_port"]
+    return ranks
 
 
-def tcp_raw(dec: Decode, src: torch.Tensor) -> float:
-    """Seconds to push ``src`` through the loopback socket in CHUNK messages, acked at the end."""
+def on_all(ranks: list[Rank], cmds: list[dict]) -> list[dict]:
+    """Send each rank its command, then collect every answer: the ranks work at the same time."""
+    for r, c in zip(ranks, cmds):
+        r.send(c)
+    return [r.reply(c["op"]) for r, c in zip(ranks, cmds)]
+
+
+def tcp_raw(rank: Rank, src: torch.Tensor) -> float:
+    """Seconds to push ``src`` to a rank process through one loopback socket in CHUNK messages,
+    acked at the end."""
+    if rank.tcp is None:
+        rank.tcp = socket.create_connection(("127.0.0.1", rank.tcp_port))
+        rank.tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     mv = memoryview(src.numpy())
-    dec.conn.send_bytes(_pack({"op": "tcp", "nbytes": len(mv)}))
+    rank.send({"op": "tcp", "nbytes": len(mv)})
+    rank.reply("tcp")   # it is reading
     t0 = time.perf_counter()
     for o in range(0, len(mv), CHUNK):
-        dec.tcp.sendall(mv[o: o + CHUNK])
-    dec.tcp.recv(1)
+        rank.tcp.sendall(mv[o: o + CHUNK])
+    rank.tcp.recv(1)
     dt = time.perf_counter() - t0
-    dec.call(None)
+    rank.reply("tcp")
     return dt
 
 
@@ -324,48 +342,78 @@ def base_name(base: Config, pair: tuple[int, int]) -> str:
     return Config(**{**base.to_dict(), "p_tp": pair[0], "d_tp": pair[1]}).name
 
 
-def bench_group(dec: Decode, base: Config, pairs: list[tuple[int, int]], reps: int, seed: int) -> dict:
+class Case:
+    """One TP pairing set up on the rank processes: decode ranks first (their descriptors),
+    then the prefill ranks, which connect and plan."""
+
+    def __init__(self, i: int, cfg: Config, prefill: list[Rank], decode: list[Rank], p_slots, d_slots):
+        self.i, self.cfg = i, cfg
+        self.P, self.D = prefill[: cfg.p_tp], decode[: cfg.d_tp]
+        desc = on_all(self.D, [{"op": "decode", "id": i, "cfg": cfg.to_dict(), "slots": d_slots.tobytes(), "rank": r}
+                               for r in range(cfg.d_tp)])
+        descriptors = {r: d["descriptor"] for r, d in enumerate(desc)}
+        made = on_all(self.P, [{"op": "prefill", "id": i, "cfg": cfg.to_dict(), "p_slots": p_slots.tobytes(),
+                                "d_slots": d_slots.tobytes(), "descriptors": descriptors, "rank": r}
+                               for r in range(cfg.p_tp)])
+        self.nbytes = sum(m["nbytes"] for m in made)
+        self.plan_ms = sum(m["plan_ms"] for m in made)
+        self.per_decode: dict[int, dict] = {}
+        for m in made:
+            for d, c in m["per_decode"].items():
+                acc = self.per_decode.setdefault(int(d), {k: 0 for k in c})
+                for k, v in c.items():
+                    acc[k] += v
+
+    def transfer(self, rid: str) -> tuple[float, str]:
+        """Grant on every decode rank, send from every prefill rank at once, collect: (seconds
+        from the first submit on any rank to the last handle done on any rank, why it failed)."""
+        on_all(self.D, [{"op": "expect", "id": self.i, "rid": rid}] * len(self.D))
+        spans = on_all(self.P, [{"op": "send", "id": self.i, "rid": rid}] * len(self.P))
+        whys = on_all(self.D, [{"op": "drain", "id": self.i, "rid": rid}] * len(self.D))
+        return max(s["t1"] for s in spans) - min(s["t0"] for s in spans), "; ".join(w["why"] for w in whys if w["why"])
+
+    def verify(self) -> str:
+        return "; ".join(w["why"] for w in on_all(self.D, [{"op": "verify", "id": self.i}] * len(self.D)) if w["why"])
+
+
+def bench_group(prefill: list[Rank], decode: list[Rank], base: Config, pairs: list[tuple[int, int]], reps: int,
+                seed: int) -> dict:
     """One transport and layout pairing, every TP pairing interleaved; returns results by name."""
     p_slots, d_slots = request_slots(base.tokens, seed), request_slots(base.tokens, seed + 1)
-    groups: dict[int, tuple[Config, PrefillGroup]] = {}
+    cases: dict[int, Case] = {}
     out: dict[str, dict] = {}
     try:
         for i, (p_tp, d_tp) in enumerate(pairs):
             cfg = Config(**{**base.to_dict(), "p_tp": p_tp, "d_tp": d_tp})
             try:
-                desc = dec.call({"op": "setup", "id": i, "cfg": cfg.to_dict(), "slots": d_slots.tobytes()})
-                groups[i] = (cfg, PrefillGroup(cfg, p_slots, d_slots, desc["descriptors"]))
-                dec.call({"op": "expect", "id": i, "rid": "warm"})
-                groups[i][1].send("warm")
-                why = dec.call({"op": "drain", "id": i, "rid": "warm"})["why"] or \
-                    dec.call({"op": "verify", "id": i})["why"]
+                case = Case(i, cfg, prefill, decode, p_slots, d_slots)
+                _, why = case.transfer("warm")
+                why = why or case.verify()
                 if why:
                     raise RuntimeError(why)
-                out[cfg.name] = {"config": cfg.to_dict(), "seconds": [], "nbytes": groups[i][1].nbytes}
+                cases[i] = case
+                out[cfg.name] = {"config": cfg.to_dict(), "seconds": [], "nbytes": case.nbytes}
             except Exception as e:   # one broken case is a row with its reason
                 out[cfg.name] = {"config": cfg.to_dict(), "error": f"{type(e).__name__}: {e}"[:300]}
-                groups.pop(i, None)
-        nbytes = max((g.nbytes for _, g in groups.values()), default=0)
+        nbytes = max((c.nbytes for c in cases.values()), default=0)
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
         dst = torch.empty_like(src)
         ceil = {"tcp raw": [], "memcpy": []}
         for rep in range(reps):
-            for i, (cfg, g) in groups.items():
-                rid = f"r{rep}"
-                dec.call({"op": "expect", "id": i, "rid": rid})
-                dt = g.send(rid)
-                why = dec.call({"op": "drain", "id": i, "rid": rid})["why"]
+            for case in cases.values():
+                dt, why = case.transfer(f"r{rep}")
                 if why:
-                    out[cfg.name]["error"] = why
-                out[cfg.name]["seconds"].append(dt)
+                    out[case.cfg.name]["error"] = why
+                out[case.cfg.name]["seconds"].append(dt)
             if nbytes:
-                ceil["tcp raw"].append(tcp_raw(dec, src))
+                ceil["tcp raw"].append(tcp_raw(decode[0], src))
                 ceil["memcpy"].append(memcpy(src, dst))
-        ref = out[base_name(base, pairs[0])].get("seconds") if 0 in groups else None
-        for i, (cfg, g) in groups.items():
-            r = out[cfg.name]
-            r.update(gbps=g.nbytes / min(r["seconds"]) / 1e9, gbps_median=g.nbytes / statistics.median(r["seconds"]) / 1e9,
-                     plan_ms=g.plan_ms, per_decode_rank={str(k): v for k, v in sorted(g.per_decode.items())})
+        ref = out[base_name(base, pairs[0])].get("seconds") if 0 in cases else None
+        for case in cases.values():
+            r = out[case.cfg.name]
+            r.update(gbps=case.nbytes / min(r["seconds"]) / 1e9,
+                     gbps_median=case.nbytes / statistics.median(r["seconds"]) / 1e9, plan_ms=case.plan_ms,
+                     per_decode_rank={str(k): v for k, v in sorted(case.per_decode.items())})
             if ref:   # against the same-TP run of the same repetition: robust to load that comes and goes
                 r["x_same_paired_median"] = statistics.median(a / b for a, b in zip(ref, r["seconds"]))
         for name, secs in ceil.items():
@@ -373,9 +421,7 @@ def bench_group(dec: Decode, base: Config, pairs: list[tuple[int, int]], reps: i
                 out[f"{base.transport} {base.p_layout}->{base.d_layout} ceiling {name}"] = {
                     "ceiling": name, "gbps": nbytes / min(secs) / 1e9, "nbytes": nbytes}
     finally:
-        for _, g in groups.values():
-            g.close()
-        dec.call({"op": "teardown"})
+        on_all(prefill + decode, [{"op": "teardown"}] * len(prefill + decode))
     return out
 
 
@@ -482,16 +528,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{n}: not measured: {why}")
     results: dict[str, dict] = {}
     ctx = mp.get_context("spawn")
-    dec = Decode(ctx)
+    prefill = start_ranks(ctx, max(p for p, _ in pairs))
+    decode = start_ranks(ctx, max(d for _, d in pairs))
     try:
         for t in transports:
             for pl, dl in layouts:
                 base = Config(transport=t, p_layout=pl, d_layout=dl, p_tp=1, d_tp=1, layers=layers, tokens=tokens,
                               pack_below=args.pack_below)
                 print(f"{t} {pl} -> {dl} ...", flush=True)
-                results.update(bench_group(dec, base, pairs, reps, args.seed))
+                results.update(bench_group(prefill, decode, base, pairs, reps, args.seed))
     finally:
-        dec.close()
+        for r in prefill + decode:
+            r.close()
     print_table(results, pairs)
     rows = rows_of(results, transports, layouts, pairs)
     for n, why in missing.items():

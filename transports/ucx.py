@@ -4,9 +4,10 @@ Mechanism, by measurement (scripts/bench_ucx.py): unpacked runs are written with
 ``ucp_put_nbx`` through the ``libucp`` bundled with ``ucxx`` (ctypes, on the worker and endpoint
 handles ucxx creates). The receiver posts nothing per run, so a scattered page costs one call
 on the sender only; raw puts beat ucxx tag send/recv into the destination at every size here
-(1000 scattered 64 KiB pages: 10-30x). Packed runs (``RunGroup.packed``) are gathered into one
-block, tag-sent in frames and scattered by the receiver. Control messages are msgpack lists,
-batched per peer and loop turn into one tagged message.
+(1000 scattered 64 KiB pages: 10-30x). Runs shorter than ``PUT_BELOW`` are packed instead:
+gathered into one block, tag-sent in frames and scattered by the receiver. UCX decides this
+itself (the plan's ``RunGroup.packed`` is the threshold of a copying transport). Control
+messages are msgpack lists, batched per peer and loop turn into one tagged message.
 
 One transfer (S sender, R receiver, each on its own I/O thread)::
 
@@ -67,7 +68,7 @@ from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from kvxfer.errors import ConnectError, PeerError, PlanError, RejectedWrite, TransferTimeout, TransportError
-from kvxfer.plan import PACK_BELOW, Runs, TransferPlan, copy_runs, gather_runs, merge_runs
+from kvxfer.plan import Runs, TransferPlan, copy_runs, gather_runs, merge_runs
 from kvxfer.transport import DEFAULT_TIMEOUT, FEW_RUNS, Arrival, GrantTable, Transport, TransferHandle, byte_view
 
 log = logging.getLogger("kvxfer.transport.ucx")
@@ -164,6 +165,10 @@ FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
 HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
 _REFUSALS = ("outside", "unknown", "ended", "malformed")  # GrantTable reasons: RejectedWrite
 _I8 = np.dtype("<i8")
+# Runs shorter than this are packed, longer ones put. Measured (scripts/bench_transport.py and
+# bench_hetero.py, shared memory on the 2-core box): 4 KiB pages go 1.6x faster packed than
+# put one by one; 8 KiB head slices of HND pages go 1.3-1.5x faster put (TP 2 -> 4, 4 -> 2).
+PUT_BELOW = 8 * 1024
 INLINE_BELOW = 256 * 1024   # packed bytes below this travel inside the ANNOUNCE
 
 
@@ -257,14 +262,14 @@ class UCXTransport(Transport):
     tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...); None: UCX's choice
                   (shared memory on one host). Both peers must share a transport.
     frame_bytes   big runs are put in pieces of this size; packed blocks go in frames of it.
-    put_below     runs shorter than this are packed even where the plan did not pack them.
+    put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``).
     heartbeat     seconds between pings to each peer; ``peer_timeout`` seconds of silence
                   fail a peer's transfers (a dead peer is silent: error handling is off).
     ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``.
     """
     name = "ucx"
 
-    def __init__(self, *, tls: str | None = None, frame_bytes: int = 4 << 20, put_below: int = PACK_BELOW,
+    def __init__(self, *, tls: str | None = None, frame_bytes: int = 4 << 20, put_below: int = PUT_BELOW,
                  heartbeat: float = 0.5, peer_timeout: float = 5.0, ucx_config: dict | None = None):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
@@ -387,9 +392,9 @@ class UCXTransport(Transport):
             if len(reg) and (reg.min() < 0 or reg.max() >= len(lim) or (off < 0).any() or (n <= 0).any()
                              or (off + n > lim[np.clip(reg, 0, len(lim) - 1)]).any()):
                 raise PlanError(f"a {side} run leaves its region (the {side} has {len(lim)} regions)")
-        # Runs below put_below travel packed whatever the plan says: this bounds the put loop
+        # Runs below put_below travel packed, whatever the plan says: this bounds the put loop
         # (one Python step per put) by bytes / put_below, and a tiny put costs more than packing.
-        pk = np.asarray(r.packed, bool) | (n < self.put_below)
+        pk = n < self.put_below
         d = ~pk
         staging = None
         if pk.any():
@@ -414,7 +419,7 @@ class UCXTransport(Transport):
                 for (side, sizes), reg, off in zip(sides, (sr, dr), (so, do)):
                     if not (0 <= reg < len(sizes) and 0 <= off and 0 < n and off + n <= sizes[reg]):
                         raise PlanError(f"a {side} run leaves its region (the {side} has {len(sizes)} regions)")
-                (packed_runs if g.packed or n < self.put_below else put_runs).append((sr, so, dr, do, n))
+                (packed_runs if n < self.put_below else put_runs).append((sr, so, dr, do, n))
         for sr, so, dr, do, n in put_runs:
             src, dst = self._base_list[sr] + so, p.base_list[dr] + do
             puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]
