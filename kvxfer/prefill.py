@@ -330,6 +330,9 @@ class PrefillEndpoint(_Endpoint):
         end = c.start + len(c.slots)
         if end > len(t.kv):
             raise RequestError(f"chunk reaches token {end} but decode rank {t.d_rank} granted {len(t.kv)}")
+        if c.last and s.next_pos != len(t.kv):   # decode would reach Success with tokens never written
+            raise RequestError(f"the chunks end at token {s.next_pos} but decode rank {t.d_rank} granted "
+                               f"{len(t.kv)} tokens: tokens {s.next_pos}..{len(t.kv) - 1} would never arrive")
         skip = min(max(t.prefix - c.start, 0), len(c.slots))    # tokens decode already has
         src, dst = {self.token_space: c.slots[skip:]}, {self.token_space: t.kv[c.start + skip:end]}
         if self.swa_window:

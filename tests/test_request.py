@@ -275,6 +275,29 @@ def test_layer_group_chunks_and_an_empty_last_chunk():
         server.stop()
 
 
+def test_a_last_chunk_short_of_the_grant_fails_both_sides():
+    """Prefill's chunks end before the tokens decode granted (a length mismatch between the
+    engines): decode must not reach Success with KV it never got; both sides fail, saying so."""
+    server = BootstrapServer(BootstrapConfig(ttl=5.0)).start()
+    pe = PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=4, num_layers=2), _pool(4, 2, seed=3),
+                         transport="local", timeouts=LENIENT)
+    de = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=4, num_layers=2), _pool(4, 2), transport="local",
+                        timeouts=LENIENT)
+    try:
+        pe.register(server.url, ttl=5.0)
+        de.connect(bootstrap=server.url, timeout=10)
+        r, s = de.receiver(9), pe.sender(9)
+        r.init(np.arange(8, 24))                  # 16 tokens granted
+        s.send(np.arange(4, 12))
+        s.send(np.arange(12, 16), last=True)      # 12 sent
+        assert s.wait(5) == KVPoll.Failed and "tokens 12..15 would never arrive" in s.reason, s.reason
+        assert r.wait(5) == KVPoll.Failed and "tokens 12..15" in r.reason, r.reason
+    finally:
+        de.close()
+        pe.close()
+        server.stop()
+
+
 def test_prefill_holds_the_kv_while_a_transport_still_reads_it():
     """A transfer fails while its transport may still read the KV (zero-copy frames queued for a
     stalled peer, puts in flight: ``holds_source``). Prefill must not release the KV, not even
