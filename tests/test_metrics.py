@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from kvxfer.handshake import Heartbeat
 from kvxfer.plan import plan_transfer
 from kvxfer.pools import MHAPool
 from kvxfer.request import DecodeEndpoint, KVPoll, PrefillEndpoint, Timeouts
+from waiting import until
 
 TIMEOUTS = Timeouts(bootstrap=20, waiting=20, transfer=20, lease=20, heartbeat=Heartbeat(interval=0.5, timeout=5.0))
 LINE = re.compile(r"room=(?P<room>\d+) role=(?P<role>\w+) peers=(?P<peers>\S*) bytes=(?P<bytes>\d+) "
@@ -57,13 +57,6 @@ def _lines(caplog, room: int) -> dict[str, list[re.Match]]:
     return out
 
 
-def _until(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert cond()
-
-
 def test_a_request_moves_the_counters_and_logs_one_line_per_side(pair, caplog):
     pe, de, p_pool, d_pool = pair
     caplog.set_level(logging.DEBUG, logger="kvxfer.request")
@@ -81,7 +74,7 @@ def test_a_request_moves_the_counters_and_logs_one_line_per_side(pair, caplog):
     s.send(ps[4:], last=True)
     assert r.wait(10) == KVPoll.Success, r.reason
     assert s.wait(10) == KVPoll.Success, s.reason
-    _until(lambda: released.is_set() and s.kv_releasable)   # both sides' end bookkeeping has run
+    assert until(lambda: released.is_set() and s.kv_releasable, 10.0)   # both sides' end bookkeeping has run
 
     assert _value("kvxfer_bytes_moved_total", transport="local", role="send") - before["bytes"] == plan.nbytes
     assert _value("kvxfer_transfer_seconds_count", transport="local") - before["transfers"] == 2   # two chunks
@@ -106,10 +99,10 @@ def test_an_aborted_request_is_counted_once_per_side_with_its_reason(pair, caplo
     before = _value("kvxfer_requests_total", role="decode", state="aborted", reason="aborted by decode")
     r, s = de.receiver(8), pe.sender(8)
     r.init(np.arange(8, 12))
-    _until(lambda: r.poll() == KVPoll.WaitingForInput)
+    assert until(lambda: r.poll() == KVPoll.WaitingForInput, 10.0)
     r.abort("test")
     assert s.wait(10) == KVPoll.Failed and s.outcome == "aborted"
-    _until(lambda: s.kv_releasable and len(_lines(caplog, 8)) == 2)
+    assert until(lambda: s.kv_releasable and len(_lines(caplog, 8)) == 2, 10.0)
     assert _value("kvxfer_requests_total", role="decode", state="aborted", reason="aborted by decode") - before == 1
     lines = _lines(caplog, 8)
     assert all(len(v) == 1 for v in lines.values()), lines

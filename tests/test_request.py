@@ -25,14 +25,6 @@ from kvxfer.topology import heads_held
 SUCCESS = int(KVPoll.Success)
 
 
-@pytest.fixture(scope="module", params=["zmq", "ucx"])
-def transport(request):
-    why = rp.transport_skip_reason(request.param)
-    if why:
-        pytest.skip(why)
-    return request.param
-
-
 class Cluster:
     """Bootstrap server and decode endpoint here; the prefill endpoint in a peer process."""
 

@@ -18,6 +18,7 @@ import torch
 import request_peer as rp
 from kvxfer.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.request import KVPoll
+from waiting import until
 
 DEADLINE = 1.5                      # every phase
 HEARTBEAT = [0.2, 1.0]              # interval, timeout
@@ -27,14 +28,6 @@ TIMEOUTS = {"bootstrap": DEADLINE, "waiting": DEADLINE, "transfer": DEADLINE, "l
             "heartbeat": HEARTBEAT}
 FAILED, BOOT, WAIT, XFER = int(KVPoll.Failed), KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring
 NEW_CANARY = 0xEE
-
-
-@pytest.fixture(scope="module", params=["zmq", "ucx"])
-def transport(request):
-    why = rp.transport_skip_reason(request.param)
-    if why:
-        pytest.skip(why)
-    return request.param
 
 
 class Pair:
@@ -79,15 +72,6 @@ def pairs():
         p.close()
 
 
-def _until(cond, timeout: float, step: float = 0.01) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(step)
-    return cond()
-
-
 def decode_states(pair: Pair, base: int) -> dict:
     """Receivers here in each state; the prefill peer drives the senders. Rooms base+0..2."""
     P, D = pair.remote, pair.local
@@ -96,9 +80,9 @@ def decode_states(pair: Pair, base: int) -> dict:
     r_wait, _ = D.receiver(base + 1, 8)
     P.call("sender", room=base + 2, tokens=8)
     r_xfer, _ = D.receiver(base + 2, 8)
-    assert _until(lambda: r_wait.poll() == WAIT and r_xfer.poll() == WAIT, 3), (r_wait, r_xfer)
+    assert until(lambda: r_wait.poll() == WAIT and r_xfer.poll() == WAIT, 3), (r_wait, r_xfer)
     P.call("send", room=base + 2, range=[0, 4])
-    assert _until(lambda: r_xfer.poll() == XFER, 3), r_xfer
+    assert until(lambda: r_xfer.poll() == XFER, 3), r_xfer
     assert r_boot.poll() == BOOT
     return {base: r_boot, base + 1: r_wait, base + 2: r_xfer}
 
@@ -112,7 +96,7 @@ def prefill_states(pair: Pair, base: int) -> dict:
     D.call("receiver", room=base + 1, tokens=8)
     s_xfer, slots = P.sender(base + 2, 8)
     D.call("receiver", room=base + 2, tokens=8)
-    assert _until(lambda: s_wait.poll() == WAIT and s_xfer.poll() == WAIT, 3), (s_wait, s_xfer)
+    assert until(lambda: s_wait.poll() == WAIT and s_xfer.poll() == WAIT, 3), (s_wait, s_xfer)
     s_xfer.send(slots[:4])
     assert s_xfer.poll() == XFER
     assert s_boot.poll() == BOOT
@@ -128,7 +112,7 @@ def assert_ended(reqs: dict, t0: float, pattern: str, limit: float = LIMIT) -> N
 
 
 def assert_released_once(side: rp.Side, rooms, timeout: float = DEADLINE + 1) -> None:
-    assert _until(lambda: all(side.releases.get(r) == 1 for r in rooms), timeout), side.releases
+    assert until(lambda: all(side.releases.get(r) == 1 for r in rooms), timeout), side.releases
     assert side.full(), "slots leaked"
 
 
@@ -136,7 +120,7 @@ def assert_remote_clean(peer: rp.Peer, rooms, timeout: float = LIMIT + DEADLINE)
     """The peer process: its requests Failed, each released once, its allocator full."""
     st = peer.call("wait", rooms=list(rooms), timeout=timeout)
     assert all(v["state"] == FAILED and v["reason"] for v in st.values()), st
-    ok = _until(lambda: (lambda s: s["free_pages"] == s["capacity"] and
+    ok = until(lambda: (lambda s: s["free_pages"] == s["capacity"] and
                          all(s["releases"].get(str(r)) == 1 for r in rooms))(peer.call("stats")), DEADLINE + 1)
     assert ok, peer.call("stats")
     return st
@@ -212,9 +196,9 @@ def test_dropped_control_messages(transport, pairs):
     for room in (500, 501, 502):
         P.call("sender", room=room, tokens=8)
         reqs[room], _ = D.receiver(room, 8)
-    assert _until(lambda: reqs[502].poll() == WAIT, 3)
+    assert until(lambda: reqs[502].poll() == WAIT, 3)
     P.call("send", room=502, range=[0, 4])
-    assert _until(lambda: reqs[502].poll() == XFER, 3)
+    assert until(lambda: reqs[502].poll() == XFER, 3)
     t0 = time.monotonic()
     reqs[502].abort("dropped-abort test")              # prefill never hears of it
     canary = fill_canary(D)
@@ -246,7 +230,7 @@ def test_delayed_control_messages(transport, pairs):
         reqs[room], _ = D.receiver(room, 8)
     t0 = time.monotonic()
     for room in (601, 602):
-        assert _until(lambda: reqs[room].poll() == WAIT, DEADLINE), reqs[room]
+        assert until(lambda: reqs[room].poll() == WAIT, DEADLINE), reqs[room]
         P.call("send", room=room, last=True)
     assert reqs[601].wait(LIMIT) == KVPoll.Success, reqs[601]
     assert reqs[602].wait(LIMIT) == KVPoll.Success, reqs[602]
@@ -277,9 +261,9 @@ def test_abort_from_each_side_in_each_state(transport, pairs):
     for room in (711, 712):
         P.call("sender", room=room, tokens=8)
         theirs[room], _ = D.receiver(room, 8)
-    assert _until(lambda: all(theirs[r].poll() == WAIT for r in (711, 712)), 3)
+    assert until(lambda: all(theirs[r].poll() == WAIT for r in (711, 712)), 3)
     P.call("send", room=712, range=[0, 4])
-    assert _until(lambda: theirs[712].poll() == XFER, 3)
+    assert until(lambda: theirs[712].poll() == XFER, 3)
     t0 = time.monotonic()
     for r in by_decode.values():
         r.abort("test")

@@ -26,6 +26,7 @@ import torch
 from kvxfer.layout import page_major_layout, token_major_layout
 from kvxfer.plan import EMPTY_PLAN, ByteRanges, Planner, TransferPlan, execute_plan, plan_transfer
 from kvxfer.transport import ENTRY_POINT_GROUP, available_transports
+from waiting import until
 from xfer_peer import (CANARY, InProcessPeer, PeerProcess, make_pattern, plan_to_json, ranges_to_json, raw_plan,
                        region_seed)
 
@@ -281,15 +282,6 @@ def test_rejected_write_lands_nowhere(pair, case):
 KILL_BYTES, DEADLINE, SLACK = 256 * MiB, 4.0, 2.0
 
 
-def _until(cond, timeout: float) -> bool:
-    limit = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > limit:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 QUICK_SILENCE = {"zmq": {"heartbeat_timeout": 2.0}, "ucx": {"peer_timeout": 2.0}}
 
 
@@ -309,7 +301,7 @@ def test_source_released_only_when_nothing_reads_it(pair, tmp_path):
         try:
             res = tx.call("wait", request_ids=[rid], wait_s=10.0)["results"][rid]
             assert res["status"] == "FAILED", res
-            assert _until(lambda: tx.call("status", request_ids=[rid])["released"][rid], 10.0), \
+            assert until(lambda: tx.call("status", request_ids=[rid])["released"][rid], 10.0), \
                 "the source of a failed transfer was not released while its receiver was stopped"
             tx.call("fill", regions=[4], fill=0x3C)   # the sender reuses its memory
         finally:

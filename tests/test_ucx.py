@@ -21,6 +21,7 @@ pytest.importorskip("ucxx")
 from kvxfer.errors import PeerError, RejectedWrite, TransferTimeout, TransportError  # noqa: E402
 from kvxfer.plan import ByteRanges, RunGroup, TransferPlan  # noqa: E402
 from kvxfer.transport import TransferStatus, get_transport  # noqa: E402
+from waiting import until
 
 KiB, MiB = 1 << 10, 1 << 20
 POOL = 24 * MiB
@@ -299,15 +300,6 @@ def test_receiver_fails_transfer_past_its_deadline(pair):
     peer("forget", "r-late")
 
 
-def _until(cond, timeout: float = 5.0) -> bool:
-    limit = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > limit:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def test_forgotten_request_keeps_its_memory_until_no_put_is_left(pair):
     """Puts cannot be recalled: once GO went out, a request the receiver forgets keeps
     ``writes_pending`` True (its memory must not be reused) until the sender says that no put of
@@ -319,19 +311,19 @@ def test_forgotten_request_keeps_its_memory_until_no_put_is_left(pair):
         rid = f"r-land-{xid}"
         peer("expect", rid, _whole(POOL))
         _raw(t, pid, [ANNOUNCE, xid, rid, 10.0, b"", runs, 1, MiB, b""])   # one put run: GO comes back
-        assert _until(lambda: xid in peer("open_in")), "the announce was not taken"
+        assert until(lambda: xid in peer("open_in"), 5.0), "the announce was not taken"
         assert not peer("pending", rid)
         peer("forget", rid)
-        assert _until(lambda: peer("pending", rid)), "a forgotten transfer with puts after GO is not pending"
+        assert until(lambda: peer("pending", rid), 5.0), "a forgotten transfer with puts after GO is not pending"
         time.sleep(0.3)
         assert peer("pending", rid)                        # no word from the sender: still pending
         _raw(t, pid, end)
-        assert _until(lambda: not peer("pending", rid)), f"{end[0]} did not end the pending writes"
+        assert until(lambda: not peer("pending", rid), 5.0), f"{end[0]} did not end the pending writes"
         peer("arrivals", 2, 1)                             # the failed arrival of the forgotten transfer
     # the sender aborts first (its puts are flushed by then): nothing is pending after the forget
     peer("expect", "r-land-aborted", _whole(POOL))
     _raw(t, pid, [ANNOUNCE, 30_004, "r-land-aborted", 10.0, b"", runs, 1, MiB, b""])
-    assert _until(lambda: 30_004 in peer("open_in"))
+    assert until(lambda: 30_004 in peer("open_in"), 5.0)
     _raw(t, pid, [ABORT, 30_004, "sender gave up"])
     (arr,) = peer("arrivals", 5, 1)
     assert arr[0] == "r-land-aborted" and not arr[2] and "aborted by the sender" in arr[3]
@@ -342,9 +334,9 @@ def test_forgotten_request_keeps_its_memory_until_no_put_is_left(pair):
     peer("expect", "r-land-packed", _whole(POOL))
     _raw(t, pid, [ANNOUNCE, 30_003, "r-land-packed", 10.0, b"", np.asarray([[0], [0], [8 * MiB]], "<i8").tobytes(),
                   0, MiB, b""])
-    assert _until(lambda: 30_003 in peer("open_in"))
+    assert until(lambda: 30_003 in peer("open_in"), 5.0)
     peer("forget", "r-land-packed")
-    assert _until(lambda: 30_003 not in peer("open_in")) and not peer("pending", "r-land-packed")
+    assert until(lambda: 30_003 not in peer("open_in"), 5.0) and not peer("pending", "r-land-packed")
     peer("arrivals", 2, 1)
     assert (peer.pool() == CANARY).all()
 
