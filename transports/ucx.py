@@ -424,8 +424,9 @@ class UCXTransport(Transport):
             src, dst = self._base_list[sr] + so, p.base_list[dr] + do
             puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]
         staging = None
-        if packed_runs:  # gather_runs costs ~100 us of index building; a few slices cost ~1 us each
-            staging = torch.cat([self._regions[sr][so: so + n] for sr, so, _, _, n in packed_runs])
+        if packed_runs:   # a few runs: gather_runs copies them slice by slice
+            sr, so, _, _, n = (np.array(c, np.int64) for c in zip(*packed_runs))
+            staging = gather_runs(self._regions, sr, so, n)
         runs = put_runs + packed_runs
         return puts, np.array([[r[2] for r in runs], [r[3] for r in runs], [r[4] for r in runs]], _I8).tobytes(), \
             len(put_runs), staging
@@ -853,7 +854,7 @@ class UCXTransport(Transport):
         if o.state == "flushing":
             o.abort = str(err)
             if self._puts_settled(o):
-                self._settled(o)
+                self._release_and_abort(o)
             else:
                 self._holding.append(o)   # puts issued, not flushed: they still read the source
         else:
@@ -873,8 +874,8 @@ class UCXTransport(Transport):
         dead peer takes nothing; a stalled one is past every deadline when it wakes)."""
         return (o.flush is not None and o.flush.completed) or o.peer.gone
 
-    def _settled(self, o: _Out) -> None:
-        """No put of failed ``o`` reads its source or lands any more: say so to the receiver."""
+    def _release_and_abort(self, o: _Out) -> None:
+        """No put of failed ``o`` reads its source or lands any more: release it, tell the receiver."""
         o.handle.release_source()
         if not o.peer.gone:
             self._send(o.peer, [ABORT, o.xid, o.abort])
@@ -882,7 +883,7 @@ class UCXTransport(Transport):
     def _housekeeping(self, now: float) -> None:
         for o in self._holding:
             if self._puts_settled(o):
-                self._settled(o)
+                self._release_and_abort(o)
         self._holding = [o for o in self._holding if not o.handle.source_released]
         for o in [o for o in self._out.values() if now > o.handle.deadline]:
             self._fail_out(o, TransferTimeout(f"transfer for request {o.handle.request_id} passed its deadline "

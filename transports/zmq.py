@@ -629,11 +629,11 @@ class ZMQTransport(Transport):
         if out.peer.pending is not None and out.peer.pending[2] is out:
             out.peer.pending = None   # never handed to zmq: dropped (the receiver fails the transfer)
         out.frames = out.ahead = None
-        if not self._released(out):
+        if not self._release_if_free(out):
             self._releasing.append(out)
 
     @staticmethod
-    def _released(out: _Out) -> bool:
+    def _release_if_free(out: _Out) -> bool:
         if out.handle.source_released or all(t.done for t in out.trackers):
             out.handle.release_source()
             return True
@@ -680,7 +680,7 @@ class ZMQTransport(Transport):
         for out in list(self._out.values()):
             if out.handle.poll() != TransferStatus.PENDING:   # poll() times out a passed deadline
                 self._retire(out)
-        self._releasing = [out for out in self._releasing if not self._released(out)]
+        self._releasing = [out for out in self._releasing if not self._release_if_free(out)]
         for pid, peer in self._peers.items():
             if not peer.open:
                 continue
