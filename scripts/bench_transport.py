@@ -493,6 +493,16 @@ def make_cases(pool_bytes: int, total: int, rng) -> list[dict]:
     return cases
 
 
+def _option_value(text: str) -> int | float | str:
+    """``--opt`` values: numbers where they parse (``frame_bytes=2097152``), else text (``tls=sysv,self``)."""
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def _fmt(n: int) -> str:
     return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
 
@@ -513,7 +523,7 @@ def main() -> None:
     for o in args.opt:
         key, value = o.split("=", 1)
         tname, opt = key.split(".", 1)
-        options.setdefault(tname, {})[opt] = float(value) if "." in value else int(value)
+        options.setdefault(tname, {})[opt] = _option_value(value)
     ctx = mp.get_context("spawn")
     rng = np.random.default_rng(0)
     src = torch.randint(0, 256, (pool_bytes,), dtype=torch.uint8)
