@@ -378,6 +378,7 @@ class ZMQTransport(Transport):
         self._dead: collections.OrderedDict = collections.OrderedDict()   # failed incoming keys
         self._seen: dict[bytes, float] = {}                               # routing id -> last message
         self._acks: dict[bytes, list[int]] = {}
+        self._completed: list[Arrival] = []   # delivered after this turn's acks (see _on_router)
         self._releasing: list[_Out] = []   # ended, zero-copy messages of theirs still in zmq
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
@@ -404,6 +405,7 @@ class ZMQTransport(Transport):
         finally:
             for out in list(self._out.values()):
                 out.handle.finish(peer_failed(out.handle.request_id, "transport closed"))
+            self._deliver_completed()
             for key in list(self._in):
                 self._fail_in(key, "transport closed")
             while not self._cmds.empty():   # commands that raced with close()
@@ -725,7 +727,15 @@ class ZMQTransport(Transport):
                 log.exception("error handling a message")
                 self.grants.reject("?", f"internal error: {type(e).__name__}")
         self._flush_acks()
+        self._deliver_completed()
         return drained
+
+    def _deliver_completed(self) -> None:
+        """Completed transfers reach the caller after the turn's acks: its handler (a decode
+        endpoint's, say) wakes a waiting thread, which runs once this one blocks in poll."""
+        done, self._completed = self._completed, []
+        for arrival in done:
+            self._deliver(arrival)
 
     def _flush_acks(self) -> None:
         for rid, xids in self._acks.items():   # one ack message per sender per batch
@@ -797,7 +807,7 @@ class ZMQTransport(Transport):
                                    f"{st.nruns} of {h['nruns']} runs arrived")
                 return
             del self._in[key]
-            self._deliver(Arrival(request_id, st.nbytes, True, "", h["notify"]))
+            self._completed.append(Arrival(request_id, st.nbytes, True, "", h["notify"]))
             self._acks.setdefault(rid, []).append(key[2])
 
     def _write(self, region, offset, nbytes, payload: list) -> None:
@@ -833,6 +843,7 @@ class ZMQTransport(Transport):
         if len(self._dead) > 65536:
             self._dead.popitem(last=False)
         log.warning("incoming transfer %d of request %s failed: %s", xid, request_id, reason)
+        self._deliver_completed()   # in the order they happened
         self._deliver(Arrival(request_id, st.nbytes if st else 0, False, reason))
         self._reply(rid, {"t": "n", "x": xid, "why": reason})
 
