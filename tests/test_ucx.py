@@ -57,6 +57,9 @@ def _serve(conn, tls, pool_bytes: int, opts: dict) -> None:
         elif cmd == "open_in":   # xids of the incoming transfers open now (read off the I/O thread)
             conn.send(sorted(k[1] for k in list(t._in)))
             continue
+        elif cmd == "dtag":      # the data tag GO gave an incoming transfer (0: none yet)
+            conn.send(next((i.dtag for i in list(t._in.values()) if i.xid == a[0]), 0))
+            continue
         elif cmd == "arrivals":
             got, end = [], time.monotonic() + a[0]
             while len(got) < a[1] and time.monotonic() < end:
@@ -336,9 +339,87 @@ def test_forgotten_request_keeps_its_memory_until_no_put_is_left(pair):
                   0, MiB, b""])
     assert until(lambda: 30_003 in peer("open_in"), 5.0)
     peer("forget", "r-land-packed")
-    assert until(lambda: 30_003 not in peer("open_in"), 5.0) and not peer("pending", "r-land-packed")
+    assert until(lambda: 30_003 not in peer("open_in"), 5.0)
+    assert until(lambda: not peer("pending", "r-land-packed"), 5.0), "cancelled receives kept the request pending"
     peer("arrivals", 2, 1)
     assert (peer.pool() == CANARY).all()
+
+
+def test_frame_iovs_carry_the_bytes_of_staging_frames():
+    """Frame k of an iov transfer holds the bytes frame k of a staging block would: the runs
+    back to back, cut every frame_bytes (runs cut where a boundary falls inside them)."""
+    from transports.ucx import _frame_iovs
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        k = int(rng.integers(1, 30))
+        n = rng.integers(0, 3000, k).astype(np.int64)
+        n[rng.integers(0, k)] += 1   # at least one byte
+        addr = rng.integers(0, 1 << 40, k).astype(np.int64)
+        frame = int(rng.integers(1, 2500))
+        frames = _frame_iovs(addr, n, frame)
+        stream = np.concatenate([a + np.arange(c) for a, c in zip(addr, n)])
+        assert len(frames) == -(-int(n.sum()) // frame)
+        got = [np.concatenate([int(a) + np.arange(int(c)) for a, c in f]) for f in frames]
+        assert [len(g) for g in got] == [min(frame, len(stream) - i * frame) for i in range(len(frames))]
+        assert np.array_equal(np.concatenate(got), stream) and all((f[:, 1] > 0).all() for f in frames)
+
+
+def _data_frame(t, pid: str, tag: int, payload: bytes) -> None:
+    """Send a hand-made data frame from ``t`` to its peer (a hostile sender)."""
+    from transports.ucx import Array, ucx_api
+    p = t._peers[pid]
+
+    def send():
+        buf = np.frombuffer(payload, np.uint8)
+        t._ctrl_sends.append((p.ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)), buf))
+    t._call(send)
+
+
+def test_hostile_frames_fail_their_transfer_and_land_only_in_its_grant(pair):
+    """Packed frames are received straight into the granted runs. A frame of the wrong size
+    fails its transfer (counted as malformed); a frame with an unknown tag is dropped; no byte
+    lands outside the grant, and an honest transfer works afterwards."""
+    from transports.ucx import ANNOUNCE, DATA_BIT, DONE, FRAME_BITS
+    t, src, peer, pid = pair
+    grant = ([0, 0], [MiB, 5 * MiB], [2 * MiB, 2 * MiB])
+    runs = np.asarray(grant, "<i8").tobytes()   # 4 MiB packed: four 1 MiB frames
+    before = peer("rejected")
+    for xid, bad in ((40_001, b"s" * (MiB // 2)), (40_002, b"l" * (2 * MiB))):   # short, then long frame 1
+        rid = f"r-frames-{xid}"
+        peer("expect", rid, grant)
+        _raw(t, pid, [ANNOUNCE, xid, rid, 10.0, b"", runs, 0, MiB, b""])
+        assert until(lambda: peer("dtag", xid), 5.0), "no GO for the packed frames"
+        dtag = peer("dtag", xid)
+        _data_frame(t, pid, DATA_BIT | 999_999 << FRAME_BITS, b"x" * MiB)    # nobody's tag: dropped
+        _data_frame(t, pid, DATA_BIT | dtag << FRAME_BITS | 7, b"x" * MiB)   # no frame 7: dropped
+        _data_frame(t, pid, DATA_BIT | dtag << FRAME_BITS | 1, bad)
+        (arr,) = peer("arrivals", 10, 1)
+        assert arr[0] == rid and not arr[2] and "malformed frame" in arr[3], arr
+        assert until(lambda: not peer("pending", rid), 5.0), "cancelled receives still pending"
+        peer("forget", rid)
+    assert peer("rejected").get("malformed frame", 0) - before.get("malformed frame", 0) == 2
+    pool = peer.pool()
+    outside = np.ones(POOL, bool)
+    outside[MiB: 3 * MiB] = outside[5 * MiB: 7 * MiB] = False
+    assert (pool[outside] == CANARY).all(), "a frame landed outside its grant"
+    # an honest sender of the same frames succeeds, byte for byte
+    peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
+    peer("expect", "r-frames-ok", grant)
+    _raw(t, pid, [ANNOUNCE, 40_003, "r-frames-ok", 10.0, b"", runs, 0, MiB, b""])
+    assert until(lambda: peer("dtag", 40_003), 5.0)
+    dtag = peer("dtag", 40_003)
+    payload = src[: 4 * MiB].tobytes()
+    for k in range(4):
+        _data_frame(t, pid, DATA_BIT | dtag << FRAME_BITS | k, payload[k * MiB: (k + 1) * MiB])
+    _raw(t, pid, [DONE, 40_003])
+    (arr,) = peer("arrivals", 10, 1)
+    assert arr[0] == "r-frames-ok" and arr[2], arr
+    pool = peer.pool()
+    assert np.array_equal(pool[MiB: 3 * MiB], src[: 2 * MiB]) and np.array_equal(pool[5 * MiB: 7 * MiB],
+                                                                                 src[2 * MiB: 4 * MiB])
+    assert (pool[outside] == CANARY).all()
+    peer("forget", "r-frames-ok")
+    peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
 
 
 def test_adjacent_runs_go_as_one_put(pair):
@@ -347,11 +428,19 @@ def test_adjacent_runs_go_as_one_put(pair):
     k = 40  # more than FEW_RUNS: the vectorized path
     so, do = np.r_[np.arange(k // 2), 100 + np.arange(k // 2)] * 64 * KiB, np.arange(k) * 64 * KiB
     plan = _plan([(so, do, 64 * KiB, False)])
-    puts, runs, nput, _ = t._prepare(t._peers[pid], plan)
+    put_below, t.put_below = t.put_below, 64 * KiB   # 64 KiB runs are put, not packed
+    try:
+        puts, runs, nput, _ = t._prepare(t._peers[pid], plan)
+    finally:
+        t.put_below = put_below
     # two merged runs of 1.25 MiB, each cut at frame_bytes (1 MiB here)
     assert [n for _, _, n, _, _ in puts] == [MiB, 256 * KiB] * 2 and nput == k == len(runs) // 24
     peer("expect", "r-merge", _whole(POOL))
-    assert t.submit(pid, "r-merge", plan, timeout=30).wait(30)
+    t.put_below = 64 * KiB
+    try:
+        assert t.submit(pid, "r-merge", plan, timeout=30).wait(30)
+    finally:
+        t.put_below = put_below
     assert peer("arrivals", 10, 1)[0][2]
     got = peer.pool()
     assert np.array_equal(got[: k * 64 * KiB], np.concatenate([src[o: o + 64 * KiB] for o in so]))

@@ -1,13 +1,18 @@
-"""UCX transport: one-sided put for runs, a tagged block for packed runs, tagged control.
+"""UCX transport: one-sided put for big runs, tagged iov frames for the rest, tagged control.
 
-Mechanism, by measurement (scripts/bench_ucx.py): unpacked runs are written with
-``ucp_put_nbx`` through the ``libucp`` bundled with ``ucxx`` (ctypes, on the worker and endpoint
-handles ucxx creates). The receiver posts nothing per run, so a scattered page costs one call
-on the sender only; raw puts beat ucxx tag send/recv into the destination at every size here
-(1000 scattered 64 KiB pages: 10-30x). Runs shorter than ``PUT_BELOW`` are packed instead:
-gathered into one block, tag-sent in frames and scattered by the receiver. UCX decides this
-itself (the plan's ``RunGroup.packed`` is the threshold of a copying transport). Control
-messages are msgpack lists, batched per peer and loop turn into one tagged message.
+Mechanism, by measurement (scripts/bench_transport.py, scripts/bench_ucx.py): runs of
+``PUT_BELOW`` (1 MiB) or more are written with ``ucp_put_nbx`` through the ``libucp`` bundled
+with ``ucxx`` (ctypes, on the worker and endpoint handles ucxx creates): one call on the sender,
+nothing posted by the receiver. Shorter runs are packed: their bytes, back to back, travel as
+tagged frames of ``frame_bytes``. In host memory a frame is a UCX iov on both sides
+(``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx`` with ``ucp_dt_make_iov``): the sender sends from
+the source runs and the receiver posts its receive into the granted destination runs, so
+neither gathers nor scatters, and the receiver alone says where bytes land. 1000 scattered
+64 KiB pages went 1.7x faster this way than as puts, 16000 4 KiB pages 2.2x. CUDA memory
+gathers into a staging block on the device, and the receiver scatters from one; it packs only
+runs below ``PUT_BELOW_CUDA``. UCX decides all this itself (the plan's ``RunGroup.packed`` is
+the threshold of a copying transport). Control messages are msgpack lists, batched per peer
+and loop turn into one tagged message.
 
 One transfer (S sender, R receiver, each on its own I/O thread)::
 
@@ -15,11 +20,15 @@ One transfer (S sender, R receiver, each on its own I/O thread)::
                       the packed bytes inline when they are few (< INLINE_BELOW: no frames)
     R       GrantTable.check + region bounds; refused: FAIL to S, Arrival(ok=False);
             inline bytes land now; nothing else to come (no puts, no frames): ACK at once
-    R -> S  GO        a data tag for the packed frames
+    R -> S  GO        a data tag for the packed frames (host: R has posted their receives)
     S       puts (big runs cut in frames), packed frames, one ep flush per peer and turn
     S -> R  DONE      after the flush, so every put is visible at R
-    R       receives frames, re-checks the grant, scatters packed runs, Arrival(ok=True)
+    R       every frame received (host: in place; CUDA: re-checks the grant and scatters
+            the staging block), Arrival(ok=True)
     R -> S  ACK       only now is the handle DONE
+
+A receiver that ends a transfer early cancels its posted receives; one that matched a frame
+already still lands, so ``writes_pending`` holds the request's memory until all are done.
 
 Transfers that meet in a turn of the I/O thread share one control message per peer, one
 flush and one wake-up. Plans of a few runs are handled with Python ints (a numpy call costs
@@ -76,6 +85,7 @@ log = logging.getLogger("kvxfer.transport.ucx")
 # ---- libucp through ctypes (ucxx exposes no RMA); structs as in UCX 1.21's ucp.h ---------
 _ucp, _ucs = ctypes.CDLL("libucp.so.0"), ctypes.CDLL("libucs.so.0")  # the copies ucxx loaded
 _vp, _sz, _u64, _int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int
+_status_t = ctypes.c_int8  # ucs_status_t is a packed (one-byte) enum
 
 
 class _MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t
@@ -96,19 +106,31 @@ def _fn(lib, name, res, *args):
 
 
 _P = ctypes.POINTER
-_mem_map = _fn(_ucp, "ucp_mem_map", _int, _vp, _P(_MemMapParams), _P(_vp))
-_mem_unmap = _fn(_ucp, "ucp_mem_unmap", _int, _vp, _vp)
-_rkey_pack = _fn(_ucp, "ucp_rkey_pack", _int, _vp, _vp, _P(_vp), _P(_sz))
+_mem_map = _fn(_ucp, "ucp_mem_map", _status_t, _vp, _P(_MemMapParams), _P(_vp))
+_mem_unmap = _fn(_ucp, "ucp_mem_unmap", _status_t, _vp, _vp)
+_rkey_pack = _fn(_ucp, "ucp_rkey_pack", _status_t, _vp, _vp, _P(_vp), _P(_sz))
 _rkey_release = _fn(_ucp, "ucp_rkey_buffer_release", None, _vp)
-_rkey_unpack = _fn(_ucp, "ucp_ep_rkey_unpack", _int, _vp, ctypes.c_char_p, _P(_vp))
+_rkey_unpack = _fn(_ucp, "ucp_ep_rkey_unpack", _status_t, _vp, ctypes.c_char_p, _P(_vp))
 _rkey_destroy = _fn(_ucp, "ucp_rkey_destroy", None, _vp)
 _put = _fn(_ucp, "ucp_put_nbx", _vp, _vp, _vp, _sz, _u64, _vp, _P(_RequestParam))
 _flush = _fn(_ucp, "ucp_ep_flush_nbx", _vp, _vp, _P(_RequestParam))
-_req_status = _fn(_ucp, "ucp_request_check_status", _int, _vp)
+_req_status = _fn(_ucp, "ucp_request_check_status", _status_t, _vp)
 _req_free = _fn(_ucp, "ucp_request_free", None, _vp)
-_signal = _fn(_ucp, "ucp_worker_signal", _int, _vp)
+_req_cancel = _fn(_ucp, "ucp_request_cancel", None, _vp, _vp)
+_tag_send = _fn(_ucp, "ucp_tag_send_nbx", _vp, _vp, _vp, _sz, _u64, _P(_RequestParam))
+_tag_recv = _fn(_ucp, "ucp_tag_recv_nbx", _vp, _vp, _vp, _sz, _u64, _u64, _P(_RequestParam))
+_signal = _fn(_ucp, "ucp_worker_signal", _status_t, _vp)
 _status_str = _fn(_ucs, "ucs_status_string", ctypes.c_char_p, _int)
 _MEMMAP_ADDR_LEN, _OP_ATTR_MEMH, _INPROGRESS = 0b11, 1 << 8, 1
+_OP_ATTR_DATATYPE, _OP_ATTR_RECV_INFO, _DT_IOV = 1 << 3, 1 << 7, 2   # ucp_dt_make_iov()
+_TRUNCATED = -9   # UCS_ERR_MESSAGE_TRUNCATED: a frame longer than its posted receive
+
+
+class _TagRecvInfo(ctypes.Structure):  # ucp_tag_recv_info_t
+    _fields_ = [("sender_tag", _u64), ("length", _sz)]
+
+
+_tag_recv_test = _fn(_ucp, "ucp_tag_recv_request_test", _status_t, _vp, _P(_TagRecvInfo))
 _PTR_ERR_MIN = 2**64 - 100  # UCS_PTR_IS_ERR: status pointers -100..-1
 _LOG_HANDLER_T = ctypes.CFUNCTYPE(_int, ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, _int, _vp,
                                   ctypes.c_char_p, _vp)
@@ -159,16 +181,106 @@ class _Flush:
         return self.poll() is not None
 
 
+class _IovFrames:
+    """The packed frames of one transfer, read from (sender) or written into (receiver) the
+    runs themselves: one UCX iov per frame, so neither side gathers nor scatters. Frame ``k``
+    holds the same bytes as the ``k``-th frame of a staging block (``_frame_iovs``), so either
+    side may use staging instead (CUDA regions do). Raw ucp requests, polled and freed here."""
+    __slots__ = ("iovs", "sizes", "reqs", "error", "receiving", "_info")
+
+    def __init__(self, iovs: list[np.ndarray]):
+        self.iovs, self.sizes = iovs, [int(v[:, 1].sum()) for v in iovs]
+        self.reqs: list[tuple[int, int]] = []   # (request pointer, frame) still in flight
+        self.error, self.receiving, self._info = "", False, _TagRecvInfo()
+
+    def send(self, ep: int, tag: int) -> None:
+        for k, v in enumerate(self.iovs):
+            self._track(_tag_send(ep, v.ctypes.data, len(v), tag | k, _IOV_SEND), k)
+
+    def recv(self, worker: int, tag: int) -> None:
+        """Post a receive per frame (before GO): every frame lands where this side said."""
+        self.receiving = True
+        for k, v in enumerate(self.iovs):
+            info = _TagRecvInfo()
+            param = _RequestParam(op_attr_mask=_OP_ATTR_DATATYPE | _OP_ATTR_RECV_INFO, datatype=_DT_IOV,
+                                  recv_info=ctypes.addressof(info))
+            st = _tag_recv(worker, v.ctypes.data, len(v), tag | k, 2**64 - 1, ctypes.byref(param))
+            if st == 0:   # completed at once (the frame was already here): its length is in info
+                self._check_length(k, info.length)
+            self._track(st, k)
+
+    def _track(self, st: int | None, k: int) -> None:
+        if st and st >= _PTR_ERR_MIN:
+            self._fail(k, st - 2**64)
+        elif st:
+            self.reqs.append((st, k))
+
+    def _fail(self, k: int, status: int) -> None:
+        if not self.error:
+            self.error = f"malformed frame: frame {k} is longer than its {self.sizes[k]} bytes" \
+                if status == _TRUNCATED else f"frame {k}: {_why(status)}"
+
+    def _check_length(self, k: int, length: int) -> None:
+        if length != self.sizes[k] and not self.error:
+            self.error = f"malformed frame: frame {k} has {length} bytes, {self.sizes[k]} expected"
+
+    def poll(self) -> bool:
+        """True once no request is in flight (then ``error`` says whether all went well)."""
+        left = []
+        for ptr, k in self.reqs:
+            st = _tag_recv_test(ptr, ctypes.byref(self._info)) if self.receiving else _req_status(ptr)
+            if st == _INPROGRESS:
+                left.append((ptr, k))
+                continue
+            if st != 0:
+                self._fail(k, st)
+            elif self.receiving:
+                self._check_length(k, self._info.length)
+            _req_free(ptr)
+        self.reqs = left
+        return not left
+
+    def cancel(self, worker: int) -> None:
+        """Cancel posted receives not matched yet; a matched one still lands (poll until done)."""
+        for ptr, _ in self.reqs:
+            _req_cancel(worker, ptr)
+
+
+_IOV_SEND_PARAM = _RequestParam(op_attr_mask=_OP_ATTR_DATATYPE, datatype=_DT_IOV)
+_IOV_SEND = ctypes.byref(_IOV_SEND_PARAM)
+
+
+def _frame_iovs(addr: np.ndarray, n: np.ndarray, frame: int) -> list[np.ndarray]:
+    """The bytes of runs ``(addr, n)`` back to back, cut every ``frame`` bytes: one iov per
+    frame, ``[pieces, 2]`` uint64 of (address, length) as ``ucp_dt_iov_t``."""
+    keep = n > 0
+    addr, n = addr[keep], n[keep]
+    ends = np.cumsum(n)
+    starts, total = ends - n, int(ends[-1])
+    bounds = np.arange(frame, total, frame)                          # where frames 1, 2, ... start
+    k = np.minimum(np.searchsorted(starts, bounds), len(starts) - 1)
+    mid = bounds[starts[k] != bounds]                                # ... inside a run: cut it there
+    piece = np.insert(starts, np.searchsorted(starts, mid), mid)     # piece starts, in stream order
+    run = np.searchsorted(starts, piece, side="right") - 1
+    iov = np.empty((len(piece), 2), np.uint64)
+    iov[:, 0] = addr[run] + (piece - starts[run])
+    iov[:, 1] = np.diff(np.append(piece, total))
+    return np.split(iov, np.searchsorted(piece, bounds))
+
+
 # ---- wire ----------------------------------------------------------------------------
 CTRL_TAG, DATA_BIT, KIND_MASK = 1 << 63, 1 << 62, 3 << 62
 FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
 HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
 _REFUSALS = ("outside", "unknown", "ended", "malformed")  # GrantTable reasons: RejectedWrite
 _I8 = np.dtype("<i8")
-# Runs shorter than this are packed, longer ones put. Measured (scripts/bench_transport.py and
-# bench_hetero.py, shared memory on the 2-core box): 4 KiB pages go 1.6x faster packed than
-# put one by one; 8 KiB head slices of HND pages go 1.3-1.5x faster put (TP 2 -> 4, 4 -> 2).
-PUT_BELOW = 8 * 1024
+# Runs shorter than this are packed, longer ones put. Host memory: packed frames go as UCX iovs
+# (no gather, no scatter), and 1000 scattered 64 KiB pages moved 1.7x faster that way than as
+# puts (3.6 vs 2.0 GB/s; 4 KiB pages 2.2x); a run of 1 MiB or more is one put. CUDA memory
+# (packed runs gathered and scattered on the device) keeps the threshold measured before iovs:
+# 4 KiB pages went 1.6x faster packed than put, 8 KiB head slices of HND pages 1.3-1.5x faster put.
+PUT_BELOW = 1 << 20
+PUT_BELOW_CUDA = 8 * 1024
 INLINE_BELOW = 256 * 1024   # packed bytes below this travel inside the ANNOUNCE
 
 
@@ -228,8 +340,9 @@ class _Out:
     handle: TransferHandle
     announce: list
     puts: list                       # (src addr, dst addr, nbytes, src region, dst region) per put
-    staging: torch.Tensor | None     # gathered packed runs, unless they went in the announce
+    staging: torch.Tensor | None     # gathered packed runs (CUDA sources, or inline in the announce)
     frame_bytes: int
+    iov: _IovFrames | None = None    # or the packed runs' frames, read in place (host sources)
     state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack
     reqs: list = field(default_factory=list)
     flush: _Flush | None = None
@@ -246,9 +359,10 @@ class _In:
     nbytes: int
     notify: bytes
     packed: tuple | None             # region, offset, nbytes arrays of the packed runs; None once landed
-    staging: torch.Tensor | None     # their frames
+    staging: torch.Tensor | None     # their frames (CUDA destinations)
     frame_bytes: int
     frames: int
+    iov: _IovFrames | None = None    # or receives posted into the runs themselves (host destinations)
     dtag: int = 0                    # tag of the frames (0: no GO sent)
     puts: int = 0                    # announced runs the sender puts (one-sided) after GO
     got: int = 0
@@ -262,7 +376,8 @@ class UCXTransport(Transport):
     tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...); None: UCX's choice
                   (shared memory on one host). Both peers must share a transport.
     frame_bytes   big runs are put in pieces of this size; packed blocks go in frames of it.
-    put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``).
+    put_below     runs in host memory shorter than this are packed, longer ones put (``PUT_BELOW``)
+    put_below_cuda  the same for runs in CUDA memory (``PUT_BELOW_CUDA``)
     heartbeat     seconds between pings to each peer; ``peer_timeout`` seconds of silence
                   fail a peer's transfers (a dead peer is silent: error handling is off).
     ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``.
@@ -270,12 +385,13 @@ class UCXTransport(Transport):
     name = "ucx"
 
     def __init__(self, *, tls: str | None = None, frame_bytes: int = 4 << 20, put_below: int = PUT_BELOW,
+                 put_below_cuda: int = PUT_BELOW_CUDA,
                  heartbeat: float = 0.5, peer_timeout: float = 5.0, ucx_config: dict | None = None):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
         config = dict(ucx_config or {}, **({"TLS": tls} if tls else {}))
         self.id = uuid.uuid4().hex
-        self.frame_bytes, self.put_below = int(frame_bytes), int(put_below)
+        self.frame_bytes, self.put_below, self.put_below_cuda = int(frame_bytes), int(put_below), int(put_below_cuda)
         self.heartbeat, self.peer_timeout = heartbeat, peer_timeout
         self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
                                                               ucx_api.Feature.WAKEUP))
@@ -285,6 +401,7 @@ class UCXTransport(Transport):
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
         self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)
+        self._is_host = np.zeros(0, bool)
         self._cuda_devices: set[torch.device] = set()
         self._memh: list[int | None] = []
         self._params: list[_RequestParam] = []
@@ -304,6 +421,7 @@ class UCXTransport(Transport):
         # its DONE or ABORT (sent once its puts are flushed) or it is gone: (peer, xid) -> rid.
         self._landing: dict[tuple[str, int], str] = {}
         self._landing_rids: collections.Counter = collections.Counter()
+        self._draining: list[tuple[str, _IovFrames]] = []   # cancelled receives of ended transfers
         self._xids, self._dtags = itertools.count(1), itertools.count(1)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
@@ -368,10 +486,19 @@ class UCXTransport(Transport):
         try:
             if not self._regions and plan.num_runs:
                 raise TransportError("register(regions) must be called before submit")
-            puts, runs, nput, staging = (self._prepare_few if plan.num_runs <= FEW_RUNS else self._prepare)(p, plan)
+            puts, runs, nput, packed = (self._prepare_few if plan.num_runs <= FEW_RUNS else self._prepare)(p, plan)
+            staging = iov = None
             inline = b""
-            if staging is not None and staging.numel() < INLINE_BELOW:  # no GO wait, no frames
-                inline, staging = staging.cpu().numpy().tobytes(), None
+            if packed is not None:
+                sr, so, n = packed
+                total = int(n.sum())
+                if total < INLINE_BELOW:               # in the announce: no GO wait, no frames
+                    inline = gather_runs(self._regions, sr, so, n).cpu().numpy().tobytes()
+                elif self._is_host[sr].all():          # frames read straight from the source runs
+                    iov = _IovFrames(_frame_iovs(self._base[sr] + so, n, self.frame_bytes))
+                else:                                  # CUDA: gather on the device, frames from there
+                    staging = self._staging.get(total, self._regions[int(sr[0])].device)
+                    gather_runs(self._regions, sr, so, n, out=staging)
             if staging is not None and staging.is_cuda:  # UCX reads it right after GO
                 torch.cuda.current_stream(staging.device).synchronize()
         except (PlanError, TransportError) as e:
@@ -379,12 +506,13 @@ class UCXTransport(Transport):
             return handle
         xid = next(self._xids)
         announce = [ANNOUNCE, xid, request_id, float(timeout), bytes(notify), runs, nput, self.frame_bytes, inline]
-        self._cmds.put((None, (_Out(xid, p, handle, announce, puts, staging, self.frame_bytes),), None))
+        self._cmds.put((None, (_Out(xid, p, handle, announce, puts, staging, self.frame_bytes, iov),), None))
         self._wake()
         return handle
 
     def _prepare(self, p: _Peer, plan: TransferPlan) -> tuple:
-        """Bounds-check the runs, gather the packed ones: (puts, announced runs, put count, staging)."""
+        """Bounds-check the runs: (puts, announced runs, put count, packed runs as
+        (source region, offset, length) arrays or None)."""
         r = plan.runs()
         sr, so, dr, do, n = r[:5]
         for side, reg, off, lim in (("source", sr, so, self.grants.region_sizes), ("destination", dr, do, p.sizes)):
@@ -394,12 +522,9 @@ class UCXTransport(Transport):
                 raise PlanError(f"a {side} run leaves its region (the {side} has {len(lim)} regions)")
         # Runs below put_below travel packed, whatever the plan says: this bounds the put loop
         # (one Python step per put) by bytes / put_below, and a tiny put costs more than packing.
-        pk = n < self.put_below
+        pk = n < np.where(self._is_host[sr], self.put_below, self.put_below_cuda)
         d = ~pk
-        staging = None
-        if pk.any():
-            staging = self._staging.get(int(n[pk].sum()), self._regions[int(sr[pk][0])].device)
-            gather_runs(self._regions, sr[pk], so[pk], n[pk], out=staging)
+        packed = (sr[pk], so[pk], n[pk]) if pk.any() else None
         # Runs adjacent on both sides go as one put (the announce keeps the plan's runs for the
         # grant check). Region ids above the offset bits keep regions apart (regions < 16 TiB).
         ps, pso, pd, pdo, pn = sr[d], so[d], dr[d], do[d], n[d]
@@ -408,7 +533,7 @@ class UCXTransport(Transport):
             ps, pso, pd, pdo = ks >> 44, ks & (1 << 44) - 1, kd >> 44, kd & (1 << 44) - 1
         puts = _split(self._base[ps] + pso, p.base[pd] + pdo, pn, ps, pd, self.frame_bytes)
         order = np.concatenate([np.flatnonzero(d), np.flatnonzero(pk)])
-        return puts, np.stack([dr[order], do[order], n[order]]).astype(_I8).tobytes(), int(d.sum()), staging
+        return puts, np.stack([dr[order], do[order], n[order]]).astype(_I8).tobytes(), int(d.sum()), packed
 
     def _prepare_few(self, p: _Peer, plan: TransferPlan) -> tuple:
         """``_prepare`` for a plan of at most FEW_RUNS runs, with Python ints."""
@@ -419,17 +544,18 @@ class UCXTransport(Transport):
                 for (side, sizes), reg, off in zip(sides, (sr, dr), (so, do)):
                     if not (0 <= reg < len(sizes) and 0 <= off and 0 < n and off + n <= sizes[reg]):
                         raise PlanError(f"a {side} run leaves its region (the {side} has {len(sizes)} regions)")
-                (packed_runs if n < self.put_below else put_runs).append((sr, so, dr, do, n))
+                below = self.put_below if self._is_host[sr] else self.put_below_cuda
+                (packed_runs if n < below else put_runs).append((sr, so, dr, do, n))
         for sr, so, dr, do, n in put_runs:
             src, dst = self._base_list[sr] + so, p.base_list[dr] + do
             puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]
-        staging = None
-        if packed_runs:   # a few runs: gather_runs copies them slice by slice
+        packed = None
+        if packed_runs:
             sr, so, _, _, n = (np.array(c, np.int64) for c in zip(*packed_runs))
-            staging = gather_runs(self._regions, sr, so, n)
+            packed = (sr, so, n)
         runs = put_runs + packed_runs
         return puts, np.array([[r[2] for r in runs], [r[3] for r in runs], [r[4] for r in runs]], _I8).tobytes(), \
-            len(put_runs), staging
+            len(put_runs), packed
 
     def forget(self, request_id: str) -> bool:
         """Receiver: the request ended; its transfers in flight fail, later writes are dropped."""
@@ -490,6 +616,7 @@ class UCXTransport(Transport):
         self._base = np.asarray(self._base_list, np.int64)
         self._region_sizes = np.asarray([t.numel() for t in regions], np.int64)
         self._cuda_devices = {t.device for t in regions if t.is_cuda}
+        self._is_host = np.array([not t.is_cuda for t in regions], bool)
         self.grants.region_sizes = [t.numel() for t in regions]
 
     def _do_connect(self, peer_id, addr, base, sizes, rkeys) -> str:
@@ -540,6 +667,7 @@ class UCXTransport(Transport):
         end = time.monotonic() + 0.1
         while time.monotonic() < end:
             self._worker.progress()
+        self._reap_draining()   # cancelled receives: free their requests
         self._stop = True
 
     # ---- I/O thread: the loop -------------------------------------------------------------
@@ -645,7 +773,8 @@ class UCXTransport(Transport):
                 return  # a late answer for a transfer that already ended here
             if kind == GO and o.state == "wait_go":
                 self._start_puts(o, int(m[2]))
-            elif kind == ACK and (o.state == "wait_ack" or o.state == "wait_go" and not o.puts and o.staging is None):
+            elif kind == ACK and (o.state == "wait_ack" or o.state == "wait_go" and not o.puts and o.staging is None
+                                  and o.iov is None):
                 del self._out[o.xid]
                 o.handle.finish(release=True)   # puts flushed before DONE, or there were none
             elif kind == FAIL:
@@ -696,13 +825,19 @@ class UCXTransport(Transport):
         if inline:  # checked a moment ago: lands now, with no re-check and no frames
             self._land(i.packed, torch.frombuffer(bytearray(inline), dtype=torch.uint8))
             i.packed = None
+        elif total and self._is_host[packed[0]].all():   # frames land in the runs themselves
+            i.iov = _IovFrames(_frame_iovs(self._base[packed[0]] + packed[1], packed[2], frame_bytes))
         elif total:
             i.staging = self._staging.get(total, self._regions[int(packed[0, 0])].device)
         if nput == 0 and not i.frames:  # all here already: ACK without GO and DONE
             i.done = True
             return self._try_finish(i)
         i.dtag = next(self._dtags)
-        if i.frames:
+        if i.iov is not None:   # posted before GO: no frame of it can arrive unexpected
+            i.iov.recv(self._whandle, DATA_BIT | i.dtag << FRAME_BITS)
+            if i.iov.error:
+                return self._fail_in(i, f"posting receives failed: {i.iov.error}")
+        elif i.frames:
             self._by_dtag[i.dtag] = i
         self._send(p, [GO, xid, i.dtag])
 
@@ -725,6 +860,18 @@ class UCXTransport(Transport):
                 continue
             view = i.staging[k * i.frame_bytes: k * i.frame_bytes + want]
             i.reqs.append(self._worker.tag_recv_with_handle(_ucx_buf(view), res))
+        for i in [i for i in self._in.values() if i.iov is not None and i.got < i.frames]:
+            done = i.iov.poll()
+            if i.iov.error:   # at once: the frames still posted are cancelled
+                self._acts += 1
+                self._fail_in(i, self.grants.reject(i.rid, i.iov.error) if i.iov.error.startswith("malformed")
+                              else f"peer failed: receiving packed frames: {i.iov.error}")
+            elif done:
+                self._acts += 1
+                i.got, i.packed = i.frames, None   # landed in place
+                self._try_finish(i)
+        if self._draining:
+            self._reap_draining()
         for i in [i for i in self._in.values() if i.reqs and all(r.completed for r in i.reqs)]:
             try:
                 for r in i.reqs:
@@ -763,6 +910,20 @@ class UCXTransport(Transport):
         self._in.pop((i.peer.id, i.xid), None)
         self._by_dtag.pop(i.dtag, None)
         self._zombies.extend((r, i.staging) for r in i.reqs)  # posted receives still own the staging block
+        if i.iov is not None and not i.iov.poll():   # receives posted into the grant's memory
+            i.iov.cancel(self._whandle)
+            self._draining.append((i.rid, i.iov))
+            self._landing_rids[i.rid] += 1   # writes_pending until they are all done
+
+    def _reap_draining(self) -> None:
+        """Ended transfers whose posted receives are all done: nothing more of them lands."""
+        left = []
+        for rid, frames in self._draining:
+            if frames.poll():
+                self._landed(rid)
+            else:
+                left.append((rid, frames))
+        self._draining = left
 
     def _fail_in(self, i: _In, reason: str, tell: bool = True, puts_left: bool = True) -> None:
         self._forget_in(i)
@@ -811,6 +972,13 @@ class UCXTransport(Transport):
                     return self._fail_out(o, PeerError(f"request {o.handle.request_id}: put failed: "
                                                        f"{_why(st - 2**64)}"))
                 _req_free(st)  # its completion is covered by the flush
+        if o.iov is not None:
+            o.iov.send(ep, DATA_BIT | dtag << FRAME_BITS)
+            if o.iov.error:   # the frames sent so far still read the source until they complete
+                o.state = "flushing"
+                self._unflushed.setdefault(o.peer.id, []).append(o)
+                return self._fail_out(o, PeerError(f"request {o.handle.request_id}: sending frames failed: "
+                                                   f"{o.iov.error}"))
         if o.staging is not None:
             for k in range(-(-o.staging.numel() // o.frame_bytes)):  # one step per frame (MiBs)
                 view = o.staging[k * o.frame_bytes: (k + 1) * o.frame_bytes]
@@ -835,10 +1003,13 @@ class UCXTransport(Transport):
         for o in self._flushing:
             if o.state != "flushing":  # failed meanwhile
                 continue
-            if (st := o.flush.poll()) is None or not all(r.completed for r, _ in o.reqs):
+            if (st := o.flush.poll()) is None or not all(r.completed for r, _ in o.reqs) or \
+                    (o.iov is not None and not o.iov.poll()):
                 waiting.append(o)
             elif st != 0:
                 self._fail_out(o, PeerError(f"request {o.handle.request_id}: flush failed: {_why(st)}"))
+            elif o.iov is not None and o.iov.error:
+                self._fail_out(o, PeerError(f"request {o.handle.request_id}: sending frames failed: {o.iov.error}"))
             else:
                 self._staging.put(o.staging)
                 o.handle.release_source()   # every put is remotely visible: the source is read
@@ -870,9 +1041,10 @@ class UCXTransport(Transport):
     # ---- deadlines and heartbeats ---------------------------------------------------------
     @staticmethod
     def _puts_settled(o: _Out) -> bool:
-        """No put of ``o`` reads its source any more: the flush ended, or the peer is gone (a
-        dead peer takes nothing; a stalled one is past every deadline when it wakes)."""
-        return (o.flush is not None and o.flush.completed) or o.peer.gone
+        """No put or frame of ``o`` reads its source any more: the flush ended and the frames
+        left, or the peer is gone (a dead peer takes nothing; a stalled one is past every deadline
+        when it wakes)."""
+        return o.peer.gone or (o.flush is not None and o.flush.completed and (o.iov is None or o.iov.poll()))
 
     def _release_and_abort(self, o: _Out) -> None:
         """No put of failed ``o`` reads its source or lands any more: release it, tell the receiver."""
