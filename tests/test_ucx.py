@@ -428,23 +428,39 @@ def test_adjacent_runs_go_as_one_put(pair):
     k = 40  # more than FEW_RUNS: the vectorized path
     so, do = np.r_[np.arange(k // 2), 100 + np.arange(k // 2)] * 64 * KiB, np.arange(k) * 64 * KiB
     plan = _plan([(so, do, 64 * KiB, False)])
-    put_below, t.put_below = t.put_below, 64 * KiB   # 64 KiB runs are put, not packed
-    try:
-        puts, runs, nput, _ = t._prepare(t._peers[pid], plan)
-    finally:
-        t.put_below = put_below
+    puts, runs, nput, _ = t._prepare(t._peers[pid], plan)   # fewer than pack_many: put
     # two merged runs of 1.25 MiB, each cut at frame_bytes (1 MiB here)
     assert [n for _, _, n, _, _ in puts] == [MiB, 256 * KiB] * 2 and nput == k == len(runs) // 24
     peer("expect", "r-merge", _whole(POOL))
-    t.put_below = 64 * KiB
-    try:
-        assert t.submit(pid, "r-merge", plan, timeout=30).wait(30)
-    finally:
-        t.put_below = put_below
+    assert t.submit(pid, "r-merge", plan, timeout=30).wait(30)
     assert peer("arrivals", 10, 1)[0][2]
     got = peer.pool()
     assert np.array_equal(got[: k * 64 * KiB], np.concatenate([src[o: o + 64 * KiB] for o in so]))
     peer("forget", "r-merge")
+    peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
+
+
+def test_many_mid_size_runs_travel_as_iov_frames(pair):
+    """A transfer with pack_many runs below pack_below packs them (iov frames, no puts); the
+    bytes land exactly, scattered on both sides, and nothing outside the runs changes."""
+    t, src, peer, pid = pair
+    k = t.pack_many + 36
+    rng = np.random.default_rng(3)
+    so = rng.choice(POOL // (96 * KiB), k, replace=False) * 96 * KiB
+    do = rng.choice(POOL // (96 * KiB), k, replace=False) * 96 * KiB
+    n = rng.integers(8 * KiB, 96 * KiB, k)           # above put_below, below pack_below
+    plan = _plan([(so, do, n, False)])
+    puts, _, nput, packed = t._prepare(t._peers[pid], plan)
+    assert not puts and nput == 0 and len(packed[2]) == k
+    peer("expect", "r-iov", _whole(POOL))
+    h = t.submit(pid, "r-iov", plan, timeout=30)
+    assert h.wait(30), h.error
+    assert peer("arrivals", 10, 1)[0][2]
+    got, want = peer.pool(), np.full(POOL, CANARY, np.uint8)
+    for a, b, c in zip(so.tolist(), do.tolist(), n.tolist()):
+        want[b: b + c] = src[a: a + c]
+    assert np.array_equal(got, want)
+    peer("forget", "r-iov")
     peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
 
 
