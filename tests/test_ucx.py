@@ -428,7 +428,7 @@ def test_adjacent_runs_go_as_one_put(pair):
     k = 40  # more than FEW_RUNS: the vectorized path
     so, do = np.r_[np.arange(k // 2), 100 + np.arange(k // 2)] * 64 * KiB, np.arange(k) * 64 * KiB
     plan = _plan([(so, do, 64 * KiB, False)])
-    puts, runs, nput, _ = t._prepare(t._peers[pid], plan)   # fewer than pack_many: put
+    puts, runs, nput, _ = t._prepare(t._peers[pid], plan)
     # two merged runs of 1.25 MiB, each cut at frame_bytes (1 MiB here)
     assert [n for _, _, n, _, _ in puts] == [MiB, 256 * KiB] * 2 and nput == k == len(runs) // 24
     peer("expect", "r-merge", _whole(POOL))
@@ -440,15 +440,16 @@ def test_adjacent_runs_go_as_one_put(pair):
     peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
 
 
-def test_many_mid_size_runs_travel_as_iov_frames(pair):
-    """A transfer with pack_many runs below pack_below packs them (iov frames, no puts); the
-    bytes land exactly, scattered on both sides, and nothing outside the runs changes."""
+def test_small_scattered_runs_travel_as_iov_frames(pair):
+    """Runs below put_below are packed into frames sent from and received into the runs
+    themselves (iov), runs cut where a frame ends; the bytes land exactly, and nothing outside
+    the runs changes."""
     t, src, peer, pid = pair
-    k = t.pack_many + 36
+    k = 600
     rng = np.random.default_rng(3)
-    so = rng.choice(POOL // (96 * KiB), k, replace=False) * 96 * KiB
-    do = rng.choice(POOL // (96 * KiB), k, replace=False) * 96 * KiB
-    n = rng.integers(8 * KiB, 96 * KiB, k)           # above put_below, below pack_below
+    so = rng.choice(POOL // (8 * KiB), k, replace=False) * 8 * KiB
+    do = rng.choice(POOL // (8 * KiB), k, replace=False) * 8 * KiB
+    n = rng.integers(1, t.put_below, k)             # ~2.3 MiB: three frames of 1 MiB
     plan = _plan([(so, do, n, False)])
     puts, _, nput, packed = t._prepare(t._peers[pid], plan)
     assert not puts and nput == 0 and len(packed[2]) == k

@@ -3,9 +3,8 @@
 Mechanism, by measurement (scripts/bench_transport.py, scripts/bench_ucx.py): runs are written
 with ``ucp_put_nbx`` through the ``libucp`` bundled with ``ucxx`` (ctypes, on the worker and
 endpoint handles ucxx creates): one call on the sender, nothing posted by the receiver. Runs
-shorter than ``PUT_BELOW`` are packed instead, and so are all runs below ``PACK_BELOW`` of a
-transfer that has ``PACK_MANY`` of them (in host memory): their bytes, back to back, travel as
-tagged frames of ``frame_bytes``. In host memory a frame is a UCX iov on both sides
+shorter than ``PUT_BELOW`` are packed instead: their bytes, back to back, travel as tagged
+frames of ``frame_bytes``. In host memory a frame is a UCX iov on both sides
 (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx`` with ``ucp_dt_make_iov``): the sender sends from
 the source runs and the receiver posts its receive into the granted destination runs, so
 neither gathers nor scatters, and the receiver alone says where bytes land. CUDA memory gathers
@@ -273,14 +272,13 @@ FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
 HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
 _REFUSALS = ("outside", "unknown", "ended", "malformed")  # GrantTable reasons: RejectedWrite
 _I8 = np.dtype("<i8")
-# Runs shorter than PUT_BELOW are packed, longer ones put (measured with staging, before iovs:
-# 4 KiB pages went 1.6x faster packed than put, 8 KiB head slices of HND pages 1.3-1.5x faster
-# put). In host memory a transfer with PACK_MANY runs or more below PACK_BELOW packs them too:
-# as iov frames, 1000 scattered 64 KiB pages in one transfer moved 1.15-1.75x faster than as
-# puts, but a frame costs the receiver a rendezvous, so with 4-32 such runs per transfer puts
-# were 1.4-2x faster, and at 64 even.
+# Runs shorter than this are packed, longer ones put. Measured (bench_transport.py, bench_hetero.py;
+# shared memory on the 2-core box): 4 KiB pages went 1.6x faster packed than put, 8 KiB head
+# slices of HND pages 1.3-1.5x faster put (TP 2 -> 4, 4 -> 2), both with staging. Packing 8 KiB..
+# 1 MiB runs too (as iov frames) sped up one sender and one receiver with 1000 scattered 64 KiB
+# pages by 1.15-1.75x, but slowed 6 rank processes (TP 2 -> 2 with 16 KiB pages) by 1.3-1.9x:
+# a frame costs the receiver a rendezvous, and a put costs it nothing.
 PUT_BELOW = 8 * 1024
-PACK_BELOW, PACK_MANY = 1 << 20, 64
 INLINE_BELOW = 256 * 1024   # packed bytes below this travel inside the ANNOUNCE
 
 
@@ -377,9 +375,6 @@ class UCXTransport(Transport):
                   (shared memory on one host). Both peers must share a transport.
     frame_bytes   big runs are put in pieces of this size; packed blocks go in frames of it.
     put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)
-    pack_below, pack_many
-                  host memory: a transfer with ``pack_many`` runs or more shorter than
-                  ``pack_below`` packs them all (``PACK_BELOW``, ``PACK_MANY``)
     heartbeat     seconds between pings to each peer; ``peer_timeout`` seconds of silence
                   fail a peer's transfers (a dead peer is silent: error handling is off).
     ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``.
@@ -387,14 +382,12 @@ class UCXTransport(Transport):
     name = "ucx"
 
     def __init__(self, *, tls: str | None = None, frame_bytes: int = 4 << 20, put_below: int = PUT_BELOW,
-                 pack_below: int = PACK_BELOW, pack_many: int = PACK_MANY,
                  heartbeat: float = 0.5, peer_timeout: float = 5.0, ucx_config: dict | None = None):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
         config = dict(ucx_config or {}, **({"TLS": tls} if tls else {}))
         self.id = uuid.uuid4().hex
         self.frame_bytes, self.put_below = int(frame_bytes), int(put_below)
-        self.pack_below, self.pack_many = int(pack_below), int(pack_many)
         self.heartbeat, self.peer_timeout = heartbeat, peer_timeout
         self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
                                                               ucx_api.Feature.WAKEUP))
@@ -526,9 +519,6 @@ class UCXTransport(Transport):
         # Runs below put_below travel packed, whatever the plan says: this bounds the put loop
         # (one Python step per put) by bytes / put_below, and a tiny put costs more than packing.
         pk = n < self.put_below
-        many = ~pk & (n < self.pack_below) & self._is_host[sr]
-        if np.count_nonzero(many) >= self.pack_many:   # iov frames beat that many puts
-            pk |= many
         d = ~pk
         packed = (sr[pk], so[pk], n[pk]) if pk.any() else None
         # Runs adjacent on both sides go as one put (the announce keeps the plan's runs for the
