@@ -111,6 +111,7 @@ _rkey_release = _fn(_ucp, "ucp_rkey_buffer_release", None, _vp)
 _rkey_unpack = _fn(_ucp, "ucp_ep_rkey_unpack", _status_t, _vp, ctypes.c_char_p, _P(_vp))
 _rkey_destroy = _fn(_ucp, "ucp_rkey_destroy", None, _vp)
 _put = _fn(_ucp, "ucp_put_nbx", _vp, _vp, _vp, _sz, _u64, _vp, _P(_RequestParam))
+_put_nbi = _fn(_ucp, "ucp_put_nbi", _status_t, _vp, _vp, _sz, _u64, _vp)
 _flush = _fn(_ucp, "ucp_ep_flush_nbx", _vp, _vp, _P(_RequestParam))
 _req_status = _fn(_ucp, "ucp_request_check_status", _status_t, _vp)
 _req_free = _fn(_ucp, "ucp_request_free", None, _vp)
@@ -397,7 +398,7 @@ class UCXTransport(Transport):
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
         self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)
-        self._is_host = np.zeros(0, bool)
+        self._is_host, self._host_list = np.zeros(0, bool), []
         self._cuda_devices: set[torch.device] = set()
         self._memh: list[int | None] = []
         self._params: list[_RequestParam] = []
@@ -612,6 +613,7 @@ class UCXTransport(Transport):
         self._region_sizes = np.asarray([t.numel() for t in regions], np.int64)
         self._cuda_devices = {t.device for t in regions if t.is_cuda}
         self._is_host = np.array([not t.is_cuda for t in regions], bool)
+        self._host_list = self._is_host.tolist()
         self.grants.region_sizes = [t.numel() for t in regions]
 
     def _do_connect(self, peer_id, addr, base, sizes, rkeys) -> str:
@@ -956,17 +958,22 @@ class UCXTransport(Transport):
 
     def _start_puts(self, o: _Out, dtag: int) -> None:
         """GO came: issue every put and packed frame at once (all in flight); the turn flushes."""
-        ep, rkeys, params = o.peer.ep.handle, o.peer.rkeys, self._param_refs
+        ep, rkeys, params, host = o.peer.ep.handle, o.peer.rkeys, self._param_refs, self._host_list
         # One ctypes call per put: a Python loop, bounded by bytes / put_below (see _prepare).
         for s, d, n, sr, dr in o.puts:
-            st = _put(ep, s, n, d, rkeys[dr], params[sr])  # no callback: NULL (done) or a request
-            if st:
-                if st >= _PTR_ERR_MIN:   # the puts issued so far are flushed before the source is released
-                    o.state = "flushing"
-                    self._unflushed.setdefault(o.peer.id, []).append(o)
-                    return self._fail_out(o, PeerError(f"request {o.handle.request_id}: put failed: "
-                                                       f"{_why(st - 2**64)}"))
-                _req_free(st)  # its completion is covered by the flush
+            if host[sr]:   # frees its request in C: one call per put instead of two (64 KiB: 22 vs 25 us)
+                if (status := _put_nbi(ep, s, n, d, rkeys[dr])) >= 0:
+                    continue
+            else:          # the memh spares UCX a registration lookup of device memory
+                st = _put(ep, s, n, d, rkeys[dr], params[sr])  # no callback: NULL (done) or a request
+                if not st or st < _PTR_ERR_MIN:
+                    if st:
+                        _req_free(st)  # its completion is covered by the flush
+                    continue
+                status = st - 2**64
+            o.state = "flushing"   # the puts issued so far are flushed before the source is released
+            self._unflushed.setdefault(o.peer.id, []).append(o)
+            return self._fail_out(o, PeerError(f"request {o.handle.request_id}: put failed: {_why(status)}"))
         if o.iov is not None:
             o.iov.send(ep, DATA_BIT | dtag << FRAME_BITS)
             if o.iov.error:   # the frames sent so far still read the source until they complete
