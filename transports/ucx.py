@@ -239,6 +239,10 @@ class _IovFrames:
         self.reqs = left
         return not left
 
+    @property
+    def completed(self) -> bool:   # as ucxx requests have it (``_zombies``)
+        return self.poll()
+
     def cancel(self, worker: int) -> None:
         """Cancel posted receives not matched yet; a matched one still lands (poll until done)."""
         for ptr, _ in self.reqs:
@@ -418,7 +422,8 @@ class UCXTransport(Transport):
         # its DONE or ABORT (sent once its puts are flushed) or it is gone: (peer, xid) -> rid.
         self._landing: dict[tuple[str, int], str] = {}
         self._landing_rids: collections.Counter = collections.Counter()
-        self._draining: list[tuple[str, _IovFrames]] = []   # cancelled receives of ended transfers
+        # Receiver: ended transfers whose posted frame receives may still land: (peer, rid, frames).
+        self._draining: list[tuple[str, str, _IovFrames]] = []
         self._xids, self._dtags = itertools.count(1), itertools.count(1)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
@@ -909,17 +914,17 @@ class UCXTransport(Transport):
         self._zombies.extend((r, i.staging) for r in i.reqs)  # posted receives still own the staging block
         if i.iov is not None and not i.iov.poll():   # receives posted into the grant's memory
             i.iov.cancel(self._whandle)
-            self._draining.append((i.rid, i.iov))
+            self._draining.append((i.peer.id, i.rid, i.iov))
             self._landing_rids[i.rid] += 1   # writes_pending until they are all done
 
     def _reap_draining(self) -> None:
         """Ended transfers whose posted receives are all done: nothing more of them lands."""
         left = []
-        for rid, frames in self._draining:
-            if frames.poll():
-                self._landed(rid)
+        for entry in self._draining:
+            if entry[2].poll():
+                self._landed(entry[1])
             else:
-                left.append((rid, frames))
+                left.append(entry)
         self._draining = left
 
     def _fail_in(self, i: _In, reason: str, tell: bool = True, puts_left: bool = True) -> None:
@@ -1036,6 +1041,8 @@ class UCXTransport(Transport):
                 self._send(o.peer, [ABORT, o.xid, str(err)])
         o.state = "failed"
         self._zombies.extend(o.reqs)  # frames still being sent read the staging block
+        if o.iov is not None and o.iov.reqs:
+            self._zombies.append((o.iov, None))   # their requests are freed as they complete
         if o.flush is not None and o.flush.ptr is not None:
             self._zombies.append((o.flush, None))
         o.reqs = []
@@ -1076,6 +1083,10 @@ class UCXTransport(Transport):
         p.gone = True
         for key in [k for k in self._landing if k[0] == p.id]:
             self._landed(self._landing.pop(key))
+        for entry in [e for e in self._draining if e[0] == p.id]:   # its frames will not come (see puts)
+            self._draining.remove(entry)
+            self._zombies.append((entry[2], None))
+            self._landed(entry[1])
         for o in [o for o in self._out.values() if o.peer is p]:
             self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"), tell=False)
         for i in [i for i in self._in.values() if i.peer is p]:
