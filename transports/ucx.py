@@ -263,11 +263,14 @@ def _frame_iovs(addr: np.ndarray, n: np.ndarray, frame: int) -> list[np.ndarray]
     bounds = np.arange(frame, total, frame)                          # where frames 1, 2, ... start
     k = np.minimum(np.searchsorted(starts, bounds), len(starts) - 1)
     mid = bounds[starts[k] != bounds]                                # ... inside a run: cut it there
-    piece = np.insert(starts, np.searchsorted(starts, mid), mid)     # piece starts, in stream order
-    run = np.searchsorted(starts, piece, side="right") - 1
-    iov = np.empty((len(piece), 2), np.uint64)
-    iov[:, 0] = addr[run] + (piece - starts[run])
-    iov[:, 1] = np.diff(np.append(piece, total))
+    iov = np.empty((len(n) + len(mid), 2), np.uint64)
+    if len(mid):
+        piece = np.insert(starts, np.searchsorted(starts, mid), mid)     # piece starts, in stream order
+        run = np.searchsorted(starts, piece, side="right") - 1
+        iov[:, 0] = addr[run] + (piece - starts[run])
+        iov[:, 1] = np.diff(np.append(piece, total))
+    else:   # every frame starts with a run (equal runs that divide the frame): the runs as they are
+        piece, iov[:, 0], iov[:, 1] = starts, addr, n
     return np.split(iov, np.searchsorted(piece, bounds))
 
 
@@ -402,7 +405,7 @@ class UCXTransport(Transport):
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
         self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)
-        self._is_host, self._host_list = np.zeros(0, bool), []
+        self._is_host, self._host_list, self._all_host = np.zeros(0, bool), [], True
         self._cuda_devices: set[torch.device] = set()
         self._memh: list[int | None] = []
         self._params: list[_RequestParam] = []
@@ -496,7 +499,7 @@ class UCXTransport(Transport):
                 total = int(n.sum())
                 if total < INLINE_BELOW:               # in the announce: no GO wait, no frames
                     inline = gather_runs(self._regions, sr, so, n).cpu().numpy().tobytes()
-                elif self._is_host[sr].all():          # frames read straight from the source runs
+                elif self._all_host or self._is_host[sr].all():   # frames read straight from the source runs
                     iov = _IovFrames(_frame_iovs(self._base[sr] + so, n, self.frame_bytes))
                 else:                                  # CUDA: gather on the device, frames from there
                     staging = self._staging.get(total, self._regions[int(sr[0])].device)
@@ -517,25 +520,32 @@ class UCXTransport(Transport):
         (source region, offset, length) arrays or None)."""
         r = plan.runs()
         sr, so, dr, do, n = r[:5]
+        if len(n) and n.min() <= 0:
+            raise PlanError("a run of the plan is empty or negative")
         for side, reg, off, lim in (("source", sr, so, self.grants.region_sizes), ("destination", dr, do, p.sizes)):
             lim = np.asarray(lim, np.int64)
-            if len(reg) and (reg.min() < 0 or reg.max() >= len(lim) or (off < 0).any() or (n <= 0).any()
-                             or (off + n > lim[np.clip(reg, 0, len(lim) - 1)]).any()):
+            if len(reg) and (reg.min() < 0 or reg.max() >= len(lim) or off.min() < 0
+                             or (off + n > lim[reg]).any()):
                 raise PlanError(f"a {side} run leaves its region (the {side} has {len(lim)} regions)")
         # Runs below put_below travel packed, whatever the plan says: this bounds the put loop
         # (one Python step per put) by bytes / put_below, and a tiny put costs more than packing.
         pk = n < self.put_below
+        npk = int(np.count_nonzero(pk))
+        if npk == len(n):    # all packed (head slices of token-major pages): no selection to make
+            return [], np.stack([dr, do, n]).astype(_I8, copy=False).tobytes(), 0, (sr, so, n)
         d = ~pk
-        packed = (sr[pk], so[pk], n[pk]) if pk.any() else None
+        packed = (sr[pk], so[pk], n[pk]) if npk else None
         # Runs adjacent on both sides go as one put (the announce keeps the plan's runs for the
         # grant check). Region ids above the offset bits keep regions apart (regions < 16 TiB).
-        ps, pso, pd, pdo, pn = sr[d], so[d], dr[d], do[d], n[d]
+        ps, pso, pd, pdo, pn = (sr, so, dr, do, n) if not npk else (sr[d], so[d], dr[d], do[d], n[d])
         if len(pn) > 1 and max(self._region_sizes.max(), p.sizes.max()) < 1 << 44:
             ks, kd, pn = merge_runs(ps << 44 | pso, pd << 44 | pdo, pn)
             ps, pso, pd, pdo = ks >> 44, ks & (1 << 44) - 1, kd >> 44, kd & (1 << 44) - 1
         puts = _split(self._base[ps] + pso, p.base[pd] + pdo, pn, ps, pd, self.frame_bytes)
-        order = np.concatenate([np.flatnonzero(d), np.flatnonzero(pk)])
-        return puts, np.stack([dr[order], do[order], n[order]]).astype(_I8).tobytes(), int(d.sum()), packed
+        if not npk:
+            return puts, np.stack([dr, do, n]).astype(_I8, copy=False).tobytes(), len(n), None
+        order = np.concatenate([np.flatnonzero(d), np.flatnonzero(pk)])   # put runs first, as announced
+        return puts, np.stack([dr[order], do[order], n[order]]).astype(_I8, copy=False).tobytes(), len(n) - npk, packed
 
     def _prepare_few(self, p: _Peer, plan: TransferPlan) -> tuple:
         """``_prepare`` for a plan of at most FEW_RUNS runs, with Python ints."""
@@ -618,7 +628,7 @@ class UCXTransport(Transport):
         self._region_sizes = np.asarray([t.numel() for t in regions], np.int64)
         self._cuda_devices = {t.device for t in regions if t.is_cuda}
         self._is_host = np.array([not t.is_cuda for t in regions], bool)
-        self._host_list = self._is_host.tolist()
+        self._host_list, self._all_host = self._is_host.tolist(), bool(self._is_host.all())
         self.grants.region_sizes = [t.numel() for t in regions]
 
     def _do_connect(self, peer_id, addr, base, sizes, rkeys) -> str:
@@ -827,7 +837,7 @@ class UCXTransport(Transport):
         if inline:  # checked a moment ago: lands now, with no re-check and no frames
             self._land(i.packed, torch.frombuffer(bytearray(inline), dtype=torch.uint8))
             i.packed = None
-        elif total and self._is_host[packed[0]].all():   # frames land in the runs themselves
+        elif total and (self._all_host or self._is_host[packed[0]].all()):   # frames land in the runs themselves
             i.iov = _IovFrames(_frame_iovs(self._base[packed[0]] + packed[1], packed[2], frame_bytes))
         elif total:
             i.staging = self._staging.get(total, self._regions[int(packed[0, 0])].device)
