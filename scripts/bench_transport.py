@@ -6,8 +6,9 @@ ceilings measured in the same run.
                                                 [--opt zmq.frame_bytes=2097152 ...]
 
 Cases: one run per request (4 KiB .. 256 MiB, many requests in flight), and one request of
-scattered pages of a pool (64 KiB and 4 KiB pages, random on both sides). The sender is this
-process; the receiver is a child process (the "local" transport runs both in this process).
+scattered pages of a pool (64 KiB and 4 KiB pages, and 512 B rows as token-major head slices
+make them; random on both sides). The sender is this process; the receiver is a child process
+(the "local" transport runs both in this process).
 
 Ceilings, measured here and now (this box is shared; numbers move +-30% between runs):
   memcpy        single-thread torch ``copy_`` of a large buffer
@@ -484,7 +485,8 @@ def make_cases(pool_bytes: int, total: int, rng) -> list[dict]:
         do = rng.permutation(slots)[:count] * size
         cases.append({"label": f"one run {_fmt(size)}", "size": size, "total": count * size, "so": so.astype(np.int64),
                       "do": do.astype(np.int64), "n": np.full(count, size, np.int64), "per_request": 1})
-    for page, count in ((64 * KiB, 1000), (4 * KiB, 16000)):
+    # 512 B: the head slice of one token-major row (TP 2 -> 4 of 8 heads x 128 x bf16)
+    for page, count in ((64 * KiB, 1000), (4 * KiB, 16000), (512, 32768)):
         slots = pool_bytes // page
         so = rng.choice(slots, count, replace=False).astype(np.int64) * page
         do = rng.choice(slots, count, replace=False).astype(np.int64) * page
@@ -504,7 +506,7 @@ def _option_value(text: str) -> int | float | str:
 
 
 def _fmt(n: int) -> str:
-    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB"
+    return f"{n // MiB} MiB" if n >= MiB else f"{n // KiB} KiB" if n >= KiB else f"{n} B"
 
 
 def main() -> None:
