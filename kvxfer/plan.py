@@ -421,6 +421,7 @@ _REGION_BITS = 40
 
 
 _FEW_INTERVALS = 4096   # grants up to this many intervals also keep them as Python ints
+_SORT_KEYS_ABOVE = 4096  # covers() sorts more runs than this before searching
 
 
 class ByteRanges:
@@ -482,7 +483,12 @@ class ByteRanges:
         valid = ((region >= 0) & (region < 1 << (62 - _REGION_BITS)) & (offset >= 0) & (nbytes > 0)
                  & (offset < limit) & (nbytes <= limit - offset))   # no sum before both are bounded
         key = np.where(valid, (region << _REGION_BITS) + np.where(valid, offset, 0), 0)
-        i = np.searchsorted(self._starts, key, side="right") - 1
+        if len(key) > _SORT_KEYS_ABOVE:   # searches in key order stay in cache: 32768 random runs 3.4 -> 1.6 ms
+            order = np.argsort(key)
+            i = np.empty_like(key)
+            i[order] = np.searchsorted(self._starts, key[order], side="right") - 1
+        else:
+            i = np.searchsorted(self._starts, key, side="right") - 1
         if not len(self._starts):
             return np.zeros(len(region), dtype=bool)
         return valid & (i >= 0) & (key + np.where(valid, nbytes, 0) <= self._ends[np.clip(i, 0, None)])

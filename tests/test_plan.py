@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from kvxfer.errors import LayoutError, PlanError
 from kvxfer.layout import (Layout, hnd_layout, host_layout, mla_layout, page_major_layout,
                            token_major_layout)
-from kvxfer.plan import (PACK_BELOW, HeadSlice, Planner, Runs, TransferPlan, copy_runs, execute_plan,
-                         gather_runs, plan_transfer, scatter_runs)
+from kvxfer.plan import (PACK_BELOW, ByteRanges, HeadSlice, Planner, Runs, TransferPlan, copy_runs,
+                         execute_plan, gather_runs, plan_transfer, scatter_runs)
 
 HUGE = 1 << 40  # pack_below larger than any run: everything is packed
 SIDE_KINDS = ("token_major", "hnd", "page_major", "host_layer_first", "host_page_first")
@@ -491,3 +491,19 @@ def test_whole_pages_between_every_layout_pair(src_kind: str, dst_kind: str) -> 
     execute_plan(plan, s_regions, canary)
     assert all(np.array_equal(a.numpy(), b) for a, b in zip(canary, want))
     assert plan.num_runs == min_runs_reference(src, s, HeadSlice(), dst, d, HeadSlice())
+
+
+def test_byte_ranges_covers_many_runs_as_it_covers_one():
+    """``covers`` over many runs (searched in sorted order) answers, run by run and in the
+    caller's order, what ``covers_run`` answers for each: inside, straddling, outside, hostile."""
+    rng = np.random.default_rng(11)
+    k = 6000                       # above the size where covers sorts its keys
+    starts = rng.choice(1 << 16, k, replace=False).astype(np.int64) * 512
+    grant = ByteRanges(rng.integers(0, 3, k), starts, np.full(k, 256, np.int64))
+    region = rng.integers(-1, 4, 3 * k)
+    offset = rng.choice(starts, 3 * k) + rng.integers(-300, 300, 3 * k)
+    nbytes = rng.integers(-5, 400, 3 * k)
+    offset[::97], nbytes[::89] = -(1 << 62), 1 << 62      # hostile values
+    got = grant.covers(region, offset, nbytes)
+    want = [grant.covers_run(int(r), int(o), int(n)) for r, o, n in zip(region, offset, nbytes)]
+    assert got.tolist() == want and 0 < int(got.sum()) < len(got)
