@@ -232,19 +232,25 @@ def test_writes_outside_grant_are_rejected_whole(pair):
     assert (peer.pool() == CANARY).all()
 
 
+def _send_tagged(t, pid: str, tag: int, wire: bytes) -> None:
+    """Send raw bytes with ``tag`` from ``t`` to its connected peer, on ``t``'s I/O thread."""
+    from transports.ucx import Array, ucx_api
+    p = t._peers[pid]
+
+    def send():
+        buf = np.frombuffer(wire, np.uint8)
+        t._ctrl_sends.append((p.ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)), buf))
+    t._call(send)
+
+
 def _raw(t, pid: str, msg, sender: str | None = None) -> None:
     """Send a hand-made control message from ``t`` to its connected peer (a hostile peer).
 
     ``msg`` is one message (sent as a batch of one from ``sender``, default ``t``) or raw bytes.
     """
-    from transports.ucx import CTRL_TAG, ucx_api, Array
-    p = t._peers[pid]
+    from transports.ucx import CTRL_TAG
     wire = msg if isinstance(msg, bytes) else msgpack.packb([sender or t.id, [msg]], use_bin_type=True)
-
-    def send():
-        buf = np.frombuffer(wire, np.uint8)
-        t._ctrl_sends.append((p.ep.tag_send(Array(buf), ucx_api.UCXXTag(CTRL_TAG)), buf))
-    t._call(send)
+    _send_tagged(t, pid, CTRL_TAG, wire)
 
 
 def test_hostile_announces_are_rejected_and_counted(pair):
@@ -366,17 +372,6 @@ def test_frame_iovs_carry_the_bytes_of_staging_frames():
         assert np.array_equal(np.concatenate(got), stream) and all((f[:, 1] > 0).all() for f in frames)
 
 
-def _data_frame(t, pid: str, tag: int, payload: bytes) -> None:
-    """Send a hand-made data frame from ``t`` to its peer (a hostile sender)."""
-    from transports.ucx import Array, ucx_api
-    p = t._peers[pid]
-
-    def send():
-        buf = np.frombuffer(payload, np.uint8)
-        t._ctrl_sends.append((p.ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)), buf))
-    t._call(send)
-
-
 def test_hostile_frames_fail_their_transfer_and_land_only_in_its_grant(pair):
     """Packed frames are received straight into the granted runs. A frame of the wrong size
     fails its transfer (counted as malformed); a frame with an unknown tag is dropped; no byte
@@ -392,9 +387,9 @@ def test_hostile_frames_fail_their_transfer_and_land_only_in_its_grant(pair):
         _raw(t, pid, [ANNOUNCE, xid, rid, 10.0, b"", runs, 0, MiB, b""])
         assert until(lambda: peer("dtag", xid), 5.0), "no GO for the packed frames"
         dtag = peer("dtag", xid)
-        _data_frame(t, pid, DATA_BIT | 999_999 << FRAME_BITS, b"x" * MiB)    # nobody's tag: dropped
-        _data_frame(t, pid, DATA_BIT | dtag << FRAME_BITS | 7, b"x" * MiB)   # no frame 7: dropped
-        _data_frame(t, pid, DATA_BIT | dtag << FRAME_BITS | 1, bad)
+        _send_tagged(t, pid, DATA_BIT | 999_999 << FRAME_BITS, b"x" * MiB)    # nobody's tag: dropped
+        _send_tagged(t, pid, DATA_BIT | dtag << FRAME_BITS | 7, b"x" * MiB)   # no frame 7: dropped
+        _send_tagged(t, pid, DATA_BIT | dtag << FRAME_BITS | 1, bad)
         (arr,) = peer("arrivals", 10, 1)
         assert arr[0] == rid and not arr[2] and "malformed frame" in arr[3], arr
         assert until(lambda: not peer("pending", rid), 5.0), "cancelled receives still pending"
@@ -412,7 +407,7 @@ def test_hostile_frames_fail_their_transfer_and_land_only_in_its_grant(pair):
     dtag = peer("dtag", 40_003)
     payload = src[: 4 * MiB].tobytes()
     for k in range(4):
-        _data_frame(t, pid, DATA_BIT | dtag << FRAME_BITS | k, payload[k * MiB: (k + 1) * MiB])
+        _send_tagged(t, pid, DATA_BIT | dtag << FRAME_BITS | k, payload[k * MiB: (k + 1) * MiB])
     _raw(t, pid, [DONE, 40_003])
     (arr,) = peer("arrivals", 10, 1)
     assert arr[0] == "r-frames-ok" and arr[2], arr

@@ -531,21 +531,23 @@ class UCXTransport(Transport):
         # (one Python step per put) by bytes / put_below, and a tiny put costs more than packing.
         pk = n < self.put_below
         npk = int(np.count_nonzero(pk))
-        if npk == len(n):    # all packed (head slices of token-major pages): no selection to make
-            return [], np.stack([dr, do, n]).astype(_I8, copy=False).tobytes(), 0, (sr, so, n)
-        d = ~pk
-        packed = (sr[pk], so[pk], n[pk]) if npk else None
+        if npk in (0, len(n)):   # all put, or all packed (head slices of token-major pages): no selection
+            put = slice(None) if npk == 0 else slice(0)
+            packed = (sr, so, n) if npk else None
+            announced = (dr, do, n)
+        else:
+            put = ~pk
+            packed = (sr[pk], so[pk], n[pk])
+            order = np.concatenate([np.flatnonzero(put), np.flatnonzero(pk)])   # put runs first, as announced
+            announced = (dr[order], do[order], n[order])
         # Runs adjacent on both sides go as one put (the announce keeps the plan's runs for the
         # grant check). Region ids above the offset bits keep regions apart (regions < 16 TiB).
-        ps, pso, pd, pdo, pn = (sr, so, dr, do, n) if not npk else (sr[d], so[d], dr[d], do[d], n[d])
+        ps, pso, pd, pdo, pn = sr[put], so[put], dr[put], do[put], n[put]
         if len(pn) > 1 and max(self._region_sizes.max(), p.sizes.max()) < 1 << 44:
             ks, kd, pn = merge_runs(ps << 44 | pso, pd << 44 | pdo, pn)
             ps, pso, pd, pdo = ks >> 44, ks & (1 << 44) - 1, kd >> 44, kd & (1 << 44) - 1
         puts = _split(self._base[ps] + pso, p.base[pd] + pdo, pn, ps, pd, self.frame_bytes)
-        if not npk:
-            return puts, np.stack([dr, do, n]).astype(_I8, copy=False).tobytes(), len(n), None
-        order = np.concatenate([np.flatnonzero(d), np.flatnonzero(pk)])   # put runs first, as announced
-        return puts, np.stack([dr[order], do[order], n[order]]).astype(_I8, copy=False).tobytes(), len(n) - npk, packed
+        return puts, np.stack(announced).astype(_I8, copy=False).tobytes(), len(n) - npk, packed
 
     def _prepare_few(self, p: _Peer, plan: TransferPlan) -> tuple:
         """``_prepare`` for a plan of at most FEW_RUNS runs, with Python ints."""
