@@ -462,6 +462,36 @@ def test_small_scattered_runs_travel_as_iov_frames(pair):
     peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
 
 
+@pytest.mark.parametrize("strided", ["source", "destination"])
+def test_head_slice_rows_announce_whole_pages(pair, strided):
+    """Token-major head slices: 512 B rows, strided on one side and back to back within a page
+    on the other (TP 2 -> 4 and 4 -> 2). Each side posts and checks the page, not 16 rows; a few
+    put runs ride along. Bytes land exactly and nothing else changes."""
+    t, src, peer, pid = pair
+    pages = np.random.default_rng(5).choice(POOL // (32 * KiB) - 2, 40, replace=False) * 32 * KiB
+    strided_off = (pages[:, None] + np.arange(16) * 1024).ravel()    # 512 B of every 1 KiB row
+    whole_off = (pages[::-1, None] + 16 * KiB + np.arange(16) * 512).ravel()   # pages of 8 KiB
+    so, do = (strided_off, whole_off) if strided == "source" else (whole_off, strided_off)
+    n = np.full(len(so), 512)
+    big = ([POOL - 64 * KiB], [POOL - 64 * KiB], [64 * KiB], False)   # one put
+    plan = _plan([(so, do, n, False), big])
+    puts, announced, nput, packed = t._prepare(t._peers[pid], plan)
+    runs = np.frombuffer(announced, "<i8").reshape(3, -1)
+    assert nput == 1 and len(puts) == 1
+    assert runs.shape[1] == 1 + (40 if strided == "source" else 640)   # the put, then the packed runs
+    assert len(packed[2]) == (640 if strided == "source" else 40)
+    peer("expect", "r-rows", _whole(POOL))
+    h = t.submit(pid, "r-rows", plan, timeout=30)
+    assert h.wait(30), h.error
+    assert peer("arrivals", 10, 1)[0][2]
+    got, want = peer.pool(), np.full(POOL, CANARY, np.uint8)
+    for a, b, c in zip([*so.tolist(), *big[0]], [*do.tolist(), *big[1]], [*n.tolist(), *big[2]]):
+        want[b: b + c] = src[a: a + c]
+    assert np.array_equal(got, want)
+    peer("forget", "r-rows")
+    peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
+
+
 def test_contract_edges():
     t = get_transport("ucx", tls="tcp")
     t.register([torch.zeros(4096, dtype=torch.uint8)])
