@@ -14,7 +14,8 @@ messages are msgpack lists, batched per peer and loop turn into one tagged messa
 
 One transfer (S sender, R receiver, each on its own I/O thread)::
 
-    S -> R  ANNOUNCE  request id, deadline, every destination run (one int64 array), and
+    S -> R  ANNOUNCE  request id, deadline, every destination run (one int64 array; packed
+                      runs that continue each other at R as one), and
                       the packed bytes inline when they are few (< INLINE_BELOW: no frames)
     R       GrantTable.check + region bounds; refused: FAIL to S, Arrival(ok=False);
             inline bytes land now; nothing else to come (no puts, no frames): ACK at once
@@ -288,6 +289,8 @@ _I8 = np.dtype("<i8")
 # a frame costs the receiver a rendezvous, and a put costs it nothing.
 PUT_BELOW = 8 * 1024
 INLINE_BELOW = 256 * 1024   # packed bytes below this travel inside the ANNOUNCE
+_OFF_BITS = 44              # merge keys: region id above the offset bits (regions < 16 TiB)
+_OFF_MASK = (1 << _OFF_BITS) - 1
 
 
 def _run_array(b) -> np.ndarray:
@@ -532,7 +535,6 @@ class UCXTransport(Transport):
         pk = n < self.put_below
         npk = int(np.count_nonzero(pk))
         put = slice(None) if npk == 0 else slice(0) if npk == len(n) else ~pk
-        # Region ids go above the offset bits, so a merge never joins two regions (regions < 16 TiB).
         keyed = max(self._region_sizes.max(), p.sizes.max()) < 1 << _OFF_BITS
         packed = announced = None
         if npk:
@@ -1108,10 +1110,6 @@ class UCXTransport(Transport):
             self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"), tell=False)
         for i in [i for i in self._in.values() if i.peer is p]:
             self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"), tell=False)
-
-
-_OFF_BITS = 44
-_OFF_MASK = (1 << _OFF_BITS) - 1
 
 
 def _merge_in_stream(reg: np.ndarray, off: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
