@@ -5,7 +5,13 @@
 
 Two processes on 127.0.0.1: a prefill endpoint (child) and a decode endpoint (this process).
 Measured:
-  raw ZMQ RTT        DEALER -> ROUTER with the page's bytes, 1-byte reply (pyzmq, no kvxfer)
+  raw ZMQ RTT        DEALER -> ROUTER with the page's bytes, 1-byte reply (pyzmq, no kvxfer),
+                     back to back (caches and cores hot), and paced: with the idle time that
+                     precedes each sequential request (its grant round trip) before each trip
+  thread floor       the hops a request makes with no protocol work: a main thread hands the
+                     page to its I/O thread (queue + pipe wake), which sends it on a DEALER; the
+                     peer's I/O thread receives and copies it, and wakes its main thread. Paced
+                     like the requests. What any design with an I/O thread per side costs here
   1-page latency     sender.send() on prefill -> receiver.wait() returns Success on decode
                      (one clock: CLOCK_MONOTONIC is shared by processes of one host)
   requests/s         1-page requests with ``--inflight`` outstanding, for ``--requests`` requests
@@ -53,6 +59,40 @@ def raw_server(endpoint_q, n: int) -> None:
         ident, payload = s.recv_multipart(copy=False)
         s.send_multipart([ident, b"k"])
     s.close(0)
+    ctx.term()
+
+
+def floor_receiver(conn, n: int) -> None:
+    """The thread floor's far side: an I/O thread polls a ROUTER, copies each message out and
+    wakes the main thread, which stamps it."""
+    import queue
+    import threading
+    import zmq
+    ctx = zmq.Context(io_threads=1)
+    router = ctx.socket(zmq.ROUTER)
+    router.bind("tcp://127.0.0.1:*")
+    conn.send_bytes(router.last_endpoint)
+    woken: queue.SimpleQueue = queue.SimpleQueue()
+
+    def io() -> None:
+        poller, buf = zmq.Poller(), None
+        poller.register(router, zmq.POLLIN)
+        for _ in range(n):
+            while not poller.poll(50):
+                pass
+            parts = router.recv_multipart(copy=False)
+            buf = bytearray(parts[1].buffer)   # the one copy a receiver makes
+            woken.put(len(buf))
+
+    thread = threading.Thread(target=io, daemon=True)
+    thread.start()
+    stamps = []
+    for _ in range(n):
+        woken.get()
+        stamps.append(time.monotonic())
+    thread.join()
+    conn.send_bytes(json.dumps(stamps).encode())
+    router.close(0)
     ctx.term()
 
 
@@ -140,7 +180,8 @@ def prefill(conn, a: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------
-def raw_rtt(ctx, nbytes: int, n: int) -> list[float]:
+def raw_rtt(ctx, nbytes: int, n: int, gap: float = 0.0) -> list[float]:
+    """Round trips of ``nbytes`` out and 1 byte back; ``gap`` seconds idle before each."""
     import zmq
     q = ctx.Queue()
     proc = ctx.Process(target=raw_server, args=(q, n + 50))
@@ -151,6 +192,8 @@ def raw_rtt(ctx, nbytes: int, n: int) -> list[float]:
     payload = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
     out = []
     for i in range(n + 50):
+        if gap:
+            time.sleep(gap)
         t0 = time.monotonic()
         s.send(payload, copy=False)
         s.recv()
@@ -160,6 +203,54 @@ def raw_rtt(ctx, nbytes: int, n: int) -> list[float]:
     zc.term()
     proc.join(10)
     return out
+
+
+def thread_floor(ctx, nbytes: int, n: int, gap: float) -> list[float]:
+    """One-way latency through main -> I/O thread -> DEALER -> ROUTER -> I/O thread -> main,
+    with no protocol work (see the module docstring); ``gap`` seconds idle before each."""
+    import os
+    import queue
+    import threading
+    import zmq
+    mine, theirs = ctx.Pipe()
+    proc = ctx.Process(target=floor_receiver, args=(theirs, n + 50))
+    proc.start()
+    endpoint = mine.recv_bytes().decode()
+    zc = zmq.Context(io_threads=1)
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+
+    def io() -> None:
+        dealer = zc.socket(zmq.DEALER)
+        dealer.connect(endpoint)
+        poller, sent = zmq.Poller(), 0
+        poller.register(wake_r, zmq.POLLIN)
+        while sent < n + 50:
+            if not poller.poll(50):
+                continue
+            os.read(wake_r, 4096)
+            while not todo.empty():
+                dealer.send(todo.get_nowait())
+                sent += 1
+        dealer.close(linger=-1)
+
+    thread = threading.Thread(target=io, daemon=True)
+    thread.start()
+    payload = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8).tobytes()
+    sent_at = []
+    for _ in range(n + 50):
+        time.sleep(gap)
+        sent_at.append(time.monotonic())
+        todo.put(payload)
+        os.write(wake_w, b"\0")
+    got = json.loads(mine.recv_bytes())
+    thread.join(30)
+    proc.join(10)
+    zc.term()
+    os.close(wake_r)
+    os.close(wake_w)
+    return [g - t for g, t in zip(got[50:], sent_at[50:])]
 
 
 def run_requests(ctx, a: dict, inflight: int) -> dict:
@@ -197,7 +288,8 @@ def run_requests(ctx, a: dict, inflight: int) -> dict:
     server.stop()
     stamps = {int(k): v for k, v in res["stamps"].items()}
     keep = [r for r in sorted(done_at) if r >= a.get("warmup", 0)]
-    return {"elapsed": elapsed, "n": a["total"], "prefill_ok": res["ok"],
+    idle = [stamps[r][0] - done_at[r - 1][1] for r in keep if r - 1 in done_at]   # one request's end -> next send
+    return {"elapsed": elapsed, "n": a["total"], "prefill_ok": res["ok"], "idle": idle,
             "latency": [done_at[r][1] - stamps[r][0] for r in keep],      # send() called -> wait() returned
             "send": [stamps[r][1] - stamps[r][0] for r in keep],          # inside send()
             "to_end": [done_at[r][0] - stamps[r][0] for r in keep],       # send() called -> Success set
@@ -231,14 +323,21 @@ def main() -> None:
     rtt = raw_rtt(ctx, page_bytes, args.requests)
     bare = transport_one_way(ctx, {**a, "pages": 8}, args.requests)
     one = run_requests(ctx, {**a, "total": args.requests + 30, "warmup": 30, "pages": args.requests + 64}, 1)
+    gap = statistics.median(one["idle"]) if one["idle"] else 0.001
+    paced = raw_rtt(ctx, page_bytes, args.requests, gap)
+    floor = thread_floor(ctx, page_bytes, args.requests, gap)
     many = run_requests(ctx, {**a, "total": args.throughput_requests,
                               "pages": args.throughput_requests + 2 * args.inflight + 8}, args.inflight)
     rtt_med, lat_med = statistics.median(rtt), statistics.median(one["latency"])
+    paced_med, floor_med = statistics.median(paced), statistics.median(floor)
     print(f"raw ZMQ round trip ({page_bytes / 1024:.0f} KiB out, 1 B back): {fmt(rtt)}")
+    print(f"  paced like the requests ({gap * 1e6:.0f} us idle before each): {fmt(paced)}")
+    print(f"thread floor, one way, paced (no protocol work): {fmt(floor)}   = {floor_med / rtt_med:.2f}x the raw "
+          f"round trip, {floor_med / paced_med:.2f}x the paced one")
     print(f"transport alone, plan+submit -> arrival:    {fmt(bare['latency'])}   "
           f"= {statistics.median(bare['latency']) / rtt_med:.2f}x  (plan+submit() call {fmt(bare['send'])})")
     print(f"1-page request, send -> Success:            {fmt(one['latency'])}   "
-          f"= {lat_med / rtt_med:.2f}x the raw round trip (goal <= 2x)")
+          f"= {lat_med / rtt_med:.2f}x the raw round trip (goal <= 2x), {lat_med / paced_med:.2f}x the paced one")
     print(f"  of which: inside send() {fmt(one['send'])}; send -> Success set {fmt(one['to_end'])}; "
           f"Success set -> wait() returns {fmt(one['wake'])}")
     print(f"{args.inflight} in flight: {many['n'] / many['elapsed']:7.0f} requests/s "
@@ -248,6 +347,11 @@ def main() -> None:
         rows = [{"name": f"request: 1-page latency, {args.transport} (median)", "value": lat_med * 1e6, "unit": "us",
                  "ceiling": rtt_med * 1e6, "ceiling_name": "raw ZMQ round trip", "ratio": lat_med / rtt_med,
                  "goal": "<= 2x", "ok": lat_med <= 2 * rtt_med},
+                {"name": "request: thread floor, one way, paced (median)", "value": floor_med * 1e6, "unit": "us",
+                 "ceiling": rtt_med * 1e6, "ceiling_name": "raw ZMQ round trip", "ratio": floor_med / rtt_med},
+                {"name": "request: raw ZMQ round trip, paced like the requests (median)", "value": paced_med * 1e6,
+                 "unit": "us", "ceiling": rtt_med * 1e6, "ceiling_name": "raw ZMQ round trip",
+                 "ratio": paced_med / rtt_med},
                 {"name": f"request: transport alone, plan+submit -> arrival, {args.transport} (median)",
                  "value": bare_med * 1e6, "unit": "us", "ceiling": rtt_med * 1e6,
                  "ceiling_name": "raw ZMQ round trip", "ratio": bare_med / rtt_med},
