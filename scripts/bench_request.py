@@ -62,7 +62,7 @@ def raw_server(endpoint_q, n: int) -> None:
     ctx.term()
 
 
-def floor_receiver(conn, n: int) -> None:
+def floor_receiver(conn, n: int, nbytes: int) -> None:
     """The thread floor's far side: an I/O thread polls a ROUTER, copies each message out and
     wakes the main thread, which stamps it."""
     import queue
@@ -73,16 +73,17 @@ def floor_receiver(conn, n: int) -> None:
     router.bind("tcp://127.0.0.1:*")
     conn.send_bytes(router.last_endpoint)
     woken: queue.SimpleQueue = queue.SimpleQueue()
+    region = np.zeros(nbytes, np.uint8)
 
     def io() -> None:
-        poller, buf = zmq.Poller(), None
+        poller = zmq.Poller()
         poller.register(router, zmq.POLLIN)
         for _ in range(n):
             while not poller.poll(50):
                 pass
             parts = router.recv_multipart(copy=False)
-            buf = bytearray(parts[1].buffer)   # the one copy a receiver makes
-            woken.put(len(buf))
+            region[:] = np.frombuffer(parts[1].buffer, np.uint8)   # the one copy a receiver makes
+            woken.put(None)
 
     thread = threading.Thread(target=io, daemon=True)
     thread.start()
@@ -213,7 +214,7 @@ def thread_floor(ctx, nbytes: int, n: int, gap: float) -> list[float]:
     import threading
     import zmq
     mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=floor_receiver, args=(theirs, n + 50))
+    proc = ctx.Process(target=floor_receiver, args=(theirs, n + 50, nbytes))
     proc.start()
     endpoint = mine.recv_bytes().decode()
     zc = zmq.Context(io_threads=1)
