@@ -551,8 +551,8 @@ class UCXTransport(Transport):
             announced = (pd, pdo, pn) if announced is None else \
                 tuple(np.concatenate(c) for c in zip((pd, pdo, pn), announced))
         if len(pn) > 1 and keyed:
-            ks, kd, pn = merge_runs(ps << _OFF_BITS | pso, pd << _OFF_BITS | pdo, pn)
-            ps, pso, pd, pdo = ks >> _OFF_BITS, ks & _OFF_MASK, kd >> _OFF_BITS, kd & _OFF_MASK
+            ks, kd, pn = merge_runs(_key(ps, pso), _key(pd, pdo), pn)
+            (ps, pso), (pd, pdo) = _unkey(ks), _unkey(kd)
         puts = _split(self._base[ps] + pso, p.base[pd] + pdo, pn, ps, pd, self.frame_bytes)
         return puts, np.stack(announced).astype(_I8, copy=False).tobytes(), len(n) - npk, packed
 
@@ -995,16 +995,11 @@ class UCXTransport(Transport):
                         _req_free(st)  # its completion is covered by the flush
                     continue
                 status = st - 2**64
-            o.state = "flushing"   # the puts issued so far are flushed before the source is released
-            self._unflushed.setdefault(o.peer.id, []).append(o)
-            return self._fail_out(o, PeerError(f"request {o.handle.request_id}: put failed: {_why(status)}"))
+            return self._fail_issued(o, f"put failed: {_why(status)}")
         if o.iov is not None:
             o.iov.send(ep, DATA_BIT | dtag << FRAME_BITS)
-            if o.iov.error:   # the frames sent so far still read the source until they complete
-                o.state = "flushing"
-                self._unflushed.setdefault(o.peer.id, []).append(o)
-                return self._fail_out(o, PeerError(f"request {o.handle.request_id}: sending frames failed: "
-                                                   f"{o.iov.error}"))
+            if o.iov.error:
+                return self._fail_issued(o, f"sending frames failed: {o.iov.error}")
         if o.staging is not None:
             for k in range(-(-o.staging.numel() // o.frame_bytes)):  # one step per frame (MiBs)
                 view = o.staging[k * o.frame_bytes: (k + 1) * o.frame_bytes]
@@ -1012,6 +1007,13 @@ class UCXTransport(Transport):
                                view))
         o.state = "flushing"
         self._unflushed.setdefault(o.peer.id, []).append(o)
+
+    def _fail_issued(self, o: _Out, why: str) -> None:
+        """Fail ``o`` part way through ``_start_puts``: what it issued (puts, frames) still reads
+        the source, so the turn's flush covers it before the source is released."""
+        o.state = "flushing"
+        self._unflushed.setdefault(o.peer.id, []).append(o)
+        self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"))
 
     def _flush_puts(self) -> None:
         """One ep flush per peer covers every put issued to it this turn."""
@@ -1112,11 +1114,20 @@ class UCXTransport(Transport):
             self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"), tell=False)
 
 
+def _key(reg: np.ndarray, off: np.ndarray) -> np.ndarray:
+    """(region, offset) as one int64 that merges never carry across regions (offsets < 2**_OFF_BITS)."""
+    return reg << _OFF_BITS | off
+
+
+def _unkey(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return key >> _OFF_BITS, key & _OFF_MASK
+
+
 def _merge_in_stream(reg: np.ndarray, off: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Consecutive runs of one byte stream that continue each other in their region, as one
-    run: (region, offset, length) arrays, offsets below 2**_OFF_BITS."""
-    key, _, n = merge_runs(reg << _OFF_BITS | off, np.cumsum(n) - n, n)
-    return key >> _OFF_BITS, key & _OFF_MASK, n
+    run: (region, offset, length) arrays."""
+    key, _, n = merge_runs(_key(reg, off), np.cumsum(n) - n, n)
+    return (*_unkey(key), n)
 
 
 def _split(src: np.ndarray, dst: np.ndarray, n: np.ndarray, sreg: np.ndarray, dreg: np.ndarray,
