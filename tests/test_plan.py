@@ -507,3 +507,29 @@ def test_byte_ranges_covers_many_runs_as_it_covers_one():
     got = grant.covers(region, offset, nbytes)
     want = [grant.covers_run(int(r), int(o), int(n)) for r, o, n in zip(region, offset, nbytes)]
     assert got.tolist() == want and 0 < int(got.sum()) < len(got)
+
+
+def test_byte_ranges_covers_neighbour_groups_run_by_run():
+    """Runs in stream order (a page's rows next to each other) are first checked a group's
+    span at a time: one bad run inside an otherwise granted group is still found, and a span
+    over a gap or across regions never passes for its runs."""
+    rng = np.random.default_rng(5)
+    pages = rng.permutation(4096)[:512]                       # granted 16 KiB pages, scattered
+    grant = ByteRanges(np.repeat([0, 1], 512), np.tile(pages * 16384, 2), np.full(1024, 16384))
+    rows = (pages[:, None] * 16384 + np.arange(16) * 1024 + 512).reshape(-1)   # a half row per token
+    region, offset, nbytes = np.repeat([0, 1], len(rows)), np.tile(rows, 2), np.full(2 * len(rows), 512)
+    assert grant.covers(region, offset, nbytes).all()
+    offset[37] += 1024 * 16                                   # into the next page: mostly not granted
+    nbytes[100] = 1 << 20                                     # past its page
+    region[300] = 2                                           # a region with no grant
+    offset[411], nbytes[412] = -(1 << 62), 0                  # hostile, empty
+    offset[500: 516] = rng.permutation(offset[500: 516])      # a group out of order: still fine
+    got = grant.covers(region, offset, nbytes)
+    want = [grant.covers_run(int(r), int(o), int(n)) for r, o, n in zip(region, offset, nbytes)]
+    assert got.tolist() == want
+    assert not got[[100, 300, 411, 412]].any() and int((~got).sum()) <= 5
+    # a bad run's key reads as 0: a group in a grant that starts at byte 0 must not hide it
+    first = ByteRanges([0], [0], [16384])
+    offset, nbytes = np.arange(32) * 512, np.full(32, 512)
+    nbytes[3], offset[20] = 0, -1
+    assert np.flatnonzero(~first.covers(np.zeros(32, np.int64), offset, nbytes)).tolist() == [3, 20]
