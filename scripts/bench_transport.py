@@ -328,7 +328,8 @@ class UcxPutSamePages:
         from ucxx._lib import libucxx as u
         from transports import ucx as U
         self.U, self.ctypes, self.base = U, ctypes, src.data_ptr()
-        self.ctx = u.UCXContext({"TLS": tls} if tls else {}, feature_flags=(u.Feature.TAG, u.Feature.RMA))
+        # the transport's UCX settings: peers over shared memory must agree on its FIFO size
+        self.ctx = u.UCXContext(U.ucx_settings(tls, None, os.environ), feature_flags=(u.Feature.TAG, u.Feature.RMA))
         self.worker = u.UCXWorker(self.ctx)
         addr = u.UCXAddress.create_from_buffer(bytes.fromhex(descriptor["address"]))
         self.ep = self.worker.create_endpoint_from_worker_address(addr, False)

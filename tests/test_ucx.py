@@ -20,7 +20,7 @@ pytest.importorskip("ucxx")
 
 from kvxfer.errors import PeerError, RejectedWrite, TransferTimeout, TransportError  # noqa: E402
 from kvxfer.plan import ByteRanges, RunGroup, TransferPlan  # noqa: E402
-from kvxfer.transport import TransferStatus, get_transport  # noqa: E402
+from kvxfer.transport import FEW_RUNS, TransferStatus, get_transport  # noqa: E402
 from waiting import until
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -462,6 +462,31 @@ def test_small_scattered_runs_travel_as_iov_frames(pair):
     peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
 
 
+def test_mid_size_runs_are_put_in_small_plans_and_packed_in_large_ones(pair):
+    """16 KiB runs: a plan of a few is put (no frame's rendezvous); a plan of many travels
+    packed (no system call per run). Both land exactly, nothing else changes."""
+    t, src, peer, pid = pair
+    assert t.put_below <= 16 * KiB < t.put_below_many
+    rng = np.random.default_rng(8)
+    for k, rid in ((4, "r-mid-few"), (48, "r-mid-many")):
+        so = rng.choice(POOL // (16 * KiB), k, replace=False) * 16 * KiB
+        do = rng.choice(POOL // (16 * KiB), k, replace=False) * 16 * KiB
+        plan = _plan([(so, do, 16 * KiB, False)])
+        prepare = t._prepare_few if k <= FEW_RUNS else t._prepare
+        _, _, nput, packed = prepare(t._peers[pid], plan)
+        assert (nput, packed is None) == ((k, True) if k <= FEW_RUNS else (0, False))
+        peer("expect", rid, _whole(POOL))
+        h = t.submit(pid, rid, plan, timeout=30)
+        assert h.wait(30), h.error
+        assert peer("arrivals", 10, 1)[0][2]
+        got, want = peer.pool(), np.full(POOL, CANARY, np.uint8)
+        for a, b in zip(so.tolist(), do.tolist()):
+            want[b: b + 16 * KiB] = src[a: a + 16 * KiB]
+        assert np.array_equal(got, want)
+        peer("forget", rid)
+        peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
+
+
 @pytest.mark.parametrize("strided", ["source", "destination"])
 def test_head_slice_rows_announce_whole_pages(pair, strided):
     """Token-major head slices: 512 B rows, strided on one side and back to back within a page
@@ -490,6 +515,33 @@ def test_head_slice_rows_announce_whole_pages(pair, strided):
     assert np.array_equal(got, want)
     peer("forget", "r-rows")
     peer("fill", np.full(POOL, CANARY, np.uint8).tobytes())
+
+
+def test_ucx_settings_defaults_give_way_to_environment_and_caller():
+    from transports.ucx import UCX_DEFAULTS, ucx_settings
+    assert ucx_settings(None, None, {}) == UCX_DEFAULTS
+    assert "SYSV_FIFO_SIZE" not in ucx_settings(None, None, {"UCX_SYSV_FIFO_SIZE": "256"})
+    assert ucx_settings("tcp", {"SYSV_FIFO_SIZE": "64", "RNDV_THRESH": "8192"}, {}) == {
+        "SYSV_FIFO_SIZE": "64", "RNDV_THRESH": "8192", "TLS": "tcp"}
+
+
+def test_peers_with_different_shared_memory_settings_refuse_to_connect():
+    """A sender indexes the receiver's shared-memory FIFO with its own size: a pair that
+    disagrees would hang, so connect() refuses it and names the setting."""
+    a = get_transport("ucx")
+    b = get_transport("ucx", ucx_config={"SYSV_FIFO_SIZE": "256"})
+    try:
+        for t in (a, b):
+            t.register([torch.zeros(4096, dtype=torch.uint8)])
+        with pytest.raises(TransportError, match="UCX_SYSV_FIFO_SIZE 4096 here, 256 at the peer"):
+            a.connect(b.descriptor())
+        old = {k: v for k, v in b.descriptor().items() if k != "shm_settings"}   # a peer that does not say
+        with pytest.raises(TransportError, match="UCX_SYSV_FIFO_SIZE 256 here, unset at the peer"):
+            b.connect(old)
+        assert a.connect(a.descriptor()) == a.id   # the same settings connect
+    finally:
+        a.close()
+        b.close()
 
 
 def test_contract_edges():

@@ -59,12 +59,13 @@ import collections
 import ctypes
 import itertools
 import logging
+import os
 import queue
 import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -281,16 +282,41 @@ FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
 HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
 _REFUSALS = ("outside", "unknown", "ended", "malformed")  # GrantTable reasons: RejectedWrite
 _I8 = np.dtype("<i8")
-# Runs shorter than this are packed, longer ones put. Measured (bench_transport.py, bench_hetero.py;
-# shared memory on the 2-core box): 4 KiB pages went 1.6x faster packed than put, 8 KiB head
-# slices of HND pages 1.3-1.5x faster put (TP 2 -> 4, 4 -> 2), both with staging. Packing 8 KiB..
-# 1 MiB runs too (as iov frames) sped up one sender and one receiver with 1000 scattered 64 KiB
-# pages by 1.15-1.75x, but slowed 6 rank processes (TP 2 -> 2 with 16 KiB pages) by 1.3-1.9x:
-# a frame costs the receiver a rendezvous, and a put costs it nothing.
+# Runs shorter than PUT_BELOW are packed, longer ones put; in a plan of more than FEW_RUNS runs,
+# runs shorter than PUT_BELOW_MANY are packed too. Measured (bench_transport.py, bench_hetero.py,
+# bench_request.py; shared memory on the 2-core box): 4 KiB pages go 1.6x faster packed than put.
+# A request of a few 8-16 KiB runs is faster put (1-page request 2.0 vs 2.35 ms packed): a frame
+# costs a rendezvous. Many such runs are faster packed, once the receiver's FIFO is large enough
+# (UCX_DEFAULTS): TP 2 -> 2 with 16 KiB runs 2.4 -> 3.3 GB/s, HND TP 2 -> 4 / 4 -> 2 with 8 KiB
+# runs 1.5 -> 2.3 / 1.9 -> 2.2; a put costs the sender a system call per run.
 PUT_BELOW = 8 * 1024
+PUT_BELOW_MANY = 32 * 1024
 INLINE_BELOW = 256 * 1024   # packed bytes below this travel inside the ANNOUNCE
 _OFF_BITS = 44              # merge keys: region id above the offset bits (regions < 16 TiB)
 _OFF_MASK = (1 << _OFF_BITS) - 1
+# UCX settings this transport changes unless ``ucx_config`` or the environment (UCX_<name>) sets
+# them. SYSV_FIFO_SIZE: packed frames cross shared memory through the receiver's FIFO of 8 KiB
+# segments; UCX's 256 (2 MiB) fills in well under a millisecond, and a sender whose FIFO is full
+# waits for the receiver's thread to be scheduled and drain it. With six rank processes on two
+# cores (bench_hetero.py, token-major head slices) 4096 took TP 4 -> 2 from 0.75 to 1.4 GB/s and
+# 2 -> 4 from 1.2 to 1.4 (medians), same TP and one-sender transfers unchanged; it costs ~33 MB
+# of resident shared memory per transport (61 MiB of sysv segments reserved).
+UCX_DEFAULTS = {"SYSV_FIFO_SIZE": "4096"}
+# Shared-memory settings both peers must agree on: a sender indexes the receiver's FIFO with its
+# own size, so a mismatch hangs the pair silently. Descriptors carry them; connect() compares.
+_MUST_MATCH = ("SYSV_FIFO_SIZE", "SYSV_SEG_SIZE", "POSIX_FIFO_SIZE", "POSIX_SEG_SIZE")
+
+
+def ucx_settings(tls: str | None, ucx_config: dict | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings a transport hands UCX (names without ``UCX_``): ``UCX_DEFAULTS`` the
+    environment does not set, then ``ucx_config``, then ``tls``."""
+    return {**{k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in environ},
+            **(ucx_config or {}), **({"TLS": tls} if tls else {})}
+
+
+def _shared_memory_settings(config: dict[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``_MUST_MATCH`` settings in effect ("" for UCX's own default)."""
+    return {k: str(config.get(k, environ.get(f"UCX_{k}", ""))) for k in _MUST_MATCH}
 
 
 def _run_array(b) -> np.ndarray:
@@ -386,19 +412,23 @@ class UCXTransport(Transport):
                   (shared memory on one host). Both peers must share a transport.
     frame_bytes   big runs are put in pieces of this size; packed blocks go in frames of it.
     put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)
+    put_below_many  the same for plans of more than FEW_RUNS runs (``PUT_BELOW_MANY``)
     heartbeat     seconds between pings to each peer; ``peer_timeout`` seconds of silence
                   fail a peer's transfers (a dead peer is silent: error handling is off).
-    ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``.
+    ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``; they replace
+                  ``UCX_DEFAULTS`` (the environment's UCX_* settings do too).
     """
     name = "ucx"
 
     def __init__(self, *, tls: str | None = None, frame_bytes: int = 4 << 20, put_below: int = PUT_BELOW,
+                 put_below_many: int = PUT_BELOW_MANY,
                  heartbeat: float = 0.5, peer_timeout: float = 5.0, ucx_config: dict | None = None):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
-        config = dict(ucx_config or {}, **({"TLS": tls} if tls else {}))
+        config = ucx_settings(tls, ucx_config, os.environ)
+        self._shm_settings = _shared_memory_settings(config, os.environ)
         self.id = uuid.uuid4().hex
-        self.frame_bytes, self.put_below = int(frame_bytes), int(put_below)
+        self.frame_bytes, self.put_below, self.put_below_many = int(frame_bytes), int(put_below), int(put_below_many)
         self.heartbeat, self.peer_timeout = heartbeat, peer_timeout
         self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
                                                               ucx_api.Feature.WAKEUP))
@@ -467,7 +497,7 @@ class UCXTransport(Transport):
         """Plain JSON-safe data a peer needs: worker address, region addresses, sizes, rkeys."""
         return {"transport": self.name, "id": self.id, "address": self._address.hex(),
                 "region_base": [int(b) for b in self._base], "region_sizes": list(self.grants.region_sizes),
-                "rkeys": [k.hex() for k in self._rkeys_packed]}
+                "rkeys": [k.hex() for k in self._rkeys_packed], "shm_settings": self._shm_settings}
 
     def connect(self, descriptor: dict) -> str:
         """Sender, once per receiver: an endpoint to its worker (error handling off), its rkeys."""
@@ -475,8 +505,14 @@ class UCXTransport(Transport):
             peer_id, addr = str(descriptor["id"]), bytes.fromhex(descriptor["address"])
             base, sizes = (np.asarray(descriptor[k], np.int64) for k in ("region_base", "region_sizes"))
             rkeys = [bytes.fromhex(k) for k in descriptor["rkeys"]]
-        except (KeyError, TypeError, ValueError) as e:
+            theirs = {k: str(descriptor.get("shm_settings", {}).get(k, "")) for k in _MUST_MATCH}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConnectError(f"not a UCX transport descriptor ({type(e).__name__}: {e})") from e
+        differ = [f"UCX_{k} {self._shm_settings[k] or 'unset'} here, {theirs[k] or 'unset'} at the peer"
+                  for k in _MUST_MATCH if theirs[k] != self._shm_settings[k]]
+        if differ:
+            raise ConnectError("UCX shared-memory settings differ from the peer's (a mismatch would hang "
+                               f"transfers): {'; '.join(differ)}. Give both sides the same settings.")
         if not len(base) == len(sizes) == len(rkeys):
             raise ConnectError("UCX descriptor region lists differ in length")
         return self._call(self._do_connect, peer_id, addr, base, sizes, rkeys)
@@ -530,9 +566,9 @@ class UCXTransport(Transport):
             if len(reg) and (reg.min() < 0 or reg.max() >= len(lim) or off.min() < 0
                              or (off + n > lim[reg]).any()):
                 raise PlanError(f"a {side} run leaves its region (the {side} has {len(lim)} regions)")
-        # Runs below put_below travel packed, whatever the plan says: this bounds the put loop
-        # (one Python step per put) by bytes / put_below, and a tiny put costs more than packing.
-        pk = n < self.put_below
+        # Runs below put_below_many travel packed, whatever the plan says: this bounds the put loop
+        # (one Python step per put) by bytes / put_below_many, and a small put costs more than packing.
+        pk = n < self.put_below_many
         npk = int(np.count_nonzero(pk))
         put = slice(None) if npk == 0 else slice(0) if npk == len(n) else ~pk
         keyed = max(self._region_sizes.max(), p.sizes.max()) < 1 << _OFF_BITS
