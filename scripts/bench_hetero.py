@@ -31,7 +31,8 @@ the cores, not heterogeneity.
 Run counts per request, per decode rank, next to what SGLang-style head slicing needs: one
 descriptor per (token, layer, K/V) from each source whose heads are a slice on either side,
 one per (page, layer, K/V) otherwise. "packed" counts the runs the plan marks packed (below
-``PACK_BELOW``, the copying transports' threshold); UCX packs by its own ``PUT_BELOW`` instead.
+``PACK_BELOW``, the copying transports' threshold); UCX packs by its own ``PUT_BELOW`` and
+``PUT_BELOW_MANY`` instead.
 """
 from __future__ import annotations
 

@@ -525,9 +525,10 @@ def test_ucx_settings_defaults_give_way_to_environment_and_caller():
         "SYSV_FIFO_SIZE": "64", "RNDV_THRESH": "8192", "TLS": "tcp"}
 
 
-def test_peers_with_different_shared_memory_settings_refuse_to_connect():
+def test_peers_with_different_shared_memory_settings_refuse_to_connect(monkeypatch):
     """A sender indexes the receiver's shared-memory FIFO with its own size: a pair that
     disagrees would hang, so connect() refuses it and names the setting."""
+    monkeypatch.delenv("UCX_SYSV_FIFO_SIZE", raising=False)
     a = get_transport("ucx")
     b = get_transport("ucx", ucx_config={"SYSV_FIFO_SIZE": "256"})
     try:
