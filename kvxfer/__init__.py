@@ -2,13 +2,37 @@
 
 The public surface is ``__all__``; see README.md for a tour of the modules.
 """
-from .errors import (CompatibilityError, ConnectError, KVXferError, LayoutError, PeerError, PlanError,
-                     RejectedWrite, RequestError, TransferTimeout, TransportError)
-from .layout import (Layout, Part, Region, Space, hnd_layout, host_layout, hybrid_swa_layout, mla_layout,
-                     page_major_layout, state_layout, token_major_layout)
-from .plan import WHOLE, ByteRanges, HeadSlice, Planner, TransferPlan, execute_plan, plan_transfer
+from .copy import execute_plan
+from .errors import (
+    CompatibilityError,
+    ConnectError,
+    KVXferError,
+    LayoutError,
+    PeerError,
+    PlanError,
+    RejectedWrite,
+    RequestError,
+    TransferTimeout,
+    TransportError,
+)
+from .grant import ByteRanges
+from .layout import (
+    Layout,
+    Part,
+    Region,
+    Space,
+    hnd_layout,
+    host_layout,
+    hybrid_swa_layout,
+    mla_layout,
+    page_major_layout,
+    state_layout,
+    token_major_layout,
+)
+from .plan import WHOLE, HeadSlice, Planner, TransferPlan, plan_transfer
 from .pools import HybridSWAPool, KVPool, MHAPool, MLAPool, PageAllocator, StatePool
-from .transport import Arrival, Transport, TransferHandle, available_transports, get_transport
+from .transport.base import Arrival, TransferHandle, Transport
+from .transport.registry import available_transports, get_transport
 
 __all__ = [
     # errors
@@ -30,10 +54,10 @@ __all__ = [
 ]
 
 _LAZY = {
-    "RankSpec": "bootstrap", "BootstrapServer": "bootstrap", "BootstrapClient": "bootstrap",
-    "KVPoll": "request", "Timeouts": "request", "AuxRecord": "request", "AuxBuffer": "request",
-    "reduce_poll": "request", "PrefillEndpoint": "prefill", "KVSender": "prefill",
-    "DecodeEndpoint": "decode", "KVReceiver": "decode", "HostPool": "offload", "DecodeOffloadManager": "offload",
+    "RankSpec": "ranks", "BootstrapServer": "control.bootstrap", "BootstrapClient": "control.client",
+    "KVPoll": "endpoint", "Timeouts": "endpoint", "AuxRecord": "endpoint", "AuxBuffer": "endpoint",
+    "reduce_poll": "endpoint", "PrefillEndpoint": "endpoint", "KVSender": "endpoint",
+    "DecodeEndpoint": "endpoint", "KVReceiver": "endpoint", "HostPool": "pools", "DecodeOffloadManager": "offload",
 }
 
 

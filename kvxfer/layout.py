@@ -420,3 +420,32 @@ def host_layout(device: Layout, style: str, num_slots: int | Mapping[str, int]) 
                 offset += sp.num_pages * page_bytes
         regions.append(Region(name=f"host_{dsp.name}", nbytes=offset))
     return Layout(kind=f"host_{style}", spaces=tuple(spaces), regions=tuple(regions), parts=tuple(parts))
+
+
+# ------------------------------------------------------------------------------------
+# Layouts of a rank: KV parts plus optional state parts, as one layout (one region list
+# for the transport, one Planner per source covering both).
+# ------------------------------------------------------------------------------------
+def combine_layouts(kv: Layout, state: Layout | None = None) -> Layout:
+    """``kv``'s parts and regions followed by ``state``'s (region ids shifted)."""
+    if state is None:
+        return kv
+    n = len(kv.regions)
+    parts = kv.parts + tuple(dataclasses.replace(p, region=p.region + n) for p in state.parts)
+    return Layout(kind=f"{kv.kind}+{state.kind}", spaces=kv.spaces + state.spaces,
+                  regions=kv.regions + state.regions, parts=parts)
+
+
+def is_hybrid(layout: Layout) -> bool:
+    """True for a hybrid sliding-window layout (a "swa" slot space beside the token space)."""
+    return any(s.name == SWA for s in layout.spaces)
+
+
+# ------------------------------------------------------------------------------------
+# The compact record layout
+# ------------------------------------------------------------------------------------
+def restrict_layout(layout: Layout, spaces) -> Layout:
+    """``layout`` with only the parts (and spaces) of ``spaces``; region ids unchanged."""
+    keep = set(spaces)
+    return Layout(kind=layout.kind, spaces=tuple(s for s in layout.spaces if s.name in keep),
+                  regions=layout.regions, parts=tuple(p for p in layout.parts if p.space in keep))

@@ -14,7 +14,13 @@ from __future__ import annotations
 import logging
 import re
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    start_http_server,
+)
 
 log = logging.getLogger("kvxfer.request")
 

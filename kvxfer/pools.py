@@ -12,17 +12,32 @@ step), allocates slots with ``PageAllocator``, and hands ``regions()`` /
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from .copy import execute_plan
 from .errors import LayoutError
-from .layout import (STATE, SWA, TOKEN, Layout, Part, dtype_size, host_layout, hnd_layout, hybrid_swa_layout,
-                     mla_layout, page_major_layout, state_layout, token_major_layout)
-from .plan import execute_plan, plan_transfer
+from .layout import (
+    HOST_STYLES,
+    STATE,
+    SWA,
+    TOKEN,
+    Layout,
+    Part,
+    dtype_size,
+    hnd_layout,
+    host_layout,
+    hybrid_swa_layout,
+    mla_layout,
+    page_major_layout,
+    state_layout,
+    token_major_layout,
+)
+from .plan import plan_transfer
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8, "uint8": torch.uint8, "int32": torch.int32}
@@ -361,3 +376,136 @@ class PageAllocator:
 
 __all__ = ["KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator", "CPUCopy",
            "BufInfos", "PagePart", "torch_dtype", "STATE"]
+
+
+# ------------------------------------------------------------------------------------
+# Host memory
+# ------------------------------------------------------------------------------------
+class HostPages:
+    """Whole pages of one host space; page 0 is padding. A request for ``n`` pages gets ``n``
+    consecutive free pages when there are any (first fit), so a record (or a batch of records
+    copied together) is one block and copies as one strided view; otherwise the lowest free
+    pages. Freeing twice raises. The free count is kept, not recounted: the background thread
+    allocates for every copy, and a host pool can hold a million pages."""
+
+    def __init__(self, num_pages: int, page_size: int):
+        self.page_size, self.num_pages = int(page_size), int(num_pages)
+        self._free = np.ones(num_pages, dtype=bool)
+        self._free[0] = False
+        self._num_free = num_pages - 1
+
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
+    @property
+    def free_pages(self) -> int:
+        return self._num_free
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-int(num_tokens) // self.page_size)
+
+    def take(self, need: int) -> np.ndarray | None:
+        """``need`` free pages (first fit of a free block, else the lowest), or None."""
+        if need > self._num_free:
+            return None
+        if need == 0:
+            return np.zeros(0, np.int64)
+        edges = np.flatnonzero(np.diff(self._free.view(np.int8), prepend=np.int8(0), append=np.int8(0)))
+        starts, ends = edges[0::2], edges[1::2]   # free blocks [start, end)
+        fits = np.flatnonzero(ends - starts >= need)
+        pages = (np.arange(starts[fits[0]], starts[fits[0]] + need) if len(fits)
+                 else np.flatnonzero(self._free)[:need])
+        self._free[pages] = False
+        self._num_free -= need
+        return pages
+
+    def slots_of(self, pages: np.ndarray, num_tokens: int) -> np.ndarray:
+        return (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()[:num_tokens]
+
+    def alloc(self, num_tokens: int) -> np.ndarray | None:
+        pages = self.take(self.pages_for(num_tokens))
+        return None if pages is None else self.slots_of(pages, num_tokens)
+
+    def free(self, slots) -> None:
+        pages = np.unique(np.asarray(slots, dtype=np.int64) // self.page_size)
+        if len(pages) and (pages.min() < 1 or pages.max() >= self.num_pages or self._free[pages].any()):
+            raise LayoutError(f"host free: pages {pages.tolist()[:8]} are padding, out of range or already free")
+        self._free[pages] = True
+        self._num_free += len(pages)
+
+
+class HostPool(KVPool):
+    """Host memory for a device pool in a host layout; a pool like any other (``layout``,
+    ``regions()``), so planners and transports target it unchanged (direct-to-host
+    receive registers ``regions()`` with a transport). Pinned when CUDA is present.
+    ``alloc``/``free`` hand out whole host pages per space (page 0 is padding).
+
+    Its memory is resident from the start: ``torch.zeros`` writes every byte, so no offload
+    pays first-touch page faults (pinned memory is resident anyway)."""
+
+    def __init__(self, layout: Layout, *, device_layout: Layout, pin_memory: bool | None = None):
+        super().__init__(layout, "cpu", pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
+        self.device_layout = device_layout
+        self.allocators = {s.name: HostPages(s.num_pages, s.page_size) for s in layout.spaces}
+
+    @classmethod
+    def for_pool(cls, pool: KVPool, *, layout: str = "layer_first", size: int | Mapping[str, int],
+                 pin_memory: bool | None = None) -> "HostPool":
+        """Host pool for any pool, from its layout alone. ``size``: usable host slots, one int
+        for every space or ``{space: n}``; rounded up to whole pages (plus the padding page)."""
+        if layout not in HOST_STYLES:
+            raise LayoutError(f"HostPool layout {layout!r} is not one of {HOST_STYLES}")
+        sizes = {}
+        for sp in pool.layout.spaces:
+            n = size if isinstance(size, int) else size.get(sp.name)
+            if n is None or n < 1:
+                raise LayoutError(f"HostPool.for_pool: size for space {sp.name!r} must be >= 1 slot, got {n}")
+            sizes[sp.name] = (-(-int(n) // sp.page_size) + 1) * sp.page_size
+        return cls(host_layout(pool.layout, layout, sizes), device_layout=pool.layout, pin_memory=pin_memory)
+
+    def capacity(self, space: str) -> int:
+        a = self.allocators[space]
+        return a.capacity * a.page_size
+
+    def free_slots(self, space: str) -> int:
+        a = self.allocators[space]
+        return a.free_pages * a.page_size
+
+    def alloc(self, tokens: Mapping[str, int]) -> dict[str, np.ndarray] | None:
+        """Slots for ``tokens[space]`` tokens in every space, or None (nothing taken)."""
+        got = self.alloc_many([tokens])
+        return got[0] if got else None
+
+    def fits(self, sizes: Sequence[Mapping[str, int]]) -> int:
+        """How many leading records of ``sizes`` fit in the free pages now (all together)."""
+        left = {s: a.free_pages for s, a in self.allocators.items()}
+        for i, tokens in enumerate(sizes):
+            for s, n in tokens.items():
+                left[s] -= self.allocators[s].pages_for(n)
+            if any(v < 0 for v in left.values()):
+                return i
+        return len(sizes)
+
+    def alloc_many(self, sizes: Sequence[Mapping[str, int]]) -> list[dict[str, np.ndarray]] | None:
+        """Slots for every record of ``sizes`` (whole pages each), taken as one block per space
+        when there is one, so records copied together sit back to back; None if they do not
+        all fit (nothing taken)."""
+        if self.fits(sizes) < len(sizes):
+            return None
+        out: list[dict[str, np.ndarray]] = [{} for _ in sizes]
+        for space in {s for tokens in sizes for s in tokens}:
+            a = self.allocators[space]
+            counts = [int(tokens.get(space, 0)) for tokens in sizes]
+            need = [a.pages_for(n) for n in counts]
+            pages = a.take(sum(need))
+            slots = a.slots_of(pages, len(pages) * a.page_size)   # every slot of those pages, in order
+            first = 0
+            for rec, n, k in zip(out, counts, need):   # a record's slots: a slice (whole pages of its own)
+                rec[space] = slots[first: first + n]
+                first += k * a.page_size
+        return [{s: rec[s] for s in tokens} for rec, tokens in zip(out, sizes)]
+
+    def free(self, slots: Mapping[str, np.ndarray]) -> None:
+        for s, v in slots.items():
+            self.allocators[s].free(v)

@@ -11,10 +11,13 @@ that feeds nobody (a replica) still confirms its requests.
 """
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .errors import PlanError
 from .plan import HeadSlice
+from .ranks import RankSpec
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -106,3 +109,52 @@ def targets_for_prefill_rank(*, num_kv_heads: int, p_tp: int, d_tp: int, p_rank:
             for s in sources_for_decode_rank(num_kv_heads=num_kv_heads, p_tp=p_tp, d_tp=d_tp, d_rank=d,
                                              num_layers=num_layers, p_pp=p_pp, replicated=replicated)
             if s.p_tp_rank == p_rank and s.p_pp_rank == p_pp_rank]
+
+
+# ------------------------------------------------------------------------------------
+# Topology between one prefill rank and one decode rank
+# ------------------------------------------------------------------------------------
+def decode_sources(p: RankSpec, d: RankSpec) -> list[Source]:
+    """Every source of decode rank ``d`` in the prefill instance of ``p`` (all stages)."""
+    return sources_for_decode_rank(num_kv_heads=d.num_kv_heads, p_tp=p.tp_size, d_tp=d.tp_size, d_rank=d.tp_rank,
+                                   num_layers=d.num_layers, p_pp=p.pp_size, replicated=d.replicated)
+
+
+def peers_needed(p: RankSpec, d: RankSpec) -> dict[tuple[int, int], list[Source]]:
+    """Prefill ranks (tp, pp) that decode rank ``d`` contacts per request, with its sources there.
+
+    An empty list marks a silent replica (it feeds no decode rank): decode rank 0 sends it a
+    dummy request so that its sender, too, reaches an end state.
+    """
+    out: dict[tuple[int, int], list[Source]] = {}
+    for s in decode_sources(p, d):
+        out.setdefault((s.p_tp_rank, s.p_pp_rank), []).append(s)
+    if d.tp_rank == 0:
+        fed = {(s.p_tp_rank, s.p_pp_rank) for r in range(d.tp_size)
+               for s in decode_sources(p, dataclasses.replace(d, tp_rank=r))}
+        for key in ((t, q) for q in range(p.pp_size) for t in range(p.tp_size)):
+            if key not in fed:
+                out[key] = []
+    return out
+
+
+def peer_sources(p: RankSpec, d: RankSpec) -> list[Source]:
+    """What prefill rank ``p`` sends to decode rank ``d`` (empty: nothing, or a dummy)."""
+    return peers_needed(p, d).get((p.tp_rank, p.pp_rank), [])
+
+
+def expected_decode_ranks(p: RankSpec, d: RankSpec) -> frozenset[int]:
+    """Decode TP ranks (of ``d``'s group) whose requests a prefill sender of ``p`` waits for."""
+    fed = {s.d_rank for s in targets_for_prefill_rank(
+        num_kv_heads=d.num_kv_heads, p_tp=p.tp_size, d_tp=d.tp_size, p_rank=p.tp_rank, num_layers=d.num_layers,
+        p_pp=p.pp_size, p_pp_rank=p.pp_rank, replicated=d.replicated)}
+    return frozenset(fed or {0})
+
+
+def aux_source(sources: Sequence[Source]) -> tuple[int, int] | None:
+    """The one source that sends the aux record: the last stage (it computed the first token),
+    lowest TP rank. Both sides compute it the same way."""
+    if not sources:
+        return None
+    last = max(s.p_pp_rank for s in sources)
+    return min((s.p_tp_rank, s.p_pp_rank) for s in sources if s.p_pp_rank == last)

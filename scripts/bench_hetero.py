@@ -133,9 +133,9 @@ class DecodeRank:
     """One decode rank of one case: its pool, its transport, its grant."""
 
     def __init__(self, cfg: Config, slots: np.ndarray, rank: int):
-        from kvxfer.plan import ByteRanges
+        from kvxfer.grant import ByteRanges
         from kvxfer.topology import sources_for_decode_rank
-        from kvxfer.transport import get_transport
+        from kvxfer.transport.registry import get_transport
         self.cfg, self.slots, self.rank = cfg, slots, rank
         self.pool = make_pool(cfg, "d", rank)
         self.t = get_transport(cfg.transport)
@@ -172,7 +172,7 @@ class PrefillRank:
     def __init__(self, cfg: Config, p_slots: np.ndarray, d_slots: np.ndarray, descriptors: dict, rank: int):
         from kvxfer.plan import Planner
         from kvxfer.topology import heads_held, targets_for_prefill_rank
-        from kvxfer.transport import get_transport
+        from kvxfer.transport.registry import get_transport
         self.pool = make_pool(cfg, "p", rank)
         for layer in range(cfg.layers):
             self.pool.set_parts(layer, p_slots, [(kind, kv_values(layer, kind, cfg.tokens,
@@ -488,7 +488,7 @@ def print_table(results: dict, pairs) -> None:
 
 
 def usable_transports(names: list[str]) -> tuple[list[str], dict[str, str]]:
-    from kvxfer.transport import get_transport
+    from kvxfer.transport.registry import get_transport
     ok, why = [], {}
     for n in names:
         try:

@@ -22,7 +22,8 @@ import time
 import numpy as np
 import torch
 
-from kvxfer.plan import BIG_RUN, PACK_BELOW, Runs, copy_runs, gather_runs, scatter_runs
+from kvxfer.copy import copy_runs, gather_runs, scatter_runs
+from kvxfer.plan import BIG_RUN, PACK_BELOW, Runs
 
 SIZES = [256 << i for i in range(11)]  # 256 B .. 256 KiB
 

@@ -327,7 +327,8 @@ class KvxferPeer(Peer):
 
     def __init__(self, role: str, pool: np.ndarray, spec: dict):
         import torch
-        from kvxfer.transport import get_transport
+
+        from kvxfer.transport.registry import get_transport
         torch.set_num_threads(1)
         self.t = get_transport(spec["transport"])
         self.t.register([torch.from_numpy(pool)])
@@ -351,7 +352,7 @@ class KvxferPeer(Peer):
         self.t.submit(self.peer, tag, plan, timeout=120).result()
 
     def prepare(self, case: dict, tag: str) -> None:
-        from kvxfer.plan import ByteRanges
+        from kvxfer.grant import ByteRanges
         z, _, do, n = self._runs(case)
         self.t.expect(tag, ByteRanges(z, do, n))
 

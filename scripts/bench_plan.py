@@ -21,7 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from kvxfer.layout import Layout, Part, hnd_layout, host_layout, page_major_layout, token_major_layout
+from kvxfer.layout import (
+    Layout,
+    Part,
+    hnd_layout,
+    host_layout,
+    page_major_layout,
+    token_major_layout,
+)
 from kvxfer.plan import Planner, plan_transfer
 
 LAYERS, HEADS, HEAD_DIM, PAGE, DTYPE = 80, 8, 128, 16, "bfloat16"

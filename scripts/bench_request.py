@@ -31,6 +31,7 @@ import numpy as np
 
 def _pool(a, seed=None):
     import torch
+
     from kvxfer.pools import MHAPool
     p = MHAPool(layers=a["layers"], heads=a["heads"], head_dim=a["head_dim"], dtype="bfloat16",
                 num_pages=a["pages"], page_size=a["page_size"])
@@ -42,7 +43,7 @@ def _pool(a, seed=None):
 
 
 def _spec(role, a):
-    from kvxfer.bootstrap import RankSpec
+    from kvxfer.ranks import RankSpec
     return RankSpec(role=role, num_kv_heads=a["heads"], num_layers=a["layers"])
 
 
@@ -67,6 +68,7 @@ def floor_receiver(conn, n: int, nbytes: int) -> None:
     wakes the main thread, which stamps it."""
     import queue
     import threading
+
     import zmq
     ctx = zmq.Context(io_threads=1)
     router = ctx.socket(zmq.ROUTER)
@@ -100,7 +102,7 @@ def floor_receiver(conn, n: int, nbytes: int) -> None:
 def bare_sender(conn, a: dict) -> None:
     """The transport alone: plan (prepared Planner, as the endpoints do) and submit on each "go"."""
     from kvxfer.plan import Planner
-    from kvxfer.transport import get_transport
+    from kvxfer.transport.registry import get_transport
     pool = _pool(a, seed=1)
     t = get_transport(a["transport"])
     t.register(pool.regions())
@@ -122,8 +124,8 @@ def bare_sender(conn, a: dict) -> None:
 
 def transport_one_way(ctx, a: dict, n: int) -> dict:
     """submit() (with planning) on one process -> arrivals() returns on the other: the floor under a request."""
-    from kvxfer.plan import ByteRanges
-    from kvxfer.transport import get_transport
+    from kvxfer.grant import ByteRanges
+    from kvxfer.transport.registry import get_transport
     pool = _pool(a)
     t = get_transport(a["transport"])
     t.register(pool.regions())
@@ -152,8 +154,9 @@ def transport_one_way(ctx, a: dict, n: int) -> dict:
 
 def prefill(conn, a: dict) -> None:
     """Serve rooms 0..total-1 in order: one chunk each, as soon as decode's grant arrived."""
+    from kvxfer.endpoint.base import KVPoll
+    from kvxfer.endpoint.prefill import PrefillEndpoint
     from kvxfer.pools import PageAllocator
-    from kvxfer.request import KVPoll, PrefillEndpoint
     pool = _pool(a, seed=1)
     alloc = PageAllocator(a["pages"], a["page_size"])
     ep = PrefillEndpoint(_spec("prefill", a), pool, transport=a["transport"])
@@ -212,6 +215,7 @@ def thread_floor(ctx, nbytes: int, n: int, gap: float) -> list[float]:
     import os
     import queue
     import threading
+
     import zmq
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=floor_receiver, args=(theirs, n + 50, nbytes))
@@ -255,9 +259,10 @@ def thread_floor(ctx, nbytes: int, n: int, gap: float) -> list[float]:
 
 
 def run_requests(ctx, a: dict, inflight: int) -> dict:
-    from kvxfer.bootstrap import BootstrapConfig, BootstrapServer
+    from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+    from kvxfer.endpoint.base import KVPoll
+    from kvxfer.endpoint.decode import DecodeEndpoint
     from kvxfer.pools import PageAllocator
-    from kvxfer.request import DecodeEndpoint, KVPoll
     server = BootstrapServer(BootstrapConfig()).start()
     a = {**a, "bootstrap": server.url, "window": max(2 * inflight, 4)}
     mine, theirs = ctx.Pipe()
@@ -315,7 +320,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="write the results here (rows for kvxfer bench)")
     args = ap.parse_args()
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["kvxfer.request"])
+    ctx.set_forkserver_preload(["kvxfer.endpoint"])
     a = {"transport": args.transport, "layers": args.layers, "heads": args.heads, "head_dim": args.head_dim,
          "page_size": args.page_size}
     page_bytes = args.page_size * args.layers * 2 * args.heads * args.head_dim * 2

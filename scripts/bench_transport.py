@@ -73,7 +73,7 @@ def _plan(so: np.ndarray, do: np.ndarray, n: np.ndarray):
 
 def _crc(pool: torch.Tensor, off: np.ndarray, n: np.ndarray) -> int:
     """crc32 of the runs' bytes in run order (for the correctness check after each case)."""
-    from kvxfer.plan import gather_runs
+    from kvxfer.copy import gather_runs
     data = gather_runs([pool], np.zeros(len(off), np.int64), off, n)
     return zlib.crc32(data.numpy())
 
@@ -83,8 +83,8 @@ def _crc(pool: torch.Tensor, off: np.ndarray, n: np.ndarray) -> int:
 # ---------------------------------------------------------------------------------------
 def serve_transport(conn, name: str, options: dict, pool_bytes: int) -> None:
     """Receiver: grant, drain arrivals, check bytes, as the driver asks (msgpack over a pipe)."""
-    from kvxfer.plan import ByteRanges
-    from kvxfer.transport import get_transport
+    from kvxfer.grant import ByteRanges
+    from kvxfer.transport.registry import get_transport
     torch.set_num_threads(1)
     t = get_transport(name, **options)
     pool = torch.zeros(pool_bytes, dtype=torch.uint8)
@@ -141,6 +141,7 @@ def serve_zmq(conn, max_size: int) -> None:
     """Raw pyzmq sink: ROUTER, recv(copy=False) and one copy per message, ack at the end.
     With the glibc malloc tuning the zmq transport applies (else zmq faults in every message)."""
     import ctypes
+
     import zmq
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 32 << 20), ctypes.CDLL("libc.so.6").mallopt(-1, 256 << 20)
@@ -325,7 +326,9 @@ class UcxPutSamePages:
 
     def __init__(self, src: torch.Tensor, descriptor: dict, tls: str | None = None):
         import ctypes
+
         from ucxx._lib import libucxx as u
+
         from transports import ucx as U
         self.U, self.ctypes, self.base = U, ctypes, src.data_ptr()
         # the transport's UCX settings: peers over shared memory must agree on its FIFO size
@@ -377,7 +380,7 @@ class Receiver:
     def __init__(self, ctx, name: str, options: dict, pool_bytes: int):
         self.name, self.local = name, name == "local"
         if self.local:
-            from kvxfer.transport import get_transport
+            from kvxfer.transport.registry import get_transport
             self.t = get_transport(name, **options)
             self.pool = torch.zeros(pool_bytes, dtype=torch.uint8)
             self.t.register([self.pool])
@@ -397,7 +400,7 @@ class Receiver:
 
     def expect(self, rids, do, n, cuts) -> None:
         if self.local:
-            from kvxfer.plan import ByteRanges
+            from kvxfer.grant import ByteRanges
             for rid, a, b in zip(rids, cuts[:-1], cuts[1:]):
                 self.t.expect(rid, ByteRanges(np.zeros(b - a, np.int64), do[a:b], n[a:b]))
         else:
@@ -437,7 +440,7 @@ class TransportMeter:
     handle is done. The receiver's bytes are checked (crc) after each case's last call."""
 
     def __init__(self, ctx, name: str, options: dict, src: torch.Tensor):
-        from kvxfer.transport import get_transport
+        from kvxfer.transport.registry import get_transport
         self.name, self.src, self.reps = name, src, {}
         self.rx = Receiver(ctx, name, options, src.numel())
         try:
@@ -518,7 +521,7 @@ def main() -> None:
     ap.add_argument("--opt", action="append", default=[], help="transport option, e.g. zmq.frame_bytes=2097152")
     args = ap.parse_args()
     torch.set_num_threads(1)   # ceilings single-threaded, like a transport's I/O thread
-    from kvxfer.transport import available_transports
+    from kvxfer.transport.registry import available_transports
     pool_bytes = (512 if args.quick else 1024) * MiB
     total, reps = (64 if args.quick else 256) * MiB, (2 if args.quick else 3)
     names = args.transports.split(",") if args.transports else available_transports()

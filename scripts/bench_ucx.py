@@ -47,8 +47,8 @@ def _plan(src_off, dst_off, nbytes, packed: bool):
 
 def _receiver(tls: str | None, pool_bytes: int, conn) -> None:
     """Child process: register a pool, grant all of it, take arrivals until told to stop."""
-    from kvxfer.plan import ByteRanges
-    from kvxfer.transport import get_transport
+    from kvxfer.grant import ByteRanges
+    from kvxfer.transport.registry import get_transport
     t = get_transport("ucx", tls=tls)
     pool = torch.ones(pool_bytes, dtype=torch.uint8)  # touched: no page faults inside the timings
     t.register([pool])
@@ -79,7 +79,8 @@ class Pair:
 
     def __init__(self, tls: str | None, pool_bytes: int):
         from bench_transport import UcxPutSamePages
-        from kvxfer.transport import get_transport
+
+        from kvxfer.transport.registry import get_transport
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.child = ctx.Process(target=_receiver, args=(tls, pool_bytes, child_conn), daemon=True)

@@ -23,10 +23,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from kvxfer.bootstrap import BootstrapConfig, BootstrapServer, RankSpec
-from kvxfer.plan import ByteRanges
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.endpoint.base import KVPoll, Timeouts, reduce_poll
+from kvxfer.endpoint.decode import DecodeEndpoint
+from kvxfer.endpoint.prefill import PrefillEndpoint
+from kvxfer.grant import ByteRanges
 from kvxfer.pools import MHAPool, MLAPool, PageAllocator
-from kvxfer.request import DecodeEndpoint, KVPoll, PrefillEndpoint, Timeouts, reduce_poll
+from kvxfer.ranks import RankSpec
 from kvxfer.topology import heads_held, stage_layers
 
 LAYERS, HEAD_DIM, CANARY = 4, 8, 0xA5

@@ -40,10 +40,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import kvxfer.offload as offload_mod
-from kvxfer import ByteRanges, Layout, MHAPool, MLAPool, PageAllocator, get_transport, plan_transfer
+import kvxfer.offload.manager as offload_mod
+from kvxfer import (
+    ByteRanges,
+    Layout,
+    MHAPool,
+    MLAPool,
+    PageAllocator,
+    get_transport,
+    plan_transfer,
+)
 from kvxfer.errors import PeerError
-from kvxfer.offload import DecodeOffloadManager, HostPool, OffloadConfig
+from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig
+from kvxfer.pools import HostPool
 from kvxfer.topology import heads_held, sources_for_decode_rank
 
 H, LAYERS, HD, PAGE, STRIDE = 8, 2, 8, 4, 8

@@ -25,11 +25,15 @@ import numpy as np
 import torch
 import zmq
 
-from kvxfer.bootstrap import BootstrapClient, RankSpec
-from kvxfer.handshake import Heartbeat
+from kvxfer.control.channel import Heartbeat
+from kvxfer.control.client import BootstrapClient
+from kvxfer.endpoint.aux import AuxBuffer, AuxRecord
+from kvxfer.endpoint.base import KVPoll, Timeouts
+from kvxfer.endpoint.decode import DecodeEndpoint
+from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.pools import MHAPool, PageAllocator, StatePool
-from kvxfer.request import AuxBuffer, AuxRecord, DecodeEndpoint, KVPoll, PrefillEndpoint, Timeouts
-from kvxfer.transport import get_transport
+from kvxfer.ranks import RankSpec
+from kvxfer.transport.registry import get_transport
 
 CANARY = 0xCD
 
@@ -105,7 +109,8 @@ def transport_skip_reason(name: str) -> str | None:
 
 
 def _probe(name: str, conn) -> None:
-    from kvxfer.plan import ByteRanges, plan_transfer
+    from kvxfer.grant import ByteRanges
+    from kvxfer.plan import plan_transfer
     why = ""
     try:
         for _ in range(3):
@@ -272,7 +277,7 @@ def context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["kvxfer.request", "request_peer"])
+        _CTX.set_forkserver_preload(["kvxfer.endpoint", "request_peer"])
     return _CTX
 
 
@@ -521,7 +526,8 @@ class Side:
 def reference(cfg: dict, d_buffers, moves) -> list:
     """What the decode pool must hold: ``d_buffers`` (before) plus every (p_slots, d_slots) move
     planned and executed locally from a rebuilt prefill pool (the reference executor)."""
-    from kvxfer.plan import execute_plan, plan_transfer
+    from kvxfer.copy import execute_plan
+    from kvxfer.plan import plan_transfer
     p_kv, p_st = make_pools(cfg, cfg["seed"])
     d_kv, d_st = make_pools(cfg, None)
     ref = [b.clone() for b in d_buffers]

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import kvxfer
-from kvxfer import compat
+from kvxfer.cli import compat
 from kvxfer.errors import KVXferError, LayoutError, PlanError
 
 PUBLIC = [

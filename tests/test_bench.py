@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvxfer import bench
+from kvxfer.cli import bench
 
 
 def read_png(path: Path) -> tuple[int, int]:

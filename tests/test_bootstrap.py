@@ -10,13 +10,16 @@ import urllib.error
 import urllib.request
 
 import pytest
-
 import request_peer as rp
-from kvxfer import bootstrap
-from kvxfer.bootstrap import (BootstrapClient, BootstrapConfig, BootstrapServer, RankInfo, RankSpec, Registration,
-                              sign_http)
+
+from kvxfer.control import bootstrap
+from kvxfer.control.auth import AUTH_HEADER
+from kvxfer.control.auth import sign_http
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.control.client import BootstrapClient, Registration
 from kvxfer.errors import ConnectError
 from kvxfer.layout import token_major_layout
+from kvxfer.ranks import RankInfo, RankSpec
 
 LAYOUT = token_major_layout(layers=2, heads=2, head_dim=8, dtype="float16", num_slots=64, page_size=4).to_dict()
 
@@ -137,7 +140,7 @@ def test_registrations_need_the_secret(server):
         BootstrapClient(s.url, secret="nope").register(rank(0, tp_size=1))
     body = json.dumps(rank(0, tp_size=1).to_dict()).encode()
     stale = urllib.request.Request(s.url + "/register", data=body, method="PUT",
-                                   headers={bootstrap.AUTH_HEADER: sign_http(b"s3cret", "PUT", "/register", body,
+                                   headers={AUTH_HEADER: sign_http(b"s3cret", "PUT", "/register", body,
                                                                              now=time.time() - 3600)})
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(stale, timeout=5)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kvxfer.transport import get_transport
+from kvxfer.transport.registry import get_transport
 
 
 def _usable(name: str) -> str | None:

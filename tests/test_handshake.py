@@ -9,14 +9,30 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxfer.bootstrap import BootstrapConfig, BootstrapServer, RankInfo, RankSpec
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.control.channel import Heartbeat
+from kvxfer.control.compat import check_pair, require_compatible
+from kvxfer.control.handshake import hello
+from kvxfer.control.wire import ChunkMeta, decode, encode
+from kvxfer.endpoint.base import Timeouts
+from kvxfer.endpoint.decode import DecodeEndpoint
+from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.errors import CompatibilityError, ConnectError
-from kvxfer.handshake import (ChunkMeta, Heartbeat, check_pair, combine_layouts, decode, encode, expected_decode_ranks,
-                              hello, peers_needed, require_compatible)
-from kvxfer.layout import hnd_layout, page_major_layout, state_layout, token_major_layout
+from kvxfer.layout import (
+    combine_layouts,
+    hnd_layout,
+    page_major_layout,
+    state_layout,
+    token_major_layout,
+)
 from kvxfer.pools import MHAPool
-from kvxfer.request import DecodeEndpoint, PrefillEndpoint, Timeouts
-from kvxfer.topology import heads_held, stage_layers
+from kvxfer.ranks import RankInfo, RankSpec
+from kvxfer.topology import (
+    expected_decode_ranks,
+    heads_held,
+    peers_needed,
+    stage_layers,
+)
 
 MAKERS = {"token_major": token_major_layout, "hnd": hnd_layout, "page_major": page_major_layout}
 

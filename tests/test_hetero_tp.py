@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvxfer.transport import get_transport
+from kvxfer.transport.registry import get_transport
 
 WORKER = Path(__file__).with_name("hetero_tp_worker.py")
 TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]

@@ -8,8 +8,20 @@ import numpy as np
 import pytest
 
 from kvxfer.errors import LayoutError
-from kvxfer.layout import (DTYPE_SIZES, Layout, Part, Region, Space, hnd_layout, host_layout, hybrid_swa_layout,
-                           mla_layout, page_major_layout, state_layout, token_major_layout)
+from kvxfer.layout import (
+    DTYPE_SIZES,
+    Layout,
+    Part,
+    Region,
+    Space,
+    hnd_layout,
+    host_layout,
+    hybrid_swa_layout,
+    mla_layout,
+    page_major_layout,
+    state_layout,
+    token_major_layout,
+)
 
 MHA = dict(layers=[0, 2, 5], heads=3, head_dim=8, v_head_dim=4, dtype="bfloat16")
 

@@ -8,14 +8,17 @@ import threading
 
 import numpy as np
 import pytest
+from waiting import until
 
 from kvxfer import metrics
-from kvxfer.bootstrap import BootstrapConfig, BootstrapServer, RankSpec
-from kvxfer.handshake import Heartbeat
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.control.channel import Heartbeat
+from kvxfer.endpoint.base import KVPoll, Timeouts
+from kvxfer.endpoint.decode import DecodeEndpoint
+from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.plan import plan_transfer
 from kvxfer.pools import MHAPool
-from kvxfer.request import DecodeEndpoint, KVPoll, PrefillEndpoint, Timeouts
-from waiting import until
+from kvxfer.ranks import RankSpec
 
 TIMEOUTS = Timeouts(bootstrap=20, waiting=20, transfer=20, lease=20, heartbeat=Heartbeat(interval=0.5, timeout=5.0))
 LINE = re.compile(r"room=(?P<room>\d+) role=(?P<role>\w+) peers=(?P<peers>\S*) bytes=(?P<bytes>\d+) "

@@ -19,12 +19,22 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvxfer.offload as offload_mod
-from kvxfer import (ByteRanges, HybridSWAPool, LayoutError, MHAPool, MLAPool, PageAllocator, Planner, StatePool,
-                    get_transport, plan_transfer)
-from kvxfer.errors import RequestError
-from kvxfer.offload import DecodeOffloadManager, HostPool, OffloadConfig
-from kvxfer.storage import StorageError
+import kvxfer.offload.manager as offload_mod
+from kvxfer import (
+    ByteRanges,
+    HybridSWAPool,
+    LayoutError,
+    MHAPool,
+    MLAPool,
+    PageAllocator,
+    Planner,
+    StatePool,
+    get_transport,
+    plan_transfer,
+)
+from kvxfer.errors import RequestError, StorageError
+from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig
+from kvxfer.pools import HostPool
 from kvxfer.topology import heads_held, sources_for_decode_rank
 
 PAGE = 4
@@ -284,7 +294,7 @@ def test_copies_keep_no_pool_alive():
     import gc
     import weakref
 
-    from kvxfer import plan as plan_mod
+    from kvxfer import copy as plan_mod
     pool = POOLS["mha_token_major"]()
     host = HostPool.for_pool(pool, size=16)
     slots = host.alloc({"token": 8})

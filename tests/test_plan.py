@@ -17,11 +17,25 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvxfer.copy import copy_runs, execute_plan, gather_runs, scatter_runs
 from kvxfer.errors import LayoutError, PlanError
-from kvxfer.layout import (Layout, hnd_layout, host_layout, mla_layout, page_major_layout,
-                           token_major_layout)
-from kvxfer.plan import (PACK_BELOW, ByteRanges, HeadSlice, Planner, Runs, TransferPlan, copy_runs,
-                         execute_plan, gather_runs, plan_transfer, scatter_runs)
+from kvxfer.grant import ByteRanges
+from kvxfer.layout import (
+    Layout,
+    hnd_layout,
+    host_layout,
+    mla_layout,
+    page_major_layout,
+    token_major_layout,
+)
+from kvxfer.plan import (
+    PACK_BELOW,
+    HeadSlice,
+    Planner,
+    Runs,
+    TransferPlan,
+    plan_transfer,
+)
 
 HUGE = 1 << 40  # pack_below larger than any run: everything is packed
 SIDE_KINDS = ("token_major", "hnd", "page_major", "host_layer_first", "host_page_first")
@@ -426,8 +440,8 @@ def test_gather_scatter_copy_on_unaligned_byte_views(shift: int, n: int) -> None
 def test_parts_fuse_only_within_one_region_on_each_side() -> None:
     """Hand-made layouts where the destination's V part starts exactly one page block
     after K, but in another region: the page's K and V must stay two runs."""
-    from kvxfer.layout import Region, Space
     from kvxfer.layout import Part as P
+    from kvxfer.layout import Region, Space
     space = (Space(name="token", num_slots=8, page_size=4),)
     common = dict(space="token", token_stride=4, heads=1, head_stride=4, head_bytes=4, dtype="float32")
     src = Layout(kind="pages", spaces=space, regions=(Region(name="pages", nbytes=64),),

@@ -12,10 +12,19 @@ import numpy as np
 import pytest
 import torch
 
+from kvxfer.copy import execute_plan
 from kvxfer.errors import LayoutError
 from kvxfer.layout import Layout, Part, host_layout
-from kvxfer.plan import HeadSlice, execute_plan, plan_transfer
-from kvxfer.pools import HybridSWAPool, KVPool, MHAPool, MLAPool, PageAllocator, StatePool, torch_dtype
+from kvxfer.plan import HeadSlice, plan_transfer
+from kvxfer.pools import (
+    HybridSWAPool,
+    KVPool,
+    MHAPool,
+    MLAPool,
+    PageAllocator,
+    StatePool,
+    torch_dtype,
+)
 
 PAGE = 4
 

@@ -10,16 +10,20 @@ import time
 
 import numpy as np
 import pytest
+import request_peer as rp
 import torch
 
-import request_peer as rp
-from kvxfer.bootstrap import BootstrapConfig, BootstrapServer, RankSpec
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.control.channel import Heartbeat
+from kvxfer.copy import execute_plan
+from kvxfer.endpoint.aux import AuxBuffer, AuxRecord
+from kvxfer.endpoint.base import KVPoll, Timeouts, reduce_poll
+from kvxfer.endpoint.decode import DecodeEndpoint
+from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.errors import RequestError
-from kvxfer.handshake import Heartbeat
-from kvxfer.plan import execute_plan, plan_transfer
+from kvxfer.plan import plan_transfer
 from kvxfer.pools import MHAPool
-from kvxfer.request import (AuxBuffer, AuxRecord, DecodeEndpoint, KVPoll, PrefillEndpoint, Timeouts,
-                            reduce_poll)
+from kvxfer.ranks import RankSpec
 from kvxfer.topology import heads_held
 
 SUCCESS = int(KVPoll.Success)
@@ -214,7 +218,7 @@ def test_multi_source_topologies(heads, p_tp, p_pp, d_tp):
         for s in senders.values():
             assert s.wait(10) == KVPoll.Success, s.reason
         # reference: every source's planned bytes, applied locally
-        from kvxfer.handshake import decode_sources
+        from kvxfer.topology import decode_sources
         for d, (ep, pool) in decodes.items():
             ref = before[d]
             for src in decode_sources(prefills[(0, 0)][0].spec, ep.spec):
@@ -295,7 +299,8 @@ def test_prefill_holds_the_kv_while_a_transport_still_reads_it():
     stalled peer, puts in flight: ``holds_source``). Prefill must not release the KV, not even
     when the lease is over, until the transport lets go of the source; then it releases once."""
     from kvxfer.errors import PeerError
-    from kvxfer.transport import TransferHandle, get_transport
+    from kvxfer.transport.base import TransferHandle
+    from kvxfer.transport.registry import get_transport
     held, released = [], []
     p_xport = get_transport("local")
 
@@ -340,7 +345,7 @@ def test_prefill_holds_the_kv_while_a_transport_still_reads_it():
 def test_decode_holds_the_slots_while_writes_may_still_land():
     """A request ends on decode while its transport says writes of it may still land (one-sided
     puts in flight: ``writes_pending``): the slots are released only once that ends, once."""
-    from kvxfer.transport import get_transport
+    from kvxfer.transport.registry import get_transport
     d_xport, pending, released = get_transport("local"), {"on": True}, []
     d_xport.writes_pending = lambda request_id: pending["on"]   # fault injection: puts in flight
     server = BootstrapServer(BootstrapConfig(ttl=5.0)).start()

@@ -13,12 +13,12 @@ import re
 import time
 
 import pytest
-import torch
-
 import request_peer as rp
-from kvxfer.bootstrap import BootstrapConfig, BootstrapServer
-from kvxfer.request import KVPoll
+import torch
 from waiting import until
+
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.endpoint.base import KVPoll
 
 DEADLINE = 1.5                      # every phase
 HEARTBEAT = [0.2, 1.0]              # interval, timeout

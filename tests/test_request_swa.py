@@ -16,14 +16,21 @@ import numpy as np
 import pytest
 import torch
 
-from kvxfer.bootstrap import BootstrapConfig, BootstrapServer, RankInfo, RankSpec
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.control.channel import Heartbeat
+from kvxfer.control.compat import check_pair, layout_record
+from kvxfer.control.wire import decode, encode
+from kvxfer.copy import execute_plan
+from kvxfer.endpoint.aux import AuxBuffer, AuxRecord
+from kvxfer.endpoint.base import KVPoll, Timeouts
+from kvxfer.endpoint.decode import DecodeEndpoint
+from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.errors import CompatibilityError, RequestError
-from kvxfer.handshake import Heartbeat, check_pair, decode, decode_sources, encode, layout_record
 from kvxfer.layout import SWA, TOKEN, token_major_layout
-from kvxfer.plan import execute_plan, plan_transfer
+from kvxfer.plan import plan_transfer
 from kvxfer.pools import HybridSWAPool, MHAPool
-from kvxfer.request import AuxBuffer, AuxRecord, DecodeEndpoint, KVPoll, PrefillEndpoint, Timeouts
-from kvxfer.topology import heads_held, stage_layers
+from kvxfer.ranks import RankInfo, RankSpec
+from kvxfer.topology import decode_sources, heads_held, stage_layers
 
 CANARY = 0xCD
 LAYERS, FULL, SLIDING = 4, [0, 2], [1, 3]

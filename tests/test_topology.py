@@ -8,10 +8,17 @@ import numpy as np
 import pytest
 import torch
 
+from kvxfer.copy import execute_plan
 from kvxfer.errors import PlanError
-from kvxfer.plan import ByteRanges, HeadSlice, execute_plan, plan_transfer
+from kvxfer.grant import ByteRanges
+from kvxfer.plan import HeadSlice, plan_transfer
 from kvxfer.pools import MHAPool, MLAPool, PageAllocator, StatePool
-from kvxfer.topology import heads_held, sources_for_decode_rank, stage_layers, targets_for_prefill_rank
+from kvxfer.topology import (
+    heads_held,
+    sources_for_decode_rank,
+    stage_layers,
+    targets_for_prefill_rank,
+)
 
 LAYERS, HEAD_DIM, PAGE = 4, 8, 4
 TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]

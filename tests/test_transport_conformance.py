@@ -22,13 +22,23 @@ from importlib.metadata import entry_points
 import numpy as np
 import pytest
 import torch
-
-from kvxfer.layout import page_major_layout, token_major_layout
-from kvxfer.plan import EMPTY_PLAN, ByteRanges, Planner, TransferPlan, execute_plan, plan_transfer
-from kvxfer.transport import ENTRY_POINT_GROUP, available_transports
 from waiting import until
-from xfer_peer import (CANARY, InProcessPeer, PeerProcess, make_pattern, plan_to_json, ranges_to_json, raw_plan,
-                       region_seed)
+from xfer_peer import (
+    CANARY,
+    InProcessPeer,
+    PeerProcess,
+    make_pattern,
+    plan_to_json,
+    ranges_to_json,
+    raw_plan,
+    region_seed,
+)
+
+from kvxfer.copy import execute_plan
+from kvxfer.grant import ByteRanges
+from kvxfer.layout import page_major_layout, token_major_layout
+from kvxfer.plan import EMPTY_PLAN, Planner, TransferPlan, plan_transfer
+from kvxfer.transport.registry import ENTRY_POINT_GROUP, available_transports
 
 IN_PROCESS = {"local"}
 KiB, MiB = 1 << 10, 1 << 20

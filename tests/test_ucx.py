@@ -18,10 +18,17 @@ import torch
 
 pytest.importorskip("ucxx")
 
-from kvxfer.errors import PeerError, RejectedWrite, TransferTimeout, TransportError  # noqa: E402
-from kvxfer.plan import ByteRanges, RunGroup, TransferPlan  # noqa: E402
-from kvxfer.transport import FEW_RUNS, TransferStatus, get_transport  # noqa: E402
 from waiting import until
+
+from kvxfer.errors import PeerError, RejectedWrite, TransferTimeout, TransportError  # noqa: E402
+from kvxfer.grant import ByteRanges  # noqa: E402
+from kvxfer.plan import (  # noqa: E402
+    FEW_RUNS,  # noqa: E402
+    RunGroup,
+    TransferPlan,
+)
+from kvxfer.transport.base import TransferStatus  # noqa: E402
+from kvxfer.transport.registry import get_transport  # noqa: E402
 
 KiB, MiB = 1 << 10, 1 << 20
 POOL = 24 * MiB
@@ -234,7 +241,7 @@ def test_writes_outside_grant_are_rejected_whole(pair):
 
 def _send_tagged(t, pid: str, tag: int, wire: bytes) -> None:
     """Send raw bytes with ``tag`` from ``t`` to its connected peer, on ``t``'s I/O thread."""
-    from transports.ucx import Array, ucx_api
+    from kvxfer_transports.ucx import Array, ucx_api
     p = t._peers[pid]
 
     def send():
@@ -248,13 +255,13 @@ def _raw(t, pid: str, msg, sender: str | None = None) -> None:
 
     ``msg`` is one message (sent as a batch of one from ``sender``, default ``t``) or raw bytes.
     """
-    from transports.ucx import CTRL_TAG
+    from kvxfer_transports.ucx import CTRL_TAG
     wire = msg if isinstance(msg, bytes) else msgpack.packb([sender or t.id, [msg]], use_bin_type=True)
     _send_tagged(t, pid, CTRL_TAG, wire)
 
 
 def test_hostile_announces_are_rejected_and_counted(pair):
-    from transports.ucx import ANNOUNCE
+    from kvxfer_transports.ucx import ANNOUNCE
     t, src, peer, pid = pair
     peer("expect", "r-host", ([0], [0], [POOL + MiB]))  # a grant reaching past the region (receiver's bug)
 
@@ -298,7 +305,7 @@ def test_hostile_announces_are_rejected_and_counted(pair):
 
 def test_receiver_fails_transfer_past_its_deadline(pair):
     """An announce that never finishes (sender stalls) fails on the receiver at its deadline."""
-    from transports.ucx import ANNOUNCE
+    from kvxfer_transports.ucx import ANNOUNCE
     t, src, peer, pid = pair
     peer("expect", "r-late", _whole(POOL))
     _raw(t, pid, [ANNOUNCE, 20_000, "r-late", 0.5, b"n", np.asarray([0, 0, 4096], "<i8").tobytes(), 1, MiB, b""])
@@ -313,7 +320,7 @@ def test_forgotten_request_keeps_its_memory_until_no_put_is_left(pair):
     """Puts cannot be recalled: once GO went out, a request the receiver forgets keeps
     ``writes_pending`` True (its memory must not be reused) until the sender says that no put of
     it is left: ABORT (sent after its flush) or DONE."""
-    from transports.ucx import ABORT, ANNOUNCE, DONE
+    from kvxfer_transports.ucx import ABORT, ANNOUNCE, DONE
     t, src, peer, pid = pair
     runs = np.asarray([[0], [0], [4096]], "<i8").tobytes()
     for xid, end in ((30_001, [ABORT, 30_001, "sender gave up"]), (30_002, [DONE, 30_002])):
@@ -354,7 +361,7 @@ def test_forgotten_request_keeps_its_memory_until_no_put_is_left(pair):
 def test_frame_iovs_carry_the_bytes_of_staging_frames():
     """Frame k of an iov transfer holds the bytes frame k of a staging block would: the runs
     back to back, cut every frame_bytes (runs cut where a boundary falls inside them)."""
-    from transports.ucx import _frame_iovs
+    from kvxfer_transports.ucx import _frame_iovs
     rng = np.random.default_rng(7)
     for trial in range(300):
         k = int(rng.integers(1, 30))
@@ -376,7 +383,7 @@ def test_hostile_frames_fail_their_transfer_and_land_only_in_its_grant(pair):
     """Packed frames are received straight into the granted runs. A frame of the wrong size
     fails its transfer (counted as malformed); a frame with an unknown tag is dropped; no byte
     lands outside the grant, and an honest transfer works afterwards."""
-    from transports.ucx import ANNOUNCE, DATA_BIT, DONE, FRAME_BITS
+    from kvxfer_transports.ucx import ANNOUNCE, DATA_BIT, DONE, FRAME_BITS
     t, src, peer, pid = pair
     grant = ([0, 0], [MiB, 5 * MiB], [2 * MiB, 2 * MiB])
     runs = np.asarray(grant, "<i8").tobytes()   # 4 MiB packed: four 1 MiB frames
@@ -518,7 +525,7 @@ def test_head_slice_rows_announce_whole_pages(pair, strided):
 
 
 def test_ucx_settings_defaults_give_way_to_environment_and_caller():
-    from transports.ucx import UCX_DEFAULTS, ucx_settings
+    from kvxfer_transports.ucx import UCX_DEFAULTS, ucx_settings
     assert ucx_settings(None, None, {}) == UCX_DEFAULTS
     assert "SYSV_FIFO_SIZE" not in ucx_settings(None, None, {"UCX_SYSV_FIFO_SIZE": "256"})
     assert ucx_settings("tcp", {"SYSV_FIFO_SIZE": "64", "RNDV_THRESH": "8192"}, {}) == {

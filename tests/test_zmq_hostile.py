@@ -22,7 +22,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxfer.plan import ByteRanges, RunGroup, TransferPlan
+from kvxfer.grant import ByteRanges
+from kvxfer.plan import RunGroup, TransferPlan
 
 REGION = 64 * 1024
 CANARY = 0xA5
@@ -34,7 +35,7 @@ xids = itertools.count(10**12)   # far from the small ids the fuzz likes: a fail
 
 @pytest.fixture(scope="module")
 def rx():
-    from kvxfer.transport import get_transport
+    from kvxfer.transport.registry import get_transport
     t = get_transport("zmq")
     t.regions = [torch.full((REGION,), CANARY, dtype=torch.uint8) for _ in range(2)]
     t.register(t.regions)
@@ -219,7 +220,7 @@ def test_passed_deadline_fails_the_transfer(clean, dealer):
 
 def test_real_sender_still_served(clean):
     """After all of the above, a real ZMQ sender moves a plan into the same receiver."""
-    from kvxfer.transport import get_transport
+    from kvxfer.transport.registry import get_transport
     rx = clean
     src = torch.arange(REGION, dtype=torch.int64).to(torch.uint8)
     with get_transport("zmq") as tx:

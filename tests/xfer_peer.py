@@ -143,7 +143,7 @@ class Peer:
             r.fill(CANARY if fill == "canary" else int(fill))
 
     def op_init(self, transport: str, sizes: list[int], fill="canary", seed: int = 0, options=None):
-        from kvxfer.transport import get_transport
+        from kvxfer.transport.registry import get_transport
         self.t = get_transport(transport, **(options or {}))
         self.regions = [torch.empty(s, dtype=torch.uint8) for s in sizes]
         for i in range(len(sizes)):
@@ -159,7 +159,7 @@ class Peer:
         return {"peer": self.t.connect(descriptor)}
 
     def op_expect(self, request_id: str, ranges: dict):
-        from kvxfer.plan import ByteRanges
+        from kvxfer.grant import ByteRanges
         self.t.expect(request_id, ByteRanges(dec(ranges["region"]), dec(ranges["start"]), dec(ranges["nbytes"])))
 
     def op_forget(self, request_id: str):

@@ -14,9 +14,17 @@ from collections.abc import Sequence
 
 import torch
 
-from kvxfer.plan import TransferPlan, copy_runs
-from kvxfer.transport import DEFAULT_TIMEOUT, Arrival, GrantTable, Transport, TransferHandle, byte_view, peer_failed
+from kvxfer.copy import byte_view, copy_runs
 from kvxfer.errors import ConnectError
+from kvxfer.grant import GrantTable
+from kvxfer.plan import TransferPlan
+from kvxfer.transport.base import (
+    DEFAULT_TIMEOUT,
+    Arrival,
+    TransferHandle,
+    Transport,
+    peer_failed,
+)
 
 _LIVE: "weakref.WeakValueDictionary[str, LocalTransport]" = weakref.WeakValueDictionary()
 _LIVE_LOCK = threading.Lock()

@@ -5,10 +5,10 @@ import importlib
 import sys
 
 COMMANDS = {
-    "demo": ("kvxfer.demo", "a real prefill -> decode run on loopback, verified token for token"),
-    "bench": ("kvxfer.bench", "planner, transport, heterogeneous-TP and offload benchmarks"),
-    "compat": ("kvxfer.compat", "the layout x capability table, computed from the code"),
-    "bootstrap": ("kvxfer.bootstrap", "run a bootstrap (rank registry) server"),
+    "demo": ("kvxfer.cli.demo", "a real prefill -> decode run on loopback, verified token for token"),
+    "bench": ("kvxfer.cli.bench", "planner, transport, heterogeneous-TP and offload benchmarks"),
+    "compat": ("kvxfer.cli.compat", "the layout x capability table, computed from the code"),
+    "bootstrap": ("kvxfer.control.bootstrap", "run a bootstrap (rank registry) server"),
 }
 
 

@@ -52,32 +52,27 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import importlib
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-from .bootstrap import RankInfo, RankSpec, as_secret
-from .errors import LayoutError, PlanError, RequestError
-from .handshake import ControlChannel, Heartbeat, combine_layouts, layout_record
-from .layout import SWA, Layout
-from .plan import Planner
-from .pools import KVPool
-from .transport import Transport, get_transport
-
-if TYPE_CHECKING:
-    from .decode import DecodeEndpoint, KVReceiver
-    from .prefill import KVSender, PrefillEndpoint
+from ..control.auth import as_secret
+from ..control.channel import ControlChannel, Heartbeat
+from ..control.compat import layout_record
+from ..errors import LayoutError, PlanError, RequestError
+from ..layout import SWA, Layout, combine_layouts
+from ..plan import Planner
+from ..pools import KVPool
+from ..ranks import RankInfo, RankSpec
+from ..transport.base import Transport
+from ..transport.registry import get_transport
+from .aux import AUX_MIN_BYTES
 
 log = logging.getLogger("kvxfer.request")
-
-AUX_BYTES = 64
 
 
 class KVPoll(enum.IntEnum):
@@ -102,49 +97,6 @@ class Timeouts:
         for name in ("bootstrap", "waiting", "transfer", "lease", "handshake"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"timeout {name} must be > 0 seconds, got {getattr(self, name)}")
-
-
-# ------------------------------------------------------------------------------------
-# Aux record: a fixed-size record per request (first output token, its logprob, top-k)
-# ------------------------------------------------------------------------------------
-_AUX_HEAD = struct.Struct("<ifi")
-_AUX_TOP = struct.Struct("<if")
-
-
-@dataclass(frozen=True, slots=True)
-class AuxRecord:
-    first_token: int
-    logprob: float = 0.0
-    top: tuple[tuple[int, float], ...] = ()     # (token id, logprob) pairs
-
-    def pack(self, size: int = AUX_BYTES) -> bytes:
-        room = (size - _AUX_HEAD.size) // _AUX_TOP.size
-        if len(self.top) > room:
-            raise ValueError(f"aux record of {size} bytes holds at most {room} top logprobs, got {len(self.top)}")
-        body = _AUX_HEAD.pack(self.first_token, self.logprob, len(self.top)) + b"".join(
-            _AUX_TOP.pack(int(t), float(lp)) for t, lp in self.top)
-        return body.ljust(size, b"\0")
-
-    @classmethod
-    def unpack(cls, raw: bytes) -> "AuxRecord":
-        if len(raw) < _AUX_HEAD.size:
-            raise ValueError(f"aux record of {len(raw)} bytes is shorter than its {_AUX_HEAD.size}-byte head")
-        token, lp, k = _AUX_HEAD.unpack_from(raw)
-        if not 0 <= k <= (len(raw) - _AUX_HEAD.size) // _AUX_TOP.size:
-            raise ValueError(f"aux record claims {k} top logprobs in {len(raw)} bytes")
-        top = tuple(_AUX_TOP.unpack_from(raw, _AUX_HEAD.size + i * _AUX_TOP.size) for i in range(k))
-        return cls(token, lp, top)
-
-
-class AuxBuffer:
-    """Decode-side aux records ``[slots, record_bytes]``; ``KVReceiver.init(aux_slot=i)`` fills row i."""
-
-    def __init__(self, num_slots: int, record_bytes: int = AUX_BYTES):
-        self.record_bytes = int(record_bytes)
-        self.tensor = torch.zeros(int(num_slots), self.record_bytes, dtype=torch.uint8)
-
-    def read(self, slot: int) -> AuxRecord:
-        return AuxRecord.unpack(self.tensor[slot].numpy().tobytes())
 
 
 # ------------------------------------------------------------------------------------
@@ -235,8 +187,8 @@ class _Endpoint:
         if len(token_spaces) != 1:
             raise LayoutError(f"the KV pool must have one token slot space (plus {SWA!r} for a hybrid "
                               f"sliding-window pool), it has {spaces}")
-        if aux_bytes != 0 and aux_bytes < _AUX_HEAD.size:
-            raise ValueError(f"aux_bytes must be 0 (no aux record) or >= {_AUX_HEAD.size}, got {aux_bytes}")
+        if aux_bytes != 0 and aux_bytes < AUX_MIN_BYTES:
+            raise ValueError(f"aux_bytes must be 0 (no aux record) or >= {AUX_MIN_BYTES}, got {aux_bytes}")
         self.spec, self.timeouts, self.secret = spec, timeouts, as_secret(secret)
         self.aux_bytes = int(aux_bytes)
         self.layout = combine_layouts(kv.layout, None if state is None else state.layout)
@@ -324,28 +276,3 @@ def reduce_poll(states: Sequence[KVPoll | int], group=None) -> list[KVPoll]:
     t = torch.tensor([int(s) for s in states], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return [KVPoll(int(x)) for x in t.tolist()]
-
-
-# ------------------------------------------------------------------------------------
-# Re-exports: ``from kvxfer.request import DecodeEndpoint`` keeps working. Resolved on first use
-# (PEP 562), because decode.py and prefill.py import the shared types above: importing either
-# of them first, or this module first, both work.
-# ------------------------------------------------------------------------------------
-_ENDPOINTS = {"DecodeEndpoint": "decode", "KVReceiver": "decode", "PrefillEndpoint": "prefill",
-              "KVSender": "prefill"}
-
-
-def __getattr__(name: str):
-    if name not in _ENDPOINTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__package__}.{_ENDPOINTS[name]}"), name)
-    globals()[name] = value   # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_ENDPOINTS))
-
-
-__all__ = ["KVPoll", "Timeouts", "AuxRecord", "AuxBuffer", "KVSender", "KVReceiver", "PrefillEndpoint",
-           "DecodeEndpoint", "reduce_poll", "AUX_BYTES"]

@@ -21,15 +21,20 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from .bootstrap import BootstrapClient, RankInfo, RankSpec, Registration
-from .errors import ConnectError, LayoutError, PlanError, RequestError
-from .handshake import ChunkMeta, ControlChannel, answer_hello, expected_decode_ranks, peer_sources
-from .layout import STATE, SWA, Layout
-from .metrics import record_request_end, record_transfer
-from .plan import Planner, TransferPlan
-from .pools import KVPool
-from .request import _END, AUX_BYTES, AuxRecord, KVPoll, Timeouts, _Endpoint, _Request
-from .transport import Transport, TransferHandle, TransferStatus
+from ..control.channel import ControlChannel
+from ..control.client import BootstrapClient, Registration
+from ..control.handshake import answer_hello
+from ..control.wire import ChunkMeta
+from ..errors import ConnectError, LayoutError, PlanError, RequestError
+from ..layout import STATE, SWA, Layout
+from ..metrics import record_request_end, record_transfer
+from ..plan import Planner, TransferPlan
+from ..pools import KVPool
+from ..ranks import RankInfo, RankSpec
+from ..topology import expected_decode_ranks, peer_sources
+from ..transport.base import TransferHandle, TransferStatus, Transport
+from .aux import AUX_BYTES, AuxRecord
+from .base import _END, KVPoll, Timeouts, _Endpoint, _Request
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 

@@ -45,16 +45,16 @@ import time
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
-from importlib.metadata import entry_points
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
-from .errors import ConnectError, PeerError, TransferTimeout, TransportError
-from .plan import FEW_RUNS, ByteRanges, TransferPlan
+from ..errors import PeerError, TransferTimeout
+from ..grant import ByteRanges, GrantTable
+from ..plan import TransferPlan
 
 log = logging.getLogger("kvxfer.transport")
+
 
 DEFAULT_TIMEOUT = 30.0
 
@@ -157,84 +157,6 @@ def drain(q: "queue.Queue", timeout: float = 0.0) -> list:
         return out
 
 
-def byte_view(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat uint8 tensor (shares memory)."""
-    if not t.is_contiguous():
-        raise TransportError(f"region tensor of shape {tuple(t.shape)} is not contiguous")
-    return t.reshape(-1).view(torch.uint8)
-
-
-class GrantTable:
-    """The receiver's record of what each request may write. Every transport uses it.
-
-    Thread-safe. Rejections are counted by reason (``rejected``) and logged with the
-    request id; a rejected message never writes a byte.
-    """
-
-    def __init__(self, region_sizes: Sequence[int] = ()):
-        self._lock = threading.Lock()
-        self._grants: dict[str, ByteRanges] = {}
-        self._ended: set[str] = set()
-        self.region_sizes = list(region_sizes)
-        self.rejected: Counter[str] = Counter()
-
-    def expect(self, request_id: str, ranges: ByteRanges) -> None:
-        with self._lock:
-            if request_id in self._grants:
-                raise TransportError(f"request {request_id} is already expected")
-            self._ended.discard(request_id)
-            self._grants[request_id] = ranges
-
-    def forget(self, request_id: str) -> bool:
-        """End a grant; True if it was live (so callers release slots exactly once)."""
-        with self._lock:
-            live = self._grants.pop(request_id, None) is not None
-            self._ended.add(request_id)
-            if len(self._ended) > 100_000:
-                self._ended.clear()
-            return live
-
-    def live(self) -> int:
-        with self._lock:
-            return len(self._grants)
-
-    def reject(self, request_id: str, reason: str) -> str:
-        with self._lock:
-            self.rejected[reason.split(":")[0]] += 1
-        log.warning("rejected write for request %s: %s", request_id, reason)
-        return reason
-
-    def check(self, request_id: str, region: np.ndarray | Sequence[int], offset: np.ndarray | Sequence[int],
-              nbytes: np.ndarray | Sequence[int]) -> str | None:
-        """None when every run lies inside the request's grant and the regions; else the reason.
-        Runs come as int arrays, or as lists of Python ints for a message of a few runs."""
-        with self._lock:
-            ranges = self._grants.get(request_id)
-            ended = request_id in self._ended
-        if ranges is None:
-            return self.reject(request_id, "ended request: write after the request ended" if ended
-                               else "unknown request: no grant for this request id")
-        if not (len(region) == len(offset) == len(nbytes)):
-            return self.reject(request_id, "malformed header: run arrays differ in length")
-        if isinstance(region, np.ndarray) and len(region) <= FEW_RUNS:   # ints beat ~20 numpy calls here
-            region, offset, nbytes = region.tolist(), np.asarray(offset).tolist(), np.asarray(nbytes).tolist()
-        if isinstance(region, np.ndarray):
-            unknown = len(region) and ((region < 0).any() or (region >= len(self.region_sizes)).any())
-        else:
-            unknown = any(not 0 <= r < len(self.region_sizes) for r in region)
-        if unknown:
-            return self.reject(request_id, f"unknown region: id outside 0..{len(self.region_sizes) - 1}")
-        if isinstance(region, np.ndarray):
-            bad = ~ranges.covers(region, offset, nbytes)
-        else:
-            bad = np.array([not ranges.covers_run(*run) for run in zip(region, offset, nbytes)], bool)
-        if bad.any():
-            i = int(np.argmax(bad))
-            return self.reject(request_id, f"outside grant: run {i} (region {int(region[i])}, offset "
-                                           f"{int(offset[i])}, {int(nbytes[i])} bytes) is not granted")
-        return None
-
-
 class Transport(ABC):
     """Data plane of one rank. See the module docstring for the calling contract.
 
@@ -309,29 +231,6 @@ class Transport(ABC):
 
     def __exit__(self, *exc):
         self.close()
-
-
-# ------------------------------------------------------------------------------------
-# Registry
-# ------------------------------------------------------------------------------------
-ENTRY_POINT_GROUP = "kvxfer.transports"
-
-
-def available_transports() -> list[str]:
-    return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
-
-
-def get_transport(name: str, **options) -> Transport:
-    """Instantiate the transport registered under ``name`` (e.g. "local", "zmq", "ucx")."""
-    eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
-    if name not in eps:
-        raise ConnectError(f"unknown transport {name!r}; installed: {', '.join(sorted(eps)) or 'none'}")
-    try:
-        cls = eps[name].load()
-    except ImportError as e:
-        raise ConnectError(f"transport {name!r} is installed but its dependency is missing ({e}); "
-                           f"for ucx: pip install 'kvxfer[ucx]'. Installed: {', '.join(sorted(eps))}") from e
-    return cls(**options)
 
 
 def peer_failed(request_id: str, why: str) -> PeerError:

@@ -29,7 +29,7 @@ DEMO_TIMEOUT = 600.0
 
 def DEMO_TIMEOUTS():
     """Prefill may run ahead of decode by the whole request list, so phases get minutes."""
-    from .request import Timeouts
+    from ..endpoint.base import Timeouts
     return Timeouts(bootstrap=300.0, waiting=300.0, transfer=60.0, lease=300.0)
 
 
@@ -65,8 +65,8 @@ def make_requests(cfg: DemoConfig) -> list[tuple[int, list[int]]]:
 
 
 def _pool(cfg: DemoConfig, tp: int, layout: str, num_tokens: int):
+    from ..pools import MHAPool
     from .model import ModelConfig, kv_heads_per_rank
-    from .pools import MHAPool
     m = ModelConfig()
     pages = -(-num_tokens // cfg.page_size) + cfg.requests + 2
     return MHAPool(layers=m.layers, heads=kv_heads_per_rank(m, tp), head_dim=m.head_dim, dtype="float32",
@@ -83,10 +83,13 @@ def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, o
     try:
         import torch
         import torch.distributed as dist
-        from .bootstrap import RankSpec
+
+        from ..endpoint.aux import AuxRecord
+        from ..endpoint.base import KVPoll
+        from ..endpoint.prefill import PrefillEndpoint
+        from ..pools import PageAllocator
+        from ..ranks import RankSpec
         from .model import ModelConfig, TPModel, init_weights, shard_weights
-        from .pools import PageAllocator
-        from .request import AuxRecord, KVPoll, PrefillEndpoint
 
         m = ModelConfig()
         _init_group(port, rank, cfg.prefill_tp)
@@ -132,11 +135,14 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
     """One decode rank: grant slots, wait for the whole TP group, continue generation."""
     try:
         import torch.distributed as dist
-        from .bootstrap import RankSpec
+
+        from ..endpoint.aux import AuxBuffer
+        from ..endpoint.base import KVPoll, reduce_poll
+        from ..endpoint.decode import DecodeEndpoint
+        from ..grant import ByteRanges
+        from ..pools import PageAllocator
+        from ..ranks import RankSpec
         from .model import ModelConfig, TPModel, init_weights, shard_weights
-        from .plan import ByteRanges
-        from .pools import PageAllocator
-        from .request import AuxBuffer, DecodeEndpoint, KVPoll, reduce_poll
 
         m = ModelConfig()
         _init_group(port, rank, cfg.decode_tp)
@@ -198,8 +204,8 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
 
 def reference_tokens(cfg: DemoConfig) -> dict[int, list[int]]:
     """The same model in one process, TP 1: what every request must generate."""
+    from ..pools import MHAPool, PageAllocator
     from .model import ModelConfig, TPModel, init_weights
-    from .pools import MHAPool, PageAllocator
     m = ModelConfig()
     model = TPModel(m, init_weights(m))
     out = {}
@@ -224,7 +230,8 @@ def _bar(done: int, total: int, width: int = 30) -> str:
 def run(cfg: DemoConfig, out=sys.stdout) -> dict:
     """Run the demo; returns the summary (also printed)."""
     import multiprocessing as mp
-    from .bootstrap import BootstrapConfig, BootstrapServer
+
+    from ..control.bootstrap import BootstrapConfig, BootstrapServer
 
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()

@@ -28,15 +28,22 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from .bootstrap import BootstrapClient, RankInfo, RankSpec
-from .errors import ConnectError, RequestError
-from .handshake import ChunkMeta, ControlChannel, aux_source, hello, peers_needed, require_compatible
-from .layout import STATE, SWA
-from .metrics import record_request_end
-from .plan import ByteRanges, Planner
-from .pools import KVPool
-from .request import _END, AUX_BYTES, AuxBuffer, AuxRecord, KVPoll, Timeouts, _Endpoint, _Request
-from .transport import Arrival, Transport
+from ..control.channel import ControlChannel
+from ..control.client import BootstrapClient
+from ..control.compat import require_compatible
+from ..control.handshake import hello
+from ..control.wire import ChunkMeta
+from ..errors import ConnectError, RequestError
+from ..grant import ByteRanges
+from ..layout import STATE, SWA
+from ..metrics import record_request_end
+from ..plan import Planner
+from ..pools import KVPool
+from ..ranks import RankInfo, RankSpec
+from ..topology import aux_source, peers_needed
+from ..transport.base import Arrival, Transport
+from .aux import AUX_BYTES, AuxBuffer, AuxRecord
+from .base import _END, KVPoll, Timeouts, _Endpoint, _Request
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 

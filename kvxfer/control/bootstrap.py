@@ -31,146 +31,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
-import hmac
 import json
 import logging
-import re
 import signal
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 
 from aiohttp import web
 
-from .errors import ConnectError
+from ..errors import ConnectError
+from ..ranks import RankInfo
+from .auth import AUTH_HEADER, as_secret, check_http
 
-log = logging.getLogger("kvxfer.bootstrap")
+log = logging.getLogger("kvxfer.control.bootstrap")
 
-PROTOCOL = 1            # bumped when RankInfo or the control messages change shape
-AUTH_HEADER = "X-KVXfer-Auth"
-AUTH_SKEW = 300.0       # seconds a signed request stays valid (clock skew between hosts)
+
 MAX_BODY = 8 << 20      # a 128-layer page-major layout is ~100 KB of JSON; leave room
-_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
-
-
-# ------------------------------------------------------------------------------------
-# Plain-data records
-# ------------------------------------------------------------------------------------
-def _int(d: Mapping, name: str, lo: int, hi: int, default: int | None = None) -> int:
-    v = d.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ValueError(f"field {name!r} must be an integer in {lo}..{hi}, got {v!r}")
-    return v
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankSpec:
-    """Where a rank sits in its serving instance, and the model shape the topology needs."""
-    role: str                   # "prefill" | "decode"
-    num_kv_heads: int           # global KV heads of the model (1 for MLA)
-    num_layers: int             # global layers of the model
-    instance: str = "default"   # one serving instance (a P or D deployment)
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    dp_rank: int = 0
-    dp_size: int = 1
-    replicated: bool = False    # KV identical on every TP rank (MLA): one source per head
-
-    def __post_init__(self):
-        d = asdict(self)
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
-        if not isinstance(self.instance, str) or not _NAME.match(self.instance):
-            raise ValueError(f"instance must match {_NAME.pattern}, got {self.instance!r}")
-        for size in ("tp_size", "pp_size", "dp_size"):
-            n = _int(d, size, 1, 1 << 16)
-            _int(d, size.replace("size", "rank"), 0, n - 1)
-        _int(d, "num_kv_heads", 1, 1 << 20)
-        _int(d, "num_layers", 1, 1 << 20)
-        if not isinstance(self.replicated, bool):
-            raise ValueError(f"replicated must be a bool, got {self.replicated!r}")
-
-    @property
-    def key(self) -> str:
-        """Registry key: ``instance/dp0/pp0/tp0``."""
-        return f"{self.instance}/dp{self.dp_rank}/pp{self.pp_rank}/tp{self.tp_rank}"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankInfo:
-    """What a rank tells the registry and its handshake peers. Round-trips through JSON/msgpack."""
-    spec: RankSpec
-    control: str = ""                               # "tcp://host:port" of the control ROUTER
-    data: Mapping[str, Mapping] = field(default_factory=dict)   # transport name -> descriptor
-    layout: Mapping = field(default_factory=dict)   # Layout.to_dict() (KV parts + state parts)
-    aux_bytes: int = 0                              # fixed size of the aux record
-    protocol: int = PROTOCOL
-
-    def to_dict(self) -> dict:
-        return {**asdict(self.spec), "control": self.control, "data": {k: dict(v) for k, v in self.data.items()},
-                "layout": dict(self.layout), "aux_bytes": self.aux_bytes, "protocol": self.protocol}
-
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "RankInfo":
-        """Validate a peer's record field by field; raises ValueError naming the field."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"a rank record must be an object, got {type(d).__name__}")
-        names = RankSpec.__dataclass_fields__
-        try:
-            spec = RankSpec(**{k: d[k] for k in names if k in d})
-        except TypeError as e:
-            raise ValueError(f"rank record: {e}") from None
-        control, data, layout = d.get("control", ""), d.get("data", {}), d.get("layout", {})
-        if not isinstance(control, str) or len(control) > 256 or \
-                (control and not control.startswith(("tcp://", "ipc://"))):
-            raise ValueError(f"field 'control' must be a tcp:// or ipc:// address, got {control!r}")
-        if not isinstance(data, Mapping) or len(data) > 16 or not all(
-                isinstance(k, str) and isinstance(v, Mapping) for k, v in data.items()):
-            raise ValueError("field 'data' must map transport names to descriptor objects")
-        if not isinstance(layout, Mapping):
-            raise ValueError("field 'layout' must be a layout description object")
-        return cls(spec=spec, control=control, data=data, layout=layout,
-                   aux_bytes=_int(d, "aux_bytes", 0, 1 << 20, 0), protocol=_int(d, "protocol", 0, 1 << 16, PROTOCOL))
-
-
-# ------------------------------------------------------------------------------------
-# Auth (shared with the control plane in kvxfer.handshake)
-# ------------------------------------------------------------------------------------
-def as_secret(secret: str | bytes | None) -> bytes | None:
-    if secret is None or secret == b"" or secret == "":
-        return None
-    return secret.encode() if isinstance(secret, str) else bytes(secret)
-
-
-def mac(secret: bytes, *parts: bytes) -> bytes:
-    h = hmac.new(secret, digestmod=hashlib.sha256)
-    for p in parts:
-        h.update(p)
-    return h.digest()
-
-
-def sign_http(secret: bytes, method: str, path: str, body: bytes, now: float | None = None) -> str:
-    t = str(int(time.time() if now is None else now))
-    return t + ":" + mac(secret, f"{t}\n{method}\n{path}\n".encode(), body).hex()
-
-
-def check_http(secret: bytes, header: str | None, method: str, path: str, body: bytes) -> str | None:
-    """None when ``header`` authenticates the request; else why not (never echoes the secret)."""
-    if not header or ":" not in header:
-        return "missing authentication: this registry needs the shared secret"
-    t, _, digest = header.partition(":")
-    if not t.isdigit() or abs(time.time() - int(t)) > AUTH_SKEW:
-        return f"stale or malformed timestamp in {AUTH_HEADER}"
-    want = mac(secret, f"{t}\n{method}\n{path}\n".encode(), body).hex()
-    if not hmac.compare_digest(want, digest):
-        return "wrong shared secret"
-    return None
 
 
 # ------------------------------------------------------------------------------------
@@ -395,115 +272,6 @@ def _bad(why: str) -> web.HTTPBadRequest:
 
 
 # ------------------------------------------------------------------------------------
-# Client side (stdlib HTTP: ranks need no event loop to register or look up)
-# ------------------------------------------------------------------------------------
-class BootstrapClient:
-    """Talks to a ``BootstrapServer``. Each call blocks at most ``timeout`` seconds."""
-
-    def __init__(self, url: str, secret: str | bytes | None = None, timeout: float = 5.0):
-        self.url, self.secret, self.timeout = url.rstrip("/"), as_secret(secret), timeout
-
-    def _call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        raw = b"" if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=raw if body is not None else None, method=method,
-                                     headers={"Content-Type": "application/json"})
-        if self.secret is not None and method != "GET":
-            req.add_header(AUTH_HEADER, sign_http(self.secret, method, path.split("?")[0], raw))
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return r.status, json.loads(r.read() or b"{}")
-        except urllib.error.HTTPError as e:
-            try:
-                return e.code, json.loads(e.read() or b"{}")
-            except ValueError:
-                return e.code, {"error": e.reason}
-        except (OSError, ValueError) as e:
-            raise ConnectError(f"bootstrap server {self.url} unreachable: {e}") from None
-
-    def register(self, info: RankInfo) -> str:
-        status, body = self._call("PUT", "/register", info.to_dict())
-        if status != 200:
-            raise ConnectError(f"bootstrap {self.url} refused the registration of {info.spec.key} "
-                               f"(HTTP {status}): {body.get('error', body)}")
-        return body["key"]
-
-    def heartbeat(self, key: str) -> bool:
-        """True when the server still knows ``key``; False means register again."""
-        status, body = self._call("POST", "/heartbeat", {"key": key})
-        if status == 401:
-            raise ConnectError(f"bootstrap {self.url} refused the heartbeat: {body.get('error')}")
-        return status == 200
-
-    def deregister(self, key: str) -> None:
-        self._call("DELETE", "/register", {"key": key})
-
-    def health(self) -> dict:
-        return self._call("GET", "/health")[1]
-
-    def topology(self, instance: str | None = None) -> tuple[bool, list[RankInfo]]:
-        status, body = self._call("GET", "/topology" + (f"?instance={instance}" if instance else ""))
-        if status != 200:
-            raise ConnectError(f"bootstrap {self.url}: GET /topology answered HTTP {status}")
-        return bool(body.get("ready")), [RankInfo.from_dict(r) for r in body.get("ranks", [])]
-
-    def wait_ready(self, timeout: float = 60.0, instance: str | None = None, poll: float = 0.1) -> list[RankInfo]:
-        """Block until every expected rank registered; the prefill ranks (of ``instance``)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                ready, ranks = self.topology(instance)
-            except ConnectError:
-                ready, ranks = False, []
-            if ready and ranks:
-                return ranks
-            if time.monotonic() > deadline:
-                raise ConnectError(f"bootstrap {self.url} not ready after {timeout}s: {self.health_or_error()}")
-            time.sleep(poll)
-
-    def health_or_error(self) -> str:
-        try:
-            return json.dumps(self.health())
-        except ConnectError as e:
-            return str(e)
-
-
-class Registration:
-    """A prefill rank's registration, kept alive by heartbeats from a daemon thread."""
-
-    def __init__(self, client: BootstrapClient, info: RankInfo, interval: float | None = None, ttl: float = 10.0):
-        self.client, self.info = client, info
-        self.interval = ttl / 3 if interval is None else interval
-        self.key: str | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> "Registration":
-        self.key = self.client.register(self.info)    # fails loudly at launch: bad secret, bad record
-        self._thread = threading.Thread(target=self._run, name="kvxfer-heartbeat", daemon=True)
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                if not self.client.heartbeat(self.key):
-                    log.warning("bootstrap forgot %s; registering again", self.key)
-                    self.key = self.client.register(self.info)
-            except ConnectError as e:   # the registry may be restarting: keep trying
-                log.warning("heartbeat for %s failed: %s", self.key, e)
-
-    def stop(self, deregister: bool = True) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.interval + self.client.timeout)
-        if deregister and self.key is not None:
-            try:
-                self.client.deregister(self.key)
-            except ConnectError:
-                pass
-
-
-# ------------------------------------------------------------------------------------
 # kvxfer bootstrap
 # ------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
@@ -526,7 +294,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvxfer bootstrap: {e}")
         return 1
     return 0
-
-
-__all__ = ["PROTOCOL", "RankSpec", "RankInfo", "BootstrapConfig", "Registry", "BootstrapServer",
-           "BootstrapClient", "Registration", "as_secret", "mac", "sign_http", "check_http", "main"]

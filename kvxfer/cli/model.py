@@ -14,7 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .pools import KVPool
+from ..pools import KVPool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -76,9 +76,18 @@ import ucxx  # noqa: F401  (loads the bundled libucx / libucxx)
 from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
-from kvxfer.errors import ConnectError, PeerError, PlanError, RejectedWrite, TransferTimeout, TransportError
-from kvxfer.plan import Runs, TransferPlan, copy_runs, gather_runs, merge_runs
-from kvxfer.transport import DEFAULT_TIMEOUT, FEW_RUNS, Arrival, GrantTable, Transport, TransferHandle, byte_view
+from kvxfer.copy import byte_view, copy_runs, gather_runs
+from kvxfer.errors import (
+    ConnectError,
+    PeerError,
+    PlanError,
+    RejectedWrite,
+    TransferTimeout,
+    TransportError,
+)
+from kvxfer.grant import GrantTable
+from kvxfer.plan import FEW_RUNS, Runs, TransferPlan, merge_runs
+from kvxfer.transport.base import DEFAULT_TIMEOUT, Arrival, TransferHandle, Transport
 
 log = logging.getLogger("kvxfer.transport.ucx")
 

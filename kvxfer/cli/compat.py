@@ -28,10 +28,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .layout import Part, host_layout
-from .plan import execute_plan, plan_transfer
-from .pools import HybridSWAPool, KVPool, MHAPool, MLAPool, StatePool, torch_dtype
-from .topology import sources_for_decode_rank
+from ..copy import execute_plan
+from ..layout import Part, host_layout
+from ..plan import plan_transfer
+from ..pools import HybridSWAPool, KVPool, MHAPool, MLAPool, StatePool, torch_dtype
+from ..topology import sources_for_decode_rank
 
 COLUMNS = ("transfer", "CPU copy", "prefix-valid write", "head slicing", "offload")
 HEADS = 4           # KV heads of the tiny model (TP 1); TP 2 ranks hold 2 each

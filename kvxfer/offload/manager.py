@@ -52,12 +52,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .errors import LayoutError, PeerError, RequestError
-from .layout import TOKEN
-from .plan import Planner, execute_plan
-from .pools import KVPool
-from .storage import (DONE, GONE, FileStore, HostPool, OffloadStats, Record, RecordMeta, State, Tiers, compact_slots,
-                      key_seed, page_keys, tail_key)
+from ..copy import execute_plan
+from ..errors import LayoutError, PeerError, RequestError
+from ..layout import TOKEN
+from ..plan import Planner
+from ..pools import HostPool, KVPool
+from .records import (
+    DONE,
+    GONE,
+    Record,
+    RecordMeta,
+    State,
+    compact_slots,
+    key_seed,
+    page_keys,
+    tail_key,
+)
+from .store import FileStore
+from .tiers import OffloadStats, Tiers
 
 log = logging.getLogger("kvxfer.offload")
 EMPTY = np.zeros(0, np.int64)

@@ -58,12 +58,20 @@ import numpy as np
 import torch
 import zmq
 
+from kvxfer.copy import byte_view, scatter_runs
 from kvxfer.errors import ConnectError, PlanError, RejectedWrite
-from kvxfer.plan import TransferPlan, merge_runs, scatter_runs
-from kvxfer.transport import (DEFAULT_TIMEOUT, FEW_RUNS, Arrival, GrantTable, Transport, TransferHandle,
-                              TransferStatus, byte_view, peer_failed)
+from kvxfer.grant import GrantTable
+from kvxfer.plan import FEW_RUNS, TransferPlan, merge_runs
+from kvxfer.transport.base import (
+    DEFAULT_TIMEOUT,
+    Arrival,
+    TransferHandle,
+    TransferStatus,
+    Transport,
+    peer_failed,
+)
 
-log = logging.getLogger("kvxfer.transports.zmq")
+log = logging.getLogger("kvxfer.transport.zmq")
 
 _RUN_BYTES = 24                  # one run on the wire: region, offset, nbytes as int64
 _MAX_PARTS = 1024                # payload parts per message

@@ -1,0 +1,182 @@
+"""Launch-time compatibility of a prefill/decode pair, in words ("P page_size 16 vs D page_size
+24: ..."): every mismatch is listed at connect, never found at the first request.
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from ..errors import CompatibilityError, LayoutError, PlanError
+from ..layout import SWA, Layout, is_hybrid
+from ..plan import Planner
+from ..ranks import RankInfo
+from ..topology import heads_held, peer_sources, stage_layers
+
+
+# ------------------------------------------------------------------------------------
+# Compatibility, in words
+# ------------------------------------------------------------------------------------
+def _layout(info: RankInfo, side: str, out: list[str]) -> Layout | None:
+    try:
+        return Layout.from_dict(info.layout)
+    except (LayoutError, ValueError, TypeError) as e:
+        out.append(f"{side}'s layout description is invalid: {e}")
+        return None
+
+
+# A hybrid pool's sliding window rides in its rank record beside the layout: the layout says
+# where bytes live, the window says how many trailing tokens decode keeps of the "swa" layers.
+SWA_WINDOW_KEY = "swa_window"
+
+
+MAX_WINDOW = 1 << 40
+
+
+def layout_record(layout: Layout, swa_window: int = 0) -> dict:
+    """What a rank publishes as its ``RankInfo.layout``: the layout, plus the window if hybrid."""
+    out = layout.to_dict()
+    if swa_window:
+        out[SWA_WINDOW_KEY] = int(swa_window)
+    return out
+
+
+def swa_window_of(info: RankInfo) -> int:
+    """The sliding window a rank published (0: none); ValueError when it is not a sane int."""
+    w = info.layout.get(SWA_WINDOW_KEY, 0)
+    if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= MAX_WINDOW:
+        raise ValueError(f"field {SWA_WINDOW_KEY!r} must be an int in 0..{MAX_WINDOW}, got {w!r}")
+    return w
+
+
+def _check_hybrid(pl: Layout, dl: Layout, p: RankInfo, d: RankInfo, out: list[str]) -> None:
+    """Both sides hybrid sliding-window or neither; the same window and the same SWA layers."""
+    p_hybrid, d_hybrid = is_hybrid(pl), is_hybrid(dl)
+    if p_hybrid != d_hybrid:
+        has, lacks = ("P", "D") if p_hybrid else ("D", "P")
+        out.append(f"hybrid SWA: {has} keeps its sliding-window layers in a window pool (space {SWA!r}) but "
+                   f"{lacks} does not: use a hybrid SWA pool on both sides or on neither")
+        return
+    if not p_hybrid:
+        return
+    windows = []
+    for side, info in (("P", p), ("D", d)):
+        try:
+            windows.append(swa_window_of(info))
+        except ValueError as e:
+            out.append(f"{side}'s rank record: {e}")
+            return
+    pw, dw = windows
+    if pw != dw or not pw:
+        out.append(f"sliding window: P {pw} tokens vs D {dw} tokens: not the same model (both must be >= 1 "
+                   f"and equal)")
+    p_swa = {q.layer for q in pl.parts if q.space == SWA}
+    d_swa = {q.layer for q in dl.parts if q.space == SWA}
+    for layers, on, off in ((p_swa - d_swa, "P", "D"), (d_swa - p_swa, "D", "P")):
+        layers &= set(pl.layers) & set(dl.layers)
+        if layers:
+            out.append(f"hybrid SWA: layer(s) {_span(layers)} are sliding-window on {on} but full-attention on "
+                       f"{off}: not the same model")
+
+
+def _names(keys) -> str:
+    return ", ".join(sorted({str(k) for k in keys}))
+
+
+def check_pair(p: RankInfo, d: RankInfo, transport: str | None = None) -> list[str]:
+    """Every reason prefill rank ``p`` and decode rank ``d`` cannot work together; [] when they can."""
+    out: list[str] = []
+    ps, ds = p.spec, d.spec
+    if p.protocol != d.protocol:
+        out.append(f"protocol: P speaks version {p.protocol} vs D {d.protocol}: upgrade the older side")
+    if transport is not None and transport not in p.data:
+        out.append(f"transport: D uses {transport!r} but P offers only {sorted(p.data) or 'none'}")
+    if ps.num_layers != ds.num_layers:
+        out.append(f"layer count: P has {ps.num_layers} layers vs D {ds.num_layers}: not the same model")
+    if ps.num_kv_heads != ds.num_kv_heads:
+        out.append(f"KV heads: P has {ps.num_kv_heads} vs D {ds.num_kv_heads}: not the same model")
+    if ps.replicated != ds.replicated:
+        out.append(f"KV replication: P {'replicates' if ps.replicated else 'shards'} KV across TP but D "
+                   f"{'replicates' if ds.replicated else 'shards'} it (MLA vs MHA/GQA)")
+    if ds.pp_size != 1:
+        out.append(f"D pp_size {ds.pp_size}: decode ranks must hold every layer (pp_size 1)")
+    if not ps.replicated:
+        for side, s in (("P", ps), ("D", ds)):
+            try:
+                heads_held(s.num_kv_heads, s.tp_size, 0)
+            except PlanError:
+                out.append(f"KV heads {s.num_kv_heads} not divisible by {side} TP size {s.tp_size}: each "
+                           f"{side} rank must hold a whole number of heads (or TP be a multiple of the heads)")
+    if max(ps.tp_size, ds.tp_size) % min(ps.tp_size, ds.tp_size):
+        out.append(f"TP sizes: P {ps.tp_size} vs D {ds.tp_size}: one must divide the other")
+    if p.aux_bytes != d.aux_bytes:
+        out.append(f"aux record: P {p.aux_bytes} bytes vs D {d.aux_bytes} bytes: set the same aux_bytes")
+    pl, dl = _layout(p, "P", out), _layout(d, "D", out)
+    if pl is None or dl is None:
+        return out
+    _check_hybrid(pl, dl, p, d, out)
+    # Page sizes: the planner maps tokens, so any pair could move; we accept pairs that tile
+    # (one a multiple of the other), so P's whole-page chunks fill whole D pages or whole
+    # D pages hold whole P pages, and freeing by page on either side never splits a request.
+    for sp in pl.spaces:
+        if any(x.name == sp.name for x in dl.spaces):
+            dp = dl.space(sp.name).page_size
+            if max(dp, sp.page_size) % min(dp, sp.page_size):
+                out.append(f"P page_size {sp.page_size} vs D page_size {dp}"
+                           f"{'' if sp.name == 'token' else f' (space {sp.name!r})'}: one must be a multiple "
+                           f"of the other")
+    # Parts: which (layer, kind) P holds and D must hold, as this P stage sees it.
+    try:
+        stage = set(stage_layers(ps.num_layers, ps.pp_size, ps.pp_rank))
+    except PlanError as e:
+        out.append(f"P stage: {e}")
+        stage = set(pl.layers)
+    dkeys = {q.key for q in dl.parts if q.layer in stage}
+    pkeys = {q.key for q in pl.parts}
+    if ps.num_layers == ds.num_layers:
+        if {k[0] for k in pkeys} - stage:
+            out.append(f"P {ps.key} holds layers {sorted({k[0] for k in pkeys} - stage)} outside its stage "
+                       f"{ps.pp_rank} of {ps.pp_size} (layers {min(stage)}..{max(stage)})")
+        if {k[0] for k in dkeys} != {k[0] for k in pkeys}:
+            out.append(f"layer set: P {ps.key} holds layers {_span(k[0] for k in pkeys)} vs D "
+                       f"{_span(k[0] for k in dkeys)} in that stage")
+    if pkeys - dkeys and {k[1] for k in pkeys - dkeys} - {k[1] for k in dkeys}:
+        out.append(f"parts: P sends {_names(k[1] for k in pkeys - dkeys)} that D's layout lacks")
+    if dkeys - pkeys and {k[1] for k in dkeys - pkeys} - {k[1] for k in pkeys}:
+        out.append(f"parts: D expects {_names(k[1] for k in dkeys - pkeys)} that P does not produce")
+    dtypes, dims = collections.defaultdict(set), collections.defaultdict(set)
+    for key in sorted(pkeys & dkeys):
+        a, b = pl.part(*key), dl.part(*key)
+        if a.dtype != b.dtype:
+            dtypes[(a.dtype, b.dtype)].add(key[1])
+        if a.head_bytes != b.head_bytes or a.head_dim != b.head_dim:
+            dims[(a.head_dim, b.head_dim, a.dtype, b.dtype)].add(key[1])
+    for (a, b), kinds in dtypes.items():
+        out.append(f"dtype of {_names(kinds)}: P {a} vs D {b}: the bytes would be misread")
+    for (a, b, _, _), kinds in dims.items():
+        out.append(f"head_dim of {_names(kinds)}: P {a} vs D {b}: not the same model")
+    if out:
+        return out
+    # What the explicit checks do not name, the planner does.
+    for s in peer_sources(ps, ds):
+        try:
+            Planner(pl, dl, src_heads=s.src_heads, dst_heads=s.dst_heads, layers=s.layers)
+        except PlanError as e:
+            out.append(f"P {ps.key} -> D tp{ds.tp_rank}: {e}")
+    return out
+
+
+def _span(layers) -> str:
+    xs = sorted(set(layers))
+    if not xs:
+        return "none"
+    return f"{xs[0]}..{xs[-1]} ({len(xs)})" if xs == list(range(xs[0], xs[-1] + 1)) else str(xs)
+
+
+def require_compatible(pairs: Sequence[tuple[RankInfo, RankInfo]], transport: str | None = None) -> None:
+    """Raise ``CompatibilityError`` with the mismatches of every pair (each reason once)."""
+    seen: dict[str, None] = {}
+    for p, d in pairs:
+        for m in check_pair(p, d, transport):
+            seen.setdefault(m, None)
+    if seen:
+        raise CompatibilityError(list(seen))

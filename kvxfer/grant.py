@@ -1,0 +1,201 @@
+"""Grants: the byte ranges a receiver allows a request to write, and the receiver's table of them.
+
+``ByteRanges`` is a sorted set of (region, start, nbytes) intervals made from a layout and the
+slots a request was granted; ``covers`` checks a whole run list against it, vectorized.
+``GrantTable`` is what every receiving transport keeps: request id -> ranges, and the check that
+runs before a single byte lands (counted under a fixed reason when it fails).
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from .errors import PlanError, TransportError
+from .layout import Layout
+from .plan import FEW_RUNS, Planner, TransferPlan, merge_runs
+
+# ------------------------------------------------------------------------------------
+# Byte ranges: what a grant allows a peer to write.
+# ------------------------------------------------------------------------------------
+MAX_OFFSET = 1 << 62
+
+
+# Intervals of every region live on one axis, region r at [r << _REGION_BITS, (r + 1) << _REGION_BITS),
+# so a check is one searchsorted however many regions the runs name. Regions up to 1 TiB.
+_REGION_BITS = 40
+
+
+_FEW_INTERVALS = 4096   # grants up to this many intervals also keep them as Python ints
+
+
+_SORT_KEYS_ABOVE = 4096  # covers() sorts more runs than this before searching
+
+
+_SPAN_GROUP = 16          # covers() first checks groups of this many neighbouring runs as one span
+
+
+class ByteRanges:
+    """Sorted, merged ``[start, end)`` intervals per region; checks runs against them."""
+
+    def __init__(self, region: np.ndarray, start: np.ndarray, nbytes: np.ndarray):
+        region, start, nbytes = (np.asarray(x, dtype=np.int64) for x in (region, start, nbytes))
+        if len(region) and ((region < 0).any() or (region >= 1 << (62 - _REGION_BITS)).any()
+                            or (start < 0).any() or (nbytes < 0).any()
+                            or (start + nbytes > 1 << _REGION_BITS).any()):
+            raise PlanError(f"byte ranges must lie in regions 0..{(1 << (62 - _REGION_BITS)) - 1} "
+                            f"of at most {1 << _REGION_BITS} bytes")
+        key = (region << _REGION_BITS) + start
+        order = np.argsort(key, kind="stable")
+        s, _, n = merge_runs(key[order], key[order], nbytes[order])
+        self._starts, self._ends = s, s + n     # never crosses a region: ends stay <= its limit
+        self._lists: tuple[list[int], list[int]] | None = None   # the same as Python ints, on first use
+        self.nbytes = int(nbytes.sum())
+
+    @classmethod
+    def of_slots(cls, layout: Layout, slots) -> "ByteRanges":
+        """Every byte of every part of ``layout`` at ``slots`` (one array, or ``{space: array}``)."""
+        spaces = sorted({p.space for p in layout.parts})
+        if not isinstance(slots, Mapping):
+            slots = {s: slots for s in spaces}
+        pieces = []
+        for space in spaces:
+            if space in slots and len(slots[space]):
+                pieces.append(Planner(layout, layout, kinds=[p.kind for p in layout.parts if p.space == space],
+                                      pack_below=0).plan(slots[space], slots[space]))
+        r = TransferPlan.concat(pieces).runs()
+        return cls(r.dst_region, r.dst_offset, r.nbytes)
+
+    def intervals(self, region: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(starts, ends)`` of the merged intervals in ``region``."""
+        lo, hi = np.searchsorted(self._starts, [region << _REGION_BITS, (region + 1) << _REGION_BITS])
+        base = region << _REGION_BITS
+        return self._starts[lo:hi] - base, self._ends[lo:hi] - base
+
+    def covers_run(self, region: int, offset: int, nbytes: int) -> bool:
+        """``covers`` for one run of Python ints: a message of a few runs skips array setup."""
+        limit = 1 << _REGION_BITS
+        if not (0 <= region < 1 << (62 - _REGION_BITS) and 0 <= offset < limit and 0 < nbytes <= limit - offset):
+            return False
+        key = (region << _REGION_BITS) + offset
+        if self._lists is None and len(self._starts) <= _FEW_INTERVALS:
+            self._lists = (self._starts.tolist(), self._ends.tolist())
+        if self._lists is None:
+            i = int(np.searchsorted(self._starts, key, side="right")) - 1
+            return i >= 0 and key + nbytes <= int(self._ends[i])
+        starts, ends = self._lists   # bisect on ints: ~10x cheaper than one searchsorted call
+        i = bisect.bisect_right(starts, key) - 1
+        return i >= 0 and key + nbytes <= ends[i]
+
+    def covers(self, region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """Bool per run: lies wholly inside one granted interval. Safe on hostile values."""
+        region, offset, nbytes = (np.asarray(x, dtype=np.int64) for x in (region, offset, nbytes))
+        limit = 1 << _REGION_BITS
+        valid = ((region >= 0) & (region < 1 << (62 - _REGION_BITS)) & (offset >= 0) & (nbytes > 0)
+                 & (offset < limit) & (nbytes <= limit - offset))   # no sum before both are bounded
+        if not len(self._starts):
+            return np.zeros(len(region), dtype=bool)
+        key = np.where(valid, (region << _REGION_BITS) + np.where(valid, offset, 0), 0)
+        end = key + np.where(valid, nbytes, 0)
+        if len(key) < 2 * _SPAN_GROUP:
+            return valid & self._inside(key, end)
+        # Runs come in stream order: neighbours tend to share a granted interval (a page's rows).
+        # A group of _SPAN_GROUP neighbours whose whole span lies in one interval is covered
+        # run by run (intervals never cross a region); only the other groups are searched run
+        # by run. One announce of 65,536 half rows: 7.1 -> 1.5 ms.
+        m = len(key) // _SPAN_GROUP * _SPAN_GROUP
+        span_ok = (self._inside(key[:m].reshape(-1, _SPAN_GROUP).min(1), end[:m].reshape(-1, _SPAN_GROUP).max(1))
+                   & valid[:m].reshape(-1, _SPAN_GROUP).all(1))
+        out = np.zeros(len(key), dtype=bool)
+        out[:m] = np.repeat(span_ok, _SPAN_GROUP)
+        rest = np.flatnonzero(~out)
+        out[rest] = valid[rest] & self._inside(key[rest], end[rest])
+        return out
+
+    def _inside(self, key: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Bool per ``[key, end)``: lies in one merged interval (keys already bounded)."""
+        if len(key) > _SORT_KEYS_ABOVE:   # searches in key order stay in cache: 32768 random runs 3.4 -> 1.6 ms
+            order = np.argsort(key)
+            i = np.empty_like(key)
+            i[order] = np.searchsorted(self._starts, key[order], side="right") - 1
+        else:
+            i = np.searchsorted(self._starts, key, side="right") - 1
+        return (i >= 0) & (end <= self._ends[np.clip(i, 0, None)])
+
+
+log = logging.getLogger("kvxfer.transport")
+
+
+class GrantTable:
+    """The receiver's record of what each request may write. Every transport uses it.
+
+    Thread-safe. Rejections are counted by reason (``rejected``) and logged with the
+    request id; a rejected message never writes a byte.
+    """
+
+    def __init__(self, region_sizes: Sequence[int] = ()):
+        self._lock = threading.Lock()
+        self._grants: dict[str, ByteRanges] = {}
+        self._ended: set[str] = set()
+        self.region_sizes = list(region_sizes)
+        self.rejected: Counter[str] = Counter()
+
+    def expect(self, request_id: str, ranges: ByteRanges) -> None:
+        with self._lock:
+            if request_id in self._grants:
+                raise TransportError(f"request {request_id} is already expected")
+            self._ended.discard(request_id)
+            self._grants[request_id] = ranges
+
+    def forget(self, request_id: str) -> bool:
+        """End a grant; True if it was live (so callers release slots exactly once)."""
+        with self._lock:
+            live = self._grants.pop(request_id, None) is not None
+            self._ended.add(request_id)
+            if len(self._ended) > 100_000:
+                self._ended.clear()
+            return live
+
+    def live(self) -> int:
+        with self._lock:
+            return len(self._grants)
+
+    def reject(self, request_id: str, reason: str) -> str:
+        with self._lock:
+            self.rejected[reason.split(":")[0]] += 1
+        log.warning("rejected write for request %s: %s", request_id, reason)
+        return reason
+
+    def check(self, request_id: str, region: np.ndarray | Sequence[int], offset: np.ndarray | Sequence[int],
+              nbytes: np.ndarray | Sequence[int]) -> str | None:
+        """None when every run lies inside the request's grant and the regions; else the reason.
+        Runs come as int arrays, or as lists of Python ints for a message of a few runs."""
+        with self._lock:
+            ranges = self._grants.get(request_id)
+            ended = request_id in self._ended
+        if ranges is None:
+            return self.reject(request_id, "ended request: write after the request ended" if ended
+                               else "unknown request: no grant for this request id")
+        if not (len(region) == len(offset) == len(nbytes)):
+            return self.reject(request_id, "malformed header: run arrays differ in length")
+        if isinstance(region, np.ndarray) and len(region) <= FEW_RUNS:   # ints beat ~20 numpy calls here
+            region, offset, nbytes = region.tolist(), np.asarray(offset).tolist(), np.asarray(nbytes).tolist()
+        if isinstance(region, np.ndarray):
+            unknown = len(region) and ((region < 0).any() or (region >= len(self.region_sizes)).any())
+        else:
+            unknown = any(not 0 <= r < len(self.region_sizes) for r in region)
+        if unknown:
+            return self.reject(request_id, f"unknown region: id outside 0..{len(self.region_sizes) - 1}")
+        if isinstance(region, np.ndarray):
+            bad = ~ranges.covers(region, offset, nbytes)
+        else:
+            bad = np.array([not ranges.covers_run(*run) for run in zip(region, offset, nbytes)], bool)
+        if bad.any():
+            i = int(np.argmax(bad))
+            return self.reject(request_id, f"outside grant: run {i} (region {int(region[i])}, offset "
+                                           f"{int(offset[i])}, {int(nbytes[i])} bytes) is not granted")
+        return None

@@ -1,0 +1,31 @@
+"""Transports are plugins found through the ``kvxfer.transports`` entry-point group: kvxfer never
+imports one by name, and a third party adds one by declaring an entry point.
+"""
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+from ..errors import ConnectError
+from .base import Transport
+
+# ------------------------------------------------------------------------------------
+# Registry
+# ------------------------------------------------------------------------------------
+ENTRY_POINT_GROUP = "kvxfer.transports"
+
+
+def available_transports() -> list[str]:
+    return sorted(ep.name for ep in entry_points(group=ENTRY_POINT_GROUP))
+
+
+def get_transport(name: str, **options) -> Transport:
+    """Instantiate the transport registered under ``name`` (e.g. "local", "zmq", "ucx")."""
+    eps = {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    if name not in eps:
+        raise ConnectError(f"unknown transport {name!r}; installed: {', '.join(sorted(eps)) or 'none'}")
+    try:
+        cls = eps[name].load()
+    except ImportError as e:
+        raise ConnectError(f"transport {name!r} is installed but its dependency is missing ({e}); "
+                           f"for ucx: pip install 'kvxfer[ucx]'. Installed: {', '.join(sorted(eps))}") from e
+    return cls(**options)
