@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 LOG_FLOOR = 1e-3   # the chart's log axis starts here; smaller ratios draw as this
 Row = dict
