@@ -1,12 +1,31 @@
 """Shared test set-up: make the helpers next to the tests (``xfer_peer``, ``request_peer``,
-``waiting``) importable in any pytest import mode, and the ``transport`` fixture of the request
-tests (each network transport, skipped where it cannot run; ``parametrize`` overrides it)."""
+``waiting``) importable in any pytest import mode, the ``transport`` fixture of the request
+tests (each network transport, skipped where it cannot run; ``parametrize`` overrides it), and
+the two tiers.
+
+Tiers: ``scripts/test --fast`` runs ``-m "not slow"``, the in-process tier (under 90 s on 2
+cores); ``scripts/test`` runs everything. A test is slow when it carries ``@pytest.mark.slow``,
+lives in one of ``SLOW_FILES`` (torchrun launches, killed processes, the demo and bench
+subprocesses, test hosts in network namespaces) or is one of ``SLOW_TESTS`` (each takes
+seconds: it kills or stops a peer mid-transfer and waits for the deadline).
+"""
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+SLOW_FILES = {"test_hetero_tp.py", "test_offload_tp.py", "test_request_faults.py", "test_demo.py", "test_bench.py",
+              "test_soak.py", "test_multihost.py", "test_hosts.py"}
+SLOW_TESTS = {"test_source_released_only_when_nothing_reads_it", "test_receiver_killed_mid_transfer",
+              "test_sender_killed_mid_transfer"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if Path(str(item.fspath)).name in SLOW_FILES or item.originalname in SLOW_TESTS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="module", params=["zmq", "ucx"])

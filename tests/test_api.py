@@ -37,7 +37,13 @@ def test_all_is_pinned() -> None:
     """Adding or removing a public name is a decision: update this list with it."""
     assert kvxfer.__all__ == PUBLIC
     for name in PUBLIC:
-        assert getattr(kvxfer, name) is not None, name
+        value = getattr(kvxfer, name)
+        # Each name is kvxfer's own object of that name (a class or function defined in kvxfer,
+        # or an instance of a kvxfer class), not a stand-in or a re-exported foreign object.
+        if isinstance(value, type) or callable(value) and hasattr(value, "__qualname__"):
+            assert value.__name__ == name and value.__module__.startswith("kvxfer."), (name, value)
+        else:
+            assert type(value).__module__.startswith("kvxfer."), (name, value)
 
 
 def test_errors_for_bad_input_are_value_errors() -> None:

@@ -119,10 +119,15 @@ def test_mla_one_source_per_decode_rank_and_silent_replicas():
                                            replicated=True)
             assert len(srcs) == 1
             senders.add(srcs[0].p_tp_rank)
+        # Written out by hand, not derived from the code under test: how many decode ranks each
+        # prefill rank feeds. Every decode rank is fed once; surplus prefill replicas stay silent.
+        fed = {(1, 2): [2], (2, 1): [1, 0], (2, 4): [2, 2], (4, 2): [1, 1, 0, 0], (1, 4): [4],
+               (4, 1): [1, 0, 0, 0]}[(p_tp, d_tp)]
+        assert senders == {p for p, n in enumerate(fed) if n}
         for p in range(p_tp):
             t = targets_for_prefill_rank(num_kv_heads=1, p_tp=p_tp, d_tp=d_tp, p_rank=p, num_layers=LAYERS,
                                          replicated=True)
-            assert bool(t) == (p in senders)
+            assert len(t) == fed[p], (p_tp, d_tp, p)
 
 
 def test_pipeline_stages_send_their_layers():
