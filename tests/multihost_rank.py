@@ -22,7 +22,7 @@ raises answers ``{"error": "..."}``. Commands (``room`` an int, ``rooms`` a list
     sender   {room, tokens}           prefill: allocate slots, make the sender -> {slots}
     send     {room, chunks=1}         prefill: send all its slots in ``chunks`` pieces, last=True
     receiver {room, tokens}           decode: allocate, ``receiver(room).init(slots)`` -> {slots}
-    wait     {rooms, timeout}         until every room ended (or timeout) -> {room: status}
+    wait     {rooms, within}          until every room ended (or within s) -> {room: status}
     poll     {rooms}                  -> {room: {state, outcome, reason, releases, ended_after}}
     digest   {room}                   sha256 per "layer/kind/global head" of the room's tokens
     canary   {keep}                   bytes != 0xCD outside the slots of rooms ``keep`` (decode)
@@ -186,7 +186,7 @@ def serve(a) -> None:
                 r.init(s)
                 res = {"slots": s.tolist()}
             elif op == "wait":
-                end = time.monotonic() + cmd.get("timeout", 30)
+                end = time.monotonic() + cmd.get("within", 30)
                 for room in cmd["rooms"]:
                     reqs[room].wait(max(0.0, end - time.monotonic()))
                 res = status(cmd["rooms"])
