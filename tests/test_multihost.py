@@ -113,7 +113,7 @@ def test_tp2_page_major_to_tp4_token_major_across_hosts(three, transport):
 # --- link cut mid-transfer ------------------------------------------------------------------
 # 4 requests of 8192 tokens: 2 layers x K,V x 8 heads x 128 dims x bf16 = 8 KiB a token,
 # 256 MiB in all. Host B's egress is shaped (tbf) so the cut lands mid-transfer.
-BIG = dict(heads=8, layers=2, head_dim=128, page_size=16, num_pages=2 * 8192 // 16 + 2)
+BIG = dict(heads=8, layers=2, head_dim=128, page_size=16, num_pages=4 * 8192 // 16 + 2)
 BIG_ROOMS, BIG_TOKENS = [11, 12, 13, 14], 8192
 CUT_TIMEOUTS, CUT_HB = (30, 60, 5, 20), (0.5, 3.0)   # transfer 5 s without progress; peer silent 3 s
 END_WITHIN = 30.0        # after the cut, every request must have ended within this
@@ -150,6 +150,7 @@ def cut_mid_transfer(three, transport: str) -> dict:
         report["succeeded"] = ok
         assert len(ok) < len(BIG_ROOMS), f"the cut came after the transfers: {report}"
         time.sleep(HEAL_WAIT)
+        report["after_heal"] = [r.call("poll", rooms=BIG_ROOMS) for r in c["decode"] + c["prefill"]]
         for room in ok:
             check_bytes(c, room)
         check_canary(c, keep=ok)
