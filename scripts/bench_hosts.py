@@ -1,0 +1,115 @@
+"""Benchmark across test hosts: one 64 MiB request host B -> host C, TP 1 -> 1, over zmq and
+UCX-tcp, next to a raw TCP stream (sendall / recv_into) between the same two namespaces.
+Prints the median of ``--repeat`` runs (default 3) in GB/s. Root only (network namespaces).
+
+    .venv/bin/python scripts/bench_hosts.py [--mib 64] [--repeat 3] [--transports zmq,ucx]
+
+Uses tests/hosts.py (the hosts) and tests/multihost_rank.py (the ranks). A benchmark, not a
+test: it asserts only that every request arrived byte-exact.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from hosts import UCX_ENV, TestHosts, hosts_skip_reason  # noqa: E402
+from multihost_rank import RankProc  # noqa: E402
+
+# Raw TCP: the server prints its port, receives N bytes into one buffer with recv_into,
+# answers one byte; the client sends N bytes with sendall and prints the seconds.
+RAW_SERVER = r"""
+import json, socket, sys
+n = int(sys.argv[2]); buf = bytearray(n); view = memoryview(buf)
+s = socket.create_server((sys.argv[1], 0)); print(json.dumps({"port": s.getsockname()[1]}), flush=True)
+while True:
+    c, _ = s.accept(); got = 0
+    while got < n:
+        k = c.recv_into(view[got:])
+        if not k: break
+        got += k
+    c.sendall(b"k"); c.close()
+"""
+RAW_CLIENT = r"""
+import os, socket, sys, time
+n = int(sys.argv[3]); data = os.urandom(1 << 20) * (n >> 20)
+c = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+t = time.perf_counter(); c.sendall(data); c.recv(1); print(time.perf_counter() - t)
+"""
+
+
+def raw_tcp(hosts, nbytes: int, repeat: int) -> list[float]:
+    srv = hosts[2].popen([sys.executable, "-c", RAW_SERVER, hosts[2].addr, str(nbytes)], stdout=subprocess.PIPE,
+                         text=True)
+    port = json.loads(srv.stdout.readline())["port"]
+    out = []
+    for _ in range(repeat):
+        r = hosts[1].run([sys.executable, "-c", RAW_CLIENT, hosts[2].addr, str(port), str(nbytes)], timeout=120)
+        out.append(nbytes / float(r.stdout) / 1e9)
+    srv.kill()
+    return out
+
+
+def kvxfer_request(hosts, transport: str, mib: int, repeat: int) -> list[float]:
+    # 2 layers x K,V x 8 heads x 128 dims x bf16 = 8 KiB per token
+    tokens = mib * 1024 * 1024 // 8192
+    # decode keeps every successful request's slots: room for all of them
+    pool = dict(heads=8, layers=2, head_dim=128, page_size=16, num_pages=(repeat + 1) * tokens // 16 + 2)
+    env = UCX_ENV if transport == "ucx" else None
+    boot = RankProc(hosts[0], "bootstrap", expect=1)
+    ranks = []
+    try:
+        common = dict(bootstrap=boot.url, transport=transport, tp_size=1, **pool)
+        ranks.append(RankProc(hosts[1], "prefill", env=env, layout="page_major", seed=3, **common))
+        ranks.append(RankProc(hosts[2], "decode", env=env, layout="token_major", **common))
+        p, d = ranks
+        out = []
+        for room in range(1, repeat + 2):        # the first one warms up, and is not counted
+            d.call("receiver", room=room, tokens=tokens)
+            p.call("sender", room=room, tokens=tokens)
+            t = time.perf_counter()
+            p.call("send", room=room)
+            st = d.call("wait", rooms=[room], within=120, timeout=180)[str(room)]
+            took = time.perf_counter() - t
+            assert st["state"] == "Success", st
+            assert p.call("digest", room=room) == d.call("digest", room=room), f"room {room}: bytes differ"
+            if room > 1:
+                out.append(tokens * 8192 / took / 1e9)
+            p.call("wait", rooms=[room], within=30)
+        return out
+    finally:
+        for r in ranks[::-1] + [boot]:
+            r.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="kvxfer across test hosts vs raw TCP")
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--transports", default="zmq,ucx")
+    a = ap.parse_args()
+    why = hosts_skip_reason()
+    if why:
+        print(f"cannot run: {why}")
+        return 1
+    with TestHosts(3) as hosts:
+        rows = {"raw tcp": raw_tcp(hosts, a.mib << 20, a.repeat)}
+        for t in a.transports.split(","):
+            if t == "ucx" and importlib.util.find_spec("ucxx") is None:
+                print("ucx: ucxx does not import, skipped")
+                continue
+            rows[f"kvxfer {t}" + ("(tcp)" if t == "ucx" else "")] = kvxfer_request(hosts, t, a.mib, a.repeat)
+    print(f"one {a.mib} MiB request host B -> host C, TP 1 -> 1 (veth on a bridge), median of {a.repeat}:")
+    for name, v in rows.items():
+        print(f"  {name:18s} {statistics.median(v):6.2f} GB/s   runs: {', '.join(f'{x:.2f}' for x in v)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
