@@ -48,12 +48,16 @@ import numpy as np
 import torch
 
 # --- every kvxfer name this harness uses: update here after a module move ----------------
-from kvxfer.bootstrap import BootstrapConfig, BootstrapServer, RankSpec
-from kvxfer.handshake import Heartbeat
-from kvxfer.plan import ByteRanges
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.control.channel import Heartbeat
+from kvxfer.endpoint.base import KVPoll, Timeouts
+from kvxfer.endpoint.decode import DecodeEndpoint
+from kvxfer.endpoint.prefill import PrefillEndpoint
+from kvxfer.grant import ByteRanges
 from kvxfer.pools import MHAPool, PageAllocator
-from kvxfer.request import DecodeEndpoint, KVPoll, PrefillEndpoint, Timeouts
+from kvxfer.ranks import RankSpec
 from kvxfer.topology import heads_held
+
 # ---------------------------------------------------------------------------------------------
 
 CANARY = 0xCD
