@@ -10,7 +10,6 @@ import struct
 import zlib
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from kvxfer.cli import bench
@@ -41,7 +40,7 @@ def test_planner_subset_writes_json_and_png(tmp_path, monkeypatch):
     plan = bench.Bench(name="plan", script="bench_plan.py", extra=("--tokens", "2048", "--reps", "1"))
     monkeypatch.setattr(bench, "BENCHES", [plan, *[b for b in bench.BENCHES if b.name != "plan"]])
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    assert bench.main(["--only", "plan", "--json", str(out), "--chart", str(png), "--chart-with", "builtin"]) == 0
+    assert bench.main(["--only", "plan", "--json", str(out), "--chart", str(png)]) == 0
     doc = json.loads(out.read_text())
     assert list(doc["benches"]) == ["plan"] and doc["benches"]["plan"]["returncode"] == 0
     rows = doc["rows"]
@@ -87,7 +86,7 @@ time.sleep(120)
     monkeypatch.setattr(bench, "BENCHES", [bench.Bench(name=n, script=f"{n}.py")
                                            for n in ("fails", "silent", "good", "missing", "hangs")])
     out, png = tmp_path / "b.json", tmp_path / "b.png"
-    assert bench.main(["--quick", "--json", str(out), "--chart", str(png), "--chart-with", "builtin",
+    assert bench.main(["--quick", "--json", str(out), "--chart", str(png),
                        "--timeout", "3"]) == 0
     rows = {r.get("bench"): r for r in json.loads(out.read_text())["rows"]}
     assert rows["hangs"]["error"] == "timed out after 3 s"
@@ -101,12 +100,15 @@ time.sleep(120)
     assert "boom: no device" in table and "0.50x" in table
 
 
-def test_builtin_png_draws_bars(tmp_path):
-    img = bench.draw_bars([(1, 0.5, True), (2, 1.7, False), (12, 0.02, None)])
-    assert img.dtype == np.uint8 and img.ndim == 3 and img.shape[2] == 3
-    assert (img != 255).any()
-    bench.write_png(tmp_path / "c.png", img)
-    assert read_png(tmp_path / "c.png") == (img.shape[1], img.shape[0])
+def test_without_matplotlib_the_bench_says_how_to_get_the_chart(tmp_path, monkeypatch, capsys):
+    """No package is installed at run time: the chart comes with the ``bench`` extra."""
+    import sys
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # makes the import fail
+    monkeypatch.setattr(bench, "BENCHES", [])
+    png = tmp_path / "none.png"
+    assert bench.main(["--chart", str(png)]) == 0
+    assert not png.exists()
+    assert "pip install 'kvxfer[bench]'" in capsys.readouterr().out
 
 
 def test_unknown_benchmark_is_a_usage_error():

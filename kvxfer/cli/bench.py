@@ -20,17 +20,14 @@ checkout (the scripts are not part of the wheel).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import re
 import signal
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -171,7 +168,7 @@ def _num(v: float | None) -> str:
 
 
 def _ratio(r: float) -> str:
-    return f"{r:.2f}x" if r >= 0.01 else f"{r:.4f}x"   # digits and a point only: the PNG font has no "e"
+    return f"{r:.2f}x" if r >= 0.01 else f"{r:.4f}x" 
 
 
 def table(rows: list[Row]) -> str:
@@ -192,96 +189,39 @@ def table(rows: list[Row]) -> str:
     return "\n".join([fmt(head), "-+-".join("-" * w for w in widths), *(fmt(b) for b in body)])
 
 
-def _matplotlib(install: bool):
-    """pyplot, installing matplotlib into this environment when allowed; None if unavailable."""
+def _pyplot():
+    """pyplot, or None when matplotlib is not installed (it comes with the ``bench`` extra)."""
     try:
         import matplotlib
     except ImportError:
-        if not install:
-            return None
-        print("matplotlib is not installed: installing it into this environment for the chart "
-              f"({sys.executable} -m pip install matplotlib)", flush=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "matplotlib"], capture_output=True,
-                           text=True, timeout=900)
-        importlib.invalidate_caches()
-        try:
-            import matplotlib
-        except ImportError:
-            print(f"  pip could not install it ({(r.stderr.strip().splitlines() or ['?'])[-1][:160]}); "
-                  "drawing the chart with the built-in PNG writer", flush=True)
-            return None
+        return None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
 
 
-def chart(rows: list[Row], path: Path, how: str) -> str:
-    """Bars of each row's ratio to its ceiling; returns what drew it."""
+def chart(rows: list[Row], path: Path) -> bool:
+    """Bars of each row's ratio to its ceiling, written to ``path``; False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
     bars = [(i, r) for i, r in enumerate(rows, 1) if r.get("ratio") is not None]
-    plt = _matplotlib(install=how == "auto") if how != "builtin" else None
-    if plt is not None:
-        fig, ax = plt.subplots(figsize=(14, 1.0 + 0.26 * max(len(bars), 1)))
-        colors = ["tab:green" if r.get("ok") else "tab:red" if r.get("ok") is False else "tab:blue" for _, r in bars]
-        y = np.arange(len(bars))[::-1]
-        ratios = [max(r["ratio"], LOG_FLOOR) for _, r in bars]
-        ax.barh(y, ratios, color=colors, left=LOG_FLOOR)
-        for yy, v in zip(y, ratios):
-            ax.text(v * 1.05, yy, _ratio(v), va="center", fontsize=6)
-        ax.set_xscale("log")   # ratios span 1e-3 .. 1e1: a linear axis hides all but the largest
-        ax.set_xlim(LOG_FLOOR, max([2.0, *ratios]) * 2)
-        ax.set_yticks(y, [f"{i}. {r['name']} (vs {r.get('ceiling_name', '')})"[:100] for i, r in bars], fontsize=7)
-        ax.axvline(1.0, color="gray", lw=0.8)
-        ax.set_xlabel("value / ceiling measured in the same run, log scale (green: goal met, red: missed)")
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return "matplotlib"
-    write_png(path, draw_bars([(i, r["ratio"], r.get("ok")) for i, r in bars]))
-    return "built-in PNG writer"
-
-
-# A 3x5 pixel font for the built-in chart: row numbers and ratios only.
-_FONT = {"0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-         "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001001001",
-         "8": "111101111101111", "9": "111101111001111", ".": "000000000000010", "x": "000101010101000"}
-
-
-def _text(img: np.ndarray, x: int, y: int, s: str, scale: int = 2) -> None:
-    for ch in s:
-        glyph = np.array([int(b) for b in _FONT.get(ch, "0" * 15)], bool).reshape(5, 3)
-        big = np.kron(glyph, np.ones((scale, scale), bool))
-        area = img[y: y + big.shape[0], x: x + big.shape[1]]   # clipped at the image's edge
-        area[big[: area.shape[0], : area.shape[1]]] = 0
-        x += 4 * scale
-
-
-def draw_bars(bars: list[tuple[int, float, bool | None]]) -> np.ndarray:
-    """``[h, w, 3]`` uint8: one bar per (row number, ratio, goal met) on a log scale from
-    LOG_FLOOR, and a gray line at 1x."""
-    row_h, left, width = 18, 60, 560
-    img = np.full((20 + row_h * max(len(bars), 1), left + width + 90, 3), 255, np.uint8)
-    lo, hi = np.log(LOG_FLOOR), np.log(max([2.0] + [r for _, r, _ in bars]) * 1.2)
-    px = lambda ratio: int(width * (np.log(max(ratio, LOG_FLOOR)) - lo) / (hi - lo))
-    for k, (i, ratio, ok) in enumerate(bars):
-        y = 10 + k * row_h
-        _text(img, 6, y + 3, str(i))
-        w = px(ratio)
-        img[y + 2: y + row_h - 2, left: left + max(w, 1)] = (44, 160, 44) if ok else (214, 39, 40) if ok is False \
-            else (31, 119, 180)
-        _text(img, left + w + 6, y + 3, _ratio(ratio))
-    img[:, left + px(1.0)] = (128, 128, 128)
-    return img
-
-
-def write_png(path: Path, rgb: np.ndarray) -> None:
-    """A truecolor PNG, 8 bits per channel, no filtering: signature, IHDR, IDAT, IEND."""
-    h, w, _ = rgb.shape
-    raw = np.hstack([np.zeros((h, 1), np.uint8), rgb.reshape(h, w * 3)]).tobytes()  # filter byte 0 per line
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0))
-                     + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
+    fig, ax = plt.subplots(figsize=(14, 1.0 + 0.26 * max(len(bars), 1)))
+    colors = ["tab:green" if r.get("ok") else "tab:red" if r.get("ok") is False else "tab:blue" for _, r in bars]
+    y = np.arange(len(bars))[::-1]
+    ratios = [max(r["ratio"], LOG_FLOOR) for _, r in bars]
+    ax.barh(y, ratios, color=colors, left=LOG_FLOOR)
+    for yy, v in zip(y, ratios):
+        ax.text(v * 1.05, yy, _ratio(v), va="center", fontsize=6)
+    ax.set_xscale("log")   # ratios span 1e-3 .. 1e1: a linear axis hides all but the largest
+    ax.set_xlim(LOG_FLOOR, max([2.0, *ratios]) * 2)
+    ax.set_yticks(y, [f"{i}. {r['name']} (vs {r.get('ceiling_name', '')})"[:100] for i, r in bars], fontsize=7)
+    ax.axvline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("value / ceiling measured in the same run, log scale (green: goal met, red: missed)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 # ------------------------------------------------------------------------------------
@@ -292,8 +232,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", help=f"comma-separated subset of: {','.join(b.name for b in BENCHES)}")
     ap.add_argument("--json", type=Path, help="write everything here: rows, each script's JSON and output")
     ap.add_argument("--chart", type=Path, default=Path("bench.png"), help="PNG of the ratios (default bench.png)")
-    ap.add_argument("--chart-with", choices=("auto", "matplotlib", "builtin"), default="auto",
-                    help="auto: matplotlib, installed on demand, else the built-in PNG writer")
     ap.add_argument("--timeout", type=float, help="seconds per benchmark (default 600, 1800 without --quick)")
     ap.add_argument("--verbose", action="store_true", help="print each script's own output")
     args = ap.parse_args(argv)
@@ -325,8 +263,11 @@ def main(argv: list[str] | None = None) -> int:
             "rows": rows, "benches": {n: {"cmd": o.cmd, "seconds": o.seconds, "returncode": o.returncode,
                                           "data": o.data, "output_tail": o.output_tail} for n, o in outcomes.items()},
         }, indent=1, default=str))
-    how = chart(rows, args.chart, args.chart_with)
-    print(f"\nwrote {args.chart} ({how})" + (f" and {args.json}" if args.json else ""))
+    if chart(rows, args.chart):
+        print(f"\nwrote {args.chart}" + (f" and {args.json}" if args.json else ""))
+    else:
+        print(f"\nno chart: it needs matplotlib (pip install 'kvxfer[bench]', or {sys.executable} -m pip install "
+              "matplotlib)" + (f"; wrote {args.json}" if args.json else ""))
     return 0
 
 
