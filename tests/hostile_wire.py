@@ -1,0 +1,273 @@
+"""A hostile peer that speaks kvxfer's wire formats, written from reading the code and
+independent of kvxfer's own encoders (raw zmq, msgpack, hmac/hashlib, urllib, ucxx).
+
+Formats (as of the commit this file was written against):
+
+control channel  (kvxfer/handshake.py encode/decode, ControlChannel)
+    frames [mac, body]; body = msgpack map with "t"; mac = HMAC-SHA256(secret, body) or b"".
+    Prefill binds a ROUTER; decode connects a DEALER whose identity is its peer name.
+    A HELLO is {"t": "hello", "i": call id, "info": RankInfo dict, "nonce": 8..64 bytes};
+    the answer is {"t": "welcome" | "refuse", "re": call id, ...}.
+bootstrap HTTP   (kvxfer/bootstrap.py sign_http/check_http)
+    X-KVXfer-Auth: "<unix time>:<hex HMAC-SHA256(secret, '<t>\\n<METHOD>\\n<path>\\n' + body)>"
+zmq data plane   (transports/zmq.py)
+    DEALER -> receiver ROUTER: [hdr, part...]; hdr msgpack {"t": "d", "r": request id, "x": xid,
+    "dl": seconds, "runs": int64 LE [regions*k, offsets*k, nbytes*k]}; the last message adds
+    "nruns", "nbytes", "notify". {"t": "p", "n": int} is answered with a pong after every reply
+    to what came before it. Replies: {"t": "a", "x": [xids]}, {"t": "n", "x", "why"}, {"t": "p"}.
+    notify (kvxfer/handshake.py ChunkMeta) = msgpack [room, gen, [tp, pp], chunk, total, nbytes, aux].
+ucx control      (transports/ucx.py)
+    one tagged message (tag 1 << 63) per batch: msgpack [sender id, [message, ...]];
+    HELLO [0, worker address], ANNOUNCE [1, xid, rid, timeout, notify, runs, nput, frame_bytes,
+    inline], GO [2, xid, dtag], DONE [3, xid], ACK [4, xid], FAIL [5, xid, why],
+    ABORT [6, xid, why], PING [7], BYE [8].
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import itertools
+import json
+import os
+import struct
+import time
+import urllib.error
+import urllib.request
+
+import msgpack
+import zmq
+
+_ids = itertools.count(1 << 40)
+
+
+# ------------------------------------------------------------------------------------
+# Control channel
+# ------------------------------------------------------------------------------------
+def ctl_frames(msg, secret: bytes | None = None, body: bytes | None = None) -> list[bytes]:
+    """[mac, body] for ``msg`` (or a raw ``body``), signed when ``secret`` is given."""
+    body = msgpack.packb(msg, use_bin_type=True) if body is None else body
+    return [hmac.new(secret, body, hashlib.sha256).digest() if secret else b"", body]
+
+
+def bad_hello(i: int) -> dict:
+    """A HELLO whose rank record is invalid: a live prefill answers it with REFUSE, so it
+    doubles as a probe that the control thread is alive and has handled what came before."""
+    return {"t": "hello", "i": i, "info": {}, "nonce": os.urandom(16)}
+
+
+class CtlClient:
+    """A raw DEALER on a prefill rank's control ROUTER, under an identity of our choice."""
+
+    def __init__(self, address: str, secret: bytes | None = None, identity: str | None = None):
+        self.secret = secret
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.setsockopt(zmq.IDENTITY, (identity or f"hostile/{os.urandom(6).hex()}").encode())
+        self.sock.connect(address)
+
+    def send(self, msg=None, *, body: bytes | None = None, frames: list[bytes] | None = None) -> None:
+        self.sock.send_multipart(frames if frames is not None else ctl_frames(msg, self.secret, body))
+
+    def recv(self, timeout: float = 2.0) -> dict | None:
+        """The next message's body, decoded (None on timeout)."""
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        frames = self.sock.recv_multipart()
+        return msgpack.unpackb(frames[-1], raw=False)
+
+    def alive(self, timeout: float = 2.0) -> bool:
+        """True when the ROUTER's thread answers a probe HELLO (so it handled all before it)."""
+        i = next(_ids)
+        self.send(bad_hello(i))
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            m = self.recv(left)
+            if m is None:
+                return False
+            if m.get("t") == "refuse" and m.get("re") == i:
+                return True
+        return False
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+# ------------------------------------------------------------------------------------
+# Bootstrap HTTP
+# ------------------------------------------------------------------------------------
+def sign(secret: bytes, method: str, path: str, body: bytes, now: float | None = None) -> str:
+    t = str(int(time.time() if now is None else now))
+    digest = hmac.new(secret, f"{t}\n{method}\n{path}\n".encode() + body, hashlib.sha256).hexdigest()
+    return f"{t}:{digest}"
+
+
+def http(url: str, method: str, path: str, body=None, *, secret: bytes | None = None,
+         header: str | None = None, raw: bytes | None = None, timeout: float = 5.0) -> tuple[int, bytes, str]:
+    """(status, body bytes, the auth header sent). ``header`` replays a captured signature."""
+    data = raw if raw is not None else (b"" if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url.rstrip("/") + path, data=data if (body is not None or raw is not None) else None,
+                                 method=method, headers={"Content-Type": "application/json"})
+    auth = header if header is not None else (sign(secret, method, path.split("?")[0], data) if secret else "")
+    if auth:
+        req.add_header("X-KVXfer-Auth", auth)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read(), auth
+    except urllib.error.HTTPError as e:
+        return e.code, e.read(), auth
+
+
+# ------------------------------------------------------------------------------------
+# ZMQ data plane
+# ------------------------------------------------------------------------------------
+def chunk_meta(room: int, gen: int, source=(0, 0), chunk: int = 0, total: int = 1, nbytes: int = 0,
+               aux: bytes | None = None) -> bytes:
+    return msgpack.packb([room, gen, list(source), chunk, total, nbytes, aux], use_bin_type=True)
+
+
+def runs_field(*triples) -> bytes:
+    """(region, offset, nbytes) triples as the header's int64 LE field (regions, offsets, lengths)."""
+    cols = list(zip(*triples)) if triples else [(), (), ()]
+    return struct.pack(f"<{3 * len(triples)}q", *cols[0], *cols[1], *cols[2])
+
+
+def data_header(rid: str, xid: int, runs: bytes = b"", dl: float = 10.0, end: tuple | None = None,
+                notify: bytes = b"") -> bytes:
+    h = {"t": "d", "r": rid, "x": xid, "dl": dl, "runs": runs}
+    if end is not None:
+        h.update(nruns=end[0], nbytes=end[1], notify=notify)
+    return msgpack.packb(h, use_bin_type=True)
+
+
+class DataClient:
+    """A raw DEALER on a zmq transport's ROUTER (its descriptor's "endpoint")."""
+
+    def __init__(self, endpoint: str):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        self.sock.connect(endpoint)
+
+    def exchange(self, parts: list[bytes], timeout: float = 5.0) -> list[dict] | None:
+        """Send a message, then a ping: the replies that came before its pong (None: no pong)."""
+        n = next(_ids)
+        self.sock.send_multipart(parts)
+        self.sock.send(msgpack.packb({"t": "p", "n": n}))
+        out, end = [], time.monotonic() + timeout
+        while self.sock.poll(max(0, int((end - time.monotonic()) * 1000))):
+            h = msgpack.unpackb(self.sock.recv(), raw=False)
+            if h.get("t") == "p":
+                if h.get("n") == n:
+                    return out
+            else:
+                out.append(h)
+        return None
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+# ------------------------------------------------------------------------------------
+# UCX control (raw ucxx: a worker of our own, never kvxfer's transport)
+# ------------------------------------------------------------------------------------
+CTRL_TAG, KIND_MASK = 1 << 63, 3 << 62
+HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
+
+
+class UcxClient:
+    """A UCX worker that sends control batches under any sender id it likes."""
+
+    def __init__(self, victim_address_hex: str):
+        from ucxx._lib import libucxx as ucx_api
+        from ucxx._lib.arr import Array
+        self._api, self._Array = ucx_api, Array
+        # the victim's shared-memory FIFO size must match ours (transports/ucx.py UCX_DEFAULTS)
+        config = {} if "UCX_SYSV_FIFO_SIZE" in os.environ else {"SYSV_FIFO_SIZE": "4096"}
+        self.ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG,))
+        self.worker = ucx_api.UCXWorker(self.ctx)
+        self.address = self.worker.address.tobytes()
+        self.ep = self.worker.create_endpoint_from_worker_address(
+            ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(victim_address_hex)), False)
+        self._keep: list = []
+
+    def send(self, sender: str, msgs: list, timeout: float = 5.0) -> None:
+        import numpy as np
+        buf = np.frombuffer(msgpack.packb([sender, msgs], use_bin_type=True), np.uint8)
+        req = self.ep.tag_send(self._Array(buf), self._api.UCXXTag(CTRL_TAG))
+        end = time.monotonic() + timeout
+        while not req.completed and time.monotonic() < end:
+            self.worker.progress()
+        self._keep.append((req, buf))
+
+    def recv(self, timeout: float = 2.0) -> list | None:
+        """The next control batch sent to us, decoded: [sender, [messages]] (None on timeout)."""
+        import numpy as np
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            self.worker.progress()
+            res = self.worker.tag_probe(self._api.UCXXTag(CTRL_TAG), self._api.UCXXTagMask(KIND_MASK), remove=True)
+            if res.matched:
+                buf = np.empty(max(res.length, 1), np.uint8)
+                req = self.worker.tag_recv_with_handle(self._Array(buf), res)
+                while not req.completed:
+                    self.worker.progress()
+                return msgpack.unpackb(buf[:res.length].tobytes(), raw=False)
+            time.sleep(0.001)
+        return None
+
+    def wait_for(self, kind: int, timeout: float = 3.0) -> list | None:
+        """The first message of ``kind`` in the batches sent to us within ``timeout``."""
+        end = time.monotonic() + timeout
+        while (left := end - time.monotonic()) > 0:
+            batch = self.recv(left)
+            if batch is None:
+                return None
+            for m in batch[1]:
+                if m and m[0] == kind:
+                    return m
+        return None
+
+    def close(self) -> None:
+        try:
+            self.ep.close()
+            end = time.monotonic() + 0.1
+            while time.monotonic() < end:
+                self.worker.progress()
+        except Exception:
+            pass
+
+
+class CtlServer:
+    """A fake prefill control ROUTER: answers every HELLO with ``reply(msg)`` (a hostile reply)."""
+
+    def __init__(self, reply, secret: bytes | None = None):
+        import threading
+        self.reply, self.secret, self._stop = reply, secret, False
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        self.sock.bind("tcp://127.0.0.1:*")
+        self.address = self.sock.last_endpoint.decode()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop:
+            if not self.sock.poll(20):
+                continue
+            ident, *frames = self.sock.recv_multipart()
+            try:
+                msg = msgpack.unpackb(frames[-1], raw=False)
+            except Exception:
+                continue
+            if isinstance(msg, dict) and msg.get("t") == "hello":
+                self.sock.send_multipart([ident] + ctl_frames(self.reply(msg), self.secret))
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(2)
+        self.sock.close(0)
+        self.ctx.term()

@@ -1,0 +1,199 @@
+"""Hostile peers on the UCX transport's control messages, and UCX close() (issue 16).
+
+The attacker is ``hostile_wire.UcxClient``: a UCX worker of its own that sends control batches
+``[sender id, [messages]]`` under any sender id it likes. The victim is a ``UCXTransport`` in
+this process holding one 1 MiB region (canary outside grants); the honest peer is a second
+``UCXTransport`` connected after the attack. Skipped when ``import ucxx`` fails.
+"""
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+try:
+    import ucxx  # noqa: F401
+    _NO_UCX = ""
+except Exception as e:  # ImportError, or a missing libucx underneath
+    _NO_UCX = f"import ucxx failed: {type(e).__name__}: {e}"
+pytestmark = pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX or "ucxx imports")
+
+import hostile_wire as hw  # noqa: E402
+from hostile_victims import fds, rss  # noqa: E402
+from waiting import until  # noqa: E402
+
+# kvxfer names used here (update here after a module move)
+from kvxfer.bootstrap import RankSpec  # noqa: E402
+from kvxfer.plan import ByteRanges, RunGroup, TransferPlan  # noqa: E402
+from kvxfer.pools import MHAPool  # noqa: E402
+from kvxfer.request import DecodeEndpoint  # noqa: E402
+from kvxfer.transport import get_transport  # noqa: E402
+
+REGION, CANARY = 1 << 20, 0xA5
+GRANTED = "granted.1"                   # the attacker's target: region 0 [0, 64 KiB)
+OPTS = {"heartbeat": 0.2, "peer_timeout": 30.0}
+_honest = itertools.count(0)
+
+
+def one_run_plan(src: int, dst: int, n: int) -> TransferPlan:
+    z = np.zeros(1, np.int64)
+    a = lambda v: np.array([v], np.int64)  # noqa: E731
+    return TransferPlan((RunGroup(z, z, z, z, a(src), a(dst), a(n), False),))
+
+
+@pytest.fixture
+def victim():
+    t = get_transport("ucx", **OPTS)
+    region = torch.full((REGION,), CANARY, dtype=torch.uint8)
+    t.register([region])
+    t.expect(GRANTED, ByteRanges(np.array([0]), np.array([0]), np.array([64 << 10])))
+    t.want = np.full(REGION, CANARY, np.uint8)   # what the region must hold: canary + honest writes
+    t.region = region
+    yield t
+    try:
+        t.close()
+    except Exception:   # a poisoned outbox makes close() raise too
+        pass
+
+
+def honest(t) -> bool:
+    """A fresh honest UCX peer moves a put run and a packed run into a fresh grant: byte-exact?"""
+    s = get_transport("ucx", **OPTS)
+    try:
+        src = torch.randint(0, 256, (REGION,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+        s.register([src])
+        pid = s.connect(t.descriptor())
+        k = next(_honest)
+        base = (512 << 10) + k * (32 << 10)
+        rid = f"honest.{k}"
+        t.expect(rid, ByteRanges(np.array([0, 0]), np.array([base, base + (16 << 10)]),
+                                 np.array([16 << 10, 1 << 10])))
+        for off, n in ((base, 16 << 10), (base + (16 << 10), 1 << 10)):   # a put, then an inline packed run
+            if not s.submit(pid, rid, one_run_plan(off, off, n), timeout=5.0).wait(5.0):
+                return False
+            t.want[off: off + n] = src.numpy()[off: off + n]
+        t.forget(rid)
+        return True
+    finally:
+        s.close()
+
+
+def after_attack(t) -> None:
+    assert any(th.name == f"kvxfer-ucx-{t.id[:6]}" and th.is_alive() for th in threading.enumerate()), \
+        "the victim's I/O thread died"
+    assert honest(t), "an honest transfer no longer completes"
+    assert np.array_equal(t.region.numpy(), t.want), "the region differs from the honest writes"
+
+
+def announce_put(xid: int, rid: str = GRANTED, n: int = 16 << 10) -> list:
+    """An ANNOUNCE of one put run at region 0 offset 0: the receiver answers GO and waits for DONE."""
+    return [hw.ANNOUNCE, xid, rid, 10.0, b"notify", hw.runs_field((0, 0, n)), 1, 4096, b""]
+
+
+def test_garbage_control_batches_are_refused(victim):
+    c = hw.UcxClient(victim.descriptor()["address"])
+    try:
+        c.send("mallory", [[hw.HELLO, c.address], [hw.ANNOUNCE, 1, GRANTED, "x"], [hw.DONE], ["?"], 7])
+        c.send("nobody", [[hw.ANNOUNCE, 2, GRANTED, 1.0, b"", b"", 0, 4096, b""]])   # never said HELLO
+        c.send("mallory", [[hw.ANNOUNCE, 3, GRANTED, 1.0, b"", hw.runs_field((0, 1 << 20, 64)), 1, 4096, b""]])
+        assert until(lambda: sum(victim.rejected.values()) >= 4, 3), dict(victim.rejected)
+        after_attack(victim)
+    finally:
+        c.close()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: an ANNOUNCE with xid 1e30 poisons the outbox (its FAIL cannot "
+                                       "be packed) and starves every peer after it")
+def test_a_float_xid_does_not_poison_the_outbox(victim):
+    c = hw.UcxClient(victim.descriptor()["address"])
+    # Today the victim's loop raises and logs a traceback every turn: keep that quiet, and stop the
+    # victim before asserting (Python 3.11 formats tracebacks with ast, which is not thread-safe
+    # against pytest formatting this test's failure on the main thread).
+    ucx_log = logging.getLogger("kvxfer.transport.ucx")
+    level, ucx_log.level = ucx_log.level, logging.CRITICAL
+    try:
+        c.send("mallory", [[hw.HELLO, c.address], [hw.ANNOUNCE, 1e30, "nobody", 5.0, b"", b"", 0, 4096, b""]])
+        handled = until(lambda: victim.rejected["unknown request"] >= 1, 3)
+        alive = any(th.name == f"kvxfer-ucx-{victim.id[:6]}" and th.is_alive() for th in threading.enumerate())
+        ok = handled and honest(victim)
+        intact = np.array_equal(victim.region.numpy(), victim.want)
+    finally:
+        try:
+            victim.close()
+        except Exception:
+            pass
+        ucx_log.setLevel(level)
+        c.close()
+    assert handled, "the ANNOUNCE was not handled"
+    assert alive, "the victim's I/O thread died"
+    assert ok, "an honest transfer no longer completes"
+    assert intact, "the region differs from the honest writes"
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: the sender id of a UCX control batch is self-declared: a third "
+                                       "party's DONE yields an ok Arrival with no bytes landed")
+def test_a_third_party_done_does_not_complete_a_transfer(victim):
+    s = hw.UcxClient(victim.descriptor()["address"])
+    third = hw.UcxClient(victim.descriptor()["address"])
+    try:
+        s.send("sender-s", [[hw.HELLO, s.address], announce_put(7)])
+        assert s.wait_for(hw.GO), "no GO for a granted ANNOUNCE"
+        third.send("sender-s", [[hw.DONE, 7]])
+        got, end = [], time.monotonic() + 1.0
+        while time.monotonic() < end:
+            got += victim.arrivals(0.05)
+        ok = [a for a in got if a.request_id == GRANTED and a.ok]
+        assert not ok, f"an ok Arrival with nothing written: {ok}"
+        after_attack(victim)
+    finally:
+        third.close()
+        s.close()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: a spoofed ABORT clears writes_pending while the real "
+                                       "sender's puts may still land")
+def test_a_spoofed_abort_keeps_writes_pending(victim):
+    s = hw.UcxClient(victim.descriptor()["address"])
+    third = hw.UcxClient(victim.descriptor()["address"])
+    try:
+        s.send("sender-s", [[hw.HELLO, s.address], announce_put(9)])
+        assert s.wait_for(hw.GO), "no GO for a granted ANNOUNCE"
+        victim.forget(GRANTED)   # decode ends the request: the sender had GO, its puts may still land
+        assert until(lambda: victim.writes_pending(GRANTED), 3)
+        third.send("sender-s", [[hw.ABORT, 9, "spoofed"]])
+        until(lambda: not victim.writes_pending(GRANTED), 1.0)
+        assert victim.writes_pending(GRANTED), "a third party's ABORT released memory the sender can still write"
+        after_attack(victim)
+    finally:
+        third.close()
+        s.close()
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: UCX close() leaves the context, worker and their fds (and "
+                                       "shared memory) until the garbage collector finds the endpoint<->transport "
+                                       "cycle")
+def test_close_frees_ucx_resources_without_the_garbage_collector():
+    """Open and close a UCX decode endpoint 3 times with the collector off: bounds +4 fds, +32 MiB RSS
+    (today: about +11 fds and +33 MiB per round, all back after gc.collect())."""
+    gc.collect()
+    f0, r0 = fds(), rss()
+    gc.disable()
+    try:
+        for _ in range(3):
+            pool = MHAPool(layers=2, heads=2, head_dim=8, dtype="float16", num_pages=64, page_size=4)
+            ep = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=2, num_layers=2), pool, transport="ucx",
+                                transport_options=OPTS)
+            ep.close()
+            del ep
+        f1, r1 = fds(), rss()
+    finally:
+        gc.enable()
+        gc.collect()
+    assert f1 - f0 <= 4, f"+{f1 - f0} fds after 3 open/close rounds (gc off); {fds() - f0:+d} after gc"
+    assert r1 - r0 <= 32 << 20, f"RSS +{(r1 - r0) >> 20} MiB after 3 rounds (gc off)"
