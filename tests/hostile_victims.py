@@ -10,7 +10,7 @@ import threading
 import request_peer as rp
 
 # kvxfer names used by the hostile tests' victims (update here after a module move)
-from kvxfer.request import KVPoll
+from kvxfer.endpoint.base import KVPoll
 
 TIMEOUTS = {"bootstrap": 4.0, "waiting": 4.0, "transfer": 4.0, "lease": 4.0, "handshake": 3.0}
 _names = itertools.count(1)

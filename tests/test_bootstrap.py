@@ -13,8 +13,7 @@ import pytest
 import request_peer as rp
 
 from kvxfer.control import bootstrap
-from kvxfer.control.auth import AUTH_HEADER
-from kvxfer.control.auth import sign_http
+from kvxfer.control.auth import AUTH_HEADER, sign_http
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.client import BootstrapClient, Registration
 from kvxfer.errors import ConnectError

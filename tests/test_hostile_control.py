@@ -13,20 +13,20 @@ import json
 import os
 import time
 
-import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import strategies as st
-
 import hostile_wire as hw
+import pytest
 import request_peer as rp
 from hostile_victims import TIMEOUTS, Pair, bounded, snapshot
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from waiting import until
 
 # kvxfer names used here (update here after a module move)
-from kvxfer.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.control.client import BootstrapClient
+from kvxfer.endpoint.base import KVPoll
 from kvxfer.errors import ConnectError
 from kvxfer.pools import MHAPool
-from kvxfer.request import KVPoll
 
 SECRET = "hostile-test-secret"
 

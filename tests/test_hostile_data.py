@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 import hostile_wire as hw
+import pytest
 from hostile_victims import Pair, bounded, snapshot
 from waiting import until
 
 # kvxfer names used here (update here after a module move)
-from kvxfer.bootstrap import BootstrapConfig, BootstrapServer
-from kvxfer.request import KVPoll
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.endpoint.base import KVPoll
 
 xids = itertools.count(1 << 50)
 

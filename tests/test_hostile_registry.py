@@ -13,13 +13,14 @@ import sys
 import textwrap
 import time
 
-import pytest
-
 import hostile_wire as hw
+import pytest
 from hostile_victims import bounded, snapshot
 
 # kvxfer names used here (update here after a module move)
-from kvxfer.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer, RankInfo
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.control.client import BootstrapClient
+from kvxfer.ranks import RankInfo
 
 SECRET = b"registry-secret"
 _names = itertools.count(1)

@@ -28,12 +28,14 @@ import hostile_wire as hw  # noqa: E402
 from hostile_victims import fds, rss  # noqa: E402
 from waiting import until  # noqa: E402
 
-# kvxfer names used here (update here after a module move)
-from kvxfer.bootstrap import RankSpec  # noqa: E402
-from kvxfer.plan import ByteRanges, RunGroup, TransferPlan  # noqa: E402
+from kvxfer.endpoint.decode import DecodeEndpoint  # noqa: E402
+from kvxfer.grant import ByteRanges  # noqa: E402
+from kvxfer.plan import RunGroup, TransferPlan  # noqa: E402
 from kvxfer.pools import MHAPool  # noqa: E402
-from kvxfer.request import DecodeEndpoint  # noqa: E402
-from kvxfer.transport import get_transport  # noqa: E402
+
+# kvxfer names used here (update here after a module move)
+from kvxfer.ranks import RankSpec  # noqa: E402
+from kvxfer.transport.registry import get_transport  # noqa: E402
 
 REGION, CANARY = 1 << 20, 0xA5
 GRANTED = "granted.1"                   # the attacker's target: region 0 [0, 64 KiB)

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from hosts import TestHosts, hosts_fixture, hosts_skip_reason, qdisc_available, sweep_stale
 
 pytestmark = [pytest.mark.multihost, pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason()))]

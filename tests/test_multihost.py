@@ -13,7 +13,6 @@ import importlib.util
 import time
 
 import pytest
-
 from hosts import UCX_ENV, hosts_fixture, hosts_skip_reason
 from multihost_rank import RankProc
 

@@ -19,16 +19,19 @@ import threading
 
 import numpy as np
 import pytest
-import torch
-
 import request_peer as rp
+import torch
 from hostile_victims import fds, rss
 
+from kvxfer.endpoint.base import KVPoll, Timeouts
+from kvxfer.endpoint.decode import DecodeEndpoint
+from kvxfer.endpoint.prefill import PrefillEndpoint
+from kvxfer.grant import ByteRanges
+from kvxfer.plan import RunGroup, TransferPlan
+
 # kvxfer names used here (update here after a module move)
-from kvxfer.bootstrap import RankSpec
-from kvxfer.plan import ByteRanges, RunGroup, TransferPlan
-from kvxfer.request import DecodeEndpoint, KVPoll, PrefillEndpoint, Timeouts
-from kvxfer.transport import get_transport
+from kvxfer.ranks import RankSpec
+from kvxfer.transport.registry import get_transport
 
 pytestmark = pytest.mark.slow
 
