@@ -60,10 +60,12 @@ def record_transfer(transport: str, role: str, nbytes: int, runs: int, seconds: 
     c[2].observe(runs)
 
 
-def record_request_end(role: str, room: int | str, state: str, reason: str = "", *, peers: str = "",
+def record_request_end(role: str, room: int | str, outcome, reason: str = "", *, peers: str = "",
                        nbytes: int = 0, seconds: float = 0.0) -> None:
-    """One call per request end: counts it (``state``: success / failed / aborted / timed_out)
-    and writes the per-request log line."""
+    """One call per request end: counts it under ``state`` = the outcome's value (an
+    ``kvxfer.endpoint.Outcome``: success / failed / timed_out / aborted; a plain string is taken
+    as is) and writes the per-request log line."""
+    state = getattr(outcome, "value", outcome)
     key = ("request", role, state, reason_label(reason))
     c = _children.get(key)
     if c is None:

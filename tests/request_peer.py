@@ -28,7 +28,7 @@ import zmq
 from kvxfer.control.channel import Heartbeat
 from kvxfer.control.client import BootstrapClient
 from kvxfer.endpoint.aux import AuxBuffer, AuxRecord
-from kvxfer.endpoint.base import KVPoll, Timeouts
+from kvxfer.endpoint.base import KVPoll, Outcome, Timeouts
 from kvxfer.endpoint.decode import DecodeEndpoint
 from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.pools import MHAPool, PageAllocator, StatePool
@@ -161,7 +161,7 @@ def run(conn, cfg_json: str) -> None:
     book, lock = _Book(), threading.Lock()
 
     def released(room):
-        def cb(req):
+        def cb(outcome):
             with lock:
                 book.releases[room] = book.releases.get(room, 0) + 1
                 if book.releases[room] == 1:    # free exactly once; a second call is counted, not freed
@@ -191,8 +191,8 @@ def run(conn, cfg_json: str) -> None:
         out = {}
         for room in rooms:
             r = book.reqs[room]
-            out[str(room)] = {"state": int(r.poll()), "outcome": r.outcome, "reason": r.reason,
-                              "releases": book.releases.get(room, 0)}
+            out[str(room)] = {"state": int(r.poll()), "outcome": r.outcome.value if r.outcome else "",
+                              "reason": r.reason, "releases": book.releases.get(room, 0)}
         return out
 
     while True:
@@ -489,10 +489,10 @@ class Side:
             return slots
 
     def _on_release(self, room: int):
-        def cb(req):
+        def cb(outcome: Outcome):
             with self.lock:
                 self.releases[room] = self.releases.get(room, 0) + 1
-                if self.releases[room] == 1 and (self.role == "prefill" or req.poll() == KVPoll.Failed):
+                if self.releases[room] == 1 and (self.role == "prefill" or outcome != Outcome.Success):
                     self.free(room)   # prefill reuses its KV; decode frees only a failed request's slots
         return cb
 

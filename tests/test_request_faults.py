@@ -18,7 +18,7 @@ import torch
 from waiting import until
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
-from kvxfer.endpoint.base import KVPoll
+from kvxfer.endpoint.base import KVPoll, Outcome
 
 DEADLINE = 1.5                      # every phase
 HEARTBEAT = [0.2, 1.0]              # interval, timeout
@@ -204,7 +204,7 @@ def test_dropped_control_messages(transport, pairs):
     canary = fill_canary(D)
     P.call("send", room=502, range=[4, 8], last=True)  # a late write: the grant is gone
     assert_ended({500: reqs[500], 501: reqs[501]}, t0, r"timed out in Bootstrapping")
-    assert reqs[502].outcome == "aborted"
+    assert reqs[502].outcome == Outcome.Aborted
     assert_released_once(D, reqs)
     st = assert_remote_clean(P, reqs)
     assert re.search(r"transfer failed|rejected|ended", st["502"]["reason"]), st["502"]
@@ -230,7 +230,7 @@ def test_delayed_control_messages(transport, pairs):
         reqs[room], _ = D.receiver(room, 8)
     t0 = time.monotonic()
     for room in (601, 602):
-        assert until(lambda: reqs[room].poll() == WAIT, DEADLINE), reqs[room]
+        assert until(lambda room=room: reqs[room].poll() == WAIT, DEADLINE), reqs[room]
         P.call("send", room=room, last=True)
     assert reqs[601].wait(LIMIT) == KVPoll.Success, reqs[601]
     assert reqs[602].wait(LIMIT) == KVPoll.Success, reqs[602]
