@@ -25,8 +25,9 @@ LENIENT = Timeouts(bootstrap=20, waiting=20, transfer=20, lease=20, handshake=10
                    heartbeat=Heartbeat(interval=0.5, timeout=5.0))
 
 
-def pool(seed: int | None, layout: str = "token_major", page_size: int = 4, num_pages: int = 32) -> MHAPool:
-    p = MHAPool(layers=2, heads=2, head_dim=8, dtype="float16", num_pages=num_pages, page_size=page_size,
+def pool(seed: int | None, layout: str = "token_major", page_size: int = 4, num_pages: int = 32,
+         heads: int = 2) -> MHAPool:
+    p = MHAPool(layers=2, heads=heads, head_dim=8, dtype="float16", num_pages=num_pages, page_size=page_size,
                 layout=layout)
     fill(p, seed)
     return p
