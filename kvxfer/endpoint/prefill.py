@@ -18,8 +18,17 @@ decode counts). ``query()`` is called by ``send`` itself (an event already compl
 tick) and then by the channel thread at every tick, never blocking; kvxfer never calls
 ``synchronize()`` on the sender path. An event that never completes fails the request at its
 phase deadline ("timed out ... ready event"), and nothing of that chunk is ever read.
-Chunks may be any number of tokens; whole pages are cheaper on page-major pools (a page split
-between two chunks moves in two runs instead of one, per destination page).
+The engine records the event on the stream that wrote the chunk's KV (and state), after the
+writes, and calls ``send`` right away; from the event's completion until ``on_release`` it must
+not write those slots again.
+
+Chunks may be any number of tokens (plans are per token, so 1-token chunks and chunks that
+split a page land exactly). Whole pages are cheaper on page-major pools, where whole pages in a
+row coalesce into one run but a split page moves as one run per layer and K/V. Measured with
+``Planner`` + ``execute_plan`` on CPU (4,096 tokens, 16 layers, 8 heads x 64, page 16,
+page-major to page-major): chunks of 256 tokens plan 16 runs and take 25 ms; chunks of
+248 or 264 tokens plan 529 runs and take 28-33 ms. Token-major pools plan ~512 runs either way.
+Over a network the run count costs more than on CPU (one descriptor or put per run).
 
 A sender ends once (``end_request``): counted in ``kvxfer.metrics``, its KV then held under a
 lease until decode confirms ("done"), no transfer still reads it, or the lease runs out.
@@ -40,13 +49,14 @@ from ..control.wire import ChunkMeta
 from ..errors import ConnectError, LayoutError, PlanError, RequestError
 from ..layout import STATE, SWA, Layout
 from ..metrics import record_request_end, record_transfer
-from ..plan import Planner, TransferPlan
+from ..plan import Planner
 from ..pools import KVPool
-from ..ranks import RankInfo, RankSpec
+from ..ranks import RankSpec
 from ..topology import expected_decode_ranks, peer_sources
 from ..transport.base import TransferHandle, TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRecord
 from .base import END_STATES, Clock, EndpointBase, KVPoll, Outcome, RequestBase, Timeouts
+from .chunks import Chunk, DecodePeer, Target, plan_chunk
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
@@ -56,44 +66,6 @@ def _count_transfers(transport: str, done: list[tuple[int, int, float]]) -> None
         record_transfer(transport, "send", nbytes, runs, seconds)
 
 
-class _DecodePeer:
-    """A decode rank that said HELLO: its record, transport peer and planners from us to it."""
-    __slots__ = ("info", "layout", "xpeer", "sources", "group", "expected", "planners")
-
-    def __init__(self, info: RankInfo, layout: Layout, xpeer: str, sources: list, expected: frozenset):
-        self.info, self.layout, self.xpeer, self.sources, self.expected = info, layout, xpeer, sources, expected
-        self.group = (info.spec.instance, info.spec.dp_rank)
-        self.planners: dict = {}   # (layers, kinds) -> planners, made on first use
-
-
-class _Target:
-    """One decode rank's grant inside one sender."""
-    __slots__ = ("peer", "d_rank", "gen", "request_id", "kv", "prefix", "state", "swa", "window_start", "aux", "dummy",
-                 "chunks", "nbytes", "confirmed")
-
-    def __init__(self, peer: str, d_rank: int, msg: dict, kv: np.ndarray, state: np.ndarray, swa: np.ndarray):
-        self.peer, self.d_rank, self.gen = peer, d_rank, msg["gen"]
-        self.request_id = f"{msg['room']}.{msg['gen']}"   # the transport's name for it
-        self.kv, self.prefix, self.state = kv, msg["prefix"], state
-        # hybrid SWA: decode's window slots, for request tokens window_start .. len(kv) - 1
-        self.swa, self.window_start = swa, len(kv) - len(swa)
-        self.aux, self.dummy = msg["aux"], msg["dummy"]
-        self.chunks = self.nbytes = 0
-        self.confirmed = self.dummy     # a dummy target has nothing to confirm
-
-
-class _Chunk:
-    __slots__ = ("slots", "start", "layers", "last", "aux", "state", "swa", "ready")
-
-    def __init__(self, slots, start, layers, last, aux, state, swa, ready):
-        self.slots, self.start, self.layers, self.last, self.aux, self.state = slots, start, layers, last, aux, state
-        self.swa = swa   # hybrid SWA: full_to_swa of ``slots`` when send() was called (0 = unmapped); else None
-        self.ready = ready   # None, or an object whose query() says the KV is written
-
-    def what(self) -> str:
-        return f"the chunk of tokens {self.start}..{self.start + len(self.slots) - 1}"
-
-
 class KVSender(RequestBase):
     """One request on a prefill rank; made by ``PrefillEndpoint.sender`` (see the module docstring)."""
     __slots__ = ("targets", "group", "expected", "queued", "handles", "reading", "next_pos", "last_sent",
@@ -101,9 +73,9 @@ class KVSender(RequestBase):
 
     def __init__(self, ep: "PrefillEndpoint", room: int, on_release: Callable[[Outcome], None] | None):
         super().__init__(ep, room, ep.clock() + ep.timeouts.bootstrap, on_release)
-        self.targets: dict[int, _Target] = {}
+        self.targets: dict[int, Target] = {}
         self.group, self.expected = None, frozenset()
-        self.queued: list[_Chunk] = []   # not submitted yet: not bound, or waiting for a ready event
+        self.queued: list[Chunk] = []   # not submitted yet: not bound, or waiting for a ready event
         self.handles: list[tuple[TransferHandle, int]] = []   # in flight: (handle, runs in its plan)
         self.reading: list[TransferHandle] = []    # handles whose transport may still read the KV
         self.next_pos, self.last_sent, self.lease_end, self.overdue = 0, False, float("inf"), False
@@ -142,10 +114,10 @@ class PrefillEndpoint(EndpointBase):
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
                          timeouts=timeouts, secret=secret, aux_bytes=aux_bytes, clock=clock)
         self.source = (spec.tp_rank, spec.pp_rank)
-        self._peers: dict[str, _DecodePeer] = {}
+        self._peers: dict[str, DecodePeer] = {}
         self._senders: dict[int, KVSender] = {}               # room -> live sender
         self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
-        self._pending: dict[int, dict[str, tuple[_Target, float]]] = {}   # REQs that came before the sender
+        self._pending: dict[int, dict[str, tuple[Target, float]]] = {}   # REQs that came before the sender
         self._busy: set[KVSender] = set()                     # senders with transfers in flight
         self._unready: set[KVSender] = set()                  # senders whose next chunk waits for its event
         self._held: set[KVSender] = set()                     # ended, KV not yet released
@@ -216,7 +188,7 @@ class PrefillEndpoint(EndpointBase):
                 with self._xport_lock:
                     xpeer = self.transport.connect(d_info.data[self.transport.name])
                 with self._lock:
-                    self._peers[peer] = _DecodePeer(d_info, dl, xpeer, sources,
+                    self._peers[peer] = DecodePeer(d_info, dl, xpeer, sources,
                                                     expected_decode_ranks(self.spec, d_info.spec))
                 self.channel.watch(peer)
                 log.info("decode rank %s connected (%d source(s) from here)", peer, len(sources))
@@ -249,14 +221,14 @@ class PrefillEndpoint(EndpointBase):
         except LayoutError as e:
             nack(f"bad request: {e}")
             return
-        target = _Target(peer, dp.info.spec.tp_rank, msg, kv, st, swa)
+        target = Target(peer, dp.info.spec.tp_rank, msg, kv, st, swa)
         s = self._senders.get(msg["room"])
         if s is None:
             self._pending.setdefault(msg["room"], {})[peer] = (target, self.clock())
         else:
             self._bind(s, target, later)
 
-    def _check_window(self, dp: _DecodePeer, msg: dict, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
+    def _check_window(self, dp: DecodePeer, msg: dict, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
         """Decode's window slots of a request (hybrid SWA), bounds-checked; LayoutError says why not."""
         if not self.swa_window:
             if len(swa) or msg.get("swa_n"):
@@ -273,7 +245,7 @@ class PrefillEndpoint(EndpointBase):
                               f"1..{most} (sliding window {self.swa_window})")
         return swa
 
-    def _bind(self, s: KVSender, t: _Target, later) -> None:
+    def _bind(self, s: KVSender, t: Target, later) -> None:
         dp = self._peers.get(t.peer)
         why = None
         if dp is None:
@@ -342,12 +314,12 @@ class PrefillEndpoint(EndpointBase):
                 raise RequestError(f"chunk start {begin} is negative")
             s.next_pos = max(s.next_pos, begin + len(slots))
             s.last_sent = bool(last)
-            s.queued.append(_Chunk(slots, begin, None if layers is None else frozenset(int(x) for x in layers),
+            s.queued.append(Chunk(slots, begin, None if layers is None else frozenset(int(x) for x in layers),
                                    bool(last), aux, st, swa, ready))
             self._pump(s, later)
             return s.state != KVPoll.Failed
 
-    def _planners_for(self, dp: _DecodePeer, layers: frozenset | None, kinds: list) -> list[Planner]:
+    def _planners_for(self, dp: DecodePeer, layers: frozenset | None, kinds: list) -> list[Planner]:
         key = (layers, tuple(kinds))
         if key not in dp.planners:
             made = [self._planner(self.layout, dp.layout, s.src_heads, s.dst_heads,
@@ -356,7 +328,7 @@ class PrefillEndpoint(EndpointBase):
             dp.planners[key] = [p for p in made if p is not None]
         return dp.planners[key]
 
-    def _submit(self, s: KVSender, c: _Chunk, later) -> None:
+    def _submit(self, s: KVSender, c: Chunk, later) -> None:
         now = self.clock()
         s.advance(KVPoll.Transferring, now)
         s.deadline = now + self.timeouts.transfer
@@ -368,33 +340,13 @@ class PrefillEndpoint(EndpointBase):
             return
         self._settle(s, now, later)
 
-    def _submit_to(self, s: KVSender, t: _Target, c: _Chunk) -> None:
+    def _submit_to(self, s: KVSender, t: Target, c: Chunk) -> None:
         if t.dummy:
             return
         dp = self._peers[t.peer]
-        end = c.start + len(c.slots)
-        if end > len(t.kv):
-            raise RequestError(f"chunk reaches token {end} but decode rank {t.d_rank} granted {len(t.kv)}")
-        if c.last and s.next_pos != len(t.kv):   # decode would reach Success with tokens never written
-            raise RequestError(f"the chunks end at token {s.next_pos} but decode rank {t.d_rank} granted "
-                               f"{len(t.kv)} tokens: tokens {s.next_pos}..{len(t.kv) - 1} would never arrive")
-        skip = min(max(t.prefix - c.start, 0), len(c.slots))    # tokens decode already has
-        src, dst = {self.token_space: c.slots[skip:]}, {self.token_space: t.kv[c.start + skip:end]}
-        if self.swa_window:
-            src[SWA], dst[SWA] = self._window_part(c, t, c.start + skip, end)
-        plans = [pl.plan(src, dst)
-                 for pl in self._planners_for(dp, c.layers, self.kv_kinds)] if len(src[self.token_space]) else []
-        if c.last:
-            st = c.state if c.state is not None else np.zeros(0, np.int64)
-            if len(st) != len(t.state):
-                raise RequestError(f"state: the last chunk has {len(st)} slot(s), decode rank {t.d_rank} "
-                                   f"granted {len(t.state)}")
-            if len(st):
-                plans += [pl.plan({STATE: st}, {STATE: t.state})
-                          for pl in self._planners_for(dp, None, self.state_kinds)]
-            if t.aux and c.aux is None:
-                raise RequestError("decode asked for the aux record but the last chunk carries none")
-        plan = TransferPlan.concat(plans)
+        plan = plan_chunk(c, t, next_pos=s.next_pos, token_space=self.token_space, hybrid=bool(self.swa_window),
+                          kv_planners=self._planners_for(dp, c.layers, self.kv_kinds),
+                          state_planners=self._planners_for(dp, None, self.state_kinds) if c.last else [])
         aux = c.aux if c.last and t.aux else None
         if plan.nbytes == 0:
             if c.last:   # nothing left to move: say so on the control channel
@@ -409,21 +361,6 @@ class PrefillEndpoint(EndpointBase):
         s.handles.append((h, plan.num_runs))
         s.reading.append(h)
         self._busy.add(s)
-
-    @staticmethod
-    def _window_part(c: _Chunk, t: _Target, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, destination) "swa" slots of request tokens ``first .. end - 1`` that fall in
-        decode's window; RequestError when one of them has no window slot here (never send garbage)."""
-        first = max(first, t.window_start)
-        if first >= end:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        src = c.swa[first - c.start:end - c.start]
-        unmapped = np.flatnonzero(src == 0)
-        if len(unmapped):
-            raise RequestError(f"{len(unmapped)} token(s) of decode's sliding window (tokens {t.window_start}.."
-                               f"{len(t.kv) - 1}), first token {first + int(unmapped[0])}, have no sliding-window "
-                               f"slot on prefill (full_to_swa is 0): evicted or never written")
-        return src, t.swa[first - t.window_start:end - t.window_start]
 
     # -- completion, deadlines, leases --------------------------------------------------------
     def _settle(self, s: KVSender, now: float, later) -> None:
