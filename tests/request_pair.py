@@ -55,13 +55,15 @@ class Pair:
         self.aux = AuxBuffer(4)
         self.pe = self.de = None
         try:
+            p_opt = {} if p_clock is time.monotonic else {"clock": p_clock}   # time.monotonic is the
+            d_opt = {} if d_clock is time.monotonic else {"clock": d_clock}   # endpoints' default
             self.pe = PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=2, num_layers=2, instance=instance),
                                       self.p_pool, transport=transport, transport_options=options,
-                                      timeouts=timeouts, clock=p_clock)
+                                      timeouts=timeouts, **p_opt)
             self.pe.register(self.server.url, ttl=5.0)
             self.de = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=2, num_layers=2), self.d_pool,
                                      transport=transport, transport_options=options, timeouts=timeouts,
-                                     aux=self.aux, clock=d_clock)
+                                     aux=self.aux, **d_opt)
             if connect:
                 self.de.connect(bootstrap=self.server.url, timeout=10)
         except BaseException:

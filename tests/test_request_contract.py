@@ -205,6 +205,6 @@ def test_chunks_need_not_be_whole_pages(layouts):
 
 
 def test_a_decode_endpoint_rejects_a_bad_clock():
-    with pytest.raises(TypeError, match="clock"):
+    with pytest.raises(TypeError, match="clock must be a callable"):
         DecodeEndpoint(RankSpec(role="decode", num_kv_heads=2, num_layers=2), pool(None), transport="local",
                        clock=5.0)
