@@ -152,6 +152,12 @@ class RequestBase:
 
     The scheduler calls ``poll``, ``wait``, ``abort``, ``clear``, ``failure_exception``. The
     endpoint calls ``advance`` and ``mark_ended`` under its lock and ``run_release`` after it.
+
+    Attributes (read-only to the scheduler): ``room``; ``state`` (what ``poll`` returns);
+    ``outcome`` (an ``Outcome`` once ended, else None); ``reason`` (why it failed, "" on
+    Success); ``deadline`` (the current phase's, on the endpoint's clock); ``created`` and
+    ``ended_at`` (the endpoint's clock at creation and at the end, 0.0 while running);
+    ``released`` (the release ran and ``on_release`` returned).
     """
     __slots__ = ("room", "state", "outcome", "reason", "deadline", "created", "ended_at", "endpoint", "_ended",
                  "_on_release", "_release_state", "__weakref__")

@@ -73,7 +73,10 @@ class KVReceiver(RequestBase):
     """One request on a decode rank; made by ``DecodeEndpoint.receiver`` (see the module docstring).
 
     Success only when every source (prefill rank x stage x head slice, per ``kvxfer.topology``)
-    delivered all its chunks, and the aux record if one was asked for."""
+    delivered all its chunks, and the aux record if one was asked for. Besides ``RequestBase``'s
+    attributes: ``gen``, ``request_id`` (``f"{room}.{gen}"``, the transport's name for it),
+    ``granted`` (``init`` ran), ``aux_slot`` and ``aux`` (the ``AuxRecord`` that arrived, None
+    before), ``acked`` (the prefill ranks that acknowledged)."""
     __slots__ = ("gen", "request_id", "contacts", "peer_of", "progress", "acked", "aux_slot", "aux", "aux_from",
                  "granted")
 
