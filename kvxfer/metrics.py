@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -39,7 +40,7 @@ OFFLOAD_BYTES = Counter("kvxfer_offload_bytes", "Bytes offloaded to or reloaded 
                         registry=REGISTRY)
 
 
-_children: dict[tuple, tuple] = {}       # label values -> labelled metric children (hot path)
+_children: dict[tuple, Any] = {}       # label values -> labelled metric children (hot path)
 _VARIABLE = re.compile(r"\S*/\S*|\d+")   # peer keys, rooms, counts: kept out of the reason label
 
 

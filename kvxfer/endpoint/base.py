@@ -82,8 +82,9 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..control.auth import as_secret
 from ..control.channel import ControlChannel, Heartbeat
@@ -232,7 +233,7 @@ class RequestBase:
             return
         self._release_state = 1
         try:
-            if self._on_release is not None:
+            if self._on_release is not None and self.outcome is not None:
                 self._on_release(self.outcome)
         except Exception:
             log.exception("on_release callback of room %s failed", self.room)
@@ -263,6 +264,7 @@ class EndpointBase:
     (deadlines; returns seconds until it wants the next tick), ``_live`` (running requests)
     and ``_after_close``."""
     role = "?"
+    channel: ControlChannel   # made by each side's __init__ (a ROUTER on prefill, DEALERs on decode)
 
     def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None, transport: str | Transport,
                  transport_options: Mapping | None, timeouts: Timeouts, secret, aux_bytes: int,
@@ -285,14 +287,13 @@ class EndpointBase:
         self.kv_kinds = sorted({p.kind for p in kv.layout.parts})
         self.state_kinds = sorted({p.kind for p in state.layout.parts}) if state is not None else []
         self._owns_transport = isinstance(transport, str)
-        self.transport = get_transport(transport, **dict(transport_options or {})) if self._owns_transport \
-            else transport
+        self.transport: Transport = get_transport(transport, **dict(transport_options or {})) \
+            if isinstance(transport, str) else transport
         self.transport.register(kv.regions() + (state.regions() if state is not None else []))
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)   # any request's state moved (see wait(until=))
         self._xport_lock = threading.Lock()   # transports are not promised to be thread-safe
         self._closed = False
-        self.channel: ControlChannel | None = None
 
     @contextlib.contextmanager
     def guard(self):
@@ -303,14 +304,15 @@ class EndpointBase:
         for fn in later:
             fn()
 
-    def end_request(self, req: RequestBase, outcome: Outcome, reason: str, later: list) -> None:
+    def end_request(self, req: Any, outcome: Outcome, reason: str, later: list) -> None:
         """End ``req`` once with ``outcome`` (under ``guard``); a side's bookkeeping. Abstract."""
         raise NotImplementedError
 
     @property
     def info(self) -> RankInfo:
         """This rank's record for the registry and the handshake (plain data)."""
-        return RankInfo(spec=self.spec, control=self.channel.address if self.channel else "",
+        channel = getattr(self, "channel", None)
+        return RankInfo(spec=self.spec, control=channel.address if channel else "",
                         data={self.transport.name: self.transport.descriptor()},
                         layout=layout_record(self.layout, self.swa_window), aux_bytes=self.aux_bytes)
 
@@ -334,7 +336,7 @@ class EndpointBase:
     def _tick(self, now: float, later: list) -> float:
         raise NotImplementedError
 
-    def _live(self) -> list[RequestBase]:
+    def _live(self) -> Sequence[RequestBase]:
         raise NotImplementedError
 
     def close(self) -> None:
@@ -345,7 +347,7 @@ class EndpointBase:
             for r in list(self._live()):
                 self.end_request(r, Outcome.Failed, f"{self.role} endpoint closed", later)
         self._closed = True
-        if self.channel is not None:
+        if getattr(self, "channel", None) is not None:
             self.channel.close()
         if self._owns_transport:
             self.transport.close()

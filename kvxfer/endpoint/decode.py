@@ -77,6 +77,7 @@ class KVReceiver(RequestBase):
     attributes: ``gen``, ``request_id`` (``f"{room}.{gen}"``, the transport's name for it),
     ``granted`` (``init`` ran), ``aux_slot`` and ``aux`` (the ``AuxRecord`` that arrived, None
     before), ``acked`` (the prefill ranks that acknowledged)."""
+    endpoint: "DecodeEndpoint"
     __slots__ = ("gen", "request_id", "contacts", "peer_of", "progress", "acked", "aux_slot", "aux", "aux_from",
                  "granted")
 
@@ -248,7 +249,8 @@ class DecodeEndpoint(EndpointBase):
                                    f"{' and already initialised' if r.granted else ''}")
             # window token i is request token len(kv) - len(swa) + i; those in the prefix stay as they are
             ranges = self._grant(r, kv[prefix_len:], st, swa[max(prefix_len - (len(kv) - len(swa)), 0):])
-            if aux_slot is not None:   # before the grant: a stale record from an earlier request never shows
+            # before the grant: a stale record from an earlier request never shows
+            if aux_slot is not None and self.aux_buffer is not None:
                 self.aux_buffer.clear(aux_slot)
             with self._xport_lock:
                 self.transport.expect(r.request_id, ranges)
@@ -259,7 +261,7 @@ class DecodeEndpoint(EndpointBase):
                 dummy = not sources
                 msg = {"t": "req", "room": r.room, "gen": r.gen, "kv": b"" if dummy else kv_raw,
                        "prefix": prefix_len, "state": b"" if dummy else st_raw, "dummy": dummy,
-                       "aux": aux_slot is not None and r.peer_of.get(r.aux_from) == key}
+                       "aux": aux_slot is not None and r.aux_from is not None and r.peer_of.get(r.aux_from) == key}
                 if self.swa_window:   # only hybrid pairs carry the window: other requests keep their shape
                     msg["swa"], msg["swa_n"] = (b"", 0) if dummy else (swa_raw, len(swa))
                 self.channel.send(key, msg)
@@ -343,15 +345,15 @@ class DecodeEndpoint(EndpointBase):
                 r.aux = AuxRecord.unpack(meta.aux)
             except ValueError as e:
                 fail = f"bad aux record from {peer}: {e}"
-        if fail:
-            self.end_request(r, Outcome.Failed, fail, later)
+        if fail or src is None or peer is None:
+            self.end_request(r, Outcome.Failed, fail or "a chunk from an unknown source", later)
             return
         if not fin:
             src.chunks.add(meta.chunk)
             src.nbytes += nbytes
         if meta.total >= 0:
             src.total, src.total_bytes = meta.total, meta.nbytes
-        if meta.aux is not None:
+        if meta.aux is not None and self.aux_buffer is not None and r.aux_slot is not None:
             self.aux_buffer.tensor[r.aux_slot] = torch.frombuffer(bytearray(meta.aux), dtype=torch.uint8)
         r.acked.add(peer)   # data can overtake the ACK; it proves that prefill rank bound the request
         now = self.clock()

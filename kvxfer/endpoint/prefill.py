@@ -68,13 +68,15 @@ def _count_transfers(transport: str, done: list[tuple[int, int, float]]) -> None
 
 class KVSender(RequestBase):
     """One request on a prefill rank; made by ``PrefillEndpoint.sender`` (see the module docstring)."""
+    endpoint: "PrefillEndpoint"
     __slots__ = ("targets", "group", "expected", "queued", "handles", "reading", "next_pos", "last_sent",
                  "lease_end", "overdue")
 
     def __init__(self, ep: "PrefillEndpoint", room: int, on_release: Callable[[Outcome], None] | None):
         super().__init__(ep, room, ep.clock() + ep.timeouts.bootstrap, on_release)
         self.targets: dict[int, Target] = {}
-        self.group, self.expected = None, frozenset()
+        self.group: tuple[str, int] | None = None      # the decode (instance, dp rank) it is bound to
+        self.expected: frozenset[int] = frozenset()     # the decode TP ranks that must ask
         self.queued: list[Chunk] = []   # not submitted yet: not bound, or waiting for a ready event
         self.handles: list[tuple[TransferHandle, int]] = []   # in flight: (handle, runs in its plan)
         self.reading: list[TransferHandle] = []    # handles whose transport may still read the KV
@@ -186,7 +188,7 @@ class PrefillEndpoint(EndpointBase):
                 dl = Layout.from_dict(d_info.layout)
                 sources = peer_sources(self.spec, d_info.spec)
                 with self._xport_lock:
-                    xpeer = self.transport.connect(d_info.data[self.transport.name])
+                    xpeer = self.transport.connect(dict(d_info.data[self.transport.name]))
                 with self._lock:
                     self._peers[peer] = DecodePeer(d_info, dl, xpeer, sources,
                                                     expected_decode_ranks(self.spec, d_info.spec))
@@ -258,7 +260,7 @@ class PrefillEndpoint(EndpointBase):
             old = s.targets[t.d_rank]
             if (old.peer, old.gen) != (t.peer, t.gen):
                 why = f"room {s.room} already has a grant from decode rank {t.d_rank} (gen {old.gen})"
-        if why:
+        if why or dp is None:
             self.channel.send(t.peer, {"t": "nack", "room": s.room, "gen": t.gen, "why": why})
             return
         if t.d_rank not in s.targets:
