@@ -24,6 +24,7 @@ import msgpack
 import numpy as np
 import torch
 import zmq
+from manual_clock import ManualClock
 
 from kvxfer.control.channel import Heartbeat
 from kvxfer.control.client import BootstrapClient
@@ -158,6 +159,9 @@ def run(conn, cfg_json: str) -> None:
                     **cfg.get("spec", {}))
     common = dict(state=st, transport=cfg["transport"], transport_options=transport_options(cfg["transport"], cfg),
                   timeouts=timeouts(cfg), secret=cfg.get("secret"))
+    clock = ManualClock() if cfg.get("manual_clock") else None   # deadlines move only on "advance"
+    if clock is not None:
+        common["clock"] = clock
     book, lock = _Book(), threading.Lock()
 
     def released(room):
@@ -249,6 +253,8 @@ def run(conn, cfg_json: str) -> None:
                 res = status(cmd["rooms"])
             elif op == "abort":
                 book.reqs[cmd["room"]].abort(cmd.get("reason", "test"))
+            elif op == "advance":   # the manual clock: past a deadline without waiting for it
+                res = {"now": clock.advance(cmd["seconds"])}
             elif op == "stats":
                 with lock:
                     res = {"free_pages": alloc.free_pages, "capacity": alloc.capacity,
@@ -468,6 +474,9 @@ class Side:
                         **cfg.get("spec", {}))
         common = dict(state=self.st, transport=cfg["transport"], secret=cfg.get("secret"), timeouts=timeouts(cfg),
                       transport_options=transport_options(cfg["transport"], cfg))
+        self.clock = ManualClock() if cfg.get("manual_clock") else None   # cfg "manual_clock": deadlines by hand
+        if self.clock is not None:
+            common["clock"] = self.clock
         if role == "prefill":
             self.ep = PrefillEndpoint(spec, self.kv, **common)
             self.ep.register(bootstrap, ttl=cfg.get("ttl", 3.0))

@@ -33,8 +33,9 @@ NEW_CANARY = 0xEE
 class Pair:
     """Bootstrap + one side here (``local``) + the other side in a peer process (``remote``)."""
 
-    def __init__(self, transport: str, local: str, proxy_rule=None):
-        self.cfg = rp.config(transport, timeouts=TIMEOUTS, pool={"num_pages": 64}, state_slots=0)
+    def __init__(self, transport: str, local: str, proxy_rule=None, manual_clock: bool = False):
+        self.cfg = rp.config(transport, timeouts=TIMEOUTS, pool={"num_pages": 64}, state_slots=0,
+                             manual_clock=manual_clock)
         self.server = BootstrapServer(BootstrapConfig(ttl=3.0)).start()
         self.proxy = None
         if local == "decode":
@@ -187,9 +188,11 @@ def test_stop_decode_past_the_deadline(transport, pairs):
 
 
 def test_dropped_control_messages(transport, pairs):
+    """Deadlines on manual clocks (both sides): the lost REQ and ACK end their requests as soon as
+    the clocks pass the bootstrap deadline, not after waiting for it."""
     drop = {("d2p", "req", 500), ("p2d", "ack", 501), ("d2p", "abort", 502), ("d2p", "done", 502)}
     pair = Pair(transport, "decode", proxy_rule=lambda d, m: "drop" if (d, m.get("t"), m.get("room")) in drop
-                else None)
+                else None, manual_clock=True)
     pairs.append(pair)
     P, D = pair.remote, pair.local
     reqs = {}
@@ -203,7 +206,9 @@ def test_dropped_control_messages(transport, pairs):
     reqs[502].abort("dropped-abort test")              # prefill never hears of it
     canary = fill_canary(D)
     P.call("send", room=502, range=[4, 8], last=True)  # a late write: the grant is gone
-    assert_ended({500: reqs[500], 501: reqs[501]}, t0, r"timed out in Bootstrapping")
+    D.clock.advance(DEADLINE + 0.1)                    # past the bootstrap deadline on both sides
+    P.call("advance", seconds=DEADLINE + 0.1)
+    assert_ended({500: reqs[500], 501: reqs[501]}, t0, r"timed out in Bootstrapping", limit=1.0)
     assert reqs[502].outcome == Outcome.Aborted
     assert_released_once(D, reqs)
     st = assert_remote_clean(P, reqs)
