@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -39,7 +40,7 @@ OFFLOAD_BYTES = Counter("kvxfer_offload_bytes", "Bytes offloaded to or reloaded 
                         registry=REGISTRY)
 
 
-_children: dict[tuple, tuple] = {}       # label values -> labelled metric children (hot path)
+_children: dict[tuple, Any] = {}       # label values -> labelled metric children (hot path)
 _VARIABLE = re.compile(r"\S*/\S*|\d+")   # peer keys, rooms, counts: kept out of the reason label
 
 
@@ -60,10 +61,12 @@ def record_transfer(transport: str, role: str, nbytes: int, runs: int, seconds: 
     c[2].observe(runs)
 
 
-def record_request_end(role: str, room: int | str, state: str, reason: str = "", *, peers: str = "",
+def record_request_end(role: str, room: int | str, outcome, reason: str = "", *, peers: str = "",
                        nbytes: int = 0, seconds: float = 0.0) -> None:
-    """One call per request end: counts it (``state``: success / failed / aborted / timed_out)
-    and writes the per-request log line."""
+    """One call per request end: counts it under ``state`` = the outcome's value (an
+    ``kvxfer.endpoint.Outcome``: success / failed / timed_out / aborted; a plain string is taken
+    as is) and writes the per-request log line."""
+    state = getattr(outcome, "value", outcome)
     key = ("request", role, state, reason_label(reason))
     c = _children.get(key)
     if c is None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
-from kvxfer.endpoint.base import KVPoll, Timeouts, reduce_poll
+from kvxfer.endpoint import KVPoll, Timeouts, reduce_poll
 from kvxfer.endpoint.decode import DecodeEndpoint
 from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.grant import ByteRanges

@@ -24,11 +24,12 @@ import msgpack
 import numpy as np
 import torch
 import zmq
+from manual_clock import ManualClock
 
 from kvxfer.control.channel import Heartbeat
 from kvxfer.control.client import BootstrapClient
 from kvxfer.endpoint.aux import AuxBuffer, AuxRecord
-from kvxfer.endpoint.base import KVPoll, Timeouts
+from kvxfer.endpoint.base import KVPoll, Outcome, Timeouts
 from kvxfer.endpoint.decode import DecodeEndpoint
 from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.pools import MHAPool, PageAllocator, StatePool
@@ -158,10 +159,13 @@ def run(conn, cfg_json: str) -> None:
                     **cfg.get("spec", {}))
     common = dict(state=st, transport=cfg["transport"], transport_options=transport_options(cfg["transport"], cfg),
                   timeouts=timeouts(cfg), secret=cfg.get("secret"))
+    clock = ManualClock() if cfg.get("manual_clock") else None   # deadlines move only on "advance"
+    if clock is not None:
+        common["clock"] = clock
     book, lock = _Book(), threading.Lock()
 
     def released(room):
-        def cb(req):
+        def cb(outcome):
             with lock:
                 book.releases[room] = book.releases.get(room, 0) + 1
                 if book.releases[room] == 1:    # free exactly once; a second call is counted, not freed
@@ -191,8 +195,8 @@ def run(conn, cfg_json: str) -> None:
         out = {}
         for room in rooms:
             r = book.reqs[room]
-            out[str(room)] = {"state": int(r.poll()), "outcome": r.outcome, "reason": r.reason,
-                              "releases": book.releases.get(room, 0)}
+            out[str(room)] = {"state": int(r.poll()), "outcome": r.outcome.value if r.outcome else "",
+                              "reason": r.reason, "releases": book.releases.get(room, 0)}
         return out
 
     while True:
@@ -249,6 +253,8 @@ def run(conn, cfg_json: str) -> None:
                 res = status(cmd["rooms"])
             elif op == "abort":
                 book.reqs[cmd["room"]].abort(cmd.get("reason", "test"))
+            elif op == "advance":   # the manual clock: past a deadline without waiting for it
+                res = {"now": clock.advance(cmd["seconds"])}
             elif op == "stats":
                 with lock:
                     res = {"free_pages": alloc.free_pages, "capacity": alloc.capacity,
@@ -468,6 +474,9 @@ class Side:
                         **cfg.get("spec", {}))
         common = dict(state=self.st, transport=cfg["transport"], secret=cfg.get("secret"), timeouts=timeouts(cfg),
                       transport_options=transport_options(cfg["transport"], cfg))
+        self.clock = ManualClock() if cfg.get("manual_clock") else None   # cfg "manual_clock": deadlines by hand
+        if self.clock is not None:
+            common["clock"] = self.clock
         if role == "prefill":
             self.ep = PrefillEndpoint(spec, self.kv, **common)
             self.ep.register(bootstrap, ttl=cfg.get("ttl", 3.0))
@@ -489,10 +498,10 @@ class Side:
             return slots
 
     def _on_release(self, room: int):
-        def cb(req):
+        def cb(outcome: Outcome):
             with self.lock:
                 self.releases[room] = self.releases.get(room, 0) + 1
-                if self.releases[room] == 1 and (self.role == "prefill" or req.poll() == KVPoll.Failed):
+                if self.releases[room] == 1 and (self.role == "prefill" or outcome != Outcome.Success):
                     self.free(room)   # prefill reuses its KV; decode frees only a failed request's slots
         return cb
 

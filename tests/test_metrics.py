@@ -13,7 +13,7 @@ from waiting import until
 from kvxfer import metrics
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
-from kvxfer.endpoint.base import KVPoll, Timeouts
+from kvxfer.endpoint.base import KVPoll, Outcome, Timeouts
 from kvxfer.endpoint.decode import DecodeEndpoint
 from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.plan import plan_transfer
@@ -104,7 +104,7 @@ def test_an_aborted_request_is_counted_once_per_side_with_its_reason(pair, caplo
     r.init(np.arange(8, 12))
     assert until(lambda: r.poll() == KVPoll.WaitingForInput, 10.0)
     r.abort("test")
-    assert s.wait(10) == KVPoll.Failed and s.outcome == "aborted"
+    assert s.wait(10) == KVPoll.Failed and s.outcome == Outcome.Aborted
     assert until(lambda: s.kv_releasable and len(_lines(caplog, 8)) == 2, 10.0)
     assert _value("kvxfer_requests_total", role="decode", state="aborted", reason="aborted by decode") - before == 1
     lines = _lines(caplog, 8)

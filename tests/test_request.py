@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import request_peer as rp
 import torch
+from manual_clock import ManualClock
+from waiting import until
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
 from kvxfer.copy import execute_plan
+from kvxfer.endpoint import KVPoll, Outcome, Timeouts, reduce_poll
 from kvxfer.endpoint.aux import AuxBuffer, AuxRecord
-from kvxfer.endpoint.base import KVPoll, Timeouts, reduce_poll
 from kvxfer.endpoint.decode import DecodeEndpoint
 from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.errors import RequestError
@@ -157,7 +159,7 @@ def test_receiver_arguments_are_checked(cluster):
         r.init(np.array([8, 9, 8, 10]))
     assert not r.granted   # refused before anything was granted
     r.abort("test")
-    assert r.poll() == KVPoll.Failed and r.outcome == "aborted" and "test" in r.reason
+    assert r.poll() == KVPoll.Failed and r.outcome == Outcome.Aborted and "test" in r.reason
     assert isinstance(r.failure_exception(), RequestError)
 
 
@@ -209,7 +211,7 @@ def test_multi_source_topologies(heads, p_tp, p_pp, d_tp):
         senders = {k: ep.sender(77) for k, (ep, _) in prefills.items()}
         for r in recvs:
             r.init(d_slots, aux_slot=1)
-        for (tp, pp), s in senders.items():
+        for (_tp, pp), s in senders.items():
             s.send(p_slots[:8])
             s.send(p_slots[8:], last=True, aux=AuxRecord(5) if pp == p_pp - 1 else None)
         for r in recvs:
@@ -297,12 +299,13 @@ def test_a_last_chunk_short_of_the_grant_fails_both_sides():
 def test_prefill_holds_the_kv_while_a_transport_still_reads_it():
     """A transfer fails while its transport may still read the KV (zero-copy frames queued for a
     stalled peer, puts in flight: ``holds_source``). Prefill must not release the KV, not even
-    when the lease is over, until the transport lets go of the source; then it releases once."""
+    when the lease is over, until the transport lets go of the source; then it releases once.
+    The lease runs on a manual clock: no waiting for it."""
     from kvxfer.errors import PeerError
     from kvxfer.transport.base import TransferHandle
     from kvxfer.transport.registry import get_transport
     held, released = [], []
-    p_xport = get_transport("local")
+    p_xport, clock = get_transport("local"), ManualClock()
 
     def failing_submit(peer, request_id, plan, *, timeout=30.0, notify=b""):   # fault injection
         h = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
@@ -312,11 +315,10 @@ def test_prefill_holds_the_kv_while_a_transport_still_reads_it():
 
     p_xport.submit = failing_submit
     server = BootstrapServer(BootstrapConfig(ttl=5.0)).start()
-    quick = Timeouts(bootstrap=20, waiting=20, transfer=20, lease=0.3, heartbeat=Heartbeat(interval=0.5, timeout=5.0))
     pe = PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=4, num_layers=2), _pool(4, 2, seed=3),
-                         transport=p_xport, timeouts=quick)
+                         transport=p_xport, timeouts=LENIENT, clock=clock)
     de = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=4, num_layers=2), _pool(4, 2), transport="local",
-                        timeouts=quick)
+                        timeouts=LENIENT)
     try:
         pe.register(server.url, ttl=5.0)
         de.connect(bootstrap=server.url, timeout=10)
@@ -326,15 +328,14 @@ def test_prefill_holds_the_kv_while_a_transport_still_reads_it():
         s.send(np.arange(4, 12), last=True)
         assert s.wait(5) == KVPoll.Failed and "injected" in s.reason
         assert r.wait(5) == KVPoll.Failed   # prefill told decode
-        time.sleep(1.0)                     # the 0.3 s lease is long over
+        clock.advance(LENIENT.lease + 1)    # the lease is over: a scan sees it and still holds the KV
+        assert until(lambda: s.overdue, 5)
         assert len(held) == 1 and not s.kv_releasable and not released
         held[0].release_source()
-        deadline = time.monotonic() + 2
-        while not released and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert released == [s] and s.kv_releasable
-        time.sleep(0.2)
-        assert released == [s]              # once
+        assert until(lambda: released, 5)
+        assert released == [Outcome.Failed] and s.kv_releasable
+        time.sleep(0.1)                     # a few more ticks
+        assert released == [Outcome.Failed]  # once
     finally:
         de.close()
         pe.close()
@@ -367,7 +368,7 @@ def test_decode_holds_the_slots_while_writes_may_still_land():
         while not released and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.2)
-        assert released == [r]
+        assert released == [Outcome.Aborted]
     finally:
         de.close()
         pe.close()

@@ -18,7 +18,7 @@ import torch
 from waiting import until
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
-from kvxfer.endpoint.base import KVPoll
+from kvxfer.endpoint.base import KVPoll, Outcome
 
 DEADLINE = 1.5                      # every phase
 HEARTBEAT = [0.2, 1.0]              # interval, timeout
@@ -33,8 +33,9 @@ NEW_CANARY = 0xEE
 class Pair:
     """Bootstrap + one side here (``local``) + the other side in a peer process (``remote``)."""
 
-    def __init__(self, transport: str, local: str, proxy_rule=None):
-        self.cfg = rp.config(transport, timeouts=TIMEOUTS, pool={"num_pages": 64}, state_slots=0)
+    def __init__(self, transport: str, local: str, proxy_rule=None, manual_clock: bool = False):
+        self.cfg = rp.config(transport, timeouts=TIMEOUTS, pool={"num_pages": 64}, state_slots=0,
+                             manual_clock=manual_clock)
         self.server = BootstrapServer(BootstrapConfig(ttl=3.0)).start()
         self.proxy = None
         if local == "decode":
@@ -187,9 +188,11 @@ def test_stop_decode_past_the_deadline(transport, pairs):
 
 
 def test_dropped_control_messages(transport, pairs):
+    """Deadlines on manual clocks (both sides): the lost REQ and ACK end their requests as soon as
+    the clocks pass the bootstrap deadline, not after waiting for it."""
     drop = {("d2p", "req", 500), ("p2d", "ack", 501), ("d2p", "abort", 502), ("d2p", "done", 502)}
     pair = Pair(transport, "decode", proxy_rule=lambda d, m: "drop" if (d, m.get("t"), m.get("room")) in drop
-                else None)
+                else None, manual_clock=True)
     pairs.append(pair)
     P, D = pair.remote, pair.local
     reqs = {}
@@ -203,8 +206,10 @@ def test_dropped_control_messages(transport, pairs):
     reqs[502].abort("dropped-abort test")              # prefill never hears of it
     canary = fill_canary(D)
     P.call("send", room=502, range=[4, 8], last=True)  # a late write: the grant is gone
-    assert_ended({500: reqs[500], 501: reqs[501]}, t0, r"timed out in Bootstrapping")
-    assert reqs[502].outcome == "aborted"
+    D.clock.advance(DEADLINE + 0.1)                    # past the bootstrap deadline on both sides
+    P.call("advance", seconds=DEADLINE + 0.1)
+    assert_ended({500: reqs[500], 501: reqs[501]}, t0, r"timed out in Bootstrapping", limit=1.0)
+    assert reqs[502].outcome == Outcome.Aborted
     assert_released_once(D, reqs)
     st = assert_remote_clean(P, reqs)
     assert re.search(r"transfer failed|rejected|ended", st["502"]["reason"]), st["502"]
@@ -230,7 +235,7 @@ def test_delayed_control_messages(transport, pairs):
         reqs[room], _ = D.receiver(room, 8)
     t0 = time.monotonic()
     for room in (601, 602):
-        assert until(lambda: reqs[room].poll() == WAIT, DEADLINE), reqs[room]
+        assert until(lambda room=room: reqs[room].poll() == WAIT, DEADLINE), reqs[room]
         P.call("send", room=room, last=True)
     assert reqs[601].wait(LIMIT) == KVPoll.Success, reqs[601]
     assert reqs[602].wait(LIMIT) == KVPoll.Success, reqs[602]

@@ -131,7 +131,7 @@ def run_request(c: Cluster, room: int, *, tokens: int, prefix: int, window: int,
     for r in recvs:
         r.init(ds, prefix_len=prefix, swa_slots=d_swa, aux_slot=1)
     last_stage = max(pp for _, pp in c.prefills)
-    for (tp, pp), s in senders.items():
+    for (_tp, pp), s in senders.items():
         for i, (a, b) in enumerate(chunks):
             last = i == len(chunks) - 1
             s.send(ps[a:b], last=last, aux=AuxRecord(room) if last and pp == last_stage else None)

@@ -106,7 +106,7 @@ def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, o
             chunk = cfg.chunk_pages * cfg.page_size
             for room, prompt in requests:
                 slots = alloc.alloc(len(prompt))
-                sender = ep.sender(room, on_release=lambda s, slots=slots: (lock.acquire(), freed.append(slots),
+                sender = ep.sender(room, on_release=lambda outcome, slots=slots: (lock.acquire(), freed.append(slots),
                                                                              lock.release()))
                 for start in range(0, len(prompt), chunk):
                     end = min(start + chunk, len(prompt))
@@ -136,8 +136,8 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
     try:
         import torch.distributed as dist
 
+        from ..endpoint import KVPoll, reduce_poll
         from ..endpoint.aux import AuxBuffer
-        from ..endpoint.base import KVPoll, reduce_poll
         from ..endpoint.decode import DecodeEndpoint
         from ..grant import ByteRanges
         from ..pools import PageAllocator

@@ -1,11 +1,13 @@
 """Per-request KV transfer: ``PrefillEndpoint`` / ``KVSender`` (``prefill``), ``DecodeEndpoint`` /
-``KVReceiver`` (``decode``), what both share (``base``: ``KVPoll``, ``Timeouts``, ``reduce_poll``) and
-the aux records (``aux``). The request life cycle and who calls what is in ``base``'s docstring.
+``KVReceiver`` (``decode``), what both share (``base``: ``KVPoll``, ``Outcome``, ``Timeouts``, the
+request/endpoint bases), TP-group agreement (``group``: ``reduce_poll``, ``LocalGroup``) and the aux
+records (``aux``). The request life cycle and who calls what is in ``base``'s docstring.
 """
 from .aux import AUX_BYTES, AuxBuffer, AuxRecord
-from .base import KVPoll, Timeouts, reduce_poll
+from .base import KVPoll, Outcome, Timeouts
 from .decode import DecodeEndpoint, KVReceiver
+from .group import LocalGroup, reduce_poll
 from .prefill import KVSender, PrefillEndpoint
 
-__all__ = ["KVPoll", "Timeouts", "reduce_poll", "AuxRecord", "AuxBuffer", "AUX_BYTES",
+__all__ = ["KVPoll", "Outcome", "Timeouts", "reduce_poll", "LocalGroup", "AuxRecord", "AuxBuffer", "AUX_BYTES",
            "PrefillEndpoint", "KVSender", "DecodeEndpoint", "KVReceiver"]

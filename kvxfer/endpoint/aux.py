@@ -1,5 +1,12 @@
 """Aux records: the few bytes per request that travel with the last chunk (the first output
 token and its log-probability), written into a row of the decode rank's ``AuxBuffer``.
+
+Who calls what, and when: prefill passes ``send(..., last=True, aux=AuxRecord(...))``; decode
+passes ``init(..., aux_slot=i)``, which clears row i (``AuxBuffer.clear``) before the request
+is granted, and the endpoint writes the record into row i when the last chunk arrives, before
+the receiver reaches Success. So after Success, ``AuxBuffer.read(i)`` (or ``KVReceiver.aux``)
+is this request's record; before it, or after a failure, the row reads as cleared (None), never
+as an earlier request's token.
 """
 from __future__ import annotations
 
@@ -46,12 +53,25 @@ class AuxRecord:
         return cls(token, lp, top)
 
 
+CLEARED = 0xFF   # a cleared row: every byte 0xFF (first_token -1, an impossible top-k count)
+
+
 class AuxBuffer:
-    """Decode-side aux records ``[slots, record_bytes]``; ``KVReceiver.init(aux_slot=i)`` fills row i."""
+    """Decode-side aux records. ``tensor``: ``[num_slots, record_bytes]`` uint8, one row per
+    request in flight; ``KVReceiver.init(aux_slot=i)`` clears row i and the last chunk fills it.
+    An engine may read ``tensor`` itself: a cleared row is all 0xFF (``CLEARED``)."""
 
     def __init__(self, num_slots: int, record_bytes: int = AUX_BYTES):
         self.record_bytes = int(record_bytes)
-        self.tensor = torch.zeros(int(num_slots), self.record_bytes, dtype=torch.uint8)
+        self.tensor = torch.full((int(num_slots), self.record_bytes), CLEARED, dtype=torch.uint8)
 
-    def read(self, slot: int) -> AuxRecord:
-        return AuxRecord.unpack(self.tensor[slot].numpy().tobytes())
+    def clear(self, slot: int) -> None:
+        """Mark row ``slot`` as holding no record (the decode endpoint does it at each grant)."""
+        self.tensor[slot].fill_(CLEARED)
+
+    def read(self, slot: int) -> AuxRecord | None:
+        """Row ``slot``'s record; None while it is cleared (its request has not delivered one)."""
+        raw = self.tensor[slot].cpu().numpy().tobytes()
+        if raw == bytes([CLEARED]) * len(raw):
+            return None
+        return AuxRecord.unpack(raw)

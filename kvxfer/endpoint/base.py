@@ -1,10 +1,20 @@
 """Per-request KV transfer: the contract, and what both sides share.
 
 The per-rank endpoints own the transport, the control channel and the planners; they live
-in ``kvxfer.prefill`` (``PrefillEndpoint``, ``KVSender``) and ``kvxfer.decode``
-(``DecodeEndpoint``, ``KVReceiver``) and are re-exported here. This module holds the shared
-types: ``KVPoll``, ``Timeouts``, ``AuxRecord``/``AuxBuffer``, the ``_Request``/``_Endpoint``
-bases, and ``reduce_poll``.
+in ``kvxfer.endpoint.prefill`` (``PrefillEndpoint``, ``KVSender``) and
+``kvxfer.endpoint.decode`` (``DecodeEndpoint``, ``KVReceiver``). This module holds what both
+share: ``KVPoll`` (the state a scheduler polls), ``Outcome`` (how a request ended),
+``Timeouts`` and the two bases, ``RequestBase`` and ``EndpointBase``, with the seam between
+them. TP-group agreement (``reduce_poll``, ``LocalGroup``) is in ``kvxfer.endpoint.group``.
+
+Words
+-----
+room        the engine's number for a request (``sender(room)``, ``receiver(room)``); both
+            sides use the same room for the same request.
+gen         decode's generation of a room: a fresh one per ``receiver(room)``, so a room can be
+            used again after its request ended.
+request_id  the transport's name for one request, ``f"{room}.{gen}"`` (``Transport.submit``,
+            ``expect``, ``forget``): writes under an ended request id are dropped.
 
 Who calls what, and when
 ------------------------
@@ -12,23 +22,32 @@ Prefill rank, once at start-up:
     ``ep = PrefillEndpoint(spec, kv_pool, state=..., transport="zmq")``; ``ep.register(url)``
     (bootstrap registration + heartbeats). HELLOs from decode ranks are answered on the
     channel thread: compatibility check, planners per source, ``transport.connect``.
-Decode rank, once at start-up (blocking; raises ``CompatibilityError`` naming every mismatch):
-    ``ep = DecodeEndpoint(spec, kv_pool, state=..., aux=AuxBuffer(...))``; ``ep.connect(bootstrap=url)``.
-Decode scheduler, per request ("room"; never blocks):
-    ``r = ep.receiver(room)``                    Bootstrapping
+Decode rank, once at start-up (blocking, at most ``timeout`` seconds in all; raises
+``CompatibilityError`` naming every mismatch, ``ConnectError`` otherwise):
+    ``ep = DecodeEndpoint(spec, kv_pool, state=..., aux=AuxBuffer(...))``;
+    ``ep.connect(bootstrap=url, instance=..., timeout=60)``.
+Decode scheduler, per request (never blocks):
+    ``r = ep.receiver(room, on_release=cb)``     Bootstrapping
     ``r.init(kv_slots, prefix_len=, state_slots=, aux_slot=, swa_slots=)``  after allocating slots:
-                                                 grants them (``transport.expect``) and sends the
-                                                 request to every prefill rank it needs
+                                                 grants them (``transport.expect``), clears the aux
+                                                 row, sends the request to every prefill rank it needs
     ``r.poll()`` / ``r.wait(t)``                 -> WaitingForInput (every prefill rank acknowledged)
                                                  -> Transferring (first chunk) -> Success | Failed
+    ``cb(outcome)``                              once, after the grant ended (any outcome): on
+                                                 ``Outcome.Success`` keep the slots for decoding,
+                                                 otherwise free them
 Prefill scheduler, per request (never blocks on the network):
-    ``s = ep.sender(room)``                      Bootstrapping until every decode rank's request came
-    ``s.send(kv_slots, last=..., aux=..., state_slots=...)``  per chunk as prefill computes it
-                                                 (whole pages except the last; may start early:
-                                                 chunks queue until the grants arrive)
-    ``s.poll()``; ``s.kv_releasable`` / ``on_release`` when prefill may reuse the KV (lease)
+    ``s = ep.sender(room, on_release=cb)``       Bootstrapping until every decode rank's request came
+    ``s.send(kv_slots, last=..., aux=..., state_slots=..., ready=event)``  per chunk as prefill
+                                                 computes it (any number of tokens; may start early:
+                                                 chunks queue until the grants arrive). ``ready``: an
+                                                 object with ``query()`` (a CUDA event recorded after
+                                                 the forward wrote the chunk's KV); no transport reads
+                                                 the chunk before ``ready.query()`` is True.
+    ``s.poll()``; ``cb(outcome)`` once prefill may reuse the KV (lease); ``s.kv_releasable``
+                                                 turns True after ``cb`` returned
 Either side, any time: ``abort(reason)``, ``failure_exception()``, ``clear()``.
-Each TP group, per scheduler step: ``reduce_poll(states, group)`` (all-reduce MIN).
+Each TP group, per scheduler step: ``reduce_poll(states, group)`` (MIN over the group).
 
 Hybrid sliding-window pools (``HybridSWAPool``: full-attention layers in space "token",
 sliding-window layers in space "swa"; both sides hybrid with the same window, checked at the
@@ -39,14 +58,22 @@ the pool's ``full_to_swa`` when ``send`` is called. A window token prefill holds
 for fails the request: nothing is sent from an unmapped slot.
 
 States only move forward (``KVPoll``); Failed is final. Every request ends, within the
-deadline of its phase (``Timeouts``), in Success or Failed with a reason (``outcome`` says
-failed / aborted / timed_out). A dead or stopped peer is found by heartbeats. A grant is
-released exactly once (``transport.forget`` then ``on_release``); writes that arrive after
-are dropped by the transport (transport request id ``f"{room}.{gen}"``, a fresh generation
+deadline of its phase (``Timeouts``, measured on the endpoint's ``clock``), with one
+``Outcome``: Success, Failed (with a reason), TimedOut or Aborted. A dead or stopped peer is
+found by heartbeats. A grant is released exactly once (``transport.forget`` then
+``on_release``); writes that arrive after are dropped by the transport (a fresh request id
 per receiver), so a late write never lands in slots that now belong to another request.
 Each side counts every request end once (``kvxfer.metrics.record_request_end``, which also
 writes the per-request log line) and prefill counts every completed transfer
 (``record_transfer``).
+
+The seam between requests and endpoints (all public, all documented here):
+    request -> endpoint: ``guard()`` (the endpoint lock; callbacks queued in ``later`` run
+        after it), ``changed`` (a condition notified when any state moved), ``clock``,
+        ``end_request(req, outcome, reason, later)``; the sides add ``send_chunk`` (prefill,
+        for ``KVSender.send``) and ``init_request`` (decode, for ``KVReceiver.init``).
+    endpoint -> request, under the endpoint lock: ``advance(state, deadline)``,
+        ``mark_ended(outcome, reason)``; outside it: ``run_release()``.
 """
 from __future__ import annotations
 
@@ -57,8 +84,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-
-import torch
+from typing import Any
 
 from ..control.auth import as_secret
 from ..control.channel import ControlChannel, Heartbeat
@@ -74,8 +100,11 @@ from .aux import AUX_MIN_BYTES
 
 log = logging.getLogger("kvxfer.request")
 
+Clock = Callable[[], float]
+
 
 class KVPoll(enum.IntEnum):
+    """The state a scheduler polls. Ordered: a TP group agrees on the MIN (``reduce_poll``)."""
     Failed = 0
     Bootstrapping = 1
     WaitingForInput = 2
@@ -83,14 +112,31 @@ class KVPoll(enum.IntEnum):
     Success = 4
 
 
+END_STATES = (KVPoll.Success, KVPoll.Failed)
+
+
+class Outcome(enum.Enum):
+    """How a request ended; its value is the metrics label (``kvxfer_requests_total{state=}``).
+    Every outcome but Success is ``KVPoll.Failed`` to a poller."""
+    Success = "success"
+    Failed = "failed"          # an error: a rejected write, a lost peer, bad arguments from the peer
+    TimedOut = "timed_out"     # a phase deadline passed (``Timeouts``)
+    Aborted = "aborted"        # ``abort()`` on either side, or the engine dropped it (``clear()``)
+
+    @property
+    def state(self) -> KVPoll:
+        return KVPoll.Success if self is Outcome.Success else KVPoll.Failed
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Timeouts:
-    """Deadlines, in seconds, per phase. Each starts when its phase starts."""
+    """Deadlines, in seconds, per phase. Each starts when its phase starts and is measured on
+    the endpoint's ``clock`` (``time.monotonic`` unless a test passes another)."""
     bootstrap: float = 30.0     # Bootstrapping: decode's request reaches and binds every prefill rank
-    waiting: float = 300.0      # WaitingForInput: until the first chunk (prefill compute time)
+    waiting: float = 300.0      # WaitingForInput: until the first chunk is submitted (prefill compute time)
     transfer: float = 30.0      # Transferring: longest time without progress (a chunk or a completion)
-    lease: float = 30.0         # prefill holds a request's KV after its last chunk until decode confirms
-    handshake: float = 10.0     # one HELLO round trip at start-up
+    lease: float = 30.0         # prefill holds a request's KV after its end until decode confirms
+    handshake: float = 10.0     # at most, one HELLO round trip at start-up (``connect(timeout=)`` caps it)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
 
     def __post_init__(self):
@@ -100,72 +146,107 @@ class Timeouts:
 
 
 # ------------------------------------------------------------------------------------
-# Shared endpoint machinery
+# Requests
 # ------------------------------------------------------------------------------------
-_END = (KVPoll.Success, KVPoll.Failed)
+class RequestBase:
+    """What KVSender and KVReceiver share: forward-only state, end once, release once.
 
+    The scheduler calls ``poll``, ``wait``, ``abort``, ``clear``, ``failure_exception``. The
+    endpoint calls ``advance`` and ``mark_ended`` under its lock and ``run_release`` after it.
 
-class _Request:
-    """What KVSender and KVReceiver share: forward-only state, end once, release once."""
-    __slots__ = ("room", "state", "outcome", "reason", "deadline", "created", "ended_at", "_ep", "_done",
-                 "_on_release", "_released", "__weakref__")
+    Attributes (read-only to the scheduler): ``room``; ``state`` (what ``poll`` returns);
+    ``outcome`` (an ``Outcome`` once ended, else None); ``reason`` (why it failed, "" on
+    Success); ``deadline`` (the current phase's, on the endpoint's clock); ``created`` and
+    ``ended_at`` (the endpoint's clock at creation and at the end, 0.0 while running);
+    ``released`` (the release ran and ``on_release`` returned).
+    """
+    __slots__ = ("room", "state", "outcome", "reason", "deadline", "created", "ended_at", "endpoint", "_ended",
+                 "_on_release", "_release_state", "__weakref__")
 
-    def __init__(self, ep, room: int, deadline: float, on_release):
+    def __init__(self, endpoint: "EndpointBase", room: int, deadline: float,
+                 on_release: Callable[[Outcome], None] | None):
         if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 63:
             raise ValueError(f"room must be an int in 0..2**63-1, got {room!r}")
-        self._ep, self.room, self.deadline = ep, room, deadline
-        self.state, self.outcome, self.reason = KVPoll.Bootstrapping, "", ""
-        self.created, self.ended_at = time.monotonic(), 0.0   # time.monotonic() of creation, of the end state
-        self._done, self._on_release, self._released = threading.Event(), on_release, False
+        self.endpoint, self.room, self.deadline = endpoint, room, deadline
+        self.state, self.reason = KVPoll.Bootstrapping, ""
+        self.outcome: Outcome | None = None            # set once, at the end
+        self.created, self.ended_at = endpoint.clock(), 0.0   # the endpoint's clock at creation, at the end
+        self._ended, self._on_release = threading.Event(), on_release
+        self._release_state = 0                        # 0 not yet, 1 on_release running, 2 returned
 
+    # -- the scheduler --------------------------------------------------------------------
     def poll(self) -> KVPoll:
         """Never blocks."""
         return self.state
 
     def wait(self, timeout: float | None = None, until: KVPoll = KVPoll.Success) -> KVPoll:
-        """Block until the state reaches ``until`` (default: the end) or Failed, at most ``timeout``;
-        returns the state then. For callers that would otherwise spin on ``poll``."""
+        """Block until the state reaches ``until`` (default: the end) or Failed, at most ``timeout``
+        real seconds; returns the state then. For callers that would otherwise spin on ``poll``."""
         if until >= KVPoll.Success:
-            self._done.wait(timeout)
+            self._ended.wait(timeout)
         else:
-            with self._ep._changed:
-                self._ep._changed.wait_for(lambda: self.state >= until or self.state == KVPoll.Failed, timeout)
+            with self.endpoint.changed:
+                self.endpoint.changed.wait_for(lambda: self.state >= until or self.state == KVPoll.Failed, timeout)
         return self.state
 
     def failure_exception(self) -> RequestError | None:
         return RequestError(self.reason) if self.state == KVPoll.Failed else None
 
-    def _advance(self, state: KVPoll, deadline: float) -> None:
-        if self.state not in _END and state > self.state:   # forward only
-            self.state, self.deadline = state, deadline
-            self._ep._changed.notify_all()
-
-    def _release(self) -> None:
-        """Runs once, outside the endpoint lock (the callback may take engine locks)."""
-        if self._released:
-            return
-        self._released = True
-        if self._on_release is not None:
-            try:
-                self._on_release(self)
-            except Exception:
-                log.exception("on_release callback of room %s failed", self.room)
+    @property
+    def released(self) -> bool:
+        """True once the grant (decode) or the KV (prefill) is released and ``on_release`` returned."""
+        return self._release_state == 2
 
     def abort(self, reason: str = "") -> None:
-        with self._ep._guard() as later:
-            self._ep._end(self, KVPoll.Failed, "aborted", f"aborted by {self._ep.role}" + (f": {reason}" if reason
-                                                                                            else ""), later)
+        """End the request as Aborted (tells the peers); nothing if it ended already."""
+        ep = self.endpoint
+        with ep.guard() as later:
+            ep.end_request(self, Outcome.Aborted, f"aborted by {ep.role}" + (f": {reason}" if reason else ""),
+                           later)
 
     def clear(self) -> None:
         """Done with the request. The endpoint keeps nothing of an ended request, so this only
         aborts one that is still running (e.g. the engine dropped it)."""
-        if self.state not in _END:
+        if self.state not in END_STATES:
             self.abort("cleared")
+
+    # -- the endpoint ---------------------------------------------------------------------
+    def advance(self, state: KVPoll, deadline: float) -> None:
+        """Endpoint, under its lock: move forward to ``state`` with a new phase deadline."""
+        if self.state not in END_STATES and state > self.state:
+            self.state, self.deadline = state, deadline
+            self.endpoint.changed.notify_all()
+
+    def mark_ended(self, outcome: Outcome, reason: str) -> bool:
+        """Endpoint, under its lock: the end state, once. False when it had ended already."""
+        if self.state in END_STATES:
+            return False
+        self.state, self.outcome, self.reason, self.ended_at = outcome.state, outcome, reason, self.endpoint.clock()
+        self._ended.set()   # first: the scheduler may be waiting on it
+        self.endpoint.changed.notify_all()
+        return True
+
+    def run_release(self) -> None:
+        """Endpoint, outside its lock (the callback may take engine locks): ``on_release(outcome)``
+        once; ``released`` turns True only after it returned."""
+        if self._release_state:
+            return
+        self._release_state = 1
+        try:
+            if self._on_release is not None and self.outcome is not None:
+                self._on_release(self.outcome)
+        except Exception:
+            log.exception("on_release callback of room %s failed", self.room)
+        finally:
+            self._release_state = 2
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(room={self.room}, {self.state.name}{', ' + self.reason if self.reason else ''})"
 
 
+# ------------------------------------------------------------------------------------
+# Endpoints
+# ------------------------------------------------------------------------------------
 def _swa_window(kv: KVPool) -> int:
     """The sliding window of a hybrid pool (``HybridSWAPool.window``), 0 for any other pool."""
     if not any(s.name == SWA for s in kv.layout.spaces):
@@ -177,11 +258,17 @@ def _swa_window(kv: KVPool) -> int:
     return window
 
 
-class _Endpoint:
+class EndpointBase:
+    """What both endpoints share: the pools' combined layout, the transport, the lock, the
+    clock, the channel tick, close. A side implements ``end_request`` and the hooks ``_tick``
+    (deadlines; returns seconds until it wants the next tick), ``_live`` (running requests)
+    and ``_after_close``."""
     role = "?"
+    channel: ControlChannel   # made by each side's __init__ (a ROUTER on prefill, DEALERs on decode)
 
     def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None, transport: str | Transport,
-                 transport_options: Mapping | None, timeouts: Timeouts, secret, aux_bytes: int):
+                 transport_options: Mapping | None, timeouts: Timeouts, secret, aux_bytes: int,
+                 clock: Clock = time.monotonic):
         spaces = [s.name for s in kv.layout.spaces]
         token_spaces = [name for name in spaces if name != SWA]
         if len(token_spaces) != 1:
@@ -189,7 +276,9 @@ class _Endpoint:
                               f"sliding-window pool), it has {spaces}")
         if aux_bytes != 0 and aux_bytes < AUX_MIN_BYTES:
             raise ValueError(f"aux_bytes must be 0 (no aux record) or >= {AUX_MIN_BYTES}, got {aux_bytes}")
-        self.spec, self.timeouts, self.secret = spec, timeouts, as_secret(secret)
+        if not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {clock!r}")
+        self.spec, self.timeouts, self.secret, self.clock = spec, timeouts, as_secret(secret), clock
         self.aux_bytes = int(aux_bytes)
         self.layout = combine_layouts(kv.layout, None if state is None else state.layout)
         self.token_space = token_spaces[0]
@@ -198,28 +287,32 @@ class _Endpoint:
         self.kv_kinds = sorted({p.kind for p in kv.layout.parts})
         self.state_kinds = sorted({p.kind for p in state.layout.parts}) if state is not None else []
         self._owns_transport = isinstance(transport, str)
-        self.transport = get_transport(transport, **dict(transport_options or {})) if self._owns_transport \
-            else transport
+        self.transport: Transport = get_transport(transport, **dict(transport_options or {})) \
+            if isinstance(transport, str) else transport
         self.transport.register(kv.regions() + (state.regions() if state is not None else []))
         self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)   # any request's state moved (see wait(until=))
+        self.changed = threading.Condition(self._lock)   # any request's state moved (see wait(until=))
         self._xport_lock = threading.Lock()   # transports are not promised to be thread-safe
         self._closed = False
-        self.channel: ControlChannel | None = None
 
     @contextlib.contextmanager
-    def _guard(self):
-        """The endpoint lock; callbacks queued in ``later`` run after it is released."""
+    def guard(self):
+        """The endpoint lock; callbacks queued in the yielded list run after it is released."""
         later: list[Callable[[], None]] = []
         with self._lock:
             yield later
         for fn in later:
             fn()
 
+    def end_request(self, req: Any, outcome: Outcome, reason: str, later: list) -> None:
+        """End ``req`` once with ``outcome`` (under ``guard``); a side's bookkeeping. Abstract."""
+        raise NotImplementedError
+
     @property
     def info(self) -> RankInfo:
         """This rank's record for the registry and the handshake (plain data)."""
-        return RankInfo(spec=self.spec, control=self.channel.address if self.channel else "",
+        channel = getattr(self, "channel", None)
+        return RankInfo(spec=self.spec, control=channel.address if channel else "",
                         data={self.transport.name: self.transport.descriptor()},
                         layout=layout_record(self.layout, self.swa_window), aux_bytes=self.aux_bytes)
 
@@ -235,25 +328,33 @@ class _Endpoint:
             raise
 
     def on_tick(self, now: float) -> float:
-        with self._guard() as later:
-            return self._tick(now, later)
+        """Channel thread, every turn: deadlines and leases on this endpoint's clock (``now``, the
+        channel's real time, is not used: a test's clock may differ)."""
+        with self.guard() as later:
+            return self._tick(self.clock(), later)
+
+    def _tick(self, now: float, later: list) -> float:
+        raise NotImplementedError
+
+    def _live(self) -> Sequence[RequestBase]:
+        raise NotImplementedError
 
     def close(self) -> None:
         """Fail what is running, stop the threads, close the transport if this endpoint made it."""
         if self._closed:
             return
-        with self._guard() as later:
+        with self.guard() as later:
             for r in list(self._live()):
-                self._end(r, KVPoll.Failed, "failed", f"{self.role} endpoint closed", later)
+                self.end_request(r, Outcome.Failed, f"{self.role} endpoint closed", later)
         self._closed = True
-        if self.channel is not None:
+        if getattr(self, "channel", None) is not None:
             self.channel.close()
         if self._owns_transport:
             self.transport.close()
-        with self._guard() as later:
+        with self.guard() as later:
             self._after_close(later)
 
-    def _after_close(self, later) -> None:
+    def _after_close(self, later: list) -> None:
         """Hook: release what only the (now stopped) threads would have released."""
 
     def __enter__(self):
@@ -263,16 +364,4 @@ class _Endpoint:
         self.close()
 
 
-# ------------------------------------------------------------------------------------
-# TP-group agreement
-# ------------------------------------------------------------------------------------
-def reduce_poll(states: Sequence[KVPoll | int], group=None) -> list[KVPoll]:
-    """All-reduce the poll states of every rank of ``group`` with MIN: a request is Success only
-    when every rank has its part, and Failed as soon as one rank failed. Collective: every rank
-    calls it with the same requests in the same order, once per scheduler step."""
-    if not states:
-        return []
-    import torch.distributed as dist
-    t = torch.tensor([int(s) for s in states], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return [KVPoll(int(x)) for x in t.tolist()]
+__all__ = ["KVPoll", "END_STATES", "Outcome", "Timeouts", "RequestBase", "EndpointBase", "Clock"]

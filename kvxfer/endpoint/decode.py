@@ -1,17 +1,18 @@
 """Decode side: ``DecodeEndpoint`` (one per decode rank) and ``KVReceiver`` (one per request).
 
-Who calls what, and when (the whole contract is in ``kvxfer.request``):
-    start-up, once, blocking: ``DecodeEndpoint(spec, kv_pool, aux=...)``; ``connect(bootstrap=url)``
-        (the HELLO handshake with every prefill rank this rank pulls from).
-    scheduler, per request, never blocks: ``receiver(room)``; ``init(kv_slots, ...)`` grants the
-        slots (``transport.expect``; a hybrid SWA pool: also ``swa_slots=``, the window it keeps)
-        and sends the request; then ``poll()`` / ``wait(t)``;
-        ``on_release`` runs once, after the grant ended.
+Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
+    start-up, once, blocking: ``DecodeEndpoint(spec, kv_pool, aux=...)``; ``connect(bootstrap=url,
+        instance=..., timeout=...)`` (the HELLO handshake with every prefill rank this rank pulls
+        from; ``timeout`` bounds the whole call, registry wait and HELLOs together).
+    scheduler, per request, never blocks: ``receiver(room, on_release=cb)``; ``init(kv_slots, ...)``
+        clears the aux row, grants the slots (``transport.expect``; a hybrid SWA pool: also
+        ``swa_slots=``, the window it keeps) and sends the request; then ``poll()`` / ``wait(t)``;
+        ``cb(outcome)`` runs once, after the grant ended, whatever the outcome.
     channel thread: ``on_message`` (ack / nack / abort / fin), ``on_peer_lost``, ``on_tick``
         (phase deadlines, every 50 ms).
     transport thread (``set_arrival_callback``), or an arrivals thread owned here polling
         ``transport.arrivals()`` where the transport cannot call back: chunk bookkeeping -> Success.
-Ending a request (``_end``, once) forgets the grant, tells the prefill ranks ("done" or
+Ending a request (``end_request``, once) forgets the grant, tells the prefill ranks ("done" or
 "abort"), counts it in ``kvxfer.metrics`` and queues ``on_release``, or, while the transport
 says writes of it may still land (``writes_pending``: one-sided puts in flight), holds the
 slots and releases them on the tick after that ends.
@@ -43,7 +44,7 @@ from ..ranks import RankInfo, RankSpec
 from ..topology import aux_source, peers_needed
 from ..transport.base import Arrival, Transport
 from .aux import AUX_BYTES, AuxBuffer, AuxRecord
-from .base import _END, KVPoll, Timeouts, _Endpoint, _Request
+from .base import END_STATES, Clock, EndpointBase, KVPoll, Outcome, RequestBase, Timeouts
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
@@ -60,16 +61,30 @@ class _Progress:
         return self.total >= 0 and len(self.chunks) == self.total and self.nbytes == self.total_bytes
 
 
-class KVReceiver(_Request):
+def _check_one_instance(ranks: Sequence[RankInfo]) -> None:
+    """ConnectError listing the prefill instances when ``ranks`` holds more than one."""
+    names = sorted({r.spec.instance for r in ranks if r.spec.role == "prefill"})
+    if len(names) > 1:
+        raise ConnectError(f"several prefill instances are registered ({', '.join(names)}): pass "
+                           f"connect(instance=...) to say which one this decode rank pulls from")
+
+
+class KVReceiver(RequestBase):
     """One request on a decode rank; made by ``DecodeEndpoint.receiver`` (see the module docstring).
 
     Success only when every source (prefill rank x stage x head slice, per ``kvxfer.topology``)
-    delivered all its chunks, and the aux record if one was asked for."""
-    __slots__ = ("gen", "rid", "contacts", "peer_of", "progress", "acked", "aux_slot", "aux", "aux_from", "granted")
+    delivered all its chunks, and the aux record if one was asked for. Besides ``RequestBase``'s
+    attributes: ``gen``, ``request_id`` (``f"{room}.{gen}"``, the transport's name for it),
+    ``granted`` (``init`` ran), ``aux_slot`` and ``aux`` (the ``AuxRecord`` that arrived, None
+    before), ``acked`` (the prefill ranks that acknowledged)."""
+    endpoint: "DecodeEndpoint"
+    __slots__ = ("gen", "request_id", "contacts", "peer_of", "progress", "acked", "aux_slot", "aux", "aux_from",
+                 "granted")
 
-    def __init__(self, ep: "DecodeEndpoint", room: int, gen: int, contacts: dict[str, list], on_release):
-        super().__init__(ep, room, time.monotonic() + ep.timeouts.bootstrap, on_release)
-        self.gen, self.rid = gen, f"{room}.{gen}"
+    def __init__(self, ep: "DecodeEndpoint", room: int, gen: int, contacts: dict[str, list],
+                 on_release: Callable[[Outcome], None] | None):
+        super().__init__(ep, room, ep.clock() + ep.timeouts.bootstrap, on_release)
+        self.gen, self.request_id = gen, f"{room}.{gen}"   # request_id: the transport's name for it
         self.contacts = contacts                      # prefill peer key -> its sources here (empty: dummy)
         self.peer_of = {(s.p_tp_rank, s.p_pp_rank): key for key, ss in contacts.items() for s in ss}
         self.progress = {src: _Progress() for src in self.peer_of}
@@ -86,27 +101,31 @@ class KVReceiver(_Request):
         ``swa_slots`` (hybrid sliding-window pools only, and required there): the "swa" slots of the
         last ``len(swa_slots)`` tokens, 1..window of them; only those tokens' sliding-window layers
         are sent (and of them, only the ones at or after ``prefix_len``).
+        ``aux_slot``: the row of the endpoint's ``AuxBuffer`` for the aux record; cleared here, filled
+        when the last chunk arrives (so a row read before Success is None, never a stale record).
         Raises LayoutError/RequestError on bad arguments; never blocks."""
-        self._ep._init(self, kv_slots, int(prefix_len), state_slots, aux_slot, swa_slots)
+        self.endpoint.init_request(self, kv_slots, int(prefix_len), state_slots, aux_slot, swa_slots)
 
 
-class DecodeEndpoint(_Endpoint):
+class DecodeEndpoint(EndpointBase):
     """A decode rank: its receivers, a DEALER per prefill rank, and the arrival handler
     (called on the transport's thread, or by an arrivals thread of its own)."""
     role = "decode"
 
     def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None = None, aux: AuxBuffer | None = None,
                  transport: str | Transport = "zmq", transport_options: Mapping | None = None,
-                 timeouts: Timeouts = Timeouts(), secret: str | bytes | None = None, aux_bytes: int = AUX_BYTES):
+                 timeouts: Timeouts = Timeouts(), secret: str | bytes | None = None, aux_bytes: int = AUX_BYTES,
+                 clock: Clock = time.monotonic):
+        """``clock``: seconds, for deadlines (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "decode":
             raise ValueError(f"DecodeEndpoint needs a decode RankSpec, got role {spec.role!r}")
         if aux is not None and aux.record_bytes != aux_bytes:
             raise ValueError(f"aux buffer rows are {aux.record_bytes} bytes but aux_bytes is {aux_bytes}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
-                         timeouts=timeouts, secret=secret, aux_bytes=aux_bytes)
+                         timeouts=timeouts, secret=secret, aux_bytes=aux_bytes, clock=clock)
         self.aux_buffer = aux
         self._gens = itertools.count(1)
-        self._recvs: dict[str, KVReceiver] = {}
+        self._recvs: dict[str, KVReceiver] = {}            # request_id -> live receiver
         self._landing: list[KVReceiver] = []               # ended; puts may still land in their slots
         self._groups: dict[int, dict[str, list]] = {}     # prefill dp rank -> peer key -> sources
         self._grant_planners: dict[str, list[Planner]] = {}
@@ -120,16 +139,33 @@ class DecodeEndpoint(_Endpoint):
     # -- start-up ---------------------------------------------------------------------------
     def connect(self, *, bootstrap: str | None = None, peers: Sequence[RankInfo] | None = None,
                 instance: str | None = None, timeout: float = 60.0) -> None:
-        """Handshake with every prefill rank this rank needs, in every prefill DP group. Blocking.
-        Raises CompatibilityError (every mismatch, in words) or ConnectError."""
+        """Start-up, once: handshake with every prefill rank this rank needs, in every prefill DP
+        group of one prefill instance. Blocking, at most ``timeout`` real seconds in all (waiting for
+        the registry, then one HELLO per rank, each also capped by ``Timeouts.handshake``).
+        ``instance``: which prefill instance to pull from; required when several are registered
+        (ConnectError lists them). Raises CompatibilityError (every mismatch, in words) or
+        ConnectError."""
+        if not timeout > 0:
+            raise ValueError(f"connect timeout must be > 0 seconds, got {timeout}")
+        deadline = time.monotonic() + timeout
         if peers is None:
             if bootstrap is None:
                 raise ValueError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
-            peers = BootstrapClient(bootstrap, self.secret).wait_ready(timeout, instance)
+            client = BootstrapClient(bootstrap, self.secret, timeout=min(5.0, timeout))
+            if instance is None:   # several instances: say so now, not after waiting for all of them
+                try:
+                    early = client.topology()[1]
+                except ConnectError:   # not up yet: wait_ready below says so if it stays down
+                    early = []
+                _check_one_instance(early)
+            peers = client.wait_ready(max(deadline - time.monotonic(), 0.0), instance)
+        peers = [p for p in peers if p.spec.role == "prefill" and (instance is None or p.spec.instance == instance)]
+        if instance is None:
+            _check_one_instance(peers)
         me = self.info
-        by_key = {p.spec.key: p for p in peers if p.spec.role == "prefill"}
+        by_key = {p.spec.key: p for p in peers}
         if not by_key:
-            raise ConnectError("no prefill rank to connect to")
+            raise ConnectError("no prefill rank to connect to" + (f" in instance {instance!r}" if instance else ""))
         groups: dict[int, dict[str, list]] = {}
         for p in by_key.values():
             if p.spec.dp_rank not in groups:
@@ -143,7 +179,10 @@ class DecodeEndpoint(_Endpoint):
         for dp, group in groups.items():
             for key, sources in group.items():
                 self.channel.connect(key, by_key[key].control)
-                hello(self.channel, key, me, self.timeouts.handshake)   # the prefill rank checks too
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConnectError(f"connect timed out after {timeout}s before the handshake with {key}")
+                hello(self.channel, key, me, min(self.timeouts.handshake, left))   # the prefill rank checks too
                 planners = [self._planner(dl, dl, s.dst_heads, s.dst_heads, s.layers, kinds)
                             for s in sources for kinds in (self.kv_kinds, self.state_kinds)]
                 with self._lock:
@@ -153,14 +192,16 @@ class DecodeEndpoint(_Endpoint):
 
     # -- per request ------------------------------------------------------------------------
     def receiver(self, room: int, *, p_dp_rank: int = 0,
-                 on_release: Callable[[KVReceiver], None] | None = None) -> KVReceiver:
-        """A new request, Bootstrapping, with a fresh generation. ``on_release(receiver)`` runs
-        exactly once, after the grant ended (Success or Failed); on failure free the slots there."""
+                 on_release: Callable[[Outcome], None] | None = None) -> KVReceiver:
+        """Scheduler: a new request, Bootstrapping, with a fresh generation. ``on_release(outcome)``
+        runs exactly once, outside the endpoint lock, after the grant ended and no write of it can
+        land any more: on ``Outcome.Success`` the slots hold the KV (keep them for decoding), on
+        any other outcome free them there."""
         with self._lock:
             if p_dp_rank not in self._groups:
                 raise ConnectError(f"not connected to prefill DP group {p_dp_rank}: call connect() first")
             r = KVReceiver(self, room, next(self._gens) % (1 << 31), self._groups[p_dp_rank], on_release)
-            self._recvs[r.rid] = r
+            self._recvs[r.request_id] = r
             return r
 
     def _grant(self, r: KVReceiver, kv: np.ndarray, st: np.ndarray, swa: np.ndarray) -> ByteRanges:
@@ -192,7 +233,8 @@ class DecodeEndpoint(_Endpoint):
                                f"(sliding window {self.swa_window}, request of {len(kv)} tokens)")
         return swa
 
-    def _init(self, r: KVReceiver, kv_slots, prefix_len: int, state_slots, aux_slot, swa_slots=None) -> None:
+    def init_request(self, r: KVReceiver, kv_slots, prefix_len: int, state_slots, aux_slot, swa_slots=None) -> None:
+        """The body of ``KVReceiver.init`` (call that): check, clear the aux row, grant, ask prefill."""
         kv = self.layout.check_slots(self.token_space, np.asarray(kv_slots), "kv_slots", distinct=True)
         swa = self._window_slots(kv, swa_slots)
         st = np.zeros(0, np.int64) if state_slots is None else \
@@ -201,14 +243,17 @@ class DecodeEndpoint(_Endpoint):
             raise RequestError(f"prefix_len {prefix_len} must be in 0..{len(kv) - 1}: at least one token moves")
         if aux_slot is not None and (self.aux_buffer is None or not 0 <= aux_slot < len(self.aux_buffer.tensor)):
             raise RequestError(f"aux_slot {aux_slot} is not a row of this endpoint's aux buffer")
-        with self._guard():
-            if r.state in _END or r.granted:
+        with self.guard():
+            if r.state in END_STATES or r.granted:
                 raise RequestError(f"room {r.room}: init() on a request that is {r.state.name}"
                                    f"{' and already initialised' if r.granted else ''}")
             # window token i is request token len(kv) - len(swa) + i; those in the prefix stay as they are
             ranges = self._grant(r, kv[prefix_len:], st, swa[max(prefix_len - (len(kv) - len(swa)), 0):])
+            # before the grant: a stale record from an earlier request never shows
+            if aux_slot is not None and self.aux_buffer is not None:
+                self.aux_buffer.clear(aux_slot)
             with self._xport_lock:
-                self.transport.expect(r.rid, ranges)
+                self.transport.expect(r.request_id, ranges)
             r.granted, r.aux_slot = True, aux_slot
             kv_raw, st_raw = kv.astype("<i8").tobytes(), st.astype("<i8").tobytes()
             swa_raw = swa.astype("<i8").tobytes()
@@ -216,7 +261,7 @@ class DecodeEndpoint(_Endpoint):
                 dummy = not sources
                 msg = {"t": "req", "room": r.room, "gen": r.gen, "kv": b"" if dummy else kv_raw,
                        "prefix": prefix_len, "state": b"" if dummy else st_raw, "dummy": dummy,
-                       "aux": aux_slot is not None and r.peer_of.get(r.aux_from) == key}
+                       "aux": aux_slot is not None and r.aux_from is not None and r.peer_of.get(r.aux_from) == key}
                 if self.swa_window:   # only hybrid pairs carry the window: other requests keep their shape
                     msg["swa"], msg["swa_n"] = (b"", 0) if dummy else (swa_raw, len(swa))
                 self.channel.send(key, msg)
@@ -224,7 +269,7 @@ class DecodeEndpoint(_Endpoint):
     # -- events (channel thread, transport thread or arrivals thread) ------------------------
     def on_message(self, peer: str, msg: dict) -> None:
         t = msg["t"]
-        with self._guard() as later:
+        with self.guard() as later:
             if t == "fin":   # a last chunk that moved no bytes
                 try:
                     meta = ChunkMeta.unpack(msg["meta"])
@@ -245,10 +290,10 @@ class DecodeEndpoint(_Endpoint):
                     return
                 r.acked.add(peer)
                 if len(r.acked) == len(r.contacts):
-                    r._advance(KVPoll.WaitingForInput, time.monotonic() + self.timeouts.waiting)
+                    r.advance(KVPoll.WaitingForInput, self.clock() + self.timeouts.waiting)
             else:
-                self._end(r, KVPoll.Failed, "aborted" if t == "abort" else "failed",
-                          f"prefill rank {peer}: {msg['why'][:512]}", later, tell=set(r.contacts) - {peer})
+                self.end_request(r, Outcome.Aborted if t == "abort" else Outcome.Failed,
+                                 f"prefill rank {peer}: {msg['why'][:512]}", later, tell=set(r.contacts) - {peer})
 
     def _arrivals_loop(self) -> None:
         while not self._closed:
@@ -266,19 +311,19 @@ class DecodeEndpoint(_Endpoint):
                 self._on_arrival(a)
 
     def _on_arrival(self, a: Arrival) -> None:
-        with self._guard() as later:
+        with self.guard() as later:
             r = self._recvs.get(a.request_id)
             if r is None:
                 return   # ended: its grant is gone, so no byte of it landed after the end
             if not a.ok:
-                self._end(r, KVPoll.Failed, "failed", f"a write was rejected: {a.reason}", later)
+                self.end_request(r, Outcome.Failed, f"a write was rejected: {a.reason}", later)
                 return
             try:
                 meta = ChunkMeta.unpack(a.notify)
-                if f"{meta.room}.{meta.gen}" != r.rid:
-                    raise ValueError(f"it names request {meta.room}.{meta.gen}, arrived as {r.rid}")
+                if f"{meta.room}.{meta.gen}" != r.request_id:
+                    raise ValueError(f"it names request {meta.room}.{meta.gen}, arrived as {r.request_id}")
             except ValueError as e:
-                self._end(r, KVPoll.Failed, "failed", f"chunk metadata: {e}", later)
+                self.end_request(r, Outcome.Failed, f"chunk metadata: {e}", later)
                 return
             self._on_chunk(r, meta, a.nbytes, later)
 
@@ -300,53 +345,53 @@ class DecodeEndpoint(_Endpoint):
                 r.aux = AuxRecord.unpack(meta.aux)
             except ValueError as e:
                 fail = f"bad aux record from {peer}: {e}"
-        if fail:
-            self._end(r, KVPoll.Failed, "failed", fail, later)
+        if fail or src is None or peer is None:
+            self.end_request(r, Outcome.Failed, fail or "a chunk from an unknown source", later)
             return
         if not fin:
             src.chunks.add(meta.chunk)
             src.nbytes += nbytes
         if meta.total >= 0:
             src.total, src.total_bytes = meta.total, meta.nbytes
-        if meta.aux is not None:
+        if meta.aux is not None and self.aux_buffer is not None and r.aux_slot is not None:
             self.aux_buffer.tensor[r.aux_slot] = torch.frombuffer(bytearray(meta.aux), dtype=torch.uint8)
         r.acked.add(peer)   # data can overtake the ACK; it proves that prefill rank bound the request
-        now = time.monotonic()
-        r._advance(KVPoll.Transferring, now)
+        now = self.clock()
+        r.advance(KVPoll.Transferring, now)
         r.deadline = now + self.timeouts.transfer   # progress extends the transfer deadline
         if src.total >= 0 and len(src.chunks) == src.total and src.nbytes != src.total_bytes:
-            self._end(r, KVPoll.Failed, "failed", f"{peer} declared {src.total_bytes} bytes but {src.nbytes} "
-                                                  f"arrived", later)
+            self.end_request(r, Outcome.Failed, f"{peer} declared {src.total_bytes} bytes but {src.nbytes} arrived",
+                             later)
         elif all(p.complete() for p in r.progress.values()):
             if r.aux_slot is not None and r.aux_from is not None and r.aux is None:
-                self._end(r, KVPoll.Failed, "failed", "the last chunk came without the aux record", later)
+                self.end_request(r, Outcome.Failed, "the last chunk came without the aux record", later)
             else:
-                self._end(r, KVPoll.Success, "success", "", later)
+                self.end_request(r, Outcome.Success, "", later)
 
     def _late(self, r: KVReceiver, what: str, later) -> bool:
         """End ``r`` as timed out if its deadline passed before ``what`` was handled (this process
         was stalled, say): prefill has given up by then and may reuse the KV, so a late event
         must neither start a fresh deadline nor count toward Success."""
-        if time.monotonic() <= r.deadline:
+        if self.clock() <= r.deadline:
             return False
-        self._end(r, KVPoll.Failed, "timed_out", f"timed out in {r.state.name}: {what} was handled after "
-                                                 f"the deadline", later)
+        self.end_request(r, Outcome.TimedOut, f"timed out in {r.state.name}: {what} was handled after the deadline",
+                         later)
         return True
 
     def on_peer_lost(self, peer: str, why: str) -> None:
-        with self._guard() as later:
+        with self.guard() as later:
             for r in [r for r in self._recvs.values() if peer in r.contacts]:
-                self._end(r, KVPoll.Failed, "failed", f"prefill rank {peer} {why}", later,
-                          tell=set(r.contacts) - {peer})
+                self.end_request(r, Outcome.Failed, f"prefill rank {peer} {why}", later,
+                                 tell=set(r.contacts) - {peer})
 
     def _tick(self, now: float, later) -> float:
         if self._landing:
             held = []
             for r in self._landing:
-                if self.transport.writes_pending(r.rid):
+                if self.transport.writes_pending(r.request_id):
                     held.append(r)
                 else:
-                    later.append(r._release)
+                    later.append(r.run_release)
             self._landing = held
         for r in [r for r in self._recvs.values() if now > r.deadline]:
             what = {KVPoll.Bootstrapping: ("no acknowledgement from " + ", ".join(sorted(set(r.contacts) - r.acked))
@@ -355,24 +400,23 @@ class DecodeEndpoint(_Endpoint):
                     KVPoll.Transferring: "the transfer made no progress"}[r.state]
             limit = {KVPoll.Bootstrapping: self.timeouts.bootstrap, KVPoll.WaitingForInput: self.timeouts.waiting,
                      KVPoll.Transferring: self.timeouts.transfer}[r.state]
-            self._end(r, KVPoll.Failed, "timed_out", f"timed out in {r.state.name}: {what} within {limit}s", later)
+            self.end_request(r, Outcome.TimedOut, f"timed out in {r.state.name}: {what} within {limit}s", later)
         return 0.05
 
     def _live(self) -> list[KVReceiver]:
         return list(self._recvs.values())
 
-    def _end(self, r: KVReceiver, state: KVPoll, outcome: str, reason: str, later, tell=None) -> None:
-        """End ``r`` once: forget the grant (later writes are dropped), tell the prefill ranks, release."""
-        if r.state in _END:
+    def end_request(self, r: KVReceiver, outcome: Outcome, reason: str, later, tell=None) -> None:
+        """End ``r`` once (under ``guard``): forget the grant (later writes are dropped), tell the
+        prefill ranks, count it, release (now, or once no write of it may still land)."""
+        if r.state in END_STATES:
             return
-        r.state, r.outcome, r.reason, r.ended_at = state, outcome, reason, time.monotonic()
-        self._recvs.pop(r.rid, None)
+        self._recvs.pop(r.request_id, None)
         if r.granted:
             with self._xport_lock:
-                self.transport.forget(r.rid)
-        r._done.set()   # first: the scheduler may be waiting on it
-        self._changed.notify_all()
-        if state == KVPoll.Success:   # only releases prefill's lease early: no need to wake the channel
+                self.transport.forget(r.request_id)
+        r.mark_ended(outcome, reason)   # after forget: once the scheduler sees the end, nothing more lands
+        if outcome == Outcome.Success:   # only releases prefill's lease early: no need to wake the channel
             msg, urgent = {"t": "done", "room": r.room, "gen": r.gen}, False
             tell = [k for k, ss in r.contacts.items() if ss]
         else:
@@ -383,13 +427,13 @@ class DecodeEndpoint(_Endpoint):
         nbytes = sum(p.nbytes for p in r.progress.values())
         later.append(lambda: record_request_end(self.role, r.room, outcome, reason, peers=",".join(r.contacts),
                                                 nbytes=nbytes, seconds=r.ended_at - r.created))
-        if r.granted and self.transport.writes_pending(r.rid):
+        if r.granted and self.transport.writes_pending(r.request_id):
             self._landing.append(r)
         else:
-            later.append(r._release)
+            later.append(r.run_release)
 
     def _after_close(self, later) -> None:   # no tick runs any more (an owned transport is closed)
-        later.extend(r._release for r in self._landing)
+        later.extend(r.run_release for r in self._landing)
         self._landing = []
 
     def close(self) -> None:

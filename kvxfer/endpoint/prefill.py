@@ -1,16 +1,37 @@
 """Prefill side: ``PrefillEndpoint`` (one per prefill rank) and ``KVSender`` (one per request).
 
-Who calls what, and when (the whole contract is in ``kvxfer.request``):
+Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
     start-up, once: ``PrefillEndpoint(spec, kv_pool, ...)``; ``register(url)`` (bootstrap
         registration and its heartbeats).
-    scheduler, per request, never blocks on the network: ``sender(room)``; ``send(kv_slots, ...)``
-        per chunk as prefill computes it (queued until every decode rank's grant came; a hybrid
-        SWA pool's window slots are read from its ``full_to_swa`` at that call);
-        ``poll()``; ``kv_releasable`` / ``on_release`` once prefill may reuse the KV.
+    scheduler, per request, never blocks on the network: ``sender(room, on_release=cb)``;
+        ``send(kv_slots, ..., ready=event)`` per chunk as prefill computes it (a hybrid SWA
+        pool's window slots are read from its ``full_to_swa`` at that call); ``poll()``;
+        ``cb(outcome)`` once prefill may reuse the KV, then ``kv_releasable`` is True.
     channel thread: ``on_message`` (hello / req / done / abort), ``on_peer_lost``, ``on_tick``
-        (reaps transfer handles every 5 ms while any is open, deadlines and leases every 50 ms).
-A sender ends once (``_end``): counted in ``kvxfer.metrics``, its KV then held under a lease
-until decode confirms ("done"), no transfer still reads it, or the lease runs out.
+        (every 5 ms while a transfer is open or a chunk waits for its ready event: reaps
+        handles, submits chunks whose event completed; deadlines and leases every 50 ms).
+
+Readiness: a chunk is submitted to the transport only when the request is bound (every decode
+rank's grant came) and its ``ready`` event's ``query()`` returned True; until then it waits in
+the sender's queue, and the chunks after it wait behind it (their order is the chunk order
+decode counts). ``query()`` is called by ``send`` itself (an event already complete costs no
+tick) and then by the channel thread at every tick, never blocking; kvxfer never calls
+``synchronize()`` on the sender path. An event that never completes fails the request at its
+phase deadline ("timed out ... ready event"), and nothing of that chunk is ever read.
+The engine records the event on the stream that wrote the chunk's KV (and state), after the
+writes, and calls ``send`` right away; from the event's completion until ``on_release`` it must
+not write those slots again.
+
+Chunks may be any number of tokens (plans are per token, so 1-token chunks and chunks that
+split a page land exactly). Whole pages are cheaper on page-major pools, where whole pages in a
+row coalesce into one run but a split page moves as one run per layer and K/V. Measured with
+``Planner`` + ``execute_plan`` on CPU (4,096 tokens, 16 layers, 8 heads x 64, page 16,
+page-major to page-major): chunks of 256 tokens plan 16 runs and take 25 ms; chunks of
+248 or 264 tokens plan 529 runs and take 28-33 ms. Token-major pools plan ~512 runs either way.
+Over a network the run count costs more than on CPU (one descriptor or put per run).
+
+A sender ends once (``end_request``): counted in ``kvxfer.metrics``, its KV then held under a
+lease until decode confirms ("done"), no transfer still reads it, or the lease runs out.
 """
 from __future__ import annotations
 
@@ -28,13 +49,14 @@ from ..control.wire import ChunkMeta
 from ..errors import ConnectError, LayoutError, PlanError, RequestError
 from ..layout import STATE, SWA, Layout
 from ..metrics import record_request_end, record_transfer
-from ..plan import Planner, TransferPlan
+from ..plan import Planner
 from ..pools import KVPool
-from ..ranks import RankInfo, RankSpec
+from ..ranks import RankSpec
 from ..topology import expected_decode_ranks, peer_sources
 from ..transport.base import TransferHandle, TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRecord
-from .base import _END, KVPoll, Timeouts, _Endpoint, _Request
+from .base import END_STATES, Clock, EndpointBase, KVPoll, Outcome, RequestBase, Timeouts
+from .chunks import Chunk, DecodePeer, Target, plan_chunk
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
@@ -44,89 +66,62 @@ def _count_transfers(transport: str, done: list[tuple[int, int, float]]) -> None
         record_transfer(transport, "send", nbytes, runs, seconds)
 
 
-class _DecodePeer:
-    """A decode rank that said HELLO: its record, transport peer and planners from us to it."""
-    __slots__ = ("info", "layout", "xpeer", "sources", "group", "expected", "_planners")
-
-    def __init__(self, info: RankInfo, layout: Layout, xpeer: str, sources: list, expected: frozenset):
-        self.info, self.layout, self.xpeer, self.sources, self.expected = info, layout, xpeer, sources, expected
-        self.group = (info.spec.instance, info.spec.dp_rank)
-        self._planners: dict = {}
-
-
-class _Target:
-    """One decode rank's grant inside one sender."""
-    __slots__ = ("peer", "d_rank", "gen", "rid", "kv", "prefix", "state", "swa", "window_start", "aux", "dummy",
-                 "chunks", "nbytes", "confirmed")
-
-    def __init__(self, peer: str, d_rank: int, msg: dict, kv: np.ndarray, state: np.ndarray, swa: np.ndarray):
-        self.peer, self.d_rank, self.gen = peer, d_rank, msg["gen"]
-        self.rid = f"{msg['room']}.{msg['gen']}"
-        self.kv, self.prefix, self.state = kv, msg["prefix"], state
-        # hybrid SWA: decode's window slots, for request tokens window_start .. len(kv) - 1
-        self.swa, self.window_start = swa, len(kv) - len(swa)
-        self.aux, self.dummy = msg["aux"], msg["dummy"]
-        self.chunks = self.nbytes = 0
-        self.confirmed = self.dummy     # a dummy target has nothing to confirm
-
-
-class _Chunk:
-    __slots__ = ("slots", "start", "layers", "last", "aux", "state", "swa")
-
-    def __init__(self, slots, start, layers, last, aux, state, swa):
-        self.slots, self.start, self.layers, self.last, self.aux, self.state = slots, start, layers, last, aux, state
-        self.swa = swa   # hybrid SWA: full_to_swa of ``slots`` when send() was called (0 = unmapped); else None
-
-
-class KVSender(_Request):
+class KVSender(RequestBase):
     """One request on a prefill rank; made by ``PrefillEndpoint.sender`` (see the module docstring)."""
+    endpoint: "PrefillEndpoint"
     __slots__ = ("targets", "group", "expected", "queued", "handles", "reading", "next_pos", "last_sent",
                  "lease_end", "overdue")
 
-    def __init__(self, ep: "PrefillEndpoint", room: int, on_release):
-        super().__init__(ep, room, time.monotonic() + ep.timeouts.bootstrap, on_release)
-        self.targets: dict[int, _Target] = {}
-        self.group, self.expected = None, frozenset()
-        self.queued: list[_Chunk] = []
+    def __init__(self, ep: "PrefillEndpoint", room: int, on_release: Callable[[Outcome], None] | None):
+        super().__init__(ep, room, ep.clock() + ep.timeouts.bootstrap, on_release)
+        self.targets: dict[int, Target] = {}
+        self.group: tuple[str, int] | None = None      # the decode (instance, dp rank) it is bound to
+        self.expected: frozenset[int] = frozenset()     # the decode TP ranks that must ask
+        self.queued: list[Chunk] = []   # not submitted yet: not bound, or waiting for a ready event
         self.handles: list[tuple[TransferHandle, int]] = []   # in flight: (handle, runs in its plan)
         self.reading: list[TransferHandle] = []    # handles whose transport may still read the KV
         self.next_pos, self.last_sent, self.lease_end, self.overdue = 0, False, float("inf"), False
 
     def send(self, kv_slots, *, start: int | None = None, layers: Sequence[int] | None = None, last: bool = False,
-             aux: AuxRecord | bytes | None = None, state_slots=None) -> bool:
-        """Send one chunk: the KV of tokens ``start .. start + len(kv_slots)`` (default: right after
-        the previous chunk), of ``layers`` (default: all; for per-layer-group streaming pass
-        ``start`` too). The last chunk carries ``aux`` and the state at ``state_slots``. A hybrid
-        SWA pool must have mapped (``full_to_swa``) every token of decode's window by this call.
+             aux: AuxRecord | bytes | None = None, state_slots=None, ready=None) -> bool:
+        """Scheduler, per chunk: send the KV of tokens ``start .. start + len(kv_slots)`` (default:
+        right after the previous chunk), of ``layers`` (default: all; for per-layer-group streaming
+        pass ``start`` too). The last chunk carries ``aux`` and the state at ``state_slots``. A
+        hybrid SWA pool must have mapped (``full_to_swa``) every token of decode's window by this
+        call. ``ready``: None when the KV (and state) of this chunk is written already, else an
+        object with ``query() -> bool`` (e.g. ``torch.cuda.Event`` recorded on the forward's stream
+        after it wrote them); no transport reads the chunk before ``query()`` returned True.
         Never blocks on the network; False when the request has already ended."""
-        return self._ep._send(self, kv_slots, start, layers, last, aux, state_slots)
+        return self.endpoint.send_chunk(self, kv_slots, start, layers, last, aux, state_slots, ready)
 
     @property
     def kv_releasable(self) -> bool:
-        """True once prefill may reuse this request's KV: decode confirmed, or the request ended
-        and no transfer still reads it, or the lease ran out and no transport still holds the KV
-        (``TransferHandle.source_released``). ``on_release`` runs at that moment."""
-        return self._released
+        """True once prefill may reuse this request's KV and ``on_release`` returned: decode
+        confirmed, or the request ended and no transfer still reads it, or the lease ran out and
+        no transport still holds the KV (``TransferHandle.source_released``)."""
+        return self.released
 
 
-class PrefillEndpoint(_Endpoint):
+class PrefillEndpoint(EndpointBase):
     """A prefill rank: its senders, the control ROUTER, the planners towards each decode rank."""
     role = "prefill"
 
     def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None = None,
                  transport: str | Transport = "zmq", transport_options: Mapping | None = None,
                  timeouts: Timeouts = Timeouts(), secret: str | bytes | None = None, host: str = "127.0.0.1",
-                 port: int = 0, aux_bytes: int = AUX_BYTES):
+                 port: int = 0, aux_bytes: int = AUX_BYTES, clock: Clock = time.monotonic):
+        """``clock``: seconds, for deadlines and leases (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "prefill":
             raise ValueError(f"PrefillEndpoint needs a prefill RankSpec, got role {spec.role!r}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
-                         timeouts=timeouts, secret=secret, aux_bytes=aux_bytes)
+                         timeouts=timeouts, secret=secret, aux_bytes=aux_bytes, clock=clock)
         self.source = (spec.tp_rank, spec.pp_rank)
-        self._peers: dict[str, _DecodePeer] = {}
+        self._peers: dict[str, DecodePeer] = {}
         self._senders: dict[int, KVSender] = {}               # room -> live sender
-        self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, rid) -> sender, until released
-        self._pending: dict[int, dict[str, tuple[_Target, float]]] = {}   # REQs that came before the sender
+        self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
+        self._pending: dict[int, dict[str, tuple[Target, float]]] = {}   # REQs that came before the sender
         self._busy: set[KVSender] = set()                     # senders with transfers in flight
+        self._unready: set[KVSender] = set()                  # senders whose next chunk waits for its event
         self._held: set[KVSender] = set()                     # ended, KV not yet released
         self._aborted: dict[int, tuple[str, float]] = {}      # rooms decode aborted before the sender existed
         self._next_scan = 0.0
@@ -139,17 +134,18 @@ class PrefillEndpoint(_Endpoint):
         self._registration = Registration(BootstrapClient(bootstrap, self.secret), self.info, ttl=ttl).start()
         return self._registration
 
-    def sender(self, room: int, *, on_release: Callable[[KVSender], None] | None = None) -> KVSender:
-        """A new request (Bootstrapping until every decode rank's grant arrived). ``on_release(sender)``
-        runs exactly once, when prefill may reuse the request's KV."""
-        with self._guard() as later:
+    def sender(self, room: int, *, on_release: Callable[[Outcome], None] | None = None) -> KVSender:
+        """Scheduler: a new request (Bootstrapping until every decode rank's grant arrived).
+        ``on_release(outcome)`` runs exactly once, outside the endpoint lock, when prefill may
+        reuse the request's KV; ``kv_releasable`` turns True after it returned."""
+        with self.guard() as later:
             old = self._senders.get(room)
             if old is not None:
                 raise RequestError(f"room {room} already has a live sender ({old.state.name})")
             s = KVSender(self, room, on_release)
             self._senders[room] = s
             if room in self._aborted:
-                self._end(s, KVPoll.Failed, "aborted", self._aborted.pop(room)[0], later)
+                self.end_request(s, Outcome.Aborted, self._aborted.pop(room)[0], later)
             for target, _ in self._pending.pop(room, {}).values():
                 self._bind(s, target, later)
             return s
@@ -160,7 +156,7 @@ class PrefillEndpoint(_Endpoint):
         if t == "hello":
             self._on_hello(peer, msg)
             return
-        with self._guard() as later:
+        with self.guard() as later:
             if t == "req":
                 self._on_req(peer, msg, later)
             elif t == "done":
@@ -168,7 +164,7 @@ class PrefillEndpoint(_Endpoint):
                 if s is not None:
                     for tg in s.targets.values():
                         tg.confirmed |= tg.peer == peer and tg.gen == msg["gen"]
-                    self._settle(s, time.monotonic(), later)
+                    self._settle(s, self.clock(), later)
             elif t == "abort":
                 self._on_abort(peer, msg, later)
 
@@ -181,9 +177,9 @@ class PrefillEndpoint(_Endpoint):
             if dp is None or (s is not None and s.group not in (None, dp.group)):
                 return
             if s is None:   # the sender is not made yet: it fails as soon as it is
-                self._aborted[room] = (why, time.monotonic())
+                self._aborted[room] = (why, self.clock())
                 return
-        self._end(s, KVPoll.Failed, "aborted", why, later)
+        self.end_request(s, Outcome.Aborted, why, later)
 
     def _on_hello(self, peer: str, msg: dict) -> None:
         d_info, reply = answer_hello(self.info, msg, self.transport.name)
@@ -192,9 +188,9 @@ class PrefillEndpoint(_Endpoint):
                 dl = Layout.from_dict(d_info.layout)
                 sources = peer_sources(self.spec, d_info.spec)
                 with self._xport_lock:
-                    xpeer = self.transport.connect(d_info.data[self.transport.name])
+                    xpeer = self.transport.connect(dict(d_info.data[self.transport.name]))
                 with self._lock:
-                    self._peers[peer] = _DecodePeer(d_info, dl, xpeer, sources,
+                    self._peers[peer] = DecodePeer(d_info, dl, xpeer, sources,
                                                     expected_decode_ranks(self.spec, d_info.spec))
                 self.channel.watch(peer)
                 log.info("decode rank %s connected (%d source(s) from here)", peer, len(sources))
@@ -227,14 +223,14 @@ class PrefillEndpoint(_Endpoint):
         except LayoutError as e:
             nack(f"bad request: {e}")
             return
-        target = _Target(peer, dp.info.spec.tp_rank, msg, kv, st, swa)
+        target = Target(peer, dp.info.spec.tp_rank, msg, kv, st, swa)
         s = self._senders.get(msg["room"])
         if s is None:
-            self._pending.setdefault(msg["room"], {})[peer] = (target, time.monotonic())
+            self._pending.setdefault(msg["room"], {})[peer] = (target, self.clock())
         else:
             self._bind(s, target, later)
 
-    def _check_window(self, dp: _DecodePeer, msg: dict, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
+    def _check_window(self, dp: DecodePeer, msg: dict, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
         """Decode's window slots of a request (hybrid SWA), bounds-checked; LayoutError says why not."""
         if not self.swa_window:
             if len(swa) or msg.get("swa_n"):
@@ -251,7 +247,7 @@ class PrefillEndpoint(_Endpoint):
                               f"1..{most} (sliding window {self.swa_window})")
         return swa
 
-    def _bind(self, s: KVSender, t: _Target, later) -> None:
+    def _bind(self, s: KVSender, t: Target, later) -> None:
         dp = self._peers.get(t.peer)
         why = None
         if dp is None:
@@ -264,21 +260,42 @@ class PrefillEndpoint(_Endpoint):
             old = s.targets[t.d_rank]
             if (old.peer, old.gen) != (t.peer, t.gen):
                 why = f"room {s.room} already has a grant from decode rank {t.d_rank} (gen {old.gen})"
-        if why:
+        if why or dp is None:
             self.channel.send(t.peer, {"t": "nack", "room": s.room, "gen": t.gen, "why": why})
             return
         if t.d_rank not in s.targets:
             s.group, s.expected = dp.group, dp.expected
             s.targets[t.d_rank] = t
-            self._grants[(t.peer, t.rid)] = s
+            self._grants[(t.peer, t.request_id)] = s
         self.channel.send(t.peer, {"t": "ack", "room": s.room, "gen": t.gen})
         if s.state == KVPoll.Bootstrapping and set(s.targets) >= s.expected:
-            s._advance(KVPoll.WaitingForInput, time.monotonic() + self.timeouts.waiting)
-            while s.queued and s.state not in _END:   # the rest stay queued: no Success before the last
-                self._submit(s, s.queued.pop(0), later)
+            s.advance(KVPoll.WaitingForInput, self.clock() + self.timeouts.waiting)
+            self._pump(s, later)
+
+    def _pump(self, s: KVSender, later) -> None:
+        """Submit the queued chunks of a bound sender, in order, up to the first whose ready event
+        has not completed (that sender is then polled again at every tick)."""
+        while s.queued and s.state not in END_STATES and s.state != KVPoll.Bootstrapping:
+            c = s.queued[0]
+            if c.ready is not None:
+                try:
+                    ready = bool(c.ready.query())
+                except Exception as e:   # e.g. a CUDA error surfaced by the event
+                    self.end_request(s, Outcome.Failed, f"the ready event of {c.what()} failed: {e}", later)
+                    break
+                if not ready:
+                    self._unready.add(s)
+                    return
+            s.queued.pop(0)
+            self._submit(s, c, later)
+        self._unready.discard(s)
 
     # -- chunks (scheduler thread; queued ones on the channel thread) --------------------------
-    def _send(self, s: KVSender, kv_slots, start, layers, last, aux, state_slots) -> bool:
+    def send_chunk(self, s: KVSender, kv_slots, start, layers, last, aux, state_slots, ready) -> bool:
+        """The body of ``KVSender.send`` (call that): check the chunk, queue it, submit what may go."""
+        if ready is not None and not callable(getattr(ready, "query", None)):
+            raise TypeError(f"ready must have a query() method saying whether the chunk's KV is written (e.g. a "
+                            f"torch.cuda.Event), got {type(ready).__name__}")
         slots = self.layout.check_slots(self.token_space, np.array(kv_slots), "kv_slots")
         st = self.layout.check_slots(STATE, np.array(state_slots), "state_slots") if state_slots is not None else None
         # read the window mapping now: the engine may remap these slots before a queued chunk is planned
@@ -289,8 +306,8 @@ class PrefillEndpoint(_Endpoint):
             aux = aux.pack(self.aux_bytes)
         if aux is not None and len(aux) != self.aux_bytes:
             raise RequestError(f"aux record is {len(aux)} bytes, this endpoint's aux_bytes is {self.aux_bytes}")
-        with self._guard() as later:
-            if s.state in _END:
+        with self.guard() as later:
+            if s.state in END_STATES:
                 return False
             if s.last_sent:
                 raise RequestError(f"room {s.room}: send() after the last chunk")
@@ -299,61 +316,39 @@ class PrefillEndpoint(_Endpoint):
                 raise RequestError(f"chunk start {begin} is negative")
             s.next_pos = max(s.next_pos, begin + len(slots))
             s.last_sent = bool(last)
-            c = _Chunk(slots, begin, None if layers is None else frozenset(int(x) for x in layers), bool(last),
-                       aux, st, swa)
-            if s.state == KVPoll.Bootstrapping:
-                s.queued.append(c)
-            else:
-                self._submit(s, c, later)
+            s.queued.append(Chunk(slots, begin, None if layers is None else frozenset(int(x) for x in layers),
+                                   bool(last), aux, st, swa, ready))
+            self._pump(s, later)
             return s.state != KVPoll.Failed
 
-    def _planners(self, dp: _DecodePeer, layers: frozenset | None, kinds: list) -> list[Planner]:
+    def _planners_for(self, dp: DecodePeer, layers: frozenset | None, kinds: list) -> list[Planner]:
         key = (layers, tuple(kinds))
-        if key not in dp._planners:
+        if key not in dp.planners:
             made = [self._planner(self.layout, dp.layout, s.src_heads, s.dst_heads,
                                   s.layers if layers is None else sorted(layers & set(s.layers)), kinds)
                     for s in dp.sources]
-            dp._planners[key] = [p for p in made if p is not None]
-        return dp._planners[key]
+            dp.planners[key] = [p for p in made if p is not None]
+        return dp.planners[key]
 
-    def _submit(self, s: KVSender, c: _Chunk, later) -> None:
-        now = time.monotonic()
-        s._advance(KVPoll.Transferring, now)
+    def _submit(self, s: KVSender, c: Chunk, later) -> None:
+        now = self.clock()
+        s.advance(KVPoll.Transferring, now)
         s.deadline = now + self.timeouts.transfer
         try:
             for t in s.targets.values():
                 self._submit_to(s, t, c)
         except (RequestError, LayoutError, PlanError) as e:
-            self._end(s, KVPoll.Failed, "failed", str(e), later)
+            self.end_request(s, Outcome.Failed, str(e), later)
             return
         self._settle(s, now, later)
 
-    def _submit_to(self, s: KVSender, t: _Target, c: _Chunk) -> None:
+    def _submit_to(self, s: KVSender, t: Target, c: Chunk) -> None:
         if t.dummy:
             return
         dp = self._peers[t.peer]
-        end = c.start + len(c.slots)
-        if end > len(t.kv):
-            raise RequestError(f"chunk reaches token {end} but decode rank {t.d_rank} granted {len(t.kv)}")
-        if c.last and s.next_pos != len(t.kv):   # decode would reach Success with tokens never written
-            raise RequestError(f"the chunks end at token {s.next_pos} but decode rank {t.d_rank} granted "
-                               f"{len(t.kv)} tokens: tokens {s.next_pos}..{len(t.kv) - 1} would never arrive")
-        skip = min(max(t.prefix - c.start, 0), len(c.slots))    # tokens decode already has
-        src, dst = {self.token_space: c.slots[skip:]}, {self.token_space: t.kv[c.start + skip:end]}
-        if self.swa_window:
-            src[SWA], dst[SWA] = self._window_part(c, t, c.start + skip, end)
-        plans = [pl.plan(src, dst)
-                 for pl in self._planners(dp, c.layers, self.kv_kinds)] if len(src[self.token_space]) else []
-        if c.last:
-            st = c.state if c.state is not None else np.zeros(0, np.int64)
-            if len(st) != len(t.state):
-                raise RequestError(f"state: the last chunk has {len(st)} slot(s), decode rank {t.d_rank} "
-                                   f"granted {len(t.state)}")
-            if len(st):
-                plans += [pl.plan({STATE: st}, {STATE: t.state}) for pl in self._planners(dp, None, self.state_kinds)]
-            if t.aux and c.aux is None:
-                raise RequestError("decode asked for the aux record but the last chunk carries none")
-        plan = TransferPlan.concat(plans)
+        plan = plan_chunk(c, t, next_pos=s.next_pos, token_space=self.token_space, hybrid=bool(self.swa_window),
+                          kv_planners=self._planners_for(dp, c.layers, self.kv_kinds),
+                          state_planners=self._planners_for(dp, None, self.state_kinds) if c.last else [])
         aux = c.aux if c.last and t.aux else None
         if plan.nbytes == 0:
             if c.last:   # nothing left to move: say so on the control channel
@@ -363,31 +358,16 @@ class PrefillEndpoint(_Endpoint):
         meta = ChunkMeta(s.room, t.gen, self.source, t.chunks, t.chunks + 1 if c.last else -1,
                          t.nbytes + plan.nbytes if c.last else -1, aux)
         with self._xport_lock:
-            h = self.transport.submit(dp.xpeer, t.rid, plan, timeout=self.timeouts.transfer, notify=meta.pack())
+            h = self.transport.submit(dp.xpeer, t.request_id, plan, timeout=self.timeouts.transfer, notify=meta.pack())
         t.chunks, t.nbytes = t.chunks + 1, t.nbytes + plan.nbytes
         s.handles.append((h, plan.num_runs))
         s.reading.append(h)
         self._busy.add(s)
 
-    @staticmethod
-    def _window_part(c: _Chunk, t: _Target, first: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source, destination) "swa" slots of request tokens ``first .. end - 1`` that fall in
-        decode's window; RequestError when one of them has no window slot here (never send garbage)."""
-        first = max(first, t.window_start)
-        if first >= end:
-            return np.zeros(0, np.int64), np.zeros(0, np.int64)
-        src = c.swa[first - c.start:end - c.start]
-        unmapped = np.flatnonzero(src == 0)
-        if len(unmapped):
-            raise RequestError(f"{len(unmapped)} token(s) of decode's sliding window (tokens {t.window_start}.."
-                               f"{len(t.kv) - 1}), first token {first + int(unmapped[0])}, have no sliding-window "
-                               f"slot on prefill (full_to_swa is 0): evicted or never written")
-        return src, t.swa[first - t.window_start:end - t.window_start]
-
     # -- completion, deadlines, leases --------------------------------------------------------
     def _settle(self, s: KVSender, now: float, later) -> None:
         """Reap finished transfers, reach Success or Failed, release the KV when the lease allows."""
-        pending, failed, done = [], None, []
+        pending, failed, done, real = [], None, [], time.monotonic()
         for h, runs in s.handles:
             st = h.poll()
             if st == TransferStatus.PENDING:
@@ -395,7 +375,7 @@ class PrefillEndpoint(_Endpoint):
             elif st == TransferStatus.FAILED:
                 failed = failed or f"transfer failed: {h.error}"
             else:
-                done.append((h.nbytes, runs, now - h.started))   # seconds: submit -> reaped (<= 1 tick late)
+                done.append((h.nbytes, runs, real - h.started))   # real seconds: submit -> reaped (<= 1 tick late)
                 if s.state == KVPoll.Transferring:
                     s.deadline = now + self.timeouts.transfer   # progress
         s.handles = pending
@@ -405,9 +385,9 @@ class PrefillEndpoint(_Endpoint):
             self._busy.discard(s)
         confirmed = all(t.confirmed for t in s.targets.values())
         if failed:
-            self._end(s, KVPoll.Failed, "failed", failed, later)
+            self.end_request(s, Outcome.Failed, failed, later)
         elif s.state == KVPoll.Transferring and s.last_sent and not s.queued and (not pending or confirmed):
-            self._end(s, KVPoll.Success, "success", "", later)
+            self.end_request(s, Outcome.Success, "", later)
         else:
             self._release_if_due(s, now, later)
 
@@ -433,30 +413,28 @@ class PrefillEndpoint(_Endpoint):
                           s.room, self.timeouts.lease)
             self._held.discard(s)
             for t in s.targets.values():
-                self._grants.pop((t.peer, t.rid), None)
-            later.append(s._release)
+                self._grants.pop((t.peer, t.request_id), None)
+            later.append(s.run_release)
 
     def on_peer_lost(self, peer: str, why: str) -> None:
-        with self._guard() as later:
+        with self.guard() as later:
             for room in list(self._pending):
                 self._pending[room].pop(peer, None)
             for s in list(self._senders.values()):
                 if any(t.peer == peer for t in s.targets.values()):
-                    self._end(s, KVPoll.Failed, "failed", f"decode rank {peer} {why}", later)
+                    self.end_request(s, Outcome.Failed, f"decode rank {peer} {why}", later)
 
     def _tick(self, now: float, later) -> float:
+        for s in list(self._unready):
+            self._pump(s, later)
         for s in list(self._busy):
             self._settle(s, now, later)
-        if now >= self._next_scan:
-            self._next_scan = now + 0.05
+        real = time.monotonic()   # the scan's cadence is CPU cost, not a deadline: real time
+        if real >= self._next_scan:
+            self._next_scan = real + 0.05
             for s in [s for s in self._senders.values() if now > s.deadline]:
-                what = {KVPoll.Bootstrapping: "no request from " + (
-                            "decode rank(s) " + ", ".join(map(str, sorted(set(s.expected) - set(s.targets))))
-                            if s.group else "any decode rank"),
-                        KVPoll.WaitingForInput: "no chunk was sent",
-                        KVPoll.Transferring: "the transfer made no progress"}[s.state]
-                self._end(s, KVPoll.Failed, "timed_out", f"timed out in {s.state.name}: {what} within the deadline",
-                          later)
+                self.end_request(s, Outcome.TimedOut, f"timed out in {s.state.name}: {self._stalled(s)} within the "
+                                                      f"deadline", later)
             for s in list(self._held):
                 self._settle(s, now, later)
             for room, (_, since) in list(self._aborted.items()):
@@ -470,29 +448,39 @@ class PrefillEndpoint(_Endpoint):
                                                  "why": f"no prefill request for room {room} on {self.spec.key}"})
                 if not reqs:
                     del self._pending[room]
-        return 0.005 if self._busy else 0.05   # reaping handles is not on decode's critical path
+        return 0.005 if self._busy or self._unready else 0.05   # reaping is not on decode's critical path
+
+    @staticmethod
+    def _stalled(s: KVSender) -> str:
+        """What a sender past its deadline was waiting for, in words."""
+        if s.state == KVPoll.Bootstrapping:
+            return "no request from " + ("decode rank(s) " + ", ".join(map(str, sorted(set(s.expected) -
+                                                                                      set(s.targets))))
+                                         if s.group else "any decode rank")
+        if s.queued and s.queued[0].ready is not None:
+            return f"the ready event of {s.queued[0].what()} did not complete (query() stayed False)"
+        return "no chunk was sent" if s.state == KVPoll.WaitingForInput else "the transfer made no progress"
 
     def _live(self) -> list[KVSender]:
         return list(self._senders.values())
 
-    def _end(self, s: KVSender, state: KVPoll, outcome: str, reason: str, later) -> None:
-        if s.state in _END:
+    def end_request(self, s: KVSender, outcome: Outcome, reason: str, later) -> None:
+        """End ``s`` once (under ``guard``): tell decode on failure, count it, hold its KV under the lease."""
+        if not s.mark_ended(outcome, reason):
             return
-        s.state, s.outcome, s.reason, s.ended_at = state, outcome, reason, time.monotonic()
+        self._unready.discard(s)
         if self._senders.get(s.room) is s:
             del self._senders[s.room]
-        if state == KVPoll.Failed:
+        if outcome != Outcome.Success:
             notified = {t.peer for t in s.targets.values()}
             for t in s.targets.values():
                 self.channel.send(t.peer, {"t": "abort", "room": s.room, "gen": t.gen, "why": reason[:1024]})
             for peer, (t, _) in self._pending.pop(s.room, {}).items():
                 if peer not in notified:
                     self.channel.send(peer, {"t": "abort", "room": s.room, "gen": t.gen, "why": reason[:1024]})
-        now = time.monotonic()
+        now = self.clock()
         s.lease_end = now + self.timeouts.lease
         self._held.add(s)
-        s._done.set()
-        self._changed.notify_all()
         peers, nbytes = ",".join(t.peer for t in s.targets.values()), sum(t.nbytes for t in s.targets.values())
         later.append(lambda: record_request_end(self.role, s.room, outcome, reason, peers=peers, nbytes=nbytes,
                                                 seconds=s.ended_at - s.created))
@@ -507,7 +495,7 @@ class PrefillEndpoint(_Endpoint):
         if self._held:   # no tick will reap their transfers now: the leases end here
             log.info("prefill endpoint closing: releasing the KV of %d request(s) still under lease", len(self._held))
         for s in list(self._held):
-            self._release_if_due(s, time.monotonic(), later, closing=True)
+            self._release_if_due(s, self.clock(), later, closing=True)
 
 
 __all__ = ["PrefillEndpoint", "KVSender"]
