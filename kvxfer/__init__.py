@@ -49,14 +49,14 @@ __all__ = [
     "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
     # control plane and offload (loaded on first use: they bring pyzmq and aiohttp)
     "RankSpec", "BootstrapServer", "BootstrapClient", "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
-    "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll",
+    "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll", "Outcome", "LocalGroup",
     "HostPool", "DecodeOffloadManager",
 ]
 
 _LAZY = {
     "RankSpec": "ranks", "BootstrapServer": "control.bootstrap", "BootstrapClient": "control.client",
     "KVPoll": "endpoint", "Timeouts": "endpoint", "AuxRecord": "endpoint", "AuxBuffer": "endpoint",
-    "reduce_poll": "endpoint", "PrefillEndpoint": "endpoint", "KVSender": "endpoint",
+    "reduce_poll": "endpoint", "Outcome": "endpoint", "LocalGroup": "endpoint", "PrefillEndpoint": "endpoint", "KVSender": "endpoint",
     "DecodeEndpoint": "endpoint", "KVReceiver": "endpoint", "HostPool": "pools", "DecodeOffloadManager": "offload",
 }
 

@@ -28,7 +28,7 @@ PUBLIC = [
     "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
     # control plane and offload, loaded lazily
     "RankSpec", "BootstrapServer", "BootstrapClient", "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
-    "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll",
+    "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll", "Outcome", "LocalGroup",
     "HostPool", "DecodeOffloadManager",
 ]
 
