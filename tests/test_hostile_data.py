@@ -103,13 +103,12 @@ def test_one_bad_frame_does_not_fail_a_live_request(pair, attacker, bad):
     after_attack(pair, before)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: kv_releasable turns True before on_release has run")
 def test_kv_releasable_only_after_on_release_returned(pair):
     before = snapshot()
     r, d_slots = pair.receiver()
     p_slots = pair.p.alloc.alloc(len(d_slots))
     seen = []
-    s = pair.p.ep.sender(r.room, on_release=lambda snd: seen.append(snd.kv_releasable))
+    s = pair.p.ep.sender(r.room, on_release=lambda outcome: seen.append(s.kv_releasable))
     try:
         s.send(p_slots, last=True)
         assert r.wait(8) == KVPoll.Success and s.wait(8) == KVPoll.Success
