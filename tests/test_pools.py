@@ -506,7 +506,7 @@ def test_hybrid_swa_pool_of_100_gb_builds_its_layout_without_host_memory(monkeyp
     def guarded(real):
         def alloc(*a, **kw):   # checked before allocating: the old code would zero-fill 100 GB
             size = a[0] if len(a) == 1 and not isinstance(a[0], int) else a
-            nbytes = int(np.prod(size)) * torch.empty(0, dtype=kw.get("dtype") or torch.float32).element_size()
+            nbytes = int(np.prod(size)) * (kw.get("dtype") or torch.float32).itemsize
             device = torch.device(kw.get("device") or "cpu")
             assert device.type == "meta" or nbytes < 64 << 20, f"{nbytes} bytes on {device} for a meta pool"
             return real(*a, **kw)
