@@ -5,8 +5,7 @@ import json
 import subprocess
 import sys
 
-from kvxfer.cli import COMMANDS
-from kvxfer.cli import doctor
+from kvxfer.cli import COMMANDS, doctor
 
 RDMA_HOST = """# Memory domain: mlx5_0
 #     Component: ib
