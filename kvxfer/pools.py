@@ -230,10 +230,17 @@ class KVPool:
             s = self.layout.check_slots(space, s)
         return torch.from_numpy(np.ascontiguousarray(s, dtype=np.int64)).to(self.device)
 
-    def _index(self, p: Part, slots, trusted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _index(self, p: Part, slots, trusted: bool = False, memo: dict | None = None) -> tuple[torch.Tensor, ...]:
+        """(page, in-page slot) index tensors of ``slots`` in ``p``'s space; ``memo`` keeps them
+        per space for one call, so host slots are checked and uploaded once per call."""
+        if memo is not None and p.space in memo:
+            return memo[p.space]
         t = self._slot_index(p.space, slots, trusted)
         page_size = self.layout.space(p.space).page_size
-        return torch.div(t, page_size, rounding_mode="floor"), torch.remainder(t, page_size)
+        out = torch.div(t, page_size, rounding_mode="floor"), torch.remainder(t, page_size)
+        if memo is not None:
+            memo[p.space] = out
+        return out
 
     # -- typed part access -------------------------------------------------------------
     def get_part(self, layer: int, kind: str, slots) -> torch.Tensor:
@@ -242,8 +249,9 @@ class KVPool:
         page, off = self._index(p, slots)
         return self._part_view(p)[page, off].view(torch_dtype(p.dtype))   # [tokens, heads, head_dim]
 
-    def _prepare(self, p: Part, slots, data: torch.Tensor, name: str, trusted: bool = False):
-        page, off = self._index(p, slots, trusted)
+    def _prepare(self, p: Part, slots, data: torch.Tensor, name: str, trusted: bool = False,
+                 memo: dict | None = None):
+        page, off = self._index(p, slots, trusted, memo)
         want = (page.shape[0], p.heads, p.head_dim)
         if tuple(data.shape) != want:
             raise LayoutError(f"{name} for layer {p.layer} has shape {tuple(data.shape)}, expected {want} "
@@ -260,8 +268,9 @@ class KVPool:
         """Write several parts of one layer; every argument is checked before any byte is written.
         One ``index_put_`` per part on the pool's device (capturable in a CUDA graph when the
         slots and tensors are on the device). ``trusted``: the caller checked host slots."""
+        memo: dict = {}
         ready = [(self.layout.part(layer, kind),
-                  *self._prepare(self.layout.part(layer, kind), slots, t, kind, trusted)) for kind, t in named]
+                  *self._prepare(self.layout.part(layer, kind), slots, t, kind, trusted, memo)) for kind, t in named]
         for p, page, off, raw in ready:
             self._part_view(p).index_put_((page, off), raw)
 

@@ -195,3 +195,12 @@ def test_batched_execution_equals_the_host_path(name: str, target: str) -> None:
     execute_plan_batched(plan, src.regions(), dst_b.regions())   # cached: the same bytes again
     for a, b in zip(dst_a.buffers, dst_b.buffers):
         assert torch.equal(a, b)
+
+
+def test_host_slots_are_uploaded_once_per_write_not_once_per_part() -> None:
+    """K, V and their scales share one index upload per call (one per slot space)."""
+    pool = pools(META)["mha-page_major"]
+    tensors, extra = kv_on(pool, 3, 5, META)
+    with HostToDevice() as mode:
+        pool.set_kv_buffer(3, np.array([4, 5, 6, 9, 17]), *tensors, **extra)   # k, v, k_scale, v_scale
+    assert mode.uploads == 1
