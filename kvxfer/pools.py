@@ -435,11 +435,25 @@ class HybridSWAPool(KVPool):
         self.window = int(window)
         self.full_to_swa = np.zeros(num_pages * page_size, dtype=np.int64)
         super().__init__(hybrid_swa_layout(full, swa), device)
-        self.full_to_swa_device = torch.zeros(num_pages * page_size, dtype=torch.int64, device=self.device)
+        # on the CPU the mirror is the same memory; on a device, change the map only through
+        # map_swa / unmap_swa / load_swa_map, which keep both
+        self.full_to_swa_device = (torch.from_numpy(self.full_to_swa) if self.device.type == "cpu" else
+                                   torch.zeros(num_pages * page_size, dtype=torch.int64, device=self.device))
 
     def _mirror(self, full: np.ndarray, swa: np.ndarray) -> None:
         self.full_to_swa[full] = swa
-        self.full_to_swa_device[torch.from_numpy(full).to(self.device)] = torch.from_numpy(swa).to(self.device)
+        if self.device.type != "cpu":
+            self.full_to_swa_device[torch.from_numpy(full).to(self.device)] = torch.from_numpy(swa).to(self.device)
+
+    def load_swa_map(self, full_to_swa: np.ndarray) -> None:
+        """Replace the whole map (e.g. copied from another pool); 0 = not mapped."""
+        m = np.asarray(full_to_swa, dtype=np.int64)
+        if m.shape != self.full_to_swa.shape:
+            raise LayoutError(f"load_swa_map: map of shape {m.shape}, this pool's is {self.full_to_swa.shape}")
+        mapped = m[m != 0]
+        if len(mapped):
+            self.layout.check_slots(SWA, mapped, "full_to_swa")
+        self._mirror(np.arange(len(m)), m)
 
     def map_swa(self, full_slots, swa_slots) -> None:
         full = self.layout.check_slots(TOKEN, _host_array(full_slots), "full_slots")

@@ -204,3 +204,22 @@ def test_host_slots_are_uploaded_once_per_write_not_once_per_part() -> None:
     with HostToDevice() as mode:
         pool.set_kv_buffer(3, np.array([4, 5, 6, 9, 17]), *tensors, **extra)   # k, v, k_scale, v_scale
     assert mode.uploads == 1
+
+
+def test_hybrid_swa_map_reaches_device_slots_however_it_is_changed() -> None:
+    """Tensor slots map through the device mirror: map_swa, unmap_swa and load_swa_map keep it
+    equal to the host map (on the CPU they are the same memory)."""
+    for device in ("cpu", META):
+        pool = HybridSWAPool(full_layers=[0], swa_layers=[1], heads=2, head_dim=4, dtype="bfloat16",
+                             num_pages=16, swa_num_pages=6, page_size=PAGE, window=6, device=device)
+        pool.map_swa(np.arange(4, 10), np.arange(8, 14))
+        pool.unmap_swa(np.arange(4, 6))
+        other = HybridSWAPool(full_layers=[0], swa_layers=[1], heads=2, head_dim=4, dtype="bfloat16",
+                              num_pages=16, swa_num_pages=6, page_size=PAGE, window=6, device=device)
+        other.load_swa_map(pool.full_to_swa)
+        if device == "cpu":
+            for p in (pool, other):
+                assert np.array_equal(p.full_to_swa_device.numpy(), p.full_to_swa)
+                assert p.space_slots("swa", torch.arange(4, 10)).tolist() == [0, 0, 10, 11, 12, 13]
+        with pytest.raises(Exception, match="full_to_swa"):
+            other.load_swa_map(np.full_like(pool.full_to_swa, 99))

@@ -250,7 +250,7 @@ def check_head_slicing(row: Row) -> None:
         p_slots = _request(p_pools[0], rng)
         for other in p_pools[1:]:   # every P rank holds the request in the same slots
             if isinstance(other, HybridSWAPool):
-                other.full_to_swa[:] = p_pools[0].full_to_swa
+                other.load_swa_map(p_pools[0].full_to_swa)
         # The model's whole KV per part, by global head: concatenated over P ranks.
         cells = [_cells(pool, p_slots) for pool in p_pools]
         full = {key: (pos, val if row.replicated else torch.cat([c[key][1] for c in cells], dim=1))
@@ -304,7 +304,7 @@ def check_offload(row: Row) -> str | None:
         # The engine frees the device slots and reuses them: scribble over the request.
         _fill(pool, 8)
         if isinstance(pool, HybridSWAPool):
-            pool.full_to_swa[:] = 0
+            pool.load_swa_map(np.zeros_like(pool.full_to_swa))
         # fresh slots; a hybrid pool maps window slots for the positions the host holds
         new = _request(pool, rng, avoid=slots, window=mgr.positions("r0").get("swa"))
         guard = _guarded(pool, new)
