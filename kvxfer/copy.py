@@ -34,6 +34,12 @@ from .plan import BIG_RUN, FEW_RUNS, RunGroup, Runs, TransferPlan
 # copy_runs (local copies) moves runs shorter than this as rows of one index_select / scatter.
 COPY_ONE_BY_ONE = 1 << 20
 
+# On a device (``execute_plan_batched``), runs at least this long are one copy each (a DMA or
+# copy kernel per run); shorter ones move as rows of one gather + scatter per region pair.
+# Not measured yet: scripts/gpu_check.py (check "executor/device-threshold") times both ways
+# at 64 KiB..4 MiB per run on the GPU and prints the crossover to put here.
+DEVICE_COPY_ONE_BY_ONE = 1 << 20
+
 
 # ... in pieces of evenly spaced rows, while a piece averages at least this many bytes.
 PIECE_BYTES = 64 * 1024
@@ -122,15 +128,15 @@ def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 class _PairMove:
-    """The runs between one source and one destination region: runs of >= COPY_ONE_BY_ONE
+    """The runs between one source and one destination region: runs of >= ``one_by_one``
     bytes as slice copies, the others as rows of ``unit`` bytes, gathered with ``src_index``
     (or the slice ``src_span``) and scattered with ``dst_index`` (or ``dst_span``)."""
     __slots__ = ("src", "dst", "big", "unit", "src_span", "dst_span", "src_index", "dst_index")
 
     def __init__(self, src: int, dst: int, so: np.ndarray, do: np.ndarray, n: np.ndarray,
-                 s_dev: torch.device, d_dev: torch.device):
+                 s_dev: torch.device, d_dev: torch.device, one_by_one: int):
         self.src, self.dst = src, dst
-        big = n >= COPY_ONE_BY_ONE
+        big = n >= one_by_one
         self.big = list(zip(so[big].tolist(), do[big].tolist(), n[big].tolist()))
         so, do, n = so[~big], do[~big], n[~big]
         self.unit = _unit(so, do, n) if len(n) else 0
@@ -162,7 +168,8 @@ def _pair_moves(runs: Runs, src_regions: Sequence[torch.Tensor],
     sr, so, dr, do, n = runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset, runs.nbytes
     pair = sr * (len(dst_regions) + 1) + dr
     return [_PairMove(int(sr[idx[0]]), int(dr[idx[0]]), so[idx], do[idx], n[idx],
-                      src_regions[int(sr[idx[0]])].device, dst_regions[int(dr[idx[0]])].device)
+                      src_regions[int(sr[idx[0]])].device, dst_regions[int(dr[idx[0]])].device,
+                      DEVICE_COPY_ONE_BY_ONE)
             for _, idx in _by_region(pair)]
 
 

@@ -15,6 +15,8 @@ same buffers, so the reference never runs on the GPU):
 executor/<pool>/<path>  every pool layout, plan GPU->GPU, GPU->pinned (layer-first and
                         page-first host layouts) and pinned->GPU: byte-exact; GPU->GPU
                         bandwidth against one device copy of the same bytes.
+executor/device-threshold  one copy per run vs one gather + scatter, by run size: the
+                        measured crossover for ``kvxfer.copy.DEVICE_COPY_ONE_BY_ONE``.
 pools/<pool>            set_kv_buffer / get_kv_buffer / prefix-valid writes with device slot
                         tensors, byte-exact against a CPU pool; set_kv_buffer captured in a
                         CUDA graph and replayed with new data.
@@ -262,6 +264,37 @@ def check_pool_writes(ctx: Ctx, name: str, make) -> str:
         expect(same(pool.buffers, ref.buffers), "the CUDA-graph replay of set_kv_buffer differs from the CPU pool")
         msg += ", captured in a CUDA graph and replayed byte-exact"
     return msg
+
+
+def check_device_threshold(ctx: Ctx) -> str:
+    """Runs of one size scattered over 256 MiB: one copy per run vs rows of one gather +
+    scatter, at 64 KiB .. 4 MiB per run; the crossover is copy.DEVICE_COPY_ONE_BY_ONE."""
+    import kvxfer.copy as copy_module
+    from kvxfer.plan import RunGroup, TransferPlan
+    total = 256 << 20
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8, device=ctx.device)
+    dst = torch.zeros_like(src)
+    rng = np.random.default_rng(1)
+    z = np.zeros(1, np.int64)
+    rows, crossover = [], None
+    saved = copy_module.DEVICE_COPY_ONE_BY_ONE
+    try:
+        for size in (64 << 10, 256 << 10, 1 << 20, 4 << 20):
+            count = total // size // 2
+            s = rng.permutation(total // size)[:count].astype(np.int64) * size
+            d = rng.permutation(total // size)[:count].astype(np.int64) * size
+            times = {}
+            for how, limit in (("one-by-one", size), ("gathered", size + 1)):
+                copy_module.DEVICE_COPY_ONE_BY_ONE = limit
+                plan = TransferPlan((RunGroup(z, z, z, z, s, d, np.full(count, size, np.int64), False),))
+                times[how] = timed(ctx, lambda plan=plan: copy_module.execute_plan_batched(plan, [src], [dst]), 3)
+            rows.append(f"{size >> 10} KiB: one-by-one {count * size / times['one-by-one'] / 1e9:.0f} GB/s, "
+                        f"gathered {count * size / times['gathered'] / 1e9:.0f} GB/s")
+            if crossover is None and times["one-by-one"] < times["gathered"]:
+                crossover = size
+    finally:
+        copy_module.DEVICE_COPY_ONE_BY_ONE = saved
+    return "; ".join(rows) + f"; one-by-one wins from {crossover} bytes (constant: {saved})"
 
 
 # ------------------------------------------------------------------------------------
@@ -595,6 +628,7 @@ def main(argv: list[str] | None = None) -> int:
             run(ctx, f"executor/{name}/{path}", check_executor, name, make, path)
         run(ctx, f"pools/{name}", check_pool_writes, name, make)
     if ctx.cuda:
+        run(ctx, "executor/device-threshold", check_device_threshold)
         run(ctx, "race/executor", check_race_executor)
         run(ctx, "race/offload", check_race_offload)
         for tname in ("local", "zmq", "ucx"):

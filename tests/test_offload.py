@@ -580,7 +580,9 @@ def test_ready_must_be_an_event_like_object():
     with DecodeOffloadManager(pool, HostPool.for_pool(pool, size=64), OffloadConfig(stride=8)) as mgr:
         toks, slots = np.arange(8), eng.alloc(8)
         with pytest.raises(RequestError, match="query\\(\\) and synchronize\\(\\)"):
-            mgr.step([("r", toks, slots)], ready=object())
+            mgr.step([("r", toks[:3], slots[:3])], ready=object())   # refused even with nothing to copy
+        with pytest.raises(RequestError, match="query\\(\\) and synchronize\\(\\)"):
+            mgr.release("r", toks, slots, ready=object())
 
 
 def test_group_must_be_cpu_capable(monkeypatch):

@@ -135,6 +135,13 @@ def group_min(values: Sequence[int], group, timeout_s: float) -> list[int]:
     return t.tolist()
 
 
+def _check_ready(ready) -> None:
+    if ready is not None and not (callable(getattr(ready, "query", None))
+                                  and callable(getattr(ready, "synchronize", None))):
+        raise RequestError(f"ready must have query() and synchronize() (a torch.cuda.Event), got "
+                           f"{type(ready).__name__}")
+
+
 def check_cpu_group(group, who: str) -> None:
     """Refuse a process group whose collectives cannot take CPU tensors (NCCL): agreement and
     offload all-reduce small CPU tensors. ``None`` (a single rank) passes."""
@@ -203,6 +210,7 @@ class DecodeOffloadManager:
         call; returns how many copies it queued. O(1) per request between stride boundaries.
         ``ready``: completes when this step's KV is written (see the module docstring); the
         queued copies read nothing before it."""
+        _check_ready(ready)
         queued = []
         for rid, token_ids, slots in batch:
             req = self._requests.get(rid) or self._requests.setdefault(rid, _Request(rid))
@@ -216,6 +224,7 @@ class DecodeOffloadManager:
         """The engine suspends or finishes ``rid`` and stops writing its KV: queue what is not on
         host yet. Its device slots stay the engine's until ``poll()`` lists it. ``ready``: as
         for ``step`` (the last KV writes of ``rid``)."""
+        _check_ready(ready)
         req = self._requests.get(rid) or self._requests.setdefault(rid, _Request(rid))
         if req.phase != "running":
             raise RequestError(f"release: request {rid} is {req.phase}, not running")
@@ -475,10 +484,6 @@ class DecodeOffloadManager:
     def _enqueue(self, recs: list[Record | None], ready=None) -> int:
         recs = [r for r in recs if r is not None]
         if recs:
-            if ready is not None and not (callable(getattr(ready, "query", None))
-                                          and callable(getattr(ready, "synchronize", None))):
-                raise RequestError(f"ready must have query() and synchronize() (a torch.cuda.Event), got "
-                                   f"{type(ready).__name__}")
             event = ready
             if event is None and self._cuda:
                 event = torch.cuda.current_stream(self.pool.device).record_event()
