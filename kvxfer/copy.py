@@ -3,12 +3,27 @@
 ``execute_plan`` copies a plan between two lists of regions in one process (local transport,
 offload, reload); ``gather_runs`` / ``scatter_runs`` pack runs into and out of one contiguous
 staging block (network transports); ``copy_runs`` copies flat run arrays. Index arrays are built
-with numpy and moved once per call; no Python loop per run where the count can be large.
+with numpy; no Python loop per run where the count can be large.
+
+Two executions of the same plan, chosen by where the regions live:
+
+- host regions (both sides on the CPU): the tuned row moves below (numpy memcpy of void rows,
+  strided views where rows are evenly spaced), measured by ``scripts/bench_*``;
+- any device region (CUDA, or ``meta`` in the tests): ``execute_plan_batched``: per group and
+  region pair, one gather and one scatter (``index_select`` / ``index_copy_``) with index
+  tensors built once per plan, uploaded once and cached on the device keyed by the plan
+  (``DEVICE_INDEX_CACHE`` entries, LRU). Nothing reads device data on the host, nothing
+  synchronizes: the copy is enqueued on the current stream (callers order it with events).
+  ``copy_runs``, ``gather_runs`` and ``scatter_runs`` take ``key=`` (the plan or group the
+  runs came from) to use the same cache; ``STATS`` counts index uploads.
 """
 from __future__ import annotations
 
+import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -18,6 +33,12 @@ from .plan import BIG_RUN, FEW_RUNS, RunGroup, Runs, TransferPlan
 
 # copy_runs (local copies) moves runs shorter than this as rows of one index_select / scatter.
 COPY_ONE_BY_ONE = 1 << 20
+
+# On a device (``execute_plan_batched``), runs at least this long are one copy each (a DMA or
+# copy kernel per run); shorter ones move as rows of one gather + scatter per region pair.
+# Not measured yet: scripts/gpu_check.py (check "executor/device-threshold") times both ways
+# at 64 KiB..4 MiB per run on the GPU and prints the crossover to put here.
+DEVICE_COPY_ONE_BY_ONE = 1 << 20
 
 
 # ... in pieces of evenly spaced rows, while a piece averages at least this many bytes.
@@ -73,12 +94,143 @@ def _by_region(region: np.ndarray):
         yield int(region[idx[0]]), idx
 
 
+# ------------------------------------------------------------------------------------
+# Device execution: one gather and one scatter per region pair, index tensors cached per plan
+# ------------------------------------------------------------------------------------
+# Plans (or run sets named by ``key=``) whose device index tensors stay cached, least recently
+# used first out; an entry keeps its key object alive, so an id is never reused while cached.
+DEVICE_INDEX_CACHE = 256
+
+
+@dataclass(slots=True)
+class CopyStats:
+    """Host -> device index uploads: one per plan, region pair and device, then cached."""
+    index_uploads: int = 0
+    index_bytes: int = 0
+
+
+STATS = CopyStats()
+_DEVICE_MOVES: OrderedDict = OrderedDict()   # (id(key), what, devices) -> (key, sizes, moves)
+_DEVICE_LOCK = threading.Lock()
+
+
+def _on_host(*sides: Sequence[torch.Tensor]) -> bool:
+    return all(t.device.type == "cpu" for side in sides for t in side[:1])
+
+
+def _upload(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    if device.type != "cpu":
+        STATS.index_uploads += 1
+        STATS.index_bytes += t.numel() * 8
+        t = t.to(device)
+    return t
+
+
+class _PairMove:
+    """The runs between one source and one destination region: runs of >= ``one_by_one``
+    bytes as slice copies, the others as rows of ``unit`` bytes, gathered with ``src_index``
+    (or the slice ``src_span``) and scattered with ``dst_index`` (or ``dst_span``)."""
+    __slots__ = ("src", "dst", "big", "unit", "src_span", "dst_span", "src_index", "dst_index")
+
+    def __init__(self, src: int, dst: int, so: np.ndarray, do: np.ndarray, n: np.ndarray,
+                 s_dev: torch.device, d_dev: torch.device, one_by_one: int):
+        self.src, self.dst = src, dst
+        big = n >= one_by_one
+        self.big = list(zip(so[big].tolist(), do[big].tolist(), n[big].tolist()))
+        so, do, n = so[~big], do[~big], n[~big]
+        self.unit = _unit(so, do, n) if len(n) else 0
+        self.src_span = self.dst_span = self.src_index = self.dst_index = None
+        if self.unit:
+            si, di = _element_index(so, n, self.unit), _element_index(do, n, self.unit)
+            self.src_span, self.dst_span = _span(si), _span(di)
+            if self.src_span is None:
+                self.src_index = _upload(si, s_dev)
+            if self.dst_span is None:
+                self.dst_index = _upload(di, d_dev)
+
+    def apply(self, src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.Tensor]) -> None:
+        s, d = src_regions[self.src], dst_regions[self.dst]
+        for o, p, k in self.big:
+            d[p: p + k].copy_(s[o: o + k], non_blocking=True)
+        if not self.unit:
+            return
+        s_rows, d_rows = _unit_views(self.unit, s, d)
+        rows = s_rows[self.src_span] if self.src_span is not None else torch.index_select(s_rows, 0, self.src_index)
+        if self.dst_span is not None:
+            d_rows[self.dst_span].copy_(rows, non_blocking=True)
+        else:   # device -> host rows land (blocking) before the host scatter reads them
+            d_rows.index_copy_(0, self.dst_index, rows.to(d.device, non_blocking=d.device.type != "cpu"))
+
+
+def _pair_moves(runs: Runs, src_regions: Sequence[torch.Tensor],
+                dst_regions: Sequence[torch.Tensor]) -> list[_PairMove]:
+    sr, so, dr, do, n = runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset, runs.nbytes
+    pair = sr * (len(dst_regions) + 1) + dr
+    return [_PairMove(int(sr[idx[0]]), int(dr[idx[0]]), so[idx], do[idx], n[idx],
+                      src_regions[int(sr[idx[0]])].device, dst_regions[int(dr[idx[0]])].device,
+                      DEVICE_COPY_ONE_BY_ONE)
+            for _, idx in _by_region(pair)]
+
+
+def _cached_moves(key, what: str, make, src_regions: Sequence[torch.Tensor],
+                  dst_regions: Sequence[torch.Tensor]) -> tuple[list[_PairMove], bool]:
+    """The moves of ``key`` for these devices, built by ``make()`` on first use. Returns
+    (moves, fresh): ``fresh`` when just built (the caller checks bounds then)."""
+    if key is None:
+        return make(), True
+    ident = (id(key), what, tuple(t.device for t in src_regions), tuple(t.device for t in dst_regions),
+             tuple(t.numel() for t in src_regions), tuple(t.numel() for t in dst_regions))
+    with _DEVICE_LOCK:
+        entry = _DEVICE_MOVES.get(ident)
+        if entry is not None and entry[0] is key:
+            _DEVICE_MOVES.move_to_end(ident)
+            return entry[1], False
+    moves = make()
+    with _DEVICE_LOCK:
+        _DEVICE_MOVES[ident] = (key, moves)
+        while len(_DEVICE_MOVES) > DEVICE_INDEX_CACHE:
+            _DEVICE_MOVES.popitem(last=False)
+    return moves, True
+
+
+def execute_plan_batched(plan: TransferPlan, src_regions: Sequence[torch.Tensor],
+                         dst_regions: Sequence[torch.Tensor]) -> None:
+    """``execute_plan`` for device regions (any device; what ``execute_plan`` uses when a side is
+    not on the CPU): per group and region pair one gather and one scatter, with the index
+    tensors built and uploaded on the plan's first execution and cached on the device, keyed
+    by the plan. Enqueued on the current stream; never reads device data on the host."""
+    def make() -> list[_PairMove]:
+        check_plan_bounds(plan, [r.numel() for r in src_regions], [r.numel() for r in dst_regions])
+        return [m for g in plan.groups for m in _pair_moves(g.runs(), src_regions, dst_regions)]
+    moves, _ = _cached_moves(plan, "plan", make, src_regions, dst_regions)
+    for m in moves:
+        m.apply(src_regions, dst_regions)
+
+
+def _staged_runs(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, gather: bool) -> Runs:
+    """Runs between ``regions`` and one staging block (region 0), the block's bytes in run order."""
+    pos = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
+    zero, none = np.zeros(len(nbytes), np.int64), np.zeros(len(nbytes), bool)
+    region = np.asarray(region, np.int64)
+    if gather:
+        return Runs(region, np.asarray(offset, np.int64), zero, pos, np.asarray(nbytes, np.int64), none)
+    return Runs(zero, pos, region, np.asarray(offset, np.int64), np.asarray(nbytes, np.int64), none)
+
+
 def gather_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.ndarray,
-                nbytes: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Concatenate the bytes of the runs (in run order) into one uint8 tensor."""
+                nbytes: np.ndarray, out: torch.Tensor | None = None, *, key=None) -> torch.Tensor:
+    """Concatenate the bytes of the runs (in run order) into one uint8 tensor. ``key``: the plan
+    (or group) the runs come from, so device index tensors are built once for it."""
     total = int(nbytes.sum())
     device = regions[0].device if len(regions) else "cpu"
     out = torch.empty(total, dtype=torch.uint8, device=device) if out is None else out
+    if len(nbytes) > FEW_RUNS and not _on_host(regions, [out]):
+        moves, _ = _cached_moves(key, "gather", lambda: _pair_moves(_staged_runs(region, offset, nbytes, True),
+                                                                    regions, [out]), regions, [out])
+        for m in moves:
+            m.apply(regions, [out])
+        return out
     if len(nbytes) <= FEW_RUNS:
         p = 0
         for r, o, k in zip(region.tolist(), offset.tolist(), nbytes.tolist()):
@@ -100,8 +252,14 @@ def gather_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.
 
 
 def scatter_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.ndarray,
-                 nbytes: np.ndarray, data: torch.Tensor) -> None:
+                 nbytes: np.ndarray, data: torch.Tensor, *, key=None) -> None:
     """Inverse of ``gather_runs``: write consecutive bytes of ``data`` to the runs."""
+    if len(nbytes) > FEW_RUNS and not _on_host(regions, [data]):
+        moves, _ = _cached_moves(key, "scatter", lambda: _pair_moves(_staged_runs(region, offset, nbytes, False),
+                                                                     [data], regions), [data], regions)
+        for m in moves:
+            m.apply([data], regions)
+        return
     if len(nbytes) <= FEW_RUNS:
         p = 0
         for r, o, k in zip(region.tolist(), offset.tolist(), nbytes.tolist()):
@@ -124,9 +282,17 @@ def scatter_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np
             reg_rows.index_copy_(0, dst, rows.to(regions[r].device))
 
 
-def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.Tensor], runs: Runs) -> None:
-    """Apply runs between two sets of local byte regions (any device)."""
+def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.Tensor], runs: Runs, *,
+              key=None) -> None:
+    """Apply runs between two sets of local byte regions (any device). ``key``: the plan the
+    runs come from, so device index tensors are built once for it."""
     sr, so, dr, do, n = runs.src_region, runs.src_offset, runs.dst_region, runs.dst_offset, runs.nbytes
+    if len(n) > FEW_RUNS and not _on_host(src_regions, dst_regions):
+        moves, _ = _cached_moves(key, "runs", lambda: _pair_moves(runs, src_regions, dst_regions),
+                                 src_regions, dst_regions)
+        for m in moves:
+            m.apply(src_regions, dst_regions)
+        return
     if len(n) <= FEW_RUNS:
         for a, b, c, d, k in zip(sr.tolist(), so.tolist(), dr.tolist(), do.tolist(), n.tolist()):
             dst_regions[c][d: d + k].copy_(src_regions[a][b: b + k], non_blocking=True)
@@ -316,7 +482,10 @@ def _void_rows(rows: torch.Tensor) -> np.ndarray:
 
 def execute_plan(plan: TransferPlan, src_regions: Sequence[torch.Tensor],
                  dst_regions: Sequence[torch.Tensor]) -> None:
-    """The reference executor: apply ``plan`` between two local pools' byte regions."""
+    """The reference executor: apply ``plan`` between two local pools' byte regions. Host
+    regions take the tuned row moves; a device side takes ``execute_plan_batched``."""
+    if not _on_host(src_regions, dst_regions):
+        return execute_plan_batched(plan, src_regions, dst_regions)
     check_plan_bounds(plan, [r.numel() for r in src_regions], [r.numel() for r in dst_regions])
     for g in plan.groups:
         if not _copy_group(g, src_regions, dst_regions):

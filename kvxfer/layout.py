@@ -38,7 +38,8 @@ import numpy as np
 
 from .errors import LayoutError
 
-# Element sizes in bytes. fp8 is stored as uint8 in torch pools.
+# Element sizes in bytes. The two fp8 formats are distinct dtypes (torch.float8_e4m3fn and
+# torch.float8_e5m2 in pools): same size, different numbers, never mixed.
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4, "float16": 2, "bfloat16": 2,
     "fp8_e4m3": 1, "fp8_e5m2": 1, "uint8": 1, "int32": 4,

@@ -7,11 +7,22 @@ the parts that ``set_kv_buffer`` fills, so a page-major pool offers exactly what
 token-major one does.
 
 Who calls what: the serving engine writes KV with ``set_kv_buffer`` (every forward
-step), allocates slots with ``PageAllocator``, and hands ``regions()`` /
-``layout`` to kvxfer's transports and planner at start-up.
+step, possibly inside a CUDA graph), takes slots from ``pool.allocator()`` (a
+``PageAllocator``), and hands ``regions()`` / ``layout`` to kvxfer's transports and
+planner at start-up. ``HostPool`` (offload, direct-to-host receive) is built from
+any pool's layout.
+
+Device safety (the write path runs on the engine's stream every step): slots given as
+a torch tensor on the pool's device (the engine's ``out_cache_loc``) stay there: pages
+and in-page offsets are computed on the device, the write is one ``index_put_`` per
+part, and nothing reads a device value on the host, so the write can be captured in a
+CUDA graph. Such slots are the engine's own and are not range-checked; slots given as
+host data (lists, numpy, CPU tensors) are checked against the space first and
+uploaded once per call. Layouts are computed without allocating (``mha_layout``).
 """
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -28,7 +39,7 @@ from .layout import (
     TOKEN,
     Layout,
     Part,
-    dtype_size,
+    Space,
     hnd_layout,
     host_layout,
     hybrid_swa_layout,
@@ -39,12 +50,45 @@ from .layout import (
 )
 from .plan import plan_transfer
 
+# fp8 formats are distinct torch dtypes: an e5m2 tensor is refused by an e4m3 pool. Raw
+# bytes (uint8) are accepted by any one-byte pool.
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "fp8_e4m3": torch.uint8, "fp8_e5m2": torch.uint8, "uint8": torch.uint8, "int32": torch.int32}
+                "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "uint8": torch.uint8,
+                "int32": torch.int32}
+
+# Host memory is zero-filled (first touch) and registered with the CUDA driver in pieces of
+# this many bytes: bounded work per call, and no caching-allocator rounding (a 300 GiB pinned
+# tensor from ``pin_memory=True`` asks the caching host allocator for 512 GiB).
+HOST_CHUNK = 1 << 30
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
     return TORCH_DTYPES[dtype]
+
+
+def register_host_memory(ptr: int, nbytes: int) -> None:
+    """Page-lock ``[ptr, ptr + nbytes)`` with the CUDA driver (``cudaHostRegister``), as engines
+    in the field do for their host KV pools. Called by ``host_buffer`` once per region."""
+    rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(rc) != 0:
+        raise LayoutError(f"cudaHostRegister of {nbytes} bytes failed (error {int(rc)}): lower the HostPool size "
+                          f"or raise the locked-memory limit (ulimit -l)")
+
+
+def unregister_host_memory(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A zeroed host byte buffer from a plain allocation (no rounding), touched in
+    ``HOST_CHUNK`` pieces, then registered with the driver as one range when ``pin`` (so one
+    copy may span the whole region). The caller unregisters (``HostPool.close``)."""
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    for a in range(0, nbytes, HOST_CHUNK):
+        t[a: a + HOST_CHUNK].zero_()
+    if pin and nbytes:
+        register_host_memory(t.data_ptr(), nbytes)
+    return t
 
 
 class PagePart(NamedTuple):
@@ -89,6 +133,13 @@ class CPUCopy:
         return {k: len(v) for k, v in self.slots.items()}
 
 
+def _host_array(slots) -> np.ndarray:
+    """Slots given as host data (or a tensor, copied to the host: not for the hot path)."""
+    if isinstance(slots, torch.Tensor):
+        return slots.detach().cpu().numpy().astype(np.int64, copy=False)
+    return np.asarray(slots, dtype=np.int64)
+
+
 class KVPool:
     """A pool whose memory is exactly ``layout``: one uint8 tensor per region."""
 
@@ -98,9 +149,34 @@ class KVPool:
     def __init__(self, layout: Layout, device: str | torch.device = "cpu", pin_memory: bool = False):
         self.layout = layout
         self.device = torch.device(device)
-        self.buffers = [torch.zeros(r.nbytes, dtype=torch.uint8, device=self.device,
-                                    pin_memory=pin_memory and self.device.type == "cpu")
-                        for r in layout.regions]
+        if self.device.type == "cpu":
+            self.buffers = [host_buffer(r.nbytes, pin_memory) for r in layout.regions]
+            self.pinned = bool(pin_memory)
+        else:
+            self.buffers = [torch.zeros(r.nbytes, dtype=torch.uint8, device=self.device) for r in layout.regions]
+            self.pinned = False
+        if self.pinned:   # unregistered when the pool goes (or at close())
+            self._unpin = weakref.finalize(self, _unregister_all, [b.data_ptr() for b in self.buffers if b.numel()])
+
+    def close(self) -> None:
+        """Unregister pinned memory now (idempotent); the pool must not be used after."""
+        if self.pinned:
+            self._unpin()
+
+    # -- sizes, and the allocator the engine takes slots from ---------------------------
+    @property
+    def num_pages(self) -> int:
+        """Pages of the pool's first space ("token" for KV pools, "state" for state pools),
+        padding page included."""
+        return self.layout.spaces[0].num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.spaces[0].page_size
+
+    def allocator(self, space: str | None = None) -> PageAllocator:
+        """A fresh ``PageAllocator`` over the pages of ``space`` (default: the first space)."""
+        return PageAllocator.for_space(self.layout.space(space) if space else self.layout.spaces[0])
 
     # -- what transports and planners see ------------------------------------------------
     def regions(self) -> list[torch.Tensor]:
@@ -129,8 +205,9 @@ class KVPool:
         return BufInfos(ptrs, lens, item, [pp for block in page_parts if len(block) > 1 for pp in block])
 
     # -- slots -------------------------------------------------------------------------
-    def space_slots(self, space: str, slots: np.ndarray) -> np.ndarray:
-        """Map the engine's slot ids to ``space``'s slots (identity; hybrid SWA maps)."""
+    def space_slots(self, space: str, slots):
+        """Map the engine's slot ids (numpy, or a tensor on the pool's device) to ``space``'s
+        slots (identity; hybrid SWA maps)."""
         return slots
 
     def _part_view(self, p: Part) -> torch.Tensor:
@@ -139,39 +216,63 @@ class KVPool:
         return self.buffers[p.region].as_strided((sp.num_pages, sp.page_size, p.heads, p.head_bytes),
                                                  (p.page_stride, p.token_stride, p.head_stride, 1), p.base)
 
-    def _index(self, p: Part, slots) -> tuple[torch.Tensor, torch.Tensor]:
-        s = self.layout.check_slots(p.space, self.space_slots(p.space, np.asarray(slots, dtype=np.int64)))
+    def _slot_index(self, space: str, slots, trusted: bool = False) -> torch.Tensor:
+        """``space``'s slots as an int64 tensor on the pool's device. A tensor already there is
+        used on the device (no copy, no sync, no range check unless the pool is on the CPU);
+        host data is checked (``trusted``: already checked by the caller) and uploaded once."""
+        if isinstance(slots, torch.Tensor) and slots.device == self.device:
+            s = self.space_slots(space, slots.to(torch.int64).reshape(-1))
+            if self.device.type == "cpu" and not trusted:   # checking a CPU tensor costs no device sync
+                self.layout.check_slots(space, s.numpy())
+            return s
+        s = self.space_slots(space, _host_array(slots))
+        if not trusted:
+            s = self.layout.check_slots(space, s)
+        return torch.from_numpy(np.ascontiguousarray(s, dtype=np.int64)).to(self.device)
+
+    def _index(self, p: Part, slots, trusted: bool = False, memo: dict | None = None) -> tuple[torch.Tensor, ...]:
+        """(page, in-page slot) index tensors of ``slots`` in ``p``'s space; ``memo`` keeps them
+        per space for one call, so host slots are checked and uploaded once per call."""
+        if memo is not None and p.space in memo:
+            return memo[p.space]
+        t = self._slot_index(p.space, slots, trusted)
         page_size = self.layout.space(p.space).page_size
-        t = torch.from_numpy(s).to(self.device)
-        return t // page_size, t % page_size
+        out = torch.div(t, page_size, rounding_mode="floor"), torch.remainder(t, page_size)
+        if memo is not None:
+            memo[p.space] = out
+        return out
 
     # -- typed part access -------------------------------------------------------------
     def get_part(self, layer: int, kind: str, slots) -> torch.Tensor:
         """``[tokens, heads, head_dim]`` of part (layer, kind) at ``slots`` (a copy)."""
         p = self.layout.part(layer, kind)
         page, off = self._index(p, slots)
-        raw = self._part_view(p)[page, off]          # [tokens, heads, head_bytes]
-        return raw.view(torch_dtype(p.dtype)) if raw.numel() else raw.view(torch_dtype(p.dtype))
+        return self._part_view(p)[page, off].view(torch_dtype(p.dtype))   # [tokens, heads, head_dim]
 
-    def _prepare(self, p: Part, slots, data: torch.Tensor, name: str):
-        page, off = self._index(p, slots)
-        want = (len(page), p.heads, p.head_dim)
+    def _prepare(self, p: Part, slots, data: torch.Tensor, name: str, trusted: bool = False,
+                 memo: dict | None = None):
+        page, off = self._index(p, slots, trusted, memo)
+        want = (page.shape[0], p.heads, p.head_dim)
         if tuple(data.shape) != want:
             raise LayoutError(f"{name} for layer {p.layer} has shape {tuple(data.shape)}, expected {want} "
                               f"(tokens, heads, head_dim)")
-        one_byte = data.dtype == torch.uint8 or str(data.dtype).startswith("torch.float8")
-        # fp8 pools store uint8 and accept torch.float8_* too; any other pool needs its own dtype.
-        if data.dtype != torch_dtype(p.dtype) and not (one_byte and dtype_size(p.dtype) == 1):
+        # a pool takes its own dtype; one-byte pools (fp8) also take raw bytes (uint8)
+        if data.dtype != torch_dtype(p.dtype) and not (data.dtype == torch.uint8 and data.element_size()
+                                                       == torch_dtype(p.dtype).itemsize):
             raise LayoutError(f"{name} for layer {p.layer} has dtype {data.dtype}, pool dtype is {p.dtype}")
-        raw = data.contiguous().view(torch.uint8).reshape(len(page), p.heads, p.head_bytes)
-        return page, off, raw.to(self.device)
+        raw = data.contiguous().view(torch.uint8).reshape(page.shape[0], p.heads, p.head_bytes)
+        return page, off, raw.to(self.device, non_blocking=True)
 
-    def set_parts(self, layer: int, slots, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Write several parts of one layer; every argument is checked before any byte is written."""
-        ready = [(self.layout.part(layer, kind), *self._prepare(self.layout.part(layer, kind), slots, t, kind))
-                 for kind, t in named]
+    def set_parts(self, layer: int, slots, named: Sequence[tuple[str, torch.Tensor]], *,
+                  trusted: bool = False) -> None:
+        """Write several parts of one layer; every argument is checked before any byte is written.
+        One ``index_put_`` per part on the pool's device (capturable in a CUDA graph when the
+        slots and tensors are on the device). ``trusted``: the caller checked host slots."""
+        memo: dict = {}
+        ready = [(self.layout.part(layer, kind),
+                  *self._prepare(self.layout.part(layer, kind), slots, t, kind, trusted, memo)) for kind, t in named]
         for p, page, off, raw in ready:
-            self._part_view(p)[page, off] = raw
+            self._part_view(p).index_put_((page, off), raw)
 
     def set_kv_buffer(self, layer: int, slots, *tensors: torch.Tensor, **extra: torch.Tensor) -> None:
         """Write ``tensors`` (for MHA: k, v; MLA: kv; each ``[tokens, heads, head_dim]``) at ``slots``.
@@ -186,27 +287,42 @@ class KVPool:
     def set_kv_buffer_prefix_valid(self, layer: int, slots_2d, commit_lens, *tensors: torch.Tensor,
                                    **extra: torch.Tensor) -> None:
         """Rows of ``slots_2d`` ``[batch, cols]``; write only columns below each row's commit length.
-        ``tensors`` (and keyword parts such as ``k_scale``) are ``[batch, cols, heads, head_dim]``."""
-        slots_2d = torch.as_tensor(np.asarray(slots_2d))
-        lens = torch.as_tensor(np.asarray(commit_lens))
-        if slots_2d.dim() != 2 or lens.shape != (slots_2d.shape[0],):
-            raise LayoutError(f"slots_2d shape {tuple(slots_2d.shape)} and commit_lens shape "
+        ``tensors`` (and keyword parts such as ``k_scale``) are ``[batch, cols, heads, head_dim]``.
+
+        No boolean-mask indexing (it syncs): every column is written, and columns past a row's
+        commit length go to slot 0, the padding page that exists for dummy writes. Host input
+        is checked first (committed slots in range, lengths in 0..cols); device input is not."""
+        if len(tensors) != len(self.kv_kinds):
+            raise LayoutError(f"set_kv_buffer takes {len(self.kv_kinds)} tensors {self.kv_kinds}, got {len(tensors)}")
+        on_device = isinstance(slots_2d, torch.Tensor) and slots_2d.device == self.device \
+            and self.device.type != "cpu"
+        s2 = slots_2d if isinstance(slots_2d, torch.Tensor) else torch.as_tensor(np.asarray(slots_2d))
+        lens = commit_lens if isinstance(commit_lens, torch.Tensor) else torch.as_tensor(np.asarray(commit_lens))
+        if s2.dim() != 2 or tuple(lens.shape) != (s2.shape[0],):
+            raise LayoutError(f"slots_2d shape {tuple(s2.shape)} and commit_lens shape "
                               f"{tuple(lens.shape)} disagree: want [batch, cols] and [batch]")
-        if (lens < 0).any() or (lens > slots_2d.shape[1]).any():
-            raise LayoutError(f"commit_lens must be in 0..{slots_2d.shape[1]}, got {lens.tolist()}")
         for t in (*tensors, *extra.values()):
-            if tuple(t.shape[:2]) != tuple(slots_2d.shape):
+            if tuple(t.shape[:2]) != tuple(s2.shape):
                 raise LayoutError(f"tensor shape {tuple(t.shape)} does not start with slots_2d shape "
-                                  f"{tuple(slots_2d.shape)}")
-        mask = torch.arange(slots_2d.shape[1])[None, :] < lens[:, None]
-        self.set_kv_buffer(layer, slots_2d[mask].numpy(), *(t[mask.to(t.device)] for t in tensors),
-                           **{k: t[mask.to(t.device)] for k, t in extra.items()})
+                                  f"{tuple(s2.shape)}")
+        s2, lens = s2.to(self.device, torch.int64), lens.to(self.device, torch.int64)
+        mask = torch.arange(s2.shape[1], device=self.device)[None, :] < lens[:, None]
+        flat = torch.where(mask, s2, torch.zeros((), dtype=torch.int64, device=self.device)).reshape(-1)
+        if not on_device:   # host input: checked on the host, as every host slot is
+            h_lens, h_slots, h_mask = lens.cpu(), s2.cpu().numpy(), mask.cpu().numpy()
+            if (h_lens < 0).any() or (h_lens > s2.shape[1]).any():
+                raise LayoutError(f"commit_lens must be in 0..{s2.shape[1]}, got {h_lens.tolist()}")
+            for sp in {p.space for p in self.layout.parts if p.layer == layer}:
+                self.layout.check_slots(sp, self.space_slots(sp, h_slots[h_mask]))
+        n = flat.shape[0]
+        self.set_parts(layer, flat, [(k, t.reshape(n, *t.shape[2:]))
+                                     for k, t in [*zip(self.kv_kinds, tensors), *extra.items()]], trusted=True)
 
     # -- host copies through the planner -----------------------------------------------
     def _spaces_of(self, slots) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Per space: the slots of the tokens it holds, and those tokens' positions.
         A space may hold a subset (a sliding window maps only its last tokens)."""
-        s = np.asarray(slots, dtype=np.int64)
+        s = _host_array(slots)
         out, pos = {}, {}
         for sp in self.layout.spaces:
             mapped = self.space_slots(sp.name, s)
@@ -229,7 +345,7 @@ class KVPool:
 
     def load_cpu_copy(self, copy: CPUCopy, slots) -> None:
         """Write a ``get_cpu_copy`` result into ``slots`` (may differ from where it came from)."""
-        s = np.asarray(slots, dtype=np.int64)
+        s = _host_array(slots)
         dst = {}
         for name, pos in copy.positions.items():
             if len(pos) and pos.max() >= len(s):
@@ -240,6 +356,26 @@ class KVPool:
             execute_plan(plan_transfer(copy.layout, copy.slots, self.layout, dst), copy.regions, self.buffers)
 
 
+def _unregister_all(ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        unregister_host_memory(ptr)
+
+
+def mha_layout(*, layers: int | Sequence[int], heads: int, head_dim: int, dtype: str, num_pages: int,
+               page_size: int, layout: str = "token_major", v_head_dim: int | None = None,
+               scale_block: int | None = None) -> Layout:
+    """The layout of an ``MHAPool`` (no memory allocated): token-major, HND or page-major."""
+    common = dict(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size,
+                  v_head_dim=v_head_dim, scale_block=scale_block)
+    if layout == "token_major":
+        return token_major_layout(num_slots=num_pages * page_size, **common)
+    if layout == "hnd":
+        return hnd_layout(num_pages=num_pages, **common)
+    if layout == "page_major":
+        return page_major_layout(num_pages=num_pages, **common)
+    raise LayoutError(f"MHA layout {layout!r} is not one of {MHAPool.LAYOUTS}")
+
+
 class MHAPool(KVPool):
     """Multi-head (or GQA) KV: K and V per layer, in a token-major, HND or page-major layout."""
     LAYOUTS = ("token_major", "hnd", "page_major")
@@ -247,17 +383,9 @@ class MHAPool(KVPool):
     def __init__(self, *, layers: int | Sequence[int], heads: int, head_dim: int, dtype: str, num_pages: int,
                  page_size: int, layout: str = "token_major", v_head_dim: int | None = None,
                  scale_block: int | None = None, device: str | torch.device = "cpu"):
-        common = dict(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size,
-                      v_head_dim=v_head_dim, scale_block=scale_block)
-        if layout == "token_major":
-            lay = token_major_layout(num_slots=num_pages * page_size, **common)
-        elif layout == "hnd":
-            lay = hnd_layout(num_pages=num_pages, **common)
-        elif layout == "page_major":
-            lay = page_major_layout(num_pages=num_pages, **common)
-        else:
-            raise LayoutError(f"MHA layout {layout!r} is not one of {self.LAYOUTS}")
-        super().__init__(lay, device)
+        super().__init__(mha_layout(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=num_pages,
+                                    page_size=page_size, layout=layout, v_head_dim=v_head_dim,
+                                    scale_block=scale_block), device)
 
 
 class MLAPool(KVPool):
@@ -294,119 +422,100 @@ class HybridSWAPool(KVPool):
 
     The engine addresses both with its full-pool slot ids; ``full_to_swa`` maps them
     to the smaller sliding-window pool (0 = not mapped), as SGLang's hybrid pool does.
+    The map is kept on the host (``full_to_swa``, for planning) and mirrored on the pool's
+    device (``full_to_swa_device``), so device slot tensors map without leaving the device.
     """
 
     def __init__(self, *, full_layers: Sequence[int], swa_layers: Sequence[int], heads: int, head_dim: int,
                  dtype: str, num_pages: int, swa_num_pages: int, page_size: int, window: int,
                  layout: str = "token_major", device: str | torch.device = "cpu"):
-        full = MHAPool(layers=full_layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=num_pages,
-                       page_size=page_size, layout=layout).layout
-        swa = MHAPool(layers=swa_layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=swa_num_pages,
-                      page_size=page_size, layout=layout).layout
+        common = dict(heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size, layout=layout)
+        full = mha_layout(layers=full_layers, num_pages=num_pages, **common)   # layouts only: nothing allocated
+        swa = mha_layout(layers=swa_layers, num_pages=swa_num_pages, **common)
         self.window = int(window)
         self.full_to_swa = np.zeros(num_pages * page_size, dtype=np.int64)
         super().__init__(hybrid_swa_layout(full, swa), device)
+        # on the CPU the mirror is the same memory; on a device, change the map only through
+        # map_swa / unmap_swa / load_swa_map, which keep both
+        self.full_to_swa_device = (torch.from_numpy(self.full_to_swa) if self.device.type == "cpu" else
+                                   torch.zeros(num_pages * page_size, dtype=torch.int64, device=self.device))
+
+    def _mirror(self, full: np.ndarray, swa: np.ndarray) -> None:
+        self.full_to_swa[full] = swa
+        if self.device.type != "cpu":
+            self.full_to_swa_device[torch.from_numpy(full).to(self.device)] = torch.from_numpy(swa).to(self.device)
+
+    def load_swa_map(self, full_to_swa: np.ndarray) -> None:
+        """Replace the whole map (e.g. copied from another pool); 0 = not mapped."""
+        m = np.asarray(full_to_swa, dtype=np.int64)
+        if m.shape != self.full_to_swa.shape:
+            raise LayoutError(f"load_swa_map: map of shape {m.shape}, this pool's is {self.full_to_swa.shape}")
+        mapped = m[m != 0]
+        if len(mapped):
+            self.layout.check_slots(SWA, mapped, "full_to_swa")
+        self._mirror(np.arange(len(m)), m)
 
     def map_swa(self, full_slots, swa_slots) -> None:
-        full = self.layout.check_slots(TOKEN, full_slots, "full_slots")
-        swa = self.layout.check_slots(SWA, swa_slots, "swa_slots")
+        full = self.layout.check_slots(TOKEN, _host_array(full_slots), "full_slots")
+        swa = self.layout.check_slots(SWA, _host_array(swa_slots), "swa_slots")
         if len(full) != len(swa):
             raise LayoutError(f"map_swa: {len(full)} full slots vs {len(swa)} swa slots")
-        self.full_to_swa[full] = swa
+        self._mirror(full, swa)
 
     def unmap_swa(self, full_slots) -> np.ndarray:
-        full = self.layout.check_slots(TOKEN, full_slots, "full_slots")
+        full = self.layout.check_slots(TOKEN, _host_array(full_slots), "full_slots")
         old = self.full_to_swa[full]
-        self.full_to_swa[full] = 0
+        self._mirror(full, np.zeros_like(full))
         return old[old > 0]
 
-    def space_slots(self, space: str, slots: np.ndarray) -> np.ndarray:
+    def space_slots(self, space: str, slots):
         if space != SWA:
             return slots
+        if isinstance(slots, torch.Tensor):   # on the device: a gather, no check, no sync
+            return self.full_to_swa_device[slots]
         if len(slots) and (slots.min() < 0 or slots.max() >= len(self.full_to_swa)):
             raise LayoutError(f"full slot outside 0..{len(self.full_to_swa) - 1}")
         return self.full_to_swa[slots]
 
 
 class PageAllocator:
-    """Whole pages of a slot space; page 0 is padding and never handed out.
+    """Whole pages of one slot space; page 0 is padding and never handed out. The one
+    allocator of kvxfer: engines take device slots with it (``pool.allocator()``), and
+    ``HostPool`` keeps one per host space for the offload manager's background thread.
 
-    ``alloc`` returns the slots of the first ``num_tokens`` positions of freshly taken
-    pages; ``free`` takes them back. Freeing a page twice raises: a grant is released
-    exactly once.
+    ``alloc(n)`` returns the slots of the first ``n`` positions of freshly taken pages: ``n``
+    pages' worth of consecutive free pages when there are any (first fit), so a request (or a
+    batch of offload records copied together) is one block and copies as one strided view;
+    otherwise the lowest free pages. ``free`` takes them back; freeing a page twice raises
+    (a grant is released exactly once) and frees nothing. The free count is kept, not
+    recounted: a host pool can hold a million pages and is allocated from on every copy.
     """
 
     def __init__(self, num_pages: int, page_size: int):
         if num_pages < 2:
             raise LayoutError(f"PageAllocator needs at least 2 pages (page 0 is padding), got {num_pages}")
-        self.page_size = int(page_size)
-        self.num_pages = int(num_pages)
-        self._free = np.ones(num_pages, dtype=bool)
-        self._free[0] = False
-
-    @property
-    def free_pages(self) -> int:
-        return int(self._free.sum())
-
-    @property
-    def capacity(self) -> int:
-        return self.num_pages - 1
-
-    def alloc(self, num_tokens: int) -> np.ndarray | None:
-        """Slots for ``num_tokens`` tokens, or None when not enough pages are free."""
-        need = -(-int(num_tokens) // self.page_size)
-        free = np.flatnonzero(self._free)
-        if len(free) < need:
-            return None
-        pages = free[:need]
-        self._free[pages] = False
-        slots = (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()
-        return slots[:num_tokens]
-
-    def free(self, slots) -> None:
-        pages = np.unique(np.asarray(slots, dtype=np.int64) // self.page_size)
-        if len(pages) == 0:
-            return
-        if pages.min() < 1 or pages.max() >= self.num_pages:
-            raise LayoutError(f"free: page outside 1..{self.num_pages - 1}")
-        if self._free[pages].any():
-            raise LayoutError(f"free: page {int(pages[self._free[pages]][0])} is already free (double free)")
-        self._free[pages] = True
-
-
-__all__ = ["KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator", "CPUCopy",
-           "BufInfos", "PagePart", "torch_dtype", "STATE"]
-
-
-# ------------------------------------------------------------------------------------
-# Host memory
-# ------------------------------------------------------------------------------------
-class HostPages:
-    """Whole pages of one host space; page 0 is padding. A request for ``n`` pages gets ``n``
-    consecutive free pages when there are any (first fit), so a record (or a batch of records
-    copied together) is one block and copies as one strided view; otherwise the lowest free
-    pages. Freeing twice raises. The free count is kept, not recounted: the background thread
-    allocates for every copy, and a host pool can hold a million pages."""
-
-    def __init__(self, num_pages: int, page_size: int):
         self.page_size, self.num_pages = int(page_size), int(num_pages)
         self._free = np.ones(num_pages, dtype=bool)
         self._free[0] = False
-        self._num_free = num_pages - 1
+        self._num_free = self.num_pages - 1
 
-    @property
-    def capacity(self) -> int:
-        return self.num_pages - 1
+    @classmethod
+    def for_space(cls, space: Space) -> "PageAllocator":
+        return cls(space.num_pages, space.page_size)
 
     @property
     def free_pages(self) -> int:
         return self._num_free
 
+    @property
+    def capacity(self) -> int:
+        return self.num_pages - 1
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-int(num_tokens) // self.page_size)
 
     def take(self, need: int) -> np.ndarray | None:
-        """``need`` free pages (first fit of a free block, else the lowest), or None."""
+        """``need`` free pages (first fit of a free block, else the lowest), or None (nothing taken)."""
         if need > self._num_free:
             return None
         if need == 0:
@@ -424,30 +533,46 @@ class HostPages:
         return (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()[:num_tokens]
 
     def alloc(self, num_tokens: int) -> np.ndarray | None:
+        """Slots for ``num_tokens`` tokens, or None when not enough pages are free."""
         pages = self.take(self.pages_for(num_tokens))
-        return None if pages is None else self.slots_of(pages, num_tokens)
+        return None if pages is None else self.slots_of(pages, int(num_tokens))
 
     def free(self, slots) -> None:
         pages = np.unique(np.asarray(slots, dtype=np.int64) // self.page_size)
-        if len(pages) and (pages.min() < 1 or pages.max() >= self.num_pages or self._free[pages].any()):
-            raise LayoutError(f"host free: pages {pages.tolist()[:8]} are padding, out of range or already free")
+        if len(pages) == 0:
+            return
+        if pages.min() < 1 or pages.max() >= self.num_pages:
+            raise LayoutError(f"free: page outside 1..{self.num_pages - 1}")
+        if self._free[pages].any():
+            raise LayoutError(f"free: page {int(pages[self._free[pages]][0])} is already free (double free)")
         self._free[pages] = True
         self._num_free += len(pages)
 
 
+__all__ = ["KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator", "CPUCopy",
+           "BufInfos", "PagePart", "torch_dtype", "mha_layout", "host_buffer", "register_host_memory", "HostPool",
+           "STATE"]
+
+
+# ------------------------------------------------------------------------------------
+# Host memory
+# ------------------------------------------------------------------------------------
 class HostPool(KVPool):
     """Host memory for a device pool in a host layout; a pool like any other (``layout``,
     ``regions()``), so planners and transports target it unchanged (direct-to-host
-    receive registers ``regions()`` with a transport). Pinned when CUDA is present.
-    ``alloc``/``free`` hand out whole host pages per space (page 0 is padding).
+    receive registers ``regions()`` with a transport). Pinned when CUDA is present:
+    a plain allocation registered with the driver (``host_buffer``), never a
+    ``pin_memory=True`` tensor, which the caching host allocator rounds up to a power of
+    two. ``alloc``/``free`` hand out whole host pages per space (page 0 is padding) from
+    one ``PageAllocator`` per space; ``close()`` unregisters the memory.
 
-    Its memory is resident from the start: ``torch.zeros`` writes every byte, so no offload
-    pays first-touch page faults (pinned memory is resident anyway)."""
+    Its memory is resident from the start: every byte is zeroed (in ``HOST_CHUNK`` pieces),
+    so no offload pays first-touch page faults."""
 
     def __init__(self, layout: Layout, *, device_layout: Layout, pin_memory: bool | None = None):
         super().__init__(layout, "cpu", pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
         self.device_layout = device_layout
-        self.allocators = {s.name: HostPages(s.num_pages, s.page_size) for s in layout.spaces}
+        self.allocators = {s.name: PageAllocator.for_space(s) for s in layout.spaces}
 
     @classmethod
     def for_pool(cls, pool: KVPool, *, layout: str = "layer_first", size: int | Mapping[str, int],

@@ -201,3 +201,19 @@ def test_dtype_sizes_match_torch() -> None:
     from kvxfer.pools import torch_dtype
     for name, size in DTYPE_SIZES.items():
         assert torch.empty(0, dtype=torch_dtype(name)).element_size() == size, name
+
+
+def test_fp8_formats_are_distinct_in_layouts_and_plans() -> None:
+    """e4m3 and e5m2 are one byte each but different numbers: two layouts that differ only in
+    the format have different signatures and a plan between them is refused."""
+    import torch
+
+    from kvxfer.errors import PlanError
+    from kvxfer.plan import plan_transfer
+    from kvxfer.pools import torch_dtype
+    a, b = (token_major_layout(layers=1, heads=2, head_dim=8, dtype=d, num_slots=32, page_size=4)
+            for d in ("fp8_e4m3", "fp8_e5m2"))
+    assert a.signature != b.signature
+    assert torch_dtype("fp8_e4m3") == torch.float8_e4m3fn and torch_dtype("fp8_e5m2") == torch.float8_e5m2
+    with pytest.raises(PlanError, match="dtype src fp8_e4m3 vs dst fp8_e5m2"):
+        plan_transfer(a, np.arange(4, 8), b, np.arange(4, 8))

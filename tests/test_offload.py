@@ -518,3 +518,81 @@ def test_direct_to_host_receive_hetero_tp_local(p_tp, d_tp, d_layout, host_style
                 for k, got in zip("kv", dpool.get_kv_buffer(l, slots)):
                     assert torch.equal(got.contiguous().view(torch.uint8).reshape(n, -1),
                                        kv[(l, k)][:, held.start:held.stop].reshape(n, -1)), (d, l, k)
+
+
+# ------------------------------------------------------------------------------------
+# The readiness contract and the group kind
+# ------------------------------------------------------------------------------------
+class LateEvent:
+    """A stand-in for a CUDA event that completes when the test says so (a forward still running)."""
+
+    def __init__(self):
+        import threading
+        self._done = threading.Event()
+        self.synchronized = 0
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self._done.wait(30)
+
+    def complete(self) -> None:
+        self._done.set()
+
+
+@pytest.mark.parametrize("call", ["step", "release"])
+def test_offload_reads_no_source_byte_before_ready_completes(call):
+    """The step's KV is still being written when step()/release() is called: the final pattern
+    lands after the call, then the event completes. The host copy must hold the final pattern.
+    Without the guard the background thread copies the stale bytes at once (drain() below
+    returns True early and the reload finds the stale pattern)."""
+    pool = POOLS["mha_token_major"]()
+    eng = Engine(pool)
+    with DecodeOffloadManager(pool, HostPool.for_pool(pool, size=64), OffloadConfig(stride=8)) as mgr:
+        toks, slots = np.arange(8), eng.alloc(8)
+        ready = LateEvent()
+        if call == "step":
+            decode(mgr, eng, "r", toks[:7], slots[:7], start=1)
+            assert mgr.step([("r", toks, slots)], ready=ready) == 1
+        else:
+            decode(mgr, eng, "r", toks[:7], slots[:7], start=1)
+            mgr.release("r", toks, slots, ready=ready)
+        assert not mgr.drain(timeout=0.3), "the copy ran before the KV was ready"
+        eng.randomize()                                   # the forward writes the final pattern ...
+        final = eng.snapshot(slots, {"token": np.arange(8)})
+        ready.complete()                                  # ... and then its event completes
+        assert mgr.drain(timeout=10) and ready.synchronized >= 1
+        if call == "step":
+            mgr.release("r", toks, slots)
+        wait_released(mgr, "r")
+        new = eng.alloc(8)
+        eng.free(slots)
+        mgr.reload("r", new)
+        got = eng.snapshot(new, {"token": np.arange(8)})
+        assert all(torch.equal(final[k], got[k]) for k in final), "offload read the KV before it was ready"
+
+
+def test_ready_must_be_an_event_like_object():
+    pool = POOLS["mha_token_major"]()
+    eng = Engine(pool)
+    with DecodeOffloadManager(pool, HostPool.for_pool(pool, size=64), OffloadConfig(stride=8)) as mgr:
+        toks, slots = np.arange(8), eng.alloc(8)
+        with pytest.raises(RequestError, match="query\\(\\) and synchronize\\(\\)"):
+            mgr.step([("r", toks[:3], slots[:3])], ready=object())   # refused even with nothing to copy
+        with pytest.raises(RequestError, match="query\\(\\) and synchronize\\(\\)"):
+            mgr.release("r", toks, slots, ready=object())
+
+
+def test_group_must_be_cpu_capable(monkeypatch):
+    """An NCCL TP group cannot all-reduce the CPU votes: refused at construction, saying what to pass."""
+    pool = POOLS["mha_token_major"]()
+    host = HostPool.for_pool(pool, size=64)
+    nccl = object()
+    monkeypatch.setattr(offload_mod.dist, "get_backend", lambda g=None: "nccl" if g is nccl else "gloo")
+    with pytest.raises(LayoutError, match=r"backend is 'nccl'.*new_group\(tp_ranks, backend='gloo'\)"):
+        DecodeOffloadManager(pool, host, OffloadConfig(stride=8), group=nccl)
+    with pytest.raises(LayoutError, match="not a torch.distributed process group"):
+        monkeypatch.undo()
+        DecodeOffloadManager(pool, host, OffloadConfig(stride=8), group="tp0")

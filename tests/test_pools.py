@@ -266,6 +266,12 @@ def test_prefix_valid_writes_only_committed_columns(name: str) -> None:
             c = commit[row]
             put_cells(pool.layout, expected, p, slots_2d[row, :c], raw_bytes(t[row, :c], p))
     pool.set_kv_buffer_prefix_valid(layer, slots_2d, commit, *tensors, **extra)
+    # uncommitted columns are written to slot 0, the padding page (no syncing mask): take the
+    # padding cells as they are, every other byte must be as expected
+    actual = snapshot(pool)
+    for p in pool.layout.parts:
+        pad = np.arange(pool.layout.space(p.space).page_size)
+        put_cells(pool.layout, expected, p, pad, get_cells(pool.layout, actual, p, pad))
     assert_buffers(pool, expected, f"{name} prefix-valid write")
 
 
@@ -383,7 +389,20 @@ def test_fp8_pool_accepts_float8_and_uint8() -> None:
     v = torch.randint(0, 255, (2, 2, 4), dtype=torch.uint8)
     pool.set_kv_buffer(0, [4, 9], k, v)
     got_k, got_v = pool.get_kv_buffer(0, [4, 9])
-    assert torch.equal(got_k, k.view(torch.uint8)) and torch.equal(got_v, v)
+    assert got_k.dtype == got_v.dtype == torch.float8_e4m3fn
+    assert torch.equal(got_k.view(torch.uint8), k.view(torch.uint8)) and torch.equal(got_v.view(torch.uint8), v)
+
+
+@pytest.mark.parametrize("pool_dtype, other", [("fp8_e4m3", torch.float8_e5m2), ("fp8_e5m2", torch.float8_e4m3fn)])
+def test_fp8_formats_are_distinct(pool_dtype: str, other: torch.dtype) -> None:
+    """An e5m2 tensor in an e4m3 pool (or the reverse) reads back as other numbers: refused."""
+    pool = mha("token_major", pool_dtype, False)()
+    fill_random(pool, 1)
+    before = snapshot(pool)
+    assert torch_dtype(pool_dtype) != other
+    with pytest.raises(LayoutError, match=pool_dtype):
+        pool.set_kv_buffer(0, [4, 9], torch.zeros(2, 2, 8).to(other), torch.zeros(2, 2, 4).to(other))
+    assert_buffers(pool, before, "refused fp8 write")
 
 
 def test_hybrid_map_swa_lengths_must_agree() -> None:
@@ -424,3 +443,79 @@ def test_page_allocator_double_free_raises_and_keeps_state() -> None:
         a.free([0])
     with pytest.raises(LayoutError, match="at least 2 pages"):
         PageAllocator(1, PAGE)
+
+
+def test_pools_expose_their_pages_and_make_their_allocator() -> None:
+    """One allocator for device and host pages, built from what every pool exposes."""
+    pool = mha("hnd", "bfloat16", False)()
+    assert (pool.num_pages, pool.page_size) == (10, PAGE)
+    a = pool.allocator()
+    assert isinstance(a, PageAllocator) and (a.num_pages, a.page_size, a.capacity) == (10, PAGE, 9)
+    swa = swa_pool("token_major")
+    assert (swa.allocator("swa").num_pages, swa.allocator().num_pages) == (6, 16)
+    from kvxfer.pools import HostPool
+    host = HostPool.for_pool(pool, size=12, pin_memory=False)
+    assert all(type(x) is PageAllocator for x in host.allocators.values())
+    import kvxfer.pools as pools_module
+    assert not hasattr(pools_module, "HostPages")
+
+
+def test_page_allocator_takes_a_free_block_first() -> None:
+    a = PageAllocator(10, PAGE)
+    first = a.alloc(2 * PAGE)          # pages 1, 2
+    a.alloc(PAGE)                      # page 3
+    a.free(first)                      # free: 1, 2 and 4..9
+    got = a.alloc(3 * PAGE) // PAGE    # a block of 3: pages 4..6, not 1, 2, 4
+    assert sorted(set(got.tolist())) == [4, 5, 6] and a.free_pages == 5
+
+
+# ------------------------------------------------------------------------------------
+# Host memory: pinned by registration, never by the caching allocator; layouts without memory
+# ------------------------------------------------------------------------------------
+def test_pinned_host_pool_is_a_plain_allocation_registered_with_the_driver(monkeypatch) -> None:
+    import kvxfer.pools as pools_module
+    from kvxfer.pools import HostPool
+
+    real_zeros, real_empty = torch.zeros, torch.empty
+
+    def no_pin(real):
+        def alloc(*a, **kw):
+            assert not kw.get("pin_memory"), "pin_memory=True tensor: the caching host allocator rounds it up"
+            return real(*a, **kw)
+        return alloc
+    monkeypatch.setattr(torch, "zeros", no_pin(real_zeros))
+    monkeypatch.setattr(torch, "empty", no_pin(real_empty))
+    registered, unregistered = [], []
+    monkeypatch.setattr(pools_module, "register_host_memory", lambda ptr, n: registered.append((ptr, n)))
+    monkeypatch.setattr(pools_module, "unregister_host_memory", lambda ptr: unregistered.append(ptr))
+    monkeypatch.setattr(pools_module, "HOST_CHUNK", 4096)   # touched in pieces
+    host = HostPool.for_pool(mha("page_major", "bfloat16", False)(), size=3000, pin_memory=True)
+    assert host.pinned
+    assert sorted(registered) == sorted((b.data_ptr(), b.numel()) for b in host.buffers)
+    assert all(b.numel() > 4096 for b in host.buffers)
+    assert all(not b.is_pinned() for b in host.buffers)   # no caching-allocator pin
+    host.close()
+    host.close()
+    assert sorted(unregistered) == sorted(p for p, _ in registered)
+
+
+def test_hybrid_swa_pool_of_100_gb_builds_its_layout_without_host_memory(monkeypatch) -> None:
+    """Layouts are data: a 100 GB pool on the meta device allocates no host memory at all."""
+    real_zeros, real_empty = torch.zeros, torch.empty
+
+    def guarded(real):
+        def alloc(*a, **kw):   # checked before allocating: the old code would zero-fill 100 GB
+            size = a[0] if len(a) == 1 and not isinstance(a[0], int) else a
+            nbytes = int(np.prod(size)) * (kw.get("dtype") or torch.float32).itemsize
+            device = torch.device(kw.get("device") or "cpu")
+            assert device.type == "meta" or nbytes < 64 << 20, f"{nbytes} bytes on {device} for a meta pool"
+            return real(*a, **kw)
+        return alloc
+    monkeypatch.setattr(torch, "zeros", guarded(real_zeros))
+    monkeypatch.setattr(torch, "empty", guarded(real_empty))
+    pages = 100 * 2**30 // (48 * 2 * 8 * 128 * 2 * PAGE)   # 48 layers, K+V, 8 heads x 128, bf16
+    pool = HybridSWAPool(full_layers=range(0, 48, 2), swa_layers=range(1, 48, 2), heads=8, head_dim=128,
+                         dtype="bfloat16", num_pages=pages, swa_num_pages=pages, page_size=PAGE, window=128,
+                         layout="page_major", device="meta")
+    assert sum(r.nbytes for r in pool.layout.regions) > 99 * 2**30
+    assert all(b.device.type == "meta" for b in pool.buffers)

@@ -8,6 +8,7 @@ COMMANDS = {
     "demo": ("kvxfer.cli.demo", "a real prefill -> decode run on loopback, verified token for token"),
     "bench": ("kvxfer.cli.bench", "planner, transport, heterogeneous-TP and offload benchmarks"),
     "compat": ("kvxfer.cli.compat", "the layout x capability table, computed from the code"),
+    "doctor": ("kvxfer.cli.doctor", "torch, CUDA, devices, UCX transports and memory types, RDMA on this machine"),
     "bootstrap": ("kvxfer.control.bootstrap", "run a bootstrap (rank registry) server"),
 }
 

@@ -150,10 +150,17 @@ def _expect_cells(pool: KVPool, slots: np.ndarray, want: dict, heads: Callable |
             raise CheckFailed(f"part {key}: bytes differ")
 
 
-def _untouched_elsewhere(pool: KVPool, slots: np.ndarray, before_cells: dict, before: list[torch.Tensor]) -> None:
-    """Write the request's old cell values back; then every byte must match ``before``."""
+def _untouched_elsewhere(pool: KVPool, slots: np.ndarray, before_cells: dict, before: list[torch.Tensor],
+                         padding: bool = False) -> None:
+    """Write the request's old cell values back; then every byte must match ``before``.
+    ``padding``: the padding page (slot 0.. page_size - 1, where dummy writes go) may change."""
     for (layer, kind), (pos, val) in before_cells.items():
         pool.set_parts(layer, slots[pos], [(kind, val)])
+    for p in pool.layout.parts if padding else ():
+        ps = pool.layout.space(p.space).page_size
+        cells = p.base + np.arange(ps)[:, None] * p.token_stride + np.arange(p.heads)[None, :] * p.head_stride
+        idx = torch.from_numpy((cells[..., None] + np.arange(p.head_bytes)).ravel())
+        pool.buffers[p.region][idx] = before[p.region][idx]
     for i, (b, old) in enumerate(zip(pool.buffers, before)):
         if not torch.equal(b, old):
             n = int((b != old).sum())
@@ -206,8 +213,9 @@ def check_prefix_valid(row: Row) -> None:
     table = _request(pool, rng, 2 * 4, window=np.arange(2 * 4)).reshape(2, 4)  # new tokens are in the window
     commit = np.array([3, 1])
     written = np.concatenate([table[r, :c] for r, c in enumerate(commit)])
-    # Only the committed cells are restored before the final comparison, so a write to
-    # an uncommitted column shows up as a changed byte.
+    # Only the committed cells (and the padding page, where uncommitted columns are sent as
+    # dummy writes) are restored before the final comparison, so a write of an uncommitted
+    # column anywhere else shows up as a changed byte.
     guard = _guarded(pool, written)
     for layer in pool.layout.layers:
         parts = [pool.layout.part(layer, k) for k in pool.kv_kinds if pool.layout.has_part((layer, k))]
@@ -222,7 +230,7 @@ def check_prefix_valid(row: Row) -> None:
             want = torch.cat([vals[p.kind][r, :c] for r, c in enumerate(commit)])[pos]
             if not _same(pool.get_part(layer, p.kind, written[pos]), want):
                 raise CheckFailed(f"part {p.key}: committed columns differ")
-    _untouched_elsewhere(pool, written, *guard)
+    _untouched_elsewhere(pool, written, *guard, padding=True)
 
 
 def _random(p: Part, n: int, g: torch.Generator) -> torch.Tensor:
@@ -242,7 +250,7 @@ def check_head_slicing(row: Row) -> None:
         p_slots = _request(p_pools[0], rng)
         for other in p_pools[1:]:   # every P rank holds the request in the same slots
             if isinstance(other, HybridSWAPool):
-                other.full_to_swa[:] = p_pools[0].full_to_swa
+                other.load_swa_map(p_pools[0].full_to_swa)
         # The model's whole KV per part, by global head: concatenated over P ranks.
         cells = [_cells(pool, p_slots) for pool in p_pools]
         full = {key: (pos, val if row.replicated else torch.cat([c[key][1] for c in cells], dim=1))
@@ -296,7 +304,7 @@ def check_offload(row: Row) -> str | None:
         # The engine frees the device slots and reuses them: scribble over the request.
         _fill(pool, 8)
         if isinstance(pool, HybridSWAPool):
-            pool.full_to_swa[:] = 0
+            pool.load_swa_map(np.zeros_like(pool.full_to_swa))
         # fresh slots; a hybrid pool maps window slots for the positions the host holds
         new = _request(pool, rng, avoid=slots, window=mgr.positions("r0").get("swa"))
         guard = _guarded(pool, new)

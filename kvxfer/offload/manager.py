@@ -6,11 +6,20 @@ lock-step across the group, as in SGLang). Calls marked (collective) talk to the
 
 start-up      ``host = HostPool.for_pool(pool, layout="layer_first", size=...)``
               ``mgr = DecodeOffloadManager(pool, host, OffloadConfig(stride=...), group=cpu_group)``
-              configuration that cannot work raises ``LayoutError`` here, naming field and values.
-every step    ``mgr.step([(rid, token_ids, slots), ...])`` after the forward wrote the step's KV.
-              Never blocks: when a request crosses a stride boundary it queues that stride's
-              copy; a background thread (CPU) or a side CUDA stream (GPU) moves the bytes
-              through the planner (``Planner`` / ``execute_plan``, the same for every layout).
+              configuration that cannot work raises ``LayoutError`` here, naming field and values;
+              ``group`` must be CPU-capable (gloo): any other backend is refused here.
+every step    ``mgr.step([(rid, token_ids, slots), ...], ready=event)`` after the forward was
+              *enqueued*. Never blocks: when a request crosses a stride boundary it queues that
+              stride's copy; a background thread moves the bytes through the planner
+              (``Planner`` / ``execute_plan``, the same for every layout), on its own CUDA
+              stream (offloads) when the pool is on a GPU.
+ready         The readiness contract: ``ready`` is any object with ``query()`` and
+              ``synchronize()`` (a ``torch.cuda.Event`` recorded after the step's KV writes, in
+              production) that completes when the KV of the step is written. No byte of the
+              step's source slots is read before it completed: a CUDA event is waited for on the
+              offload stream, anything else is synchronized on the background thread. Without
+              ``ready``, the manager records an event on the current CUDA stream at the call
+              (GPU), or takes the KV as written (CPU). ``release`` takes ``ready`` too.
               ``mgr.poll()`` (collective while releases are pending: all_reduce(MIN)) returns
               the requests whose device slots the engine may free *now*: the same list on
               every rank, and only requests that every rank holds on host (or on file).
@@ -126,11 +135,34 @@ def group_min(values: Sequence[int], group, timeout_s: float) -> list[int]:
     return t.tolist()
 
 
+def _check_ready(ready) -> None:
+    if ready is not None and not (callable(getattr(ready, "query", None))
+                                  and callable(getattr(ready, "synchronize", None))):
+        raise RequestError(f"ready must have query() and synchronize() (a torch.cuda.Event), got "
+                           f"{type(ready).__name__}")
+
+
+def check_cpu_group(group, who: str) -> None:
+    """Refuse a process group whose collectives cannot take CPU tensors (NCCL): agreement and
+    offload all-reduce small CPU tensors. ``None`` (a single rank) passes."""
+    if group is None:
+        return
+    try:
+        backend = str(dist.get_backend(group))
+    except Exception as e:   # not a process group at all
+        raise LayoutError(f"{who}: group {group!r} is not a torch.distributed process group ({e}): pass "
+                          f"group=torch.distributed.new_group(tp_ranks, backend='gloo')") from None
+    if "gloo" not in backend.lower():
+        raise LayoutError(f"{who}: the TP group's backend is {backend!r}, which cannot reduce CPU tensors: pass "
+                          f"a CPU-capable group, group=torch.distributed.new_group(tp_ranks, backend='gloo')")
+
+
 class DecodeOffloadManager:
     """Offload of one decode rank. ``group``: its TP group as a gloo (CPU) process group, or
     None for a single rank. See the module docstring for the calling contract."""
 
     def __init__(self, pool: KVPool, host: HostPool, config: OffloadConfig, *, group=None):
+        check_cpu_group(group, "DecodeOffloadManager")
         self.pool, self.host, self.config, self.group = pool, host, config, group
         self.rank, self.size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
         lay = pool.layout
@@ -164,16 +196,21 @@ class DecodeOffloadManager:
         self._broken: str | None = None
         self._closing = False
         self._cuda = pool.device.type == "cuda"
-        self._side = torch.cuda.Stream(pool.device) if self._cuda else None
+        # offloads and reloads on separate streams: a blocking reload never queues behind offloads
+        self._offload_stream = torch.cuda.Stream(pool.device) if self._cuda else None
+        self._reload_stream = torch.cuda.Stream(pool.device) if self._cuda else None
         self._queue: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-offload-r{self.rank}", daemon=True)
         self._worker.start()
 
     # ---------------------------------------------------------------- engine calls
-    def step(self, batch: Iterable[tuple[str, Sequence[int], Sequence[int]]]) -> int:
+    def step(self, batch: Iterable[tuple[str, Sequence[int], Sequence[int]]], *, ready=None) -> int:
         """Each decode step, for every running request: (rid, its token ids so far, the engine
         slots of those tokens as a host array). Queues the strides completed since the last
-        call; returns how many copies it queued. O(1) per request between stride boundaries."""
+        call; returns how many copies it queued. O(1) per request between stride boundaries.
+        ``ready``: completes when this step's KV is written (see the module docstring); the
+        queued copies read nothing before it."""
+        _check_ready(ready)
         queued = []
         for rid, token_ids, slots in batch:
             req = self._requests.get(rid) or self._requests.setdefault(rid, _Request(rid))
@@ -181,11 +218,13 @@ class DecodeOffloadManager:
                 raise RequestError(f"step: request {rid} is {req.phase}, not running (reload it first)")
             while self.stream and req.streamed + self.config.stride <= len(token_ids):
                 queued.append(self._chunk(req, token_ids, slots))
-        return self._enqueue(queued)
+        return self._enqueue(queued, ready)
 
-    def release(self, rid: str, token_ids: Sequence[int], slots: Sequence[int]) -> None:
+    def release(self, rid: str, token_ids: Sequence[int], slots: Sequence[int], *, ready=None) -> None:
         """The engine suspends or finishes ``rid`` and stops writing its KV: queue what is not on
-        host yet. Its device slots stay the engine's until ``poll()`` lists it."""
+        host yet. Its device slots stay the engine's until ``poll()`` lists it. ``ready``: as
+        for ``step`` (the last KV writes of ``rid``)."""
+        _check_ready(ready)
         req = self._requests.get(rid) or self._requests.setdefault(rid, _Request(rid))
         if req.phase != "running":
             raise RequestError(f"release: request {rid} is {req.phase}, not running")
@@ -193,7 +232,7 @@ class DecodeOffloadManager:
         while self.stream and req.streamed + self.config.stride <= len(token_ids):
             queued.append(self._chunk(req, token_ids, slots))
         queued.append(self._tail(req, token_ids, slots))
-        self._enqueue(queued)
+        self._enqueue(queued, ready)
         req.phase = "releasing"
         self._releasing.append(rid)
 
@@ -442,10 +481,12 @@ class DecodeOffloadManager:
                                             page_keys=keys, state=state, storer=storer,
                                             src=None if receive else src))
 
-    def _enqueue(self, recs: list[Record | None]) -> int:
+    def _enqueue(self, recs: list[Record | None], ready=None) -> int:
         recs = [r for r in recs if r is not None]
         if recs:
-            event = torch.cuda.current_stream(self.pool.device).record_event() if self._cuda else None
+            event = ready
+            if event is None and self._cuda:
+                event = torch.cuda.current_stream(self.pool.device).record_event()
             for rec in recs:
                 rec.event = event
                 self._queue.put(rec)
@@ -515,7 +556,7 @@ class DecodeOffloadManager:
         if not todo:
             return carry
         plan = self._d2h.plan(self._cat(todo, lambda r: r.src), self._cat(todo, lambda r: r.host_slots))
-        self._copy(plan, self.pool.regions(), self.host.regions(), [r.event for r in todo])
+        self._copy(plan, self.pool.regions(), self.host.regions(), [r.event for r in todo], self._offload_stream)
         with self._cond:
             for rec in todo:
                 rec.src = rec.event = None
@@ -529,13 +570,21 @@ class DecodeOffloadManager:
         return {s.name: np.concatenate([side(it).get(s.name, EMPTY) for it in items] or [EMPTY])
                 for s in self.pool.layout.spaces}
 
-    def _copy(self, plan, src, dst, events=()) -> None:
-        if self._cuda:  # on the side stream, after the steps (or reload) that own the slots
-            with torch.cuda.stream(self._side):
-                for event in {id(e): e for e in events if e is not None}.values():
-                    self._side.wait_event(event)
+    def _copy(self, plan, src, dst, events=(), stream=None) -> None:
+        """Execute ``plan`` once every event of ``events`` completed (the readiness contract):
+        CUDA events are waited for on ``stream`` (the GPU orders the copy after the writes),
+        any other ready object is synchronized here, on the calling thread, first."""
+        events = list({id(e): e for e in events if e is not None}.values())
+        for event in events:
+            if not (self._cuda and isinstance(event, torch.cuda.Event)):
+                event.synchronize()
+        if self._cuda:  # on its own stream, after the steps (or reload) that own the slots
+            with torch.cuda.stream(stream):
+                for event in events:
+                    if isinstance(event, torch.cuda.Event):
+                        stream.wait_event(event)
                 execute_plan(plan, src, dst)
-            self._side.synchronize()
+            stream.synchronize()
         else:
             execute_plan(plan, src, dst)
 
@@ -555,7 +604,7 @@ class DecodeOffloadManager:
             if together:
                 plan = self._h2d.plan(self._cat(together, lambda rd: rd[0].host_slots),
                                       self._cat(together, lambda rd: rd[1]))
-                self._copy(plan, self.host.regions(), self.pool.regions(), [event])
+                self._copy(plan, self.host.regions(), self.pool.regions(), [event], self._reload_stream)
                 self.stats.bytes_reloaded += plan.nbytes
             for rec, dst in todo:
                 if any(rec is r for r, _ in together):
@@ -569,7 +618,7 @@ class DecodeOffloadManager:
                 else:
                     regions = self.tiers.materialize(rec)
                 plan = from_f.plan(compact_slots(F, rec.tokens), dst)
-                self._copy(plan, regions, self.pool.regions(), [event])
+                self._copy(plan, regions, self.pool.regions(), [event], self._reload_stream)
                 self.stats.bytes_reloaded += plan.nbytes
             self.stats.records_reloaded += len(todo)
         finally:
@@ -615,4 +664,4 @@ class DecodeOffloadManager:
 
 
 __all__ = ["OffloadConfig", "HostPool", "DecodeOffloadManager", "PollResult", "HostGrant", "OffloadStats",
-           "group_min"]
+           "group_min", "check_cpu_group"]

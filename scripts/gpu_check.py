@@ -1,0 +1,648 @@
+#!/usr/bin/env python
+"""One GPU check for kvxfer: prints PASS / FAIL per check, with its numbers.
+
+    python scripts/gpu_check.py                 every check on cuda:0 (under 8 minutes, one GPU)
+    python scripts/gpu_check.py --only race     the checks whose name contains "race"
+    python scripts/gpu_check.py --device cpu    a dry run of the checks that need no GPU (the
+                                                script's own smoke test; host memory unpinned)
+
+Without CUDA (and without ``--device cpu``) it prints that it skipped and exits 0. Exit
+status 1 when any check failed.
+
+Checks (each byte comparison is against the host executor applied to CPU copies of the
+same buffers, so the reference never runs on the GPU):
+
+executor/<pool>/<path>  every pool layout, plan GPU->GPU, GPU->pinned (layer-first and
+                        page-first host layouts) and pinned->GPU: byte-exact; GPU->GPU
+                        bandwidth against one device copy of the same bytes.
+executor/device-threshold  one copy per run vs one gather + scatter, by run size: the
+                        measured crossover for ``kvxfer.copy.DEVICE_COPY_ONE_BY_ONE``.
+pools/<pool>            set_kv_buffer / get_kv_buffer / prefix-valid writes with device slot
+                        tensors, byte-exact against a CPU pool; set_kv_buffer captured in a
+                        CUDA graph and replayed with new data.
+race/<what>             a side stream sleeps (torch.cuda._sleep) then writes the final pattern
+                        and records an event; the executor, the offload manager
+                        (``step(ready=)``) and each transport (``submit(ready=)``) must deliver
+                        the final pattern. A control run without waiting shows the race is real.
+zmq/device-arrival      an arrival into GPU memory is reported only once its bytes are there
+                        (read on an unrelated stream right at the arrival).
+ucx/gpu-gpu             two processes, GPU regions on both sides: memory types and cuda_ipc as
+                        UCX reports them, byte-exact for whole, page and packed runs, bandwidth
+                        against a device copy of the same bytes.
+ucx/kill-receiver       the receiver is killed mid-transfer; the sender's CUDA context still works.
+offload/vs-pinned       offload and reload of a request against plain pinned copies of the same
+                        bytes (GB/s and ratio).
+
+Who runs it: a person with a GPU machine, after a change to pools, the executor, offload or a
+transport; its output goes in the issue note.
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvxfer.copy import execute_plan  # noqa: E402
+from kvxfer.grant import ByteRanges  # noqa: E402
+from kvxfer.layout import host_layout  # noqa: E402
+from kvxfer.plan import plan_transfer  # noqa: E402
+from kvxfer.pools import HostPool, HybridSWAPool, KVPool, MHAPool, MLAPool, StatePool, torch_dtype  # noqa: E402
+
+BUDGET_S = 7.5 * 60
+SLEEP_CYCLES = 300_000_000          # torch.cuda._sleep: ~0.15-0.3 s on current GPUs
+RESULTS: list[tuple[str, bool, str]] = []
+
+
+# ------------------------------------------------------------------------------------
+# Running checks
+# ------------------------------------------------------------------------------------
+class Ctx:
+    def __init__(self, device: str, only: str | None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.only = only
+        self.deadline = time.monotonic() + BUDGET_S
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def run(ctx: Ctx, name: str, fn, *args) -> None:
+    if ctx.only and ctx.only not in name:
+        return
+    if time.monotonic() > ctx.deadline:
+        print(f"SKIP {name}: the {BUDGET_S:.0f} s budget is spent", flush=True)
+        return
+    t0 = time.perf_counter()
+    try:
+        msg = fn(ctx, *args) or ""
+        ok = True
+    except Exception as e:   # a check that raises fails with its reason; the others still run
+        ok, msg = False, f"{type(e).__name__}: {e}"
+        if os.environ.get("GPU_CHECK_TRACE"):
+            traceback.print_exc()
+    RESULTS.append((name, ok, msg))
+    print(f"{'PASS' if ok else 'FAIL'} {name}: {msg} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+def expect(cond: bool, what: str) -> None:
+    if not cond:
+        raise AssertionError(what)
+
+
+# ------------------------------------------------------------------------------------
+# Pools and requests
+# ------------------------------------------------------------------------------------
+PAGE = 16
+
+
+def pool_factories() -> dict:
+    mha = dict(layers=4, heads=8, head_dim=128, num_pages=128, page_size=PAGE)
+    out = {f"mha-{lay}": (lambda dev, lay=lay: MHAPool(**mha, dtype="bfloat16", layout=lay, device=dev))
+           for lay in MHAPool.LAYOUTS}
+    out["mha-page_major-fp8_e4m3-scales"] = lambda dev: MHAPool(**mha, dtype="fp8_e4m3", layout="page_major",
+                                                                scale_block=32, device=dev)
+    out["mha-hnd-fp8_e5m2"] = lambda dev: MHAPool(**mha, dtype="fp8_e5m2", layout="hnd", device=dev)
+    out["mla"] = lambda dev: MLAPool(layers=4, kv_lora_rank=512, rope_dim=64, dtype="bfloat16", num_pages=128,
+                                     page_size=PAGE, device=dev)
+    out["mla-page_major"] = lambda dev: MLAPool(layers=4, kv_lora_rank=512, rope_dim=64, dtype="bfloat16",
+                                                num_pages=128, page_size=PAGE, layout="page_major", device=dev)
+    out["state"] = lambda dev: StatePool(layers=4, conv_blocks=[256, 64, 64], conv_width=4, temporal_heads=8,
+                                         temporal_head_shape=[64, 16], num_slots=64, device=dev)
+    for lay in ("token_major", "page_major"):
+        out[f"hybrid_swa-{lay}"] = (lambda dev, lay=lay: HybridSWAPool(
+            full_layers=[0, 2], swa_layers=[1, 3], heads=8, head_dim=128, dtype="bfloat16", num_pages=128,
+            swa_num_pages=32, page_size=PAGE, window=64, layout=lay, device=dev))
+    return out
+
+
+def fill(pool: KVPool, seed: int) -> KVPool:
+    for i, b in enumerate(pool.buffers):
+        g = torch.Generator(device=b.device).manual_seed(seed * 1000 + i)
+        b.copy_(torch.randint(0, 256, (b.numel(),), dtype=torch.uint8, device=b.device, generator=g))
+    return pool
+
+
+def request(pool: KVPool, n: int, seed: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Engine slots of an ``n``-token request (scattered pages) and the plan input per space."""
+    rng = np.random.default_rng(seed)
+    sp = pool.layout.spaces[0]
+    if sp.name == "state":
+        n = min(n, 8)
+    pages = rng.permutation(np.arange(1, sp.num_pages))[: -(-n // sp.page_size)]
+    slots = (pages[:, None] * sp.page_size + np.arange(sp.page_size)).ravel()[:n]
+    if isinstance(pool, HybridSWAPool):
+        w = min(pool.window, n)
+        swa = pool.layout.space("swa")
+        pool.map_swa(slots[n - w:], rng.permutation(np.arange(swa.page_size, swa.num_slots))[:w])
+    by_space = {}
+    for s in pool.layout.spaces:
+        mapped = np.asarray(pool.space_slots(s.name, slots))
+        by_space[s.name] = mapped[mapped != 0]
+    return slots, by_space
+
+
+def cpu_clone(pool: KVPool) -> list[torch.Tensor]:
+    return [b.detach().cpu().clone() for b in pool.buffers]
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
+
+
+def timed(ctx: Ctx, fn, repeat: int = 5) -> float:
+    """Seconds per call of ``fn`` (device time when on CUDA)."""
+    fn()
+    ctx.sync()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    ctx.sync()
+    return (time.perf_counter() - t0) / repeat
+
+
+# ------------------------------------------------------------------------------------
+# executor/<pool>/<path> and pools/<pool>
+# ------------------------------------------------------------------------------------
+def check_executor(ctx: Ctx, name: str, make, path: str) -> str:
+    dev_pool = fill(make(ctx.device), 1)
+    n = 1000
+    slots, src_in = request(dev_pool, n, 2)
+    if path == "gpu->gpu":
+        other = fill(make(ctx.device), 3)
+        _, dst_in = request(other, n, 4)
+        src, dst = dev_pool, other
+    else:
+        style = "page_first" if path.endswith("page_first") else "layer_first"
+        sizes = {s.name: (len(v) // s.page_size + 2) * s.page_size for s, v in
+                 ((dev_pool.layout.space(k), v) for k, v in src_in.items())}
+        host = fill(HostPool(host_layout(dev_pool.layout, style, sizes), device_layout=dev_pool.layout), 5)
+        host_in = {k: dev_pool.layout.space(k).page_size + np.arange(len(v)) for k, v in src_in.items()}
+        if path.startswith("gpu->"):
+            src, dst, dst_in = dev_pool, host, host_in
+        else:
+            src, dst, dst_in, src_in = host, dev_pool, src_in, host_in
+    plan = plan_transfer(src.layout, src_in, dst.layout, dst_in)
+    want_src, want = cpu_clone(src), cpu_clone(dst)
+    execute_plan(plan, want_src, want)                       # the host executor on CPU copies: the reference
+    execute_plan(plan, src.regions(), dst.regions())
+    ctx.sync()
+    expect(same(dst.buffers, want), f"{name} {path}: destination bytes differ from the host executor")
+    expect(same(src.buffers, want_src), f"{name} {path}: the source changed")
+    msg = f"{plan.nbytes / 2**20:.1f} MiB in {plan.num_runs} runs byte-exact"
+    if path == "gpu->gpu" and ctx.cuda:
+        t = timed(ctx, lambda: execute_plan(plan, src.regions(), dst.regions()))
+        flat = torch.empty(plan.nbytes, dtype=torch.uint8, device=ctx.device)
+        t_copy = timed(ctx, lambda: flat.copy_(src.buffers[0][: plan.nbytes]))
+        msg += f", {plan.nbytes / t / 1e9:.1f} GB/s vs one device copy {plan.nbytes / t_copy / 1e9:.1f} GB/s"
+    return msg
+
+
+def _raw_parts(pool: KVPool, layer: int, kinds, n: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random bytes as typed ``[n, heads, head_dim]`` tensors for parts ``kinds`` of ``layer`` (CPU)."""
+    out = {}
+    for kind in kinds:
+        p = pool.layout.part(layer, kind)
+        raw = torch.randint(0, 256, (n, p.heads, p.head_bytes), dtype=torch.uint8, generator=g)
+        out[kind] = raw.view(torch_dtype(p.dtype))
+    return out
+
+
+def check_pool_writes(ctx: Ctx, name: str, make) -> str:
+    pool, ref = fill(make(ctx.device), 1), make("cpu")
+    for r, b in zip(ref.buffers, pool.buffers):   # the reference starts from the same bytes
+        r.copy_(b.cpu())
+    n = 37
+    slots, _ = request(pool, n, 2)
+    request(ref, n, 2)
+    g = torch.Generator().manual_seed(3)
+    layer = pool.layout.layers[-1]
+    extra_kinds = tuple(k for k in ("k_scale", "v_scale") if pool.layout.has_part((layer, k)))
+    data = _raw_parts(pool, layer, pool.kv_kinds + extra_kinds, len(slots), g)
+    kv = [data[k] for k in pool.kv_kinds]
+    extra = {k: data[k] for k in extra_kinds}
+    d_slots = torch.from_numpy(slots).to(ctx.device)
+    pool.set_kv_buffer(layer, d_slots, *(t.to(ctx.device) for t in kv),
+                       **{k: v.to(ctx.device) for k, v in extra.items()})
+    ref.set_kv_buffer(layer, slots, *kv, **extra)
+    ctx.sync()
+    expect(same(pool.buffers, ref.buffers), "set_kv_buffer with device slots differs from the CPU pool")
+    for a, b in zip(pool.get_kv_buffer(layer, d_slots), ref.get_kv_buffer(layer, slots)):
+        expect(torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), "get_kv_buffer differs")
+    msg = "device-slot writes byte-exact"
+    if ctx.cuda:   # capture the write in a CUDA graph, replay with new data in the static inputs
+        static = [t.to(ctx.device).clone() for t in kv]
+        static_x = {k: v.to(ctx.device).clone() for k, v in extra.items()}
+        side = torch.cuda.Stream(ctx.device)
+        side.wait_stream(torch.cuda.current_stream(ctx.device))
+        with torch.cuda.stream(side):   # warm-up outside capture, as torch requires
+            pool.set_kv_buffer(layer, d_slots, *static, **static_x)
+        torch.cuda.current_stream(ctx.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            pool.set_kv_buffer(layer, d_slots, *static, **static_x)
+        new = _raw_parts(pool, layer, pool.kv_kinds + extra_kinds, len(slots), g)
+        for s, k in zip(static, pool.kv_kinds):
+            s.copy_(new[k])
+        for k, s in static_x.items():
+            s.copy_(new[k])
+        graph.replay()
+        ref.set_kv_buffer(layer, slots, *(new[k] for k in pool.kv_kinds), **{k: new[k] for k in extra_kinds})
+        ctx.sync()
+        expect(same(pool.buffers, ref.buffers), "the CUDA-graph replay of set_kv_buffer differs from the CPU pool")
+        msg += ", captured in a CUDA graph and replayed byte-exact"
+    return msg
+
+
+def check_device_threshold(ctx: Ctx) -> str:
+    """Runs of one size scattered over 256 MiB: one copy per run vs rows of one gather +
+    scatter, at 64 KiB .. 4 MiB per run; the crossover is copy.DEVICE_COPY_ONE_BY_ONE."""
+    import kvxfer.copy as copy_module
+    from kvxfer.plan import RunGroup, TransferPlan
+    total = 256 << 20
+    src = torch.randint(0, 256, (total,), dtype=torch.uint8, device=ctx.device)
+    dst = torch.zeros_like(src)
+    rng = np.random.default_rng(1)
+    z = np.zeros(1, np.int64)
+    rows, crossover = [], None
+    saved = copy_module.DEVICE_COPY_ONE_BY_ONE
+    try:
+        for size in (64 << 10, 256 << 10, 1 << 20, 4 << 20):
+            count = total // size // 2
+            s = rng.permutation(total // size)[:count].astype(np.int64) * size
+            d = rng.permutation(total // size)[:count].astype(np.int64) * size
+            times = {}
+            for how, limit in (("one-by-one", size), ("gathered", size + 1)):
+                copy_module.DEVICE_COPY_ONE_BY_ONE = limit
+                plan = TransferPlan((RunGroup(z, z, z, z, s, d, np.full(count, size, np.int64), False),))
+                times[how] = timed(ctx, lambda plan=plan: copy_module.execute_plan_batched(plan, [src], [dst]), 3)
+            rows.append(f"{size >> 10} KiB: one-by-one {count * size / times['one-by-one'] / 1e9:.0f} GB/s, "
+                        f"gathered {count * size / times['gathered'] / 1e9:.0f} GB/s")
+            if crossover is None and times["one-by-one"] < times["gathered"]:
+                crossover = size
+    finally:
+        copy_module.DEVICE_COPY_ONE_BY_ONE = saved
+    return "; ".join(rows) + f"; one-by-one wins from {crossover} bytes (constant: {saved})"
+
+
+# ------------------------------------------------------------------------------------
+# race/*: a side stream writes the final KV late; readers must wait for its event
+# ------------------------------------------------------------------------------------
+def late_write(ctx: Ctx, targets: list[torch.Tensor], finals: list[torch.Tensor]):
+    """Enqueue on a side stream: sleep, then ``targets[i].copy_(finals[i])``; returns the event
+    recorded after the writes (the "KV is written" event of an engine's forward)."""
+    side = torch.cuda.Stream(ctx.device)
+    side.wait_stream(torch.cuda.current_stream(ctx.device))
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        for t, f in zip(targets, finals):
+            t.copy_(f)
+        return side.record_event()
+
+
+def check_race_executor(ctx: Ctx) -> str:
+    make = pool_factories()["mha-page_major"]
+    results = {}
+    for wait in (False, True):   # the control (no wait) must show stale bytes: the race is real
+        src, dst = fill(make(ctx.device), 1), fill(make(ctx.device), 2)
+        final = fill(make(ctx.device), 9)
+        _, s_in = request(src, 500, 3)
+        _, d_in = request(dst, 500, 4)
+        plan = plan_transfer(src.layout, s_in, dst.layout, d_in)
+        want = cpu_clone(dst)
+        execute_plan(plan, cpu_clone(final), want)
+        ctx.sync()
+        event = late_write(ctx, src.buffers, final.buffers)
+        if wait:
+            torch.cuda.current_stream(ctx.device).wait_event(event)
+        execute_plan(plan, src.regions(), dst.regions())
+        ctx.sync()
+        results[wait] = same(dst.buffers, want)
+    expect(results[True], "the executor read the source before the event completed")
+    return f"final pattern delivered after the event; control without waiting saw stale bytes: {not results[False]}"
+
+
+def check_race_offload(ctx: Ctx) -> str:
+    from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig
+    make = pool_factories()["mha-token_major"]
+    pool = fill(make(ctx.device), 1)
+    final = fill(make(ctx.device), 9)
+    host = HostPool.for_pool(pool, size=2048)
+    slots, _ = request(pool, 256, 2)
+    toks = np.arange(256)
+    want = {(layer, k): final.get_part(layer, k, slots).cpu().view(torch.uint8)
+            for layer in pool.layout.layers for k in pool.kv_kinds}
+    with DecodeOffloadManager(pool, host, OffloadConfig(stride=256)) as mgr:
+        ctx.sync()
+        ready = late_write(ctx, pool.buffers, final.buffers)   # the current stream does not wait
+        mgr.release("r", toks, slots, ready=ready)
+        t0 = time.monotonic()
+        while "r" not in mgr.poll().released:
+            expect(time.monotonic() - t0 < 30, "offload did not finish in 30 s")
+            time.sleep(0.01)
+        new, _ = request(pool, 256, 5)
+        mgr.reload("r", new)
+        ctx.sync()
+        for (layer, k), w in want.items():
+            expect(torch.equal(pool.get_part(layer, k, new).cpu().view(torch.uint8), w),
+                   f"layer {layer} {k}: offload read the KV before the ready event")
+    return "offload waited for the ready event; reload byte-exact with the final pattern"
+
+
+def _ready_kw(transport) -> bool:
+    return "ready" in inspect.signature(transport.submit).parameters
+
+
+def check_race_transport(ctx: Ctx, name: str) -> str:
+    from kvxfer.transport.registry import get_transport
+    make = pool_factories()["mha-hnd"]
+    src, dst = fill(make(ctx.device), 1), fill(make(ctx.device), 2)
+    final = fill(make(ctx.device), 9)
+    _, s_in = request(src, 700, 3)
+    _, d_in = request(dst, 700, 4)
+    plan = plan_transfer(src.layout, s_in, dst.layout, d_in)
+    want_src = [f.cpu() for f in final.buffers]
+    want = cpu_clone(dst)
+    execute_plan(plan, want_src, want)
+    rx, tx = get_transport(name), get_transport(name)
+    try:
+        rx.register(dst.regions())
+        tx.register(src.regions())
+        peer = tx.connect(rx.descriptor())
+        runs = plan.runs()
+        rx.expect("r", ByteRanges(runs.dst_region, runs.dst_offset, runs.nbytes))
+        ctx.sync()
+        if not _ready_kw(tx):
+            raise AssertionError(f"{name}: submit() takes no ready= event (the readiness contract is missing)")
+        ready = late_write(ctx, src.buffers, final.buffers)
+        handle = tx.submit(peer, "r", plan, timeout=60, ready=ready)
+        expect(handle.wait(60), f"{name}: transfer did not complete")
+        arrivals = []
+        t0 = time.monotonic()
+        while not arrivals and time.monotonic() - t0 < 30:
+            arrivals = [a for a in rx.arrivals(0.1) if a.request_id == "r"]
+        expect(bool(arrivals) and arrivals[0].ok, f"{name}: no ok arrival")
+        ctx.sync()
+        expect(same(dst.buffers, want), f"{name}: the destination does not hold the final pattern")
+    finally:
+        tx.close()
+        rx.close()
+    return f"{plan.nbytes / 2**20:.1f} MiB: the final pattern arrived"
+
+
+# ------------------------------------------------------------------------------------
+# zmq/device-arrival
+# ------------------------------------------------------------------------------------
+def check_zmq_device_arrival(ctx: Ctx) -> str:
+    from kvxfer.transport.registry import get_transport
+    src = torch.randint(0, 256, (256 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    dst = torch.zeros(256 << 20, dtype=torch.uint8, device=ctx.device)
+    n = 4096
+    rng = np.random.default_rng(2)
+    z = np.zeros(n, np.int64)
+    offs = rng.permutation((256 << 20) // 65536)[:n].astype(np.int64) * 65536
+    from kvxfer.plan import RunGroup, TransferPlan
+    lens = np.full(n, 4096, np.int64)
+    plan = TransferPlan((RunGroup(z[:1], z[:1], z[:1], z[:1], offs, offs[::-1].copy(), lens, True),))
+    rx, tx = get_transport("zmq"), get_transport("zmq")
+    try:
+        rx.register([dst])
+        tx.register([src])
+        peer = tx.connect(rx.descriptor())
+        runs = plan.runs()
+        rx.expect("r", ByteRanges(runs.dst_region, runs.dst_offset, runs.nbytes))
+        tx.submit(peer, "r", plan, timeout=60)
+        arrivals = []
+        t0 = time.monotonic()
+        while not arrivals and time.monotonic() - t0 < 60:
+            arrivals = [a for a in rx.arrivals(0.01) if a.request_id == "r"]
+        expect(bool(arrivals) and arrivals[0].ok, "no ok arrival")
+        other = torch.cuda.Stream(ctx.device) if ctx.cuda else None   # unrelated to the I/O thread's stream
+        idx = torch.from_numpy(runs.dst_offset[:, None] + np.arange(4096)).to(ctx.device)
+        if other is not None:
+            with torch.cuda.stream(other):
+                got = dst[idx].cpu()
+        else:
+            got = dst[idx].cpu()
+        want = src[torch.from_numpy(runs.src_offset[:, None] + np.arange(4096))]
+        expect(torch.equal(got, want), "the arrival was reported before its bytes were in device memory")
+    finally:
+        tx.close()
+        rx.close()
+    return f"{n} packed runs of 4 KiB: bytes in device memory at the arrival"
+
+
+# ------------------------------------------------------------------------------------
+# ucx/*: two processes
+# ------------------------------------------------------------------------------------
+UCX_BYTES = 256 << 20
+
+
+def _ucx_receiver(conn, device: str, nbytes: int) -> None:
+    """Child: a UCX transport with one device region; checks what lands against the pattern."""
+    from kvxfer.transport.registry import get_transport
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device))
+    t = get_transport("ucx")
+    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    t.register([dst])
+    conn.send(t.descriptor())
+    while True:
+        cmd, *a = conn.recv()
+        if cmd == "expect":
+            dst.zero_()
+            t.expect(a[0], ByteRanges(*(np.asarray(x, np.int64) for x in a[1])))
+            conn.send("ok")
+        elif cmd == "check":   # (rid, dst offsets, src offsets, lengths): compare with the sender's pattern
+            rid, d_off, s_off, lens = a
+            got, t0 = [], time.monotonic()
+            while not got and time.monotonic() - t0 < 60:
+                got = [x for x in t.arrivals(0.05) if x.request_id == rid]
+            src = _pattern(nbytes, device)
+            ok = bool(got) and got[0].ok
+            for d, s, n in zip(d_off, s_off, lens):
+                ok = ok and torch.equal(dst[d: d + n], src[s: s + n])
+            conn.send(ok)
+        elif cmd == "close":
+            t.close()
+            conn.send("closed")
+            return
+
+
+def _pattern(nbytes: int, device) -> torch.Tensor:
+    g = torch.Generator(device=torch.device(device)).manual_seed(1234)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=g)
+
+
+def _ucx_plan(kind: str) -> tuple:
+    rng = np.random.default_rng(5)
+    if kind == "whole":
+        s = d = np.zeros(1, np.int64)
+        n = np.array([UCX_BYTES], np.int64)
+    else:
+        size = 65536 if kind == "pages" else 4096
+        count = 2048 if kind == "pages" else 8192
+        s = rng.permutation(UCX_BYTES // size)[:count].astype(np.int64) * size
+        d = rng.permutation(UCX_BYTES // size)[:count].astype(np.int64) * size
+        n = np.full(count, size, np.int64)
+    from kvxfer.plan import RunGroup, TransferPlan
+    z = np.zeros(1, np.int64)
+    return TransferPlan((RunGroup(z, z, z, z, s, d, n, kind == "packed"),)), s, d, n
+
+
+def _spawn_receiver(ctx: Ctx):
+    mpc = mp.get_context("spawn")
+    conn, child = mpc.Pipe()
+    proc = mpc.Process(target=_ucx_receiver, args=(child, str(ctx.device), UCX_BYTES), daemon=True)
+    proc.start()
+    expect(conn.poll(120), "the UCX receiver process did not start")
+    return proc, conn, conn.recv()
+
+
+def check_ucx_gpu_gpu(ctx: Ctx) -> str:
+    from kvxfer.cli.doctor import ucx_report
+    from kvxfer.transport.registry import get_transport
+    rep = ucx_report()
+    tls = set(rep.get("transports", {}))
+    proc, conn, desc = _spawn_receiver(ctx)
+    tx = get_transport("ucx")
+    src = _pattern(UCX_BYTES, ctx.device)
+    tx.register([src])
+    out = [f"UCX transports {sorted(tls)}", f"cuda_ipc {'yes' if 'cuda_ipc' in tls else 'NO'}"]
+    try:
+        peer = tx.connect(desc)
+        for kind in ("whole", "pages", "packed"):
+            plan, s, d, n = _ucx_plan(kind)
+            conn.send(("expect", kind, (np.zeros(len(d), np.int64).tolist(), d.tolist(), n.tolist())))
+            expect(conn.recv() == "ok", "expect failed")
+            ctx.sync()
+            t0 = time.perf_counter()
+            h = tx.submit(peer, kind, plan, timeout=120)
+            expect(h.wait(120), f"{kind}: transfer failed: {getattr(h, 'error', None)}")
+            el = time.perf_counter() - t0
+            conn.send(("check", kind, d.tolist(), s.tolist(), n.tolist()))
+            expect(conn.recv(), f"{kind}: bytes differ at the receiver")
+            flat = torch.empty(int(n.sum()), dtype=torch.uint8, device=ctx.device)
+            t_copy = timed(ctx, lambda flat=flat, m=int(n.sum()): flat.copy_(src[:m]))
+            out.append(f"{kind} {int(n.sum()) / el / 1e9:.1f} GB/s (device copy {int(n.sum()) / t_copy / 1e9:.0f})")
+        expect(not ctx.cuda or "cuda_ipc" in tls or "cuda_copy" in tls, "UCX has no CUDA transport")
+    finally:
+        tx.close()
+        conn.send(("close",))
+        conn.poll(15)
+        proc.join(15)
+    return "; ".join(out)
+
+
+def check_ucx_kill_receiver(ctx: Ctx) -> str:
+    from kvxfer.transport.registry import get_transport
+    proc, conn, desc = _spawn_receiver(ctx)
+    tx = get_transport("ucx", peer_timeout=2.0)
+    src = _pattern(UCX_BYTES, ctx.device)
+    tx.register([src])
+    try:
+        peer = tx.connect(desc)
+        plan, s, d, n = _ucx_plan("pages")
+        conn.send(("expect", "k", (np.zeros(len(d), np.int64).tolist(), d.tolist(), n.tolist())))
+        conn.recv()
+        h = tx.submit(peer, "k", plan, timeout=30)
+        time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        h.wait(30)
+        x = torch.arange(1 << 20, device=ctx.device).float()
+        y = float((x * 2).sum())
+        ctx.sync()
+        expect(y == float(x.sum()) * 2, "the sender's device gives wrong results after the kill")
+    finally:
+        tx.close()
+    return f"transfer ended {h.poll().name} after the kill; sender's CUDA context works"
+
+
+# ------------------------------------------------------------------------------------
+# offload/vs-pinned
+# ------------------------------------------------------------------------------------
+def check_offload_vs_pinned(ctx: Ctx) -> str:
+    from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig
+    tokens, stride = 8192, 1024
+    pool = fill(MHAPool(layers=32, heads=8, head_dim=128, dtype="bfloat16", num_pages=tokens // PAGE + 64,
+                        page_size=PAGE, layout="page_major", device=ctx.device), 1)
+    host = HostPool.for_pool(pool, size=tokens + stride)
+    slots, _ = request(pool, tokens, 2)
+    toks = np.arange(tokens)
+    with DecodeOffloadManager(pool, host, OffloadConfig(stride=stride)) as mgr:
+        ctx.sync()
+        t0 = time.perf_counter()
+        mgr.release("r", toks, slots)
+        while "r" not in mgr.poll().released:
+            time.sleep(0.001)
+        t_off = time.perf_counter() - t0
+        nbytes = mgr.stats.bytes_offloaded
+        new, _ = request(pool, tokens, 3)
+        want = pool.get_kv_buffer(5, slots)[0].cpu()
+        t0 = time.perf_counter()
+        mgr.reload("r", new)
+        ctx.sync()
+        t_re = time.perf_counter() - t0
+        expect(torch.equal(pool.get_kv_buffer(5, new)[0].cpu().view(torch.uint8), want.view(torch.uint8)),
+               "reload differs")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=ctx.cuda)
+    d2h = timed(ctx, lambda: pinned.copy_(pool.buffers[0][:nbytes], non_blocking=True), repeat=3)
+    h2d = timed(ctx, lambda: pool.buffers[0][:nbytes].copy_(pinned, non_blocking=True), repeat=3)
+    gb = nbytes / 1e9
+    return (f"{nbytes / 2**20:.0f} MiB: offload {gb / t_off:.1f} GB/s vs pinned copy {gb / d2h:.1f} "
+            f"({d2h / t_off:.2f}x); reload {gb / t_re:.1f} GB/s vs {gb / h2d:.1f} ({h2d / t_re:.2f}x)")
+
+
+# ------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default=None, help="cuda:N (default cuda:0), or cpu for a dry run")
+    ap.add_argument("--only", default=None, help="run the checks whose name contains this")
+    args = ap.parse_args(argv)
+    if args.device is None and not torch.cuda.is_available():
+        print(f"SKIPPED: no CUDA device (torch {torch.__version__}, CUDA build {torch.version.cuda}); "
+              f"nothing was checked. Run on a GPU machine, or --device cpu for a dry run.")
+        return 0
+    ctx = Ctx(args.device or "cuda:0", args.only)
+    if ctx.cuda:
+        torch.cuda.set_device(ctx.device)
+        p = torch.cuda.get_device_properties(ctx.device)
+        print(f"# {p.name}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
+    t_start = time.monotonic()
+    pools = pool_factories()
+    for name, make in pools.items():
+        for path in ("gpu->gpu", "gpu->pinned/layer_first", "gpu->pinned/page_first", "pinned->gpu"):
+            run(ctx, f"executor/{name}/{path}", check_executor, name, make, path)
+        run(ctx, f"pools/{name}", check_pool_writes, name, make)
+    if ctx.cuda:
+        run(ctx, "executor/device-threshold", check_device_threshold)
+        run(ctx, "race/executor", check_race_executor)
+        run(ctx, "race/offload", check_race_offload)
+        for tname in ("local", "zmq", "ucx"):
+            run(ctx, f"race/transport-{tname}", check_race_transport, tname)
+    run(ctx, "zmq/device-arrival", check_zmq_device_arrival)
+    run(ctx, "ucx/gpu-gpu", check_ucx_gpu_gpu)
+    if ctx.cuda:
+        run(ctx, "ucx/kill-receiver", check_ucx_kill_receiver)
+    run(ctx, "offload/vs-pinned", check_offload_vs_pinned)
+    failed = [n for n, ok, _ in RESULTS if not ok]
+    print(f"# {len(RESULTS) - len(failed)} passed, {len(failed)} failed in {time.monotonic() - t_start:.0f} s"
+          + (f": {', '.join(failed)}" if failed else ""), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
