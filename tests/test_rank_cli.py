@@ -19,9 +19,10 @@ import urllib.request
 
 import numpy as np
 import pytest
-
 from hosts import hosts_fixture, hosts_skip_reason
+
 from kvxfer.cli import rank as cli
+from kvxfer.cli import rank_serve as serve
 
 RANK = [sys.executable, "-m", "kvxfer.cli.rank"]
 BOOTSTRAP = [sys.executable, "-m", "kvxfer.cli", "bootstrap"]
@@ -68,11 +69,11 @@ def test_place_from_torchrun():
 
 def test_pattern_is_logical():
     """The bytes of a (layer, kind, head, position) do not depend on which heads or tokens are asked."""
-    whole = cli.pattern(1, 5, 0, "k", [0, 1, 2, 3], np.arange(40), 16)
-    part = cli.pattern(1, 5, 0, "k", [2, 3], np.arange(8, 24), 16)
+    whole = serve.pattern(1, 5, 0, "k", [0, 1, 2, 3], np.arange(40), 16)
+    part = serve.pattern(1, 5, 0, "k", [2, 3], np.arange(8, 24), 16)
     assert np.array_equal(whole[8:24, 2:4], part)
-    assert not np.array_equal(whole, cli.pattern(1, 6, 0, "k", [0, 1, 2, 3], np.arange(40), 16))
-    assert not np.array_equal(whole, cli.pattern(1, 5, 0, "v", [0, 1, 2, 3], np.arange(40), 16))
+    assert not np.array_equal(whole, serve.pattern(1, 6, 0, "k", [0, 1, 2, 3], np.arange(40), 16))
+    assert not np.array_equal(whole, serve.pattern(1, 5, 0, "v", [0, 1, 2, 3], np.arange(40), 16))
     assert len(np.unique(whole)) > 200
 
 
@@ -80,12 +81,12 @@ def test_fill_then_verify_across_layouts():
     from kvxfer.pools import MHAPool
     p = MHAPool(layers=2, heads=4, head_dim=8, dtype="bfloat16", num_pages=8, page_size=4, layout="page_major")
     d = MHAPool(layers=2, heads=2, head_dim=8, dtype="bfloat16", num_pages=8, page_size=4)
-    cli.fill(p, 0, 9, [0, 1, 2, 3], np.arange(4, 14))
-    assert cli.verify(p, 0, 9, [0, 1, 2, 3], np.arange(4, 14)) == (0, "")
+    serve.fill(p, 0, 9, [0, 1, 2, 3], np.arange(4, 14))
+    assert serve.verify(p, 0, 9, [0, 1, 2, 3], np.arange(4, 14)) == (0, "")
     for layer in (0, 1):   # heads 2..3 of p into d's slots 20..29
         d.set_kv_buffer(layer, np.arange(20, 30), *(t[:, 2:4] for t in p.get_kv_buffer(layer, np.arange(4, 14))))
-    assert cli.verify(d, 0, 9, [2, 3], np.arange(20, 30)) == (0, "")
-    bad, first = cli.verify(d, 0, 9, [0, 1], np.arange(20, 30))
+    assert serve.verify(d, 0, 9, [2, 3], np.arange(20, 30)) == (0, "")
+    bad, first = serve.verify(d, 0, 9, [0, 1], np.arange(20, 30))
     assert bad and first.startswith("layer 0 k head 0 token 0")
 
 
