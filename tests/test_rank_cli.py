@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 
 import numpy as np
@@ -114,6 +115,14 @@ class Proc:
         except queue.Empty:
             raise AssertionError(f"no output within {timeout}s; stderr: {self.err[-10:]}") from None
 
+    def line_with(self, text: str, timeout: float = 60.0) -> str:
+        """The next stdout line containing ``text`` (UCX prints its warnings on stdout)."""
+        end = time.monotonic() + timeout
+        while True:
+            line = self.line(max(0.1, end - time.monotonic()))
+            if text in line:
+                return line
+
     def call(self, cmd: dict, timeout: float = 60.0) -> dict:
         self.p.stdin.write(json.dumps(cmd) + "\n")
         self.p.stdin.flush()
@@ -195,26 +204,39 @@ def test_check_says_an_incompatible_pair_cannot_talk(procs):
 three = hosts_fixture(3)
 
 
+def _transports():
+    import importlib.util
+    no_ucx = importlib.util.find_spec("ucxx") is None
+    return ["zmq", pytest.param("ucx", marks=pytest.mark.skipif(no_ucx, reason="ucxx does not import"))]
+
+
 @pytest.mark.slow
 @pytest.mark.multihost
 @pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason()))
-def test_three_hosts_tp2_page_major_to_tp4_token_major(three, procs):
+@pytest.mark.parametrize("transport", _transports())
+def test_three_hosts_tp2_page_major_to_tp4_token_major(three, procs, transport):
     a, b, c = three
+    net = ["--transport", transport] + (["--ucx-tls", "tcp"] if transport == "ucx" else [])   # namespaces share IPC
     boot, url = start_bootstrap(a.addr, 8998, popen=lambda argv, **kw: a.popen(argv, **kw))
     procs.append(boot)
     assert url == f"http://{a.addr}:8998"
-    for r in range(2):   # no --advertise: each rank advertises the address that reaches the bootstrap
+    # rank 0: no address flags (it advertises the address that reaches the bootstrap);
+    # rank 1: binds every interface and advertises its interface by name
+    where = [[], ["--bind", "0.0.0.0", "--advertise", "veth0"]]
+    for r in range(2):
         p = Proc([*RANK, "--role", "prefill", "--bootstrap", url, "--tp-size", "2", "--tp-rank", str(r),
-                  "--layout", "page_major", *SMALL], popen=lambda argv, **kw: b.popen(argv, **kw))
+                  "--layout", "page_major", *net, *where[r], *SMALL], popen=lambda argv, **kw: b.popen(argv, **kw))
         procs.append(p)
-        assert f"tcp://{b.addr}:" in p.line(), p.err
+        ready = p.line_with("ready", 120)
+        if transport == "zmq":
+            assert ready.count(f"tcp://{b.addr}:") == 2 and "0.0.0.0" not in ready, ready
     refused = c.run([*RANK, "--role", "decode", "--bootstrap", url, "--advertise", "127.0.0.1", *SMALL])
     assert refused.returncode == 2 and "--advertise 127.0.0.1 gives loopback" in refused.stderr, refused.stderr
     ds = [Proc([*RANK, "--role", "decode", "--bootstrap", url, "--tp-size", "4", "--tp-rank", str(r),
-                "--layout", "token_major", "--selftest", "3", "--tokens", "90", *SMALL],
+                "--layout", "token_major", "--selftest", "3", "--tokens", "90", *net, *SMALL],
                popen=lambda argv, **kw: c.popen(argv, **kw)) for r in range(4)]
     procs.extend(ds)
     for r, d in enumerate(ds):
-        out = d.line(120)
+        out = d.line_with("kvxfer rank --selftest", 180)
         assert d.end(60) == 0, (out, d.err[-10:])
         assert f"3/3 requests byte-exact on default/dp0/pp0/tp{r}" in out

@@ -393,6 +393,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_usage(sys.stderr)
         print(f"kvxfer rank: error: {e}", file=sys.stderr)
         return 2
+    if cfg.serve == "stdin":   # stdout carries replies only: what C libraries print (UCX) goes to stderr
+        sys.stdout.flush()
+        replies = os.fdopen(os.dup(1), "w", buffering=1)
+        os.dup2(2, 1)
+        sys.stdout = replies
     from ..errors import KVXferError
     from .rank_serve import Rank, run_check, serve_stdin, serve_unix
     try:
