@@ -158,13 +158,32 @@ def procs():
         p.kill()
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def unix_call(path: str, cmd: dict) -> dict:
+    import socket
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(path)
+        f = s.makefile("rw")
+        f.write(json.dumps(cmd) + "\n")
+        f.flush()
+        return json.loads(f.readline())
+
+
 @pytest.mark.slow
-def test_selftest_prefill_to_decode_byte_exact_then_sigterm_deregisters(procs):
+def test_selftest_prefill_to_decode_byte_exact_then_sigterm_deregisters(procs, tmp_path):
     b, url = start_bootstrap()
     procs.append(b)
-    p = Proc([*RANK, "--role", "prefill", "--bootstrap", url, "--layout", "page_major", "--seed", "4", *SMALL])
+    sock, metrics = str(tmp_path / "p.sock"), free_port()
+    p = Proc([*RANK, "--role", "prefill", "--bootstrap", url, "--layout", "page_major", "--seed", "4",
+              "--serve", f"unix:{sock}", "--metrics-port", str(metrics), *SMALL])
     procs.append(p)
-    assert "ready" in p.line(), p.err
+    assert "ready" in p.line_with("ready"), p.err
     d = Proc([*RANK, "--role", "decode", "--bootstrap", url, "--seed", "4", "--serve", *SMALL], stdin=subprocess.PIPE)
     procs.append(d)
     hello = json.loads(d.line())
@@ -176,10 +195,18 @@ def test_selftest_prefill_to_decode_byte_exact_then_sigterm_deregisters(procs):
     assert d.call({"op": "stats"})["free_pages"] == 63     # every slot came back
     assert d.call({"op": "exit"}) == {"ok": True}
     assert d.end() == 0
+    end = time.monotonic() + 20   # prefill releases each request's KV once decode confirmed it
+    while (st := unix_call(sock, {"op": "stats"}))["requests"].get("success", 0) < 3 and time.monotonic() < end:
+        time.sleep(0.1)
+    assert st["requests"] == {"success": 3} and st["free_pages"] == 63, st
+    assert "error" in unix_call(sock, {"op": "selftest"})   # a decode command, refused in words
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=5) as r:
+        assert 'kvxfer_requests_total{reason="",role="prefill",state="success"} 3.0' in r.read().decode()
     assert registered(url) == 1
     p.p.send_signal(signal.SIGTERM)
     assert p.end() == 0, p.err
     assert registered(url) == 0, "SIGTERM did not deregister the prefill rank"
+    assert not (tmp_path / "p.sock").exists()
 
 
 @pytest.mark.slow
