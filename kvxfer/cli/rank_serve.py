@@ -184,7 +184,7 @@ class Rank:
             opts = {"tls": cfg.ucx_tls, "heartbeat": hb.interval, "peer_timeout": hb.timeout}
         prefill_cls, decode_cls = _endpoint_classes()
         common = dict(transport=cfg.transport, transport_options=opts, timeouts=timeouts, secret=cfg.secret,
-                      advertise=cfg.advertise)
+                      advertise=cfg.advertise if cfg.advertise != cfg.bind else "")
         if cfg.role == "prefill":
             self._todo: queue.Queue = queue.Queue(MAX_LIVE)
             self.ep = prefill_cls(self.spec, self.pool, host=cfg.bind, port=cfg.port, on_request=self._queue,
@@ -274,7 +274,13 @@ class Rank:
                 raise RequestError(f"decode pool full: {self.alloc.free_pages} pages free, {tokens} tokens asked")
             self.events[room] = threading.Event()
             self.done.pop(room, None)
-        r = self.ep.receiver(room, on_release=self._decode_released(room, slots))
+        try:
+            r = self.ep.receiver(room, on_release=self._decode_released(room, slots))
+        except Exception:
+            with self.lock:
+                self.alloc.free(slots)
+                self.events.pop(room, None)
+            raise
         with self.lock:
             self.reqs[room] = r
         try:
