@@ -55,6 +55,12 @@ def test_bad_flags_are_named_with_the_fix(flags, env, words):
         config(*flags, env=env)
 
 
+def test_main_says_what_is_wrong(capsys):
+    assert cli.main(["--role", "decode", "--bootstrap", "http://127.0.0.1:1", "--tp-size", "3", "--kv-heads", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "--kv-heads 8 and --tp-size 3" in err and "1, 2, 4, 8, 16" in err, err
+
+
 def test_loopback_is_not_advertised_to_another_host():
     with pytest.raises(cli.UsageError, match="--advertise 127.0.0.1 gives loopback.*another host"):
         cli.addresses(None, "127.0.0.1", "http://10.213.250.1:8998")
@@ -223,6 +229,10 @@ def test_check_says_an_incompatible_pair_cannot_talk(procs):
     good = subprocess.run([*RANK, "--role", "decode", "--bootstrap", url, "--page-size", "32", "--check", *SMALL],
                           capture_output=True, text=True, timeout=120)
     assert good.returncode == 0 and "compatible" in good.stdout, (good.stdout, good.stderr)
+    clash = subprocess.run([*RANK, "--role", "prefill", "--bootstrap", url, "--tp-size", "2", "--tp-rank", "1",
+                            "--check", *SMALL], capture_output=True, text=True, timeout=120)
+    assert clash.returncode == 1, clash.stderr
+    assert "registered with tp/pp/dp sizes 1/1/1 but this rank has 2/1/1" in clash.stdout, clash.stdout
 
 
 # ------------------------------------------------------------------------------------
