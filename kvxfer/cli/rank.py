@@ -393,11 +393,23 @@ def main(argv: list[str] | None = None) -> int:
         ap.print_usage(sys.stderr)
         print(f"kvxfer rank: error: {e}", file=sys.stderr)
         return 2
+    saved = None
     if cfg.serve == "stdin":   # stdout carries replies only: what C libraries print (UCX) goes to stderr
         sys.stdout.flush()
-        replies = os.fdopen(os.dup(1), "w", buffering=1)
+        saved = (os.dup(1), sys.stdout)
+        sys.stdout = os.fdopen(os.dup(1), "w", buffering=1)
         os.dup2(2, 1)
-        sys.stdout = replies
+    try:
+        return _run(cfg)
+    finally:
+        if saved is not None:
+            sys.stdout.close()
+            os.dup2(saved[0], 1)
+            os.close(saved[0])
+            sys.stdout = saved[1]
+
+
+def _run(cfg: RankConfig) -> int:
     from ..errors import KVXferError
     from .rank_serve import Rank, run_check, serve_stdin, serve_unix
     try:
@@ -406,11 +418,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvxfer rank: cannot start {cfg.role} rank: {e}", file=sys.stderr)
         return 1
     stop = threading.Event()
-    srv = None
+    srv, handlers = None, {}
     try:
         if cfg.check:
             return run_check(rank)
-        handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        if threading.current_thread() is threading.main_thread():   # main(argv) may run in any thread
+            handlers = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             rank.start()
         except KVXferError as e:
@@ -438,13 +451,13 @@ def main(argv: list[str] | None = None) -> int:
                   + (f", control socket {cfg.serve}" if cfg.serve else ""), flush=True)
         while not stop.wait(0.2):
             pass
-        for sig, h in handlers.items():
-            signal.signal(sig, h)
         return 0
     except ValueError as e:   # --serve unix:PATH that cannot be used
         print(f"kvxfer rank: error: {e}", file=sys.stderr)
         return 2
     finally:
+        for sig, h in handlers.items():
+            signal.signal(sig, h)
         if srv is not None:
             srv.close()
             try:
