@@ -10,6 +10,7 @@ COMMANDS = {
     "compat": ("kvxfer.cli.compat", "the layout x capability table, computed from the code"),
     "doctor": ("kvxfer.cli.doctor", "torch, CUDA, devices, UCX transports and memory types, RDMA on this machine"),
     "bootstrap": ("kvxfer.control.bootstrap", "run a bootstrap (rank registry) server"),
+    "rank": ("kvxfer.cli.rank", "start one prefill or decode rank, pool from flags (--check, --selftest, --serve)"),
 }
 
 
