@@ -237,7 +237,7 @@ class Rank:
                     continue   # another decode rank's part of a request already answered
                 slots = self.alloc.alloc(tokens) if tokens else np.zeros(0, np.int64)
             try:
-                s = self.ep.sender(room, on_release=self._prefill_released(slots))
+                s = self.ep.sender(room, on_release=self._prefill_released(room, slots))
             except KVXferError as e:
                 log.warning("room %s: cannot answer: %s", room, e)
                 if slots is not None and len(slots):
@@ -253,12 +253,15 @@ class Rank:
                 fill(self.pool, self.cfg.seed, room, self.heads, slots)
             s.send(slots, last=True)
 
-    def _prefill_released(self, slots):
-        def released(s) -> None:
-            self._count(s.outcome or "ended")
+    def _prefill_released(self, room: int, slots):
+        from ..endpoint.base import KVPoll
+
+        def released(outcome) -> None:
+            self._count(outcome.value)
             with self.lock:
-                if self.live.get(s.room) is s:
-                    del self.live[s.room]
+                s = self.live.get(room)
+                if s is not None and s.poll() in (KVPoll.Success, KVPoll.Failed):
+                    del self.live[room]
                 if slots is not None and len(slots):
                     self.alloc.free(slots)
         return released
@@ -290,18 +293,21 @@ class Rank:
             raise
 
     def _decode_released(self, room: int, slots: np.ndarray):
-        def released(r) -> None:
-            from ..endpoint.base import KVPoll
-            res = {"state": r.poll().name, "outcome": r.outcome, "reason": r.reason,
-                   "seconds": round(r.ended_at - r.created, 4), "tokens": len(slots)}
-            if r.poll() == KVPoll.Success:
+        from ..endpoint.base import Outcome
+
+        def released(outcome) -> None:
+            with self.lock:
+                r = self.reqs.get(room)   # stored right after it was made; None only if it ended at once
+            res = {"state": outcome.state.name, "outcome": outcome.value, "reason": r.reason if r else "",
+                   "seconds": round(r.ended_at - r.created, 4) if r else 0.0, "tokens": len(slots)}
+            if outcome is Outcome.Success:
                 bad, first = verify(self.pool, self.cfg.seed, room, self.heads, slots)
                 res["verified"] = bad == 0
                 res["nbytes"] = sum(len(slots) * p.heads * p.head_bytes for p in _parts(self.pool))
                 if bad:
                     res["mismatch"] = (f"{bad} byte(s) differ from the pattern, first at {first} (the same --seed "
                                        f"on both sides?)")
-            self._count(r.outcome if r.outcome != "success" or res.get("verified") else "corrupt",
+            self._count(outcome.value if outcome.value != "success" or res.get("verified") else "corrupt",
                         res.get("nbytes", 0))
             with self.lock:
                 self.alloc.free(slots)
