@@ -29,7 +29,7 @@ def _layout(info: RankInfo, side: str, out: list[str]) -> Layout | None:
 SWA_WINDOW_KEY = "swa_window"
 
 
-MAX_WINDOW = 1 << 40
+from .messages import MAX_WINDOW  # noqa: E402  (one bound for the wire and the record)
 
 
 def layout_record(layout: Layout, swa_window: int = 0) -> dict:
