@@ -148,6 +148,11 @@ class ControlChannel:
         """False once the channel thread ended (closed, or died of a bug: see ``broken``)."""
         return self.broken is None and not self._closed and self._thread.is_alive()
 
+    @property
+    def peers(self) -> int:
+        """Connections (identities) the channel holds replay state for: bounded by ``limits.max_peers``."""
+        return len(self._rx)
+
     # -- any thread -----------------------------------------------------------------------
     def _wake(self) -> None:
         # One byte per wake-up, not per message: each write hands the GIL to the channel thread,

@@ -1,0 +1,349 @@
+"""Hostile peers at a live control channel: a raw zmq DEALER that writes msgpack and HMAC by
+hand (never kvxfer's encoders), against a real prefill endpoint (local transport).
+
+Each test checks that the victim's channel thread is still alive and that an honest decode
+rank still handshakes afterwards. The raw peer speaks both the envelope ``[mac, head, body]``
+and the older ``[mac, body]``, so the same input reaches the parser of either version.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from kvxfer.control.channel import ChannelLimits, ControlChannel, Heartbeat
+from kvxfer.control.messages import Drop
+from kvxfer.endpoint.base import Timeouts
+from kvxfer.endpoint.decode import DecodeEndpoint
+from kvxfer.endpoint.prefill import PrefillEndpoint
+from kvxfer.errors import ConnectError
+from kvxfer.pools import MHAPool
+from kvxfer.ranks import RankInfo, RankSpec
+
+FAST = Timeouts(handshake=3.0, heartbeat=Heartbeat(interval=0.2, timeout=2.0))
+SECRET = b"s3cret"
+
+
+def _pool():
+    return MHAPool(layers=4, heads=4, head_dim=8, dtype="float16", num_pages=16, page_size=4)
+
+
+def _prefill(secret=None) -> PrefillEndpoint:
+    return PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=4, num_layers=4), _pool(), transport="local",
+                           timeouts=FAST, secret=secret)
+
+
+def _decode(secret=None) -> DecodeEndpoint:
+    return DecodeEndpoint(RankSpec(role="decode", num_kv_heads=4, num_layers=4), _pool(), transport="local",
+                          timeouts=FAST, secret=secret)
+
+
+# ------------------------------------------------------------------------------------
+# A peer written from the wire description, not from kvxfer's code
+# ------------------------------------------------------------------------------------
+class RawPeer:
+    def __init__(self, address: str, identity: bytes, secret: bytes | None = None):
+        self.ctx = zmq.Context()
+        self.s = self.ctx.socket(zmq.DEALER)
+        self.s.linger = 0
+        self.s.setsockopt(zmq.IDENTITY, identity)
+        self.s.connect(address)
+        self.address, self.identity, self.secret = address, identity, secret
+        self.nonce, self.seq = os.urandom(16), 0
+
+    def frames(self, msg, *, body: bytes | None = None, seq: int | None = None, sender: str | None = None) -> list:
+        body = msgpack.packb(msg, use_bin_type=True) if body is None else body
+        if seq is None:
+            self.seq += 1
+            seq = self.seq
+        head = msgpack.packb([1, self.identity.decode() if sender is None else sender, self.address, self.nonce, seq],
+                             use_bin_type=True)
+        tag = hmac.new(self.secret, len(head).to_bytes(4, "little") + head + body, hashlib.sha256).digest() \
+            if self.secret else b""
+        return [tag, head, body]
+
+    def legacy(self, msg) -> list:
+        body = msgpack.packb(msg, use_bin_type=True)
+        return [hmac.new(self.secret, body, hashlib.sha256).digest() if self.secret else b"", body]
+
+    def send_both(self, msg) -> None:
+        self.s.send_multipart(self.legacy(msg))
+        self.s.send_multipart(self.frames(msg))
+
+    def replies(self, wait: float = 1.0, until: str | None = None) -> list[dict]:
+        """Replies within ``wait`` seconds (or up to the first of type ``until``)."""
+        out, deadline = [], time.monotonic() + wait
+        while self.s.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            out.append(msgpack.unpackb(self.s.recv_multipart()[-1], raw=False))
+            if until is not None and isinstance(out[-1], dict) and out[-1].get("t") == until:
+                break
+        return out
+
+    def close(self):
+        self.s.close()
+        self.ctx.term()
+
+
+def _hello(info: dict, i: int = 7) -> dict:
+    return {"t": "hello", "i": i, "info": info, "nonce": os.urandom(16)}
+
+
+def _still_serves(p: PrefillEndpoint, secret=None) -> None:
+    """The victim's channel thread lives and an honest decode rank handshakes."""
+    assert p.channel.alive
+    d = _decode(secret)
+    try:
+        d.connect(peers=[p.info], timeout=5)
+    finally:
+        d.close()
+    assert p.channel.alive
+
+
+@pytest.fixture
+def victim():
+    made = []
+
+    def make(secret=None):
+        p = _prefill(secret)
+        made.append(p)
+        return p
+    yield make
+    for p in made:
+        p.close()
+
+
+# ------------------------------------------------------------------------------------
+# No input kills the thread
+# ------------------------------------------------------------------------------------
+BAD = [
+    {"t": [1]},                                   # TypeError (unhashable) in the old schema lookup
+    {"t": {"x": 1}},
+    {"t": "ping", "re": [1]},                     # TypeError in the old call lookup
+    {"t": "welcome", "re": [1], "info": {}},
+    {"t": "hello", "i": 1.5, "info": {}, "nonce": b"x" * 16},
+    {"t": "req", "room": 1e30, "gen": 1, "kv": b"", "prefix": 0, "state": b"", "aux": False, "dummy": True},
+    [1, 2, 3], "text", None,
+]
+
+
+def test_no_message_kills_the_channel_thread(victim):
+    p = victim()
+    peer = RawPeer(p.info.control, b"attacker")
+    try:
+        for msg in BAD:
+            peer.send_both(msg)
+        peer.s.send_multipart([b"x"] * 50)                 # many parts: only a few are kept
+        peer.s.send_multipart([b"", b"\xc1", b"\xc1"])      # not msgpack at all
+        peer.replies(0.5)
+        assert p.channel.alive
+        assert set(p.channel.dropped) <= set(Drop), p.channel.dropped
+        _still_serves(p)
+    finally:
+        peer.close()
+
+
+def test_dropped_is_keyed_by_a_fixed_enum(victim):
+    """A peer that sends 200 different message types adds no counter key of its choosing."""
+    p = victim()
+    peer = RawPeer(p.info.control, b"spray")
+    try:
+        for k in range(200):
+            peer.send_both({"t": f"type-{k}"})
+        peer.send_both({"t": "ping"})
+        deadline = time.monotonic() + 3
+        while sum(p.channel.dropped.values()) < 400 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert set(p.channel.dropped) <= set(Drop) and len(p.channel.dropped) <= 3, p.channel.dropped
+        assert p.channel.dropped[Drop.TYPE] == 200
+    finally:
+        peer.close()
+
+
+def test_a_process_with_300_extra_fds_still_works(victim):
+    """fds above 256 are distinct int objects: comparing them with ``is`` killed the thread."""
+    extra = [os.open(os.devnull, os.O_RDONLY) for _ in range(300)]
+    try:
+        p = victim()
+        _still_serves(p)
+    finally:
+        for fd in extra:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("address", ["tcp://", "tcp://:5", "tcp://host:0", "tcp://0.0.0.0:5", "tcp://a b:5",
+                                     "tcp://h:99999", "udp://h:5", "ipc://"])
+def test_bad_control_addresses_are_refused_where_they_enter(address):
+    rec = {"role": "prefill", "num_kv_heads": 1, "num_layers": 1, "control": address}
+    with pytest.raises(ValueError, match="control"):
+        RankInfo.from_dict(rec)
+    ch = ControlChannel(_Quiet(), secret=None, heartbeat=Heartbeat())
+    try:
+        with pytest.raises(ConnectError, match="address"):
+            ch.connect("p", address)
+        assert ch.alive
+    finally:
+        ch.close()
+
+
+class _Buggy:
+    def on_message(self, peer, msg):
+        pass
+
+    def on_peer_lost(self, peer, why):
+        pass
+
+    def on_tick(self, now):
+        raise RuntimeError("a bug in the handler")
+
+
+def test_a_thread_that_dies_of_a_bug_tells_its_owner():
+    died = threading.Event()
+    seen = []
+
+    def on_dead(exc):
+        seen.append(exc)
+        died.set()
+    ch = ControlChannel(_Buggy(), secret=None, heartbeat=Heartbeat(), on_dead=on_dead)
+    try:
+        assert died.wait(5), "on_dead was not called"
+        assert isinstance(seen[0], RuntimeError) and not ch.alive and ch.broken is seen[0]
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError, match="broken"):
+            ch.call("p", {"t": "hello", "info": {}, "nonce": b"x" * 16}, 5.0)
+        assert time.monotonic() - t0 < 1.0, "a call on a dead channel fails at once"
+    finally:
+        ch.close()
+
+
+# ------------------------------------------------------------------------------------
+# Bounded work per message
+# ------------------------------------------------------------------------------------
+_OPEN: list[DecodeEndpoint] = []
+
+
+def _record(**spec) -> dict:
+    """An honest decode rank's record (the rank stays open, so its data plane can be reached)."""
+    d = _decode()
+    _OPEN.append(d)
+    rec = d.info.to_dict()
+    rec.update(spec)
+    return rec
+
+
+@pytest.fixture(autouse=True)
+def _close_decodes():
+    yield
+    while _OPEN:
+        _OPEN.pop().close()
+
+
+@pytest.mark.parametrize("spec,words", [
+    ({"tp_size": 65536, "num_kv_heads": 65536}, "tp_size"),      # refused by the size bound
+    ({"tp_size": 1024, "num_kv_heads": 1024}, "KV heads"),       # allowed size, O(sources) to refuse
+])
+def test_a_huge_hello_is_answered_in_milliseconds(victim, spec, words):
+    p = victim()
+    peer = RawPeer(p.info.control, b"huge")
+    try:
+        t0 = time.monotonic()
+        peer.send_both(_hello(_record(**spec)))
+        got = [r for r in peer.replies(3.0, until="refuse") if isinstance(r, dict) and r.get("t") == "refuse"]
+        assert got and time.monotonic() - t0 < 1.0, (got, time.monotonic() - t0)
+        assert any(words in w for w in got[0]["why"]), got[0]["why"]
+        _still_serves(p)
+    finally:
+        peer.close()
+
+
+def test_a_layout_of_the_wrong_types_gets_a_refuse(victim):
+    p = victim()
+    rec = _record()
+    rec["layout"]["parts"][0]["layer"] = "0"
+    peer = RawPeer(p.info.control, b"typo")
+    try:
+        peer.send_both(_hello(rec))
+        got = [r for r in peer.replies(2.0) if isinstance(r, dict) and r.get("t") == "refuse"]
+        assert got and any("layer" in w for w in got[0]["why"]), got
+        assert p.channel.alive
+    finally:
+        peer.close()
+
+
+# ------------------------------------------------------------------------------------
+# Replay and ownership
+# ------------------------------------------------------------------------------------
+def test_a_replayed_hello_does_not_make_peers(victim):
+    """One captured HELLO replayed from 20 identities (and again from its own) gets one WELCOME."""
+    p = victim(SECRET.decode())
+    honest = RawPeer(p.info.control, b"decode-1", SECRET)
+    captured_new, captured_old = honest.frames(_hello(_record())), None
+    captured_old = honest.legacy(_hello(_record()))
+    others = [RawPeer(p.info.control, f"replay-{k}".encode(), SECRET) for k in range(20)]
+    try:
+        honest.s.send_multipart(captured_new)
+        honest.s.send_multipart(captured_old)
+        welcomes = [r for r in honest.replies(1.0) if r.get("t") == "welcome"]
+        assert len(welcomes) == 1
+        honest.s.send_multipart(captured_new)                  # the same identity, again
+        assert not [r for r in honest.replies(0.5) if r.get("t") == "welcome"]
+        for o in others:
+            o.s.send_multipart(captured_new)
+            o.s.send_multipart(captured_old)
+        more = [r for o in others for r in o.replies(0.2) if r.get("t") == "welcome"]
+        assert more == [], f"{len(more)} replays were welcomed"
+        assert p.channel.dropped[Drop.SENDER] + p.channel.dropped[Drop.FRAMES] >= 20
+        assert p.channel.dropped[Drop.REPLAY] >= 1
+        _still_serves(p, SECRET.decode())
+    finally:
+        for o in [honest, *others]:
+            o.close()
+
+
+def test_idle_unauthenticated_peers_are_forgotten():
+    ch = ControlChannel(_Quiet(), secret=None, heartbeat=Heartbeat(interval=0.1, timeout=1.0), bind="tcp://127.0.0.1:0",
+                        limits=ChannelLimits(max_peers=8, idle_timeout=0.3))
+    peers = [RawPeer(ch.address, f"idle-{k}".encode()) for k in range(20)]
+    try:
+        for q in peers:
+            q.s.send_multipart(q.frames({"t": "ping"}))
+        time.sleep(0.2)
+        assert ch.peers <= 8
+        deadline = time.monotonic() + 3
+        while ch.peers and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ch.peers == 0 and ch.alive
+    finally:
+        for q in peers:
+            q.close()
+        ch.close()
+
+
+class _Quiet:
+    def on_message(self, peer, msg):
+        pass
+
+    def on_peer_lost(self, peer, why):
+        pass
+
+    def on_tick(self, now):
+        return 0.05
+
+
+def test_a_message_for_another_rank_is_refused(victim):
+    """The recipient is signed: a HELLO captured on its way to one prefill rank does not work on another."""
+    a, b = victim(SECRET.decode()), victim(SECRET.decode())
+    to_a = RawPeer(a.info.control, b"decode-x", SECRET)
+    at_b = RawPeer(b.info.control, b"decode-x", SECRET)
+    try:
+        at_b.s.send_multipart(to_a.frames(_hello(_record())))
+        assert not [r for r in at_b.replies(0.5) if r.get("t") == "welcome"]
+        assert b.channel.dropped[Drop.RECIPIENT] == 1
+    finally:
+        to_a.close()
+        at_b.close()
