@@ -373,7 +373,8 @@ _STATUS = {400: web.HTTPBadRequest, 403: web.HTTPForbidden, 409: web.HTTPConflic
 
 
 def _error(cls, why: str) -> web.HTTPException:
-    return cls(text=json.dumps({"error": why[:2048]}), content_type="application/json")
+    kw = {"max_size": 0, "actual_size": 0} if cls is web.HTTPRequestEntityTooLarge else {}
+    return cls(text=json.dumps({"error": why[:2048]}), content_type="application/json", **kw)
 
 
 def _bad(why: str) -> web.HTTPBadRequest:
