@@ -336,15 +336,22 @@ class _Quiet:
         return 0.05
 
 
-def test_a_message_for_another_rank_is_refused(victim):
-    """The recipient is signed: a HELLO captured on its way to one prefill rank does not work on another."""
-    a, b = victim(SECRET.decode()), victim(SECRET.decode())
-    to_a = RawPeer(a.info.control, b"decode-x", SECRET)
-    at_b = RawPeer(b.info.control, b"decode-x", SECRET)
+def test_a_message_for_another_rank_is_refused():
+    """With ``check_recipient`` the recipient is checked: a message captured on its way to one
+    rank does not work at another (same secret, same sender identity)."""
+    a, b = (ControlChannel(_Quiet(), secret=SECRET, heartbeat=Heartbeat(), bind="tcp://127.0.0.1:0",
+                           check_recipient=True) for _ in range(2))
+    to_a = RawPeer(a.address, b"decode-x", SECRET)
+    at_b = RawPeer(b.address, b"decode-x", SECRET)
     try:
-        at_b.s.send_multipart(to_a.frames(_hello(_record())))
-        assert not [r for r in at_b.replies(0.5) if r.get("t") == "welcome"]
-        assert b.channel.dropped[Drop.RECIPIENT] == 1
+        at_b.s.send_multipart(to_a.frames({"t": "ping"}))
+        at_b.s.send_multipart(at_b.frames({"t": "ping"}))
+        deadline = time.monotonic() + 3
+        while b.peers == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert b.dropped[Drop.RECIPIENT] == 1 and b.peers == 1
     finally:
         to_a.close()
         at_b.close()
+        a.close()
+        b.close()

@@ -66,12 +66,29 @@ class ChannelLimits:
             raise ValueError(f"channel limits must be positive, got {self}")
 
 
+REPLAY_WINDOW = 8192    # a message overtaken by more than this many later ones is refused as a replay
+
+
 class _Rx:
-    """What we accept next from one sending connection."""
-    __slots__ = ("sender", "nonce", "seq", "last")
+    """What we accept from one sending connection: any seq above the highest seen, or one of the
+    ``REPLAY_WINDOW`` below it not seen yet (bit i of ``mask``: seq - i seen), as IPsec does, so
+    messages delayed and overtaken in the network still count, each once."""
+    __slots__ = ("sender", "nonce", "seq", "mask", "last")
 
     def __init__(self, sender: str, nonce: bytes, seq: int, now: float):
-        self.sender, self.nonce, self.seq, self.last = sender, nonce, seq, now
+        self.sender, self.nonce, self.seq, self.mask, self.last = sender, nonce, seq, 1, now
+
+    def admit(self, seq: int) -> bool:
+        if seq > self.seq:
+            self.mask = ((self.mask << (seq - self.seq)) | 1) & ((1 << REPLAY_WINDOW) - 1) \
+                if seq - self.seq < REPLAY_WINDOW else 1
+            self.seq = seq
+            return True
+        back = self.seq - seq
+        if back >= REPLAY_WINDOW or self.mask >> back & 1:
+            return False
+        self.mask |= 1 << back
+        return True
 
 
 class ControlChannel:
@@ -79,17 +96,22 @@ class ControlChannel:
 
     ``bind`` (prefill): where the ROUTER listens (``tcp://0.0.0.0:0`` binds every interface);
     ``advertise``: the address or interface name peers are told (``address``), see
-    ``kvxfer.control.addresses.advertise_address``. Decode passes no ``bind`` and ``connect``s."""
+    ``kvxfer.control.addresses.advertise_address``. Decode passes no ``bind`` and ``connect``s.
+    ``check_recipient``: the ROUTER refuses a message signed for another address than its own
+    (``address``, ``bound``): a message captured on its way to one rank cannot be replayed at
+    another. Off by default because a peer behind a proxy or NAT reaches us by another address;
+    DEALERs always check that replies are signed for their own identity."""
 
     def __init__(self, handler, *, secret: bytes | None, heartbeat: Heartbeat, bind: str | None = None,
                  identity: str = "", name: str = "ctl", advertise: str | None = None,
-                 on_dead: Callable[[BaseException], None] | None = None, limits: ChannelLimits = ChannelLimits()):
+                 on_dead: Callable[[BaseException], None] | None = None, limits: ChannelLimits = ChannelLimits(),
+                 check_recipient: bool = False):
         self.handler, self.secret, self.heartbeat, self.limits = handler, secret, heartbeat, limits
         self.identity = identity
         self._me = identity or f"anon-{os.urandom(8).hex()}"    # what our DEALERs sign as sender
         if len(self._me.encode()) > MAX_IDENTITY:
             raise ValueError(f"identity of {len(self._me.encode())} bytes: at most {MAX_IDENTITY}")
-        self.on_dead = on_dead
+        self.on_dead, self.check_recipient = on_dead, check_recipient
         self.broken: BaseException | None = None
         self.dropped: collections.Counter[Drop] = collections.Counter()
         self._ctx = zmq.Context(io_threads=1)
@@ -394,16 +416,16 @@ class ControlChannel:
         if router:
             if head.sender != peer:
                 raise WireError(Drop.SENDER, f"signed {head.sender[:64]!r}")
-            if head.recipient not in self._names:
+            if self.check_recipient and head.recipient not in self._names:
                 raise WireError(Drop.RECIPIENT, f"signed for {head.recipient[:64]!r}")
         elif head.recipient != self._me:
             raise WireError(Drop.RECIPIENT, f"signed for {head.recipient[:64]!r}")
         key, now = ("r" if router else "d", peer), time.monotonic()
         rx = self._rx.get(key)
         if rx is not None and rx.nonce == head.nonce:
-            if head.seq <= rx.seq or (not router and head.sender != rx.sender):
-                raise WireError(Drop.REPLAY, f"seq {head.seq} after {rx.seq}")
-            rx.seq, rx.last = head.seq, now
+            if (not router and head.sender != rx.sender) or not rx.admit(head.seq):
+                raise WireError(Drop.REPLAY, f"seq {head.seq} (highest {rx.seq})")
+            rx.last = now
             self._rx.move_to_end(key)
             return
         if head.nonce in self._spent:
