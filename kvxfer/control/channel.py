@@ -39,6 +39,7 @@ from ..errors import ConnectError
 from ..ranks import check_address, split_address
 from .addresses import advertise_address
 from .messages import Drop, Hello, Message, Ping, Pong, Refuse, WireError, as_message, call_id
+from .peers import ChannelLimits, ReplayGuard
 from .wire import MAX_IDENTITY, MAX_MESSAGE, Head, open_frames, seal
 
 log = logging.getLogger("kvxfer.control")
@@ -52,43 +53,6 @@ class Heartbeat:
     def __post_init__(self):
         if not 0 < self.interval < self.timeout:
             raise ValueError(f"heartbeat interval {self.interval}s must be > 0 and below timeout {self.timeout}s")
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class ChannelLimits:
-    """Caps on what peers can make a channel hold."""
-    max_peers: int = 4096          # identities with replay state at once (watched ones included)
-    idle_timeout: float = 30.0     # a peer that never handshaked is forgotten after this silence
-    spent_nonces: int = 65536      # nonces of forgotten connections still refused (replays)
-
-    def __post_init__(self):
-        if self.max_peers < 1 or self.idle_timeout <= 0 or self.spent_nonces < 1:
-            raise ValueError(f"channel limits must be positive, got {self}")
-
-
-REPLAY_WINDOW = 8192    # a message overtaken by more than this many later ones is refused as a replay
-
-
-class _Rx:
-    """What we accept from one sending connection: any seq above the highest seen, or one of the
-    ``REPLAY_WINDOW`` below it not seen yet (bit i of ``mask``: seq - i seen), as IPsec does, so
-    messages delayed and overtaken in the network still count, each once."""
-    __slots__ = ("sender", "nonce", "seq", "mask", "last")
-
-    def __init__(self, sender: str, nonce: bytes, seq: int, now: float):
-        self.sender, self.nonce, self.seq, self.mask, self.last = sender, nonce, seq, 1, now
-
-    def admit(self, seq: int) -> bool:
-        if seq > self.seq:
-            self.mask = ((self.mask << (seq - self.seq)) | 1) & ((1 << REPLAY_WINDOW) - 1) \
-                if seq - self.seq < REPLAY_WINDOW else 1
-            self.seq = seq
-            return True
-        back = self.seq - seq
-        if back >= REPLAY_WINDOW or self.mask >> back & 1:
-            return False
-        self.mask |= 1 << back
-        return True
 
 
 class ControlChannel:
@@ -122,9 +86,8 @@ class ControlChannel:
         self._bad_address: dict[str, str] = {}    # peer -> why its DEALER could not connect
         self._seen: dict[str, float] = {}         # peer -> last message time (watched peers only)
         self._lost: set[str] = set()
-        self._rx: collections.OrderedDict[tuple[str, str], _Rx] = collections.OrderedDict()  # (side, peer)
+        self._rx = ReplayGuard(limits)                                                   # (side, peer)
         self._tx: dict[tuple[str, str], list] = {}                                          # -> [nonce, seq]
-        self._spent: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._outbox: collections.deque = collections.deque()
         self._calls: dict[int, tuple[str, Future]] = {}
         self._ids = itertools.count(1)
@@ -143,7 +106,7 @@ class ControlChannel:
             # ZMTP heartbeats close connections whose peer vanished, so their fds are freed
             self._router.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat.interval * 1000))
             self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat.timeout * 1000))
-            self._router.setsockopt(zmq.HANDSHAKE_IVL, int(heartbeat.timeout * 1000))
+            self._router.setsockopt(zmq.HANDSHAKE_IVL, int(max(heartbeat.timeout, 10.0) * 1000))
             try:
                 split_address(bind)
                 self._router.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
@@ -335,15 +298,8 @@ class ControlChannel:
         self._seen.pop(peer, None)
         self._lost.discard(peer)
         for side in ("d", "r"):
-            rx = self._rx.pop((side, peer), None)
-            if rx is not None:
-                self._spend(rx.nonce)
+            self._rx.drop((side, peer))
             self._tx.pop((side, peer), None)
-
-    def _spend(self, nonce: bytes) -> None:
-        self._spent[nonce] = None
-        while len(self._spent) > self.limits.spent_nonces:
-            self._spent.popitem(last=False)
 
     def _head(self, side: str, peer: str) -> Head:
         tx = self._tx.get((side, peer))
@@ -420,37 +376,12 @@ class ControlChannel:
                 raise WireError(Drop.RECIPIENT, f"signed for {head.recipient[:64]!r}")
         elif head.recipient != self._me:
             raise WireError(Drop.RECIPIENT, f"signed for {head.recipient[:64]!r}")
-        key, now = ("r" if router else "d", peer), time.monotonic()
-        rx = self._rx.get(key)
-        if rx is not None and rx.nonce == head.nonce:
-            if (not router and head.sender != rx.sender) or not rx.admit(head.seq):
-                raise WireError(Drop.REPLAY, f"seq {head.seq} (highest {rx.seq})")
-            rx.last = now
-            self._rx.move_to_end(key)
-            return
-        if head.nonce in self._spent:
-            raise WireError(Drop.REPLAY, "a connection nonce already used")
-        if rx is None and len(self._rx) >= self.limits.max_peers:
-            self._evict_idle(now, force=True)
-            if len(self._rx) >= self.limits.max_peers:
-                raise WireError(Drop.PEERS, f"{len(self._rx)} peers (ChannelLimits.max_peers)")
-        if rx is not None:
-            self._spend(rx.nonce)     # the peer's new connection: the old one cannot come back
-        self._rx[key] = _Rx(head.sender, head.nonce, head.seq, now)
-        self._rx.move_to_end(key)
+        self._rx.admit(("r" if router else "d", peer), head, time.monotonic(), same_sender=not router,
+                       keep=self._keep)
 
-    def _evict_idle(self, now: float, force: bool = False) -> None:
-        """Forget peers that never completed a handshake (not watched, not ours) once idle."""
-        for key, rx in list(self._rx.items()):
-            side, peer = key
-            if peer in self._seen or peer in self._dealers:
-                continue
-            if force or now - rx.last > self.limits.idle_timeout:
-                del self._rx[key]
-                self._tx.pop(key, None)
-                self._spend(rx.nonce)
-                if force:
-                    return
+    def _keep(self, peer: str) -> bool:
+        """Peers whose replay state is never evicted: handshaked (watched) ones and our own DEALERs."""
+        return peer in self._seen or peer in self._dealers
 
     def _dispatch(self, router: bool, peer: str, msg: Message) -> None:
         if peer in self._seen:
@@ -516,4 +447,6 @@ class ControlChannel:
                                                     f"{self.heartbeat.timeout}s)")
                 except Exception:
                     log.exception("control handler failed on a lost peer")
-        self._evict_idle(now)
+        self._rx.evict_idle(now, self._keep)
+        for key in [k for k in self._tx if k[0] == "r" and k not in self._rx]:   # replies to forgotten peers
+            del self._tx[key]
