@@ -16,6 +16,8 @@ import time
 import msgpack
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kvxfer.control.channel import ChannelLimits, ControlChannel, Heartbeat
 from kvxfer.control.messages import Drop
@@ -146,6 +148,42 @@ def test_no_message_kills_the_channel_thread(victim):
         _still_serves(p)
     finally:
         peer.close()
+
+
+VALUES = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1),
+                   st.floats(allow_nan=True), st.text(max_size=8), st.binary(max_size=24),
+                   st.lists(st.integers(-9, 9), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(-9, 9), max_size=2))
+FIELDS = ["i", "re", "info", "nonce", "why", "room", "gen", "kv", "prefix", "state", "aux", "dummy", "swa", "swa_n",
+          "meta"]
+MESSAGES = st.fixed_dictionaries({"t": st.one_of(st.sampled_from(["hello", "welcome", "refuse", "req", "ack", "nack",
+                                                                  "abort", "done", "fin", "ping", "pong"]), VALUES)},
+                                 optional={f: VALUES for f in FIELDS})
+
+
+@pytest.fixture(scope="module")
+def fuzz_target():
+    p = _prefill()
+    peer = RawPeer(p.info.control, b"fuzzer")
+    yield p, peer
+    peer.close()
+    p.close()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(msgs=st.lists(MESSAGES, min_size=1, max_size=4))
+def test_fuzzed_messages_of_every_schema_never_kill_the_thread(fuzz_target, msgs):
+    """Structured fuzzing: maps shaped like each message type, fields of every wrong type."""
+    p, peer = fuzz_target
+    for m in msgs:
+        peer.send_both(m)
+    peer.s.send_multipart(peer.frames({"t": "ping"}))
+    assert p.channel.alive and set(p.channel.dropped) <= set(Drop)
+
+
+def test_the_fuzzed_victim_still_serves(fuzz_target):
+    p, _ = fuzz_target
+    time.sleep(0.3)
+    _still_serves(p)
 
 
 def test_dropped_is_keyed_by_a_fixed_enum(victim):

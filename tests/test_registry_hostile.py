@@ -105,11 +105,14 @@ def test_sizes_past_what_the_registry_holds_are_refused_and_health_stays_fast(se
     status, reply = http(s.url + "/register", "PUT", record(tp_size=1024, pp_size=1024))
     assert status == 400 and "max_ranks" in json.loads(reply)["error"], reply
     assert http(s.url + "/register", "PUT", record(tp_size=1024, pp_size=4))[0] == 200
+    before = s.registry.computations
     t0 = time.monotonic()
-    for _ in range(50):
+    for _ in range(25):
+        assert http(s.url + "/topology")[0] == 200
         status, reply = http(s.url + "/health")
         assert status == 503
     assert time.monotonic() - t0 < 5.0
+    assert s.registry.computations - before <= 1, "readiness is computed once per change, not per request"
     missing = json.loads(reply)["missing"]
     assert len(missing) <= 65 and missing[-1] == "... and 4031 more", missing[-3:]
 
@@ -235,3 +238,18 @@ def test_a_rank_on_another_host_advertising_loopback_is_refused(server):
     assert status == 400 and "127.0.0.1" in json.loads(reply)["error"] and "advertise" in json.loads(reply)["error"]
     ok = {**record(), "control": f"tcp://{ip}:5000"}
     assert http(f"http://{ip}:{s.port}/register", "PUT", ok)[0] == 200
+
+
+def test_a_restarted_rank_takes_its_key_once_the_old_registration_expires(server):
+    """A killed rank (no DELETE) holds its key until ttl; its restart (a new owner) waits for that."""
+    s = server(ttl=0.6)
+    old = Registration(BootstrapClient(s.url), RankInfo.from_dict(record()), ttl=0.6).start()
+    old.stop(deregister=False)                       # killed: heartbeats stop, the key is still held
+    moved = RankInfo.from_dict({**record(), "control": "tcp://127.0.0.1:7777"})
+    t0 = time.monotonic()
+    new = Registration(BootstrapClient(s.url), moved, ttl=0.6).start()
+    try:
+        assert 0.3 < time.monotonic() - t0 < 3.0
+        assert [r.control for r in BootstrapClient(s.url).topology()[1]] == ["tcp://127.0.0.1:7777"]
+    finally:
+        new.stop()

@@ -59,6 +59,7 @@ class Registry:
         self._bytes = 0
         self._version = 0
         self._cache: dict[str | None, tuple[int, Readiness]] = {}
+        self.computations = 0     # readiness computations so far (once per change and instance asked)
 
     def _drop(self, key: str) -> None:
         info, _, _, n = self._ranks.pop(key)
@@ -151,6 +152,7 @@ class Registry:
         return r.expected, out
 
     def _compute(self, instance: str | None) -> Readiness:
+        self.computations += 1
         infos = [i for i, _, _, _ in self._ranks.values() if instance is None or i.spec.instance == instance]
         if self.expect is not None and instance is None:
             short = max(self.expect - len(infos), 0)
