@@ -393,3 +393,19 @@ def test_a_message_for_another_rank_is_refused():
         at_b.close()
         a.close()
         b.close()
+
+
+def test_the_mac_covers_the_envelope(victim):
+    """A signed message whose head is altered (another seq, another sender) fails authentication."""
+    p = victim(SECRET.decode())
+    peer = RawPeer(p.info.control, b"decode-y", SECRET)
+    try:
+        tag, head, body = peer.frames({"t": "ping"})
+        forged = msgpack.packb([1, "decode-y", p.info.control, peer.nonce, 99], use_bin_type=True)
+        peer.s.send_multipart([tag, forged, body])
+        deadline = time.monotonic() + 3
+        while not p.channel.dropped[Drop.AUTH] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert p.channel.dropped[Drop.AUTH] == 1 and p.channel.alive
+    finally:
+        peer.close()

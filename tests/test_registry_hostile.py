@@ -253,3 +253,14 @@ def test_a_restarted_rank_takes_its_key_once_the_old_registration_expires(server
         assert [r.control for r in BootstrapClient(s.url).topology()[1]] == ["tcp://127.0.0.1:7777"]
     finally:
         new.stop()
+
+
+def test_a_body_that_never_comes_is_cut(server):
+    s = server(body_timeout=0.5)
+    c = socket.create_connection(("127.0.0.1", s.port))
+    c.settimeout(5)
+    c.sendall(b"PUT /register HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    t0 = time.monotonic()
+    reply = c.recv(4096)
+    c.close()
+    assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 3.0, reply[:100]
