@@ -318,6 +318,10 @@ class BootstrapServer:
     async def _cleanup(self) -> None:
         self._server.close()
         await self._runner.cleanup()
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:     # handlers of connections still open (slow clients): end them, quietly
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
     def start(self, timeout: float = 10.0) -> "BootstrapServer":
         """Serve from a daemon thread; returns once the port is bound (``url`` is valid)."""
