@@ -409,3 +409,45 @@ def test_the_mac_covers_the_envelope(victim):
         assert p.channel.dropped[Drop.AUTH] == 1 and p.channel.alive
     finally:
         peer.close()
+
+
+def test_a_message_of_many_large_parts_is_dropped_part_by_part():
+    ch = ControlChannel(_Quiet(), secret=None, heartbeat=Heartbeat(), bind="tcp://127.0.0.1:0")
+    peer = RawPeer(ch.address, b"parts")
+    try:
+        peer.s.send_multipart([b"m" * 10_000, b"h" * 10_000, b"b" * 10_000])
+        peer.s.send_multipart([b"x"] * 1000)
+        deadline = time.monotonic() + 3
+        while sum(ch.dropped.values()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ch.dropped[Drop.TOO_LARGE] == 1 and ch.dropped[Drop.FRAMES] == 1 and ch.alive
+    finally:
+        peer.close()
+        ch.close()
+
+
+class _Watcher(_Quiet):
+    """Watches every peer that sends DONE, as prefill does after an accepted HELLO."""
+    channel: ControlChannel
+
+    def on_message(self, peer, msg):
+        self.channel.watch(peer)
+
+
+def test_peers_lost_long_ago_make_room_for_new_ones():
+    """With max_peers 2, two watched peers that went silent do not lock out a third."""
+    h = _Watcher()
+    ch = h.channel = ControlChannel(h, secret=None, heartbeat=Heartbeat(interval=0.1, timeout=0.3),
+                                    bind="tcp://127.0.0.1:0", limits=ChannelLimits(max_peers=2))
+    peers = [RawPeer(ch.address, f"w{k}".encode()) for k in range(3)]
+    try:
+        for q in peers[:2]:
+            q.s.send_multipart(q.frames({"t": "done", "room": 1, "gen": 1}))
+        time.sleep(0.8)                                  # both watched, then silent past the timeout
+        peers[2].s.send_multipart(peers[2].frames({"t": "done", "room": 1, "gen": 1}))
+        time.sleep(0.3)
+        assert ch.dropped[Drop.PEERS] == 0 and ch.peers == 2 and ch.alive
+    finally:
+        for q in peers:
+            q.close()
+        ch.close()

@@ -45,6 +45,9 @@ from .wire import MAX_IDENTITY, MAX_MESSAGE, Head, open_frames, seal
 log = logging.getLogger("kvxfer.control")
 
 
+SMALL_PART = 4096     # bytes of any part but the body (routing id, MAC, head)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat:
     interval: float = 1.0    # decode pings each prefill rank this often; prefill answers
@@ -326,26 +329,31 @@ class ControlChannel:
         except zmq.ZMQError as e:   # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
             self._count(Drop.SEND_FAILED, peer, e.strerror)
 
-    def _recv_frames(self, sock: zmq.Socket, parts: int) -> list[bytes] | None:
-        """One whole message, keeping at most ``parts`` parts (ZMQ's MAXMSGSIZE bounds a part,
-        not a message: extra parts are read and discarded one at a time). None when none."""
+    def _recv_frames(self, sock: zmq.Socket, parts: int) -> tuple[list[bytes], bool] | None:
+        """One whole message and whether it was too large, keeping at most ``parts`` + 1 parts and
+        one part over ``SMALL_PART`` (the body): ZMQ's MAXMSGSIZE bounds a part, not a message, so
+        the rest is read and discarded one part at a time. None when no message is waiting."""
         try:
-            first = sock.recv(zmq.NOBLOCK)
+            part = sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return None
-        frames = [first]
-        while sock.getsockopt(zmq.RCVMORE):
-            part = sock.recv()
-            if len(frames) <= parts:
+        frames, big, oversized = [], 0, False
+        while True:
+            big += len(part) > SMALL_PART
+            oversized |= big > 1
+            if len(frames) <= parts and not oversized:
                 frames.append(part)
-        return frames
+            if not sock.getsockopt(zmq.RCVMORE):
+                return frames, oversized
+            part = sock.recv()
 
     def _receive(self, sock: zmq.Socket) -> None:
         router = sock is self._router
         for _ in range(4096):   # bounded, so a flood cannot starve ticks and heartbeats
-            frames = self._recv_frames(sock, 4 if router else 3)
-            if frames is None:
+            got = self._recv_frames(sock, 4 if router else 3)
+            if got is None:
                 return
+            frames, oversized = got
             rid = b""
             if router:
                 rid, frames = frames[0], frames[1:]
@@ -356,6 +364,9 @@ class ControlChannel:
                     continue
             else:
                 peer = self._by_sock[sock]
+            if oversized:
+                self._count(Drop.TOO_LARGE, peer, "more than one large part")
+                continue
             try:
                 head, msg = open_frames(frames, self.secret)
                 self._check_head(router, peer, head)
@@ -376,8 +387,17 @@ class ControlChannel:
                 raise WireError(Drop.RECIPIENT, f"signed for {head.recipient[:64]!r}")
         elif head.recipient != self._me:
             raise WireError(Drop.RECIPIENT, f"signed for {head.recipient[:64]!r}")
-        self._rx.admit(("r" if router else "d", peer), head, time.monotonic(), same_sender=not router,
-                       keep=self._keep)
+        gone = self._rx.admit(("r" if router else "d", peer), head, time.monotonic(), same_sender=not router,
+                              keep=self._keep, spare=self._live)
+        for key in gone:       # a peer lost long ago made room for a new one: forget it entirely
+            self._tx.pop(key, None)
+            if key[1] in self._lost:
+                self._seen.pop(key[1], None)
+                self._lost.discard(key[1])
+
+    def _live(self, peer: str) -> bool:
+        """Peers kept even when the peer table is full: our DEALERs and watched peers not lost."""
+        return peer in self._dealers or (peer in self._seen and peer not in self._lost)
 
     def _keep(self, peer: str) -> bool:
         """Peers whose replay state is never evicted: handshaked (watched) ones and our own DEALERs."""

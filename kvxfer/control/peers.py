@@ -71,26 +71,30 @@ class ReplayGuard:
             self._spent.popitem(last=False)
 
     def admit(self, key: tuple[str, str], head: Head, now: float, *, same_sender: bool,
-              keep: Callable[[str], bool]) -> None:
-        """Accept ``head`` on connection ``key`` or raise WireError (REPLAY, PEERS). ``same_sender``:
-        the signed sender may not change within a connection; ``keep(peer)``: peers never evicted."""
+              keep: Callable[[str], bool], spare: Callable[[str], bool] | None = None) -> list[tuple[str, str]]:
+        """Accept ``head`` on connection ``key`` or raise WireError (REPLAY, PEERS); returns the
+        connections forgotten to make room. ``same_sender``: the signed sender may not change within
+        a connection; ``keep(peer)``: peers not evicted when idle; ``spare(peer)``: peers not evicted
+        even when the table is full (else ``keep``)."""
         rx = self._rx.get(key)
         if rx is not None and rx.nonce == head.nonce:
             if (same_sender and head.sender != rx.sender) or not rx.admit(head.seq):
                 raise WireError(Drop.REPLAY, f"seq {head.seq} (highest {rx.seq})")
             rx.last = now
             self._rx.move_to_end(key)
-            return
+            return []
         if head.nonce in self._spent:
             raise WireError(Drop.REPLAY, "a connection nonce already used")
+        gone: list[tuple[str, str]] = []
         if rx is None and len(self._rx) >= self.limits.max_peers:
-            self.evict_idle(now, keep, force=True)
+            gone = self.evict_idle(now, keep, force=True) or self.evict_idle(now, spare or keep, force=True)
             if len(self._rx) >= self.limits.max_peers:
                 raise WireError(Drop.PEERS, f"{len(self._rx)} peers (ChannelLimits.max_peers)")
         if rx is not None:
             self._spend(rx.nonce)     # the peer's new connection: the old one cannot come back
         self._rx[key] = _Rx(head.sender, head.nonce, head.seq, now)
         self._rx.move_to_end(key)
+        return gone
 
     def drop(self, key: tuple[str, str]) -> bool:
         rx = self._rx.pop(key, None)
