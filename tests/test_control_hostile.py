@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvxfer.control.channel import ChannelLimits, ControlChannel, Heartbeat
+from kvxfer.control.handshake import hello
 from kvxfer.control.messages import Drop
 from kvxfer.endpoint.base import Timeouts
 from kvxfer.endpoint.decode import DecodeEndpoint
@@ -451,3 +452,16 @@ def test_peers_lost_long_ago_make_room_for_new_ones():
         for q in peers:
             q.close()
         ch.close()
+
+
+def test_connect_to_a_new_address_replaces_the_connection(victim):
+    """A prefill rank restarted on a new port: the same peer name, a new address, a new handshake."""
+    old, new = victim(), victim()
+    d = _decode()
+    try:
+        d.channel.connect("p", old.info.control)
+        assert hello(d.channel, "p", d.info, 3.0).control == old.info.control
+        d.channel.connect("p", new.info.control)
+        assert hello(d.channel, "p", d.info, 3.0).control == new.info.control
+    finally:
+        d.close()

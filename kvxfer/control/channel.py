@@ -154,8 +154,9 @@ class ControlChannel:
             pass
 
     def connect(self, peer: str, address: str) -> None:
-        """Decode side: open a DEALER to a prefill rank's control address (idempotent).
-        ConnectError, naming the address, when it is not one a peer can connect to."""
+        """Decode side: open a DEALER to a prefill rank's control address (idempotent for the same
+        address; a new address replaces the old connection: a restarted rank). ConnectError,
+        naming the address, when it is not one a peer can connect to."""
         try:
             check_address(address)
         except ValueError as e:
@@ -265,9 +266,12 @@ class ControlChannel:
         while self._outbox:
             op, peer, arg = self._outbox.popleft()
             if op == "connect":
+                if peer in self._dealers and self._dealer_at.get(peer) != arg:
+                    self._drop_peer(peer)      # the peer moved (a restarted rank): a new connection
                 if peer not in self._dealers:
                     self._open_dealer(peer, arg)
                 self._seen[peer] = time.monotonic()
+                self._lost.discard(peer)
             elif op == "watch":
                 self._seen[peer] = time.monotonic()
                 self._lost.discard(peer)
