@@ -38,7 +38,7 @@ import zmq
 from ..errors import ConnectError
 from ..ranks import check_address, split_address
 from .addresses import advertise_address
-from .messages import Drop, Hello, Message, Ping, Pong, Refuse, WireError, as_message, call_id
+from .messages import Drop, Hello, Message, Ping, Pong, Refuse, WireError, call_id, outgoing
 from .peers import ChannelLimits, ReplayGuard
 from .wire import MAX_IDENTITY, MAX_MESSAGE, Head, open_frames, seal
 
@@ -168,8 +168,9 @@ class ControlChannel:
         """Queue a message for ``peer``; never blocks. Lost if the peer is gone (heartbeats tell).
         ``urgent=False`` leaves it for the channel's next turn (within a tick, <= 50 ms) instead of
         waking the channel thread, which costs the caller a GIL hand-over on the hot path.
-        ValueError (WireError) at once when ``msg`` does not fit its schema: a bug of the caller."""
-        self._outbox.append(("send", peer, as_message(msg)))
+        ValueError (WireError) at once when ``msg`` does not fit its schema (a bug of the caller);
+        reasons (``why``) longer than their bound are cut, not refused."""
+        self._outbox.append(("send", peer, outgoing(msg)))
         if urgent:
             self._wake()
 

@@ -242,3 +242,15 @@ def as_message(msg: Mapping | Message) -> Message:
 def call_id(msg: Message) -> int | None:
     """The call id a reply names (``re``), or None for a message that is not a reply."""
     return msg.re if isinstance(msg, (Welcome, Refuse)) else None
+
+
+def outgoing(msg: Mapping | Message) -> Message:
+    """``as_message`` for what we send: reasons (``why``) are cut to their bounds first, so a long
+    error text of ours never turns a refusal into no answer. Anything else malformed raises."""
+    if isinstance(msg, Mapping) and not isinstance(msg, Message) and "why" in msg:
+        why = msg["why"]
+        if isinstance(why, str):
+            msg = {**msg, "why": why[:MAX_WHY]}
+        elif isinstance(why, list):
+            msg = {**msg, "why": [w[:MAX_WHY] if isinstance(w, str) else w for w in why[:MAX_WHYS]]}
+    return as_message(msg)
