@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 MAX_MESSAGE = 64 << 20        # a REQ for a 1M-token request carries 8 MiB of slots
@@ -107,10 +107,12 @@ class Message(Mapping):
 
     def to_dict(self) -> dict:
         out: dict = {"t": self.T}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if v is not None or f.name in self.SPEC:
-                out[f.name] = v
+        for name in self.SPEC:
+            out[name] = getattr(self, name)
+        for name in self.OPTIONAL:
+            v = getattr(self, name)
+            if v is not None:
+                out[name] = v
         return out
 
     # -- read-only mapping view (endpoint code reads messages by key) ---------------------
