@@ -21,6 +21,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import msgpack
+
 MAX_MESSAGE = 64 << 20        # a REQ for a 1M-token request carries 8 MiB of slots
 MAX_ROOM = (1 << 63) - 1
 MAX_GEN = (1 << 31) - 1
@@ -114,6 +116,18 @@ class Message(Mapping):
             if v is not None:
                 out[name] = v
         return out
+
+    def pack(self) -> bytes:
+        """The msgpack body of this message."""
+        return msgpack.packb(self.to_dict(), use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "Message":
+        """Parse a body that must hold this type (``Message.unpack``: any type); WireError if not."""
+        msg = parse(raw)
+        if cls is not Message and type(msg) is not cls:
+            raise WireError(Drop.TYPE, f"expected {cls.T}, got {msg.T}")
+        return msg
 
     # -- read-only mapping view (endpoint code reads messages by key) ---------------------
     def __getitem__(self, key: str) -> Any:
@@ -226,6 +240,19 @@ class Pong(Message):
 
 TYPES: dict[str, type[Message]] = {c.T: c for c in (Hello, Welcome, Refuse, Req, Ack, Nack, Abort, Done, Fin,
                                                     Ping, Pong)}
+
+
+def parse(body: bytes) -> Message:
+    """A received body -> its message: size, msgpack limits (no ext types, bounded lengths and
+    nesting), then the schema of its type. WireError with a fixed reason otherwise."""
+    if len(body) > MAX_MESSAGE:
+        raise WireError(Drop.TOO_LARGE, f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
+    try:
+        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=1 << 20, max_bin_len=MAX_MESSAGE,
+                              max_array_len=1 << 16, max_map_len=1 << 16, max_ext_len=0)
+    except Exception as e:  # msgpack raises several types on hostile input (also nesting too deep)
+        raise WireError(Drop.NOT_MSGPACK, type(e).__name__) from None
+    return as_message(msg)
 
 
 def as_message(msg: Mapping | Message) -> Message:

@@ -33,6 +33,7 @@ from .messages import (
     WireError,
     as_message,
     check_field,
+    parse,
 )
 
 MAX_CHUNKS = 1 << 24
@@ -43,19 +44,8 @@ __all__ = ["MAX_MESSAGE", "MAX_ROOM", "MAX_GEN", "MAX_CHUNKS", "Head", "seal", "
            "ChunkMeta", "WireError", "Drop"]
 
 
-def _unpack_body(body: bytes) -> Message:
-    if len(body) > MAX_MESSAGE:
-        raise WireError(Drop.TOO_LARGE, f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
-    try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=1 << 20, max_bin_len=MAX_MESSAGE,
-                              max_array_len=1 << 16, max_map_len=1 << 16, max_ext_len=0)
-    except Exception as e:  # msgpack raises several types on hostile input (also nesting too deep)
-        raise WireError(Drop.NOT_MSGPACK, type(e).__name__) from None
-    return as_message(msg)
-
-
 def _pack_body(msg: Mapping | Message) -> bytes:
-    return msgpack.packb(as_message(msg).to_dict(), use_bin_type=True)
+    return as_message(msg).pack()
 
 
 # ------------------------------------------------------------------------------------
@@ -111,7 +101,7 @@ def open_frames(frames: Sequence[bytes], secret: bytes | None) -> tuple[Head, Me
         raise WireError(Drop.TOO_LARGE, f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
     if secret is not None and not hmac.compare_digest(tag, _mac(secret, raw_head, body)):
         raise WireError(Drop.AUTH, "missing or wrong shared secret")
-    return Head.unpack(raw_head), _unpack_body(body)
+    return Head.unpack(raw_head), parse(body)
 
 
 # ------------------------------------------------------------------------------------
@@ -131,7 +121,7 @@ def decode(frames: Sequence[bytes], secret: bytes | None) -> Message:
         raise WireError(Drop.TOO_LARGE, f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
     if secret is not None and not hmac.compare_digest(tag, mac(secret, body)):
         raise WireError(Drop.AUTH, "missing or wrong shared secret")
-    return _unpack_body(body)
+    return parse(body)
 
 
 # ------------------------------------------------------------------------------------
