@@ -205,7 +205,8 @@ class ControlChannel:
             return
         self._closed = True
         self._wake()
-        self._thread.join(5)
+        if threading.current_thread() is not self._thread:   # close() from on_dead runs on the thread
+            self._thread.join(5)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
