@@ -236,7 +236,10 @@ def test_a_rank_on_another_host_advertising_loopback_is_refused(server):
     s = server(host="0.0.0.0")
     status, reply = http(f"http://{ip}:{s.port}/register", "PUT", record())
     assert status == 400 and "127.0.0.1" in json.loads(reply)["error"] and "advertise" in json.loads(reply)["error"]
-    ok = {**record(), "control": f"tcp://{ip}:5000"}
+    data_loopback = {**record(), "control": f"tcp://{ip}:5000"}                 # its zmq data endpoint is loopback
+    status, reply = http(f"http://{ip}:{s.port}/register", "PUT", data_loopback)
+    assert status == 400 and "data.zmq.endpoint" in json.loads(reply)["error"]
+    ok = {**data_loopback, "data": {"zmq": {"endpoint": f"tcp://{ip}:1"}}}
     assert http(f"http://{ip}:{s.port}/register", "PUT", ok)[0] == 200
 
 

@@ -234,14 +234,22 @@ class BootstrapServer:
         return key
 
     def _reachable(self, request: web.Request, info: RankInfo) -> None:
-        """A rank on another host must not advertise loopback: its peers there could not reach it."""
-        if not info.control or request.remote is None or is_loopback(request.remote):
+        """A rank on another host must not advertise loopback (control address, or a tcp:// data
+        endpoint in a transport descriptor): its peers there could not reach it."""
+        if request.remote is None or is_loopback(request.remote):
             return
-        kind, host, _ = split_address(info.control)
-        if kind == "ipc" or is_loopback(host):
-            raise _bad(f"{info.spec.key} registers from {request.remote} but advertises control address "
-                       f"{info.control}, which peers on other hosts cannot reach: start the rank with a routable "
-                       f"host / advertise address")
+        tried = [("control", info.control)] if info.control else []
+        tried += [(f"data.{name}.{k}", v) for name, d in info.data.items() for k, v in d.items()
+                  if isinstance(v, str) and v.startswith(("tcp://", "ipc://"))]
+        for field, address in tried:
+            try:
+                kind, host, _ = split_address(address)
+            except ValueError:
+                continue
+            if kind == "ipc" or is_loopback(host):
+                raise _bad(f"{info.spec.key} registers from {request.remote} but advertises {field} {address}, "
+                           f"which peers on other hosts cannot reach: start the rank with a routable host / "
+                           f"advertise address")
 
     async def _register(self, request: web.Request) -> web.Response:
         if (request.content_length or 0) > self.config.max_record:
