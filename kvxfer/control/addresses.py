@@ -47,13 +47,18 @@ def interfaces() -> dict[str, str]:
     return out
 
 
-def is_loopback(host: str) -> bool:
-    """True for 127.0.0.0/8, ::1, ``localhost`` and any name that resolves only to loopback."""
+def is_loopback(host: str, resolve: bool = True) -> bool:
+    """True for 127.0.0.0/8, ::1, ``localhost`` and (``resolve``) any name that resolves only to
+    loopback. ``resolve=False`` never blocks on DNS (the registry's event loop uses it)."""
     host = host.strip("[]")
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         pass
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost") or host.lower().endswith(".localhost"):
+        return True
+    if not resolve:
+        return False
     try:
         addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
     except OSError:

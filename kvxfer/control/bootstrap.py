@@ -236,7 +236,7 @@ class BootstrapServer:
     def _reachable(self, request: web.Request, info: RankInfo) -> None:
         """A rank on another host must not advertise loopback (control address, or a tcp:// data
         endpoint in a transport descriptor): its peers there could not reach it."""
-        if request.remote is None or is_loopback(request.remote):
+        if request.remote is None or is_loopback(request.remote, resolve=False):
             return
         tried = [("control", info.control)] if info.control else []
         tried += [(f"data.{name}.{k}", v) for name, d in info.data.items() for k, v in d.items()
@@ -246,7 +246,7 @@ class BootstrapServer:
                 kind, host, _ = split_address(address)
             except ValueError:
                 continue
-            if kind == "ipc" or is_loopback(host):
+            if kind == "ipc" or is_loopback(host, resolve=False):
                 raise _bad(f"{info.spec.key} registers from {request.remote} but advertises {field} {address}, "
                            f"which peers on other hosts cannot reach: start the rank with a routable host / "
                            f"advertise address")
