@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-PROTOCOL = 1            # bumped when RankInfo or the control messages change shape
+PROTOCOL = 2            # bumped when RankInfo or the control messages change shape (2: signed envelope)
 
 
 MAX_PARALLEL = 1024     # setting: the largest tp/pp/dp size a record may claim (per-message work scales with it)
