@@ -1,29 +1,127 @@
 """Who a rank is: ``RankSpec`` (its place in the deployment) and ``RankInfo`` (what it tells the
 registry and its peers: addresses, layout, transport descriptor). Plain records, JSON in and
-out, every field checked on the way in.
+out, every field checked on the way in (exact types, bounded sizes), so that a peer's record
+costs work in proportion to its size and never raises anything but ValueError.
+
+Who calls what: ``RankInfo.from_dict`` runs on every record from a peer (the HELLO handler on
+the control thread, the registry's PUT handler, the client's topology read); ``check_address``
+on every control address a rank advertises or connects to.
 """
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
-PROTOCOL = 1            # bumped when RankInfo or the control messages change shape
+PROTOCOL = 2            # bumped when RankInfo or the control messages change shape (2: signed envelope)
 
 
-_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+MAX_PARALLEL = 1024     # setting: the largest tp/pp/dp size a record may claim (per-message work scales with it)
+
+
+MAX_LAYOUT_ITEMS = 1 << 16   # setting: spaces + regions + parts of one layout record
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+_HOST = re.compile(r"[A-Za-z0-9_.\-]{1,253}")
+WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]"})
+
+
+# ------------------------------------------------------------------------------------
+# Field checks
+# ------------------------------------------------------------------------------------
+def _int(d: Mapping, name: str, lo: int, hi: int, default: int | None = None) -> int:
+    v = d.get(name, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ValueError(f"field {name!r} must be an integer in {lo}..{hi}, got {_short(v)}")
+    return v
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def split_address(address: str) -> tuple[str, str, int]:
+    """``tcp://host:port`` -> ("tcp", host, port); ``ipc://path`` -> ("ipc", path, 0); port 0 or
+    ``*`` (bind: any free port) -> 0. ValueError
+    naming the address when it is not one (an IPv6 host is written ``[::1]``)."""
+    if not isinstance(address, str) or len(address) > 256:
+        raise ValueError(f"an address must be a string of at most 256 characters, got {_short(address)}")
+    if address.startswith("ipc://"):
+        path = address[6:]
+        if not path or "\0" in path or not path.isprintable():
+            raise ValueError(f"address {address!r}: ipc:// needs a printable path")
+        return "ipc", path, 0
+    if not address.startswith("tcp://"):
+        raise ValueError(f"address {_short(address)} must be tcp://host:port or ipc://path")
+    host, sep, port = address[6:].rpartition(":")
+    if not sep or not (port == "*" or port.isdigit() and port.isascii() and int(port) <= 65535):
+        raise ValueError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ValueError(f"address {address!r}: {host} is not an IPv6 address") from None
+    elif host != "*" and not _HOST.fullmatch(host):
+        raise ValueError(f"address {address!r}: host {host!r} is not an IP address, interface or host name")
+    return "tcp", host, 0 if port == "*" else int(port)
+
+
+def check_address(address: str, *, advertised: bool = True) -> str:
+    """``address`` if a peer can connect to it; ``advertised=True`` also refuses a wildcard host
+    (``0.0.0.0``, ``*``, ``::``), which binds every interface but reaches none."""
+    kind, host, port = split_address(address)
+    if kind == "tcp" and port == 0:
+        raise ValueError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
+    if advertised and kind == "tcp" and host in WILDCARDS:
+        raise ValueError(f"address {address!r} is a wildcard: bind it, but advertise a routable address "
+                         f"(see kvxfer.control.addresses.advertise_address)")
+    return address
+
+
+_LAYOUT_STR = frozenset({"kind", "name", "space", "dtype"})
+
+
+def check_layout_record(layout: Mapping) -> None:
+    """The shape of a layout description (``Layout.to_dict``): lists of flat objects whose
+    fields are ints (``kind``/``name``/``space``/``dtype``: strings). Meaning is checked later
+    (``Layout.from_dict``, the planner); this makes sure that check meets only ints and strings."""
+    if not isinstance(layout, Mapping):
+        raise ValueError("field 'layout' must be a layout description object")
+    items = 0
+    for key, v in layout.items():
+        if not isinstance(key, str) or len(key) > 64:
+            raise ValueError("field 'layout': keys must be short strings")
+        if key in ("spaces", "regions", "parts"):
+            if not isinstance(v, list):
+                raise ValueError(f"field 'layout.{key}' must be a list, got {type(v).__name__}")
+            items += len(v)
+            if items > MAX_LAYOUT_ITEMS:
+                raise ValueError(f"field 'layout' has more than {MAX_LAYOUT_ITEMS} spaces, regions and parts")
+            for i, obj in enumerate(v):
+                if not isinstance(obj, Mapping) or len(obj) > 32:
+                    raise ValueError(f"field 'layout.{key}[{i}]' must be an object of at most 32 fields")
+                for name, x in obj.items():
+                    _layout_leaf(f"layout.{key}[{i}].{name}", name, x)
+        else:
+            _layout_leaf(f"layout.{key}", key, v)
+
+
+def _layout_leaf(where: str, name, x) -> None:
+    if not isinstance(name, str) or len(name) > 64:
+        raise ValueError(f"field {where[:80]!r}: names must be short strings")
+    if name in _LAYOUT_STR:
+        if not isinstance(x, str) or len(x) > 128:
+            raise ValueError(f"field {where!r} must be a string of at most 128 characters, got {_short(x)}")
+    elif isinstance(x, bool) or not isinstance(x, int) or not -(1 << 62) <= x <= 1 << 62:
+        raise ValueError(f"field {where!r} must be an integer, got {_short(x)}")
 
 
 # ------------------------------------------------------------------------------------
 # Plain-data records
 # ------------------------------------------------------------------------------------
-def _int(d: Mapping, name: str, lo: int, hi: int, default: int | None = None) -> int:
-    v = d.get(name, default)
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ValueError(f"field {name!r} must be an integer in {lo}..{hi}, got {v!r}")
-    return v
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankSpec:
     """Where a rank sits in its serving instance, and the model shape the topology needs."""
@@ -41,17 +139,17 @@ class RankSpec:
 
     def __post_init__(self):
         d = asdict(self)
-        if self.role not in ("prefill", "decode"):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
-        if not isinstance(self.instance, str) or not _NAME.match(self.instance):
-            raise ValueError(f"instance must match {_NAME.pattern}, got {self.instance!r}")
+        if self.role not in ("prefill", "decode") or not isinstance(self.role, str):
+            raise ValueError(f"role must be 'prefill' or 'decode', got {_short(self.role)}")
+        if not isinstance(self.instance, str) or not _NAME.fullmatch(self.instance):
+            raise ValueError(f"instance must match {_NAME.pattern} (whole string), got {_short(self.instance)}")
         for size in ("tp_size", "pp_size", "dp_size"):
-            n = _int(d, size, 1, 1 << 16)
+            n = _int(d, size, 1, MAX_PARALLEL)
             _int(d, size.replace("size", "rank"), 0, n - 1)
         _int(d, "num_kv_heads", 1, 1 << 20)
         _int(d, "num_layers", 1, 1 << 20)
         if not isinstance(self.replicated, bool):
-            raise ValueError(f"replicated must be a bool, got {self.replicated!r}")
+            raise ValueError(f"replicated must be a bool, got {_short(self.replicated)}")
 
     @property
     def key(self) -> str:
@@ -79,18 +177,23 @@ class RankInfo:
         if not isinstance(d, Mapping):
             raise ValueError(f"a rank record must be an object, got {type(d).__name__}")
         names = RankSpec.__dataclass_fields__
+        extra = [k for k in d if k not in names and k not in ("control", "data", "layout", "aux_bytes", "protocol")]
+        if extra:
+            raise ValueError(f"rank record: unknown field {_short(extra[0])}")
         try:
             spec = RankSpec(**{k: d[k] for k in names if k in d})
         except TypeError as e:
             raise ValueError(f"rank record: {e}") from None
         control, data, layout = d.get("control", ""), d.get("data", {}), d.get("layout", {})
-        if not isinstance(control, str) or len(control) > 256 or \
-                (control and not control.startswith(("tcp://", "ipc://"))):
-            raise ValueError(f"field 'control' must be a tcp:// or ipc:// address, got {control!r}")
+        if control != "":
+            try:
+                check_address(control)
+            except ValueError as e:
+                raise ValueError(f"field 'control': {e}") from None
         if not isinstance(data, Mapping) or len(data) > 16 or not all(
-                isinstance(k, str) and isinstance(v, Mapping) for k, v in data.items()):
+                isinstance(k, str) and len(k) <= 64 and isinstance(v, Mapping) and len(v) <= 64
+                for k, v in data.items()):
             raise ValueError("field 'data' must map transport names to descriptor objects")
-        if not isinstance(layout, Mapping):
-            raise ValueError("field 'layout' must be a layout description object")
+        check_layout_record(layout)
         return cls(spec=spec, control=control, data=data, layout=layout,
                    aux_bytes=_int(d, "aux_bytes", 0, 1 << 20, 0), protocol=_int(d, "protocol", 0, 1 << 16, PROTOCOL))

@@ -69,11 +69,31 @@ def _slice_of(held: range, chunk: range) -> HeadSlice:
     return HeadSlice(off // m, n // m)
 
 
+def _picks(num_kv_heads: int, p_tp: int, d_tp: int, d_rank: int) -> list[tuple[range, int]]:
+    """(heads of decode rank ``d_rank``, the prefill TP rank they come from), consecutive heads
+    with one source merged. O(sources): the holders of a head are computed, not searched.
+    Replicas of a head (fewer heads than prefill ranks) are spread: decode ranks that hold the
+    same head pick different prefill replicas."""
+    mine = heads_held(num_kv_heads, d_tp, d_rank)
+    if num_kv_heads >= p_tp:            # each head on exactly one prefill rank, blocks of n heads
+        n = num_kv_heads // p_tp
+        out, h = [], mine.start
+        while h < mine.stop:
+            p = h // n
+            stop = min(mine.stop, (p + 1) * n)
+            out.append((range(h, stop), p))
+            h = stop
+        return out
+    r = p_tp // num_kv_heads            # head h is held by prefill ranks h*r .. h*r + r - 1
+    return [(range(h, h + 1), h * r + d_rank % r) for h in mine]
+
+
 def sources_for_decode_rank(*, num_kv_heads: int, p_tp: int, d_tp: int, d_rank: int, num_layers: int,
                             p_pp: int = 1, replicated: bool = False) -> list[Source]:
     """The prefill sources of decode rank ``d_rank``; each (head, layer) comes from exactly one.
 
     ``replicated``: KV is identical on every rank (MLA): one prefill rank sends it all.
+    Cost: O(sources) (at most min(heads held, p_tp) x p_pp), whatever the sizes claimed.
     """
     if max(p_tp, d_tp) % min(p_tp, d_tp):
         raise PlanError(f"P TP {p_tp} and D TP {d_tp}: one must divide the other")
@@ -84,22 +104,24 @@ def sources_for_decode_rank(*, num_kv_heads: int, p_tp: int, d_tp: int, d_rank: 
         p = d_rank % p_tp
         return [Source(d_rank=d_rank, p_tp_rank=p, p_pp_rank=s, src_heads=HeadSlice(), dst_heads=HeadSlice(),
                        layers=layers) for s, layers in enumerate(stages)]
+    heads_held(num_kv_heads, p_tp, 0)   # raises when the heads do not split over p_tp
     mine = heads_held(num_kv_heads, d_tp, d_rank)
-    holders = {h: [p for p in range(p_tp) if h in heads_held(num_kv_heads, p_tp, p)] for h in mine}
-    # Spread replicas: decode ranks that hold the same head pick different prefill replicas.
-    pick = {h: ps[d_rank % len(ps)] for h, ps in holders.items()}
-    out, start = [], mine.start
-    for h in list(mine)[1:] + [None]:
-        if h is None or pick[h] != pick[start]:
-            stop = mine.stop if h is None else h
-            chunk = range(start, stop)
-            p = pick[start]
-            p_held = heads_held(num_kv_heads, p_tp, p)
-            for s, layers in enumerate(stages):
-                out.append(Source(d_rank=d_rank, p_tp_rank=p, p_pp_rank=s, src_heads=_slice_of(p_held, chunk),
-                                  dst_heads=_slice_of(mine, chunk), layers=layers))
-            start = stop
+    out = []
+    for chunk, p in _picks(num_kv_heads, p_tp, d_tp, d_rank):
+        p_held = heads_held(num_kv_heads, p_tp, p)
+        for s, layers in enumerate(stages):
+            out.append(Source(d_rank=d_rank, p_tp_rank=p, p_pp_rank=s, src_heads=_slice_of(p_held, chunk),
+                              dst_heads=_slice_of(mine, chunk), layers=layers))
     return out
+
+
+def _fed_tp_ranks(num_kv_heads: int, p_tp: int, d_tp: int, replicated: bool) -> set[int]:
+    """Prefill TP ranks that feed at least one decode rank: O(d_tp + heads held per rank)."""
+    if replicated:
+        return {d % p_tp for d in range(min(d_tp, p_tp))}
+    if num_kv_heads >= p_tp:
+        return set(range(p_tp))         # every prefill rank holds heads nobody else does
+    return {p for d in range(d_tp) for _, p in _picks(num_kv_heads, p_tp, d_tp, d)}
 
 
 def targets_for_prefill_rank(*, num_kv_heads: int, p_tp: int, d_tp: int, p_rank: int, num_layers: int,
@@ -130,24 +152,45 @@ def peers_needed(p: RankSpec, d: RankSpec) -> dict[tuple[int, int], list[Source]
     for s in decode_sources(p, d):
         out.setdefault((s.p_tp_rank, s.p_pp_rank), []).append(s)
     if d.tp_rank == 0:
-        fed = {(s.p_tp_rank, s.p_pp_rank) for r in range(d.tp_size)
-               for s in decode_sources(p, dataclasses.replace(d, tp_rank=r))}
-        for key in ((t, q) for q in range(p.pp_size) for t in range(p.tp_size)):
-            if key not in fed:
-                out[key] = []
+        fed = _fed_tp_ranks(d.num_kv_heads, p.tp_size, d.tp_size, d.replicated)
+        for key in ((t, q) for q in range(p.pp_size) for t in range(p.tp_size) if t not in fed):
+            out[key] = []
     return out
 
 
 def peer_sources(p: RankSpec, d: RankSpec) -> list[Source]:
-    """What prefill rank ``p`` sends to decode rank ``d`` (empty: nothing, or a dummy)."""
-    return peers_needed(p, d).get((p.tp_rank, p.pp_rank), [])
+    """What prefill rank ``p`` sends to decode rank ``d`` (empty: nothing, or a dummy).
+    O(sources of ``d``): the prefill side runs it on a peer's HELLO."""
+    if max(p.tp_size, d.tp_size) % min(p.tp_size, d.tp_size) or not 0 <= d.tp_rank < d.tp_size:
+        return [s for s in decode_sources(p, d) if (s.p_tp_rank, s.p_pp_rank) == (p.tp_rank, p.pp_rank)]  # raises
+    layers = stage_layers(d.num_layers, p.pp_size, p.pp_rank)
+    if d.replicated:
+        picks = [(None, d.tp_rank % p.tp_size)]
+    else:
+        heads_held(d.num_kv_heads, p.tp_size, 0)
+        picks = _picks(d.num_kv_heads, p.tp_size, d.tp_size, d.tp_rank)
+    out = []
+    mine = heads_held(d.num_kv_heads, d.tp_size, d.tp_rank) if not d.replicated else None
+    for chunk, q in picks:
+        if q != p.tp_rank:
+            continue
+        src = dst = HeadSlice()
+        if chunk is not None:
+            src, dst = _slice_of(heads_held(d.num_kv_heads, p.tp_size, q), chunk), _slice_of(mine, chunk)
+        out.append(Source(d_rank=d.tp_rank, p_tp_rank=q, p_pp_rank=p.pp_rank, src_heads=src, dst_heads=dst,
+                          layers=layers))
+    return out
 
 
 def expected_decode_ranks(p: RankSpec, d: RankSpec) -> frozenset[int]:
-    """Decode TP ranks (of ``d``'s group) whose requests a prefill sender of ``p`` waits for."""
-    fed = {s.d_rank for s in targets_for_prefill_rank(
-        num_kv_heads=d.num_kv_heads, p_tp=p.tp_size, d_tp=d.tp_size, p_rank=p.tp_rank, num_layers=d.num_layers,
-        p_pp=p.pp_size, p_pp_rank=p.pp_rank, replicated=d.replicated)}
+    """Decode TP ranks (of ``d``'s group) whose requests a prefill sender of ``p`` waits for.
+    O(d_tp + heads): computed from the head picks, without building every Source."""
+    if d.replicated:
+        fed = set(range(p.tp_rank, d.tp_size, p.tp_size))
+    else:
+        heads_held(d.num_kv_heads, p.tp_size, 0)
+        fed = {r for r in range(d.tp_size)
+               if any(q == p.tp_rank for _, q in _picks(d.num_kv_heads, p.tp_size, d.tp_size, r))}
     return frozenset(fed or {0})
 
 

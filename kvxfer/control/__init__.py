@@ -1,5 +1,8 @@
-"""The control plane: typed wire messages (``wire``), the control channel (``channel``), the HELLO
-exchange (``handshake``) and launch-time compatibility in words (``compat``), HMAC (``auth``), and the
-bootstrap registry: its client (``client``, standard library only) and its server (``bootstrap``,
-aiohttp, imported only by the process that runs it).
+"""The control plane: typed messages (``messages``: one frozen dataclass per type, fixed drop
+reasons) and their envelope (``wire``: signed sender, recipient, nonce and sequence), the control
+channel (``channel``, its bounded replay state in ``peers``), the HELLO exchange (``handshake``)
+and launch-time compatibility in words (``compat``), HMAC (``auth``), bind vs advertise
+(``addresses``), and the bootstrap registry: its state (``registry``), its client (``client``,
+standard library only) and its server (``bootstrap``, aiohttp, imported only by the process that
+runs it).
 """

@@ -6,26 +6,33 @@ and its layout description. It never sees KV bytes.
 
 Who calls what, and when
 ------------------------
-Operator, once:     ``kvxfer bootstrap --host H --port P [--expect N] [--ttl S] [--secret-file F]``,
-                    or embedded in a prefill rank: ``BootstrapServer(BootstrapConfig(...)).start()``
-                    (serves from a background thread) ... ``stop()``.
+Operator, once:     ``kvxfer bootstrap --host H --port P [--advertise A] [--expect N] [--ttl S]
+                    [--secret-file F]``, or embedded in a prefill rank:
+                    ``BootstrapServer(BootstrapConfig(...)).start()`` (serves from a background
+                    thread) ... ``stop()``. ``url`` is the advertised address (never 0.0.0.0).
 Prefill rank, at start-up (blocking, seconds at most):
                     ``Registration(client, info).start()``: registers, then heartbeats from a
                     daemon thread every ``ttl / 3`` and registers again if the server forgot it
                     (restart, expiry); ``stop()`` deregisters.
-Decode rank, at start-up: ``BootstrapClient(url).wait_ready(timeout)`` -> the prefill ``RankInfo``s,
-                    then the handshake (``kvxfer.handshake``) with the ranks it needs.
+Decode rank, at start-up: ``BootstrapClient(url).wait_ready(timeout, instance)`` -> the prefill
+                    ``RankInfo``s of that instance once it is complete (readiness is per instance),
+                    then the handshake (``kvxfer.control.handshake``) with the ranks it needs.
 Operators, any time: ``curl http://H:P/health`` (200 ready / 503 not ready), ``curl http://H:P/topology``.
 
 HTTP API (JSON bodies; the writes need ``X-KVXfer-Auth`` when the server has a secret)
-    PUT    /register    RankInfo          200 {"key"} | 400 bad field | 401 auth | 409 conflicting sizes
-    POST   /heartbeat   {"key"}           200 | 404 unknown or expired: register again
-    DELETE /register    {"key"}           200
-    GET    /health                        200 {"status": "ready"} | 503 {"status": "not ready", "missing"}
-    GET    /topology[?instance=I]         200 {"ready", "expected", "ranks": [RankInfo, ...]}
+    PUT    /register    RankInfo + "owner"   200 {"key"} | 400 bad field | 401 auth | 409 owned / sizes
+    POST   /heartbeat   {"key", "owner"}     200 | 404 unknown, expired or not yours: register again
+    DELETE /register    {"key", "owner"}     200 | 403 another owner's
+    GET    /health[?instance=I]              200 {"status": "ready"} | 503 {"status": "not ready", "missing"}
+    GET    /topology[?instance=I]            200 {"ready", "expected", "ranks": [RankInfo, ...]}
 
-Auth: ``X-KVXfer-Auth: <unix time>:<hex HMAC-SHA256(secret, "<time>\\n<METHOD>\\n<path>\\n" + body)>``,
-accepted within ``AUTH_SKEW`` seconds. Reads stay open so operators can curl them.
+Auth and replays: see ``kvxfer.control.auth`` (time window + a nonce accepted once); ownership:
+see ``kvxfer.control.registry``. Reads stay open so operators can curl them.
+
+Bounds (``BootstrapConfig``): registrations (``max_ranks``), one record (``max_record``), all
+records (``max_total_bytes``), open connections (``max_connections``), time to send the
+headers (``header_timeout``) and the body (``body_timeout``); one request per connection.
+A body that is not a flat enough JSON object is a 400 with a short reason, never a 500.
 """
 from __future__ import annotations
 
@@ -41,171 +48,267 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from ..errors import ConnectError
-from ..ranks import RankInfo
-from .auth import AUTH_HEADER, as_secret, check_http
+from ..ranks import RankInfo, split_address
+from .addresses import advertise_host, is_loopback
+from .auth import AUTH_HEADER, AUTH_SKEW, as_secret, check_http
+from .registry import KEY, OWNER, NonceCache, Registry, RegistryError
 
 log = logging.getLogger("kvxfer.control.bootstrap")
 
 
 MAX_BODY = 8 << 20      # a 128-layer page-major layout is ~100 KB of JSON; leave room
+MAX_DEPTH = 32          # JSON nesting a record may have (a layout record is 3 deep)
 
 
-# ------------------------------------------------------------------------------------
-# The registry (pure state; the server calls it from its event-loop thread)
-# ------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BootstrapConfig:
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"           # where to bind ("0.0.0.0": every interface)
     port: int = 0                     # 0: pick a free port (see BootstrapServer.url)
+    advertise: str | None = None      # address or interface name in ``url``; None: host, or a routable one
     ttl: float = 10.0                 # a registration expires this long after its last heartbeat
     expect: int | None = None         # ranks to wait for; None: tp_size * pp_size * dp_size per instance
     secret: bytes | None = None       # HMAC key for writes; None: open registry (trusted network only)
+    max_ranks: int = 4096             # registrations held at once
+    max_record: int = 1 << 20         # bytes of one request body (one rank record)
+    max_total_bytes: int = 64 << 20   # bytes of every record held
+    max_connections: int = 256        # open connections; more are closed at once
+    header_timeout: float = 5.0       # seconds from connect to the end of the request headers
+    body_timeout: float = 10.0        # seconds to read the body
 
     def __post_init__(self):
         if self.ttl <= 0:
             raise ValueError(f"ttl must be > 0 seconds, got {self.ttl}")
         if self.expect is not None and self.expect < 1:
             raise ValueError(f"expect must be >= 1 ranks, got {self.expect}")
+        for name in ("max_ranks", "max_record", "max_total_bytes", "max_connections", "header_timeout",
+                     "body_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
 
-class Registry:
-    """Live registrations keyed by ``RankSpec.key``; expiry by heartbeat age."""
-
-    def __init__(self, ttl: float, expect: int | None = None):
-        self.ttl, self.expect = ttl, expect
-        self._ranks: dict[str, tuple[RankInfo, float]] = {}
-
-    def expire(self, now: float) -> list[str]:
-        gone = [k for k, (_, seen) in self._ranks.items() if now - seen > self.ttl]
-        for k in gone:
-            log.warning("registration %s expired: no heartbeat for %.1fs", k, self.ttl)
-            del self._ranks[k]
-        return gone
-
-    def register(self, info: RankInfo, now: float) -> str:
-        """Add or replace a registration; ValueError (-> 409) when sizes disagree with the instance."""
-        self.expire(now)
-        s = info.spec
-        for other, _ in self._ranks.values():
-            o = other.spec
-            if o.instance == s.instance and o.key != s.key and \
-                    (o.role, o.tp_size, o.pp_size, o.dp_size) != (s.role, s.tp_size, s.pp_size, s.dp_size):
-                raise ValueError(f"{s.key} registers role {s.role} with tp/pp/dp sizes {s.tp_size}/{s.pp_size}/"
-                                 f"{s.dp_size} but {o.key} registered {o.role} {o.tp_size}/{o.pp_size}/{o.dp_size}")
-        self._ranks[s.key] = (info, now)
-        return s.key
-
-    def heartbeat(self, key: str, now: float) -> bool:
-        self.expire(now)
-        if key not in self._ranks:
-            return False
-        self._ranks[key] = (self._ranks[key][0], now)
-        return True
-
-    def remove(self, key: str) -> bool:
-        return self._ranks.pop(key, None) is not None
-
-    def ranks(self, now: float, instance: str | None = None) -> list[RankInfo]:
-        self.expire(now)
-        return [i for i, _ in sorted(self._ranks.values(), key=lambda x: x[0].spec.key)
-                if instance is None or i.spec.instance == instance]
-
-    def missing(self, now: float) -> tuple[int, list[str]]:
-        """(ranks expected, keys still missing). Sizes come from the registrations themselves."""
-        ranks = self.ranks(now)
-        if self.expect is not None:
-            return self.expect, [f"{self.expect - len(ranks)} more rank(s)"] if len(ranks) < self.expect else []
-        if not ranks:
-            return 0, ["any rank: nothing registered yet"]
-        present = {i.spec.key for i in ranks}
-        want: set[str] = set()
-        for i in ranks:
-            s = i.spec
-            want |= {f"{s.instance}/dp{d}/pp{p}/tp{t}" for d in range(s.dp_size) for p in range(s.pp_size)
-                     for t in range(s.tp_size)}
-        return len(want), sorted(want - present)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
-# ------------------------------------------------------------------------------------
-# The HTTP server
-# ------------------------------------------------------------------------------------
+def _depth_ok(raw: bytes, limit: int = MAX_DEPTH) -> bool:
+    """JSON nesting at most ``limit`` (a cheap scan; brackets inside strings only overcount)."""
+    depth = 0
+    for b in raw.translate(None, _NOT_BRACKETS):
+        if b in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return False
+        elif b in (0x5D, 0x7D):
+            depth -= 1
+    return True
+
+
+class _Guard(asyncio.Protocol):
+    """Wraps aiohttp's per-connection protocol: caps open connections and closes a connection
+    whose request headers did not arrive within ``header_timeout`` (slow senders)."""
+
+    def __init__(self, server: "BootstrapServer"):
+        self.server, self.inner, self.transport, self.timer = server, None, None, None
+        self.headers_done, self.tail = False, b""
+
+    def connection_made(self, transport):
+        self.transport = transport
+        srv = self.server
+        if srv.open_connections >= srv.config.max_connections:
+            srv.refused_connections += 1
+            transport.abort()
+            return
+        srv.open_connections += 1
+        self.inner = srv.protocol_factory()
+        self.inner.connection_made(transport)
+        self.timer = asyncio.get_running_loop().call_later(srv.config.header_timeout, self._slow)
+
+    def _slow(self):
+        if not self.headers_done and self.transport is not None:
+            self.server.refused_connections += 1
+            self.transport.abort()
+
+    def data_received(self, data):
+        if self.inner is None:
+            return
+        if not self.headers_done:
+            seen = self.tail + data[:65536]
+            if b"\r\n\r\n" in seen:
+                self.headers_done = True
+                self.timer.cancel()
+            self.tail = seen[-3:]
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received() if self.inner is not None else None
+
+    def connection_lost(self, exc):
+        if self.inner is None:
+            return
+        self.server.open_connections -= 1
+        if self.timer is not None:
+            self.timer.cancel()
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self):
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self):
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+
 class BootstrapServer:
     """The registry behind aiohttp, in a background thread (``start``/``stop``) or in the
     foreground (``serve_forever``, what ``kvxfer bootstrap`` runs)."""
 
     def __init__(self, config: BootstrapConfig = BootstrapConfig()):
         self.config = config
-        self.registry = Registry(config.ttl, config.expect)
+        self.registry = Registry(config.ttl, config.expect, max_ranks=config.max_ranks,
+                                 max_total_bytes=config.max_total_bytes)
+        self.nonces = NonceCache(AUTH_SKEW)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
+        self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.port: int | None = None
+        self.open_connections = self.refused_connections = 0
+        self.advertised = advertise_host(config.host, config.advertise, setting="BootstrapConfig.advertise")
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.host}:{self.port}"
+        """The advertised address: ``advertise``, or the bind host unless it is a wildcard."""
+        h = self.advertised
+        return f"http://{f'[{h}]' if ':' in h else h}:{self.port}"
+
+    def protocol_factory(self):
+        return self._runner.server()
 
     # -- handlers (event-loop thread) -----------------------------------------------------
-    async def _body(self, request: web.Request) -> dict:
-        raw = await request.read()
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        """Every failure is a short JSON error: never a traceback to the client or the log."""
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except Exception as e:
+            log.warning("%s %s from %s failed: %s", request.method, request.path, request.remote, type(e).__name__)
+            raise _error(web.HTTPBadRequest, f"request failed: {type(e).__name__}") from None
+
+    async def _body(self, request: web.Request) -> tuple[dict, int]:
+        try:
+            raw = await asyncio.wait_for(request.read(), self.config.body_timeout)
+        except asyncio.TimeoutError:
+            raise _error(web.HTTPRequestTimeout, f"body not sent within {self.config.body_timeout}s") from None
         if self.config.secret is not None:
-            why = check_http(self.config.secret, request.headers.get(AUTH_HEADER), request.method,
-                             request.path, raw)
+            why, nonce = check_http(self.config.secret, request.headers.get(AUTH_HEADER), request.method,
+                                    request.path, raw)
+            why = why or self.nonces.admit(nonce, time.time())
             if why:
                 log.warning("refused %s %s from %s: %s", request.method, request.path, request.remote, why)
-                raise web.HTTPUnauthorized(text=json.dumps({"error": why}), content_type="application/json")
+                raise _error(web.HTTPUnauthorized, why)
+        if not _depth_ok(raw):
+            raise _bad(f"body nests deeper than {MAX_DEPTH}")
         try:
             body = json.loads(raw or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             raise _bad("body is not JSON") from None
         if not isinstance(body, dict):
             raise _bad("body must be a JSON object")
-        return body
+        return body, len(raw)
+
+    @staticmethod
+    def _owner(body: dict) -> str:
+        owner = body.pop("owner", "")
+        if owner != "" and (not isinstance(owner, str) or not OWNER.fullmatch(owner)):
+            raise _bad(f"field 'owner' must match {OWNER.pattern}")
+        return owner
+
+    @staticmethod
+    def _key(body: dict) -> str:
+        key = body.get("key", "")
+        if not isinstance(key, str) or not KEY.fullmatch(key):
+            raise _bad(f"field 'key' must be a rank key like default/dp0/pp0/tp0, got {str(key)[:80]!r}")
+        return key
+
+    def _reachable(self, request: web.Request, info: RankInfo) -> None:
+        """A rank on another host must not advertise loopback (control address, or a tcp:// data
+        endpoint in a transport descriptor): its peers there could not reach it."""
+        if request.remote is None or is_loopback(request.remote, resolve=False):
+            return
+        tried = [("control", info.control)] if info.control else []
+        tried += [(f"data.{name}.{k}", v) for name, d in info.data.items() for k, v in d.items()
+                  if isinstance(v, str) and v.startswith(("tcp://", "ipc://"))]
+        for field, address in tried:
+            try:
+                kind, host, _ = split_address(address)
+            except ValueError:
+                continue
+            if kind == "ipc" or is_loopback(host, resolve=False):
+                raise _bad(f"{info.spec.key} registers from {request.remote} but advertises {field} {address}, "
+                           f"which peers on other hosts cannot reach: start the rank with a routable host / "
+                           f"advertise address")
 
     async def _register(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
+        if (request.content_length or 0) > self.config.max_record:
+            raise _error(web.HTTPRequestEntityTooLarge, f"record over max_record {self.config.max_record} bytes")
+        body, size = await self._body(request)
+        owner = self._owner(body)
         try:
             info = RankInfo.from_dict(body)
             if info.spec.role != "prefill":
                 raise ValueError("only prefill ranks register; decode ranks look up")
         except ValueError as e:
             raise _bad(str(e)) from None
+        self._reachable(request, info)
         try:
-            key = self.registry.register(info, time.monotonic())
-        except ValueError as e:
-            raise web.HTTPConflict(text=json.dumps({"error": str(e)}), content_type="application/json") from None
+            key = self.registry.register(info, time.monotonic(), owner, size)
+        except RegistryError as e:
+            raise _error(_STATUS.get(e.status, web.HTTPConflict), str(e)) from None
         log.info("registered %s (control %s)", key, info.control)
         return web.json_response({"key": key})
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
-        key = str((await self._body(request)).get("key", ""))
-        if not self.registry.heartbeat(key, time.monotonic()):
-            raise web.HTTPNotFound(text=json.dumps({"error": f"{key} is not registered (expired?)"}),
-                                   content_type="application/json")
+        body, _ = await self._body(request)
+        owner, key = self._owner(body), self._key(body)
+        if not self.registry.heartbeat(key, time.monotonic(), owner):
+            raise _error(web.HTTPNotFound, f"{key} is not registered by you (expired?)")
         return web.json_response({"key": key})
 
     async def _deregister(self, request: web.Request) -> web.Response:
-        key = str((await self._body(request)).get("key", ""))
-        return web.json_response({"key": key, "removed": self.registry.remove(key)})
+        body, _ = await self._body(request)
+        owner, key = self._owner(body), self._key(body)
+        try:
+            return web.json_response({"key": key, "removed": self.registry.remove(key, owner)})
+        except RegistryError as e:
+            raise _error(web.HTTPForbidden, str(e)) from None
+
+    def _instance(self, request: web.Request) -> str | None:
+        inst = request.query.get("instance")
+        if inst is not None and not KEY.fullmatch(f"{inst}/dp0/pp0/tp0"):
+            raise _bad("query 'instance' is not an instance name")
+        return inst
 
     async def _health(self, request: web.Request) -> web.Response:
-        expected, missing = self.registry.missing(time.monotonic())
-        n = len(self.registry.ranks(time.monotonic()))
-        if missing:
-            return web.json_response({"status": "not ready", "registered": n, "expected": expected,
+        now, inst = time.monotonic(), self._instance(request)
+        r = self.registry.readiness(now, inst)
+        expected, missing = self.registry.missing(now, inst)
+        if not r.ready:
+            return web.json_response({"status": "not ready", "registered": r.registered, "expected": expected,
                                       "missing": missing}, status=503)
-        return web.json_response({"status": "ready", "registered": n, "expected": expected})
+        return web.json_response({"status": "ready", "registered": r.registered, "expected": expected})
 
     async def _topology(self, request: web.Request) -> web.Response:
-        now = time.monotonic()
-        instance = request.query.get("instance")
-        expected, missing = self.registry.missing(now)
-        return web.json_response({"ready": not missing, "expected": expected, "missing": missing,
-                                  "ranks": [i.to_dict() for i in self.registry.ranks(now, instance)]})
+        now, inst = time.monotonic(), self._instance(request)
+        r = self.registry.readiness(now, inst)
+        expected, missing = self.registry.missing(now, inst)
+        return web.json_response({"ready": r.ready, "expected": expected, "missing": [] if r.ready else missing,
+                                  "ranks": [i.to_dict() for i in self.registry.ranks(now, inst)]})
 
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY)
+        app = web.Application(client_max_size=min(MAX_BODY, self.config.max_record), middlewares=[self._errors])
         app.add_routes([web.put("/register", self._register), web.delete("/register", self._deregister),
                         web.post("/heartbeat", self._heartbeat), web.get("/health", self._health),
                         web.get("/topology", self._topology)])
@@ -213,10 +316,20 @@ class BootstrapServer:
 
     # -- lifecycle ------------------------------------------------------------------------
     async def _start(self) -> None:
-        self._runner = web.AppRunner(self._app(), access_log=None)
+        # one request per connection (keepalive 0): the header timeout then covers every request
+        self._runner = web.AppRunner(self._app(), access_log=None, keepalive_timeout=0, handle_signals=False)
         await self._runner.setup()
-        await web.TCPSite(self._runner, self.config.host, self.config.port).start()
-        self.port = int(self._runner.addresses[0][1])
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: _Guard(self), self.config.host, self.config.port, reuse_address=True)
+        self.port = int(self._server.sockets[0].getsockname()[1])
+
+    async def _cleanup(self) -> None:
+        self._server.close()
+        await self._runner.cleanup()
+        rest = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in rest:     # handlers of connections still open (slow clients): end them, quietly
+            t.cancel()
+        await asyncio.gather(*rest, return_exceptions=True)
 
     def start(self, timeout: float = 10.0) -> "BootstrapServer":
         """Serve from a daemon thread; returns once the port is bound (``url`` is valid)."""
@@ -232,7 +345,7 @@ class BootstrapServer:
                 return
             ready.set()
             self._loop.run_forever()
-            self._loop.run_until_complete(self._runner.cleanup())
+            self._loop.run_until_complete(self._cleanup())
             self._loop.close()
             self._stopped.set()
 
@@ -254,8 +367,8 @@ class BootstrapServer:
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: done.set())
-        print(f"kvxfer bootstrap listening on {self.url} (ttl {self.config.ttl}s, "
-              f"auth {'on' if self.config.secret else 'off'})", flush=True)
+        print(f"kvxfer bootstrap listening on {self.config.host}:{self.port}, advertised as {self.url} "
+              f"(ttl {self.config.ttl}s, auth {'on' if self.config.secret else 'off'})", flush=True)
         while not done.wait(0.5):
             pass
         self.stop()
@@ -267,8 +380,17 @@ class BootstrapServer:
         self.stop()
 
 
+_STATUS = {400: web.HTTPBadRequest, 403: web.HTTPForbidden, 409: web.HTTPConflict,
+           413: web.HTTPRequestEntityTooLarge, 507: web.HTTPInsufficientStorage}
+
+
+def _error(cls, why: str) -> web.HTTPException:
+    kw = {"max_size": 0, "actual_size": 0} if cls is web.HTTPRequestEntityTooLarge else {}
+    return cls(text=json.dumps({"error": why[:2048]}), content_type="application/json", **kw)
+
+
 def _bad(why: str) -> web.HTTPBadRequest:
-    return web.HTTPBadRequest(text=json.dumps({"error": why}), content_type="application/json")
+    return _error(web.HTTPBadRequest, why)
 
 
 # ------------------------------------------------------------------------------------
@@ -276,7 +398,9 @@ def _bad(why: str) -> web.HTTPBadRequest:
 # ------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="kvxfer bootstrap", description="run the rank registry (HTTP + JSON)")
-    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: every interface)")
+    ap.add_argument("--advertise", default=None, help="address or interface name to advertise (default: --host, "
+                                                      "or a routable interface address when --host is a wildcard)")
     ap.add_argument("--port", type=int, default=8998)
     ap.add_argument("--ttl", type=float, default=10.0, help="seconds a registration lives without heartbeat")
     ap.add_argument("--expect", type=int, default=None, help="ranks to wait for (default: from their sizes)")
@@ -288,9 +412,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.secret_file, "rb") as f:
             secret = as_secret(f.read().strip())
     try:
-        BootstrapServer(BootstrapConfig(host=args.host, port=args.port, ttl=args.ttl, expect=args.expect,
-                                        secret=secret)).serve_forever()
-    except ConnectError as e:
+        BootstrapServer(BootstrapConfig(host=args.host, port=args.port, advertise=args.advertise, ttl=args.ttl,
+                                        expect=args.expect, secret=secret)).serve_forever()
+    except (ConnectError, ValueError) as e:
         print(f"kvxfer bootstrap: {e}")
         return 1
     return 0

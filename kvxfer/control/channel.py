@@ -1,5 +1,24 @@
 """The control channel: one ZMQ ROUTER (answers) and a DEALER per peer (requests) served by
 one I/O thread, with heartbeats that find a silent peer.
+
+Who calls what, and when
+------------------------
+Owner (an endpoint), any thread: ``ControlChannel(handler, secret=, heartbeat=, bind=, advertise=,
+    identity=, on_dead=, limits=)``; ``connect(peer, address)`` (decode, once per prefill rank;
+    ConnectError at once for an address no peer can reach); ``send(peer, msg)`` (never blocks);
+    ``call(peer, msg, timeout)`` (blocks for the reply); ``watch(peer)`` (prefill, after an
+    accepted HELLO); ``forget(peer)`` (drop a peer: its DEALER, its replay state); ``close()``.
+Channel thread -> handler: ``on_message(peer, msg)`` (a checked ``Message``), ``on_peer_lost(peer,
+    why)``, ``on_tick(now) -> seconds until the next tick``. None may block.
+Channel thread -> owner, at most once: ``on_dead(exc)`` when the thread ended by an exception (a
+    bug: input never kills it). Then ``alive`` is False and ``broken`` holds the exception; every
+    pending ``call`` fails at once.
+
+What the thread guarantees: every message is authenticated (``kvxfer.control.wire``), parsed
+into its dataclass, and checked against the connection (signed sender = routing identity,
+recipient = us, a fresh nonce and a growing seq) before the handler sees it; anything else is
+counted in ``dropped`` under a fixed ``Drop`` reason. State per peer is bounded (``ChannelLimits``):
+peers that never completed a handshake are forgotten after ``idle_timeout``.
 """
 from __future__ import annotations
 
@@ -10,21 +29,25 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 
 import msgpack
 import zmq
 
 from ..errors import ConnectError
-from .wire import MAX_MESSAGE, decode, encode
+from ..ranks import check_address, split_address
+from .addresses import advertise_address
+from .messages import Drop, Hello, Message, Ping, Pong, Refuse, WireError, call_id, outgoing
+from .peers import ChannelLimits, ReplayGuard
+from .wire import MAX_IDENTITY, MAX_MESSAGE, Head, open_frames, seal
 
 log = logging.getLogger("kvxfer.control")
 
 
-# ------------------------------------------------------------------------------------
-# The control channel
-# ------------------------------------------------------------------------------------
+SMALL_PART = 4096     # bytes of any part but the body (routing id, MAC, head)
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class Heartbeat:
     interval: float = 1.0    # decode pings each prefill rank this often; prefill answers
@@ -38,40 +61,64 @@ class Heartbeat:
 class ControlChannel:
     """One rank's control sockets and the thread that owns them (ZMQ sockets are not thread-safe).
 
-    ``handler`` gets, on the channel thread: ``on_message(peer, msg)``, ``on_peer_lost(peer, why)``
-    and ``on_tick(now) -> seconds until it wants the next tick``. It must not block.
-    Prefill passes ``bind``; decode calls ``connect`` per prefill rank and is the side that pings.
-    """
+    ``bind`` (prefill): where the ROUTER listens (``tcp://0.0.0.0:0`` binds every interface);
+    ``advertise``: the address or interface name peers are told (``address``), see
+    ``kvxfer.control.addresses.advertise_address``. Decode passes no ``bind`` and ``connect``s.
+    ``check_recipient``: the ROUTER refuses a message signed for another address than its own
+    (``address``, ``bound``): a message captured on its way to one rank cannot be replayed at
+    another. Off by default because a peer behind a proxy or NAT reaches us by another address;
+    DEALERs always check that replies are signed for their own identity."""
 
     def __init__(self, handler, *, secret: bytes | None, heartbeat: Heartbeat, bind: str | None = None,
-                 identity: str = "", name: str = "ctl"):
-        self.handler, self.secret, self.heartbeat = handler, secret, heartbeat
+                 identity: str = "", name: str = "ctl", advertise: str | None = None,
+                 on_dead: Callable[[BaseException], None] | None = None, limits: ChannelLimits = ChannelLimits(),
+                 check_recipient: bool = False):
+        self.handler, self.secret, self.heartbeat, self.limits = handler, secret, heartbeat, limits
         self.identity = identity
-        self.dropped: collections.Counter[str] = collections.Counter()
+        self._me = identity or f"anon-{os.urandom(8).hex()}"    # what our DEALERs sign as sender
+        if len(self._me.encode()) > MAX_IDENTITY:
+            raise ValueError(f"identity of {len(self._me.encode())} bytes: at most {MAX_IDENTITY}")
+        self.on_dead, self.check_recipient = on_dead, check_recipient
+        self.broken: BaseException | None = None
+        self.dropped: collections.Counter[Drop] = collections.Counter()
         self._ctx = zmq.Context(io_threads=1)
         self._router: zmq.Socket | None = None
         self._dealers: dict[str, zmq.Socket] = {}
+        self._dealer_at: dict[str, str] = {}      # peer -> address connected
         self._by_sock: dict[zmq.Socket, str] = {}
-        self._seen: dict[str, float] = {}        # peer -> last message time (watched peers only)
+        self._bad_address: dict[str, str] = {}    # peer -> why its DEALER could not connect
+        self._seen: dict[str, float] = {}         # peer -> last message time (watched peers only)
         self._lost: set[str] = set()
+        self._rx = ReplayGuard(limits)                                                   # (side, peer)
+        self._tx: dict[tuple[str, str], list] = {}                                          # -> [nonce, seq]
         self._outbox: collections.deque = collections.deque()
-        self._calls: dict[int, Future] = {}
+        self._calls: dict[int, tuple[str, Future]] = {}
         self._ids = itertools.count(1)
+        self._logged: dict[Drop, float] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poller = zmq.Poller()
         self._poller.register(self._wake_r, zmq.POLLIN)
         self.address = ""
+        self.bound = ""
+        self._names: set[str] = set()
         if bind is not None:
             self._router = self._socket(zmq.ROUTER)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unknown peer: an error, not a silent drop
+            # ZMTP heartbeats close connections whose peer vanished, so their fds are freed
+            self._router.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat.interval * 1000))
+            self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat.timeout * 1000))
+            self._router.setsockopt(zmq.HANDSHAKE_IVL, int(max(heartbeat.timeout, 10.0) * 1000))
             try:
+                split_address(bind)
                 self._router.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
-            except zmq.ZMQError as e:
+                self.bound = self._router.last_endpoint.decode()
+                self.address = advertise_address(self.bound, advertise, setting="advertise (the control address)")
+            except (zmq.ZMQError, ValueError) as e:
                 self._ctx.destroy(linger=0)
                 raise ConnectError(f"control channel cannot bind {bind}: {e}") from None
-            self.address = self._router.last_endpoint.decode()
+            self._names = {self.address, self.bound, bind}
             self._poller.register(self._router, zmq.POLLIN)
         self._closed = self._signaled = False
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-{name}", daemon=True)
@@ -84,6 +131,16 @@ class ControlChannel:
         s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE + 64)
         return s
 
+    @property
+    def alive(self) -> bool:
+        """False once the channel thread ended (closed, or died of a bug: see ``broken``)."""
+        return self.broken is None and not self._closed and self._thread.is_alive()
+
+    @property
+    def peers(self) -> int:
+        """Connections (identities) the channel holds replay state for: bounded by ``limits.max_peers``."""
+        return len(self._rx)
+
     # -- any thread -----------------------------------------------------------------------
     def _wake(self) -> None:
         # One byte per wake-up, not per message: each write hands the GIL to the channel thread,
@@ -93,32 +150,43 @@ class ControlChannel:
         self._signaled = True
         try:
             os.write(self._wake_w, b"\0")
-        except BlockingIOError:   # pipe full: the thread is awake anyway
+        except (BlockingIOError, OSError):   # pipe full: the thread is awake anyway (or closed)
             pass
 
     def connect(self, peer: str, address: str) -> None:
-        """Decode side: open a DEALER to a prefill rank's control address (idempotent)."""
+        """Decode side: open a DEALER to a prefill rank's control address (idempotent for the same
+        address; a new address replaces the old connection: a restarted rank). ConnectError,
+        naming the address, when it is not one a peer can connect to."""
+        try:
+            check_address(address)
+        except ValueError as e:
+            raise ConnectError(f"cannot connect to control address of {peer}: {e}") from None
         self._outbox.append(("connect", peer, address))
         self._wake()
 
-    def send(self, peer: str, msg: Mapping, urgent: bool = True) -> None:
+    def send(self, peer: str, msg: Mapping | Message, urgent: bool = True) -> None:
         """Queue a message for ``peer``; never blocks. Lost if the peer is gone (heartbeats tell).
         ``urgent=False`` leaves it for the channel's next turn (within a tick, <= 50 ms) instead of
-        waking the channel thread, which costs the caller a GIL hand-over on the hot path."""
-        self._outbox.append(("send", peer, msg))
+        waking the channel thread, which costs the caller a GIL hand-over on the hot path.
+        ValueError (WireError) at once when ``msg`` does not fit its schema (a bug of the caller);
+        reasons (``why``) longer than their bound are cut, not refused."""
+        self._outbox.append(("send", peer, outgoing(msg)))
         if urgent:
             self._wake()
 
-    def call(self, peer: str, msg: dict, timeout: float) -> dict:
+    def call(self, peer: str, msg: dict, timeout: float) -> Message:
         """Send ``msg`` and wait for the reply that names it (``re``); ConnectError on timeout."""
         fut: Future = Future()
         i = next(self._ids)
-        self._calls[i] = fut
-        self.send(peer, {**msg, "i": i})
+        self._calls[i] = (peer, fut)
         try:
+            if self.broken is not None:
+                raise ConnectError(f"control channel is broken: {self.broken!r}")
+            self.send(peer, {**msg, "i": i})
             return fut.result(timeout)
         except TimeoutError:
-            raise ConnectError(f"no answer from {peer} within {timeout}s") from None
+            where = self._dealer_at.get(peer, "")
+            raise ConnectError(f"no answer from {peer}{f' at {where}' if where else ''} within {timeout}s") from None
         finally:
             self._calls.pop(i, None)
 
@@ -127,12 +195,18 @@ class ControlChannel:
         self._outbox.append(("watch", peer, None))
         self._wake()
 
+    def forget(self, peer: str) -> None:
+        """Drop everything held for ``peer``: heartbeat state, replay state, its DEALER."""
+        self._outbox.append(("forget", peer, None))
+        self._wake()
+
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         self._wake()
-        self._thread.join(5)
+        if threading.current_thread() is not self._thread:   # close() from on_dead runs on the thread
+            self._thread.join(5)
         os.close(self._wake_r)
         os.close(self._wake_w)
 
@@ -150,15 +224,16 @@ class ControlChannel:
                     except BlockingIOError:
                         pass
                 self._flush()
-                for sock in [s for s in events if s is not self._wake_r]:
+                for sock in [s for s in events if isinstance(s, zmq.Socket)]:   # fds are ints: == not is
                     self._receive(sock)
                 now = time.monotonic()
                 if now >= next_ping:
                     self._heartbeat(now)
                     next_ping = now + self.heartbeat.interval / 2
                 wait = min(max(self.handler.on_tick(now), 0.0), next_ping - now)
-        except Exception:
-            log.exception("control channel thread crashed")
+        except BaseException as e:
+            self.broken = e
+            log.exception("control channel thread died; its owner is told (on_dead)")
         finally:
             try:
                 self._flush()    # what close() left behind (e.g. the aborts of a closing endpoint)
@@ -168,83 +243,203 @@ class ControlChannel:
                 if s is not None:
                     s.close(linger=0)
             self._ctx.term()
+            if self.broken is not None:
+                self._died(self.broken)
+
+    def _died(self, exc: BaseException) -> None:
+        for _, fut in list(self._calls.values()):
+            if not fut.done():
+                fut.set_exception(ConnectError(f"control channel thread died: {exc!r}"))
+        if self.on_dead is not None:
+            try:
+                self.on_dead(exc)
+            except Exception:
+                log.exception("on_dead callback failed")
+
+    def _count(self, reason: Drop, peer: str, detail: str = "") -> None:
+        self.dropped[reason] += 1
+        now = time.monotonic()
+        if now - self._logged.get(reason, -1e9) > 10.0:    # one line per reason per 10 s: no log flood
+            self._logged[reason] = now
+            log.warning("dropped control message from %r: %s %s (counted in dropped[%s])", peer[:128], reason.value,
+                        detail[:256], reason.name)
 
     def _flush(self) -> None:
         while self._outbox:
             op, peer, arg = self._outbox.popleft()
             if op == "connect":
+                if peer in self._dealers and self._dealer_at.get(peer) != arg:
+                    self._drop_peer(peer)      # the peer moved (a restarted rank): a new connection
                 if peer not in self._dealers:
-                    s = self._socket(zmq.DEALER)
-                    s.setsockopt(zmq.IDENTITY, self.identity.encode())
-                    s.connect(arg)
-                    self._dealers[peer] = s
-                    self._by_sock[s] = peer
-                    self._poller.register(s, zmq.POLLIN)
+                    self._open_dealer(peer, arg)
                 self._seen[peer] = time.monotonic()
+                self._lost.discard(peer)
             elif op == "watch":
                 self._seen[peer] = time.monotonic()
                 self._lost.discard(peer)
+            elif op == "forget":
+                self._drop_peer(peer)
             else:
                 self._send_now(peer, arg)
 
-    def _send_now(self, peer: str, msg: Mapping) -> None:
-        frames = encode(msg, self.secret)
+    def _open_dealer(self, peer: str, address: str) -> None:
+        s = self._socket(zmq.DEALER)
+        try:
+            s.setsockopt(zmq.IDENTITY, self._me.encode())
+            s.connect(address)
+        except zmq.ZMQError as e:
+            s.close(linger=0)
+            self._bad_address[peer] = f"cannot connect to {address}: {e}"
+            self._count(Drop.CONNECT, peer, address)
+            return
+        self._bad_address.pop(peer, None)
+        self._dealers[peer], self._dealer_at[peer] = s, address
+        self._by_sock[s] = peer
+        self._poller.register(s, zmq.POLLIN)
+
+    def _drop_peer(self, peer: str) -> None:
+        s = self._dealers.pop(peer, None)
+        if s is not None:
+            self._poller.unregister(s)
+            self._by_sock.pop(s, None)
+            s.close(linger=0)
+        self._dealer_at.pop(peer, None)
+        self._seen.pop(peer, None)
+        self._lost.discard(peer)
+        for side in ("d", "r"):
+            self._rx.drop((side, peer))
+            self._tx.pop((side, peer), None)
+
+    def _head(self, side: str, peer: str) -> Head:
+        tx = self._tx.get((side, peer))
+        if tx is None:
+            tx = self._tx[(side, peer)] = [os.urandom(16), 0]
+        tx[1] += 1
+        if side == "d":
+            return Head(self._me, self._dealer_at[peer], tx[0], tx[1])
+        return Head(self.address, peer, tx[0], tx[1])
+
+    def _send_now(self, peer: str, msg: Message) -> None:
         try:
             if peer in self._dealers:
-                self._dealers[peer].send_multipart(frames, zmq.NOBLOCK)
-            elif self._router is not None:
-                self._router.send_multipart([peer.encode()] + frames, zmq.NOBLOCK)
+                self._dealers[peer].send_multipart(seal(msg, self._head("d", peer), self.secret), zmq.NOBLOCK)
+            elif self._router is not None and ("r", peer) in self._rx:
+                self._router.send_multipart([peer.encode()] + seal(msg, self._head("r", peer), self.secret),
+                                            zmq.NOBLOCK)
             else:
-                self.dropped["unknown peer"] += 1
+                self._count(Drop.UNKNOWN_PEER, peer, self._bad_address.get(peer, ""))
+                i = msg.i if isinstance(msg, Hello) else None
+                if i is not None and i in self._calls and not self._calls[i][1].done():
+                    self._calls[i][1].set_exception(ConnectError(
+                        f"control channel to {peer}: {self._bad_address.get(peer, 'not connected')}"))
         except zmq.ZMQError as e:   # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
-            self.dropped[f"send failed: {e.strerror}"] += 1
+            self._count(Drop.SEND_FAILED, peer, e.strerror)
+
+    def _recv_frames(self, sock: zmq.Socket, parts: int) -> tuple[list[bytes], bool] | None:
+        """One whole message and whether it was too large, keeping at most ``parts`` + 1 parts and
+        one part over ``SMALL_PART`` (the body): ZMQ's MAXMSGSIZE bounds a part, not a message, so
+        the rest is read and discarded one part at a time. None when no message is waiting."""
+        try:
+            part = sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        frames, big, oversized = [], 0, False
+        while True:
+            big += len(part) > SMALL_PART
+            oversized |= big > 1
+            if len(frames) <= parts and not oversized:
+                frames.append(part)
+            if not sock.getsockopt(zmq.RCVMORE):
+                return frames, oversized
+            part = sock.recv()
 
     def _receive(self, sock: zmq.Socket) -> None:
+        router = sock is self._router
         for _ in range(4096):   # bounded, so a flood cannot starve ticks and heartbeats
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+            got = self._recv_frames(sock, 4 if router else 3)
+            if got is None:
                 return
-            if sock is self._router:
+            frames, oversized = got
+            rid = b""
+            if router:
                 rid, frames = frames[0], frames[1:]
                 try:
                     peer = rid.decode()
                 except UnicodeDecodeError:
-                    self.dropped["bad identity"] += 1
+                    self._count(Drop.IDENTITY, repr(rid[:16]))
                     continue
             else:
                 peer = self._by_sock[sock]
-            try:
-                msg = decode(frames, self.secret)
-            except ValueError as e:
-                self.dropped[str(e).split(":")[0]] += 1
-                log.warning("dropped control message from %s: %s", peer, e)
-                if len(frames) == 2:
-                    self._on_refused(sock, peer, frames[1], str(e))
-                continue
-            if peer in self._seen:
-                self._seen[peer] = time.monotonic()
-                self._lost.discard(peer)
-            t = msg["t"]
-            if t == "ping":
-                if peer in self._seen:
-                    self._send_now(peer, {"t": "pong"})
-                continue
-            if t == "pong":
-                continue
-            if "re" in msg and msg["re"] in self._calls:
-                fut = self._calls.get(msg["re"])
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+            if oversized:
+                self._count(Drop.TOO_LARGE, peer, "more than one large part")
                 continue
             try:
-                self.handler.on_message(peer, msg)
-            except Exception:
-                log.exception("control handler failed on %s from %s", t, peer)
+                head, msg = open_frames(frames, self.secret)
+                self._check_head(router, peer, head)
+            except WireError as e:
+                self._count(e.reason, peer, str(e))
+                if len(frames) == 3 and e.reason in (Drop.AUTH, Drop.FIELD, Drop.TYPE, Drop.HEADER, Drop.RECIPIENT,
+                                                     Drop.SENDER):
+                    self._on_refused(router, rid, peer, frames[2], str(e))
+                continue
+            self._dispatch(router, peer, msg)
 
-    def _on_refused(self, sock: zmq.Socket, peer: str, body: bytes, why: str) -> None:
+    def _check_head(self, router: bool, peer: str, head: Head) -> None:
+        """Signed sender and recipient match this connection; nonce fresh; seq grows."""
+        if router:
+            if head.sender != peer:
+                raise WireError(Drop.SENDER, f"signed {head.sender[:64]!r}")
+            if self.check_recipient and head.recipient not in self._names:
+                raise WireError(Drop.RECIPIENT, f"signed for {head.recipient[:64]!r}")
+        elif head.recipient != self._me:
+            raise WireError(Drop.RECIPIENT, f"signed for {head.recipient[:64]!r}")
+        gone = self._rx.admit(("r" if router else "d", peer), head, time.monotonic(), same_sender=not router,
+                              keep=self._keep, spare=self._live)
+        for key in gone:       # a peer lost long ago made room for a new one: forget it entirely
+            self._tx.pop(key, None)
+            if key[1] in self._lost:
+                self._seen.pop(key[1], None)
+                self._lost.discard(key[1])
+
+    def _live(self, peer: str) -> bool:
+        """Peers kept even when the peer table is full: our DEALERs and watched peers not lost."""
+        return peer in self._dealers or (peer in self._seen and peer not in self._lost)
+
+    def _keep(self, peer: str) -> bool:
+        """Peers whose replay state is never evicted: handshaked (watched) ones and our own DEALERs."""
+        return peer in self._seen or peer in self._dealers
+
+    def _dispatch(self, router: bool, peer: str, msg: Message) -> None:
+        if peer in self._seen:
+            self._seen[peer] = time.monotonic()
+            self._lost.discard(peer)
+        if isinstance(msg, Ping):
+            if peer in self._seen:
+                self._send_now(peer, Pong())
+            return
+        if isinstance(msg, Pong):
+            return
+        re = call_id(msg)
+        if re is not None:
+            if router:
+                self._count(Drop.UNEXPECTED, peer, msg.T)
+                return
+            call = self._calls.get(re)
+            if call is None or call[0] != peer:
+                self._count(Drop.UNEXPECTED, peer, msg.T)
+            elif not call[1].done():
+                call[1].set_result(msg)
+            return
+        try:
+            self.handler.on_message(peer, msg)
+        except Exception:
+            self.dropped[Drop.HANDLER] += 1
+            log.exception("control handler failed on %s from %r", msg.T, peer[:128])
+
+    def _on_refused(self, router: bool, rid: bytes, peer: str, body: bytes, why: str) -> None:
         """A handshake message failed its checks: say why, so launch fails loudly, not by timeout.
-        Only the message's id is read from the untrusted body; nothing else is used."""
+        Only the call id is read from the untrusted body; the REFUSE goes out on a one-off nonce,
+        so a refused sender leaves no state behind."""
         try:
             msg = msgpack.unpackb(body, raw=False, max_str_len=1 << 20, max_bin_len=MAX_MESSAGE,
                                   max_array_len=1 << 16, max_map_len=1 << 16, max_ext_len=0)
@@ -252,18 +447,24 @@ class ControlChannel:
             return
         if not isinstance(msg, dict):
             return
-        if sock is self._router and msg.get("t") == "hello" and isinstance(msg.get("i"), int):
-            self._send_now(peer, {"t": "refuse", "re": msg["i"], "why": [why]})
-        elif sock is not self._router and isinstance(msg.get("re"), int) and msg["re"] in self._calls:
-            fut = self._calls.get(msg["re"])
-            if fut is not None and not fut.done():
-                fut.set_exception(ConnectError(f"prefill rank {peer} answered the handshake with a message "
-                                               f"that fails our checks ({why}): is the shared secret the same "
-                                               f"on both sides?"))
+        t, i, re = msg.get("t"), msg.get("i"), msg.get("re")
+        if router and t == "hello" and type(i) is int and 0 <= i < 1 << 63:
+            head = Head(self.address, peer, os.urandom(16), 1)
+            try:
+                self._router.send_multipart([rid] + seal(Refuse(re=i, why=[why[:1024]]), head, self.secret),
+                                            zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        elif not router and type(re) is int and re in self._calls:
+            call = self._calls.get(re)
+            if call is not None and call[0] == peer and not call[1].done():
+                call[1].set_exception(ConnectError(
+                    f"prefill rank {peer} at {self._dealer_at.get(peer, '?')} answered the handshake with a message "
+                    f"that fails our checks ({why}): is the shared secret the same on both sides?"))
 
     def _heartbeat(self, now: float) -> None:
         for peer in self._dealers:
-            self._send_now(peer, {"t": "ping"})
+            self._send_now(peer, Ping())
         for peer, seen in list(self._seen.items()):
             if peer not in self._lost and now - seen > self.heartbeat.timeout:
                 self._lost.add(peer)
@@ -272,3 +473,6 @@ class ControlChannel:
                                                     f"{self.heartbeat.timeout}s)")
                 except Exception:
                     log.exception("control handler failed on a lost peer")
+        self._rx.evict_idle(now, self._keep)
+        for key in [k for k in self._tx if k[0] == "r" and k not in self._rx]:   # replies to forgotten peers
+            del self._tx[key]

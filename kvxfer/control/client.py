@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 import urllib.error
@@ -16,6 +17,9 @@ from ..ranks import RankInfo
 from .auth import AUTH_HEADER, as_secret, sign_http
 
 log = logging.getLogger("kvxfer.control.bootstrap")
+
+
+MAX_REPLY = 256 << 20    # bytes of one /topology answer we read (the server caps what it holds at 64 MiB)
 
 
 # ------------------------------------------------------------------------------------
@@ -35,31 +39,38 @@ class BootstrapClient:
             req.add_header(AUTH_HEADER, sign_http(self.secret, method, path.split("?")[0], raw))
         try:
             with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                return r.status, json.loads(r.read() or b"{}")
+                body = json.loads(r.read(MAX_REPLY) or b"{}")
+                return r.status, body if isinstance(body, dict) else {}
         except urllib.error.HTTPError as e:
             try:
-                return e.code, json.loads(e.read() or b"{}")
-            except ValueError:
+                body = json.loads(e.read(1 << 16) or b"{}")
+                return e.code, body if isinstance(body, dict) else {"error": str(body)[:256]}
+            except (ValueError, RecursionError):
                 return e.code, {"error": e.reason}
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:
             raise ConnectError(f"bootstrap server {self.url} unreachable: {e}") from None
 
-    def register(self, info: RankInfo) -> str:
-        status, body = self._call("PUT", "/register", info.to_dict())
+    def register(self, info: RankInfo, owner: str | None = None) -> str:
+        """Register ``info``; ``owner`` (16-64 of [A-Za-z0-9_-]) is the token that owns the key: the
+        registry refuses the key to any other owner while this registration lives."""
+        status, body = self._call("PUT", "/register", {**info.to_dict(), **({"owner": owner} if owner else {})})
         if status != 200:
             raise ConnectError(f"bootstrap {self.url} refused the registration of {info.spec.key} "
                                f"(HTTP {status}): {body.get('error', body)}")
-        return body["key"]
+        key = body.get("key")
+        if not isinstance(key, str) or key != info.spec.key:
+            raise ConnectError(f"bootstrap {self.url} answered the registration with key {str(key)[:80]!r}")
+        return key
 
-    def heartbeat(self, key: str) -> bool:
-        """True when the server still knows ``key``; False means register again."""
-        status, body = self._call("POST", "/heartbeat", {"key": key})
+    def heartbeat(self, key: str, owner: str | None = None) -> bool:
+        """True when the server still knows ``key`` (as ``owner``'s); False means register again."""
+        status, body = self._call("POST", "/heartbeat", {"key": key, **({"owner": owner} if owner else {})})
         if status == 401:
             raise ConnectError(f"bootstrap {self.url} refused the heartbeat: {body.get('error')}")
         return status == 200
 
-    def deregister(self, key: str) -> None:
-        self._call("DELETE", "/register", {"key": key})
+    def deregister(self, key: str, owner: str | None = None) -> None:
+        self._call("DELETE", "/register", {"key": key, **({"owner": owner} if owner else {})})
 
     def health(self) -> dict:
         return self._call("GET", "/health")[1]
@@ -68,7 +79,13 @@ class BootstrapClient:
         status, body = self._call("GET", "/topology" + (f"?instance={instance}" if instance else ""))
         if status != 200:
             raise ConnectError(f"bootstrap {self.url}: GET /topology answered HTTP {status}")
-        return bool(body.get("ready")), [RankInfo.from_dict(r) for r in body.get("ranks", [])]
+        ranks = body.get("ranks", [])
+        if not isinstance(ranks, list):
+            raise ConnectError(f"bootstrap {self.url}: GET /topology answered a malformed body")
+        try:
+            return body.get("ready") is True, [RankInfo.from_dict(r) for r in ranks]
+        except ValueError as e:
+            raise ConnectError(f"bootstrap {self.url}: GET /topology holds an invalid rank record: {e}") from None
 
     def wait_ready(self, timeout: float = 60.0, instance: str | None = None, poll: float = 0.1) -> list[RankInfo]:
         """Block until every expected rank registered; the prefill ranks (of ``instance``)."""
@@ -92,17 +109,29 @@ class BootstrapClient:
 
 
 class Registration:
-    """A prefill rank's registration, kept alive by heartbeats from a daemon thread."""
+    """A prefill rank's registration, kept alive by heartbeats from a daemon thread. It owns its
+    key (a random ``owner`` token sent with every write): another process cannot replace or
+    delete it while it lives. ``start`` waits up to ``ttl`` for a predecessor's registration of
+    the same key to expire (a restarted rank), then fails loudly."""
 
     def __init__(self, client: BootstrapClient, info: RankInfo, interval: float | None = None, ttl: float = 10.0):
-        self.client, self.info = client, info
+        self.client, self.info, self.ttl = client, info, ttl
         self.interval = ttl / 3 if interval is None else interval
+        self.owner = os.urandom(16).hex()
         self.key: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> "Registration":
-        self.key = self.client.register(self.info)    # fails loudly at launch: bad secret, bad record
+        deadline = time.monotonic() + self.ttl * 1.5
+        while True:   # fails loudly at launch: bad secret, bad record, a key another live rank owns
+            try:
+                self.key = self.client.register(self.info, self.owner)
+                break
+            except ConnectError as e:
+                if "HTTP 409" not in str(e) or "another owner" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(min(0.5, self.ttl / 4))
         self._thread = threading.Thread(target=self._run, name="kvxfer-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -110,9 +139,9 @@ class Registration:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                if not self.client.heartbeat(self.key):
+                if not self.client.heartbeat(self.key, self.owner):
                     log.warning("bootstrap forgot %s; registering again", self.key)
-                    self.key = self.client.register(self.info)
+                    self.key = self.client.register(self.info, self.owner)
             except ConnectError as e:   # the registry may be restarting: keep trying
                 log.warning("heartbeat for %s failed: %s", self.key, e)
 
@@ -122,6 +151,6 @@ class Registration:
             self._thread.join(self.interval + self.client.timeout)
         if deregister and self.key is not None:
             try:
-                self.client.deregister(self.key)
+                self.client.deregister(self.key, self.owner)
             except ConnectError:
                 pass

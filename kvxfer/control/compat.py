@@ -11,6 +11,7 @@ from ..layout import SWA, Layout, is_hybrid
 from ..plan import Planner
 from ..ranks import RankInfo
 from ..topology import heads_held, peer_sources, stage_layers
+from .messages import MAX_WINDOW   # one bound for the wire and the record
 
 
 # ------------------------------------------------------------------------------------
@@ -29,7 +30,6 @@ def _layout(info: RankInfo, side: str, out: list[str]) -> Layout | None:
 SWA_WINDOW_KEY = "swa_window"
 
 
-MAX_WINDOW = 1 << 40
 
 
 def layout_record(layout: Layout, swa_window: int = 0) -> dict:

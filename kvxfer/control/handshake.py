@@ -1,8 +1,13 @@
 """The HELLO exchange: decode sends its ``RankInfo``, prefill checks the pair and answers
 WELCOME (its own info) or REFUSE (every mismatch in words).
+
+Who calls what: the decode endpoint calls ``hello`` from ``connect()`` (blocking, once per
+prefill rank); the prefill endpoint calls ``answer_hello`` on its channel thread for each HELLO
+(never raises: a record that fails any check is a REFUSE with the reason).
 """
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 
@@ -10,6 +15,9 @@ from ..errors import CompatibilityError, ConnectError
 from ..ranks import RankInfo
 from .channel import ControlChannel
 from .compat import check_pair
+from .messages import MAX_WHY, MAX_WHYS
+
+log = logging.getLogger("kvxfer.control")
 
 
 # ------------------------------------------------------------------------------------
@@ -20,7 +28,7 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float) 
     reply = channel.call(peer, {"t": "hello", "info": d_info.to_dict(), "nonce": os.urandom(16)}, timeout)
     if reply["t"] == "refuse":
         why = [str(w)[:1024] for w in reply["why"]]
-        if any(w.startswith("authentication") for w in why):
+        if any(w.startswith(("authentication", "addressed to", "sender identity", "bad envelope")) for w in why):
             raise ConnectError(f"prefill rank {peer} refused the handshake: {'; '.join(why)}")
         raise CompatibilityError(why)
     if reply["t"] != "welcome":
@@ -31,15 +39,23 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float) 
         raise ConnectError(f"prefill rank {peer} sent an invalid rank record: {e}") from None
 
 
+def _refuse(i: int, why: list[str]) -> dict:
+    return {"t": "refuse", "re": i, "why": [w[:MAX_WHY] for w in why[:MAX_WHYS]] or ["refused"]}
+
+
 def answer_hello(p_info: RankInfo, msg: Mapping, transport: str) -> tuple[RankInfo | None, dict]:
-    """Prefill side: (decode RankInfo or None, the reply to send)."""
+    """Prefill side: (decode RankInfo or None, the reply to send). Never raises on peer input."""
     try:
         d_info = RankInfo.from_dict(msg["info"])
     except ValueError as e:
-        return None, {"t": "refuse", "re": msg["i"], "why": [f"invalid rank record: {e}"]}
+        return None, _refuse(msg["i"], [f"invalid rank record: {e}"])
     if d_info.spec.role != "decode":
-        return None, {"t": "refuse", "re": msg["i"], "why": ["only decode ranks say HELLO"]}
-    why = check_pair(p_info, d_info, transport)
+        return None, _refuse(msg["i"], ["only decode ranks say HELLO"])
+    try:
+        why = check_pair(p_info, d_info, transport)
+    except Exception as e:   # a record check_pair did not foresee: refuse it, never kill the thread
+        log.warning("HELLO from %s: compatibility check failed on its record: %r", d_info.spec.key, e)
+        why = [f"invalid rank record: {type(e).__name__}: {str(e)[:512]}"]
     if why:
-        return None, {"t": "refuse", "re": msg["i"], "why": why}
+        return None, _refuse(msg["i"], why)
     return d_info, {"t": "welcome", "re": msg["i"], "info": p_info.to_dict()}

@@ -1,6 +1,19 @@
-"""The control channel's wire format: msgpack maps checked against a typed, bounded schema
-(``decode`` refuses anything else), optionally HMAC-signed, and the per-chunk metadata
-(``ChunkMeta``) that travels with each transfer.
+"""The control channel's wire format, and the per-chunk metadata (``ChunkMeta``) of each transfer.
+
+A control message travels as three ZMQ frames ``[mac, head, body]``:
+
+    head  msgpack [1, sender, recipient, nonce, seq]    who signs, for whom, on which connection
+    body  msgpack map {"t": type, ...}                   one of ``kvxfer.control.messages``
+    mac   HMAC-SHA256(secret, len(head) || head || body) (empty without a secret)
+
+``nonce`` is 16 random bytes per sending connection and ``seq`` counts that connection's
+messages from 1, so a receiver that remembers the highest ``seq`` per nonce refuses a replay,
+and because ``sender`` and ``recipient`` are signed a captured message cannot be replayed from
+another identity or to another rank (``ControlChannel`` checks both against the connection).
+
+Who calls what: ``ControlChannel`` calls ``seal`` per message sent and ``open_frames`` per
+message received; ``encode``/``decode`` are the body alone with a MAC over it (two frames), kept
+for tools and tests. Everything raises ``WireError`` (a ValueError) with a fixed ``Drop`` reason.
 """
 from __future__ import annotations
 
@@ -11,91 +24,109 @@ from collections.abc import Mapping, Sequence
 import msgpack
 
 from .auth import mac
-from .compat import MAX_WINDOW
-
-# ------------------------------------------------------------------------------------
-# Wire format
-# ------------------------------------------------------------------------------------
-MAX_MESSAGE = 64 << 20        # a REQ for a 1M-token request carries 8 MiB of slots
-
-
-MAX_ROOM = (1 << 63) - 1
-
-
-MAX_GEN = (1 << 31) - 1
-
+from .messages import (
+    MAX_GEN,
+    MAX_MESSAGE,
+    MAX_ROOM,
+    Drop,
+    Message,
+    WireError,
+    as_message,
+    check_field,
+    parse,
+)
 
 MAX_CHUNKS = 1 << 24
+MAX_IDENTITY = 255          # bytes of a ZMQ routing identity
+HEAD_VERSION = 1
+
+__all__ = ["MAX_MESSAGE", "MAX_ROOM", "MAX_GEN", "MAX_CHUNKS", "Head", "seal", "open_frames", "encode", "decode",
+           "ChunkMeta", "WireError", "Drop"]
 
 
-_I, _B, _S, _Y, _M, _L = int, bool, str, bytes, dict, list
+def _pack_body(msg: Mapping | Message) -> bytes:
+    return as_message(msg).pack()
 
 
-SCHEMA: dict[str, dict[str, tuple]] = {
-    "hello":   {"i": (_I, 0, MAX_ROOM), "info": (_M,), "nonce": (_Y, 8, 64)},
-    "welcome": {"re": (_I, 0, MAX_ROOM), "info": (_M,)},
-    "refuse":  {"re": (_I, 0, MAX_ROOM), "why": (_L, 1, 256)},
-    "req":     {"room": (_I, 0, MAX_ROOM), "gen": (_I, 0, MAX_GEN), "kv": (_Y, 0, MAX_MESSAGE),
-                "prefix": (_I, 0, 1 << 40), "state": (_Y, 0, 1 << 16), "aux": (_B,), "dummy": (_B,)},
-    "ack":     {"room": (_I, 0, MAX_ROOM), "gen": (_I, 0, MAX_GEN)},
-    "nack":    {"room": (_I, 0, MAX_ROOM), "gen": (_I, 0, MAX_GEN), "why": (_S, 0, 4096)},
-    "abort":   {"room": (_I, 0, MAX_ROOM), "gen": (_I, 0, MAX_GEN), "why": (_S, 0, 4096)},
-    "done":    {"room": (_I, 0, MAX_ROOM), "gen": (_I, 0, MAX_GEN)},
-    "fin":     {"meta": (_Y, 0, 1 << 20)},     # a last-chunk marker that moved no bytes (see ChunkMeta)
-    "ping":    {},
-    "pong":    {},
-}
+# ------------------------------------------------------------------------------------
+# The envelope: [mac, head, body]
+# ------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, slots=True)
+class Head:
+    """Who sent a message, to whom, on which connection (``nonce``), and its place (``seq``)."""
+    sender: str
+    recipient: str
+    nonce: bytes
+    seq: int
+
+    def pack(self) -> bytes:
+        return msgpack.packb([HEAD_VERSION, self.sender, self.recipient, self.nonce, self.seq], use_bin_type=True)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> "Head":
+        if len(raw) > 4 * MAX_IDENTITY:
+            raise WireError(Drop.HEADER, f"{len(raw)} bytes")
+        try:
+            v = msgpack.unpackb(raw, raw=False, max_str_len=1024, max_bin_len=64, max_array_len=8, max_map_len=0,
+                                max_ext_len=0)
+        except Exception as e:
+            raise WireError(Drop.HEADER, f"not msgpack ({type(e).__name__})") from None
+        if type(v) is not list or len(v) != 5 or v[0] != HEAD_VERSION or isinstance(v[0], bool):
+            raise WireError(Drop.HEADER, "wrong shape or version")
+        try:
+            for name, x, spec in (("sender", v[1], (str, 0, 1024)), ("recipient", v[2], (str, 0, 1024)),
+                                  ("nonce", v[3], (bytes, 16, 16)), ("seq", v[4], (int, 1, (1 << 63) - 1))):
+                check_field(name, x, spec)
+        except WireError as e:
+            raise WireError(Drop.HEADER, str(e)) from None
+        return cls(v[1], v[2], v[3], v[4])
 
 
-# Fields a message may carry, checked like SCHEMA's when present. Only a hybrid SWA decode rank
-# sends these, so the messages of every other pair keep their shape.
-OPTIONAL: dict[str, dict[str, tuple]] = {
-    "req":     {"swa": (_Y, 0, MAX_MESSAGE),        # decode's window slots, int64 little-endian
-                "swa_n": (_I, 0, MAX_WINDOW)},     # how many (the window length decode keeps)
-}
+def _mac(secret: bytes, head: bytes, body: bytes) -> bytes:
+    return mac(secret, len(head).to_bytes(4, "little"), head, body)
 
 
-def _check_field(name: str, v, spec: tuple) -> None:
-    typ = spec[0]
-    if typ is _I and (isinstance(v, bool) or not isinstance(v, int)) or typ is not _I and not isinstance(v, typ):
-        raise ValueError(f"field {name!r} must be {typ.__name__}, got {type(v).__name__}")
-    if len(spec) == 3:
-        n = v if typ is _I else len(v)
-        if not spec[1] <= n <= spec[2]:
-            raise ValueError(f"field {name!r} = {n if typ is _I else f'{n} long'} outside {spec[1]}..{spec[2]}")
+def seal(msg: Mapping | Message, head: Head, secret: bytes | None) -> list[bytes]:
+    """The three frames of ``msg`` (WireError if ``msg`` itself is malformed: a bug of ours)."""
+    body, raw_head = _pack_body(msg), head.pack()
+    return [_mac(secret, raw_head, body) if secret else b"", raw_head, body]
 
 
-def encode(msg: Mapping, secret: bytes | None) -> list[bytes]:
-    body = msgpack.packb(msg, use_bin_type=True)
+def open_frames(frames: Sequence[bytes], secret: bytes | None) -> tuple[Head, Message]:
+    """Authenticate, then parse head and body. The MAC is checked before anything is parsed."""
+    if len(frames) != 3:
+        raise WireError(Drop.FRAMES, f"expected 3 frames [mac, head, body], got {len(frames)}")
+    tag, raw_head, body = (bytes(f) for f in frames)
+    if len(body) > MAX_MESSAGE:
+        raise WireError(Drop.TOO_LARGE, f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
+    if secret is not None and not hmac.compare_digest(tag, _mac(secret, raw_head, body)):
+        raise WireError(Drop.AUTH, "missing or wrong shared secret")
+    return Head.unpack(raw_head), parse(body)
+
+
+# ------------------------------------------------------------------------------------
+# Body only (two frames [mac, body]): tools and tests
+# ------------------------------------------------------------------------------------
+def encode(msg: Mapping | Message, secret: bytes | None) -> list[bytes]:
+    body = _pack_body(msg)
     return [mac(secret, body) if secret else b"", body]
 
 
-def decode(frames: Sequence[bytes], secret: bytes | None) -> dict:
-    """Authenticate and schema-check one message; ValueError says what is wrong."""
+def decode(frames: Sequence[bytes], secret: bytes | None) -> Message:
+    """Authenticate and schema-check one two-frame message; WireError (a ValueError) says what is wrong."""
     if len(frames) != 2:
-        raise ValueError(f"expected 2 frames [mac, body], got {len(frames)}")
-    tag, body = frames
+        raise WireError(Drop.FRAMES, f"expected 2 frames [mac, body], got {len(frames)}")
+    tag, body = (bytes(f) for f in frames)
     if len(body) > MAX_MESSAGE:
-        raise ValueError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
-    if secret is not None and not hmac.compare_digest(bytes(tag), mac(secret, body)):
-        raise ValueError("authentication failed: missing or wrong shared secret")
-    try:
-        msg = msgpack.unpackb(body, raw=False, strict_map_key=True, max_str_len=1 << 20, max_bin_len=MAX_MESSAGE,
-                              max_array_len=1 << 16, max_map_len=1 << 16, max_ext_len=0)
-    except Exception as e:  # msgpack raises several types on hostile input
-        raise ValueError(f"not msgpack ({type(e).__name__})") from None
-    if not isinstance(msg, dict) or msg.get("t") not in SCHEMA:
-        raise ValueError(f"unknown message type {msg.get('t') if isinstance(msg, dict) else type(msg).__name__!r}")
-    for name, spec in SCHEMA[msg["t"]].items():
-        if name not in msg:
-            raise ValueError(f"{msg['t']}: field {name!r} missing")
-        _check_field(name, msg[name], spec)
-    for name, spec in OPTIONAL.get(msg["t"], {}).items():
-        if name in msg:
-            _check_field(name, msg[name], spec)
-    return msg
+        raise WireError(Drop.TOO_LARGE, f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
+    if secret is not None and not hmac.compare_digest(tag, mac(secret, body)):
+        raise WireError(Drop.AUTH, "missing or wrong shared secret")
+    return parse(body)
 
 
+# ------------------------------------------------------------------------------------
+# Per-chunk metadata
+# ------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, slots=True)
 class ChunkMeta:
     """Rides with every chunk (the transport's ``notify``), or alone in a FIN message.
@@ -128,7 +159,7 @@ class ChunkMeta:
         for name, x, lo, hi in (("room", room, 0, MAX_ROOM), ("gen", gen, 0, MAX_GEN), ("tp", tp, 0, 1 << 16),
                                 ("pp", pp, 0, 1 << 16), ("chunk", chunk, 0, MAX_CHUNKS),
                                 ("total", total, -1, MAX_CHUNKS), ("nbytes", nbytes, -1, 1 << 50)):
-            _check_field(name, x, (_I, lo, hi))
+            check_field(name, x, (int, lo, hi))
         if aux is not None and not isinstance(aux, bytes):
             raise ValueError("chunk metadata: aux must be bytes")
         return cls(room, gen, (tp, pp), chunk, total, nbytes, aux)

@@ -1,0 +1,118 @@
+"""Bind and advertise: where a socket listens, and the address peers are told to reach.
+
+``bind`` may be a wildcard (``0.0.0.0``: every interface); what a rank advertises (its
+``RankInfo.control``, the bootstrap server's ``url``) must be an address a peer can reach, so
+never a wildcard, and never loopback for a peer on another host.
+
+Who calls what: ``ControlChannel`` (after binding, with its ``advertise`` setting) and
+``BootstrapServer`` (its ``url``) call ``advertise_host``; the registry calls ``is_loopback``
+on every record registered from another host. Everything raises ``ValueError`` naming the
+address tried and the setting to change.
+"""
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import socket
+import struct
+
+from ..ranks import WILDCARDS, split_address
+
+_SIOCGIFADDR = 0x8915
+
+
+def interface_address(name: str) -> str | None:
+    """The IPv4 address of network interface ``name`` (e.g. ``eth0``), or None (Linux only)."""
+    if not isinstance(name, str) or not 0 < len(name) < 16 or not name.isprintable():
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            raw = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+        except OSError:
+            return None
+    return socket.inet_ntoa(raw[20:24])
+
+
+def interfaces() -> dict[str, str]:
+    """Interface name -> IPv4 address, for every interface that has one."""
+    out = {}
+    try:
+        names = [n for _, n in socket.if_nameindex()]
+    except OSError:
+        return out
+    for n in names:
+        a = interface_address(n)
+        if a is not None:
+            out[n] = a
+    return out
+
+
+def is_loopback(host: str, resolve: bool = True) -> bool:
+    """True for 127.0.0.0/8, ::1, ``localhost`` and (``resolve``) any name that resolves only to
+    loopback. ``resolve=False`` never blocks on DNS (the registry's event loop uses it)."""
+    host = host.strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    if host.lower() in ("localhost", "localhost.localdomain", "ip6-localhost") or host.lower().endswith(".localhost"):
+        return True
+    if not resolve:
+        return False
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
+
+
+def routable_address() -> str | None:
+    """An IPv4 address of this host that another host can reach (not loopback, not link-local)."""
+    for name, a in sorted(interfaces().items()):
+        ip = ipaddress.ip_address(a)
+        if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
+            return a
+    return None
+
+
+def advertise_host(bind_host: str, advertise: str | None = None, *, remote: bool = False,
+                   setting: str = "advertise") -> str:
+    """The host to advertise for a socket bound on ``bind_host``.
+
+    ``advertise``: an IP address, a host name or an interface name (``eth0``); None: the bind
+    host, or for a wildcard bind a routable interface address (loopback when there is none and
+    ``remote`` is False). ``remote=True``: a peer on another host will use it, so loopback or a
+    wildcard is refused. ``setting`` names the option to change in the error."""
+    tried = advertise if advertise else bind_host
+    if advertise:
+        host = interface_address(advertise) or advertise
+    elif bind_host in WILDCARDS or bind_host == "":
+        host = routable_address() or ("127.0.0.1" if not remote else "")
+        if not host:
+            raise ValueError(f"bound {bind_host!r} (every interface) but found no routable interface address to "
+                             f"advertise: set {setting}= to an address or interface name peers can reach")
+    else:
+        host = bind_host
+    if host in WILDCARDS:
+        raise ValueError(f"cannot advertise the wildcard {tried!r}: it binds every interface but reaches none; "
+                         f"set {setting}= to an address or interface name peers can reach")
+    if remote and is_loopback(host):
+        raise ValueError(f"cannot advertise loopback {tried!r} (-> {host}) to a peer on another host: set "
+                         f"{setting}= to a routable address or interface name")
+    return host
+
+
+def advertise_address(bind: str, advertise: str | None = None, *, remote: bool = False,
+                      setting: str = "advertise") -> str:
+    """``advertise_host`` for a whole endpoint: ``tcp://0.0.0.0:5555`` -> ``tcp://10.1.2.3:5555``.
+    ``ipc://`` endpoints are returned unchanged (same host only)."""
+    kind, host, port = split_address(bind)
+    if kind == "ipc":
+        if remote:
+            raise ValueError(f"cannot advertise {bind!r} to a peer on another host: ipc:// reaches only this host; "
+                             f"bind tcp:// and set {setting}=")
+        return bind
+    h = advertise_host(host, advertise, remote=remote, setting=setting)
+    if ":" in h and not h.startswith("["):
+        h = f"[{h}]"
+    return f"tcp://{h}:{port}"
