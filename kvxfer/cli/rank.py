@@ -59,7 +59,8 @@ import sys
 import threading
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+from .rank_serve import RankConfig
 
 log = logging.getLogger("kvxfer.rank")
 
@@ -73,51 +74,6 @@ class UsageError(Exception):
 # ------------------------------------------------------------------------------------
 # Flags -> a checked configuration
 # ------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankConfig:
-    role: str
-    bootstrap: str
-    secret: bytes | None
-    instance: str
-    tp_size: int
-    tp_rank: int
-    pp_size: int
-    pp_rank: int
-    dp_size: int
-    dp_rank: int
-    local_rank: int
-    layout: str
-    layers: int
-    kv_heads: int
-    head_dim: int
-    kv_lora_rank: int
-    rope_dim: int
-    dtype: str
-    pages: int
-    page_size: int
-    device: str
-    transport: str
-    ucx_tls: str | None
-    bind: str
-    advertise: str
-    port: int
-    data_port: int
-    metrics_port: int | None
-    timeouts: tuple[float, float, float, float]
-    heartbeat: tuple[float, float]
-    seed: int
-    check: bool
-    selftest: int
-    tokens: int
-    room: int
-    serve: str | None
-    connect_timeout: float
-
-    @property
-    def mla(self) -> bool:
-        return self.layout.startswith("mla")
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="kvxfer rank", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

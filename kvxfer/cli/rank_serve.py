@@ -26,17 +26,61 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:   # annotations only: this module never imports the launcher
-    from .rank import RankConfig
 
 log = logging.getLogger("kvxfer.rank")
 
 MAX_COMMAND = 1 << 16       # bytes of one control line
 MAX_LIVE = 4096             # prefill: requests being answered at once; decode: ends remembered
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankConfig:
+    role: str
+    bootstrap: str
+    secret: bytes | None
+    instance: str
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+    local_rank: int
+    layout: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_lora_rank: int
+    rope_dim: int
+    dtype: str
+    pages: int
+    page_size: int
+    device: str
+    transport: str
+    ucx_tls: str | None
+    bind: str
+    advertise: str
+    port: int
+    data_port: int
+    metrics_port: int | None
+    timeouts: tuple[float, float, float, float]
+    heartbeat: tuple[float, float]
+    seed: int
+    check: bool
+    selftest: int
+    tokens: int
+    room: int
+    serve: str | None
+    connect_timeout: float
+
+    @property
+    def mla(self) -> bool:
+        return self.layout.startswith("mla")
+
 
 
 def timeouts_of(phases: Sequence[float], heartbeat: Sequence[float]):

@@ -54,7 +54,7 @@ def compact_slots(layout: Layout, tokens: Mapping[str, int]) -> dict[str, np.nda
     return {s.name: s.page_size + np.arange(int(tokens[s.name]), dtype=np.int64) for s in layout.spaces}
 
 
-def _spans(layout: Layout, tokens: Mapping[str, int]) -> list[tuple[int, int, int]]:
+def record_spans(layout: Layout, tokens: Mapping[str, int]) -> list[tuple[int, int, int]]:
     """(region, start, stop) of every part's used rows: the payload, in part order.
     A layer-first part keeps its rows contiguous, so this is one span per part."""
     out = []

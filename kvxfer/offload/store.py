@@ -13,7 +13,7 @@ import torch
 
 from ..errors import StorageError
 from ..layout import Layout
-from .records import FORMAT, RecordMeta, _spans
+from .records import FORMAT, RecordMeta, record_spans
 
 log = logging.getLogger("kvxfer.offload")
 
@@ -50,7 +50,7 @@ class FileStore:
     def put(self, meta: RecordMeta, layout: Layout, regions: list[torch.Tensor]) -> None:
         """Write the record held in ``regions`` (its compact ``layout``)."""
         tokens = meta.tokens
-        views = [regions[r][a:b].numpy() for r, a, b in _spans(layout, tokens)]
+        views = [regions[r][a:b].numpy() for r, a, b in record_spans(layout, tokens)]
         h = hashlib.blake2b(digest_size=16)
         for v in views:
             h.update(v)
@@ -94,7 +94,7 @@ class FileStore:
             if sorted(tokens) != sorted(s.name for s in layout.spaces) or any(
                     tokens[s.name] + s.page_size > s.num_slots for s in layout.spaces):
                 raise StorageError(f"record {key.hex()}: positions {tokens} do not fit its layout")
-            spans = _spans(layout, tokens)
+            spans = record_spans(layout, tokens)
         except (KeyError, TypeError, ValueError) as e:
             raise StorageError(f"record {key.hex()}: malformed layout in meta ({type(e).__name__}: {e})") from None
         if expect is not None and layout.signature != expect.signature:
