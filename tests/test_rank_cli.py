@@ -147,8 +147,8 @@ class Proc:
 def start_bootstrap(host: str = "127.0.0.1", port: int = 0, popen=subprocess.Popen) -> tuple[Proc, str]:
     b = Proc([*BOOTSTRAP, "--host", host, "--port", str(port)], popen=popen)
     line = b.line()
-    assert "listening on" in line, line
-    return b, line.split("listening on ")[1].split()[0]
+    assert "advertised as " in line, line
+    return b, line.split("advertised as ")[1].split()[0]
 
 
 def registered(url: str) -> int:

@@ -168,7 +168,7 @@ def _num(v: float | None) -> str:
 
 
 def _ratio(r: float) -> str:
-    return f"{r:.2f}x" if r >= 0.01 else f"{r:.4f}x" 
+    return f"{r:.2f}x" if r >= 0.01 else f"{r:.4f}x"
 
 
 def table(rows: list[Row]) -> str:
