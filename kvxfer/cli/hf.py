@@ -208,6 +208,10 @@ def prefill_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, inbox,
         requests = make_requests(cfg)
         pool = _pool(cfg, cfg.prefill_tp, rank, cfg.prefill_layout, sum(len(p) for _, p in requests), len(requests))
         alloc, lock, freed = PageAllocator(pool.layout.spaces[0].num_pages, cfg.page_size), threading.Lock(), []
+
+        def release(slots: np.ndarray) -> None:    # on the endpoint's thread: decode has the KV
+            with lock:
+                freed.append(slots)
         spec = RankSpec(role="prefill", num_kv_heads=cfg.kv_heads, num_layers=cfg.layers, tp_rank=rank,
                         tp_size=cfg.prefill_tp)
         with PrefillEndpoint(spec, pool, transport=cfg.transport, timeouts=DEMO_TIMEOUTS()) as ep:
@@ -216,8 +220,7 @@ def prefill_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, inbox,
             senders = []
             for room, prompt in requests:
                 slots = alloc.alloc(len(prompt))
-                sender = ep.sender(room, on_release=lambda s, slots=slots: (lock.acquire(), freed.append(slots),
-                                                                             lock.release()))
+                sender = ep.sender(room, on_release=lambda s, slots=slots: release(slots))
                 with torch.no_grad():
                     out = model(torch.tensor([prompt]), use_cache=True)
                 write_prefill_kv(getattr(out, kw), pool, slots, heads)
@@ -373,7 +376,11 @@ def run(cfg: HFDemoConfig, out=sys.stdout) -> dict:
     ref_box: dict = {}
     ref_thread = threading.Thread(target=lambda: ref_box.update(reference_tokens(cfg, model)), daemon=True)
     ref_thread.start()
-    results, nbytes, errors, fps, done = {}, 0, [], {}, {"prefill": [], "decode": []}
+    results: dict[int, tuple] = {}
+    errors: list[str] = []
+    fps: dict[str, str] = {}
+    done: dict[str, list] = {"prefill": [], "decode": []}
+    nbytes = 0
     t_ready = None
     deadline = time.monotonic() + DEMO_TIMEOUT
     while len(done["decode"]) < cfg.decode_tp and not errors and time.monotonic() < deadline:
@@ -423,7 +430,8 @@ def run(cfg: HFDemoConfig, out=sys.stdout) -> dict:
     for room, prompt in make_requests(cfg):
         if room in results:
             toks, ok, reason = results[room]
-            mark = "ok" if ok and toks == ref.get(room) else f"MISMATCH (want {ref.get(room)}; {reason or ''})"
+            mark = "ok" if ok and toks == ref.get(room) else \
+                f"MISMATCH: want {ref.get(room)}" + (f" ({reason})" if reason else "")
             print(f"  room {room:3d}: prompt {len(prompt):3d} tokens -> {toks} {mark}", file=out)
     mismatched = [room for room, (toks, ok, _) in results.items() if not ok or toks != ref.get(room)]
     missing = cfg.requests - len(results)
