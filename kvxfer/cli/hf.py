@@ -244,25 +244,28 @@ def prefill_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, inbox,
 # -- decode -------------------------------------------------------------------------------
 
 def gather_cache(cfg: HFDemoConfig, pool, slots: np.ndarray, group):
-    """The whole group's KV heads of ``slots`` as one HF ``DynamicCache`` on every rank.
-
-    Each rank holds ``heads_held(kv_heads, tp, rank)``; one all-gather over gloo per request
-    brings every rank's ``[layers, 2, tokens, heads, head_dim]`` block, placed by global head."""
+    """The whole group's KV heads of ``slots`` as one HF cache, on every rank of ``group``:
+    one all-gather over gloo per request of each rank's ``[layers, 2, tokens, heads, head_dim]``."""
     import torch
     import torch.distributed as dist
+    mine = torch.stack([torch.stack(pool.get_kv_buffer(layer, slots)) for layer in range(cfg.layers)])
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mine, group=group)
+    return cache_from_parts(cfg, parts)
+
+
+def cache_from_parts(cfg: HFDemoConfig, parts: list):
+    """An HF ``DynamicCache`` from the blocks ``[layers, 2, tokens, heads, head_dim]`` of every rank
+    of a TP group, in rank order; rank r holds ``heads_held(kv_heads, len(parts), r)``."""
+    import torch
     from transformers import DynamicCache
 
     from ..topology import heads_held
-    tp, n = dist.get_world_size(group), len(slots)
-    mine = torch.stack([torch.stack(pool.get_kv_buffer(layer, slots)) for layer in range(cfg.layers)])
-    parts = [torch.empty_like(mine) for _ in range(tp)]        # [layers, 2, tokens, my heads, head_dim]
-    dist.all_gather(parts, mine, group=group)
-    full = torch.full((cfg.layers, 2, n, cfg.kv_heads, cfg.head_dim), float("nan"))
-    for r, part in enumerate(parts):
-        h = heads_held(cfg.kv_heads, tp, r)
+    n = parts[0].shape[2]
+    full = torch.empty(cfg.layers, 2, n, cfg.kv_heads, cfg.head_dim, dtype=parts[0].dtype)
+    for r, part in enumerate(parts):       # heads_held covers every head; replicas write the same values
+        h = heads_held(cfg.kv_heads, len(parts), r)
         full[:, :, :, h.start:h.stop] = part
-    if torch.isnan(full).any():
-        raise RuntimeError("the decode group's KV heads do not cover every head")
     cache = DynamicCache()
     for layer in range(cfg.layers):
         k, v = full[layer].permute(0, 2, 1, 3).unsqueeze(1)    # [1, kv_heads, tokens, head_dim] each
