@@ -32,9 +32,7 @@ def test_cache_through_pools_continues_generate(model):
     m = hf.build_model(cfg)
     prompt = hf.make_requests(cfg)[0][1]
     want = hf.greedy(m, prompt, cfg.gen_len)
-    with torch.no_grad():
-        out = m(torch.tensor([prompt]), use_cache=True)
-    first = int(out.logits[0, -1].argmax())
+    kv, first = hf.prefill(m, prompt)
     assert first == want[0]
     for tp in (1, 2, 4, 8):       # 8 > kv_heads: heads replicated
         parts = []
@@ -42,7 +40,7 @@ def test_cache_through_pools_continues_generate(model):
             pool = hf._pool(cfg, tp, rank, "page_major", len(prompt), 1)
             slots = PageAllocator(pool.layout.spaces[0].num_pages, cfg.page_size).alloc(len(prompt))
             slots = np.ascontiguousarray(slots[::-1])          # slots in any order
-            hf.write_prefill_kv(getattr(out, hf.cache_kwarg(m)), pool, slots, heads_held(cfg.kv_heads, tp, rank))
+            hf.write_prefill_kv(kv, pool, slots, heads_held(cfg.kv_heads, tp, rank))
             parts.append(torch.stack([torch.stack(pool.get_kv_buffer(layer, slots)) for layer in range(cfg.layers)]))
         cache = hf.cache_from_parts(cfg, parts)
         assert [first] + hf.greedy(m, prompt + [first], cfg.gen_len - 1, cache) == want, tp

@@ -147,6 +147,17 @@ def greedy(model, prompt: list[int], max_new_tokens: int, cache=None) -> list[in
     return out[0, len(prompt):].tolist()
 
 
+def prefill(model, prompt: list[int]):
+    """One forward over ``prompt``: its HF ``DynamicCache`` and the greedy first token. The cache
+    is passed in: transformers 4.x returns a legacy tuple for a cache it made itself."""
+    import torch
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = model(torch.tensor([prompt]), use_cache=True, **{cache_kwarg(model): cache})
+    return cache, int(out.logits[0, -1].argmax())
+
+
 def make_requests(cfg: HFDemoConfig) -> list[tuple[int, list[int]]]:
     rng = np.random.default_rng(cfg.seed)
     return [(room, rng.integers(0, cfg.vocab, int(rng.integers(cfg.min_prompt, cfg.max_prompt + 1))).tolist())
@@ -203,7 +214,6 @@ def prefill_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, inbox,
         _init_group(port, rank, cfg.prefill_tp)
         model = build_model(cfg)
         fp = _agree_on_model(model)
-        kw = cache_kwarg(model)
         heads = heads_held(cfg.kv_heads, cfg.prefill_tp, rank)
         requests = make_requests(cfg)
         pool = _pool(cfg, cfg.prefill_tp, rank, cfg.prefill_layout, sum(len(p) for _, p in requests), len(requests))
@@ -221,10 +231,9 @@ def prefill_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, inbox,
             for room, prompt in requests:
                 slots = alloc.alloc(len(prompt))
                 sender = ep.sender(room, on_release=lambda s, slots=slots: release(slots))
-                with torch.no_grad():
-                    out = model(torch.tensor([prompt]), use_cache=True)
-                write_prefill_kv(getattr(out, kw), pool, slots, heads)
-                sender.send(slots, start=0, last=True, aux=AuxRecord(int(out.logits[0, -1].argmax())))
+                cache, first = prefill(model, prompt)
+                write_prefill_kv(cache, pool, slots, heads)
+                sender.send(slots, start=0, last=True, aux=AuxRecord(first))
                 senders.append(sender)
             deadline = time.monotonic() + DEMO_TIMEOUT
             while not all(s.kv_releasable for s in senders) and time.monotonic() < deadline:
