@@ -301,8 +301,7 @@ def decode_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, outbox)
         model = build_model(cfg)
         fp = _agree_on_model(model, group)
         requests = make_requests(cfg)
-        pool = _pool(cfg, cfg.decode_tp, rank, cfg.decode_layout,
-                     sum(len(p) for _, p in requests[:cfg.batch]) + cfg.batch * cfg.page_size, cfg.batch)
+        pool = _pool(cfg, cfg.decode_tp, rank, cfg.decode_layout, cfg.batch * cfg.max_prompt, cfg.batch)
         alloc = PageAllocator(pool.layout.spaces[0].num_pages, cfg.page_size)
         spec = RankSpec(role="decode", num_kv_heads=cfg.kv_heads, num_layers=cfg.layers, tp_rank=rank,
                         tp_size=cfg.decode_tp)
@@ -439,6 +438,8 @@ def run(cfg: HFDemoConfig, out=sys.stdout) -> dict:
 
     errors += [f"{who} built weights {f}, this process {fp}" for who, f in sorted(fps.items()) if f != fp]
     ref = ref_box
+    if len(ref) != cfg.requests:
+        errors.append(f"the reference generate finished {len(ref)} of {cfg.requests} requests")
     for room, prompt in make_requests(cfg):
         if room in results:
             toks, ok, reason = results[room]
