@@ -3,7 +3,8 @@ generation continued from it, equal token for token to the model's own ``generat
 
 The in-process test checks the HF adapter alone (cache in and out of kvxfer pools, heads
 placed per rank); the slow ones run the whole demo as a subprocess, heterogeneous TP both
-ways. Skipped without transformers (the ``hf`` extra)."""
+ways (``python -m kvxfer.cli.hf``, what ``kvxfer demo --model`` hands its arguments to).
+Skipped without transformers (the ``hf`` extra), except the check of the message saying so."""
 from __future__ import annotations
 
 import importlib.util
@@ -14,10 +15,18 @@ import sys
 import numpy as np
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                reason="transformers is not installed: pip install 'kvxfer[hf]'")
+needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                              reason="transformers is not installed: pip install 'kvxfer[hf]'")
 
 
+def test_without_transformers_says_how_to_install(monkeypatch):
+    from kvxfer.cli import hf
+    monkeypatch.setitem(sys.modules, "transformers", None)     # import transformers -> ImportError
+    with pytest.raises(SystemExit, match=r"kvxfer\[hf\]"):
+        hf.main(["--model", "llama"])
+
+
+@needs_hf
 @pytest.mark.parametrize("model", ["llama", "qwen2"])
 def test_cache_through_pools_continues_generate(model):
     """Prefill's HF cache, split by rank into page-major pools, read back per rank and reassembled
@@ -46,6 +55,7 @@ def test_cache_through_pools_continues_generate(model):
         assert [first] + hf.greedy(m, prompt + [first], cfg.gen_len - 1, cache) == want, tp
 
 
+@needs_hf
 @pytest.mark.slow
 @pytest.mark.parametrize("model, prefill_tp, decode_tp", [("llama", 2, 4), ("qwen2", 4, 2)])
 def test_hf_demo_verifies_every_request(model, prefill_tp, decode_tp, tmp_path):
