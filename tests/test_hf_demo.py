@@ -60,7 +60,7 @@ def test_cache_through_pools_continues_generate(model):
 @pytest.mark.parametrize("model, prefill_tp, decode_tp", [("llama", 2, 4), ("qwen2", 4, 2)])
 def test_hf_demo_verifies_every_request(model, prefill_tp, decode_tp, tmp_path):
     out = tmp_path / "summary.json"
-    proc = subprocess.run([sys.executable, "-m", "kvxfer.cli.hf", "--model", model, "--transport", "zmq",
+    proc = subprocess.run([sys.executable, "-m", "kvxfer.cli", "demo", "--model", model, "--transport", "zmq",
                            "--prefill-tp", str(prefill_tp), "--decode-tp", str(decode_tp), "--requests", "3",
                            "--max-prompt", "40", "--gen-len", "6", "--json", str(out)],
                           capture_output=True, text=True, timeout=400)

@@ -50,7 +50,7 @@ class DemoConfig:
     seed: int = 0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -73,7 +73,7 @@ def _pool(cfg: DemoConfig, tp: int, layout: str, num_tokens: int):
                    num_pages=pages, page_size=cfg.page_size, layout=layout)
 
 
-def _init_group(port: int, rank: int, world: int):
+def init_group(port: int, rank: int, world: int):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
@@ -92,7 +92,7 @@ def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, o
         from .model import ModelConfig, TPModel, init_weights, shard_weights
 
         m = ModelConfig()
-        _init_group(port, rank, cfg.prefill_tp)
+        init_group(port, rank, cfg.prefill_tp)
         model = TPModel(m, shard_weights(init_weights(m), m, cfg.prefill_tp, rank), cfg.prefill_tp)
         requests = make_requests(cfg)
         pool = _pool(cfg, cfg.prefill_tp, cfg.prefill_layout, sum(len(p) for _, p in requests))
@@ -145,7 +145,7 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
         from .model import ModelConfig, TPModel, init_weights, shard_weights
 
         m = ModelConfig()
-        _init_group(port, rank, cfg.decode_tp)
+        init_group(port, rank, cfg.decode_tp)
         group = dist.new_group(backend="gloo")
         model = TPModel(m, shard_weights(init_weights(m), m, cfg.decode_tp, rank), cfg.decode_tp)
         requests = make_requests(cfg)
@@ -236,7 +236,7 @@ def run(cfg: DemoConfig, out=sys.stdout) -> dict:
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
     server = BootstrapServer(BootstrapConfig(expect=cfg.prefill_tp)).start()
-    p_port, d_port = _free_port(), _free_port()
+    p_port, d_port = free_port(), free_port()
     inboxes = [ctx.Queue() for _ in range(cfg.prefill_tp)]
     procs = [ctx.Process(target=prefill_rank, args=(cfg, r, p_port, server.url, inboxes[r], outbox), daemon=True)
              for r in range(cfg.prefill_tp)]
@@ -337,7 +337,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-prompt", type=int, default=d.max_prompt)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--json", help="write the summary here")
+    ap.add_argument("--model", default="tiny", choices=["tiny", "llama", "qwen2"],
+                    help="tiny: kvxfer's own TP transformer; llama, qwen2: a HuggingFace model with seeded "
+                         "random weights (pip install 'kvxfer[hf]')")
     a = ap.parse_args(argv)
+    if a.model != "tiny":
+        from .hf import main as hf_main
+        return hf_main(argv)
     cfg = DemoConfig(transport=a.transport, prefill_tp=a.prefill_tp, decode_tp=a.decode_tp,
                      prefill_layout=a.prefill_layout, decode_layout=a.decode_layout, requests=a.requests,
                      gen_len=a.gen_len, max_prompt=a.max_prompt, seed=a.seed)

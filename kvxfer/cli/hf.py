@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .demo import DEMO_TIMEOUT, DEMO_TIMEOUTS, _free_port, _init_group
+from .demo import DEMO_TIMEOUT, DEMO_TIMEOUTS, free_port, init_group
 
 # --model name -> (config class, model class) in transformers
 HF_MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
@@ -211,7 +211,7 @@ def prefill_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, inbox,
         from ..topology import heads_held
 
         torch.set_num_threads(1)
-        _init_group(port, rank, cfg.prefill_tp)
+        init_group(port, rank, cfg.prefill_tp)
         model = build_model(cfg)
         fp = _agree_on_model(model)
         heads = heads_held(cfg.kv_heads, cfg.prefill_tp, rank)
@@ -289,14 +289,14 @@ def decode_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, outbox)
         import torch.distributed as dist
 
         from ..endpoint.aux import AuxBuffer
-        from ..endpoint.base import KVPoll, reduce_poll
+        from ..endpoint import KVPoll, reduce_poll
         from ..endpoint.decode import DecodeEndpoint
         from ..grant import ByteRanges
         from ..pools import PageAllocator
         from ..ranks import RankSpec
 
         torch.set_num_threads(1)
-        _init_group(port, rank, cfg.decode_tp)
+        init_group(port, rank, cfg.decode_tp)
         group = dist.new_group(backend="gloo")
         model = build_model(cfg)
         fp = _agree_on_model(model, group)
@@ -370,7 +370,7 @@ def run(cfg: HFDemoConfig, out=sys.stdout) -> dict:
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
     server = BootstrapServer(BootstrapConfig(expect=cfg.prefill_tp)).start()
-    p_port, d_port = _free_port(), _free_port()
+    p_port, d_port = free_port(), free_port()
     inboxes = [ctx.Queue() for _ in range(cfg.prefill_tp)]
     procs = [ctx.Process(target=prefill_rank, args=(cfg, r, p_port, server.url, inboxes[r], outbox), daemon=True)
              for r in range(cfg.prefill_tp)]
