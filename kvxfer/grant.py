@@ -193,6 +193,11 @@ class GrantTable:
                 self._ended.clear()
             return live
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether ``request_id`` has a grant now (the receiver's I/O thread, per completed transfer)."""
+        with self._lock:
+            return request_id in self._grants
+
     def live(self) -> int:
         with self._lock:
             return len(self._grants)
