@@ -148,6 +148,7 @@ class Reason(str, enum.Enum):
     LENGTH_MISMATCH = "length mismatch"
     UNKNOWN_PEER = "unknown peer"
     TOO_MANY = "too many transfers"
+    TOO_MANY_PEERS = "too many peers"
     TOO_LARGE = "too large"
     DEADLINE = "deadline passed"
     PEER_FAILED = "peer failed"

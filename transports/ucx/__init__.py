@@ -543,7 +543,7 @@ class UCXTransport(UCXSender, UCXReceiver, Transport):
         p = self._peers.get(sender)
         if p is None and kind_of(raw) == HELLO:
             if len(self._peers) >= self.max_peers:
-                self.grants.reject("?", f"too many transfers: {len(self._peers)} peers already")
+                self.grants.reject("?", f"too many peers: {len(self._peers)} already")
                 return
             try:
                 hello = parse_message(raw, self.max_control_bytes)
