@@ -19,6 +19,7 @@ The I/O thread (one per transport; it alone touches sockets, workers and in-flig
     ``runs_inside``             bounds of runs against region sizes, before a byte is read or sent.
     ``PeerClock``               when a peer was last heard from; silence past a timeout fails its
                                 transfers (a dead peer is silent; a slow one may come back).
+    ``peer_reason``             what a refusal tells the peer (grant refusals read alike: no oracle).
 Tests (and ``kvxfer_transports.faulty``): ``CommandQueue.put(Crash(error))`` makes the I/O thread
 raise ``error`` at its next turn, as a bug would.
 """
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from ..errors import TransportError
+from ..grant import Reason
 from ..plan import merge_runs
 from .base import TransferHandle, peer_failed
 
@@ -290,6 +292,21 @@ def runs_inside(reg: np.ndarray, off: np.ndarray, n: np.ndarray, sizes: np.ndarr
 def runs_inside_few(runs: Sequence[tuple[int, int, int]], sizes: Sequence[int]) -> bool:
     """``runs_inside`` for a few (region, offset, length) runs as Python ints."""
     return all(0 <= r < len(sizes) and 0 <= o and 0 <= c and o + c <= sizes[r] for r, o, c in runs)
+
+
+# ------------------------------------------------------------------------------------
+# What a peer is told
+# ------------------------------------------------------------------------------------
+REFUSED = "refused: no grant covers this transfer"
+_GRANT_REASONS = frozenset(r.value for r in (Reason.UNKNOWN_REQUEST, Reason.ENDED_REQUEST, Reason.OUTSIDE_GRANT,
+                                             Reason.UNKNOWN_REGION, Reason.OUTSIDE_REGION))
+
+
+def peer_reason(reason: str) -> str:
+    """The refusal a receiver sends back for ``reason``. No oracle: refusals because of the grant
+    (unknown, ended or live request, runs outside it) all read the same, so a peer cannot probe
+    which request ids are live; the local counters and arrivals keep the full reason."""
+    return REFUSED if Reason.of(reason).value in _GRANT_REASONS else reason
 
 
 # ------------------------------------------------------------------------------------

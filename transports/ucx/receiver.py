@@ -20,22 +20,13 @@ from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from kvxfer.copy import copy_runs
-from kvxfer.grant import Reason
 from kvxfer.plan import Runs
 from kvxfer.transport.base import Arrival
+from kvxfer.transport.kit import peer_reason
 
 from . import bindings as ucp
 from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, Ack, Announce, Fail, Go
 from .sender import ucx_buffer
-
-GRANT_REASONS = frozenset(r.value for r in (Reason.UNKNOWN_REQUEST, Reason.ENDED_REQUEST, Reason.OUTSIDE_GRANT,
-                                            Reason.UNKNOWN_REGION, Reason.OUTSIDE_REGION))
-REFUSED = "refused: no grant covers this transfer"
-
-
-def wire_reason(reason: str) -> str:
-    """What the peer is told: grant refusals all read the same."""
-    return REFUSED if Reason.of(reason).value in GRANT_REASONS else reason
 
 
 @dataclass(eq=False)
@@ -108,7 +99,7 @@ class UCXReceiver:
 
     def _refuse(self, p, xid: int, rid: str, nbytes: int, notify: bytes, reason: str) -> None:
         self._deliver(Arrival(rid, nbytes, False, reason, notify))
-        self._send(p, Fail(xid, wire_reason(reason)))
+        self._send(p, Fail(xid, peer_reason(reason)))
 
     def _poll_data(self) -> None:
         while (res := self._worker.tag_probe(ucx_api.UCXXTag(DATA_BIT), ucx_api.UCXXTagMask(KIND_MASK),
@@ -198,7 +189,7 @@ class UCXReceiver:
             self._landing_rids[i.rid] += 1
         self._deliver(Arrival(i.rid, i.nbytes, False, reason, i.notify))
         if tell:
-            self._send(i.peer, Fail(i.xid, wire_reason(reason)))
+            self._send(i.peer, Fail(i.xid, peer_reason(reason)))
 
     def _landed(self, rid: str) -> None:
         self._landing_rids[rid] -= 1

@@ -23,24 +23,13 @@ import torch
 import zmq
 
 from kvxfer.copy import scatter_runs
-from kvxfer.grant import Reason
 from kvxfer.plan import merge_runs
 from kvxfer.transport.base import Arrival
-from kvxfer.transport.kit import runs_inside, runs_inside_few
+from kvxfer.transport.kit import peer_reason, runs_inside, runs_inside_few
 
 from .protocol import MAX_PARTS, RUN_BYTES, Ack, Data, Nack, Ping, parse_data
 
 log = logging.getLogger("kvxfer.transport.zmq")
-
-# Refusals the peer learns only as "refused" (see the module docstring).
-GRANT_REASONS = frozenset(r.value for r in (Reason.UNKNOWN_REQUEST, Reason.ENDED_REQUEST, Reason.OUTSIDE_GRANT,
-                                            Reason.UNKNOWN_REGION, Reason.OUTSIDE_REGION))
-REFUSED = "refused: no grant covers this transfer"
-
-
-def wire_reason(reason: str) -> str:
-    """What the peer is told: grant refusals all read the same."""
-    return REFUSED if Reason.of(reason).value in GRANT_REASONS else reason
 
 
 def lengths_match(nbytes, sizes, size: int) -> bool:
@@ -252,7 +241,7 @@ class ZMQReceiver:
         log.warning("incoming transfer %d of request %s failed: %s", xid, request_id, reason)
         self._deliver_completed()   # in the order they happened
         self._deliver(Arrival(request_id, st.nbytes if st else 0, False, reason))
-        self._reply(rid, Nack(xid, wire_reason(reason)).pack())
+        self._reply(rid, Nack(xid, peer_reason(reason)).pack())
 
     def _reply(self, rid: bytes, msg: bytes) -> None:
         try:
