@@ -171,12 +171,10 @@ def test_both_run_paths(forced):
     pair.reset(range(4))
     pair.transfer(raw_plan([0], [1001], [1], [77], [2]), tag="two-bytes")
     pair.check_images(raw_plan([0], [1001], [1], [77], [2]))
-    for k, lo, hi in ((5, 1, 64 * KiB), (300, 1, 4 * KiB), (12, 200 * KiB, 600 * KiB)):
-        cells = rng.choice(4 * SMALL // (1 * MiB), min(k, 16), replace=False) if hi > 64 * KiB else \
-            rng.choice(4 * SMALL // (64 * KiB), k, replace=False)
-        k = len(cells)
-        cell = 1 * MiB if hi > 64 * KiB else 64 * KiB
-        n = rng.integers(lo, min(hi, cell) + 1, k)
+    for k, lo, hi, cell in ((5, 1, 64 * KiB, 64 * KiB), (300, 1, 4 * KiB, 4 * KiB),
+                            (12, 200 * KiB, 600 * KiB, 1 * MiB)):   # (runs, shortest, longest, cell)
+        cells = rng.choice(4 * SMALL // cell, k, replace=False)   # one run per disjoint destination cell
+        n = rng.integers(lo, hi + 1, k)
         dr, do = cells // (SMALL // cell), (cells % (SMALL // cell)) * cell
         sr, so = rng.integers(0, 4, k), rng.integers(0, SMALL - n + 1)
         plan = raw_plan(sr, so, dr, do, n)
