@@ -211,15 +211,15 @@ def test_message_size_is_capped_per_message_not_per_part():
     """zmq's MAXMSGSIZE bounds one part; a message of many parts under it is refused whole."""
     from kvxfer.transport.registry import get_transport
     with get_transport("zmq", max_message_bytes=64 * 1024, frame_bytes=16 * 1024, frames_per_message=1) as t:
-        region = torch.full((REGION,), CANARY, dtype=torch.uint8)
+        part = 30 * 1024   # each part far below the cap; the three together above it
+        region = torch.full((4 * part,), CANARY, dtype=torch.uint8)
         t.register([region])
-        t.expect("big", ByteRanges(np.array([0]), np.array([0]), np.array([REGION])))
+        t.expect("big", ByteRanges(np.array([0]), np.array([0]), np.array([4 * part])))
         ctx = zmq.Context()
         d = ctx.socket(zmq.DEALER)
         d.linger = 0
         d.connect(t.endpoint)
         try:
-            part = 30 * 1024   # each part far below the cap; the three together above it
             hdr = header(r="big", run_bytes=runs(*[(0, k * part, part) for k in range(3)]), end=(3, 3 * part))
             replies = exchange(d, [hdr, *[bytes([k]) * part for k in range(3)]])
             assert [h["t"] for h in replies] == ["n"] and replies[0]["why"].startswith("too large"), replies
