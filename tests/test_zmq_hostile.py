@@ -1,5 +1,5 @@
 """Hostile input at a live ZMQ receiver: raw frames from a raw zmq DEALER that speaks (or
-abuses) the wire protocol of ``transports/zmq.py``.
+abuses) the wire protocol of ``kvxfer_transports.zmq`` (``protocol.py`` there).
 
 Each bad message must be refused whole with a counted reason, leave the destination byte
 for byte unchanged, and leave the receiver serving good transfers. A hypothesis test then
