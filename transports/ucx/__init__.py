@@ -78,7 +78,7 @@ from kvxfer.errors import ConnectError, PeerError, PlanError, TransportError
 from kvxfer.grant import GrantTable
 from kvxfer.plan import FEW_RUNS, TransferPlan
 from kvxfer.transport.base import DEFAULT_TIMEOUT, Arrival, TransferHandle, Transport
-from kvxfer.transport.kit import Call, Close, CommandQueue, Crash, IOThread, StagingPool, Submit
+from kvxfer.transport.kit import Call, Close, CommandQueue, Crash, IOThread, StagingPool, Submit, fail_command
 
 from . import bindings as ucp
 from .bindings import frame_iovs
@@ -272,6 +272,8 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
             handle.finish(e, release=True)
             return handle
         self.commands.put(Submit(peer, request_id, out, handle))
+        if self.broken and not self.io.alive:   # died meanwhile: nobody will take the command
+            fail_command(Submit(peer, request_id, None, handle), self.broken)
         return handle
 
     def forget(self, request_id: str) -> bool:

@@ -177,7 +177,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self.commands.put(Connect(endpoint, fut))
         try:
             return fut.result(timeout=30)
-        except (zmq.ZMQError, Exception) as e:
+        except Exception as e:   # zmq refused the endpoint, the thread ended, or no answer in time
             raise ConnectError(f"cannot connect to {endpoint}: {e}") from e
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
