@@ -242,3 +242,64 @@ def test_io_thread_death_fails_its_transfers_and_marks_the_transport_broken(pair
     assert not h2.wait(1) and "broken" in str(h2.error)
     rx.forget("doomed")
     assert bool((pair.dst == CANARY).all())
+
+
+# -- structured fuzzing through the live I/O thread ------------------------------------------
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+FUZZ_GRANT = (64 * KiB, 64 * KiB)   # the fuzz request may write [64 KiB, 128 KiB) of the pool
+_values = st.one_of(
+    st.integers(-3, 3), st.sampled_from([2**31, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)]),
+    st.floats(allow_nan=True, allow_infinity=True), st.booleans(), st.none(),
+    st.text(max_size=8), st.binary(max_size=64), st.lists(st.integers(0, 9), max_size=3),
+)
+_runs = st.lists(st.tuples(st.sampled_from([0, 1, -1]), st.integers(-4096, POOL + 4096),
+                           st.integers(-16, 128 * KiB)), max_size=4).map(
+    lambda t: np.asarray([[r for r, _, _ in t], [o for _, o, _ in t], [n for _, _, n in t]], "<i8").tobytes())
+_announce = st.tuples(st.just(ANNOUNCE), st.one_of(st.integers(0, 50), _values),
+                      st.sampled_from(["fuzz", "nobody", ""]), st.one_of(st.floats(0, 10), _values),
+                      st.one_of(st.binary(max_size=8), _values), st.one_of(_runs, _values),
+                      st.one_of(st.integers(0, 4), _values), st.one_of(st.sampled_from([4096, MiB]), _values),
+                      st.one_of(st.binary(max_size=512), _values)).map(list)
+_message = st.one_of(_announce, st.lists(_values, max_size=10),
+                     st.tuples(st.integers(0, 9), st.one_of(st.integers(0, 50), _values), _values).map(list))
+
+
+@pytest.fixture(scope="module")
+def fuzz_pair():
+    p = Pair()
+    p.rx.expect("fuzz", ByteRanges(np.zeros(1, np.int64), np.full(1, FUZZ_GRANT[0], np.int64),
+                                   np.full(1, FUZZ_GRANT[1], np.int64)))
+    yield p
+    p.close()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(msgs=st.lists(_message, min_size=1, max_size=4), wrap=st.sampled_from(["ok", "secret", "shape"]))
+def test_fuzzed_control_messages_never_kill_the_thread_or_write_outside_a_grant(fuzz_pair, msgs, wrap):
+    p = fuzz_pair
+    secret = p.tx._peers[p.pid].secret
+    try:
+        batch = {"ok": [p.tx.id, secret, msgs], "secret": [p.tx.id, b"\0" * 16, msgs],
+                 "shape": [p.tx.id, msgs]}[wrap]
+        wire = msgpack.packb(batch, use_bin_type=True)
+    except (OverflowError, ValueError, TypeError):   # not packable: nothing to send
+        return
+    p.raw(wire)
+    assert p.rx.io.alive and p.rx.broken is None
+
+
+def test_after_fuzzing_the_receiver_is_alive_and_untouched_outside_the_grant(fuzz_pair):
+    p = fuzz_pair
+    time.sleep(0.5)   # the last fuzzed batches are handled
+    assert p.rx.io.alive and p.rx.broken is None and p.tx.io.alive
+    lo, hi = FUZZ_GRANT[0], FUZZ_GRANT[0] + FUZZ_GRANT[1]
+    assert bool((p.dst[:lo] == CANARY).all()) and bool((p.dst[hi:] == CANARY).all()), "a byte outside the grant"
+    assert set(p.rx.rejected) <= {"malformed message", "malformed header", "unknown peer", "unknown request",
+                                  "outside grant", "unknown region", "outside region", "internal error"}
+    assert p.rx.rejected.get("internal error", 0) == 0, p.rx.rejected
+    p.rx.forget("fuzz")
+    while p.rx.arrivals(0.2):   # the fuzzed announces' arrivals (refused, or empty and ok)
+        pass
+    p.honest()
