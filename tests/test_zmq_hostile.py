@@ -351,3 +351,31 @@ def test_fuzz_runs_at_the_grant_edges(rx, dealer, triples, split, data):
         assert [h["t"] for h in replies] == ["n"] and replies[0]["why"].startswith("refused"), replies
         assert unchanged(rx)
     rx.arrivals()
+
+
+def test_open_transfers_per_sender_are_capped():
+    """One sender cannot hold every incoming slot: past max_incoming_per_peer its new transfers
+    are refused, while another sender is still served."""
+    from kvxfer.transport.registry import get_transport
+    with get_transport("zmq", max_incoming_per_peer=2) as t:
+        region = torch.full((REGION,), CANARY, dtype=torch.uint8)
+        t.register([region])
+        t.expect("held", ByteRanges(np.array([0]), np.array([0]), np.array([REGION])))
+        ctx = zmq.Context()
+        a, b = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        try:
+            for d in (a, b):
+                d.linger = 0
+                d.connect(t.endpoint)
+            # transfers opened and never finished (no totals), each with one landed run
+            replies = [exchange(a, [header(r="held", run_bytes=runs((0, k * 100, 100))), P100]) for k in range(3)]
+            assert [[h["t"] for h in r] for r in replies] == [[], [], ["n"]], replies
+            assert replies[2][0]["why"].startswith("too many transfers") and t.rejected["too many transfers"] == 1
+            assert bytes(region[200:300].numpy()) == bytes([CANARY]) * 100   # the refused one wrote nothing
+            done = exchange(b, [header(r="held", run_bytes=runs((0, 1000, 100)), end=(1, 100)), P100])
+            assert [h["t"] for h in done] == ["a"]                              # another sender is served
+            assert bytes(region[1000:1100].numpy()) == P100
+        finally:
+            a.close()
+            b.close()
+            ctx.term()

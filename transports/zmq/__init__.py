@@ -94,6 +94,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
     max_message_bytes   largest message the receiver accepts, all parts together (a larger part
                         makes zmq drop the connection; a larger message fails its transfer)
     max_incoming        most incoming transfers open at once; more are rejected
+    max_incoming_per_peer  most incoming transfers open at once from one sender (routing id)
     few_runs            messages and plans of at most this many runs are handled with Python ints
                         (``FEW_RUNS``; tests force 0 and a large value to reach both paths)
     tune_malloc         raise glibc's malloc thresholds so zmq reuses its buffers (see _keep_malloc_arenas)
@@ -103,7 +104,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
     def __init__(self, *, endpoint: str = "tcp://127.0.0.1:0", frame_bytes: int = 1 << 20,
                  frames_per_message: int = 4, zero_copy_min: int = 256 << 10, window: int = 16,
                  heartbeat_ivl: float = 1.0, heartbeat_timeout: float = 5.0, max_message_bytes: int = 64 << 20,
-                 max_incoming: int = 4096, few_runs: int = FEW_RUNS, tune_malloc: bool = True):
+                 max_incoming: int = 4096, max_incoming_per_peer: int = 1024, few_runs: int = FEW_RUNS, tune_malloc: bool = True):
         if not 4096 <= frame_bytes <= max_message_bytes // 2:
             raise ValueError(f"frame_bytes {frame_bytes} must be in 4096..max_message_bytes/2")
         self.frame_bytes, self.frames_per_message = int(frame_bytes), max(1, int(frames_per_message))
@@ -114,7 +115,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self.zero_copy_min, self.window = int(zero_copy_min), int(window)
         self.hb_ivl, self.hb_timeout = float(heartbeat_ivl), float(heartbeat_timeout)
         self.max_message_bytes, self.max_incoming = int(max_message_bytes), int(max_incoming)
-        self.few_runs = int(few_runs)
+        self.few_runs, self.max_incoming_per_peer = int(few_runs), int(max_incoming_per_peer)
         if tune_malloc:
             _keep_malloc_arenas()
         self.id = uuid.uuid4().hex

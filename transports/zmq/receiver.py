@@ -95,6 +95,7 @@ class ZMQReceiver:
 
     def _receiver_init(self) -> None:
         self._in: dict[tuple, Incoming] = {}
+        self._open_from: collections.Counter = collections.Counter()   # routing id -> open transfers
         self._dead: collections.OrderedDict = collections.OrderedDict()
         self._seen: dict[bytes, float] = {}
         self._acks: dict[bytes, list[int]] = {}
@@ -152,10 +153,12 @@ class ZMQReceiver:
             return
         st = self._in.get(key)
         if st is None:
-            if len(self._in) >= self.max_incoming:
-                self._fail_in(key, self.grants.reject(request_id, f"too many transfers: {len(self._in)} open"))
+            if len(self._in) >= self.max_incoming or self._open_from[rid] >= self.max_incoming_per_peer:
+                self._fail_in(key, self.grants.reject(
+                    request_id, f"too many transfers: {len(self._in)} open, {self._open_from[rid]} from this peer"))
                 return
             st = self._in[key] = Incoming(time.monotonic() + h.deadline)
+            self._open_from[rid] += 1
         if time.monotonic() > st.deadline:   # too late: the sender has given up on it
             self._fail_in(key, f"deadline passed: {st.nbytes} bytes arrived before it")
             return
@@ -201,7 +204,7 @@ class ZMQReceiver:
                 self._fail_in(key, f"incomplete transfer: {st.nbytes} of {h.end.nbytes} bytes, "
                                    f"{st.nruns} of {h.end.nruns} runs arrived")
                 return
-            del self._in[key]
+            self._close_in(key)
             if st.nruns or self.grants.is_live(request_id):   # an empty transfer of no live request: ack only
                 self._completed.append(Arrival(request_id, st.nbytes, True, "", h.end.notify))
             self._acks.setdefault(rid, []).append(h.xid)
@@ -234,7 +237,7 @@ class ZMQReceiver:
 
     def _fail_in(self, key: tuple, reason: str) -> None:
         rid, request_id, xid = key
-        st = self._in.pop(key, None)
+        st = self._close_in(key)
         self._dead[key] = None
         if len(self._dead) > 65536:
             self._dead.popitem(last=False)
@@ -242,6 +245,14 @@ class ZMQReceiver:
         self._deliver_completed()   # in the order they happened
         self._deliver(Arrival(request_id, st.nbytes if st else 0, False, reason))
         self._reply(rid, Nack(xid, peer_reason(reason)).pack())
+
+    def _close_in(self, key: tuple) -> Incoming | None:
+        st = self._in.pop(key, None)
+        if st is not None:
+            self._open_from[key[0]] -= 1
+            if self._open_from[key[0]] <= 0:
+                del self._open_from[key[0]]
+        return st
 
     def _reply(self, rid: bytes, msg: bytes) -> None:
         try:
