@@ -191,6 +191,27 @@ def test_peers_are_capped():
         p.close()
 
 
+def test_unknown_ended_and_live_ids_get_the_same_answer(pair):
+    """No oracle: the sender sees the same outcome for a live, an ended and an unknown request id,
+    for an empty transfer (acknowledged) and for a write outside the grant (refused alike)."""
+    tx, rx = pair.tx, pair.rx
+    rx.expect("o-live", grant(4096))
+    rx.expect("o-ended", grant(4096))
+    rx.forget("o-ended")
+    empty = TransferPlan(())
+    seen = {}
+    for rid in ("o-live", "o-ended", "o-nobody"):
+        h_empty = tx.submit(pair.pid, rid, empty, timeout=5)
+        h_out = tx.submit(pair.pid, rid, plan(0, 8192, 4096), timeout=5)
+        seen[rid] = (h_empty.wait(5), h_out.wait(5), str(h_out.error).replace(rid, "ID"))
+    assert seen["o-live"] == seen["o-ended"] == seen["o-nobody"], seen
+    assert seen["o-live"][:2] == (True, False)
+    got = rx.arrivals(1.0)
+    assert sorted((a.request_id, a.ok) for a in got if a.ok) == [("o-live", True)], got
+    assert bool((pair.dst == CANARY).all())
+    rx.forget("o-live")
+
+
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
