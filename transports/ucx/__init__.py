@@ -137,7 +137,10 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
     frame_bytes   big runs are put in pieces of this size; packed blocks go in frames of it.
     put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)
     put_below_many  the same for plans of more than ``few_runs`` runs (``PUT_BELOW_MANY``)
-    few_runs      plans of at most this many runs are prepared with Python ints (``FEW_RUNS``)
+    few_runs      plans of at most this many runs are prepared with Python ints (``FEW_RUNS``).
+                  Both paths stay: measured (``_prepare_few`` vs ``_prepare``, 16 KiB runs, this
+                  2-core box) 1 run 16 vs 124 us, 4 runs 16 vs 86, 16 runs 51 vs 127. The
+                  conformance suite forces 0 and 2**20 so each path carries every case.
     heartbeat     seconds between pings to each peer; ``peer_timeout`` seconds of silence
                   fail a peer's transfers (a dead peer is silent: error handling is off).
     max_control_bytes      largest control batch received (larger ones are dropped unread)
