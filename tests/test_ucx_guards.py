@@ -212,6 +212,23 @@ def test_unknown_ended_and_live_ids_get_the_same_answer(pair):
     rx.forget("o-live")
 
 
+def test_closed_peers_are_forgotten_so_the_cap_does_not_lock_out_new_ones():
+    """A peer that said BYE is forgotten after peer_timeout: with max_peers 1, a second sender
+    is served once the first one closed (before, the first kept its slot forever)."""
+    p = Pair(rx_opts={"max_peers": 1, "peer_timeout": 0.5})
+    try:
+        p.honest()
+        p.tx.close()
+        assert until(lambda: not p.rx._peers, 5.0), "a closed peer was kept"
+        p.tx = get_transport("ucx", **OPTS)
+        p.tx.register([p.src])
+        p.pid = p.tx.connect(p.rx.descriptor())
+        p.honest()
+        assert p.rx.rejected.get("too many peers", 0) == 0
+    finally:
+        p.close()
+
+
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

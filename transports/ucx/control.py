@@ -20,6 +20,7 @@ from ucxx._lib.arr import Array
 from kvxfer.errors import PeerError, RejectedWrite, TransferTimeout
 from kvxfer.transport.kit import PeerClock
 
+from . import bindings as ucp
 from .protocol import (
     CTRL_TAG,
     HELLO,
@@ -61,6 +62,7 @@ class Peer:
     last_send: object = None         # the latest control send to it
     next_ping: float = 0.0
     open_in: int = 0                 # incoming transfers open from it
+    bye_at: float | None = None      # when it said BYE: its transport closed, it never comes back
 
 
 
@@ -173,6 +175,7 @@ class UCXControl:
                 i.done = True
                 self._try_finish(i)
         elif isinstance(m, Bye):
+            p.bye_at = p.clock.heard
             self._peer_gone(p, "peer closed its transport")
 
     # ---- deadlines and heartbeats ---------------------------------------------------------
@@ -193,6 +196,21 @@ class UCXControl:
             if now >= p.next_ping and (p.last_send is None or p.last_send.completed):
                 p.next_ping = now + self.heartbeat
                 self._send(p, Ping())
+        self._drop_closed_peers(now)
+
+    def _drop_closed_peers(self, now: float) -> None:
+        """Forget peers that said BYE a while ago and that nothing refers to any more: their
+        transport closed (ids are per transport), and kept they would count against max_peers."""
+        busy = {o.peer.id for o in (*self._out.values(), *self._holding, *self._flushing)} | \
+            {key[0] for key in (*self._in, *self._landing)} | {e[0] for e in self._draining} | set(self._unflushed)
+        for p in [p for p in self._peers.values() if p.bye_at is not None and now - p.bye_at > self.peer_timeout
+                  and p.id not in busy and p.clock.heard <= p.bye_at]:
+            del self._peers[p.id]
+            for h in p.rkeys:
+                if h:
+                    ucp.rkey_destroy(h)
+            p.rkeys, p.outbox = [], []
+            p.ep.close()   # no flush: the peer is gone (error handling is off)
 
     def _peer_gone(self, p: Peer, why: str) -> None:
         p.gone = True
