@@ -40,7 +40,7 @@ from kvxfer.layout import page_major_layout, token_major_layout
 from kvxfer.plan import EMPTY_PLAN, Planner, TransferPlan, plan_transfer
 from kvxfer.transport.registry import ENTRY_POINT_GROUP, available_transports
 
-IN_PROCESS = {"local"}
+IN_PROCESS = {"local", "faulty"}   # faulty wraps "local" by default: both ends in one process
 KiB, MiB = 1 << 10, 1 << 20
 SMALL, BIG = 4 * MiB, 256 * MiB + 64 * KiB
 SIZES = [SMALL] * 4 + [BIG]          # regions 0-3 small, region 4 holds the 256 MiB case
