@@ -8,6 +8,7 @@ runs before a single byte lands (counted under a fixed reason when it fails).
 from __future__ import annotations
 
 import bisect
+import enum
 import logging
 import threading
 from collections import Counter
@@ -130,6 +131,39 @@ class ByteRanges:
 log = logging.getLogger("kvxfer.transport")
 
 
+class Reason(str, enum.Enum):
+    """Why an incoming message was refused or dropped: the fixed keys of ``GrantTable.rejected``.
+
+    A reason string starts with one of these values and a colon ("outside grant: run 3 ...");
+    ``GrantTable.reject`` counts it under that value, and anything else under ``OTHER``, so no
+    peer can grow the counter with names of its own choosing."""
+    UNKNOWN_REQUEST = "unknown request"
+    ENDED_REQUEST = "ended request"
+    OUTSIDE_GRANT = "outside grant"
+    OUTSIDE_REGION = "outside region"
+    UNKNOWN_REGION = "unknown region"
+    MALFORMED_HEADER = "malformed header"
+    MALFORMED_MESSAGE = "malformed message"
+    MALFORMED_FRAME = "malformed frame"
+    LENGTH_MISMATCH = "length mismatch"
+    UNKNOWN_PEER = "unknown peer"
+    TOO_MANY = "too many transfers"
+    TOO_MANY_PEERS = "too many peers"
+    TOO_LARGE = "too large"
+    DEADLINE = "deadline passed"
+    PEER_FAILED = "peer failed"
+    INTERNAL = "internal error"
+    OTHER = "other"
+
+    @classmethod
+    def of(cls, reason: str) -> "Reason":
+        """The counter key of a reason string (its text before the first colon)."""
+        return _REASONS.get(reason.split(":", 1)[0], cls.OTHER)
+
+
+_REASONS = {r.value: r for r in Reason}
+
+
 class GrantTable:
     """The receiver's record of what each request may write. Every transport uses it.
 
@@ -142,7 +176,7 @@ class GrantTable:
         self._grants: dict[str, ByteRanges] = {}
         self._ended: set[str] = set()
         self.region_sizes = list(region_sizes)
-        self.rejected: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()   # keys: Reason values only
 
     def expect(self, request_id: str, ranges: ByteRanges) -> None:
         with self._lock:
@@ -160,13 +194,18 @@ class GrantTable:
                 self._ended.clear()
             return live
 
+    def is_live(self, request_id: str) -> bool:
+        """Whether ``request_id`` has a grant now (the receiver's I/O thread, per completed transfer)."""
+        with self._lock:
+            return request_id in self._grants
+
     def live(self) -> int:
         with self._lock:
             return len(self._grants)
 
     def reject(self, request_id: str, reason: str) -> str:
         with self._lock:
-            self.rejected[reason.split(":")[0]] += 1
+            self.rejected[Reason.of(reason).value] += 1
         log.warning("rejected write for request %s: %s", request_id, reason)
         return reason
 

@@ -321,7 +321,7 @@ class UcxPutSamePages:
     protocol: an own UCX context and worker in this process, an endpoint (error handling off,
     as the transport's) to the receiver transport's worker, its rkey, one ``ucp_put_nbx`` per
     run (no callback), one ``ucp_ep_flush_nbx``, progress until it completes. The ctypes
-    declarations are the transport's (transports/ucx.py); the put loop is this one's."""
+    declarations are the transport's (``kvxfer_transports.ucx.bindings``); the put loop is this one's."""
     name = SAME_PAGES
 
     def __init__(self, src: torch.Tensor, descriptor: dict, tls: str | None = None):
@@ -329,36 +329,37 @@ class UcxPutSamePages:
 
         from ucxx._lib import libucxx as u
 
-        from transports import ucx as U
+        from kvxfer_transports.ucx import bindings as U
+        from kvxfer_transports.ucx import ucx_settings
         self.U, self.ctypes, self.base = U, ctypes, src.data_ptr()
         # the transport's UCX settings: peers over shared memory must agree on its FIFO size
-        self.ctx = u.UCXContext(U.ucx_settings(tls, None, os.environ), feature_flags=(u.Feature.TAG, u.Feature.RMA))
+        self.ctx = u.UCXContext(ucx_settings(tls, None, os.environ), feature_flags=(u.Feature.TAG, u.Feature.RMA))
         self.worker = u.UCXWorker(self.ctx)
         addr = u.UCXAddress.create_from_buffer(bytes.fromhex(descriptor["address"]))
         self.ep = self.worker.create_endpoint_from_worker_address(addr, False)
         self.rbase, rkey, self.memh = int(descriptor["region_base"][0]), ctypes.c_void_p(), ctypes.c_void_p()
-        U._check(U._rkey_unpack(self.ep.handle, bytes.fromhex(descriptor["rkeys"][0]), ctypes.byref(rkey)), "rkey")
-        mp_ = U._MemMapParams(U._MEMMAP_ADDR_LEN, self.base, src.numel())
-        U._check(U._mem_map(self.ctx.handle, ctypes.byref(mp_), ctypes.byref(self.memh)), "ucp_mem_map")
+        U.check(U.rkey_unpack(self.ep.handle, bytes.fromhex(descriptor["rkeys"][0]), ctypes.byref(rkey)), "rkey")
+        mp_ = U.MemMapParams(U.MEMMAP_ADDR_LEN, self.base, src.numel())
+        U.check(U.mem_map(self.ctx.handle, ctypes.byref(mp_), ctypes.byref(self.memh)), "ucp_mem_map")
         self.rkey = rkey.value
-        self.param, self.flush_param = U._RequestParam(op_attr_mask=U._OP_ATTR_MEMH, memh=self.memh.value), \
-            U._RequestParam()
+        self.param, self.flush_param = U.RequestParam(op_attr_mask=U.OP_ATTR_MEMH, memh=self.memh.value), \
+            U.RequestParam()
 
     def put(self, so: np.ndarray, do: np.ndarray, n: np.ndarray) -> float:
         """Seconds to put every run and see the flush complete."""
         U, ep, pr = self.U, self.ep.handle, self.ctypes.byref(self.param)
         t0 = time.perf_counter()
         for s, d, k in zip((self.base + so).tolist(), (self.rbase + do).tolist(), n.tolist()):  # one call per run
-            st = U._put(ep, s, k, d, self.rkey, pr)
+            st = U.put_nbx(ep, s, k, d, self.rkey, pr)
             if st:
-                if st >= U._PTR_ERR_MIN:
-                    raise RuntimeError(f"ucp_put_nbx: {U._why(st - 2**64)}")
-                U._req_free(st)
-        f = U._Flush(U._flush(ep, self.ctypes.byref(self.flush_param)))
+                if st >= U.PTR_ERR_MIN:
+                    raise RuntimeError(f"ucp_put_nbx: {U.why(st - 2**64)}")
+                U.request_free(st)
+        f = U.Flush(U.ep_flush(ep, self.ctypes.byref(self.flush_param)))
         while f.poll() is None:
             self.worker.progress()
         if f.status:
-            raise RuntimeError(f"flush: {U._why(f.status)}")
+            raise RuntimeError(f"flush: {U.why(f.status)}")
         return time.perf_counter() - t0
 
     def __call__(self, case) -> float:
@@ -366,8 +367,8 @@ class UcxPutSamePages:
         return int(case["n"].sum()) / self.put(case["so"], case["do"], case["n"]) / 1e9
 
     def close(self) -> None:
-        self.U._rkey_destroy(self.rkey)
-        self.U._mem_unmap(self.ctx.handle, self.memh.value)
+        self.U.rkey_destroy(self.rkey)
+        self.U.mem_unmap(self.ctx.handle, self.memh.value)
         self.ep.close()
 
 

@@ -40,7 +40,7 @@ from kvxfer.layout import page_major_layout, token_major_layout
 from kvxfer.plan import EMPTY_PLAN, Planner, TransferPlan, plan_transfer
 from kvxfer.transport.registry import ENTRY_POINT_GROUP, available_transports
 
-IN_PROCESS = {"local"}
+IN_PROCESS = {"local", "faulty"}   # faulty wraps "local" by default: both ends in one process
 KiB, MiB = 1 << 10, 1 << 20
 SMALL, BIG = 4 * MiB, 256 * MiB + 64 * KiB
 SIZES = [SMALL] * 4 + [BIG]          # regions 0-3 small, region 4 holds the 256 MiB case
@@ -71,13 +71,13 @@ def canary_digest(nbytes: int) -> str:
 class Pair:
     """A sender and a receiver of one transport, connected; the receiver starts all canary."""
 
-    def __init__(self, name: str, sizes: list[int], tmp, sender_fill="seed"):
+    def __init__(self, name: str, sizes: list[int], tmp, sender_fill="seed", options=None):
         cls = InProcessPeer if name in IN_PROCESS else PeerProcess
         self.name, self.sizes, self.ids = name, sizes, itertools.count()
         self.tx, self.rx = cls(tmp / "sender.log"), cls(tmp / "receiver.log")
         try:
-            init = [dict(transport=name, sizes=sizes, fill=sender_fill, seed=SEED),
-                    dict(transport=name, sizes=sizes, fill="canary")]
+            init = [dict(transport=name, sizes=sizes, fill=sender_fill, seed=SEED, options=options),
+                    dict(transport=name, sizes=sizes, fill="canary", options=options)]
             if cls is PeerProcess:   # start both before waiting: interpreter start-up dominates
                 for p, kw in zip((self.tx, self.rx), init):
                     p.send("init", **kw)
@@ -151,6 +151,51 @@ def pair(request, tmp_path_factory):
     p = Pair(request.param, SIZES, tmp_path_factory.mktemp(request.param))
     yield p
     p.close()
+
+
+@pytest.fixture(scope="module", params=[(n, few) for n in NETWORK for few in (0, 1 << 20)],
+                ids=lambda p: f"{p[0]}-few_runs={p[1]}")
+def forced(request, tmp_path_factory):
+    """A pair whose transports take one run path only: ``few_runs`` 0 (every plan and message
+    as arrays) or 2**20 (every one as Python ints), whatever its size."""
+    name, few = request.param
+    _importable(name)
+    p = Pair(name, [SMALL] * 4, tmp_path_factory.mktemp(f"{name}-{few}"), options={"few_runs": few})
+    yield p
+    p.close()
+
+
+def test_both_run_paths(forced):
+    """The transfers that reach the few-runs and the array paths, each forced down the other."""
+    pair, rng = forced, np.random.default_rng(11)
+    pair.reset(range(4))
+    pair.transfer(raw_plan([0], [1001], [1], [77], [2]), tag="two-bytes")
+    pair.check_images(raw_plan([0], [1001], [1], [77], [2]))
+    for k, lo, hi, cell in ((5, 1, 64 * KiB, 64 * KiB), (300, 1, 4 * KiB, 4 * KiB),
+                            (12, 200 * KiB, 600 * KiB, 1 * MiB)):   # (runs, shortest, longest, cell)
+        cells = rng.choice(4 * SMALL // cell, k, replace=False)   # one run per disjoint destination cell
+        n = rng.integers(lo, hi + 1, k)
+        dr, do = cells // (SMALL // cell), (cells % (SMALL // cell)) * cell
+        sr, so = rng.integers(0, 4, k), rng.integers(0, SMALL - n + 1)
+        plan = raw_plan(sr, so, dr, do, n)
+        pair.reset(range(4))
+        pair.transfer(plan, tag=f"runs-{k}")
+        pair.check_images(plan)
+    rid = pair.rid("refused")
+    pair.reset(range(4))
+    pair.expect(rid, [1], [0], [100])
+    pair.submit(rid, raw_plan([0], [0], [1], [50], [100]), timeout=20)
+    assert pair.wait([rid])[rid]["status"] == "FAILED"
+    (a,) = pair.arrivals(1, timeout=15.0)
+    assert a["request_id"] == rid and not a["ok"], a
+    pair.check_images(EMPTY_PLAN)
+    pair.rx.call("forget", request_id=rid)
+    rid = pair.rid("empty")
+    pair.expect(rid, [0], [0], [16])
+    pair.submit(rid, EMPTY_PLAN)
+    assert pair.wait([rid])[rid]["status"] == "DONE"
+    assert [(a["request_id"], a["ok"]) for a in pair.arrivals(1)] == [(rid, True)]
+    pair.rx.call("forget", request_id=rid)
 
 
 # -- transfers --------------------------------------------------------------------------

@@ -225,7 +225,8 @@ def test_writes_outside_grant_are_rejected_whole(pair):
     for h in (h1, h2, h3):
         assert not h.wait(10)
         assert isinstance(h.error, RejectedWrite), h.error
-    assert "outside grant" in str(h1.error) and "unknown request" in str(h3.error)
+    # No oracle: the sender learns "refused" alike; the receiver's counters below say which it was.
+    assert all("refused" in str(h.error) for h in (h1, h2, h3))
     arrs = peer("arrivals", 5, 3)
     assert sorted((a[0], a[2]) for a in arrs) == [("r-grant", False), ("r-grant", False), ("r-nobody", False)]
     after = peer("rejected")
@@ -234,7 +235,7 @@ def test_writes_outside_grant_are_rejected_whole(pair):
     assert (peer.pool() == CANARY).all(), "a rejected transfer wrote bytes"
     peer("forget", "r-grant")
     h4 = t.submit(pid, "r-grant", _plan([([0], [MiB], [4 * KiB], False)]), timeout=10)
-    assert not h4.wait(10) and "ended request" in str(h4.error)
+    assert not h4.wait(10) and "refused" in str(h4.error)
     assert [a[:3] for a in peer("arrivals", 5, 1)] == [("r-grant", 4 * KiB, False)]
     assert (peer.pool() == CANARY).all()
 
@@ -256,7 +257,8 @@ def _raw(t, pid: str, msg, sender: str | None = None) -> None:
     ``msg`` is one message (sent as a batch of one from ``sender``, default ``t``) or raw bytes.
     """
     from kvxfer_transports.ucx import CTRL_TAG
-    wire = msg if isinstance(msg, bytes) else msgpack.packb([sender or t.id, [msg]], use_bin_type=True)
+    secret = t._peers[pid].secret
+    wire = msg if isinstance(msg, bytes) else msgpack.packb([sender or t.id, secret, [msg]], use_bin_type=True)
     _send_tagged(t, pid, CTRL_TAG, wire)
 
 
@@ -361,7 +363,7 @@ def test_forgotten_request_keeps_its_memory_until_no_put_is_left(pair):
 def test_frame_iovs_carry_the_bytes_of_staging_frames():
     """Frame k of an iov transfer holds the bytes frame k of a staging block would: the runs
     back to back, cut every frame_bytes (runs cut where a boundary falls inside them)."""
-    from kvxfer_transports.ucx import _frame_iovs
+    from kvxfer_transports.ucx import frame_iovs as _frame_iovs
     rng = np.random.default_rng(7)
     for trial in range(300):
         k = int(rng.integers(1, 30))

@@ -31,6 +31,12 @@ Decode (receiver), per request:
                                     may still land (one-sided puts in flight). The grant's
                                     memory is reused only once it is False.
 Both, at the end: ``close()`` (idempotent).
+Both, any time (never blocks): ``broken`` is None, or why the transport's I/O thread died of a
+bug; a broken transport has failed every transfer it owned and fails every later one, so the
+endpoint should report itself broken and deregister.
+
+Network transports build on ``kvxfer.transport.kit`` (I/O thread, typed commands, staging, run
+helpers, peer clock): a transport module holds only what is its own.
 
 Transports are found through the ``kvxfer.transports`` entry-point group:
 ``get_transport("zmq")``. kvxfer never imports a transport module by name.
@@ -223,8 +229,13 @@ class Transport(ABC):
 
     @property
     def rejected(self) -> Counter:
-        """Rejected incoming writes by reason."""
+        """Rejected incoming writes by reason (keys: ``kvxfer.grant.Reason`` values only)."""
         return self.grants.rejected
+
+    @property
+    def broken(self) -> str | None:
+        """None while the transport works; else why its I/O thread died (see the module docstring)."""
+        return None
 
     def __enter__(self):
         return self

@@ -1,0 +1,133 @@
+"""The shared transport kit: run helpers against plain loops, bounds without overflow, staging
+reuse, the command queue's drain, the I/O thread's crash path, and the fixed counter keys."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxfer.errors import TransportError
+from kvxfer.grant import GrantTable, Reason
+from kvxfer.transport.base import TransferHandle, TransferStatus
+from kvxfer.transport.kit import (
+    Call,
+    CommandQueue,
+    Connect,
+    IOThread,
+    PeerClock,
+    StagingPool,
+    Submit,
+    merge_in_stream,
+    runs_inside,
+    runs_inside_few,
+    split_long_runs,
+)
+
+I64 = st.integers(-(1 << 63), (1 << 63) - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=20), st.integers(1, 4096))
+def test_split_long_runs_matches_a_loop(lengths, frame):
+    n = np.asarray(lengths, np.int64)
+    off = np.cumsum(n) * 3 + 7
+    reg = np.arange(len(n), dtype=np.int64)
+    got_n, (got_off,), (got_reg,) = split_long_runs(frame, n, (off,), (reg,))
+    want = [(r, o + k, min(frame, c - k)) for r, o, c in zip(reg.tolist(), off.tolist(), n.tolist())
+            for k in (range(0, c, frame) if c else [0])]
+    assert list(zip(got_reg.tolist(), got_off.tolist(), got_n.tolist())) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(-2, 4), I64, I64), max_size=6))
+def test_runs_inside_never_overflows_and_both_forms_agree(runs):
+    sizes = [100, 0, 1 << 40]
+    want = all(0 <= r < 3 and o >= 0 and c >= 0 and o + c <= sizes[r] for r, o, c in runs)
+    assert runs_inside_few(runs, sizes) == want
+    arr = [np.asarray(c, np.int64) for c in zip(*runs)] if runs else [np.zeros(0, np.int64)] * 3
+    assert runs_inside(*arr, np.asarray(sizes, np.int64)) == want
+
+
+def test_merge_in_stream_joins_only_runs_that_continue_each_other():
+    reg = np.array([0, 0, 0, 1, 1])
+    off = np.array([0, 10, 30, 40, 50])
+    n = np.array([10, 10, 5, 10, 5])
+    r, o, c = merge_in_stream(reg, off, n)
+    assert list(zip(r.tolist(), o.tolist(), c.tolist())) == [(0, 0, 20), (0, 30, 5), (1, 40, 15)]
+
+
+class _Busy:
+    done = False
+
+
+def test_staging_reuses_a_block_only_once_the_network_let_go():
+    pool = StagingPool(keep=2)
+    a = pool.get(1000)
+    busy = _Busy()
+    pool.put(a, until=busy)
+    b = pool.get(1000)
+    assert b.data_ptr() != a.data_ptr()          # still being sent: not handed out
+    busy.done = True
+    assert pool.get(1000).data_ptr() == a.data_ptr()
+    pool.put(torch.empty(10_000, dtype=torch.uint8))
+    assert pool.get(1000).numel() == 1000 and len(pool._spare) == 1   # 10x too big: kept, not used
+
+
+def test_command_queue_fails_what_is_left():
+    woken = []
+    q = CommandQueue(lambda: woken.append(1))
+    h = TransferHandle("r", 10, 5.0, holds_source=True)
+    fut: Future = Future()
+    q.put(Submit("p", "r", None, h))
+    q.put(Connect("tcp://x", fut))
+    q.put(Call(print, (), None))
+    assert len(woken) == 3
+    q.fail_all("transport closed")
+    assert h.poll() == TransferStatus.FAILED and h.source_released and "transport closed" in str(h.error)
+    assert isinstance(fut.exception(), TransportError)
+    assert q.empty()
+
+
+def test_io_thread_crash_reports_and_cleans_up():
+    seen = []
+
+    def body():
+        raise KeyError("bug")
+    t = IOThread("test-io", body, on_crash=seen.append, on_exit=lambda: seen.append("exit"))
+    t.start()
+    t.join(5)
+    assert not t.alive and t.broken and "KeyError" in t.broken
+    assert seen == [t.broken, "exit"]
+
+
+def test_io_thread_clean_exit_is_not_broken():
+    done = threading.Event()
+    t = IOThread("test-io", lambda: None, on_crash=lambda why: None, on_exit=done.set)
+    t.start()
+    t.join(5)
+    assert done.is_set() and t.broken is None
+
+
+def test_peer_clock():
+    c = PeerClock(now=10.0)
+    assert not c.silent(14.0, 5.0) and c.silent(15.5, 5.0) and c.silent_for(12.0) == 2.0
+    c.touch(20.0)
+    assert not c.silent(24.0, 5.0)
+
+
+def test_rejection_counters_have_fixed_keys():
+    g = GrantTable([100])
+    for reason in ("outside grant: run 1", "malformed header: x", "you-choose-this: x", "\x00" * 50, ""):
+        g.reject("r", reason)
+    assert set(g.rejected) <= {r.value for r in Reason}
+    assert g.rejected == {"outside grant": 1, "malformed header": 1, "other": 3}
+
+
+@pytest.mark.parametrize("reason", list(Reason))
+def test_every_reason_counts_under_itself(reason):
+    assert Reason.of(f"{reason.value}: details") is reason

@@ -1,0 +1,214 @@
+"""libucp through ctypes: what ``ucxx`` does not expose (RMA, iov tag messages, raw requests).
+
+``ucxx`` loads the bundled ``libucx``; this module binds the same ``libucp.so.0`` /
+``libucs.so.0`` it loaded, with structs as in UCX 1.21's ``ucp.h``. Only the UCX transport's
+I/O thread calls these (a worker is not thread-safe), except ``worker_signal``, which wakes
+that thread from any other.
+
+Also here: ``Flush`` (one ``ucp_ep_flush_nbx``), ``IovFrames`` (packed runs sent or received
+as one iov per frame, in place) and ``frame_iovs`` (runs cut into those frames).
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import numpy as np
+import ucxx  # noqa: F401  (loads the bundled libucx / libucxx)
+
+from kvxfer.errors import ConnectError
+
+log = logging.getLogger("kvxfer.transport.ucx")
+
+_ucp, _ucs = ctypes.CDLL("libucp.so.0"), ctypes.CDLL("libucs.so.0")  # the copies ucxx loaded
+_vp, _sz, _u64, _int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int
+_status_t = ctypes.c_int8  # ucs_status_t is a packed (one-byte) enum
+
+
+class MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t
+    _fields_ = [("field_mask", _u64), ("address", _vp), ("length", _sz), ("flags", ctypes.c_uint),
+                ("prot", ctypes.c_uint), ("memory_type", _int), ("exported_memh_buffer", _vp)]
+
+
+class RequestParam(ctypes.Structure):  # ucp_request_param_t
+    _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("request", _vp), ("cb", _vp),
+                ("datatype", _u64), ("user_data", _vp), ("reply_buffer", _vp), ("memory_type", _int),
+                ("recv_info", _vp), ("memh", _vp)]
+
+
+def _fn(lib, name, res, *args):
+    f = getattr(lib, name)
+    f.restype, f.argtypes = res, list(args)
+    return f
+
+
+_P = ctypes.POINTER
+mem_map = _fn(_ucp, "ucp_mem_map", _status_t, _vp, _P(MemMapParams), _P(_vp))
+mem_unmap = _fn(_ucp, "ucp_mem_unmap", _status_t, _vp, _vp)
+rkey_pack = _fn(_ucp, "ucp_rkey_pack", _status_t, _vp, _vp, _P(_vp), _P(_sz))
+rkey_release = _fn(_ucp, "ucp_rkey_buffer_release", None, _vp)
+rkey_unpack = _fn(_ucp, "ucp_ep_rkey_unpack", _status_t, _vp, ctypes.c_char_p, _P(_vp))
+rkey_destroy = _fn(_ucp, "ucp_rkey_destroy", None, _vp)
+put_nbx = _fn(_ucp, "ucp_put_nbx", _vp, _vp, _vp, _sz, _u64, _vp, _P(RequestParam))
+put_nbi = _fn(_ucp, "ucp_put_nbi", _status_t, _vp, _vp, _sz, _u64, _vp)
+ep_flush = _fn(_ucp, "ucp_ep_flush_nbx", _vp, _vp, _P(RequestParam))
+request_status = _fn(_ucp, "ucp_request_check_status", _status_t, _vp)
+request_free = _fn(_ucp, "ucp_request_free", None, _vp)
+request_cancel = _fn(_ucp, "ucp_request_cancel", None, _vp, _vp)
+tag_send = _fn(_ucp, "ucp_tag_send_nbx", _vp, _vp, _vp, _sz, _u64, _P(RequestParam))
+tag_recv = _fn(_ucp, "ucp_tag_recv_nbx", _vp, _vp, _vp, _sz, _u64, _u64, _P(RequestParam))
+worker_signal = _fn(_ucp, "ucp_worker_signal", _status_t, _vp)
+_status_str = _fn(_ucs, "ucs_status_string", ctypes.c_char_p, _int)
+MEMMAP_ADDR_LEN, OP_ATTR_MEMH, INPROGRESS = 0b11, 1 << 8, 1
+OP_ATTR_DATATYPE, OP_ATTR_RECV_INFO, DT_IOV = 1 << 3, 1 << 7, 2   # ucp_dt_make_iov()
+TRUNCATED = -9   # UCS_ERR_MESSAGE_TRUNCATED: a frame longer than its posted receive
+
+
+class TagRecvInfo(ctypes.Structure):  # ucp_tag_recv_info_t
+    _fields_ = [("sender_tag", _u64), ("length", _sz)]
+
+
+tag_recv_test = _fn(_ucp, "ucp_tag_recv_request_test", _status_t, _vp, _P(TagRecvInfo))
+PTR_ERR_MIN = 2**64 - 100  # UCS_PTR_IS_ERR: status pointers -100..-1
+_LOG_HANDLER_T = ctypes.CFUNCTYPE(_int, ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, _int, _vp,
+                                  ctypes.c_char_p, _vp)
+
+
+
+@_LOG_HANDLER_T
+def _ucs_log_hook(file, line, function, level, comp, fmt, ap) -> int:
+    """UCS log handler, called before UCX's default one (which abort()s on FATAL lines).
+
+    cma logs a failed ``process_vm_writev/readv`` to a dead pid as FATAL when the endpoint has
+    no error handler; the same call returns UCS_ERR_IO_ERROR when the line does not abort.
+    """
+    if level == 0 and file and file.rsplit(b"/", 1)[-1] == b"cma_ep.c":
+        log.error("UCX shared-memory copy failed at cma_ep.c:%d (peer gone?): failing the operation "
+                  "instead of aborting", line)
+        return 0  # UCS_LOG_FUNC_RC_STOP
+    return 1      # UCS_LOG_FUNC_RC_CONTINUE
+
+
+_fn(_ucs, "ucs_log_push_handler", None, _LOG_HANDLER_T)(_ucs_log_hook)
+
+
+def why(status: int) -> str:
+    return _status_str(status).decode()
+
+
+def check(status: int, what: str) -> None:
+    if status != 0:
+        raise ConnectError(f"{what} failed: {why(status)}")
+
+
+class Flush:
+    """One ``ucp_ep_flush_nbx`` (shared by the transfers whose puts it covers)."""
+    __slots__ = ("ptr", "status")
+
+    def __init__(self, st: int | None):
+        self.ptr, self.status = (None, 0) if not st else (None, st - 2**64) if st >= PTR_ERR_MIN else (st, None)
+
+    def poll(self) -> int | None:
+        """None while in progress, else the UCS status (0 = every put is remotely visible)."""
+        if self.ptr is not None and (s := request_status(self.ptr)) != INPROGRESS:
+            request_free(self.ptr)
+            self.ptr, self.status = None, s
+        return self.status
+
+    @property
+    def completed(self) -> bool:
+        return self.poll() is not None
+
+
+class IovFrames:
+    """The packed frames of one transfer, read from (sender) or written into (receiver) the
+    runs themselves: one UCX iov per frame, so neither side gathers nor scatters. Frame ``k``
+    holds the same bytes as the ``k``-th frame of a staging block (``frame_iovs``), so either
+    side may use staging instead (CUDA regions do). Raw ucp requests, polled and freed here."""
+    __slots__ = ("iovs", "sizes", "reqs", "error", "receiving", "_info")
+
+    def __init__(self, iovs: list[np.ndarray]):
+        self.iovs, self.sizes = iovs, [int(v[:, 1].sum()) for v in iovs]
+        self.reqs: list[tuple[int, int]] = []   # (request pointer, frame) still in flight
+        self.error, self.receiving, self._info = "", False, TagRecvInfo()
+
+    def send(self, ep: int, tag: int) -> None:
+        for k, v in enumerate(self.iovs):
+            self._track(tag_send(ep, v.ctypes.data, len(v), tag | k, _IOV_SEND), k)
+
+    def recv(self, worker: int, tag: int) -> None:
+        """Post a receive per frame (before GO): every frame lands where this side said."""
+        self.receiving = True
+        for k, v in enumerate(self.iovs):
+            info = TagRecvInfo()
+            param = RequestParam(op_attr_mask=OP_ATTR_DATATYPE | OP_ATTR_RECV_INFO, datatype=DT_IOV,
+                                  recv_info=ctypes.addressof(info))
+            st = tag_recv(worker, v.ctypes.data, len(v), tag | k, 2**64 - 1, ctypes.byref(param))
+            if st == 0:   # completed at once (the frame was already here): its length is in info
+                self._check_length(k, info.length)
+            self._track(st, k)
+
+    def _track(self, st: int | None, k: int) -> None:
+        if st and st >= PTR_ERR_MIN:
+            self._fail(k, st - 2**64)
+        elif st:
+            self.reqs.append((st, k))
+
+    def _fail(self, k: int, status: int) -> None:
+        if not self.error:
+            self.error = f"malformed frame: frame {k} is longer than its {self.sizes[k]} bytes" \
+                if status == TRUNCATED else f"frame {k}: {why(status)}"
+
+    def _check_length(self, k: int, length: int) -> None:
+        if length != self.sizes[k] and not self.error:
+            self.error = f"malformed frame: frame {k} has {length} bytes, {self.sizes[k]} expected"
+
+    def poll(self) -> bool:
+        """True once no request is in flight (then ``error`` says whether all went well)."""
+        left = []
+        for ptr, k in self.reqs:
+            st = tag_recv_test(ptr, ctypes.byref(self._info)) if self.receiving else request_status(ptr)
+            if st == INPROGRESS:
+                left.append((ptr, k))
+                continue
+            if st != 0:
+                self._fail(k, st)
+            elif self.receiving:
+                self._check_length(k, self._info.length)
+            request_free(ptr)
+        self.reqs = left
+        return not left
+
+    @property
+    def completed(self) -> bool:   # as ucxx requests have it (``_zombies``)
+        return self.poll()
+
+    def cancel(self, worker: int) -> None:
+        """Cancel posted receives not matched yet; a matched one still lands (poll until done)."""
+        for ptr, _ in self.reqs:
+            request_cancel(worker, ptr)
+
+
+_IOV_SEND_PARAM = RequestParam(op_attr_mask=OP_ATTR_DATATYPE, datatype=DT_IOV)
+_IOV_SEND = ctypes.byref(_IOV_SEND_PARAM)
+
+
+def frame_iovs(addr: np.ndarray, n: np.ndarray, frame: int) -> list[np.ndarray]:
+    """The bytes of runs ``(addr, n)`` back to back, cut every ``frame`` bytes: one iov per
+    frame, ``[pieces, 2]`` uint64 of (address, length) as ``ucp_dt_iov_t``."""
+    keep = n > 0
+    addr, n = addr[keep], n[keep]
+    ends = np.cumsum(n)
+    starts, total = ends - n, int(ends[-1])
+    bounds = np.arange(frame, total, frame)                          # where frames 1, 2, ... start
+    k = np.minimum(np.searchsorted(starts, bounds), len(starts) - 1)
+    mid = bounds[starts[k] != bounds]                                # ... inside a run: cut it there
+    iov = np.empty((len(n) + len(mid), 2), np.uint64)
+    if len(mid):
+        piece = np.insert(starts, np.searchsorted(starts, mid), mid)     # piece starts, in stream order
+        run = np.searchsorted(starts, piece, side="right") - 1
+        iov[:, 0] = addr[run] + (piece - starts[run])
+        iov[:, 1] = np.diff(np.append(piece, total))
+    else:   # every frame starts with a run (equal runs that divide the frame): the runs as they are
+        piece, iov[:, 0], iov[:, 1] = starts, addr, n
+    return np.split(iov, np.searchsorted(piece, bounds))

@@ -1,0 +1,223 @@
+"""UCX control messages: one frozen dataclass each, packed and validated here and nowhere else.
+
+On the wire a control message is a msgpack list ``[kind, field...]`` (never pickle). Messages
+to one peer leave as one tagged batch per I/O-loop turn::
+
+    [sender id, channel secret, [message, ...]]        tag CTRL_TAG
+
+The secret is 16 random bytes the connecting side makes per peer and sends in its HELLO; both
+directions carry it afterwards, so a third party that knows a transport's id (it is in the
+descriptor) cannot speak for it. The first HELLO from an id binds its secret (trust on first
+use; the control plane that handed out the descriptor is what authenticates peers).
+
+``parse_batch`` checks the outer shape; ``parse_message`` checks one message against exact
+types (a bool is no int, a float no id), ranges and sizes, and returns its dataclass or raises
+``Malformed``. ``Malformed.answer`` is (transfer id, request id) when the message was an
+ANNOUNCE whose ids are valid (the receiver refuses it with a FAIL and a failed arrival); any
+other bad message cannot be answered, and is counted and dropped.
+
+Data frames carry no header: tag ``DATA_BIT | dtag << FRAME_BITS | frame index``, dtag from GO.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import msgpack
+import numpy as np
+
+CTRL_TAG, DATA_BIT, KIND_MASK = 1 << 63, 1 << 62, 3 << 62
+FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
+MAX_DTAG = 1 << (62 - FRAME_BITS)
+HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
+MAX_ID = 1 << 63
+MAX_REQUEST_ID = 4096      # characters
+MAX_NOTIFY = 1 << 20       # bytes
+MAX_ADDRESS = 1 << 16      # bytes of a worker address
+MAX_WHY = 1024             # characters of a failure reason (longer ones are cut)
+MAX_TIMEOUT = 86400.0
+SECRET_BYTES = 16
+RUN_BYTES = 24
+_I8 = np.dtype("<i8")
+
+
+class Malformed(ValueError):
+    """A message that is not one of ours; ``answer``: (xid, request id) if it can be refused."""
+
+    def __init__(self, why: str, answer: tuple[int, str] | None = None):
+        super().__init__(why)
+        self.answer = answer
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    address: bytes
+    secret: bytes
+
+    def wire(self) -> list:
+        return [HELLO, self.address, self.secret]
+
+
+@dataclass(frozen=True, slots=True)
+class Announce:
+    """Sender -> receiver: a transfer's destination runs (put runs first) and packed bytes inline."""
+    xid: int
+    request_id: str
+    timeout: float
+    notify: bytes
+    runs: bytes          # int64 LE, three rows: destination region, offset, length
+    nput: int
+    frame_bytes: int
+    inline: bytes
+
+    def wire(self) -> list:
+        return [ANNOUNCE, self.xid, self.request_id, self.timeout, self.notify, self.runs, self.nput,
+                self.frame_bytes, self.inline]
+
+    def run_array(self) -> np.ndarray:
+        return np.frombuffer(self.runs, _I8).reshape(3, -1)
+
+
+@dataclass(frozen=True, slots=True)
+class Go:
+    xid: int
+    dtag: int
+
+    def wire(self) -> list:
+        return [GO, self.xid, self.dtag]
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    xid: int
+
+    def wire(self) -> list:
+        return [DONE, self.xid]
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    xid: int
+
+    def wire(self) -> list:
+        return [ACK, self.xid]
+
+
+@dataclass(frozen=True, slots=True)
+class Fail:
+    xid: int
+    why: str
+
+    def wire(self) -> list:
+        return [FAIL, self.xid, self.why[:MAX_WHY]]
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    xid: int
+    why: str
+
+    def wire(self) -> list:
+        return [ABORT, self.xid, self.why[:MAX_WHY]]
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    def wire(self) -> list:
+        return [PING]
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    def wire(self) -> list:
+        return [BYE]
+
+
+Message = Hello | Announce | Go | Done | Ack | Fail | Abort | Ping | Bye
+
+
+def pack_batch(sender: str, secret: bytes, msgs: list[Message]) -> bytes:
+    return msgpack.packb([sender, secret, [m.wire() for m in msgs]], use_bin_type=True)
+
+
+def parse_batch(buf: bytes, limit: int) -> tuple[str, bytes, list]:
+    """(sender id, secret, raw messages) of one control batch; ValueError if it is not one."""
+    try:
+        batch = msgpack.unpackb(buf, raw=False, strict_map_key=True, max_str_len=MAX_REQUEST_ID,
+                                max_bin_len=limit, max_array_len=1 << 20, max_map_len=0, max_ext_len=0)
+    except Exception as e:  # msgpack raises many types on hostile input
+        raise ValueError(f"not msgpack ({type(e).__name__})") from None
+    if not (type(batch) is list and len(batch) == 3 and type(batch[0]) is str and type(batch[1]) is bytes
+            and type(batch[2]) is list):
+        raise ValueError("not [sender, secret, [messages]]")
+    return batch[0], batch[1], batch[2]
+
+
+def kind_of(m) -> int | None:
+    """The kind of a raw message, or None when it has none."""
+    return m[0] if type(m) is list and m and type(m[0]) is int else None
+
+
+def _int(v, lo: int, hi: int, what: str) -> int:
+    if type(v) is not int or not lo <= v < hi:
+        raise ValueError(f"{what} is not an integer in [{lo}, {hi})")
+    return v
+
+
+def _bytes(v, limit: int, what: str) -> bytes:
+    if type(v) is not bytes or len(v) > limit:
+        raise ValueError(f"{what} is not bytes of at most {limit}")
+    return v
+
+
+def _str(v, limit: int, what: str) -> str:
+    if type(v) is not str or len(v) > limit:
+        raise ValueError(f"{what} is not a string of at most {limit} characters")
+    return v
+
+
+_SIZES = {HELLO: 3, ANNOUNCE: 9, GO: 3, DONE: 2, ACK: 2, FAIL: 3, ABORT: 3, PING: 1, BYE: 1}
+
+
+def parse_message(m, limit: int) -> Message:
+    """One message as its dataclass; ``Malformed`` (saying why) for anything else."""
+    kind = kind_of(m)
+    if kind not in _SIZES or len(m) != _SIZES[kind]:
+        raise Malformed(f"malformed message: not a known message of the right length (kind {kind!r})")
+    try:
+        if kind == HELLO:
+            return Hello(_bytes(m[1], MAX_ADDRESS, "address"), _bytes(m[2], SECRET_BYTES, "secret"))
+        if kind == PING:
+            return Ping()
+        if kind == BYE:
+            return Bye()
+        xid = _int(m[1], 0, MAX_ID, "transfer id")
+        if kind == GO:
+            return Go(xid, _int(m[2], 1, MAX_DTAG, "data tag"))
+        if kind in (DONE, ACK):
+            return (Done if kind == DONE else Ack)(xid)
+        if kind in (FAIL, ABORT):
+            why = m[2] if type(m[2]) is str else ""
+            return (Fail if kind == FAIL else Abort)(xid, why[:MAX_WHY])
+    except ValueError as e:
+        raise Malformed(f"malformed message: {e}") from None
+    # ANNOUNCE: with valid ids it can be refused; other fields are checked after them
+    try:
+        xid = _int(m[1], 0, MAX_ID, "transfer id")
+        rid = _str(m[2], MAX_REQUEST_ID, "request id")
+    except ValueError as e:
+        raise Malformed(f"malformed message: {e}") from None
+    try:
+        timeout = m[3]
+        if type(timeout) not in (int, float) or not (math.isfinite(timeout) and 0 <= timeout <= MAX_TIMEOUT):
+            raise ValueError(f"timeout {timeout!r}")
+        notify = _bytes(m[4], MAX_NOTIFY, "notify")
+        runs = _bytes(m[5], limit, "run array")
+        if len(runs) % RUN_BYTES:
+            raise ValueError("run array is not 3 rows of int64")
+        nput = _int(m[6], 0, len(runs) // RUN_BYTES + 1, "put run count")
+        frame = _int(m[7], 4096, 1 << 32, "frame size")
+        inline = _bytes(m[8], limit, "inline bytes")
+    except ValueError as e:
+        raise Malformed(f"malformed header: {e}", (xid, rid)) from None
+    return Announce(xid, rid, float(timeout), notify, runs, nput, frame, inline)

@@ -1,0 +1,266 @@
+"""UCX sending side: plan runs into puts and packed frames, announce, put after GO, flush, DONE.
+
+``UCXSender`` is a mixin of ``UCXTransport``. ``submit`` (caller's thread) prepares a transfer
+(``_prepare`` / ``_prepare_few``: bounds, puts, announced runs, packed runs) and enqueues it;
+everything else runs on the I/O thread: ``_start_out`` sends the ANNOUNCE, ``_start_puts``
+issues puts and frames when GO comes, ``_flush_puts`` flushes once per peer and turn,
+``_advance`` sends DONE once the flush and frames completed, ``_fail_out`` ends a transfer
+(ABORT once no put of it is in flight).
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from ucxx._lib import libucxx as ucx_api
+
+from kvxfer.copy import gather_runs
+from kvxfer.errors import PeerError, PlanError, TransportError
+from kvxfer.plan import TransferPlan, merge_runs
+from kvxfer.transport.base import TransferHandle
+from kvxfer.transport.kit import (
+    keyable,
+    merge_in_stream,
+    region_key,
+    region_unkey,
+    runs_inside,
+    runs_inside_few,
+    split_long_runs,
+)
+
+from . import bindings as ucp
+from .protocol import DATA_BIT, FRAME_BITS, Abort, Announce, Done
+
+_I8 = np.dtype("<i8")
+INLINE_BELOW = 256 * 1024   # packed bytes below this travel inside the ANNOUNCE
+
+
+def ucx_buffer(t: torch.Tensor):
+    """ucxx buffer for a uint8 tensor: numpy for host memory, CUDA array interface otherwise."""
+    from ucxx._lib.arr import Array
+    return Array(t.numpy() if t.device.type == "cpu" else t)
+
+
+@dataclass(eq=False)
+class Outgoing:
+    """An outgoing transfer (sender side), owned by the I/O thread once enqueued."""
+    xid: int
+    peer: object                     # the transport's Peer
+    handle: TransferHandle
+    announce: Announce
+    puts: list                       # (src addr, dst addr, nbytes, src region, dst region) per put
+    staging: torch.Tensor | None     # gathered packed runs (CUDA sources)
+    frame_bytes: int
+    iov: ucp.IovFrames | None = None  # or the packed runs' frames, read in place (host sources)
+    state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack
+    reqs: list = field(default_factory=list)
+    flush: ucp.Flush | None = None
+    abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
+
+
+class UCXSender:
+    """Sender half of ``UCXTransport`` (see the module docstring for who calls what)."""
+
+    def _prepare_transfer(self, p, handle: TransferHandle, plan: TransferPlan, notify: bytes) -> Outgoing:
+        """Caller's thread: bounds, puts, announce and packed data of one transfer (PlanError,
+        TransportError when it cannot be sent)."""
+        if not self._regions and plan.num_runs:
+            raise TransportError("register(regions) must be called before submit")
+        puts, runs, nput, packed = (self._prepare_few if plan.num_runs <= self.few_runs else self._prepare)(p, plan)
+        if len(runs) + len(notify) > self.max_control_bytes // 2:
+            raise PlanError(f"a plan of {len(runs) // 24} runs does not fit one announce of at most "
+                            f"{self.max_control_bytes // 2} bytes: send it in smaller chunks")
+        staging = iov = None
+        inline = b""
+        if packed is not None:
+            sr, so, n = packed
+            total = int(n.sum())
+            if total < INLINE_BELOW:               # in the announce: no GO wait, no frames
+                inline = gather_runs(self._regions, sr, so, n).cpu().numpy().tobytes()
+            elif self._all_host or self._is_host[sr].all():   # frames read straight from the source runs
+                iov = ucp.IovFrames(ucp.frame_iovs(self._base[sr] + so, n, self.frame_bytes))
+            else:                                  # CUDA: gather on the device, frames from there
+                staging = self._staging.get(total, self._regions[int(sr[0])].device)
+                gather_runs(self._regions, sr, so, n, out=staging)
+        if staging is not None and staging.is_cuda:  # UCX reads it right after GO
+            torch.cuda.current_stream(staging.device).synchronize()
+        xid = next(self._xids)
+        announce = Announce(xid, handle.request_id, 0.0, bytes(notify), runs, nput, self.frame_bytes, inline)
+        return Outgoing(xid, p, handle, announce, puts, staging, self.frame_bytes, iov)
+
+    def _prepare(self, p, plan: TransferPlan) -> tuple:
+        """Bounds-check the runs: (puts, announced runs, put count, packed runs as
+        (source region, offset, length) arrays or None)."""
+        r = plan.runs()
+        sr, so, dr, do, n = r[:5]
+        if len(n) and n.min() <= 0:
+            raise PlanError("a run of the plan is empty or negative")
+        for side, reg, off, lim in (("source", sr, so, self._region_sizes), ("destination", dr, do, p.sizes)):
+            if not runs_inside(reg, off, n, lim):
+                raise PlanError(f"a {side} run leaves its region (the {side} has {len(lim)} regions)")
+        # Runs below put_below_many travel packed, whatever the plan says: this bounds the put loop
+        # (one Python step per put) by bytes / put_below_many, and a small put costs more than packing.
+        pk = n < self.put_below_many
+        npk = int(np.count_nonzero(pk))
+        put = slice(None) if npk == 0 else slice(0) if npk == len(n) else ~pk
+        keyed = keyable(self._region_sizes, p.sizes)
+        packed = announced = None
+        if npk:
+            psr, pso, pdr, pdo, pn = (sr, so, dr, do, n) if npk == len(n) else (sr[pk], so[pk], dr[pk], do[pk], n[pk])
+            # Packed runs are one byte stream: runs that continue each other on one side are one
+            # iov piece there. A head slice of token-major pages is 512 B rows on the strided side
+            # and whole pages on the other: the receiver checks and posts 16x fewer runs (TP 2 -> 4).
+            packed = merge_in_stream(psr, pso, pn) if keyed else (psr, pso, pn)
+            announced = merge_in_stream(pdr, pdo, pn) if keyed else (pdr, pdo, pn)
+        # Runs adjacent on both sides go as one put (announced as the plan has them: the grant
+        # check does not care). Put runs come first in the announce.
+        ps, pso, pd, pdo, pn = sr[put], so[put], dr[put], do[put], n[put]
+        if npk < len(n):
+            announced = (pd, pdo, pn) if announced is None else \
+                tuple(np.concatenate(c) for c in zip((pd, pdo, pn), announced))
+        if len(pn) > 1 and keyed:
+            ks, kd, pn = merge_runs(region_key(ps, pso), region_key(pd, pdo), pn)
+            (ps, pso), (pd, pdo) = region_unkey(ks), region_unkey(kd)
+        n_, (src, dst), (sreg, dreg) = split_long_runs(self.frame_bytes, pn, (self._base[ps] + pso, p.base[pd] + pdo),
+                                                      (ps, pd))
+        puts = list(zip(src.tolist(), dst.tolist(), n_.tolist(), sreg.tolist(), dreg.tolist()))
+        return puts, np.stack(announced).astype(_I8, copy=False).tobytes(), len(n) - npk, packed
+
+    def _prepare_few(self, p, plan: TransferPlan) -> tuple:
+        """``_prepare`` for a plan of at most ``few_runs`` runs, with Python ints."""
+        put_runs, packed_runs, puts, frame = [], [], [], self.frame_bytes
+        for g in plan.groups:
+            for sr, so, dr, do, n in g.run_tuples():
+                if n <= 0:
+                    raise PlanError("a run of the plan is empty or negative")
+                for side, sizes, reg, off in (("source", self.grants.region_sizes, sr, so),
+                                              ("destination", p.sizes_list, dr, do)):
+                    if not runs_inside_few(((reg, off, n),), sizes):
+                        raise PlanError(f"a {side} run leaves its region (the {side} has {len(sizes)} regions)")
+                (packed_runs if n < self.put_below else put_runs).append((sr, so, dr, do, n))
+        for sr, so, dr, do, n in put_runs:
+            src, dst = self._base_list[sr] + so, p.base_list[dr] + do
+            puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]
+        packed = None
+        if packed_runs:
+            sr, so, _, _, n = (np.array(c, np.int64) for c in zip(*packed_runs))
+            packed = (sr, so, n)
+        runs = put_runs + packed_runs
+        return puts, np.array([[r[2] for r in runs], [r[3] for r in runs], [r[4] for r in runs]], _I8).tobytes(), \
+            len(put_runs), packed
+
+    # ---- I/O thread ---------------------------------------------------------------------
+    def _start_out(self, o: Outgoing) -> None:
+        if o.handle.poll() != 0:  # failed or timed out while queued: nothing read its source
+            o.handle.release_source()
+            return
+        self._out[o.xid] = o
+        a = o.announce   # relative deadline: clocks differ across hosts
+        o.announce = Announce(a.xid, a.request_id, max(o.handle.deadline - time.monotonic(), 0.0), a.notify,
+                              a.runs, a.nput, a.frame_bytes, a.inline)
+        self._send(o.peer, o.announce)
+        o.state = "wait_go"
+
+    def _start_puts(self, o: Outgoing, dtag: int) -> None:
+        """GO came: issue every put and packed frame at once (all in flight); the turn flushes."""
+        ep, rkeys, params, host = o.peer.ep.handle, o.peer.rkeys, self._param_refs, self._host_list
+        # One ctypes call per put: a Python loop, bounded by bytes / put_below (see _prepare).
+        for s, d, n, sr, dr in o.puts:
+            if host[sr]:   # frees its request in C: one call per put instead of two (64 KiB: 22 vs 25 us)
+                if (status := ucp.put_nbi(ep, s, n, d, rkeys[dr])) >= 0:
+                    continue
+            else:          # the memh spares UCX a registration lookup of device memory
+                st = ucp.put_nbx(ep, s, n, d, rkeys[dr], params[sr])  # no callback: NULL (done) or a request
+                if not st or st < ucp.PTR_ERR_MIN:
+                    if st:
+                        ucp.request_free(st)  # its completion is covered by the flush
+                    continue
+                status = st - 2**64
+            return self._fail_issued(o, f"put failed: {ucp.why(status)}")
+        if o.iov is not None:
+            o.iov.send(ep, DATA_BIT | dtag << FRAME_BITS)
+            if o.iov.error:
+                return self._fail_issued(o, f"sending frames failed: {o.iov.error}")
+        if o.staging is not None:
+            for k in range(-(-o.staging.numel() // o.frame_bytes)):  # one step per frame (MiBs)
+                view = o.staging[k * o.frame_bytes: (k + 1) * o.frame_bytes]
+                o.reqs.append((o.peer.ep.tag_send(ucx_buffer(view), ucx_api.UCXXTag(DATA_BIT | dtag << FRAME_BITS | k)),
+                               view))
+        o.state = "flushing"
+        self._unflushed.setdefault(o.peer.id, []).append(o)
+
+    def _fail_issued(self, o: Outgoing, why: str) -> None:
+        """Fail ``o`` part way through ``_start_puts``: what it issued (puts, frames) still reads
+        the source, so the turn's flush covers it before the source is released."""
+        o.state = "flushing"
+        self._unflushed.setdefault(o.peer.id, []).append(o)
+        self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"))
+
+    def _flush_puts(self) -> None:
+        """One ep flush per peer covers every put issued to it this turn."""
+        for outs in self._unflushed.values():
+            f = ucp.Flush(ucp.ep_flush(outs[0].peer.ep.handle, ctypes.byref(self._flush_param)))
+            for o in outs:
+                o.flush = f
+            self._flushing += outs
+        self._unflushed.clear()
+
+    def _advance(self) -> None:
+        """DONE for every flushed transfer whose packed frames left too (in the turn of its flush
+        when that completes at once, as it does for shared-memory puts)."""
+        waiting = []
+        for o in self._flushing:
+            if o.state != "flushing":  # failed meanwhile
+                continue
+            if (st := o.flush.poll()) is None or not all(r.completed for r, _ in o.reqs) or \
+                    (o.iov is not None and not o.iov.poll()):
+                waiting.append(o)
+            elif st != 0:
+                self._fail_out(o, PeerError(f"request {o.handle.request_id}: flush failed: {ucp.why(st)}"))
+            elif o.iov is not None and o.iov.error:
+                self._fail_out(o, PeerError(f"request {o.handle.request_id}: sending frames failed: {o.iov.error}"))
+            else:
+                self._staging.put(o.staging)
+                o.handle.release_source()   # every put is remotely visible: the source is read
+                o.reqs, o.staging, o.state = [], None, "wait_ack"
+                self._send(o.peer, Done(o.xid))
+        self._flushing = waiting
+
+    def _fail_out(self, o: Outgoing, err: Exception, tell: bool = True) -> None:
+        """End ``o``. Once GO came, the receiver holds the grant's memory until ABORT says that
+        no put of ours is still on its way: sent after the flush, whoever failed the transfer."""
+        self._out.pop(o.xid, None)
+        o.handle.finish(err)
+        if o.state == "flushing":
+            o.abort = str(err)
+            if self._puts_settled(o):
+                self._release_and_abort(o)
+            else:
+                self._holding.append(o)   # puts issued, not flushed: they still read the source
+        else:
+            o.handle.release_source()
+            if tell:
+                self._send(o.peer, Abort(o.xid, str(err)))
+        o.state = "failed"
+        self._zombies.extend(o.reqs)  # frames still being sent read the staging block
+        if o.iov is not None and o.iov.reqs:
+            self._zombies.append((o.iov, None))   # their requests are freed as they complete
+        if o.flush is not None and o.flush.ptr is not None:
+            self._zombies.append((o.flush, None))
+        o.reqs = []
+
+    @staticmethod
+    def _puts_settled(o: Outgoing) -> bool:
+        """No put or frame of ``o`` reads its source any more: the flush ended and the frames
+        left, or the peer is gone (a dead peer takes nothing; a stalled one is past every deadline
+        when it wakes)."""
+        return o.peer.gone or (o.flush is not None and o.flush.completed and (o.iov is None or o.iov.poll()))
+
+    def _release_and_abort(self, o: Outgoing) -> None:
+        """No put of failed ``o`` reads its source or lands any more: release it, tell the receiver."""
+        o.handle.release_source()
+        if not o.peer.gone:
+            self._send(o.peer, Abort(o.xid, o.abort))

@@ -1,0 +1,345 @@
+"""ZMQ sending side: runs cut into messages, zero-copy or staged, pumped as zmq takes them.
+
+Runs of at least ``zero_copy_min`` bytes in CPU regions go out as zero-copy views of the region
+(split into ``frame_bytes`` parts, ``frames_per_message`` parts per message); shorter runs, and
+every run of a CUDA region, are gathered (``torch.index_select``) into staging frames of
+~``frame_bytes * frames_per_message``, sorted by region so that the receiver scatters each
+region's share with one indexed copy. zmq's send high-water mark (``window`` messages per peer)
+is the back-pressure; staging blocks (``kit.StagingPool``) are reused once zmq has sent them.
+
+``ZMQSender`` is a mixin of ``ZMQTransport``; its methods run on the I/O thread.
+"""
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+import zmq
+
+from kvxfer.errors import PlanError, RejectedWrite
+from kvxfer.plan import TransferPlan, merge_runs
+from kvxfer.transport.base import TransferHandle, TransferStatus, peer_failed
+from kvxfer.transport.kit import PeerClock, runs_inside, runs_inside_few, split_long_runs
+
+from .protocol import MAX_PARTS, RUN_BYTES, Ack, Data, End, Ping, parse_reply
+from .receiver import region_spans, row_index
+
+log = logging.getLogger("kvxfer.transport.zmq")
+
+_COPY_BELOW = 256 << 10          # messages up to this size are copied into zmq (see _pump)
+
+
+def pack_runs(runs: list[tuple[int, int, int, int, int]]) -> bytes:
+    """The header's runs field for (src region, src offset, dst region, dst offset, nbytes) runs."""
+    return np.array([[r[2] for r in runs], [r[3] for r in runs], [r[4] for r in runs]], "<i8").tobytes()
+
+
+def fill_messages(runs: list[tuple], budget: int, overhead: int) -> list[list[tuple]]:
+    """Runs in order, cut into messages of at most ``budget`` bytes (each run costing its
+    length plus ``overhead``) and ``MAX_PARTS`` runs; a longer run gets a message of its own."""
+    out, cur, used = [], [], 0
+    for run in runs:
+        cost = run[4] + overhead
+        if cur and (used + cost > budget or len(cur) == MAX_PARTS):
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(run)
+        used += cost
+    return out + [cur] if cur else out
+
+
+def gather_rows(region: torch.Tensor, off: np.ndarray, n: np.ndarray, out: torch.Tensor) -> None:
+    """out = the region's runs back to back, with one index_select (any device)."""
+    off, _, n = merge_runs(off, np.cumsum(n) - n, n)   # runs that touch in the region: longer rows
+    length, idx, window = row_index(off, n)
+    rows = (region.as_strided((region.numel() - length + 1, length), (1, 1)) if window
+            else region[: region.numel() // length * length].view(-1, length))
+    torch.index_select(rows, 0, torch.from_numpy(idx).to(region.device), out=out.view(-1, length))
+
+
+class Outgoing:
+    """An outgoing transfer (I/O thread). ``ahead``: its next message, made one step early
+    so the message before it knows it is the last. ``trackers``: of its zero-copy messages,
+    which may read the source until zmq lets go of them."""
+    __slots__ = ("xid", "handle", "peer", "frames", "ahead", "end", "nruns", "trackers")
+
+    def __init__(self, xid, handle, peer, frames, end: End):
+        self.xid, self.handle, self.peer, self.frames, self.end = xid, handle, peer, frames, end
+        self.nruns = 0   # runs in the headers sent so far: the last header's total
+        self.trackers: list[zmq.MessageTracker] = []
+        self.ahead = next(frames)
+
+
+class Pending:
+    """A message zmq refused for now (EAGAIN): its parts, staging block and transfer."""
+    __slots__ = ("parts", "stage", "out")
+
+    def __init__(self, parts: list, stage: torch.Tensor | None, out: Outgoing):
+        self.parts, self.stage, self.out = parts, stage, out
+
+
+class Peer:
+    """One DEALER and its transfers. ``clock``: last reply or progress (silence fails them)."""
+    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged")
+
+    def __init__(self, endpoint, sock):
+        self.endpoint, self.sock, self.sending, self.open = endpoint, sock, collections.deque(), {}
+        self.pending: Pending | None = None
+        self.clock = PeerClock()
+        self.pinged = self.clock.heard
+
+
+class ZMQSender:
+    """The DEALER side of ``ZMQTransport`` (I/O thread). State: ``_peers``, ``_out`` (open
+    transfers by id), ``_releasing`` (ended, zero-copy messages of theirs still in zmq)."""
+
+    def _sender_init(self) -> None:
+        self._peers: dict[str, Peer] = {}
+        self._out: dict[int, Outgoing] = {}
+        self._releasing: list[Outgoing] = []
+
+    def _start(self, pid: str, request_id: str, plan: TransferPlan, notify: bytes, handle: TransferHandle):
+        peer = self._peers.get(pid)
+        if peer is None:
+            handle.finish(peer_failed(request_id, f"unknown peer {pid!r}; call connect() first"), release=True)
+            return
+        # Empty runs carry nothing (and the receiver refuses them).
+        runs = [run for run in plan.run_tuples() if run[4] > 0] if plan.num_runs <= self.few_runs else None
+        if runs is not None and all(self._host[run[0]] is not None for run in runs):
+            # a few runs in CPU regions: Python ints, no array setup
+            inside = runs_inside_few([(r, o, c) for r, o, _, _, c in runs], self.grants.region_sizes)
+            nbytes, frames = sum(run[4] for run in runs), functools.partial(self._frames_few, runs)
+        else:
+            sr, so, dr, do, n, _ = plan.runs()
+            if len(n) and n.min() <= 0:
+                keep = n > 0
+                sr, so, dr, do, n = sr[keep], so[keep], dr[keep], do[keep], n[keep]
+            inside = runs_inside(sr, so, n, self._sizes)
+            nbytes, frames = int(n.sum()), functools.partial(self._frames, sr, so, dr, do, n)
+        if not inside:
+            handle.finish(PlanError(f"request {request_id}: the plan reads outside the registered source regions"),
+                          release=True)
+            return
+        xid = next(self._xids)
+        try:
+            out = Outgoing(xid, handle, peer, frames(), End(0, nbytes, notify))
+        except Exception as e:  # e.g. a CUDA copy failed: this transfer fails, not the thread
+            handle.finish(peer_failed(request_id, f"cannot read the source: {e}"), release=True)
+            return
+        if not peer.open:
+            peer.clock.touch()   # silence counts from now on
+        self._out[xid] = peer.open[xid] = out
+        peer.sending.append(out)
+        self._pump(peer)
+
+    def _frames(self, sr, so, dr, do, n) -> Iterator[tuple]:
+        """(runs bytes, parts, staging buffer) per message, made lazily as zmq takes them."""
+        fb = self.frame_bytes
+        n, (so, do), (sr, dr) = split_long_runs(fb, n, (so, do), (sr, dr))
+        zc = (n >= self.zero_copy_min) & self._is_host[sr]
+
+        def runs(sel) -> bytes:
+            return np.concatenate((dr[sel], do[sel], n[sel])).astype("<i8").tobytes()
+
+        def views(sel) -> list[memoryview]:
+            return [memoryview(self._host[r][o: o + c]) for r, o, c in zip(sr[sel].tolist(), so[sel].tolist(),
+                                                                           n[sel].tolist())]
+
+        def messages(sel: np.ndarray, overhead: int, budget: int) -> list[np.ndarray]:
+            cost = n[sel] + overhead                 # header bytes count toward a packed frame
+            if len(sel) <= 1 or (len(sel) <= MAX_PARTS and cost.sum() <= budget):
+                return [sel] if len(sel) else []
+            frame_of = (np.cumsum(cost) - cost) // budget
+            if not overhead:                         # zero-copy: at most MAX_PARTS parts
+                frame_of = frame_of * len(sel) + np.arange(len(sel)) // MAX_PARTS
+            return np.split(sel, np.flatnonzero(np.diff(frame_of)) + 1) if len(sel) else []
+
+        sent = False
+        for sel in messages(np.flatnonzero(zc), 0, fb * self.frames_per_message):
+            sent = True
+            yield runs(sel), views(sel), None
+        small = np.flatnonzero(~zc)
+        if len(small) > 1 and ((sr[small] != sr[small[0]]).any() or (dr[small] != dr[small[0]]).any()):
+            small = small[np.lexsort((sr[small], dr[small]))]   # stable: plan order within a region pair
+        packed = fb * self.frames_per_message   # measured: packed frames gain from size, zero-copy parts do not
+        for sel in messages(small, RUN_BYTES, packed):
+            sent = True
+            if len(sel) == 1 and self._is_host[sr[sel[0]]]:     # a lone run needs no staging
+                yield runs(sel), views(sel), None
+                continue
+            pos = np.concatenate(([0], np.cumsum(n[sel])))
+            base, header = self._stage(), []
+            for a, b in region_spans(sr[sel], dr[sel]):         # loop per region pair in the frame
+                region = self._regions[sr[sel[a]]]
+                out = base[pos[a]: pos[b]] if region.is_cpu else torch.empty(
+                    int(pos[b] - pos[a]), dtype=torch.uint8, device=region.device)
+                gather_rows(region, so[sel[a:b]], n[sel[a:b]], out)
+                if not region.is_cpu:   # CUDA: gather on the device, one copy to pinned host memory
+                    base[pos[a]: pos[b]].copy_(out)
+                # Runs back to back in the frame and at the receiver are one run there: a head
+                # slice of token-major pages gathers 512 B rows into 8 KiB destination runs.
+                start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])
+                header.append((np.full(len(start), dr[sel[a]]), start, length))
+            msg = np.concatenate([np.concatenate(c) for c in zip(*header)]).astype("<i8").tobytes()
+            yield msg, [memoryview(base[: pos[-1]].numpy())], base
+        if not sent:
+            yield b"", [], None   # an empty transfer still sends its totals
+
+    def _frames_few(self, runs: list[tuple[int, int, int, int, int]]) -> Iterator[tuple]:
+        """``_frames`` for a few runs in CPU regions, as ``TransferPlan.run_tuples`` gives them."""
+        fb, budget = self.frame_bytes, self.frame_bytes * self.frames_per_message
+        views, small = [], []
+        for r, o, d, e, c in runs:
+            for x in range(0, c, fb):   # runs longer than a frame go in frame-sized chunks
+                (views if c >= self.zero_copy_min else small).append((r, o + x, d, e + x, min(fb, c - x)))
+        sent = False
+        for msg in fill_messages(views, budget, 0):
+            sent = True
+            yield pack_runs(msg), [memoryview(self._host[r][o: o + c]) for r, o, _, _, c in msg], None
+        for msg in fill_messages(small, budget, RUN_BYTES):
+            sent = True
+            if len(msg) == 1:   # a lone run needs no staging
+                r, o, _, _, c = msg[0]
+                yield pack_runs(msg), [memoryview(self._host[r][o: o + c])], None
+                continue
+            base = self._stage()
+            stage, p = base.numpy(), 0
+            for r, o, _, _, c in msg:
+                stage[p: p + c] = self._host[r][o: o + c]
+                p += c
+            yield pack_runs(msg), [memoryview(stage[:p])], base
+        if not sent:
+            yield b"", [], None
+
+    def _stage(self) -> torch.Tensor:
+        """A staging block for a packed frame: one zmq has finished sending, or a new one."""
+        size = self.frame_bytes * (self.frames_per_message + 1)
+        return self._staging.get(size)
+
+    def _pump(self, peer: Peer) -> None:
+        """Hand messages to zmq, round-robin over the peer's transfers, until it pushes back."""
+        for _ in range(4 * self.window):
+            if peer.pending is None:
+                if not peer.sending:
+                    break
+                out = peer.sending.popleft()
+                if out.handle.poll() != TransferStatus.PENDING:
+                    continue
+                runs, parts, stage = out.ahead
+                try:
+                    out.ahead = next(out.frames, None)
+                except Exception as e:  # a bad source fails this transfer, not the thread
+                    out.handle.finish(peer_failed(out.handle.request_id, f"cannot read the source: {e}"))
+                    continue
+                out.nruns += len(runs) // RUN_BYTES
+                end = None
+                if out.ahead is None:
+                    end = End(out.nruns, out.end.nbytes, out.end.notify)
+                else:
+                    peer.sending.append(out)
+                hdr = Data(out.handle.request_id, out.xid, out.handle.deadline - time.monotonic(), runs, end)
+                peer.pending = Pending([hdr.pack(), *parts], stage, out)
+            parts, stage, out = peer.pending.parts, peer.pending.stage, peer.pending.out
+            # Small messages are copied into zmq: zero-copy costs pyzmq a tracked buffer and a
+            # wake-up of its garbage-collector thread (~100 us), more than copying 256 KiB.
+            copy = sum(len(p) for p in parts) <= _COPY_BELOW
+            try:
+                if copy:
+                    peer.sock.send_multipart(parts, flags=zmq.NOBLOCK)
+                else:   # a tracker per part: zmq reads each (the source, or staging) until it lets go
+                    last = len(parts) - 1   # only the first part can meet the high-water mark
+                    trackers = [peer.sock.send(p, zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0), copy=False,
+                                               track=True) for i, p in enumerate(parts)]
+                    out.trackers += trackers
+            except zmq.Again:
+                break
+            if stage is not None:   # reuse the buffer once zmq is done with it (no fresh pages)
+                self._staging.put(stage, None if copy else trackers[-1])
+            peer.pending = None
+            peer.clock.touch()
+        want = zmq.POLLIN | (zmq.POLLOUT if peer.pending is not None or peer.sending else 0)
+        self._poller.modify(peer.sock, want)
+
+    def _retire(self, out: Outgoing) -> None:
+        """``out`` ended: forget it, and release its source once zmq holds nothing of it."""
+        self._out.pop(out.xid, None)
+        out.peer.open.pop(out.xid, None)
+        if out.peer.pending is not None and out.peer.pending.out is out:
+            out.peer.pending = None   # never handed to zmq: dropped (the receiver fails the transfer)
+        out.frames = out.ahead = None
+        if not self._release_if_free(out):
+            self._releasing.append(out)
+
+    @staticmethod
+    def _release_if_free(out: Outgoing) -> bool:
+        if out.handle.source_released or all(t.done for t in out.trackers):
+            out.handle.release_source()
+            return True
+        return False
+
+    def _reconnect(self, peer: Peer) -> None:
+        """A fresh DEALER for a silent peer: closing the old one (linger 0) drops every message
+        queued for it, so zero-copy frames stop referencing their sources."""
+        self._poller.unregister(peer.sock)
+        peer.sock.close(linger=0)
+        peer.pending = None
+        try:
+            peer.sock = self._dealer(peer.endpoint)
+        except zmq.ZMQError as e:   # cannot happen for an endpoint that connected before; keep going
+            log.error("cannot reconnect to %s: %s", peer.endpoint, e)
+            peer.sock = self._ctx.socket(zmq.DEALER)
+        self._poller.register(peer.sock, zmq.POLLIN)
+
+    def _on_replies(self, peer: Peer) -> None:
+        while True:
+            try:
+                parts = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            peer.clock.touch()
+            try:
+                h = parse_reply(parts[0])
+            except ValueError as e:
+                log.warning("ignoring a malformed reply: %s", e)
+                continue
+            if isinstance(h, Ping):
+                continue
+            for xid in h.xids if isinstance(h, Ack) else (h.xid,):
+                out = peer.open.get(xid)
+                if out is None:
+                    continue
+                if isinstance(h, Ack):   # the receiver has every byte: zmq sent them all
+                    out.handle.finish(release=True)
+                else:
+                    out.handle.finish(RejectedWrite(
+                        f"request {out.handle.request_id}: the receiver failed the transfer: {h.why}"))
+                self._retire(out)
+
+    def _check_outgoing(self, now: float) -> None:
+        """Deadlines, pings and silence of outgoing transfers (the loop's tick)."""
+        for out in list(self._out.values()):
+            if out.handle.poll() != TransferStatus.PENDING:   # poll() times out a passed deadline
+                self._retire(out)
+        self._releasing = [out for out in self._releasing if not self._release_if_free(out)]
+        for pid, peer in self._peers.items():
+            if not peer.open:
+                continue
+            if peer.clock.silent(now, self.hb_timeout):
+                silent = peer.clock.silent_for(now)
+                for out in list(peer.open.values()):
+                    out.handle.finish(peer_failed(out.handle.request_id,
+                                                  f"peer {pid} stopped answering for {silent:.1f}s"))
+                    self._retire(out)
+                peer.sending.clear()
+                self._reconnect(peer)
+            elif now - peer.pinged >= self.hb_ivl:
+                peer.pinged = now
+                try:
+                    peer.sock.send(Ping().pack(), flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
