@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import queue
-import socket
 import sys
 import threading
 import time
@@ -24,13 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-DEMO_TIMEOUT = 600.0
-
-
-def DEMO_TIMEOUTS():
-    """Prefill may run ahead of decode by the whole request list, so phases get minutes."""
-    from ..endpoint.base import Timeouts
-    return Timeouts(bootstrap=300.0, waiting=300.0, transfer=60.0, lease=300.0)
+from .launch import DEMO_TIMEOUT, DEMO_TIMEOUTS, free_port, init_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +43,6 @@ class DemoConfig:
     seed: int = 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def make_requests(cfg: DemoConfig) -> list[tuple[int, list[int]]]:
     rng = np.random.default_rng(cfg.seed)
     from .model import ModelConfig
@@ -71,11 +58,6 @@ def _pool(cfg: DemoConfig, tp: int, layout: str, num_tokens: int):
     pages = -(-num_tokens // cfg.page_size) + cfg.requests + 2
     return MHAPool(layers=m.layers, heads=kv_heads_per_rank(m, tp), head_dim=m.head_dim, dtype="float32",
                    num_pages=pages, page_size=cfg.page_size, layout=layout)
-
-
-def init_group(port: int, rank: int, world: int):
-    import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
 def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, outbox) -> None:

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .demo import DEMO_TIMEOUT, DEMO_TIMEOUTS, free_port, init_group
+from .launch import DEMO_TIMEOUT, DEMO_TIMEOUTS, free_port, init_group
 
 # --model name -> (config class, model class) in transformers
 HF_MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
@@ -288,8 +288,8 @@ def decode_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, outbox)
         import torch
         import torch.distributed as dist
 
-        from ..endpoint.aux import AuxBuffer
         from ..endpoint import KVPoll, reduce_poll
+        from ..endpoint.aux import AuxBuffer
         from ..endpoint.decode import DecodeEndpoint
         from ..grant import ByteRanges
         from ..pools import PageAllocator
