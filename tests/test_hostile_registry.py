@@ -9,8 +9,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import itertools
-import os
 import json
+import os
 import subprocess
 import sys
 import textwrap
