@@ -3,19 +3,24 @@ independent of kvxfer's own encoders (raw zmq, msgpack, hmac/hashlib, urllib, uc
 
 Formats (as of the commit this file was written against):
 
-control channel  (kvxfer/handshake.py encode/decode, ControlChannel)
-    frames [mac, body]; body = msgpack map with "t"; mac = HMAC-SHA256(secret, body) or b"".
+control channel  (kvxfer/control/wire.py seal/open_frames, kvxfer/control/channel.py, PROTOCOL 2)
+    frames [mac, head, body]; head = msgpack [1, sender, recipient, nonce (16 bytes per sending
+    connection), seq (from 1)]; body = msgpack map with "t" (one of kvxfer/control/messages.py, exact
+    types, no unknown field); mac = HMAC-SHA256(secret, len(head) u32 LE || head || body) or b"".
+    The ROUTER requires the signed sender == routing identity and admits each (nonce, seq) once.
     Prefill binds a ROUTER; decode connects a DEALER whose identity is its peer name.
     A HELLO is {"t": "hello", "i": call id, "info": RankInfo dict, "nonce": 8..64 bytes};
     the answer is {"t": "welcome" | "refuse", "re": call id, ...}.
-bootstrap HTTP   (kvxfer/bootstrap.py sign_http/check_http)
-    X-KVXfer-Auth: "<unix time>:<hex HMAC-SHA256(secret, '<t>\\n<METHOD>\\n<path>\\n' + body)>"
+bootstrap HTTP   (kvxfer/control/auth.py sign_http/check_http, kvxfer/control/bootstrap.py)
+    X-KVXfer-Auth: "<unix time>:<32 hex nonce>:<hex HMAC-SHA256(secret,
+    '<t>\\n<nonce>\\n<METHOD>\\n<path>\\n' + body)>"; each nonce is accepted once. Writes carry
+    "owner" (16-64 of [A-Za-z0-9_-]): another owner's PUT is 409, DELETE 403.
 zmq data plane   (transports/zmq.py)
     DEALER -> receiver ROUTER: [hdr, part...]; hdr msgpack {"t": "d", "r": request id, "x": xid,
     "dl": seconds, "runs": int64 LE [regions*k, offsets*k, nbytes*k]}; the last message adds
     "nruns", "nbytes", "notify". {"t": "p", "n": int} is answered with a pong after every reply
     to what came before it. Replies: {"t": "a", "x": [xids]}, {"t": "n", "x", "why"}, {"t": "p"}.
-    notify (kvxfer/handshake.py ChunkMeta) = msgpack [room, gen, [tp, pp], chunk, total, nbytes, aux].
+    notify (kvxfer/control/wire.py ChunkMeta) = msgpack [room, gen, [tp, pp], chunk, total, nbytes, aux].
 ucx control      (transports/ucx.py)
     one tagged message (tag 1 << 63) per batch: msgpack [sender id, [message, ...]];
     HELLO [0, worker address], ANNOUNCE [1, xid, rid, timeout, notify, runs, nput, frame_bytes,
@@ -43,10 +48,24 @@ _ids = itertools.count(1 << 40)
 # ------------------------------------------------------------------------------------
 # Control channel
 # ------------------------------------------------------------------------------------
-def ctl_frames(msg, secret: bytes | None = None, body: bytes | None = None) -> list[bytes]:
-    """[mac, body] for ``msg`` (or a raw ``body``), signed when ``secret`` is given."""
+HEAD_VERSION = 1
+
+
+def ctl_head(sender: str, recipient: str, nonce: bytes, seq: int) -> bytes:
+    """The signed head: msgpack [1, sender, recipient, 16-byte connection nonce, seq >= 1]."""
+    return msgpack.packb([HEAD_VERSION, sender, recipient, nonce, seq], use_bin_type=True)
+
+
+def ctl_frames(msg, secret: bytes | None = None, body: bytes | None = None, *, sender: str = "",
+               recipient: str = "", nonce: bytes | None = None, seq: int = 1,
+               head: bytes | None = None) -> list[bytes]:
+    """[mac, head, body] for ``msg`` (or a raw ``body``/``head``); mac = HMAC-SHA256(secret,
+    len(head) as 4 bytes LE || head || body) when ``secret`` is given, else empty."""
     body = msgpack.packb(msg, use_bin_type=True) if body is None else body
-    return [hmac.new(secret, body, hashlib.sha256).digest() if secret else b"", body]
+    if head is None:
+        head = ctl_head(sender, recipient, os.urandom(16) if nonce is None else nonce, seq)
+    tag = hmac.new(secret, len(head).to_bytes(4, "little") + head + body, hashlib.sha256).digest() if secret else b""
+    return [tag, head, body]
 
 
 def bad_hello(i: int) -> dict:
@@ -56,25 +75,38 @@ def bad_hello(i: int) -> dict:
 
 
 class CtlClient:
-    """A raw DEALER on a prefill rank's control ROUTER, under an identity of our choice."""
+    """A raw DEALER on a prefill rank's control ROUTER, under an identity of our choice. It signs
+    (when it has the secret) with its own identity as sender, the ROUTER's address as recipient, a
+    per-connection nonce and a growing seq, as an honest decode rank does."""
 
     def __init__(self, address: str, secret: bytes | None = None, identity: str | None = None):
-        self.secret = secret
+        self.secret, self.address = secret, address
+        self.identity = identity or f"hostile/{os.urandom(6).hex()}"
+        self.nonce, self.seq = os.urandom(16), 0
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
-        self.sock.setsockopt(zmq.IDENTITY, (identity or f"hostile/{os.urandom(6).hex()}").encode())
+        self.sock.setsockopt(zmq.IDENTITY, self.identity.encode())
         self.sock.connect(address)
 
+    def frames(self, msg=None, *, body: bytes | None = None) -> list[bytes]:
+        """The next message of this connection, sealed (seq advances)."""
+        self.seq += 1
+        return ctl_frames(msg, self.secret, body, sender=self.identity, recipient=self.address,
+                          nonce=self.nonce, seq=self.seq)
+
     def send(self, msg=None, *, body: bytes | None = None, frames: list[bytes] | None = None) -> None:
-        self.sock.send_multipart(frames if frames is not None else ctl_frames(msg, self.secret, body))
+        self.sock.send_multipart(frames if frames is not None else self.frames(msg, body=body))
+
+    def recv_frames(self, timeout: float = 2.0) -> list[bytes] | None:
+        if not self.sock.poll(int(timeout * 1000)):
+            return None
+        return self.sock.recv_multipart()
 
     def recv(self, timeout: float = 2.0) -> dict | None:
         """The next message's body, decoded (None on timeout)."""
-        if not self.sock.poll(int(timeout * 1000)):
-            return None
-        frames = self.sock.recv_multipart()
-        return msgpack.unpackb(frames[-1], raw=False)
+        frames = self.recv_frames(timeout)
+        return None if frames is None else msgpack.unpackb(frames[-1], raw=False)
 
     def alive(self, timeout: float = 2.0) -> bool:
         """True when the ROUTER's thread answers a probe HELLO (so it handled all before it)."""
@@ -97,10 +129,14 @@ class CtlClient:
 # ------------------------------------------------------------------------------------
 # Bootstrap HTTP
 # ------------------------------------------------------------------------------------
-def sign(secret: bytes, method: str, path: str, body: bytes, now: float | None = None) -> str:
+def sign(secret: bytes, method: str, path: str, body: bytes, now: float | None = None,
+         nonce: str | None = None) -> str:
+    """X-KVXfer-Auth: "<unix time>:<32 hex nonce>:<hex HMAC-SHA256(secret,
+    '<t>\\n<nonce>\\n<METHOD>\\n<path>\\n' + body)>"."""
     t = str(int(time.time() if now is None else now))
-    digest = hmac.new(secret, f"{t}\n{method}\n{path}\n".encode() + body, hashlib.sha256).hexdigest()
-    return f"{t}:{digest}"
+    n = nonce or os.urandom(16).hex()
+    digest = hmac.new(secret, f"{t}\n{n}\n{method}\n{path}\n".encode() + body, hashlib.sha256).hexdigest()
+    return f"{t}:{n}:{digest}"
 
 
 def http(url: str, method: str, path: str, body=None, *, secret: bytes | None = None,
@@ -246,6 +282,7 @@ class CtlServer:
     def __init__(self, reply, secret: bytes | None = None):
         import threading
         self.reply, self.secret, self._stop = reply, secret, False
+        self._nonce, self._seq = os.urandom(16), 0
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
@@ -261,10 +298,13 @@ class CtlServer:
             ident, *frames = self.sock.recv_multipart()
             try:
                 msg = msgpack.unpackb(frames[-1], raw=False)
+                sender = msgpack.unpackb(frames[-2], raw=False)[1]   # head [1, sender, recipient, nonce, seq]
             except Exception:
                 continue
             if isinstance(msg, dict) and msg.get("t") == "hello":
-                self.sock.send_multipart([ident] + ctl_frames(self.reply(msg), self.secret))
+                self._seq += 1    # signed for the decode rank that asked, as a real prefill would
+                self.sock.send_multipart([ident] + ctl_frames(self.reply(msg), self.secret, sender=self.address,
+                                                              recipient=sender, nonce=self._nonce, seq=self._seq))
 
     def close(self) -> None:
         self._stop = True

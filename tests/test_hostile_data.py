@@ -64,7 +64,7 @@ def test_a_third_party_cannot_complete_a_live_request(pair, attacker):
     before = snapshot()
     r, d_slots = pair.receiver()
     meta = hw.chunk_meta(r.room, r.gen, (0, 0), chunk=0, total=1, nbytes=0)
-    replies = attacker.exchange([hw.data_header(r.rid, next(xids), end=(0, 0), notify=meta)])
+    replies = attacker.exchange([hw.data_header(r.request_id, next(xids), end=(0, 0), notify=meta)])
     assert replies is not None, "decode's data thread stopped answering"
     assert r.wait(0.5) != KVPoll.Success, "Success with nothing written: decode holds the canary as KV"
     assert pair.finish(r, d_slots), "the honest prefill could not deliver the request afterwards"
@@ -78,7 +78,7 @@ def test_probes_of_live_and_unknown_ids_get_the_same_answer(pair, attacker):
     r, _ = pair.receiver()
     try:
         answers = []
-        for rid in (r.rid, f"{r.room + 10_000}.{r.gen}"):
+        for rid in (r.request_id, f"{r.room + 10_000}.{r.gen}"):
             replies = attacker.exchange([hw.data_header(rid, next(xids))])
             assert replies is not None
             answers.append([{k: v for k, v in h.items() if k != "x"} for h in replies])
@@ -96,7 +96,7 @@ def test_one_bad_frame_does_not_fail_a_live_request(pair, attacker, bad):
     runs, payload = {"length mismatch": (hw.runs_field((0, 0, 100)), bytes(99)),
                      "outside grant": (hw.runs_field((0, 1 << 40, 64)), bytes(64)),
                      "unknown region": (hw.runs_field((99, 0, 64)), bytes(64))}[bad]
-    replies = attacker.exchange([hw.data_header(r.rid, next(xids), runs), payload])
+    replies = attacker.exchange([hw.data_header(r.request_id, next(xids), runs), payload])
     assert replies is not None, "decode's data thread stopped answering"
     assert r.wait(0.3) != KVPoll.Failed, f"the live request failed: {r.reason}"
     assert pair.finish(r, d_slots)

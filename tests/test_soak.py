@@ -163,12 +163,11 @@ def endpoint_round(name: str, cfg: dict) -> int:
 
 
 @pytest.mark.parametrize("name", [
-    pytest.param("local", marks=pytest.mark.xfail(strict=True, reason="issue 16: with > 256 open fds the control "
-                                                  "threads die on their first message ('is not' on an fd)")),
-    pytest.param("zmq", marks=pytest.mark.xfail(strict=True, reason="issue 16: with > 256 open fds the control "
-                                                "threads die on their first message ('is not' on an fd)")),
-    pytest.param("ucx", marks=pytest.mark.xfail(strict=True, reason="issue 16: > 256 fds kill the control "
-                                                "threads; UCX close() leaves context/worker/fds until gc")),
+    "local",
+    "zmq",
+    pytest.param("ucx", marks=pytest.mark.xfail(strict=True, reason="issue 16: UCX close() leaves the context, "
+                                                "worker and their fds until the garbage collector breaks the "
+                                                "endpoint<->transport cycle (fds left per round with gc off)")),
 ])
 def test_soak_endpoints(name, extra_fds):
     if why := _usable(name):
