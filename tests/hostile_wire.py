@@ -228,10 +228,16 @@ class UcxClient:
         self.ep = self.worker.create_endpoint_from_worker_address(
             ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(victim_address_hex)), False)
         self._keep: list = []
+        self.secret = os.urandom(16)   # this client's channel secret: [sender, secret, [messages]]
 
-    def send(self, sender: str, msgs: list, timeout: float = 5.0) -> None:
+    def hello(self) -> list:
+        """[HELLO, our worker address, our channel secret]: binds the sender id to our secret."""
+        return [HELLO, self.address, self.secret]
+
+    def send(self, sender: str, msgs: list, timeout: float = 5.0, secret: bytes | None = None) -> None:
         import numpy as np
-        buf = np.frombuffer(msgpack.packb([sender, msgs], use_bin_type=True), np.uint8)
+        batch = [sender, self.secret if secret is None else secret, msgs]
+        buf = np.frombuffer(msgpack.packb(batch, use_bin_type=True), np.uint8)
         req = self.ep.tag_send(self._Array(buf), self._api.UCXXTag(CTRL_TAG))
         end = time.monotonic() + timeout
         while not req.completed and time.monotonic() < end:
@@ -239,7 +245,7 @@ class UcxClient:
         self._keep.append((req, buf))
 
     def recv(self, timeout: float = 2.0) -> list | None:
-        """The next control batch sent to us, decoded: [sender, [messages]] (None on timeout)."""
+        """The next control batch sent to us, decoded: [sender, secret, [messages]] (None on timeout)."""
         import numpy as np
         end = time.monotonic() + timeout
         while time.monotonic() < end:
@@ -261,7 +267,7 @@ class UcxClient:
             batch = self.recv(left)
             if batch is None:
                 return None
-            for m in batch[1]:
+            for m in batch[2]:
                 if m and m[0] == kind:
                     return m
         return None

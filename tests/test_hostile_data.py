@@ -71,8 +71,6 @@ def test_a_third_party_cannot_complete_a_live_request(pair, attacker):
     after_attack(pair, before)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: zero-run probes answer differently for live and unknown "
-                                       "request ids (an oracle)")
 def test_probes_of_live_and_unknown_ids_get_the_same_answer(pair, attacker):
     before = snapshot()
     r, _ = pair.receiver()

@@ -165,9 +165,7 @@ def endpoint_round(name: str, cfg: dict) -> int:
 @pytest.mark.parametrize("name", [
     "local",
     "zmq",
-    pytest.param("ucx", marks=pytest.mark.xfail(strict=True, reason="issue 16: UCX close() leaves the context, "
-                                                "worker and their fds until the garbage collector breaks the "
-                                                "endpoint<->transport cycle (fds left per round with gc off)")),
+    "ucx",
 ])
 def test_soak_endpoints(name, extra_fds):
     if why := _usable(name):
