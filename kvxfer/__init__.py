@@ -16,6 +16,7 @@ from .errors import (
     TransportError,
 )
 from .grant import ByteRanges
+from .topology import heads_held, sources_for_decode_rank, targets_for_prefill_rank
 from .layout import (
     Layout,
     Part,
@@ -48,7 +49,8 @@ __all__ = [
     # transports
     "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
     # control plane and offload (loaded on first use: they bring pyzmq and aiohttp)
-    "RankSpec", "BootstrapServer", "BootstrapClient", "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
+    "heads_held", "sources_for_decode_rank", "targets_for_prefill_rank",
+    "RankSpec", "RankInfo", "BootstrapConfig", "BootstrapServer", "BootstrapClient", "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
     "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll", "Outcome", "LocalGroup",
     "HostPool", "DecodeOffloadManager",
 ]
@@ -56,7 +58,8 @@ __all__ = [
 _LAZY = {
     "RankSpec": "ranks", "BootstrapServer": "control.bootstrap", "BootstrapClient": "control.client",
     "KVPoll": "endpoint", "Timeouts": "endpoint", "AuxRecord": "endpoint", "AuxBuffer": "endpoint",
-    "reduce_poll": "endpoint", "Outcome": "endpoint", "LocalGroup": "endpoint", "PrefillEndpoint": "endpoint", "KVSender": "endpoint",
+    "reduce_poll": "endpoint", "Outcome": "endpoint", "LocalGroup": "endpoint", "PrefillEndpoint": "endpoint",
+    "KVSender": "endpoint", "BootstrapConfig": "control.bootstrap", "RankInfo": "ranks",
     "DecodeEndpoint": "endpoint", "KVReceiver": "endpoint", "HostPool": "pools", "DecodeOffloadManager": "offload",
 }
 
