@@ -56,8 +56,9 @@ __all__ = [
 _LAZY = {
     "RankSpec": "ranks", "BootstrapServer": "control.bootstrap", "BootstrapClient": "control.client",
     "KVPoll": "endpoint", "Timeouts": "endpoint", "AuxRecord": "endpoint", "AuxBuffer": "endpoint",
-    "reduce_poll": "endpoint", "Outcome": "endpoint", "LocalGroup": "endpoint", "PrefillEndpoint": "endpoint", "KVSender": "endpoint",
-    "DecodeEndpoint": "endpoint", "KVReceiver": "endpoint", "HostPool": "pools", "DecodeOffloadManager": "offload",
+    "reduce_poll": "endpoint", "Outcome": "endpoint", "LocalGroup": "endpoint", "PrefillEndpoint": "endpoint",
+    "KVSender": "endpoint", "DecodeEndpoint": "endpoint", "KVReceiver": "endpoint", "HostPool": "pools",
+    "DecodeOffloadManager": "offload",
 }
 
 

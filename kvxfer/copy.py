@@ -331,7 +331,7 @@ class _RowMoves:
     pages in a host pool, mostly consecutive host pages) are a few strided views there and need
     no staging copy: gather straight into the destination, or scatter straight from the source.
     """
-    __slots__ = ("gather", "items")
+    __slots__ = ("gather", "gathers", "scatters")
 
     def __init__(self, si: np.ndarray, di: np.ndarray, row_bytes: int):
         # a piece costs one call (~10 us): worth it down to ~64 KiB, a staging pass costs a copy
@@ -339,15 +339,17 @@ class _RowMoves:
         order = np.argsort(di, kind="stable")
         pieces = _pieces(di[order], min_rows)
         self.gather = pieces is not None
-        if self.gather:   # (source rows, destination view)
-            self.items = [(si[order][a:b], view) for a, b, view in pieces]
-        else:             # (source view or rows, destination rows)
+        self.gathers: list[tuple[np.ndarray, slice]] = []   # (source rows, destination view)
+        self.scatters: list[tuple[slice | np.ndarray, np.ndarray]] = []   # (source view or rows, destination rows)
+        if pieces is not None:
+            self.gathers = [(si[order][a:b], view) for a, b, view in pieces]
+        else:
             order = np.argsort(si, kind="stable")
-            pieces = _pieces(si[order], min_rows) or [(0, len(si), None)]
-            if pieces[0][2] is None:
+            s_pieces: Sequence[tuple[int, int, slice | None]] = _pieces(si[order], min_rows) or [(0, len(si), None)]
+            if s_pieces[0][2] is None:
                 order = np.arange(len(si))
             src, dst = si[order], di[order]
-            self.items = [(view if view is not None else src[a:b], dst[a:b]) for a, b, view in pieces]
+            self.scatters = [(view if view is not None else src[a:b], dst[a:b]) for a, b, view in s_pieces]
 
     def apply(self, s_rows: Sequence[torch.Tensor], s_base: np.ndarray, d_rows: Sequence[torch.Tensor],
               d_base: np.ndarray, s_void: Sequence[np.ndarray] | None = None,
@@ -360,8 +362,8 @@ class _RowMoves:
         and index conversions."""
         s_dev, d_dev = s_rows[0].device, d_rows[0].device
         if self.gather:
-            for src, view in self.items:
-                idx = _shifted(src, s_base, s_dev)
+            for rows_at, view in self.gathers:
+                idx = _shifted(rows_at, s_base, s_dev)
                 for s, d, db, i in zip(s_rows, d_rows, d_base.tolist(), idx):
                     out = d[view.start + db: view.stop + db: view.step]
                     if s_dev == d_dev:
@@ -375,17 +377,18 @@ class _RowMoves:
             d_void = [_void_rows(d) for d in d_rows]
         if cpu_both and s_void is None:
             s_void = [_void_rows(s) for s in s_rows]
-        for src, dst in self.items:
-            sliced = isinstance(src, slice)
-            s_idx = None if sliced else src[None, :] + s_base[:, None] if cpu_both else _shifted(src, s_base, s_dev)
+        for src, dst in self.scatters:
+            s_idx = (None if isinstance(src, slice) else src[None, :] + s_base[:, None] if cpu_both
+                     else _shifted(src, s_base, s_dev))
             d_idx = dst[None, :] + d_base[:, None] if cpu_dst else _shifted(dst, d_base, d_dev)
             for p, sb in enumerate(s_base.tolist()):
                 if cpu_both:   # numpy on both sides
-                    d_void[p][d_idx[p]] = (s_void[p][src.start + sb: src.stop + sb: src.step] if sliced
+                    d_void[p][d_idx[p]] = (s_void[p][src.start + sb: src.stop + sb: src.step] if isinstance(src, slice)
                                            else s_void[p][s_idx[p]])
                     continue
                 s = s_rows[p]
-                rows = s[src.start + sb: src.stop + sb: src.step] if sliced else torch.index_select(s, 0, s_idx[p])
+                rows = (s[src.start + sb: src.stop + sb: src.step] if isinstance(src, slice)
+                        else torch.index_select(s, 0, s_idx[p]))
                 if cpu_dst:
                     d_void[p][d_idx[p]] = _void_rows(rows.cpu())
                 else:
@@ -407,7 +410,10 @@ def _views_of(t: torch.Tensor) -> dict:
     entry = _REGION_VIEWS.get(id(t))
     if entry is None or entry[0]() is not t or entry[1] != t.data_ptr() or entry[2] != t.numel():
         ident = id(t)
-        entry = (weakref.ref(t, lambda _, ident=ident: _REGION_VIEWS.pop(ident, None)), t.data_ptr(), t.numel(), {})
+
+        def forget(_: object) -> None:
+            _REGION_VIEWS.pop(ident, None)
+        entry = (weakref.ref(t, forget), t.data_ptr(), t.numel(), {})
         _REGION_VIEWS[ident] = entry
     return entry[3]
 

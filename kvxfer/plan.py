@@ -364,7 +364,7 @@ class Planner:
             if len(s) != len(d):
                 raise PlanError(f"space {s_space}: {len(s)} src slots vs {len(d)} dst slots")
             slots[(s_space, d_space)] = (s, d)
-        row_sets = []
+        row_sets: list[tuple] = []
         for g in self._geoms:
             s, d = slots[(g.src_space, g.dst_space)]
             if len(s):

@@ -190,7 +190,7 @@ class KVPool:
             item[p.region] = p.page_stride
         # A block: parts of one region and page stride whose page 0 lies within one page of
         # the first (lowest) of them. Blocks of two or more parts are pages shared by parts.
-        page_parts = []
+        page_parts: list[list[PagePart]] = []
         for p in sorted(self.layout.parts, key=lambda q: (q.region, q.page_stride, q.base)):
             last = page_parts[-1][-1] if page_parts else None
             if not (last and last.region == p.region and last.page_stride == p.page_stride
@@ -365,14 +365,16 @@ def mha_layout(*, layers: int | Sequence[int], heads: int, head_dim: int, dtype:
                page_size: int, layout: str = "token_major", v_head_dim: int | None = None,
                scale_block: int | None = None) -> Layout:
     """The layout of an ``MHAPool`` (no memory allocated): token-major, HND or page-major."""
-    common = dict(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size,
-                  v_head_dim=v_head_dim, scale_block=scale_block)
     if layout == "token_major":
-        return token_major_layout(num_slots=num_pages * page_size, **common)
+        return token_major_layout(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype,
+                                  num_slots=num_pages * page_size, page_size=page_size, v_head_dim=v_head_dim,
+                                  scale_block=scale_block)
     if layout == "hnd":
-        return hnd_layout(num_pages=num_pages, **common)
+        return hnd_layout(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=num_pages,
+                          page_size=page_size, v_head_dim=v_head_dim, scale_block=scale_block)
     if layout == "page_major":
-        return page_major_layout(num_pages=num_pages, **common)
+        return page_major_layout(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=num_pages,
+                                 page_size=page_size, v_head_dim=v_head_dim, scale_block=scale_block)
     raise LayoutError(f"MHA layout {layout!r} is not one of {MHAPool.LAYOUTS}")
 
 
@@ -429,9 +431,11 @@ class HybridSWAPool(KVPool):
     def __init__(self, *, full_layers: Sequence[int], swa_layers: Sequence[int], heads: int, head_dim: int,
                  dtype: str, num_pages: int, swa_num_pages: int, page_size: int, window: int,
                  layout: str = "token_major", device: str | torch.device = "cpu"):
-        common = dict(heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size, layout=layout)
-        full = mha_layout(layers=full_layers, num_pages=num_pages, **common)   # layouts only: nothing allocated
-        swa = mha_layout(layers=swa_layers, num_pages=swa_num_pages, **common)
+        # layouts only: nothing allocated
+        full = mha_layout(layers=full_layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=num_pages,
+                          page_size=page_size, layout=layout)
+        swa = mha_layout(layers=swa_layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=swa_num_pages,
+                         page_size=page_size, layout=layout)
         self.window = int(window)
         self.full_to_swa = np.zeros(num_pages * page_size, dtype=np.int64)
         super().__init__(hybrid_swa_layout(full, swa), device)

@@ -548,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"name": f"hetero {n}", "error": why})
     worst = min((r["ratio"] for r in rows if "goal" in r and "ratio" in r), default=None)
     if worst is not None:
-        print(f"\nworst heterogeneous / same TP: {worst:.2f}x (goal >= {GOAL}x: {'met' if worst >= GOAL else 'MISSED'})")
+        met = "met" if worst >= GOAL else "MISSED"
+        print(f"\nworst heterogeneous / same TP: {worst:.2f}x (goal >= {GOAL}x: {met})")
     for r in rows:
         if "(control)" in r.get("ceiling_name", "") and r.get("ratio") is not None:
             print(f"control {r['name'][7:]}: {r['ratio']:.2f}x of {pairs[0][0]}->{pairs[0][1]} "

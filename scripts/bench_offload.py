@@ -208,7 +208,7 @@ def bench_bandwidth(args, pool, host_style: str) -> dict:
             t_off = time.perf_counter() - t
             moved_off = mgr.stats.bytes_offloaded - before
             assert len(released) == len(reqs) and moved_off == nbytes, (released, moved_off, nbytes)
-            for rid, (toks, slots) in reqs.items():
+            for _toks, slots in reqs.values():
                 pages.release(slots)
             news = {rid: pages.alloc(args.tokens) for rid in reqs}
             for rid in reqs:

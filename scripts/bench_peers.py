@@ -500,7 +500,8 @@ class PeerPair:
         if line is None or not line.startswith(f"@@{what} "):
             time.sleep(0.5)   # the other side may have failed first: its reason is the better one
             first = next((i for i, p in enumerate(self.procs) if p.poll() not in (None, 0)), side)
-            raise RuntimeError(("target: " if first == 0 else "initiator: ") + _tail(self.logs[first], self.procs[first]))
+            side = "target: " if first == 0 else "initiator: "
+            raise RuntimeError(side + _tail(self.logs[first], self.procs[first]))
         return json.loads(line[len(what) + 3:])
 
     def run(self, case: int, verify: bool) -> float:

@@ -182,8 +182,8 @@ def rank_scenario(name: str, out: Path, rank: int, world: int, groups: dict, rea
 # ------------------------------------------------------------------------------------
 def global_kv(n: int) -> dict:
     g = torch.Generator().manual_seed(5)
-    return {(l, k): torch.randint(0, 256, (n, H, HD * 2), dtype=torch.uint8, generator=g)
-            for l in range(LAYERS) for k in "kv"}
+    return {(layer, k): torch.randint(0, 256, (n, H, HD * 2), dtype=torch.uint8, generator=g)
+            for layer in range(LAYERS) for k in "kv"}
 
 
 def wait_for(*paths: Path, timeout: float = 60.0) -> Path:
@@ -205,7 +205,7 @@ def decode_side(transport: str, out: Path) -> None:
     results = []
     for i, (p_tp, d_tp) in enumerate(PAIRS):
         ranks = []
-        for d in range(d_tp):
+        for _ in range(d_tp):
             dpool = MHAPool(layers=LAYERS, heads=H // d_tp, head_dim=HD, dtype="bfloat16", num_pages=16,
                             page_size=PAGE, layout=("hnd", "token_major")[i])
             host = HostPool.for_pool(dpool, layout=("page_first", "layer_first")[i], size=32)
@@ -228,7 +228,7 @@ def decode_side(transport: str, out: Path) -> None:
                                        for _, host, tr, _, g in ranks], use_bin_type=True))
         os.replace(tmp, out / f"{transport}-pair{i}.msgpack")
         ok = []
-        for d, (dpool, host, tr, mgr, grant) in enumerate(ranks):
+        for d, (dpool, _host, tr, mgr, _grant) in enumerate(ranks):
             need = len(sources_for_decode_rank(num_kv_heads=H, p_tp=p_tp, d_tp=d_tp, d_rank=d, num_layers=LAYERS))
             got, deadline = [], time.monotonic() + 30
             while len(got) < need and time.monotonic() < deadline:
@@ -243,8 +243,8 @@ def decode_side(transport: str, out: Path) -> None:
                 mgr.reload(rid, slots)
                 held = heads_held(H, d_tp, d)
                 exact = all(torch.equal(t.contiguous().view(torch.uint8).reshape(n, -1),
-                                        kv[(l, k)][:, held.start:held.stop].reshape(n, -1))
-                            for l in range(LAYERS) for k, t in zip("kv", dpool.get_kv_buffer(l, slots)))
+                                        kv[(layer, k)][:, held.start:held.stop].reshape(n, -1))
+                            for layer in range(LAYERS) for k, t in zip("kv", dpool.get_kv_buffer(layer, slots)))
             ok.append({"landed": landed, "untouched": untouched, "exact": exact, "arrivals": len(got),
                        "rejected": dict(tr.rejected)})
             mgr.close()
@@ -266,9 +266,9 @@ def prefill_side(transport: str, out: Path) -> None:
                            page_size=PAGE, layout="page_major")
             s = PageAllocator(16, PAGE).alloc(n + 4)[4:]
             held = heads_held(H, p_tp, p)
-            for l in range(LAYERS):
-                pool.set_kv_buffer(l, s, *(kv[(l, k)][:, held.start:held.stop].contiguous().view(torch.bfloat16)
-                                           for k in "kv"))
+            for layer in range(LAYERS):
+                pool.set_kv_buffer(layer, s, *(kv[(layer, k)][:, held.start:held.stop].contiguous()
+                                               .view(torch.bfloat16) for k in "kv"))
             tr = get_transport(transport)
             tr.register(pool.regions())
             pools.append(pool), trs.append(tr), pslots.append(s)

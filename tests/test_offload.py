@@ -8,6 +8,7 @@ Comparisons are on raw bytes: random bf16 holds NaNs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -245,7 +246,7 @@ def test_launch_validation_names_fields_and_values(tmp_path):
         HostPool.for_pool(pool, layout="nope", size=64)
     with pytest.raises(LayoutError, match="size for space 'swa'"):
         HostPool.for_pool(POOLS["hybrid_swa"](), size={"token": 64})
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         OffloadConfig(stride=8).stride = 16   # frozen
 
 
@@ -347,7 +348,7 @@ def test_full_host_evicts_to_file_tier_and_nothing_is_lost(tmp_path, kind):
             reqs[f"r{i}"] = (toks, pos, eng.snapshot(slots, pos))
             eng.free(slots)
         assert mgr.stats.records_evicted > 0
-        for rid, (toks, pos, want) in reqs.items():
+        for rid, (_toks, pos, want) in reqs.items():
             new = eng.alloc(19, swa_positions=pos.get("swa"))
             mgr.reload(rid, new)
             got = eng.snapshot(new, pos)
@@ -472,8 +473,8 @@ H, LAYERS, HD = 8, 3, 8
 
 def global_kv(n: int, seed: int = 5) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {(l, k): torch.randint(0, 256, (n, H, HD * 2), dtype=torch.uint8, generator=g)
-            for l in range(LAYERS) for k in "kv"}
+    return {(layer, k): torch.randint(0, 256, (n, H, HD * 2), dtype=torch.uint8, generator=g)
+            for layer in range(LAYERS) for k in "kv"}
 
 
 @pytest.mark.parametrize("p_tp,d_tp,d_layout,host_style", [(2, 4, "token_major", "page_first"),
@@ -488,9 +489,9 @@ def test_direct_to_host_receive_hetero_tp_local(p_tp, d_tp, d_layout, host_style
                        layout="page_major")
         slots = PageAllocator(16, PAGE).alloc(n + 4)[4:]       # prefill's own page table
         held = heads_held(H, p_tp, p)
-        for l in range(LAYERS):
-            pool.set_kv_buffer(l, slots, *(kv[(l, k)][:, held.start:held.stop].contiguous().view(torch.bfloat16)
-                                            for k in "kv"))
+        for layer in range(LAYERS):
+            pool.set_kv_buffer(layer, slots, *(kv[(layer, k)][:, held.start:held.stop].contiguous()
+                                               .view(torch.bfloat16) for k in "kv"))
         tr = get_transport("local")
         tr.register(pool.regions())
         p_pools.append(pool), p_tr.append(tr), p_slots.append(slots)
@@ -514,10 +515,10 @@ def test_direct_to_host_receive_hetero_tp_local(p_tp, d_tp, d_layout, host_style
             slots = PageAllocator(16, PAGE).alloc(n + 8)[8:]
             mgr.reload(rid, slots)
             held = heads_held(H, d_tp, d)
-            for l in range(LAYERS):
-                for k, got in zip("kv", dpool.get_kv_buffer(l, slots)):
+            for layer in range(LAYERS):
+                for k, got in zip("kv", dpool.get_kv_buffer(layer, slots)):
                     assert torch.equal(got.contiguous().view(torch.uint8).reshape(n, -1),
-                                       kv[(l, k)][:, held.start:held.stop].reshape(n, -1)), (d, l, k)
+                                       kv[(layer, k)][:, held.start:held.stop].reshape(n, -1)), (d, layer, k)
 
 
 # ------------------------------------------------------------------------------------

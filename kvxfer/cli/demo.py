@@ -88,8 +88,11 @@ def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, o
             chunk = cfg.chunk_pages * cfg.page_size
             for room, prompt in requests:
                 slots = alloc.alloc(len(prompt))
-                sender = ep.sender(room, on_release=lambda outcome, slots=slots: (lock.acquire(), freed.append(slots),
-                                                                             lock.release()))
+
+                def on_release(outcome, slots=slots) -> None:
+                    with lock:
+                        freed.append(slots)
+                sender = ep.sender(room, on_release=on_release)
                 for start in range(0, len(prompt), chunk):
                     end = min(start + chunk, len(prompt))
                     x = model.forward_layer_range(model.embed(prompt[start:end]), torch.arange(start, end),
@@ -232,7 +235,10 @@ def run(cfg: DemoConfig, out=sys.stdout) -> dict:
     ref_box: dict = {}
     ref_thread = threading.Thread(target=lambda: ref_box.update(reference_tokens(cfg)), daemon=True)
     ref_thread.start()
-    results, nbytes, errors, ready, done = {}, 0, [], 0, {"prefill": [], "decode": []}
+    results: dict = {}
+    errors: list[str] = []
+    done: dict[str, list] = {"prefill": [], "decode": []}
+    nbytes, ready = 0, 0
     t_first = None
     deadline = time.monotonic() + DEMO_TIMEOUT
     while len(done["decode"]) < cfg.decode_tp and not errors and time.monotonic() < deadline:

@@ -341,8 +341,8 @@ class DecodeOffloadManager:
             count = n if tail is not None else 0 if self.snapshot else pos
             if self.size == 1 or self.replicated:   # replicated: every rank saw the storers' answers
                 break
-            lo, neg_hi = self._collective(lambda: group_min([count, -count], self.group,
-                                                            self.config.group_timeout_s), "restore vote")
+            lo, neg_hi = self._collective(lambda count=count: group_min([count, -count], self.group,
+                                                                        self.config.group_timeout_s), "restore vote")
             if lo == -neg_hi:
                 break
             agreed = lo
