@@ -55,8 +55,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvxfer import MHAPool, Planner, execute_plan  # noqa: E402
+from kvxfer.host import HostPool  # noqa: E402
 from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig  # noqa: E402
-from kvxfer.pools import HostPool  # noqa: E402
 
 GOAL_BANDWIDTH_X = 0.7    # offload, reload >= this x the ceiling
 GOAL_STEP_X = 1.05        # decode step with offload on <= this x off

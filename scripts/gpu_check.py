@@ -55,9 +55,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvxfer.copy import execute_plan  # noqa: E402
 from kvxfer.grant import ByteRanges  # noqa: E402
+from kvxfer.host import HostPool  # noqa: E402
 from kvxfer.layout import host_layout  # noqa: E402
 from kvxfer.plan import plan_transfer  # noqa: E402
-from kvxfer.pools import HostPool, HybridSWAPool, KVPool, MHAPool, MLAPool, StatePool, torch_dtype  # noqa: E402
+from kvxfer.pools import HybridSWAPool, KVPool, MHAPool, MLAPool, StatePool, torch_dtype  # noqa: E402
 
 BUDGET_S = 7.5 * 60
 SLEEP_CYCLES = 300_000_000          # torch.cuda._sleep: ~0.15-0.3 s on current GPUs

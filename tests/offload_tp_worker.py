@@ -51,8 +51,8 @@ from kvxfer import (
     plan_transfer,
 )
 from kvxfer.errors import PeerError
+from kvxfer.host import HostPool
 from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig
-from kvxfer.pools import HostPool
 from kvxfer.topology import heads_held, sources_for_decode_rank
 
 H, LAYERS, HD, PAGE, STRIDE = 8, 2, 8, 4, 8

@@ -33,8 +33,8 @@ def test_cache_through_pools_continues_generate(model):
     (as decode does after the transfer), continues greedy generation exactly."""
     import torch
 
+    from kvxfer.allocator import PageAllocator
     from kvxfer.cli import hf
-    from kvxfer.pools import PageAllocator
     from kvxfer.topology import heads_held
 
     cfg = hf.HFDemoConfig(model=model, max_prompt=40, gen_len=5)

@@ -34,8 +34,8 @@ from kvxfer import (
     plan_transfer,
 )
 from kvxfer.errors import RequestError, StorageError
+from kvxfer.host import HostPool
 from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig
-from kvxfer.pools import HostPool
 from kvxfer.topology import heads_held, sources_for_decode_rank
 
 PAGE = 4

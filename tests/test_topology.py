@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from kvxfer.allocator import PageAllocator
 from kvxfer.copy import execute_plan
 from kvxfer.errors import PlanError
 from kvxfer.grant import ByteRanges
 from kvxfer.plan import HeadSlice, plan_transfer
-from kvxfer.pools import MHAPool, MLAPool, PageAllocator, StatePool
+from kvxfer.pools import MHAPool, MLAPool, StatePool
 from kvxfer.topology import (
     heads_held,
     sources_for_decode_rank,

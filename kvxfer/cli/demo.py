@@ -66,10 +66,10 @@ def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, o
         import torch
         import torch.distributed as dist
 
+        from ..allocator import PageAllocator
         from ..endpoint.aux import AuxRecord
         from ..endpoint.base import KVPoll
         from ..endpoint.prefill import PrefillEndpoint
-        from ..pools import PageAllocator
         from ..ranks import RankSpec
         from .model import ModelConfig, TPModel, init_weights, shard_weights
 
@@ -121,11 +121,11 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
     try:
         import torch.distributed as dist
 
+        from ..allocator import PageAllocator
         from ..endpoint import KVPoll, reduce_poll
         from ..endpoint.aux import AuxBuffer
         from ..endpoint.decode import DecodeEndpoint
         from ..grant import ByteRanges
-        from ..pools import PageAllocator
         from ..ranks import RankSpec
         from .model import ModelConfig, TPModel, init_weights, shard_weights
 
@@ -189,7 +189,8 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
 
 def reference_tokens(cfg: DemoConfig) -> dict[int, list[int]]:
     """The same model in one process, TP 1: what every request must generate."""
-    from ..pools import MHAPool, PageAllocator
+    from ..allocator import PageAllocator
+    from ..pools import MHAPool
     from .model import ModelConfig, TPModel, init_weights
     m = ModelConfig()
     model = TPModel(m, init_weights(m))

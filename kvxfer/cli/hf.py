@@ -203,10 +203,10 @@ def prefill_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, inbox,
         import torch
         import torch.distributed as dist
 
+        from ..allocator import PageAllocator
         from ..endpoint.aux import AuxRecord
         from ..endpoint.base import KVPoll
         from ..endpoint.prefill import PrefillEndpoint
-        from ..pools import PageAllocator
         from ..ranks import RankSpec
         from ..topology import heads_held
 
@@ -288,11 +288,11 @@ def decode_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, outbox)
         import torch
         import torch.distributed as dist
 
+        from ..allocator import PageAllocator
         from ..endpoint import KVPoll, reduce_poll
         from ..endpoint.aux import AuxBuffer
         from ..endpoint.decode import DecodeEndpoint
         from ..grant import ByteRanges
-        from ..pools import PageAllocator
         from ..ranks import RankSpec
 
         torch.set_num_threads(1)

@@ -63,9 +63,10 @@ import torch.distributed as dist
 
 from ..copy import execute_plan
 from ..errors import LayoutError, PeerError, RequestError
+from ..host import HostPool
 from ..layout import TOKEN
 from ..plan import Planner
-from ..pools import HostPool, KVPool
+from ..pools import KVPool
 from .records import (
     DONE,
     GONE,
