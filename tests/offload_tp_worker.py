@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import kvxfer.offload.manager as offload_mod
+import kvxfer.offload.copier as copier_mod
 from kvxfer import (
     ByteRanges,
     Layout,
@@ -88,7 +88,7 @@ def rank_scenarios(names: list[str], out: Path) -> None:
     if world == 4:
         pairs = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
         groups[2] = pairs[rank // 2]
-    real_copy = offload_mod.execute_plan
+    real_copy = copier_mod.execute_plan
     for name in names:
         rank_scenario(name, out, rank, world, groups, real_copy)
     os._exit(0)   # no teardown: a peer may be dead
@@ -119,7 +119,7 @@ def rank_scenario(name: str, out: Path, rank: int, world: int, groups: dict, rea
             time.sleep(0.03)   # a slow rank: the others must wait for it
         return real_copy(plan, src, dst)
 
-    offload_mod.execute_plan = patched
+    copier_mod.execute_plan = patched
     lengths = {"r0": (5, 30), "r1": (9, 22), "r2": (13, 40)} if name == "step" else {"r0": (3, 20)}
     release_at = {"r0": 20, "r1": 10, "r2": 29} if name == "step" else {"r0": 17}
     toks = {rid: np.arange(b) * 31 + i for i, (rid, (_, b)) in enumerate(lengths.items())}
@@ -173,7 +173,7 @@ def rank_scenario(name: str, out: Path, rank: int, world: int, groups: dict, rea
             log["reload_ok"][f"{k}/{rid}-again"] = found == n and snap(pools[k], again) == before
     write(out, f"{name}-rank{rank}", log)
     for m in mgrs.values():
-        if not m._broken:
+        if not m._tp.broken:
             m.close()
 
 

@@ -20,7 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import kvxfer.offload.manager as offload_mod
+import kvxfer.offload.copier as copier_mod
+import kvxfer.offload.group as group_mod
 from kvxfer import (
     ByteRanges,
     HybridSWAPool,
@@ -211,13 +212,13 @@ def test_shared_prefix_is_stored_once_and_restored():
 
 
 def test_step_does_not_block_on_the_copy(monkeypatch):
-    slow = offload_mod.execute_plan
+    slow = copier_mod.execute_plan
 
     def slow_copy(*args):
         time.sleep(1.0)
         return slow(*args)
 
-    monkeypatch.setattr(offload_mod, "execute_plan", slow_copy)
+    monkeypatch.setattr(copier_mod, "execute_plan", slow_copy)
     pool = POOLS["mha_token_major"]()
     eng = Engine(pool)
     with DecodeOffloadManager(pool, HostPool.for_pool(pool, size=64), OffloadConfig(stride=8)) as mgr:
@@ -300,7 +301,7 @@ def test_copies_keep_no_pool_alive():
     host = HostPool.for_pool(pool, size=16)
     slots = host.alloc({"token": 8})
     plan = Planner(pool.layout, host.layout).plan({"token": np.arange(8, 16)}, slots)
-    offload_mod.execute_plan(plan, pool.regions(), host.regions())
+    copier_mod.execute_plan(plan, pool.regions(), host.regions())
     alive = [weakref.ref(t) for t in host.regions()]
     before = len(plan_mod._REGION_VIEWS)
     del host
@@ -591,7 +592,7 @@ def test_group_must_be_cpu_capable(monkeypatch):
     pool = POOLS["mha_token_major"]()
     host = HostPool.for_pool(pool, size=64)
     nccl = object()
-    monkeypatch.setattr(offload_mod.dist, "get_backend", lambda g=None: "nccl" if g is nccl else "gloo")
+    monkeypatch.setattr(group_mod.dist, "get_backend", lambda g=None: "nccl" if g is nccl else "gloo")
     with pytest.raises(LayoutError, match=r"backend is 'nccl'.*new_group\(tp_ranks, backend='gloo'\)"):
         DecodeOffloadManager(pool, host, OffloadConfig(stride=8), group=nccl)
     with pytest.raises(LayoutError, match="not a torch.distributed process group"):
