@@ -16,7 +16,7 @@ executor/<pool>/<path>  every pool layout, plan GPU->GPU, GPU->pinned (layer-fir
                         page-first host layouts) and pinned->GPU: byte-exact; GPU->GPU
                         bandwidth against one device copy of the same bytes.
 executor/device-threshold  one copy per run vs one gather + scatter, by run size: the
-                        measured crossover for ``kvxfer.copy.DEVICE_COPY_ONE_BY_ONE``.
+                        measured crossover for ``kvxfer.copy_device.DEVICE_COPY_ONE_BY_ONE``.
 pools/<pool>            set_kv_buffer / get_kv_buffer / prefix-valid writes with device slot
                         tensors, byte-exact against a CPU pool; set_kv_buffer captured in a
                         CUDA graph and replayed with new data.
@@ -269,8 +269,8 @@ def check_pool_writes(ctx: Ctx, name: str, make) -> str:
 
 def check_device_threshold(ctx: Ctx) -> str:
     """Runs of one size scattered over 256 MiB: one copy per run vs rows of one gather +
-    scatter, at 64 KiB .. 4 MiB per run; the crossover is copy.DEVICE_COPY_ONE_BY_ONE."""
-    import kvxfer.copy as copy_module
+    scatter, at 64 KiB .. 4 MiB per run; the crossover is copy_device.DEVICE_COPY_ONE_BY_ONE."""
+    import kvxfer.copy_device as copy_module
     from kvxfer.plan import RunGroup, TransferPlan
     total = 256 << 20
     src = torch.randint(0, 256, (total,), dtype=torch.uint8, device=ctx.device)

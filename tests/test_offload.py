@@ -296,7 +296,7 @@ def test_copies_keep_no_pool_alive():
     import gc
     import weakref
 
-    from kvxfer import copy as plan_mod
+    from kvxfer import copy_host as plan_mod
     pool = POOLS["mha_token_major"]()
     host = HostPool.for_pool(pool, size=16)
     slots = host.alloc({"token": 8})
