@@ -16,7 +16,7 @@ class HostPool(KVPool):
     """Host memory for a device pool in a host layout; a pool like any other (``layout``,
     ``regions()``), so planners and transports target it unchanged (direct-to-host
     receive registers ``regions()`` with a transport). Pinned when CUDA is present:
-    a plain allocation registered with the driver (``host_buffer``), never a
+    a plain allocation registered with the driver (``kvxfer.pinned.host_buffer``), never a
     ``pin_memory=True`` tensor, which the caching host allocator rounds up to a power of
     two. ``alloc``/``free`` hand out whole host pages per space (page 0 is padding) from
     one ``PageAllocator`` per space; ``close()`` unregisters the memory.
