@@ -2,6 +2,7 @@
 
 The public surface is ``__all__``; see README.md for a tour of the modules.
 """
+from .allocator import PageAllocator
 from .copy import execute_plan
 from .errors import (
     CompatibilityError,
@@ -31,7 +32,7 @@ from .layout import (
     token_major_layout,
 )
 from .plan import WHOLE, HeadSlice, Planner, TransferPlan, plan_transfer
-from .pools import HybridSWAPool, KVPool, MHAPool, MLAPool, PageAllocator, StatePool
+from .pools import HybridSWAPool, KVPool, MHAPool, MLAPool, StatePool
 from .transport.base import Arrival, TransferHandle, Transport
 from .transport.registry import available_transports, get_transport
 
@@ -60,7 +61,7 @@ _LAZY = {
     "KVPoll": "endpoint", "Timeouts": "endpoint", "AuxRecord": "endpoint", "AuxBuffer": "endpoint",
     "reduce_poll": "endpoint", "Outcome": "endpoint", "LocalGroup": "endpoint", "PrefillEndpoint": "endpoint",
     "KVSender": "endpoint", "BootstrapConfig": "control.bootstrap", "RankInfo": "ranks",
-    "DecodeEndpoint": "endpoint", "KVReceiver": "endpoint", "HostPool": "pools", "DecodeOffloadManager": "offload",
+    "DecodeEndpoint": "endpoint", "KVReceiver": "endpoint", "HostPool": "host", "DecodeOffloadManager": "offload",
 }
 
 

@@ -242,7 +242,8 @@ def _scale_regions(ids, heads, dims, space: Space, scale_block: int | None, firs
     """Per-block fp32 scales, one token-major region per (layer, K/V): ``[slots, heads, dim // block]``."""
     if scale_block is None:
         return [], []
-    regions, parts = [], []
+    regions: list[Region] = []
+    parts: list[Part] = []
     for layer in ids:
         for kind, dim in dims:
             _require(dim % scale_block == 0, f"head dim {dim} is not a multiple of scale_block {scale_block}")
@@ -261,7 +262,8 @@ def token_major_layout(*, layers: int | Sequence[int], heads: int, head_dim: int
     """Per-layer K and V ``[slots, heads, head_dim]`` (NHD), one region each."""
     ids, dims, es = _layer_ids(layers), _kv_dims(head_dim, v_head_dim), dtype_size(dtype)
     sp = Space(name=space, num_slots=num_slots, page_size=page_size)
-    regions, parts = [], []
+    regions: list[Region] = []
+    parts: list[Part] = []
     for layer in ids:
         for kind, dim in dims:
             hb = dim * es
@@ -279,7 +281,8 @@ def hnd_layout(*, layers: int | Sequence[int], heads: int, head_dim: int, dtype:
     """Per-layer K and V ``[pages, heads, page_size, head_dim]`` (HND), one region each."""
     ids, dims, es = _layer_ids(layers), _kv_dims(head_dim, v_head_dim), dtype_size(dtype)
     sp = Space(name=space, num_slots=num_pages * page_size, page_size=page_size)
-    regions, parts = [], []
+    regions: list[Region] = []
+    parts: list[Part] = []
     for layer in ids:
         for kind, dim in dims:
             hb = dim * es
@@ -324,7 +327,7 @@ def mla_layout(*, layers: int | Sequence[int], kv_lora_rank: int, rope_dim: int,
         parts = tuple(Part(layer=layer, kind="kv", space=space, region=0, base=i * chunk,
                            page_stride=len(ids) * chunk, token_stride=hb, heads=1, head_stride=hb, head_bytes=hb,
                            dtype=dtype) for i, layer in enumerate(ids))
-        regions = (Region(name="pages", nbytes=sp.num_pages * len(ids) * chunk),)
+        regions: tuple[Region, ...] = (Region(name="pages", nbytes=sp.num_pages * len(ids) * chunk),)
     else:
         parts = tuple(Part(layer=layer, kind="kv", space=space, region=i, base=0, page_stride=chunk,
                            token_stride=hb, heads=1, head_stride=hb, head_bytes=hb, dtype=dtype)
@@ -393,7 +396,9 @@ def host_layout(device: Layout, style: str, num_slots: int | Mapping[str, int]) 
                  (for MHA: ``(K|V, pages, layer, page_size, heads, dim)``).
     """
     _require(style in HOST_STYLES, f"host layout style {style!r} is not one of {HOST_STYLES}")
-    regions, parts, spaces = [], [], []
+    regions: list[Region] = []
+    parts: list[Part] = []
+    spaces: list[Space] = []
     for dsp in device.spaces:
         n = num_slots if isinstance(num_slots, int) else num_slots.get(dsp.name)
         _require(n is not None, f"host layout: no num_slots given for space {dsp.name!r}")

@@ -364,7 +364,7 @@ class Planner:
             if len(s) != len(d):
                 raise PlanError(f"space {s_space}: {len(s)} src slots vs {len(d)} dst slots")
             slots[(s_space, d_space)] = (s, d)
-        row_sets = []
+        row_sets: list[tuple] = []
         for g in self._geoms:
             s, d = slots[(g.src_space, g.dst_space)]
             if len(s):
@@ -406,3 +406,20 @@ def plan_transfer(src: Layout, src_slots, dst: Layout, dst_slots, *, src_heads: 
     """
     return Planner(src, dst, src_heads=src_heads, dst_heads=dst_heads, layers=layers, kinds=kinds,
                    pack_below=pack_below).plan(src_slots, dst_slots)
+
+
+def check_plan_bounds(plan: TransferPlan, src_sizes: Sequence[int], dst_sizes: Sequence[int]) -> None:
+    """Raise PlanError if any run leaves its region (before any byte moves)."""
+    for g in plan.groups:
+        for side, regs, bases, rows, hs, sizes in (
+                ("src", g.src_region, g.src_base, g.row_src, g.src_head_stride, src_sizes),
+                ("dst", g.dst_region, g.dst_base, g.row_dst, g.dst_head_stride, dst_sizes)):
+            if len(regs) and (regs.min() < 0 or regs.max() >= len(sizes)):
+                raise PlanError(f"{side} region id outside 0..{len(sizes) - 1}")
+            lim = np.asarray(sizes, np.int64)[regs]
+            lo = bases + (rows.min() if len(rows) else 0)
+            hi = bases + (int((rows + g.row_len).max()) + (g.heads - 1) * hs if len(rows) else 0)
+            if (lo < 0).any() or (hi > lim).any():
+                p = int(np.argmax((lo < 0) | (hi > lim)))
+                raise PlanError(f"{side} run reaches byte {int(hi[p])} of region {int(regs[p])} "
+                                f"which has {int(lim[p])}")

@@ -8,9 +8,9 @@ token-major one does.
 
 Who calls what: the serving engine writes KV with ``set_kv_buffer`` (every forward
 step, possibly inside a CUDA graph), takes slots from ``pool.allocator()`` (a
-``PageAllocator``), and hands ``regions()`` / ``layout`` to kvxfer's transports and
-planner at start-up. ``HostPool`` (offload, direct-to-host receive) is built from
-any pool's layout.
+``PageAllocator``, ``kvxfer.allocator``), and hands ``regions()`` / ``layout`` to kvxfer's
+transports and planner at start-up. ``HostPool`` (``kvxfer.host``: offload, direct-to-host
+receive) is built from any pool's layout; host regions are page-locked by ``kvxfer.pinned``.
 
 Device safety (the write path runs on the engine's stream every step): slots given as
 a torch tensor on the pool's device (the engine's ``out_cache_loc``) stay there: pages
@@ -23,23 +23,22 @@ uploaded once per call. Layouts are computed without allocating (``mha_layout``)
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
+from .allocator import PageAllocator
 from .copy import execute_plan
 from .errors import LayoutError
 from .layout import (
-    HOST_STYLES,
     STATE,
     SWA,
     TOKEN,
     Layout,
     Part,
-    Space,
     hnd_layout,
     host_layout,
     hybrid_swa_layout,
@@ -48,6 +47,7 @@ from .layout import (
     state_layout,
     token_major_layout,
 )
+from .pinned import host_buffer, unregister_all
 from .plan import plan_transfer
 
 # fp8 formats are distinct torch dtypes: an e5m2 tensor is refused by an e4m3 pool. Raw
@@ -56,39 +56,9 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
                 "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2, "uint8": torch.uint8,
                 "int32": torch.int32}
 
-# Host memory is zero-filled (first touch) and registered with the CUDA driver in pieces of
-# this many bytes: bounded work per call, and no caching-allocator rounding (a 300 GiB pinned
-# tensor from ``pin_memory=True`` asks the caching host allocator for 512 GiB).
-HOST_CHUNK = 1 << 30
-
 
 def torch_dtype(dtype: str) -> torch.dtype:
     return TORCH_DTYPES[dtype]
-
-
-def register_host_memory(ptr: int, nbytes: int) -> None:
-    """Page-lock ``[ptr, ptr + nbytes)`` with the CUDA driver (``cudaHostRegister``), as engines
-    in the field do for their host KV pools. Called by ``host_buffer`` once per region."""
-    rc = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    if int(rc) != 0:
-        raise LayoutError(f"cudaHostRegister of {nbytes} bytes failed (error {int(rc)}): lower the HostPool size "
-                          f"or raise the locked-memory limit (ulimit -l)")
-
-
-def unregister_host_memory(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
-def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
-    """A zeroed host byte buffer from a plain allocation (no rounding), touched in
-    ``HOST_CHUNK`` pieces, then registered with the driver as one range when ``pin`` (so one
-    copy may span the whole region). The caller unregisters (``HostPool.close``)."""
-    t = torch.empty(nbytes, dtype=torch.uint8)
-    for a in range(0, nbytes, HOST_CHUNK):
-        t[a: a + HOST_CHUNK].zero_()
-    if pin and nbytes:
-        register_host_memory(t.data_ptr(), nbytes)
-    return t
 
 
 class PagePart(NamedTuple):
@@ -156,7 +126,7 @@ class KVPool:
             self.buffers = [torch.zeros(r.nbytes, dtype=torch.uint8, device=self.device) for r in layout.regions]
             self.pinned = False
         if self.pinned:   # unregistered when the pool goes (or at close())
-            self._unpin = weakref.finalize(self, _unregister_all, [b.data_ptr() for b in self.buffers if b.numel()])
+            self._unpin = weakref.finalize(self, unregister_all, [b.data_ptr() for b in self.buffers if b.numel()])
 
     def close(self) -> None:
         """Unregister pinned memory now (idempotent); the pool must not be used after."""
@@ -190,7 +160,7 @@ class KVPool:
             item[p.region] = p.page_stride
         # A block: parts of one region and page stride whose page 0 lies within one page of
         # the first (lowest) of them. Blocks of two or more parts are pages shared by parts.
-        page_parts = []
+        page_parts: list[list[PagePart]] = []
         for p in sorted(self.layout.parts, key=lambda q: (q.region, q.page_stride, q.base)):
             last = page_parts[-1][-1] if page_parts else None
             if not (last and last.region == p.region and last.page_stride == p.page_stride
@@ -356,23 +326,20 @@ class KVPool:
             execute_plan(plan_transfer(copy.layout, copy.slots, self.layout, dst), copy.regions, self.buffers)
 
 
-def _unregister_all(ptrs: list[int]) -> None:
-    for ptr in ptrs:
-        unregister_host_memory(ptr)
-
-
 def mha_layout(*, layers: int | Sequence[int], heads: int, head_dim: int, dtype: str, num_pages: int,
                page_size: int, layout: str = "token_major", v_head_dim: int | None = None,
                scale_block: int | None = None) -> Layout:
     """The layout of an ``MHAPool`` (no memory allocated): token-major, HND or page-major."""
-    common = dict(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size,
-                  v_head_dim=v_head_dim, scale_block=scale_block)
     if layout == "token_major":
-        return token_major_layout(num_slots=num_pages * page_size, **common)
+        return token_major_layout(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype,
+                                  num_slots=num_pages * page_size, page_size=page_size, v_head_dim=v_head_dim,
+                                  scale_block=scale_block)
     if layout == "hnd":
-        return hnd_layout(num_pages=num_pages, **common)
+        return hnd_layout(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=num_pages,
+                          page_size=page_size, v_head_dim=v_head_dim, scale_block=scale_block)
     if layout == "page_major":
-        return page_major_layout(num_pages=num_pages, **common)
+        return page_major_layout(layers=layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=num_pages,
+                                 page_size=page_size, v_head_dim=v_head_dim, scale_block=scale_block)
     raise LayoutError(f"MHA layout {layout!r} is not one of {MHAPool.LAYOUTS}")
 
 
@@ -429,9 +396,11 @@ class HybridSWAPool(KVPool):
     def __init__(self, *, full_layers: Sequence[int], swa_layers: Sequence[int], heads: int, head_dim: int,
                  dtype: str, num_pages: int, swa_num_pages: int, page_size: int, window: int,
                  layout: str = "token_major", device: str | torch.device = "cpu"):
-        common = dict(heads=heads, head_dim=head_dim, dtype=dtype, page_size=page_size, layout=layout)
-        full = mha_layout(layers=full_layers, num_pages=num_pages, **common)   # layouts only: nothing allocated
-        swa = mha_layout(layers=swa_layers, num_pages=swa_num_pages, **common)
+        # layouts only: nothing allocated
+        full = mha_layout(layers=full_layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=num_pages,
+                          page_size=page_size, layout=layout)
+        swa = mha_layout(layers=swa_layers, heads=heads, head_dim=head_dim, dtype=dtype, num_pages=swa_num_pages,
+                         page_size=page_size, layout=layout)
         self.window = int(window)
         self.full_to_swa = np.zeros(num_pages * page_size, dtype=np.int64)
         super().__init__(hybrid_swa_layout(full, swa), device)
@@ -478,159 +447,5 @@ class HybridSWAPool(KVPool):
         return self.full_to_swa[slots]
 
 
-class PageAllocator:
-    """Whole pages of one slot space; page 0 is padding and never handed out. The one
-    allocator of kvxfer: engines take device slots with it (``pool.allocator()``), and
-    ``HostPool`` keeps one per host space for the offload manager's background thread.
-
-    ``alloc(n)`` returns the slots of the first ``n`` positions of freshly taken pages: ``n``
-    pages' worth of consecutive free pages when there are any (first fit), so a request (or a
-    batch of offload records copied together) is one block and copies as one strided view;
-    otherwise the lowest free pages. ``free`` takes them back; freeing a page twice raises
-    (a grant is released exactly once) and frees nothing. The free count is kept, not
-    recounted: a host pool can hold a million pages and is allocated from on every copy.
-    """
-
-    def __init__(self, num_pages: int, page_size: int):
-        if num_pages < 2:
-            raise LayoutError(f"PageAllocator needs at least 2 pages (page 0 is padding), got {num_pages}")
-        self.page_size, self.num_pages = int(page_size), int(num_pages)
-        self._free = np.ones(num_pages, dtype=bool)
-        self._free[0] = False
-        self._num_free = self.num_pages - 1
-
-    @classmethod
-    def for_space(cls, space: Space) -> "PageAllocator":
-        return cls(space.num_pages, space.page_size)
-
-    @property
-    def free_pages(self) -> int:
-        return self._num_free
-
-    @property
-    def capacity(self) -> int:
-        return self.num_pages - 1
-
-    def pages_for(self, num_tokens: int) -> int:
-        return -(-int(num_tokens) // self.page_size)
-
-    def take(self, need: int) -> np.ndarray | None:
-        """``need`` free pages (first fit of a free block, else the lowest), or None (nothing taken)."""
-        if need > self._num_free:
-            return None
-        if need == 0:
-            return np.zeros(0, np.int64)
-        edges = np.flatnonzero(np.diff(self._free.view(np.int8), prepend=np.int8(0), append=np.int8(0)))
-        starts, ends = edges[0::2], edges[1::2]   # free blocks [start, end)
-        fits = np.flatnonzero(ends - starts >= need)
-        pages = (np.arange(starts[fits[0]], starts[fits[0]] + need) if len(fits)
-                 else np.flatnonzero(self._free)[:need])
-        self._free[pages] = False
-        self._num_free -= need
-        return pages
-
-    def slots_of(self, pages: np.ndarray, num_tokens: int) -> np.ndarray:
-        return (pages[:, None] * self.page_size + np.arange(self.page_size)).ravel()[:num_tokens]
-
-    def alloc(self, num_tokens: int) -> np.ndarray | None:
-        """Slots for ``num_tokens`` tokens, or None when not enough pages are free."""
-        pages = self.take(self.pages_for(num_tokens))
-        return None if pages is None else self.slots_of(pages, int(num_tokens))
-
-    def free(self, slots) -> None:
-        pages = np.unique(np.asarray(slots, dtype=np.int64) // self.page_size)
-        if len(pages) == 0:
-            return
-        if pages.min() < 1 or pages.max() >= self.num_pages:
-            raise LayoutError(f"free: page outside 1..{self.num_pages - 1}")
-        if self._free[pages].any():
-            raise LayoutError(f"free: page {int(pages[self._free[pages]][0])} is already free (double free)")
-        self._free[pages] = True
-        self._num_free += len(pages)
-
-
 __all__ = ["KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator", "CPUCopy",
-           "BufInfos", "PagePart", "torch_dtype", "mha_layout", "host_buffer", "register_host_memory", "HostPool",
-           "STATE"]
-
-
-# ------------------------------------------------------------------------------------
-# Host memory
-# ------------------------------------------------------------------------------------
-class HostPool(KVPool):
-    """Host memory for a device pool in a host layout; a pool like any other (``layout``,
-    ``regions()``), so planners and transports target it unchanged (direct-to-host
-    receive registers ``regions()`` with a transport). Pinned when CUDA is present:
-    a plain allocation registered with the driver (``host_buffer``), never a
-    ``pin_memory=True`` tensor, which the caching host allocator rounds up to a power of
-    two. ``alloc``/``free`` hand out whole host pages per space (page 0 is padding) from
-    one ``PageAllocator`` per space; ``close()`` unregisters the memory.
-
-    Its memory is resident from the start: every byte is zeroed (in ``HOST_CHUNK`` pieces),
-    so no offload pays first-touch page faults."""
-
-    def __init__(self, layout: Layout, *, device_layout: Layout, pin_memory: bool | None = None):
-        super().__init__(layout, "cpu", pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
-        self.device_layout = device_layout
-        self.allocators = {s.name: PageAllocator.for_space(s) for s in layout.spaces}
-
-    @classmethod
-    def for_pool(cls, pool: KVPool, *, layout: str = "layer_first", size: int | Mapping[str, int],
-                 pin_memory: bool | None = None) -> "HostPool":
-        """Host pool for any pool, from its layout alone. ``size``: usable host slots, one int
-        for every space or ``{space: n}``; rounded up to whole pages (plus the padding page)."""
-        if layout not in HOST_STYLES:
-            raise LayoutError(f"HostPool layout {layout!r} is not one of {HOST_STYLES}")
-        sizes = {}
-        for sp in pool.layout.spaces:
-            n = size if isinstance(size, int) else size.get(sp.name)
-            if n is None or n < 1:
-                raise LayoutError(f"HostPool.for_pool: size for space {sp.name!r} must be >= 1 slot, got {n}")
-            sizes[sp.name] = (-(-int(n) // sp.page_size) + 1) * sp.page_size
-        return cls(host_layout(pool.layout, layout, sizes), device_layout=pool.layout, pin_memory=pin_memory)
-
-    def capacity(self, space: str) -> int:
-        a = self.allocators[space]
-        return a.capacity * a.page_size
-
-    def free_slots(self, space: str) -> int:
-        a = self.allocators[space]
-        return a.free_pages * a.page_size
-
-    def alloc(self, tokens: Mapping[str, int]) -> dict[str, np.ndarray] | None:
-        """Slots for ``tokens[space]`` tokens in every space, or None (nothing taken)."""
-        got = self.alloc_many([tokens])
-        return got[0] if got else None
-
-    def fits(self, sizes: Sequence[Mapping[str, int]]) -> int:
-        """How many leading records of ``sizes`` fit in the free pages now (all together)."""
-        left = {s: a.free_pages for s, a in self.allocators.items()}
-        for i, tokens in enumerate(sizes):
-            for s, n in tokens.items():
-                left[s] -= self.allocators[s].pages_for(n)
-            if any(v < 0 for v in left.values()):
-                return i
-        return len(sizes)
-
-    def alloc_many(self, sizes: Sequence[Mapping[str, int]]) -> list[dict[str, np.ndarray]] | None:
-        """Slots for every record of ``sizes`` (whole pages each), taken as one block per space
-        when there is one, so records copied together sit back to back; None if they do not
-        all fit (nothing taken)."""
-        if self.fits(sizes) < len(sizes):
-            return None
-        out: list[dict[str, np.ndarray]] = [{} for _ in sizes]
-        for space in {s for tokens in sizes for s in tokens}:
-            a = self.allocators[space]
-            counts = [int(tokens.get(space, 0)) for tokens in sizes]
-            need = [a.pages_for(n) for n in counts]
-            pages = a.take(sum(need))
-            slots = a.slots_of(pages, len(pages) * a.page_size)   # every slot of those pages, in order
-            first = 0
-            for rec, n, k in zip(out, counts, need):   # a record's slots: a slice (whole pages of its own)
-                rec[space] = slots[first: first + n]
-                first += k * a.page_size
-        return [{s: rec[s] for s in tokens} for rec, tokens in zip(out, sizes)]
-
-    def free(self, slots: Mapping[str, np.ndarray]) -> None:
-        for s, v in slots.items():
-            self.allocators[s].free(v)
+           "BufInfos", "PagePart", "torch_dtype", "mha_layout", "STATE"]

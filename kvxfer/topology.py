@@ -11,7 +11,6 @@ that feeds nobody (a replica) still confirms its requests.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -165,7 +164,7 @@ def peer_sources(p: RankSpec, d: RankSpec) -> list[Source]:
         return [s for s in decode_sources(p, d) if (s.p_tp_rank, s.p_pp_rank) == (p.tp_rank, p.pp_rank)]  # raises
     layers = stage_layers(d.num_layers, p.pp_size, p.pp_rank)
     if d.replicated:
-        picks = [(None, d.tp_rank % p.tp_size)]
+        picks: list[tuple[range | None, int]] = [(None, d.tp_rank % p.tp_size)]
     else:
         heads_held(d.num_kv_heads, p.tp_size, 0)
         picks = _picks(d.num_kv_heads, p.tp_size, d.tp_size, d.tp_rank)

@@ -55,8 +55,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kvxfer import MHAPool, Planner, execute_plan  # noqa: E402
+from kvxfer.host import HostPool  # noqa: E402
 from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig  # noqa: E402
-from kvxfer.pools import HostPool  # noqa: E402
 
 GOAL_BANDWIDTH_X = 0.7    # offload, reload >= this x the ceiling
 GOAL_STEP_X = 1.05        # decode step with offload on <= this x off
@@ -208,7 +208,7 @@ def bench_bandwidth(args, pool, host_style: str) -> dict:
             t_off = time.perf_counter() - t
             moved_off = mgr.stats.bytes_offloaded - before
             assert len(released) == len(reqs) and moved_off == nbytes, (released, moved_off, nbytes)
-            for rid, (toks, slots) in reqs.items():
+            for _toks, slots in reqs.values():
                 pages.release(slots)
             news = {rid: pages.alloc(args.tokens) for rid in reqs}
             for rid in reqs:

@@ -78,16 +78,16 @@ def main() -> None:
         reg = np.zeros(n, np.int64)
         pairs = list(zip(so.tolist(), do.tolist()))
 
-        def one_by_one() -> None:
+        def one_by_one(pairs: list[tuple[int, int]] = pairs, size: int = size) -> None:
             for s, d in pairs:
                 dst[d: d + size].copy_(src[s: s + size])
 
-        def packed() -> None:
+        def packed(reg: np.ndarray = reg, so: np.ndarray = so, do: np.ndarray = do, nb: np.ndarray = nb) -> None:
             block = gather_runs([src], reg, so, nb)
             scatter_runs([dst], reg, do, nb, block)
 
         runs = Runs(reg, so, reg, do, nb, np.zeros(n, bool))
-        t = best_of({"one": one_by_one, "packed": packed, "copy_runs": lambda: copy_runs([src], [dst], runs)},
+        t = best_of({"one": one_by_one, "packed": packed, "copy_runs": lambda runs=runs: copy_runs([src], [dst], runs)},
                     args.reps, sync)
         t1, t2, t3 = t["one"], t["packed"], t["copy_runs"]
         # correctness of the packed path, so the timing is of a real move

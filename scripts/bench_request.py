@@ -154,9 +154,9 @@ def transport_one_way(ctx, a: dict, n: int) -> dict:
 
 def prefill(conn, a: dict) -> None:
     """Serve rooms 0..total-1 in order: one chunk each, as soon as decode's grant arrived."""
+    from kvxfer.allocator import PageAllocator
     from kvxfer.endpoint.base import KVPoll
     from kvxfer.endpoint.prefill import PrefillEndpoint
-    from kvxfer.pools import PageAllocator
     pool = _pool(a, seed=1)
     alloc = PageAllocator(a["pages"], a["page_size"])
     ep = PrefillEndpoint(_spec("prefill", a), pool, transport=a["transport"])
@@ -259,10 +259,10 @@ def thread_floor(ctx, nbytes: int, n: int, gap: float) -> list[float]:
 
 
 def run_requests(ctx, a: dict, inflight: int) -> dict:
+    from kvxfer.allocator import PageAllocator
     from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
     from kvxfer.endpoint.base import KVPoll
     from kvxfer.endpoint.decode import DecodeEndpoint
-    from kvxfer.pools import PageAllocator
     server = BootstrapServer(BootstrapConfig()).start()
     a = {**a, "bootstrap": server.url, "window": max(2 * inflight, 4)}
     mine, theirs = ctx.Pipe()

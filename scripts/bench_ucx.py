@@ -194,7 +194,8 @@ def main() -> None:
             pair.close()
         one_mib = best["run 1 MiB"][0]
         print(f"UCX_TLS={name}  (best of {rounds}; GB/s = 1e9 bytes/s)")
-        print(f"  {'case':26s} {'kvxfer':>7s} {'ceiling':>8s} {'ratio':>6s} {'same pages':>10s} {'ratio':>6s}  ceiling is")
+        print(f"  {'case':26s} {'kvxfer':>7s} {'ceiling':>8s} {'ratio':>6s} {'same pages':>10s} {'ratio':>6s}"
+              "  ceiling is")
         for label, (v, c, raw) in best.items():
             what = "ucx_perftest ucp_put_bw" if label.startswith("run") else "index_select gather, 1 process"
             print(f"  {label:26s} {v:7.3f} {c:8.3f} {v / c:6.2f} {raw:10.3f} {v / raw:6.2f}  {what}")

@@ -16,7 +16,7 @@ executor/<pool>/<path>  every pool layout, plan GPU->GPU, GPU->pinned (layer-fir
                         page-first host layouts) and pinned->GPU: byte-exact; GPU->GPU
                         bandwidth against one device copy of the same bytes.
 executor/device-threshold  one copy per run vs one gather + scatter, by run size: the
-                        measured crossover for ``kvxfer.copy.DEVICE_COPY_ONE_BY_ONE``.
+                        measured crossover for ``kvxfer.copy_device.DEVICE_COPY_ONE_BY_ONE``.
 pools/<pool>            set_kv_buffer / get_kv_buffer / prefix-valid writes with device slot
                         tensors, byte-exact against a CPU pool; set_kv_buffer captured in a
                         CUDA graph and replayed with new data.
@@ -40,12 +40,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import multiprocessing as mp
-import os
-import signal
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -53,124 +49,29 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_check_kit import (  # noqa: E402
+    PAGE,
+    RESULTS,
+    Ctx,
+    cpu_clone,
+    expect,
+    fill,
+    pool_factories,
+    request,
+    run,
+    same,
+    timed,
+)
+from gpu_check_ucx import check_ucx_gpu_gpu, check_ucx_kill_receiver  # noqa: E402
+
 from kvxfer.copy import execute_plan  # noqa: E402
 from kvxfer.grant import ByteRanges  # noqa: E402
+from kvxfer.host import HostPool  # noqa: E402
 from kvxfer.layout import host_layout  # noqa: E402
 from kvxfer.plan import plan_transfer  # noqa: E402
-from kvxfer.pools import HostPool, HybridSWAPool, KVPool, MHAPool, MLAPool, StatePool, torch_dtype  # noqa: E402
+from kvxfer.pools import KVPool, MHAPool, torch_dtype  # noqa: E402
 
-BUDGET_S = 7.5 * 60
 SLEEP_CYCLES = 300_000_000          # torch.cuda._sleep: ~0.15-0.3 s on current GPUs
-RESULTS: list[tuple[str, bool, str]] = []
-
-
-# ------------------------------------------------------------------------------------
-# Running checks
-# ------------------------------------------------------------------------------------
-class Ctx:
-    def __init__(self, device: str, only: str | None):
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.only = only
-        self.deadline = time.monotonic() + BUDGET_S
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-
-
-def run(ctx: Ctx, name: str, fn, *args) -> None:
-    if ctx.only and ctx.only not in name:
-        return
-    if time.monotonic() > ctx.deadline:
-        print(f"SKIP {name}: the {BUDGET_S:.0f} s budget is spent", flush=True)
-        return
-    t0 = time.perf_counter()
-    try:
-        msg = fn(ctx, *args) or ""
-        ok = True
-    except Exception as e:   # a check that raises fails with its reason; the others still run
-        ok, msg = False, f"{type(e).__name__}: {e}"
-        if os.environ.get("GPU_CHECK_TRACE"):
-            traceback.print_exc()
-    RESULTS.append((name, ok, msg))
-    print(f"{'PASS' if ok else 'FAIL'} {name}: {msg} ({time.perf_counter() - t0:.1f} s)", flush=True)
-
-
-def expect(cond: bool, what: str) -> None:
-    if not cond:
-        raise AssertionError(what)
-
-
-# ------------------------------------------------------------------------------------
-# Pools and requests
-# ------------------------------------------------------------------------------------
-PAGE = 16
-
-
-def pool_factories() -> dict:
-    mha = dict(layers=4, heads=8, head_dim=128, num_pages=128, page_size=PAGE)
-    out = {f"mha-{lay}": (lambda dev, lay=lay: MHAPool(**mha, dtype="bfloat16", layout=lay, device=dev))
-           for lay in MHAPool.LAYOUTS}
-    out["mha-page_major-fp8_e4m3-scales"] = lambda dev: MHAPool(**mha, dtype="fp8_e4m3", layout="page_major",
-                                                                scale_block=32, device=dev)
-    out["mha-hnd-fp8_e5m2"] = lambda dev: MHAPool(**mha, dtype="fp8_e5m2", layout="hnd", device=dev)
-    out["mla"] = lambda dev: MLAPool(layers=4, kv_lora_rank=512, rope_dim=64, dtype="bfloat16", num_pages=128,
-                                     page_size=PAGE, device=dev)
-    out["mla-page_major"] = lambda dev: MLAPool(layers=4, kv_lora_rank=512, rope_dim=64, dtype="bfloat16",
-                                                num_pages=128, page_size=PAGE, layout="page_major", device=dev)
-    out["state"] = lambda dev: StatePool(layers=4, conv_blocks=[256, 64, 64], conv_width=4, temporal_heads=8,
-                                         temporal_head_shape=[64, 16], num_slots=64, device=dev)
-    for lay in ("token_major", "page_major"):
-        out[f"hybrid_swa-{lay}"] = (lambda dev, lay=lay: HybridSWAPool(
-            full_layers=[0, 2], swa_layers=[1, 3], heads=8, head_dim=128, dtype="bfloat16", num_pages=128,
-            swa_num_pages=32, page_size=PAGE, window=64, layout=lay, device=dev))
-    return out
-
-
-def fill(pool: KVPool, seed: int) -> KVPool:
-    for i, b in enumerate(pool.buffers):
-        g = torch.Generator(device=b.device).manual_seed(seed * 1000 + i)
-        b.copy_(torch.randint(0, 256, (b.numel(),), dtype=torch.uint8, device=b.device, generator=g))
-    return pool
-
-
-def request(pool: KVPool, n: int, seed: int) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Engine slots of an ``n``-token request (scattered pages) and the plan input per space."""
-    rng = np.random.default_rng(seed)
-    sp = pool.layout.spaces[0]
-    if sp.name == "state":
-        n = min(n, 8)
-    pages = rng.permutation(np.arange(1, sp.num_pages))[: -(-n // sp.page_size)]
-    slots = (pages[:, None] * sp.page_size + np.arange(sp.page_size)).ravel()[:n]
-    if isinstance(pool, HybridSWAPool):
-        w = min(pool.window, n)
-        swa = pool.layout.space("swa")
-        pool.map_swa(slots[n - w:], rng.permutation(np.arange(swa.page_size, swa.num_slots))[:w])
-    by_space = {}
-    for s in pool.layout.spaces:
-        mapped = np.asarray(pool.space_slots(s.name, slots))
-        by_space[s.name] = mapped[mapped != 0]
-    return slots, by_space
-
-
-def cpu_clone(pool: KVPool) -> list[torch.Tensor]:
-    return [b.detach().cpu().clone() for b in pool.buffers]
-
-
-def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return all(torch.equal(x.cpu(), y.cpu()) for x, y in zip(a, b))
-
-
-def timed(ctx: Ctx, fn, repeat: int = 5) -> float:
-    """Seconds per call of ``fn`` (device time when on CUDA)."""
-    fn()
-    ctx.sync()
-    t0 = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    ctx.sync()
-    return (time.perf_counter() - t0) / repeat
 
 
 # ------------------------------------------------------------------------------------
@@ -268,8 +169,8 @@ def check_pool_writes(ctx: Ctx, name: str, make) -> str:
 
 def check_device_threshold(ctx: Ctx) -> str:
     """Runs of one size scattered over 256 MiB: one copy per run vs rows of one gather +
-    scatter, at 64 KiB .. 4 MiB per run; the crossover is copy.DEVICE_COPY_ONE_BY_ONE."""
-    import kvxfer.copy as copy_module
+    scatter, at 64 KiB .. 4 MiB per run; the crossover is copy_device.DEVICE_COPY_ONE_BY_ONE."""
+    import kvxfer.copy_device as copy_module
     from kvxfer.plan import RunGroup, TransferPlan
     total = 256 << 20
     src = torch.randint(0, 256, (total,), dtype=torch.uint8, device=ctx.device)
@@ -442,133 +343,6 @@ def check_zmq_device_arrival(ctx: Ctx) -> str:
         tx.close()
         rx.close()
     return f"{n} packed runs of 4 KiB: bytes in device memory at the arrival"
-
-
-# ------------------------------------------------------------------------------------
-# ucx/*: two processes
-# ------------------------------------------------------------------------------------
-UCX_BYTES = 256 << 20
-
-
-def _ucx_receiver(conn, device: str, nbytes: int) -> None:
-    """Child: a UCX transport with one device region; checks what lands against the pattern."""
-    from kvxfer.transport.registry import get_transport
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    t = get_transport("ucx")
-    dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
-    t.register([dst])
-    conn.send(t.descriptor())
-    while True:
-        cmd, *a = conn.recv()
-        if cmd == "expect":
-            dst.zero_()
-            t.expect(a[0], ByteRanges(*(np.asarray(x, np.int64) for x in a[1])))
-            conn.send("ok")
-        elif cmd == "check":   # (rid, dst offsets, src offsets, lengths): compare with the sender's pattern
-            rid, d_off, s_off, lens = a
-            got, t0 = [], time.monotonic()
-            while not got and time.monotonic() - t0 < 60:
-                got = [x for x in t.arrivals(0.05) if x.request_id == rid]
-            src = _pattern(nbytes, device)
-            ok = bool(got) and got[0].ok
-            for d, s, n in zip(d_off, s_off, lens):
-                ok = ok and torch.equal(dst[d: d + n], src[s: s + n])
-            conn.send(ok)
-        elif cmd == "close":
-            t.close()
-            conn.send("closed")
-            return
-
-
-def _pattern(nbytes: int, device) -> torch.Tensor:
-    g = torch.Generator(device=torch.device(device)).manual_seed(1234)
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=g)
-
-
-def _ucx_plan(kind: str) -> tuple:
-    rng = np.random.default_rng(5)
-    if kind == "whole":
-        s = d = np.zeros(1, np.int64)
-        n = np.array([UCX_BYTES], np.int64)
-    else:
-        size = 65536 if kind == "pages" else 4096
-        count = 2048 if kind == "pages" else 8192
-        s = rng.permutation(UCX_BYTES // size)[:count].astype(np.int64) * size
-        d = rng.permutation(UCX_BYTES // size)[:count].astype(np.int64) * size
-        n = np.full(count, size, np.int64)
-    from kvxfer.plan import RunGroup, TransferPlan
-    z = np.zeros(1, np.int64)
-    return TransferPlan((RunGroup(z, z, z, z, s, d, n, kind == "packed"),)), s, d, n
-
-
-def _spawn_receiver(ctx: Ctx):
-    mpc = mp.get_context("spawn")
-    conn, child = mpc.Pipe()
-    proc = mpc.Process(target=_ucx_receiver, args=(child, str(ctx.device), UCX_BYTES), daemon=True)
-    proc.start()
-    expect(conn.poll(120), "the UCX receiver process did not start")
-    return proc, conn, conn.recv()
-
-
-def check_ucx_gpu_gpu(ctx: Ctx) -> str:
-    from kvxfer.cli.doctor import ucx_report
-    from kvxfer.transport.registry import get_transport
-    rep = ucx_report()
-    tls = set(rep.get("transports", {}))
-    proc, conn, desc = _spawn_receiver(ctx)
-    tx = get_transport("ucx")
-    src = _pattern(UCX_BYTES, ctx.device)
-    tx.register([src])
-    out = [f"UCX transports {sorted(tls)}", f"cuda_ipc {'yes' if 'cuda_ipc' in tls else 'NO'}"]
-    try:
-        peer = tx.connect(desc)
-        for kind in ("whole", "pages", "packed"):
-            plan, s, d, n = _ucx_plan(kind)
-            conn.send(("expect", kind, (np.zeros(len(d), np.int64).tolist(), d.tolist(), n.tolist())))
-            expect(conn.recv() == "ok", "expect failed")
-            ctx.sync()
-            t0 = time.perf_counter()
-            h = tx.submit(peer, kind, plan, timeout=120)
-            expect(h.wait(120), f"{kind}: transfer failed: {getattr(h, 'error', None)}")
-            el = time.perf_counter() - t0
-            conn.send(("check", kind, d.tolist(), s.tolist(), n.tolist()))
-            expect(conn.recv(), f"{kind}: bytes differ at the receiver")
-            flat = torch.empty(int(n.sum()), dtype=torch.uint8, device=ctx.device)
-            t_copy = timed(ctx, lambda flat=flat, m=int(n.sum()): flat.copy_(src[:m]))
-            out.append(f"{kind} {int(n.sum()) / el / 1e9:.1f} GB/s (device copy {int(n.sum()) / t_copy / 1e9:.0f})")
-        expect(not ctx.cuda or "cuda_ipc" in tls or "cuda_copy" in tls, "UCX has no CUDA transport")
-    finally:
-        tx.close()
-        conn.send(("close",))
-        conn.poll(15)
-        proc.join(15)
-    return "; ".join(out)
-
-
-def check_ucx_kill_receiver(ctx: Ctx) -> str:
-    from kvxfer.transport.registry import get_transport
-    proc, conn, desc = _spawn_receiver(ctx)
-    tx = get_transport("ucx", peer_timeout=2.0)
-    src = _pattern(UCX_BYTES, ctx.device)
-    tx.register([src])
-    try:
-        peer = tx.connect(desc)
-        plan, s, d, n = _ucx_plan("pages")
-        conn.send(("expect", "k", (np.zeros(len(d), np.int64).tolist(), d.tolist(), n.tolist())))
-        conn.recv()
-        h = tx.submit(peer, "k", plan, timeout=30)
-        time.sleep(0.02)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join(10)
-        h.wait(30)
-        x = torch.arange(1 << 20, device=ctx.device).float()
-        y = float((x * 2).sum())
-        ctx.sync()
-        expect(y == float(x.sum()) * 2, "the sender's device gives wrong results after the kill")
-    finally:
-        tx.close()
-    return f"transfer ended {h.poll().name} after the kill; sender's CUDA context works"
 
 
 # ------------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ or the fixture factory, in a test module: ``three_hosts = hosts_fixture(3)``.
 What is made, and where traffic can go
 --------------------------------------
 One bridge ``kvxb<pid><k>`` (k: a letter counting instances in this process) in the root
-namespace with no address; per host a veth pair whose root end ``kvxv<pid><k>-<i>`` is a bridge port and whose other end, ``veth0`` inside the
-namespace, holds 10.213.<net>.<i+1>/24. ``lo`` is up in each namespace. IPv6 is off on all of them. No default route
-is added anywhere and the root namespace gets no address or route, so a process in a test
+namespace with no address; per host a veth pair whose root end ``kvxv<pid><k>-<i>`` is a bridge port and
+whose other end, ``veth0`` inside the namespace, holds 10.213.<net>.<i+1>/24. ``lo`` is up in each
+namespace. IPv6 is off on all of them. No default route is added anywhere and the root namespace
+gets no address or route, so a process in a test
 host can reach only the other test hosts and its own loopback.
 
 Teardown always runs: ``__exit__`` (also when the body raised), ``atexit``, and SIGTERM/

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import kvxfer.offload.manager as offload_mod
+import kvxfer.offload.copier as copier_mod
 from kvxfer import (
     ByteRanges,
     Layout,
@@ -51,8 +51,8 @@ from kvxfer import (
     plan_transfer,
 )
 from kvxfer.errors import PeerError
+from kvxfer.host import HostPool
 from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig
-from kvxfer.pools import HostPool
 from kvxfer.topology import heads_held, sources_for_decode_rank
 
 H, LAYERS, HD, PAGE, STRIDE = 8, 2, 8, 4, 8
@@ -88,7 +88,7 @@ def rank_scenarios(names: list[str], out: Path) -> None:
     if world == 4:
         pairs = [dist.new_group([0, 1], backend="gloo"), dist.new_group([2, 3], backend="gloo")]
         groups[2] = pairs[rank // 2]
-    real_copy = offload_mod.execute_plan
+    real_copy = copier_mod.execute_plan
     for name in names:
         rank_scenario(name, out, rank, world, groups, real_copy)
     os._exit(0)   # no teardown: a peer may be dead
@@ -119,7 +119,7 @@ def rank_scenario(name: str, out: Path, rank: int, world: int, groups: dict, rea
             time.sleep(0.03)   # a slow rank: the others must wait for it
         return real_copy(plan, src, dst)
 
-    offload_mod.execute_plan = patched
+    copier_mod.execute_plan = patched
     lengths = {"r0": (5, 30), "r1": (9, 22), "r2": (13, 40)} if name == "step" else {"r0": (3, 20)}
     release_at = {"r0": 20, "r1": 10, "r2": 29} if name == "step" else {"r0": 17}
     toks = {rid: np.arange(b) * 31 + i for i, (rid, (_, b)) in enumerate(lengths.items())}
@@ -173,7 +173,7 @@ def rank_scenario(name: str, out: Path, rank: int, world: int, groups: dict, rea
             log["reload_ok"][f"{k}/{rid}-again"] = found == n and snap(pools[k], again) == before
     write(out, f"{name}-rank{rank}", log)
     for m in mgrs.values():
-        if not m._broken:
+        if not m._tp.broken:
             m.close()
 
 
@@ -182,8 +182,8 @@ def rank_scenario(name: str, out: Path, rank: int, world: int, groups: dict, rea
 # ------------------------------------------------------------------------------------
 def global_kv(n: int) -> dict:
     g = torch.Generator().manual_seed(5)
-    return {(l, k): torch.randint(0, 256, (n, H, HD * 2), dtype=torch.uint8, generator=g)
-            for l in range(LAYERS) for k in "kv"}
+    return {(layer, k): torch.randint(0, 256, (n, H, HD * 2), dtype=torch.uint8, generator=g)
+            for layer in range(LAYERS) for k in "kv"}
 
 
 def wait_for(*paths: Path, timeout: float = 60.0) -> Path:
@@ -205,7 +205,7 @@ def decode_side(transport: str, out: Path) -> None:
     results = []
     for i, (p_tp, d_tp) in enumerate(PAIRS):
         ranks = []
-        for d in range(d_tp):
+        for _ in range(d_tp):
             dpool = MHAPool(layers=LAYERS, heads=H // d_tp, head_dim=HD, dtype="bfloat16", num_pages=16,
                             page_size=PAGE, layout=("hnd", "token_major")[i])
             host = HostPool.for_pool(dpool, layout=("page_first", "layer_first")[i], size=32)
@@ -228,7 +228,7 @@ def decode_side(transport: str, out: Path) -> None:
                                        for _, host, tr, _, g in ranks], use_bin_type=True))
         os.replace(tmp, out / f"{transport}-pair{i}.msgpack")
         ok = []
-        for d, (dpool, host, tr, mgr, grant) in enumerate(ranks):
+        for d, (dpool, _host, tr, mgr, _grant) in enumerate(ranks):
             need = len(sources_for_decode_rank(num_kv_heads=H, p_tp=p_tp, d_tp=d_tp, d_rank=d, num_layers=LAYERS))
             got, deadline = [], time.monotonic() + 30
             while len(got) < need and time.monotonic() < deadline:
@@ -243,8 +243,8 @@ def decode_side(transport: str, out: Path) -> None:
                 mgr.reload(rid, slots)
                 held = heads_held(H, d_tp, d)
                 exact = all(torch.equal(t.contiguous().view(torch.uint8).reshape(n, -1),
-                                        kv[(l, k)][:, held.start:held.stop].reshape(n, -1))
-                            for l in range(LAYERS) for k, t in zip("kv", dpool.get_kv_buffer(l, slots)))
+                                        kv[(layer, k)][:, held.start:held.stop].reshape(n, -1))
+                            for layer in range(LAYERS) for k, t in zip("kv", dpool.get_kv_buffer(layer, slots)))
             ok.append({"landed": landed, "untouched": untouched, "exact": exact, "arrivals": len(got),
                        "rejected": dict(tr.rejected)})
             mgr.close()
@@ -266,9 +266,9 @@ def prefill_side(transport: str, out: Path) -> None:
                            page_size=PAGE, layout="page_major")
             s = PageAllocator(16, PAGE).alloc(n + 4)[4:]
             held = heads_held(H, p_tp, p)
-            for l in range(LAYERS):
-                pool.set_kv_buffer(l, s, *(kv[(l, k)][:, held.start:held.stop].contiguous().view(torch.bfloat16)
-                                           for k in "kv"))
+            for layer in range(LAYERS):
+                pool.set_kv_buffer(layer, s, *(kv[(layer, k)][:, held.start:held.stop].contiguous()
+                                               .view(torch.bfloat16) for k in "kv"))
             tr = get_transport(transport)
             tr.register(pool.regions())
             pools.append(pool), trs.append(tr), pslots.append(s)

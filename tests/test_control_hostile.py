@@ -153,7 +153,8 @@ def test_no_message_kills_the_channel_thread(victim):
 
 VALUES = st.one_of(st.none(), st.booleans(), st.integers(min_value=-(1 << 63), max_value=(1 << 64) - 1),
                    st.floats(allow_nan=True), st.text(max_size=8), st.binary(max_size=24),
-                   st.lists(st.integers(-9, 9), max_size=3), st.dictionaries(st.text(max_size=4), st.integers(-9, 9), max_size=2))
+                   st.lists(st.integers(-9, 9), max_size=3),
+                   st.dictionaries(st.text(max_size=4), st.integers(-9, 9), max_size=2))
 FIELDS = ["i", "re", "info", "nonce", "why", "room", "gen", "kv", "prefix", "state", "aux", "dummy", "swa", "swa_n",
           "meta"]
 MESSAGES = st.fixed_dictionaries({"t": st.one_of(st.sampled_from(["hello", "welcome", "refuse", "req", "ack", "nack",

@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from kvxfer.copy import execute_plan
+from kvxfer.host import HostPool
 from kvxfer.layout import host_layout
 from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig
 from kvxfer.plan import plan_transfer
-from kvxfer.pools import HostPool, KVPool, MHAPool
+from kvxfer.pools import KVPool, MHAPool
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),

@@ -33,8 +33,8 @@ def test_cache_through_pools_continues_generate(model):
     (as decode does after the transfer), continues greedy generation exactly."""
     import torch
 
-    from kvxfer.cli import hf
-    from kvxfer.pools import PageAllocator
+    from kvxfer.allocator import PageAllocator
+    from kvxfer.cli import hf_model as hf
     from kvxfer.topology import heads_held
 
     cfg = hf.HFDemoConfig(model=model, max_prompt=40, gen_len=5)
@@ -46,7 +46,7 @@ def test_cache_through_pools_continues_generate(model):
     for tp in (1, 2, 4, 8):       # 8 > kv_heads: heads replicated
         parts = []
         for rank in range(tp):
-            pool = hf._pool(cfg, tp, rank, "page_major", len(prompt), 1)
+            pool = hf.make_pool(cfg, tp, rank, "page_major", len(prompt), 1)
             slots = PageAllocator(pool.layout.spaces[0].num_pages, cfg.page_size).alloc(len(prompt))
             slots = np.ascontiguousarray(slots[::-1])          # slots in any order
             hf.write_prefill_kv(kv, pool, slots, heads_held(cfg.kv_heads, tp, rank))

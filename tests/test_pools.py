@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvxfer.allocator import PageAllocator
 from kvxfer.copy import execute_plan
 from kvxfer.errors import LayoutError
 from kvxfer.layout import Layout, Part, host_layout
@@ -21,7 +22,6 @@ from kvxfer.pools import (
     KVPool,
     MHAPool,
     MLAPool,
-    PageAllocator,
     StatePool,
     torch_dtype,
 )
@@ -453,7 +453,7 @@ def test_pools_expose_their_pages_and_make_their_allocator() -> None:
     assert isinstance(a, PageAllocator) and (a.num_pages, a.page_size, a.capacity) == (10, PAGE, 9)
     swa = swa_pool("token_major")
     assert (swa.allocator("swa").num_pages, swa.allocator().num_pages) == (6, 16)
-    from kvxfer.pools import HostPool
+    from kvxfer.host import HostPool
     host = HostPool.for_pool(pool, size=12, pin_memory=False)
     assert all(type(x) is PageAllocator for x in host.allocators.values())
     import kvxfer.pools as pools_module
@@ -473,8 +473,8 @@ def test_page_allocator_takes_a_free_block_first() -> None:
 # Host memory: pinned by registration, never by the caching allocator; layouts without memory
 # ------------------------------------------------------------------------------------
 def test_pinned_host_pool_is_a_plain_allocation_registered_with_the_driver(monkeypatch) -> None:
-    import kvxfer.pools as pools_module
-    from kvxfer.pools import HostPool
+    import kvxfer.pinned as pinned_module
+    from kvxfer.host import HostPool
 
     real_zeros, real_empty = torch.zeros, torch.empty
 
@@ -486,9 +486,9 @@ def test_pinned_host_pool_is_a_plain_allocation_registered_with_the_driver(monke
     monkeypatch.setattr(torch, "zeros", no_pin(real_zeros))
     monkeypatch.setattr(torch, "empty", no_pin(real_empty))
     registered, unregistered = [], []
-    monkeypatch.setattr(pools_module, "register_host_memory", lambda ptr, n: registered.append((ptr, n)))
-    monkeypatch.setattr(pools_module, "unregister_host_memory", lambda ptr: unregistered.append(ptr))
-    monkeypatch.setattr(pools_module, "HOST_CHUNK", 4096)   # touched in pieces
+    monkeypatch.setattr(pinned_module, "register_host_memory", lambda ptr, n: registered.append((ptr, n)))
+    monkeypatch.setattr(pinned_module, "unregister_host_memory", lambda ptr: unregistered.append(ptr))
+    monkeypatch.setattr(pinned_module, "HOST_CHUNK", 4096)   # touched in pieces
     host = HostPool.for_pool(mha("page_major", "bfloat16", False)(), size=3000, pin_memory=True)
     assert host.pinned
     assert sorted(registered) == sorted((b.data_ptr(), b.numel()) for b in host.buffers)

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
+from kvxfer.allocator import PageAllocator
 from kvxfer.copy import execute_plan
 from kvxfer.errors import PlanError
 from kvxfer.grant import ByteRanges
 from kvxfer.plan import HeadSlice, plan_transfer
-from kvxfer.pools import MHAPool, MLAPool, PageAllocator, StatePool
+from kvxfer.pools import MHAPool, MLAPool, StatePool
 from kvxfer.topology import (
     heads_held,
     sources_for_decode_rank,
@@ -132,7 +133,7 @@ def test_mla_one_source_per_decode_rank_and_silent_replicas():
 
 def test_pipeline_stages_send_their_layers():
     srcs = sources_for_decode_rank(num_kv_heads=8, p_tp=2, d_tp=1, d_rank=0, num_layers=5, p_pp=2)
-    layers = sorted(l for s in srcs if s.p_tp_rank == 0 for l in s.layers)
+    layers = sorted(layer for s in srcs if s.p_tp_rank == 0 for layer in s.layers)
     assert layers == [0, 1, 2, 3, 4]
     assert stage_layers(5, 2, 0) == (0, 1, 2) and stage_layers(5, 2, 1) == (3, 4)
 

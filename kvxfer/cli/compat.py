@@ -248,9 +248,11 @@ def check_head_slicing(row: Row) -> None:
     for p_tp, d_tp in ((1, 2), (2, 1)):
         p_pools = [_fill(row.make(p_tp), 10 + r) for r in range(p_tp)]
         p_slots = _request(p_pools[0], rng)
+        first = p_pools[0]
         for other in p_pools[1:]:   # every P rank holds the request in the same slots
             if isinstance(other, HybridSWAPool):
-                other.load_swa_map(p_pools[0].full_to_swa)
+                assert isinstance(first, HybridSWAPool)   # every P rank is built by the same row.make
+                other.load_swa_map(first.full_to_swa)
         # The model's whole KV per part, by global head: concatenated over P ranks.
         cells = [_cells(pool, p_slots) for pool in p_pools]
         full = {key: (pos, val if row.replicated else torch.cat([c[key][1] for c in cells], dim=1))
@@ -266,7 +268,7 @@ def check_head_slicing(row: Row) -> None:
                                      src_heads=src.src_heads, dst_heads=src.dst_heads)
                 execute_plan(plan, pool.buffers, dst.buffers)
 
-            def mine(key: tuple[int, str], val: torch.Tensor, d_rank: int = d_rank) -> torch.Tensor:
+            def mine(key: tuple[int, str], val: torch.Tensor, d_rank: int = d_rank, d_tp: int = d_tp) -> torch.Tensor:
                 if row.replicated:
                     return val
                 n = val.shape[1] // d_tp

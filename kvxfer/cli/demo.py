@@ -66,10 +66,10 @@ def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, o
         import torch
         import torch.distributed as dist
 
+        from ..allocator import PageAllocator
         from ..endpoint.aux import AuxRecord
         from ..endpoint.base import KVPoll
         from ..endpoint.prefill import PrefillEndpoint
-        from ..pools import PageAllocator
         from ..ranks import RankSpec
         from .model import ModelConfig, TPModel, init_weights, shard_weights
 
@@ -88,8 +88,11 @@ def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, o
             chunk = cfg.chunk_pages * cfg.page_size
             for room, prompt in requests:
                 slots = alloc.alloc(len(prompt))
-                sender = ep.sender(room, on_release=lambda outcome, slots=slots: (lock.acquire(), freed.append(slots),
-                                                                             lock.release()))
+
+                def on_release(outcome, slots=slots) -> None:
+                    with lock:
+                        freed.append(slots)
+                sender = ep.sender(room, on_release=on_release)
                 for start in range(0, len(prompt), chunk):
                     end = min(start + chunk, len(prompt))
                     x = model.forward_layer_range(model.embed(prompt[start:end]), torch.arange(start, end),
@@ -118,11 +121,11 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
     try:
         import torch.distributed as dist
 
+        from ..allocator import PageAllocator
         from ..endpoint import KVPoll, reduce_poll
         from ..endpoint.aux import AuxBuffer
         from ..endpoint.decode import DecodeEndpoint
         from ..grant import ByteRanges
-        from ..pools import PageAllocator
         from ..ranks import RankSpec
         from .model import ModelConfig, TPModel, init_weights, shard_weights
 
@@ -186,7 +189,8 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
 
 def reference_tokens(cfg: DemoConfig) -> dict[int, list[int]]:
     """The same model in one process, TP 1: what every request must generate."""
-    from ..pools import MHAPool, PageAllocator
+    from ..allocator import PageAllocator
+    from ..pools import MHAPool
     from .model import ModelConfig, TPModel, init_weights
     m = ModelConfig()
     model = TPModel(m, init_weights(m))
@@ -232,7 +236,10 @@ def run(cfg: DemoConfig, out=sys.stdout) -> dict:
     ref_box: dict = {}
     ref_thread = threading.Thread(target=lambda: ref_box.update(reference_tokens(cfg)), daemon=True)
     ref_thread.start()
-    results, nbytes, errors, ready, done = {}, 0, [], 0, {"prefill": [], "decode": []}
+    results: dict = {}
+    errors: list[str] = []
+    done: dict[str, list] = {"prefill": [], "decode": []}
+    nbytes, ready = 0, 0
     t_first = None
     deadline = time.monotonic() + DEMO_TIMEOUT
     while len(done["decode"]) < cfg.decode_tp and not errors and time.monotonic() < deadline:

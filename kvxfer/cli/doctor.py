@@ -39,12 +39,13 @@ SYSTEM_UCX_HINT = (f"to use a system UCX with RDMA (built --with-verbs --with-rd
 # ------------------------------------------------------------------------------------
 def torch_report() -> dict:
     import torch
+    devices: list[dict] = []
     out = {"torch": torch.__version__, "cuda_build": torch.version.cuda, "cuda_available": torch.cuda.is_available(),
-           "devices": []}
+           "devices": devices}
     if out["cuda_available"]:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            out["devices"].append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
+            devices.append({"index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
                                    "memory_gib": round(p.total_memory / 2**30, 1)})
         out["driver"] = _driver_version()
     return out

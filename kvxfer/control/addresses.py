@@ -35,7 +35,7 @@ def interface_address(name: str) -> str | None:
 
 def interfaces() -> dict[str, str]:
     """Interface name -> IPv4 address, for every interface that has one."""
-    out = {}
+    out: dict[str, str] = {}
     try:
         names = [n for _, n in socket.if_nameindex()]
     except OSError:
@@ -60,7 +60,7 @@ def is_loopback(host: str, resolve: bool = True) -> bool:
     if not resolve:
         return False
     try:
-        addrs = {ai[4][0] for ai in socket.getaddrinfo(host, None)}
+        addrs = {str(ai[4][0]) for ai in socket.getaddrinfo(host, None)}
     except OSError:
         return False
     return bool(addrs) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addrs)
@@ -68,7 +68,7 @@ def is_loopback(host: str, resolve: bool = True) -> bool:
 
 def routable_address() -> str | None:
     """An IPv4 address of this host that another host can reach (not loopback, not link-local)."""
-    for name, a in sorted(interfaces().items()):
+    for _name, a in sorted(interfaces().items()):
         ip = ipaddress.ip_address(a)
         if not (ip.is_loopback or ip.is_link_local or ip.is_unspecified):
             return a

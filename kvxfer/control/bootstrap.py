@@ -389,7 +389,7 @@ def _error(cls, why: str) -> web.HTTPException:
     return cls(text=json.dumps({"error": why[:2048]}), content_type="application/json", **kw)
 
 
-def _bad(why: str) -> web.HTTPBadRequest:
+def _bad(why: str) -> web.HTTPException:
     return _error(web.HTTPBadRequest, why)
 
 

@@ -31,6 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from typing import cast
 
 import msgpack
 import zmq
@@ -113,7 +114,7 @@ class ControlChannel:
             try:
                 split_address(bind)
                 self._router.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
-                self.bound = self._router.last_endpoint.decode()
+                self.bound = cast(bytes, self._router.last_endpoint).decode()   # pyzmq types sockopts as a union
                 self.address = advertise_address(self.bound, advertise, setting="advertise (the control address)")
             except (zmq.ZMQError, ValueError) as e:
                 self._ctx.destroy(linger=0)
@@ -343,7 +344,8 @@ class ControlChannel:
             part = sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return None
-        frames, big, oversized = [], 0, False
+        frames: list[bytes] = []
+        big, oversized = 0, False
         while True:
             big += len(part) > SMALL_PART
             oversized |= big > 1

@@ -11,7 +11,7 @@ from ..layout import SWA, Layout, is_hybrid
 from ..plan import Planner
 from ..ranks import RankInfo
 from ..topology import heads_held, peer_sources, stage_layers
-from .messages import MAX_WINDOW   # one bound for the wire and the record
+from .messages import MAX_WINDOW  # one bound for the wire and the record
 
 
 # ------------------------------------------------------------------------------------
@@ -150,16 +150,16 @@ def check_pair(p: RankInfo, d: RankInfo, transport: str | None = None) -> list[s
             dtypes[(a.dtype, b.dtype)].add(key[1])
         if a.head_bytes != b.head_bytes or a.head_dim != b.head_dim:
             dims[(a.head_dim, b.head_dim, a.dtype, b.dtype)].add(key[1])
-    for (a, b), kinds in dtypes.items():
-        out.append(f"dtype of {_names(kinds)}: P {a} vs D {b}: the bytes would be misread")
-    for (a, b, _, _), kinds in dims.items():
-        out.append(f"head_dim of {_names(kinds)}: P {a} vs D {b}: not the same model")
+    for (p_dtype, d_dtype), kinds in dtypes.items():
+        out.append(f"dtype of {_names(kinds)}: P {p_dtype} vs D {d_dtype}: the bytes would be misread")
+    for (p_dim, d_dim, _, _), kinds in dims.items():
+        out.append(f"head_dim of {_names(kinds)}: P {p_dim} vs D {d_dim}: not the same model")
     if out:
         return out
     # What the explicit checks do not name, the planner does.
-    for s in peer_sources(ps, ds):
+    for src in peer_sources(ps, ds):
         try:
-            Planner(pl, dl, src_heads=s.src_heads, dst_heads=s.dst_heads, layers=s.layers)
+            Planner(pl, dl, src_heads=src.src_heads, dst_heads=src.dst_heads, layers=src.layers)
         except PlanError as e:
             out.append(f"P {ps.key} -> D tp{ds.tp_rank}: {e}")
     return out

@@ -165,7 +165,8 @@ class Registry:
             s = i.spec
             present[s.instance].add(s.key)
             sizes[s.instance] = (s.tp_size, s.pp_size, s.dp_size)
-        expected, count, listed = 0, 0, []
+        expected, count = 0, 0
+        listed: list[str] = []
         for inst in sorted(sizes):
             tp, pp, dp = sizes[inst]
             expected += tp * pp * dp

@@ -43,74 +43,32 @@ only their window. Records are keyed by a hash chain over token ids
 (``kvxfer.storage``), shared by requests with the same prefix, and move host -> file
 under LRU. Replicated KV (MLA): each record is stored by one rank of the group, chosen
 from its key; the others keep a *phantom* and receive the bytes by broadcast on reload.
+
+This module keeps the requests and their records; ``copier`` moves the bytes, ``group``
+talks to the TP group, ``config`` holds the settings and result types (re-exported here).
 """
 from __future__ import annotations
 
 import hashlib
-import logging
-import queue
-import threading
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from ..copy import execute_plan
 from ..errors import LayoutError, PeerError, RequestError
-from ..layout import TOKEN
-from ..plan import Planner
-from ..pools import HostPool, KVPool
-from .records import (
-    DONE,
-    GONE,
-    Record,
-    RecordMeta,
-    State,
-    compact_slots,
-    key_seed,
-    page_keys,
-    tail_key,
-)
+from ..host import HostPool
+from ..pools import KVPool
+from .config import HostGrant, OffloadConfig, PollResult, check_ready
+from .copier import Copier, concat_slots
+from .group import TPGroup, check_cpu_group, group_min
+from .records import DONE, GONE, Record, RecordMeta, State, key_seed, page_keys, tail_key
 from .store import FileStore
 from .tiers import OffloadStats, Tiers
 
-log = logging.getLogger("kvxfer.offload")
 EMPTY = np.zeros(0, np.int64)
-MAX_BATCH = 64   # records the background thread copies with one plan
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OffloadConfig:
-    """Per-rank offload settings; validated here, and against the pools by the manager."""
-    stride: int                                   # tokens per offload copy; a multiple of the page size
-    stream_spaces: tuple[str, ...] = (TOKEN,)     # append-only spaces, copied every stride
-    replicated: bool | None = None                # KV identical on every rank (None: layout.kind == "mla")
-    storage_dir: str | None = None                # the file tier; None: a full host pool makes offload wait
-    group_timeout_s: float = 10.0                 # a collective waits this long before the group is broken
-
-    def __post_init__(self):
-        if isinstance(self.stride, bool) or not isinstance(self.stride, int) or self.stride < 1:
-            raise LayoutError(f"OffloadConfig.stride must be a positive int (tokens), got {self.stride!r}")
-        if not self.group_timeout_s > 0:
-            raise LayoutError(f"OffloadConfig.group_timeout_s must be > 0, got {self.group_timeout_s}")
-        object.__setattr__(self, "stream_spaces", tuple(self.stream_spaces))
-
-
-class PollResult(NamedTuple):
-    released: list[str]             # free these requests' device slots now (same list on every rank)
-    failed: list[tuple[str, str]]   # (rid, reason): not offloaded; the device slots are still the engine's
-
-
-class HostGrant(NamedTuple):
-    """Where a direct-to-host receive lands: request ``positions[space]`` go to host ``slots[space]``."""
-    positions: dict[str, np.ndarray]
-    slots: dict[str, np.ndarray]
 
 
 @dataclass(slots=True, eq=False)
@@ -127,36 +85,6 @@ class _Request:
         return self.chunks + ([self.tail] if self.tail is not None else [])
 
 
-def group_min(values: Sequence[int], group, timeout_s: float) -> list[int]:
-    """Element-wise MIN of ``values`` over ``group`` (gloo); raises RuntimeError on a dead or
-    stalled peer within ``timeout_s``."""
-    t = torch.tensor(list(values), dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
-    return t.tolist()
-
-
-def _check_ready(ready) -> None:
-    if ready is not None and not (callable(getattr(ready, "query", None))
-                                  and callable(getattr(ready, "synchronize", None))):
-        raise RequestError(f"ready must have query() and synchronize() (a torch.cuda.Event), got "
-                           f"{type(ready).__name__}")
-
-
-def check_cpu_group(group, who: str) -> None:
-    """Refuse a process group whose collectives cannot take CPU tensors (NCCL): agreement and
-    offload all-reduce small CPU tensors. ``None`` (a single rank) passes."""
-    if group is None:
-        return
-    try:
-        backend = str(dist.get_backend(group))
-    except Exception as e:   # not a process group at all
-        raise LayoutError(f"{who}: group {group!r} is not a torch.distributed process group ({e}): pass "
-                          f"group=torch.distributed.new_group(tp_ranks, backend='gloo')") from None
-    if "gloo" not in backend.lower():
-        raise LayoutError(f"{who}: the TP group's backend is {backend!r}, which cannot reduce CPU tensors: pass "
-                          f"a CPU-capable group, group=torch.distributed.new_group(tp_ranks, backend='gloo')")
-
-
 class DecodeOffloadManager:
     """Offload of one decode rank. ``group``: its TP group as a gloo (CPU) process group, or
     None for a single rank. See the module docstring for the calling contract."""
@@ -164,7 +92,8 @@ class DecodeOffloadManager:
     def __init__(self, pool: KVPool, host: HostPool, config: OffloadConfig, *, group=None):
         check_cpu_group(group, "DecodeOffloadManager")
         self.pool, self.host, self.config, self.group = pool, host, config, group
-        self.rank, self.size = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
+        self._tp = TPGroup(group, config.group_timeout_s)
+        self.rank, self.size = self._tp.rank, self._tp.size
         lay = pool.layout
         self.replicated = lay.kind == "mla" if config.replicated is None else bool(config.replicated)
         self.stream = tuple(s.name for s in lay.spaces if s.name in config.stream_spaces)
@@ -182,7 +111,6 @@ class DecodeOffloadManager:
                                   f"OffloadConfig.stride ({config.stride} tokens): give HostPool size >= "
                                   f"{config.stride}")
         self._kps = lay.space(self.stream[0]).page_size if self.stream else 1   # pages of the key chain
-        self._d2h, self._h2d = Planner(lay, host.layout), Planner(host.layout, lay)
         namespace = f"{lay.signature}|" + ("replicated" if self.replicated else f"tp{self.rank}of{self.size}")
         self._seed = key_seed(namespace)
         store = None
@@ -193,15 +121,7 @@ class DecodeOffloadManager:
         self._cond = self.tiers.cond
         self._requests: dict[str, _Request] = {}
         self._releasing: list[str] = []
-        self._broken: str | None = None
-        self._closing = False
-        self._cuda = pool.device.type == "cuda"
-        # offloads and reloads on separate streams: a blocking reload never queues behind offloads
-        self._offload_stream = torch.cuda.Stream(pool.device) if self._cuda else None
-        self._reload_stream = torch.cuda.Stream(pool.device) if self._cuda else None
-        self._queue: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._run, name=f"kvxfer-offload-r{self.rank}", daemon=True)
-        self._worker.start()
+        self._copier = Copier(pool, host, self.tiers, rank=self.rank)
 
     # ---------------------------------------------------------------- engine calls
     def step(self, batch: Iterable[tuple[str, Sequence[int], Sequence[int]]], *, ready=None) -> int:
@@ -210,7 +130,7 @@ class DecodeOffloadManager:
         call; returns how many copies it queued. O(1) per request between stride boundaries.
         ``ready``: completes when this step's KV is written (see the module docstring); the
         queued copies read nothing before it."""
-        _check_ready(ready)
+        check_ready(ready)
         queued = []
         for rid, token_ids, slots in batch:
             req = self._requests.get(rid) or self._requests.setdefault(rid, _Request(rid))
@@ -224,7 +144,7 @@ class DecodeOffloadManager:
         """The engine suspends or finishes ``rid`` and stops writing its KV: queue what is not on
         host yet. Its device slots stay the engine's until ``poll()`` lists it. ``ready``: as
         for ``step`` (the last KV writes of ``rid``)."""
-        _check_ready(ready)
+        check_ready(ready)
         req = self._requests.get(rid) or self._requests.setdefault(rid, _Request(rid))
         if req.phase != "running":
             raise RequestError(f"release: request {rid} is {req.phase}, not running")
@@ -246,13 +166,11 @@ class DecodeOffloadManager:
             votes = [self._vote(self._requests[r]) for r in pending]
         if self.size > 1:
             h = zlib.crc32("\0".join(pending).encode()) & 0x7FFFFFFF
-            head = self._collective(lambda: group_min([len(pending), -len(pending), h, -h], self.group,
-                                                      self.config.group_timeout_s), "release vote")
+            head = self._tp.min([len(pending), -len(pending), h, -h], "release vote")
             if head[0] != -head[1] or head[2] != -head[3]:
-                self._broken = "TP ranks disagree on which requests are being released"
-                raise PeerError(f"{self._broken} (this rank: {pending}); no device slots were released")
-            votes = self._collective(lambda: group_min(votes, self.group, self.config.group_timeout_s),
-                                     "release vote")
+                self._tp.broken = "TP ranks disagree on which requests are being released"
+                raise PeerError(f"{self._tp.broken} (this rank: {pending}); no device slots were released")
+            votes = self._tp.min(votes, "release vote")
         released, failed = [], []
         for rid, v in zip(pending, votes):
             req = self._requests[rid]
@@ -295,7 +213,7 @@ class DecodeOffloadManager:
                     raise LayoutError(f"reload {rid}: no {space!r} slot mapped for positions "
                                       f"{pos[dst[space] == 0][:8].tolist()} (see positions(rid))")
             todo.append((rec, dst))
-        self._load(todo)
+        self._copier.load(todo, self._tp.bcast if self.replicated and self.size > 1 else None)
         req.phase = "running"
 
     def forget(self, rid: str) -> None:
@@ -341,8 +259,7 @@ class DecodeOffloadManager:
             count = n if tail is not None else 0 if self.snapshot else pos
             if self.size == 1 or self.replicated:   # replicated: every rank saw the storers' answers
                 break
-            lo, neg_hi = self._collective(lambda: group_min([count, -count], self.group,
-                                                            self.config.group_timeout_s), "restore vote")
+            lo, neg_hi = self._tp.min([count, -count], "restore vote")
             if lo == -neg_hi:
                 break
             agreed = lo
@@ -372,12 +289,13 @@ class DecodeOffloadManager:
         mine = [r for r in req.records if r.state == State.RECEIVING]
         try:
             for rec in mine:
-                rec.host_slots = self.tiers.alloc(rec.tokens, wait=False, closing=lambda: self._closing)
+                rec.host_slots = self.tiers.alloc(rec.tokens, wait=False, closing=lambda: self._copier.closing)
         except Exception:
             req.phase = "running"
             self.forget(rid)
             raise
-        return HostGrant(self._cat(mine, lambda r: r.positions), self._cat(mine, lambda r: r.host_slots))
+        return HostGrant(concat_slots(self.pool, mine, lambda r: r.positions),
+                         concat_slots(self.pool, mine, lambda r: r.host_slots))
 
     def commit_received(self, rid: str, ok: bool = True) -> None:
         """Every byte of the grant landed (``ok``), or the transfer failed (host slots freed)."""
@@ -402,17 +320,11 @@ class DecodeOffloadManager:
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until no copy is queued or running (tests, benchmarks, shutdown)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
+        return self._copier.drain(timeout)
 
     def close(self) -> None:
         """Stop the background thread (idempotent). Host memory and files stay as they are."""
-        if not self._closing:
-            self._closing = True
-            self._queue.put(None)
-            with self._cond:
-                self._cond.notify_all()
-            self._worker.join(timeout=30)
+        self._copier.close()
 
     def __enter__(self):
         return self
@@ -482,15 +394,7 @@ class DecodeOffloadManager:
                                             src=None if receive else src))
 
     def _enqueue(self, recs: list[Record | None], ready=None) -> int:
-        recs = [r for r in recs if r is not None]
-        if recs:
-            event = ready
-            if event is None and self._cuda:
-                event = torch.cuda.current_stream(self.pool.device).record_event()
-            for rec in recs:
-                rec.event = event
-                self._queue.put(rec)
-        return len(recs)
+        return self._copier.enqueue(recs, ready)
 
     def _vote(self, req: _Request) -> int:
         """1: every record of ``req`` is safe on this rank; 0: not yet; -1: failed."""
@@ -503,130 +407,6 @@ class DecodeOffloadManager:
             raise RequestError(f"request {rid} is not known to this offload manager")
         return self._requests[rid]
 
-    # ---------------------------------------------------------------- copies
-    def _run(self) -> None:
-        """The background thread: device -> host copies in step order. Records queued together
-        (a burst of boundaries, a batch of releases) share one plan and one execution."""
-        carry: list[Record] = []
-        while True:
-            items = carry or [self._queue.get()]
-            carry = []
-            while items[-1] is not None and len(items) < MAX_BATCH:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            recs = [r for r in items if r is not None]
-            try:
-                carry = self._offload(recs)
-            except Exception as e:
-                log.exception("offload of %d records failed", len(recs))
-                with self._cond:
-                    for rec in recs:
-                        if rec.state in (State.QUEUED, State.COPYING):
-                            if rec.host_slots is not None:
-                                self.host.free(rec.host_slots)
-                                rec.host_slots = None
-                            rec.state, rec.error = State.FAILED, f"{type(e).__name__}: {e}"
-            finally:
-                with self._cond:
-                    for _ in range(len(items) - len(carry)):
-                        self._queue.task_done()
-                    self._cond.notify_all()
-            if items[-1] is None:
-                return
-
-    def _offload(self, recs: list[Record]) -> list[Record]:
-        """Copy ``recs`` (those still queued) to host in one plan, into one host allocation:
-        wait for room for the first, take what fits for the others (evicting as needed), and
-        return the rest, for the next round."""
-        queued = [r for r in recs if r.state == State.QUEUED]
-        if not queued:
-            return []
-        got = self.tiers.alloc_many([r.tokens for r in queued], wait=True, closing=lambda: self._closing)
-        todo: list[Record] = []
-        with self._cond:
-            for rec, slots in zip(queued, got):
-                if rec.state != State.QUEUED:   # cancelled by forget() while we waited for room
-                    self.host.free(slots)
-                    continue
-                rec.host_slots, rec.state = slots, State.COPYING
-                todo.append(rec)
-        carry = queued[len(got):]
-        if not todo:
-            return carry
-        plan = self._d2h.plan(self._cat(todo, lambda r: r.src), self._cat(todo, lambda r: r.host_slots))
-        self._copy(plan, self.pool.regions(), self.host.regions(), [r.event for r in todo], self._offload_stream)
-        with self._cond:
-            for rec in todo:
-                rec.src = rec.event = None
-                self.tiers.hold_locked(rec)
-            self.stats.records_offloaded += len(todo)
-            self.stats.bytes_offloaded += plan.nbytes
-        return carry
-
-    def _cat(self, items, side) -> dict[str, np.ndarray]:
-        """Per space of the pool: the slots ``side(item)`` of every item, concatenated."""
-        return {s.name: np.concatenate([side(it).get(s.name, EMPTY) for it in items] or [EMPTY])
-                for s in self.pool.layout.spaces}
-
-    def _copy(self, plan, src, dst, events=(), stream=None) -> None:
-        """Execute ``plan`` once every event of ``events`` completed (the readiness contract):
-        CUDA events are waited for on ``stream`` (the GPU orders the copy after the writes),
-        any other ready object is synchronized here, on the calling thread, first."""
-        events = list({id(e): e for e in events if e is not None}.values())
-        for event in events:
-            if not (self._cuda and isinstance(event, torch.cuda.Event)):
-                event.synchronize()
-        if self._cuda:  # on its own stream, after the steps (or reload) that own the slots
-            with torch.cuda.stream(stream):
-                for event in events:
-                    if isinstance(event, torch.cuda.Event):
-                        stream.wait_event(event)
-                execute_plan(plan, src, dst)
-            stream.synchronize()
-        else:
-            execute_plan(plan, src, dst)
-
-    def _load(self, todo: list[tuple[Record, dict[str, np.ndarray]]]) -> None:
-        """Copy records to device slots: those in host memory with one plan; records on file,
-        and replicated records (broadcast by their storing rank), one by one."""
-        with self._cond:
-            for rec, _ in todo:
-                if rec.state not in DONE:
-                    raise RequestError(f"record {rec.key.hex()} is {rec.state.name}, not offloaded")
-            for rec, _ in todo:   # pinned: never evicted while we read it
-                rec.pins += 1
-                self.tiers.touch_locked(rec)
-            together = [(r, d) for r, d in todo if r.state == State.HOST and not (self.replicated and self.size > 1)]
-        try:
-            event = torch.cuda.current_stream(self.pool.device).record_event() if self._cuda else None
-            if together:
-                plan = self._h2d.plan(self._cat(together, lambda rd: rd[0].host_slots),
-                                      self._cat(together, lambda rd: rd[1]))
-                self._copy(plan, self.host.regions(), self.pool.regions(), [event], self._reload_stream)
-                self.stats.bytes_reloaded += plan.nbytes
-            for rec, dst in todo:
-                if any(rec is r for r, _ in together):
-                    continue
-                F, _, from_f = self.tiers.compact(rec.tokens)
-                if self.replicated and self.size > 1:
-                    regions = (self.tiers.materialize(rec) if rec.storer == self.rank
-                               else [torch.zeros(r.nbytes, dtype=torch.uint8) for r in F.regions])
-                    for t in regions:
-                        self._bcast(t, rec.storer, "reload broadcast")
-                else:
-                    regions = self.tiers.materialize(rec)
-                plan = from_f.plan(compact_slots(F, rec.tokens), dst)
-                self._copy(plan, regions, self.pool.regions(), [event], self._reload_stream)
-                self.stats.bytes_reloaded += plan.nbytes
-            self.stats.records_reloaded += len(todo)
-        finally:
-            with self._cond:
-                for rec, _ in todo:
-                    rec.pins -= 1
-                self._cond.notify_all()
-
     # ---------------------------------------------------------------- the group
     def _find(self, first: bytes, chain: list[bytes] | None = None, pos: int = 0) -> Record | None:
         """A usable record starting with key ``first``. Replicated KV: its storing rank looks and
@@ -637,30 +417,16 @@ class DecodeOffloadManager:
             return found
         blob = found.meta().pack() if found is not None else b""
         n = torch.tensor([len(blob)], dtype=torch.int64)
-        self._bcast(n, storer, "restore broadcast")
+        self._tp.bcast(n, storer, "restore broadcast")
         buf = torch.frombuffer(bytearray(blob), dtype=torch.uint8) if blob else torch.zeros(int(n), dtype=torch.uint8)
         if int(n):
-            self._bcast(buf, storer, "restore broadcast")
+            self._tp.bcast(buf, storer, "restore broadcast")
         if storer == self.rank or not int(n):
             return found
         meta = RecordMeta.unpack(bytes(buf.numpy()))
         with self._cond:
             same = [r for r in self.tiers.index.get(first, ()) if r.key == meta.key and r.state not in GONE]
             return same[0] if same else self.tiers.add_locked(Record.of_meta(meta, State.PHANTOM, storer, False))
-
-    def _bcast(self, t: torch.Tensor, src: int, what: str) -> None:
-        self._collective(lambda: dist.broadcast(t, group=self.group, group_src=src, async_op=True).wait(
-            timeout=timedelta(seconds=self.config.group_timeout_s)), what)
-
-    def _collective(self, fn, what: str):
-        if self._broken:
-            raise PeerError(f"the TP group is broken ({self._broken}); no device slots were released")
-        try:
-            return fn()
-        except Exception as e:  # gloo raises RuntimeError on a dead peer and on its timeout
-            self._broken = f"{what} failed: {type(e).__name__}: {e}"
-            raise PeerError(f"offload {what} over the TP group failed ({e}); no device slots were "
-                            f"released") from e
 
 
 __all__ = ["OffloadConfig", "HostPool", "DecodeOffloadManager", "PollResult", "HostGrant", "OffloadStats",

@@ -53,13 +53,13 @@ class FileStore:
         views = [regions[r][a:b].numpy() for r, a, b in record_spans(layout, tokens)]
         h = hashlib.blake2b(digest_size=16)
         for v in views:
-            h.update(v)
+            h.update(v.data)
         nbytes = sum(v.nbytes for v in views)
         head = {"format": FORMAT, **meta.to_dict(), "layout": layout.to_dict(), "nbytes": nbytes, "digest": h.digest()}
         tmp = self._path(meta.key, f"bin.tmp{os.getpid()}.{threading.get_ident()}")
         with open(tmp, "wb") as f:
             for v in views:
-                f.write(memoryview(v))
+                f.write(v.data)
         os.replace(tmp, self._path(meta.key, "bin"))
         tmpm = tmp.with_suffix(".mtmp")
         tmpm.write_bytes(msgpack.packb(head, use_bin_type=True))

@@ -41,9 +41,9 @@ import torch
 
 from ..copy import execute_plan
 from ..errors import LayoutError, RequestError, StorageError
+from ..host import HostPool
 from ..layout import Layout, restrict_layout
 from ..plan import Planner
-from ..pools import HostPool
 from .records import DONE, Record, State, compact_layout, compact_slots
 from .store import FileStore
 

@@ -1,0 +1,195 @@
+"""Host execution of plans: row moves on CPU byte regions, tuned with ``scripts/bench_*``.
+
+A plan group's parts share one row pattern (``RowMoves``), worked out once and applied to
+cached row views of every region (numpy memcpy of void rows, strided views where rows are
+evenly spaced), so a part costs one copy call, not a planning pass.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .byte_rows import WIDE, element_index, unit_of
+from .plan import RunGroup
+
+# copy_runs (local copies) moves runs shorter than this as rows of one index_select / scatter.
+COPY_ONE_BY_ONE = 1 << 20
+
+# ... in pieces of evenly spaced rows, while a piece averages at least this many bytes.
+PIECE_BYTES = 64 * 1024
+
+
+def copy_rows(s_rows: torch.Tensor, d_rows: torch.Tensor, si: np.ndarray, di: np.ndarray) -> None:
+    """``d_rows[di] = s_rows[si]``, in as few passes as the rows allow (see ``RowMoves``)."""
+    zero = np.zeros(1, np.int64)
+    RowMoves(si, di, d_rows.shape[1] * d_rows.element_size()).apply([s_rows], zero, [d_rows], zero)
+
+
+class RowMoves:
+    """How to do ``d_rows[di] = s_rows[si]``, worked out once and applied to any number of
+    (source, destination) row views: a plan group's parts share one row pattern.
+
+    index_select moves whole rows (memcpy); advanced indexing (``rows[i] = ...``) goes element
+    by element, ~10x slower. Rows that are evenly spaced on one side (in any order: one part's
+    pages in a host pool, mostly consecutive host pages) are a few strided views there and need
+    no staging copy: gather straight into the destination, or scatter straight from the source.
+    """
+    __slots__ = ("gather", "gathers", "scatters")
+
+    def __init__(self, si: np.ndarray, di: np.ndarray, row_bytes: int):
+        # a piece costs one call (~10 us): worth it down to ~64 KiB, a staging pass costs a copy
+        min_rows = max(1, PIECE_BYTES // max(1, row_bytes))
+        order = np.argsort(di, kind="stable")
+        pieces = _pieces(di[order], min_rows)
+        self.gather = pieces is not None
+        self.gathers: list[tuple[np.ndarray, slice]] = []   # (source rows, destination view)
+        self.scatters: list[tuple[slice | np.ndarray, np.ndarray]] = []   # (source view or rows, destination rows)
+        if pieces is not None:
+            self.gathers = [(si[order][a:b], view) for a, b, view in pieces]
+        else:
+            order = np.argsort(si, kind="stable")
+            s_pieces: Sequence[tuple[int, int, slice | None]] = _pieces(si[order], min_rows) or [(0, len(si), None)]
+            if s_pieces[0][2] is None:
+                order = np.arange(len(si))
+            src, dst = si[order], di[order]
+            self.scatters = [(view if view is not None else src[a:b], dst[a:b]) for a, b, view in s_pieces]
+
+    def apply(self, s_rows: Sequence[torch.Tensor], s_base: np.ndarray, d_rows: Sequence[torch.Tensor],
+              d_base: np.ndarray, s_void: Sequence[np.ndarray] | None = None,
+              d_void: Sequence[np.ndarray] | None = None) -> None:
+        """For every part ``p``: ``d_rows[p][d_base[p] + di] = s_rows[p][s_base[p] + si]``.
+
+        ``*_void``: the same rows as numpy void elements (CPU only; made here when not given).
+        A part costs one library call per piece: the indices of every part come from one
+        numpy expression per piece, so 160 parts are 160 copies, not 160 rounds of views
+        and index conversions."""
+        s_dev, d_dev = s_rows[0].device, d_rows[0].device
+        if self.gather:
+            for rows_at, view in self.gathers:
+                idx = _shifted(rows_at, s_base, s_dev)
+                for s, d, db, i in zip(s_rows, d_rows, d_base.tolist(), idx):
+                    out = d[view.start + db: view.stop + db: view.step]
+                    if s_dev == d_dev:
+                        torch.index_select(s, 0, i, out=out)
+                    else:
+                        out.copy_(torch.index_select(s, 0, i), non_blocking=True)
+            return
+        cpu_dst = d_dev.type == "cpu"   # numpy moves a row of void bytes as one memcpy (~2x index_copy_)
+        cpu_both = cpu_dst and s_dev.type == "cpu"
+        if cpu_dst and d_void is None:
+            d_void = [_void_rows(d) for d in d_rows]
+        if cpu_both and s_void is None:
+            s_void = [_void_rows(s) for s in s_rows]
+        for src, dst in self.scatters:
+            s_idx = (None if isinstance(src, slice) else src[None, :] + s_base[:, None] if cpu_both
+                     else _shifted(src, s_base, s_dev))
+            d_idx = dst[None, :] + d_base[:, None] if cpu_dst else _shifted(dst, d_base, d_dev)
+            for p, sb in enumerate(s_base.tolist()):
+                if cpu_both:   # numpy on both sides
+                    d_void[p][d_idx[p]] = (s_void[p][src.start + sb: src.stop + sb: src.step] if isinstance(src, slice)
+                                           else s_void[p][s_idx[p]])
+                    continue
+                s = s_rows[p]
+                rows = (s[src.start + sb: src.stop + sb: src.step] if isinstance(src, slice)
+                        else torch.index_select(s, 0, s_idx[p]))
+                if cpu_dst:
+                    d_void[p][d_idx[p]] = _void_rows(rows.cpu())
+                else:
+                    d_rows[p].index_copy_(0, d_idx[p], rows.to(d_dev))
+
+
+def _shifted(index: np.ndarray, bases: np.ndarray, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``index + bases[p]`` for every part ``p``, as index tensors on ``device``: one array
+    expression and one transfer for the whole group."""
+    return torch.from_numpy(np.ascontiguousarray(index[None, :] + bases[:, None])).to(device).unbind(0)
+
+
+_REGION_VIEWS: dict[int, tuple] = {}   # id(region tensor) -> (weakref, data_ptr, numel, views)
+_ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _views_of(t: torch.Tensor) -> dict:
+    """The cache of region ``t``: ``{(unit,): width, (unit, size): rows, (unit, size, "void"): ...}``."""
+    entry = _REGION_VIEWS.get(id(t))
+    if entry is None or entry[0]() is not t or entry[1] != t.data_ptr() or entry[2] != t.numel():
+        ident = id(t)
+
+        def forget(_: object) -> None:
+            _REGION_VIEWS.pop(ident, None)
+        entry = (weakref.ref(t, forget), t.data_ptr(), t.numel(), {})
+        _REGION_VIEWS[ident] = entry
+    return entry[3]
+
+
+def _width(unit: int, t: torch.Tensor, views: dict) -> int:
+    """Widest element (bytes) that rows of ``unit`` bytes of ``t`` allow (alignment)."""
+    size = views.get((unit,))
+    if size is None:
+        size = views[(unit,)] = next((s for s, _ in WIDE if unit % s == 0 and t.data_ptr() % s == 0
+                                      and t.storage_offset() % s == 0), 1)
+    return size
+
+
+def _region_rows(t: torch.Tensor, unit: int, size: int, views: dict) -> torch.Tensor:
+    """Region ``t`` (1-D uint8) as ``[rows, unit // size]`` elements of ``size`` bytes."""
+    rows = views.get((unit, size))
+    if rows is None:
+        rows = views[(unit, size)] = torch.empty(0, dtype=_ELEMENT[size], device=t.device).set_(
+            t.untyped_storage(), t.storage_offset() // size, (t.numel() // unit, unit // size), (unit // size, 1))
+    return rows
+
+
+def _region_void(t: torch.Tensor, unit: int, size: int, views: dict) -> np.ndarray:
+    """The same rows as numpy void elements of ``unit`` bytes (CPU)."""
+    void = views.get((unit, size, "void"))
+    if void is None:
+        void = views[(unit, size, "void")] = _void_rows(_region_rows(t, unit, size, views))
+    return void
+
+
+def copy_group(g: "RunGroup", src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.Tensor]) -> bool:
+    """Copy a group part by part with its row pattern worked out once: every part shares the
+    rows and only its bases differ, so a part costs a copy call on cached row views, not a
+    planning pass (a token-major pool has two parts per layer). False when the group does not
+    fit this (a head factor, runs of >= COPY_ONE_BY_ONE): ``copy_runs`` then does it."""
+    if g.heads != 1 or not len(g.row_len) or int(g.row_len.max()) >= COPY_ONE_BY_ONE:
+        return False
+    unit = unit_of(g.src_base, g.dst_base, g.row_src, g.row_dst, g.row_len)
+    moves = RowMoves(element_index(g.row_src, g.row_len, unit), element_index(g.row_dst, g.row_len, unit), unit)
+    sides = []
+    for regions, ids in ((src_regions, g.src_region), (dst_regions, g.dst_region)):
+        ts = [regions[r] for r in ids.tolist()]
+        sides.append((ts, [_views_of(t) for t in ts]))
+    # one element width for the whole group: source and destination rows must agree
+    size = min(_width(unit, t, v) for ts, vs in sides for t, v in zip(ts, vs))
+    rows = [[_region_rows(t, unit, size, v) for t, v in zip(ts, vs)] for ts, vs in sides]
+    voids = [[_region_void(t, unit, size, v) for t, v in zip(ts, vs)]   # numpy copies: scatter on CPU only
+             if not moves.gather and ts[0].device.type == "cpu" else None for ts, vs in sides]
+    moves.apply(rows[0], g.src_base // unit, rows[1], g.dst_base // unit, voids[0], voids[1])
+    return True
+
+
+def _pieces(index: np.ndarray, min_rows: int) -> list[tuple[int, int, slice]] | None:
+    """Sorted row ``index`` as evenly spaced pieces ``(first, stop, strided slice)``; None when
+    that would take more than one piece per ``min_rows`` rows (a staged copy is then cheaper)."""
+    n = len(index)
+    if n < 2:
+        return [(0, n, slice(int(index[0]), int(index[0]) + 1))] if n else []
+    gaps = np.diff(index)
+    step = int(gaps.min())   # evenly spaced rows with a few holes: the smallest gap is the spacing
+    cuts = np.flatnonzero(gaps != step) + 1
+    if step < 1 or len(cuts) + 1 > max(4, n // min_rows):
+        return None
+    bounds = np.concatenate(([0], cuts, [n])).tolist()
+    return [(a, b, slice(int(index[a]), int(index[b - 1]) + 1, step)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def _void_rows(rows: torch.Tensor) -> np.ndarray:
+    """A CPU ``[n, k]`` tensor as ``n`` numpy elements of ``k * itemsize`` raw bytes (shares memory)."""
+    return rows.numpy().view(np.dtype((np.void, rows.shape[1] * rows.element_size()))).reshape(-1)
+
+
+__all__ = ["COPY_ONE_BY_ONE", "PIECE_BYTES", "RowMoves", "copy_rows", "copy_group"]
