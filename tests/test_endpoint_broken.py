@@ -11,8 +11,14 @@ from __future__ import annotations
 import time
 
 import pytest
-from test_request_faults import Pair, assert_ended, assert_released_once, assert_remote_clean, decode_states, \
-    prefill_states
+from test_request_faults import (
+    Pair,
+    assert_ended,
+    assert_released_once,
+    assert_remote_clean,
+    decode_states,
+    prefill_states,
+)
 from waiting import until
 
 from kvxfer.control.client import BootstrapClient
