@@ -19,13 +19,18 @@ request_id  the transport's name for one request, ``f"{room}.{gen}"`` (``Transpo
 Who calls what, and when
 ------------------------
 Prefill rank, once at start-up:
-    ``ep = PrefillEndpoint(spec, kv_pool, state=..., transport="zmq")``; ``ep.register(url)``
-    (bootstrap registration + heartbeats). HELLOs from decode ranks are answered on the
-    channel thread: compatibility check, planners per source, ``transport.connect``.
+    ``ep = PrefillEndpoint(spec, kv_pool, state=..., transport="zmq", bind=..., advertise=...,
+    on_request=cb)``; ``ep.register(url)`` (bootstrap registration + heartbeats; refuses, naming
+    the setting, to advertise loopback to a bootstrap on another host). HELLOs from decode ranks
+    are answered on the channel thread: compatibility check, planners per source,
+    ``transport.connect``. ``cb(room, tokens)`` runs when a decode rank asks for a room that has
+    no sender yet (the engine then calls ``sender(room)``).
 Decode rank, once at start-up (blocking, at most ``timeout`` seconds in all; raises
 ``CompatibilityError`` naming every mismatch, ``ConnectError`` otherwise):
     ``ep = DecodeEndpoint(spec, kv_pool, state=..., aux=AuxBuffer(...))``;
-    ``ep.connect(bootstrap=url, instance=..., timeout=60)``.
+    ``ep.connect(bootstrap=url, instance=..., timeout=60)``. Afterwards a recovery thread
+    (``kvxfer.endpoint.recovery``) re-reads the registry on a lost prefill rank, on a failed
+    request and every ``Timeouts.registry`` seconds, and handshakes with a restarted rank.
 Decode scheduler, per request (never blocks):
     ``r = ep.receiver(room, on_release=cb)``     Bootstrapping
     ``r.init(kv_slots, prefix_len=, state_slots=, aux_slot=, swa_slots=)``  after allocating slots:

@@ -510,6 +510,8 @@ class DecodeEndpoint(EndpointBase):
             tell = r.contacts if tell is None else tell
         for key in tell:
             self.channel.send(key, msg, urgent=urgent)
+        if outcome in (Outcome.Failed, Outcome.TimedOut) and self.recovery is not None:
+            later.append(self.recovery.poke)   # a replaced prefill rank shows in the registry: look (rate-bounded)
         nbytes = sum(p.nbytes for p in r.progress.values())
         later.append(lambda: record_request_end(self.role, r.room, outcome, reason, peers=",".join(r.contacts),
                                                 nbytes=nbytes, seconds=r.ended_at - r.created))
