@@ -304,5 +304,8 @@ def parse(argv=None):
 
 
 if __name__ == "__main__":
+    import logging
+    logging.basicConfig(level=os.environ.get("KVXFER_TEST_LOG", "WARNING"), stream=sys.stderr,
+                        format=f"%(asctime)s {sys.argv[2:4]} %(name)s %(levelname)s %(message)s")
     args = parse()
     (bootstrap if args.role == "bootstrap" else serve)(args)

@@ -1,5 +1,5 @@
 """Recovery across test hosts (issue 17): bootstrap in host A, prefill TP 2 page-major in host B,
-decode TP 2 token-major in host C, every rank a real process (``tests/multihost_rank.py``).
+decode TP 1 token-major in host C (pulling from both), every rank a real process (``tests/multihost_rank.py``).
 
 - ``kill -9`` of prefill rank 0 with requests in flight: they fail on every decode rank within
   the heartbeat timeout plus slack, no decode slot leaks, a new request fails at once naming the
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.timeout(600)]
 
 three = hosts_fixture(3)
-P_TP, D_TP = 2, 2
+P_TP, D_TP = 2, 1               # the decode rank pulls from both prefill ranks
 POOL = dict(heads=8, layers=2, head_dim=64, page_size=16, num_pages=64)
 HB = (0.5, 2.0)
 SLACK = 3.0
@@ -86,6 +86,7 @@ def test_prefill_killed_then_restarted_on_a_new_port(three):
     c = start(three)
     try:
         ok(c, 1)
+        free = [d.call("stats")["free_pages"] for d in c["decode"]]   # room 1's slots stay (decoding)
         request(c, 2, send=False)                          # every side bound, waiting for input
         for st in ended(c["decode"], [2], 0.5):
             assert st["2"]["state"] == "WaitingForInput", st
@@ -94,9 +95,9 @@ def test_prefill_killed_then_restarted_on_a_new_port(three):
         for st in ended(c["decode"], [2], HB[1] + SLACK):
             assert st["2"]["state"] == "Failed" and "silent" in st["2"]["reason"], st
         assert time.monotonic() - t0 <= HB[1] + SLACK + 1
-        for d in c["decode"]:                              # no decode slot leaked
+        for d, f in zip(c["decode"], free):                # no decode slot leaked
             s = d.call("stats")
-            assert s["free_pages"] == s["capacity"] and s["releases"].get("2") == 1, s
+            assert s["free_pages"] == f and s["releases"].get("2") == 1, s
         t1 = time.monotonic()
         for d in c["decode"]:                              # a new request fails at once, with the reason
             d.call("receiver", room=3, tokens=40)
