@@ -1,15 +1,19 @@
 """Prefill side: ``PrefillEndpoint`` (one per prefill rank) and ``KVSender`` (one per request).
 
 Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
-    start-up, once: ``PrefillEndpoint(spec, kv_pool, ...)``; ``register(url)`` (bootstrap
-        registration and its heartbeats).
+    start-up, once: ``PrefillEndpoint(spec, kv_pool, bind=..., advertise=..., on_request=cb, ...)``;
+        ``register(url)`` (bootstrap registration and its heartbeats; a loopback address for a
+        bootstrap on another host is refused here, naming the setting).
+    channel thread -> engine: ``cb(room, tokens)`` when a decode rank asks for a room with no
+        sender (outside the endpoint lock; must not block): the engine calls ``sender(room)``.
     scheduler, per request, never blocks on the network: ``sender(room, on_release=cb)``;
         ``send(kv_slots, ..., ready=event)`` per chunk as prefill computes it (a hybrid SWA
         pool's window slots are read from its ``full_to_swa`` at that call); ``poll()``;
         ``cb(outcome)`` once prefill may reuse the KV, then ``kv_releasable`` is True.
     channel thread: ``on_message`` (hello / req / done / abort), ``on_peer_lost``, ``on_tick``
         (every 5 ms while a transfer is open or a chunk waits for its ready event: reaps
-        handles, submits chunks whose event completed; deadlines and leases every 50 ms).
+        handles, submits chunks whose event completed; deadlines and leases every 50 ms),
+        ``on_dead`` (it died of a bug: every sender fails, the rank deregisters, ``broken``).
 
 Readiness: a chunk is submitted to the transport only when the request is bound (every decode
 rank's grant came) and its ``ready`` event's ``query()`` returned True; until then it waits in
