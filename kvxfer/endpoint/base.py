@@ -263,7 +263,7 @@ class RequestBase:
 def on_another_host(host: str) -> bool:
     """True when ``host`` (a bootstrap URL's host) is not this host: not loopback and none of this
     host's interface addresses. Resolves names (start-up only: it may block on DNS)."""
-    if is_loopback(host):
+    if is_loopback(host) or host in WILDCARDS:   # a client reaches a wildcard on its own host
         return False
     try:
         addrs = {ai[4][0] for ai in socket.getaddrinfo(host.strip("[]"), None)}
