@@ -1,4 +1,4 @@
-"""Recovery without restarting decode (issue 17): real processes on 127.0.0.1.
+"""Recovery without restarting decode (issue 17): real processes on 127.0.0.1, over zmq and UCX.
 
 - ``kill -9`` of the prefill rank mid-transfer: the affected requests fail within their
   deadlines, every decode slot comes back once; a new request to the lost rank fails at once
@@ -31,8 +31,8 @@ KEY = "default/dp0/pp0/tp0"
 WAIT, XFER, FAILED = KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Failed
 
 
-def cfg() -> dict:
-    return rp.config("zmq", timeouts=TIMEOUTS, pool={"num_pages": 64}, ttl=2.0)
+def cfg(transport: str) -> dict:
+    return rp.config(transport, timeouts=TIMEOUTS, pool={"num_pages": 64}, ttl=2.0)
 
 
 def same_kv(c: dict, p_slots, d_side: rp.Side, d_slots) -> bool:
@@ -65,8 +65,8 @@ def made():
         t.close() if not isinstance(t, BootstrapServer) else t.stop()
 
 
-def test_prefill_killed_mid_transfer_then_restarted_on_a_new_port(made):
-    c = cfg()
+def test_prefill_killed_mid_transfer_then_restarted_on_a_new_port(made, transport):
+    c = cfg(transport)
     server = BootstrapServer(BootstrapConfig(ttl=2.0)).start()
     made.append(server)
     P = rp.Peer("prefill", {**c, "bootstrap": server.url})
@@ -118,8 +118,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_bootstrap_restarted_ranks_register_again_and_requests_keep_working(made):
-    c = cfg()
+def test_bootstrap_restarted_ranks_register_again_and_requests_keep_working(made, transport):
+    c = cfg(transport)
     port = free_port()
     server = BootstrapServer(BootstrapConfig(port=port, ttl=2.0)).start()
     P = rp.Peer("prefill", {**c, "bootstrap": server.url})
