@@ -50,7 +50,7 @@ import torch
 # --- every kvxfer name this harness uses: update here after a module move ----------------
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
-from kvxfer.endpoint.base import KVPoll, Timeouts
+from kvxfer.endpoint.base import Outcome, Timeouts
 from kvxfer.endpoint.decode import DecodeEndpoint
 from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.grant import ByteRanges
@@ -138,12 +138,12 @@ def serve(a) -> None:
     ever = {}   # room -> its slots, kept after a free (prefill bytes never change: digest works)
 
     def released(room):
-        def cb(req):
+        def cb(outcome: Outcome):
             with lock:
                 releases[room] = releases.get(room, 0) + 1
                 if releases[room] > 1:
                     return
-                if a.role == "prefill" or req.poll() == KVPoll.Failed:
+                if a.role == "prefill" or outcome is not Outcome.Success:
                     if a.role == "decode":
                         fill_canary(pool, slots[room])   # the next owner's bytes
                     alloc.free(slots.pop(room))
@@ -166,7 +166,8 @@ def serve(a) -> None:
         return s
 
     def status(rooms):
-        return {str(r): {"state": reqs[r].poll().name, "outcome": reqs[r].outcome, "reason": reqs[r].reason,
+        return {str(r): {"state": reqs[r].poll().name, "reason": reqs[r].reason,
+                         "outcome": reqs[r].outcome.value if reqs[r].outcome else None,
                          "releases": releases.get(r, 0),
                          "ended_after": round(reqs[r].ended_at - reqs[r].created, 3) if reqs[r].ended_at else None}
                 for r in rooms}
@@ -303,5 +304,8 @@ def parse(argv=None):
 
 
 if __name__ == "__main__":
+    import logging
+    logging.basicConfig(level=os.environ.get("KVXFER_TEST_LOG", "WARNING"), stream=sys.stderr,
+                        format=f"%(asctime)s {sys.argv[2:4]} %(name)s %(levelname)s %(message)s")
     args = parse()
     (bootstrap if args.role == "bootstrap" else serve)(args)

@@ -72,7 +72,7 @@ def timeouts(cfg: dict) -> Timeouts:
     hb = t.get("heartbeat", DEFAULT_HEARTBEAT)
     return Timeouts(bootstrap=t.get("bootstrap", 20.0), waiting=t.get("waiting", 20.0),
                     transfer=t.get("transfer", 20.0), lease=t.get("lease", 20.0), handshake=t.get("handshake", 10.0),
-                    heartbeat=Heartbeat(interval=hb[0], timeout=hb[1]))
+                    registry=t.get("registry", 5.0), heartbeat=Heartbeat(interval=hb[0], timeout=hb[1]))
 
 
 def transport_options(name: str, cfg: dict) -> dict:

@@ -69,6 +69,20 @@ def test_loopback_is_not_advertised_to_another_host():
     assert cli.addresses("lo", None, "http://127.0.0.1:8998") == ("127.0.0.1", "127.0.0.1")   # an interface
 
 
+def test_a_rank_binds_every_interface_and_publishes_the_advertised_address():
+    """The endpoint's own bind/advertise (no rewrite of the record): the control ROUTER binds the
+    wildcard, the record says the advertised address for control and zmq data alike."""
+    rank = serve.Rank(config("--role", "prefill", "--bind", "0.0.0.0", "--advertise", "127.0.0.1", *SMALL))
+    try:
+        info = rank.info()
+        assert rank.ep.channel.bound.startswith("tcp://0.0.0.0:")
+        assert info["control"].startswith("tcp://127.0.0.1:") and info["data"]["zmq"]["endpoint"].startswith(
+            "tcp://127.0.0.1:"), info
+        assert rank.ep.info.control == info["control"]
+    finally:
+        rank.close()
+
+
 def test_place_from_torchrun():
     c = config("--role", "prefill", "--pp-size", "2", env={"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3"})
     assert (c.tp_size, c.tp_rank, c.pp_size, c.pp_rank, c.local_rank) == (2, 1, 2, 1, 3)

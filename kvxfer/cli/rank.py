@@ -38,10 +38,9 @@ must ask for the same rooms (``--room`` / ``room``), as a real scheduler would.
 Addresses: ``--advertise`` (an address, hostname or interface name) is what peers are told,
 ``--bind`` what the sockets bind (default: the advertised address). Without either, the rank
 advertises the address this host uses to reach the bootstrap server. A loopback address is
-refused when the bootstrap is on another host, a wildcard always. The endpoints do not yet
-take an advertise address of their own (issue 17): this module rewrites the host of the
-control and zmq addresses in the rank record it publishes (``rank_serve._Advertised``); delete
-that once the endpoints split bind from advertise.
+refused when the bootstrap is on another host, a wildcard always. The control address is the
+prefill endpoint's own ``bind=`` / ``advertise=``; the zmq data socket binds the advertised
+address when ``--bind`` is a wildcard (the zmq transport advertises what it binds).
 
 This module holds the flags, their checks (``resolve``: ``UsageError`` names the flag and the
 fix) and the addresses; ``kvxfer.cli.rank_serve`` what the running rank does.

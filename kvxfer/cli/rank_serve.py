@@ -4,9 +4,9 @@ A launched rank has no model, so it serves a pattern: every KV byte of a request
 of (seed, room, layer, K/V, global head, token position, byte), the same on every host,
 layout and TP size (``pattern``). ``Rank`` holds the pool, the allocator and the endpoint:
 
-    prefill: ``PatternPrefill`` answers every request decode sends (a worker thread fills the
-             request's slots with the pattern and sends them; a silent replica's dummy request
-             gets an empty last chunk).
+    prefill: answers every request decode sends: the endpoint's ``on_request`` hook queues the
+             room, a worker thread makes the sender, fills the request's slots with the pattern
+             and sends them (a silent replica's dummy request gets an empty last chunk).
     decode:  ``recv`` allocates and requests; the release callback verifies the bytes
              (``verify``) before the slots are freed; ``selftest`` = recv x N + wait.
 
@@ -25,7 +25,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,53 +143,6 @@ def verify(pool, seed: int, room: int, heads: Sequence[int], slots: np.ndarray) 
 # ------------------------------------------------------------------------------------
 # Endpoints as this launcher runs them
 # ------------------------------------------------------------------------------------
-def _readvertise(addr: str, host: str) -> str:
-    if not addr.startswith("tcp://"):
-        return addr
-    return f"tcp://{host}:{addr.rsplit(':', 1)[1]}"
-
-
-class _Advertised:
-    """Publishes ``_advertise`` as the host of the control and zmq data addresses (stopgap until
-    the endpoints take an advertise address themselves)."""
-    _advertise = ""
-
-    @property
-    def info(self):
-        from ..ranks import RankInfo
-        info = super().info   # type: ignore[misc]
-        if not self._advertise:
-            return info
-        data = {name: ({**d, "endpoint": _readvertise(d["endpoint"], self._advertise)}
-                       if isinstance(d.get("endpoint"), str) else d) for name, d in info.data.items()}
-        return RankInfo(spec=info.spec, control=_readvertise(info.control, self._advertise) if info.control else "",
-                        data=data, layout=info.layout, aux_bytes=info.aux_bytes, protocol=info.protocol)
-
-
-def _endpoint_classes():
-    from ..endpoint.decode import DecodeEndpoint
-    from ..endpoint.prefill import PrefillEndpoint
-
-    class PatternPrefill(_Advertised, PrefillEndpoint):
-        """A prefill rank with no scheduler: every request decode sends is answered (``on_request``)."""
-
-        def __init__(self, *a, advertise: str, on_request: Callable[[int, int | None], None], **kw):
-            self._advertise, self._on_request = advertise, on_request
-            super().__init__(*a, **kw)
-
-        def on_message(self, peer: str, msg: dict) -> None:
-            super().on_message(peer, msg)   # a request with no sender yet is kept until the sender comes
-            if msg.get("t") == "req":
-                self._on_request(int(msg["room"]), None if msg.get("dummy") else len(msg.get("kv", b"")) // 8)
-
-    class AdvertisedDecode(_Advertised, DecodeEndpoint):
-        def __init__(self, *a, advertise: str, **kw):
-            self._advertise = advertise
-            super().__init__(*a, **kw)
-
-    return PatternPrefill, AdvertisedDecode
-
-
 class Rank:
     """One running rank: pool, allocator, endpoint, and the commands of ``--serve``."""
 
@@ -222,20 +175,23 @@ class Rank:
         timeouts = timeouts_of(cfg.timeouts, cfg.heartbeat)
         hb = timeouts.heartbeat
         if cfg.transport == "zmq":
-            opts = {"endpoint": f"tcp://{cfg.bind}:{cfg.data_port}", "heartbeat_ivl": hb.interval,
+            # The zmq transport advertises the address it binds (no advertise option yet): a wildcard
+            # --bind puts its data socket on the advertised address, which peers can reach.
+            data_host = cfg.advertise if cfg.bind in ("0.0.0.0", "*") else cfg.bind
+            opts = {"endpoint": f"tcp://{data_host}:{cfg.data_port}", "heartbeat_ivl": hb.interval,
                     "heartbeat_timeout": hb.timeout}
         else:
             opts = {"tls": cfg.ucx_tls, "heartbeat": hb.interval, "peer_timeout": hb.timeout}
-        prefill_cls, decode_cls = _endpoint_classes()
-        common = dict(transport=cfg.transport, transport_options=opts, timeouts=timeouts, secret=cfg.secret,
-                      advertise=cfg.advertise if cfg.advertise != cfg.bind else "")
+        from ..endpoint.decode import DecodeEndpoint
+        from ..endpoint.prefill import PrefillEndpoint
+        common = dict(transport=cfg.transport, transport_options=opts, timeouts=timeouts, secret=cfg.secret)
         if cfg.role == "prefill":
             self._todo: queue.Queue = queue.Queue(MAX_LIVE)
-            self.ep = prefill_cls(self.spec, self.pool, host=cfg.bind, port=cfg.port, on_request=self._queue,
-                                  **common)
+            self.ep = PrefillEndpoint(self.spec, self.pool, bind=f"tcp://{cfg.bind}:{cfg.port}",
+                                      advertise=cfg.advertise or None, on_request=self._queue, **common)
             threading.Thread(target=self._answer_loop, name="kvxfer-rank-answer", daemon=True).start()
         else:
-            self.ep = decode_cls(self.spec, self.pool, **common)
+            self.ep = DecodeEndpoint(self.spec, self.pool, **common)
 
     # -- start-up ------------------------------------------------------------------------
     def start(self) -> None:
@@ -262,7 +218,7 @@ class Rank:
             self.bytes += nbytes
 
     # -- prefill: answer every request with the pattern ------------------------------------
-    def _queue(self, room: int, tokens: int | None) -> None:   # channel thread: must not block
+    def _queue(self, room: int, tokens: int) -> None:   # the endpoint's on_request: must not block
         try:
             self._todo.put_nowait((room, tokens))
         except queue.Full:

@@ -19,13 +19,18 @@ request_id  the transport's name for one request, ``f"{room}.{gen}"`` (``Transpo
 Who calls what, and when
 ------------------------
 Prefill rank, once at start-up:
-    ``ep = PrefillEndpoint(spec, kv_pool, state=..., transport="zmq")``; ``ep.register(url)``
-    (bootstrap registration + heartbeats). HELLOs from decode ranks are answered on the
-    channel thread: compatibility check, planners per source, ``transport.connect``.
+    ``ep = PrefillEndpoint(spec, kv_pool, state=..., transport="zmq", bind=..., advertise=...,
+    on_request=cb)``; ``ep.register(url)`` (bootstrap registration + heartbeats; refuses, naming
+    the setting, to advertise loopback to a bootstrap on another host). HELLOs from decode ranks
+    are answered on the channel thread: compatibility check, planners per source,
+    ``transport.connect``. ``cb(room, tokens)`` runs when a decode rank asks for a room that has
+    no sender yet (the engine then calls ``sender(room)``).
 Decode rank, once at start-up (blocking, at most ``timeout`` seconds in all; raises
 ``CompatibilityError`` naming every mismatch, ``ConnectError`` otherwise):
     ``ep = DecodeEndpoint(spec, kv_pool, state=..., aux=AuxBuffer(...))``;
-    ``ep.connect(bootstrap=url, instance=..., timeout=60)``.
+    ``ep.connect(bootstrap=url, instance=..., timeout=60)``. Afterwards a recovery thread
+    (``kvxfer.endpoint.recovery``) re-reads the registry on a lost prefill rank, on a failed
+    request and every ``Timeouts.registry`` seconds, and handshakes with a restarted rank.
 Decode scheduler, per request (never blocks):
     ``r = ep.receiver(room, on_release=cb)``     Bootstrapping
     ``r.init(kv_slots, prefix_len=, state_slots=, aux_slot=, swa_slots=)``  after allocating slots:
@@ -47,6 +52,10 @@ Prefill scheduler, per request (never blocks on the network):
     ``s.poll()``; ``cb(outcome)`` once prefill may reuse the KV (lease); ``s.kv_releasable``
                                                  turns True after ``cb`` returned
 Either side, any time: ``abort(reason)``, ``failure_exception()``, ``clear()``.
+Either endpoint, any time: ``ep.broken`` (None, or why the endpoint can no longer serve: its
+    control channel thread died of a bug). Then every request it owned has ended Failed with
+    that reason, a prefill rank has deregistered, and ``sender()`` / ``receiver()`` raise
+    ``RequestError`` naming it; ``close()`` still frees everything.
 Each TP group, per scheduler step: ``reduce_poll(states, group)`` (MIN over the group).
 
 Hybrid sliding-window pools (``HybridSWAPool``: full-attention layers in space "token",
@@ -80,12 +89,15 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..control.addresses import interfaces, is_loopback
 from ..control.auth import as_secret
 from ..control.channel import ControlChannel, Heartbeat
 from ..control.compat import layout_record
@@ -93,7 +105,7 @@ from ..errors import LayoutError, PlanError, RequestError
 from ..layout import SWA, Layout, combine_layouts
 from ..plan import Planner
 from ..pools import KVPool
-from ..ranks import RankInfo, RankSpec
+from ..ranks import WILDCARDS, RankInfo, RankSpec, split_address
 from ..transport.base import Transport
 from ..transport.registry import get_transport
 from .aux import AUX_MIN_BYTES
@@ -137,10 +149,11 @@ class Timeouts:
     transfer: float = 30.0      # Transferring: longest time without progress (a chunk or a completion)
     lease: float = 30.0         # prefill holds a request's KV after its end until decode confirms
     handshake: float = 10.0     # at most, one HELLO round trip at start-up (``connect(timeout=)`` caps it)
+    registry: float = 5.0       # decode re-reads the registry at least this often (a replaced prefill rank)
     heartbeat: Heartbeat = field(default_factory=Heartbeat)
 
     def __post_init__(self):
-        for name in ("bootstrap", "waiting", "transfer", "lease", "handshake"):
+        for name in ("bootstrap", "waiting", "transfer", "lease", "handshake", "registry"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"timeout {name} must be > 0 seconds, got {getattr(self, name)}")
 
@@ -245,6 +258,47 @@ class RequestBase:
 
 
 # ------------------------------------------------------------------------------------
+# Addresses that reach
+# ------------------------------------------------------------------------------------
+def on_another_host(host: str) -> bool:
+    """True when ``host`` (a bootstrap URL's host) is not this host: not loopback and none of this
+    host's interface addresses. Resolves names (start-up only: it may block on DNS)."""
+    if is_loopback(host) or host in WILDCARDS:   # a client reaches a wildcard on its own host
+        return False
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host.strip("[]"), None)}
+    except OSError:
+        return True
+    return not addrs & (set(interfaces().values()) | {"127.0.0.1", "::1"})
+
+
+def check_reachable(info: RankInfo, bootstrap: str, *, advertise: str | None = None, bound: str = "") -> None:
+    """Start-up (``PrefillEndpoint.register``, ``DecodeEndpoint.connect``): ValueError, naming the
+    setting to change, when the bootstrap at ``bootstrap`` is on another host and ``info``
+    advertises an address its peers there cannot reach: loopback or a wildcard, for the control
+    address (``advertise=``) or a transport's data ``endpoint`` (``transport_options``)."""
+    host = urllib.parse.urlsplit(bootstrap).hostname
+    if not host or not on_another_host(host):
+        return
+    checks = [(info.control, f"PrefillEndpoint(advertise=) (now {advertise!r}; bound {bound or '?'}; "
+                             f"kvxfer rank --advertise)")] if info.control else []
+    for name, d in info.data.items():
+        ep = d.get("endpoint") if isinstance(d, dict) else None
+        if isinstance(ep, str) and ep.startswith("tcp://"):
+            checks.append((ep, f"transport_options['endpoint'] of the {name} transport (kvxfer rank --bind / "
+                               f"--advertise)"))
+    for address, setting in checks:
+        try:
+            _, h, _ = split_address(address)
+        except ValueError:
+            continue
+        if h in WILDCARDS or is_loopback(h):
+            raise ValueError(f"this {info.spec.role} rank would advertise {address} to the bootstrap {bootstrap} on "
+                             f"another host, which only {'no host' if h in WILDCARDS else 'this host'} can reach: "
+                             f"set {setting} to an address or interface name peers can reach")
+
+
+# ------------------------------------------------------------------------------------
 # Endpoints
 # ------------------------------------------------------------------------------------
 def _swa_window(kv: KVPool) -> int:
@@ -293,7 +347,8 @@ class EndpointBase:
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)   # any request's state moved (see wait(until=))
         self._xport_lock = threading.Lock()   # transports are not promised to be thread-safe
-        self._closed = False
+        self._closed = self._transport_closed = False
+        self.broken: str | None = None        # why the endpoint cannot serve any more (see ``on_dead``)
 
     @contextlib.contextmanager
     def guard(self):
@@ -339,6 +394,47 @@ class EndpointBase:
     def _live(self) -> Sequence[RequestBase]:
         raise NotImplementedError
 
+    # -- a thread that died ------------------------------------------------------------------
+    def on_dead(self, exc: BaseException) -> None:
+        """The control channel's ``on_dead``: its thread ended by an exception (a bug; input never
+        kills it). Called once, on that thread, after its sockets closed. The endpoint breaks."""
+        self.break_endpoint(f"control channel thread died: {exc!r}")
+
+    def break_endpoint(self, why: str) -> None:
+        """A thread this endpoint needs died (``why``): every request it owned ends Failed with the
+        reason, ``broken`` says it, ``_on_broken`` runs (prefill: deregister), and the transport,
+        when this endpoint made it, is closed so that what only ticks would have released (leases,
+        slots a write could still land in) is released now. Any thread; once."""
+        with self.guard() as later:
+            if self.broken is not None or self._closed:
+                return
+            self.broken = why
+            log.error("%s endpoint %s is broken: %s", self.role, self.spec.key, why)
+            for r in list(self._live()):
+                self.end_request(r, Outcome.Failed, f"{self.role} endpoint broken: {why}", later)
+        self._on_broken(why)
+        if self._owns_transport:   # nothing reads or writes the pools any more: release what is held
+            self._close_transport()
+            with self.guard() as later:
+                self._after_close(later)
+
+    def _on_broken(self, why: str) -> None:
+        """Hook, outside the lock, once the endpoint broke (prefill: deregister)."""
+
+    def check_usable(self) -> None:
+        """RequestError, with the reason, when the endpoint is broken or closed (``sender`` / ``receiver``)."""
+        if self.broken is not None:
+            raise RequestError(f"{self.role} endpoint {self.spec.key} is broken: {self.broken}")
+        if self._closed:
+            raise RequestError(f"{self.role} endpoint {self.spec.key} is closed")
+
+    def _close_transport(self) -> None:
+        with self._xport_lock:
+            if self._transport_closed:
+                return
+            self._transport_closed = True
+        self.transport.close()
+
     def close(self) -> None:
         """Fail what is running, stop the threads, close the transport if this endpoint made it."""
         if self._closed:
@@ -350,7 +446,7 @@ class EndpointBase:
         if getattr(self, "channel", None) is not None:
             self.channel.close()
         if self._owns_transport:
-            self.transport.close()
+            self._close_transport()
         with self.guard() as later:
             self._after_close(later)
 
@@ -364,4 +460,5 @@ class EndpointBase:
         self.close()
 
 
-__all__ = ["KVPoll", "END_STATES", "Outcome", "Timeouts", "RequestBase", "EndpointBase", "Clock"]
+__all__ = ["KVPoll", "END_STATES", "Outcome", "Timeouts", "RequestBase", "EndpointBase", "Clock", "check_reachable",
+           "on_another_host"]

@@ -9,7 +9,12 @@ Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
         ``swa_slots=``, the window it keeps) and sends the request; then ``poll()`` / ``wait(t)``;
         ``cb(outcome)`` runs once, after the grant ended, whatever the outcome.
     channel thread: ``on_message`` (ack / nack / abort / fin), ``on_peer_lost``, ``on_tick``
-        (phase deadlines, every 50 ms).
+        (phase deadlines, every 50 ms), ``on_dead`` (the thread died of a bug: the endpoint breaks).
+    recovery thread (``kvxfer.endpoint.recovery``, started by ``connect``): ``known_peers``,
+        ``lost_peers``, ``rejoin`` (a lost or replaced prefill rank: fresh HELLO, new address).
+Lost prefill ranks: a rank that went silent (heartbeats) is lost: its requests fail, and new
+requests to it fail at ``init`` at once, with the reason, until the recovery thread handshook
+with it again (it came back, or its replacement registered, possibly on a new port).
     transport thread (``set_arrival_callback``), or an arrivals thread owned here polling
         ``transport.arrivals()`` where the transport cannot call back: chunk bookkeeping -> Success.
 Ending a request (``end_request``, once) forgets the grant, tells the prefill ranks ("done" or
@@ -34,7 +39,7 @@ from ..control.client import BootstrapClient
 from ..control.compat import require_compatible
 from ..control.handshake import hello
 from ..control.wire import ChunkMeta
-from ..errors import ConnectError, RequestError
+from ..errors import CompatibilityError, ConnectError, RequestError
 from ..grant import ByteRanges
 from ..layout import STATE, SWA
 from ..metrics import record_request_end
@@ -44,7 +49,8 @@ from ..ranks import RankInfo, RankSpec
 from ..topology import aux_source, peers_needed
 from ..transport.base import Arrival, Transport
 from .aux import AUX_BYTES, AuxBuffer, AuxRecord
-from .base import END_STATES, Clock, EndpointBase, KVPoll, Outcome, RequestBase, Timeouts
+from .base import END_STATES, Clock, EndpointBase, KVPoll, Outcome, RequestBase, Timeouts, check_reachable
+from .recovery import REJOIN_HELLO, PeerRecovery
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
@@ -129,8 +135,11 @@ class DecodeEndpoint(EndpointBase):
         self._landing: list[KVReceiver] = []               # ended; puts may still land in their slots
         self._groups: dict[int, dict[str, list]] = {}     # prefill dp rank -> peer key -> sources
         self._grant_planners: dict[str, list[Planner]] = {}
+        self._known: dict[str, RankInfo] = {}              # prefill key -> the record we handshook with
+        self._lost: dict[str, str] = {}                    # prefill key -> why it is lost (no HELLO since)
+        self.recovery: PeerRecovery | None = None
         self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="decode-ctl",
-                                      identity=f"{spec.key}/{uuid.uuid4().hex[:12]}")
+                                      identity=f"{spec.key}/{uuid.uuid4().hex[:12]}", on_dead=self.on_dead)
         self._arrivals: threading.Thread | None = None
         if not self.transport.set_arrival_callback(self._on_arrival):
             self._arrivals = threading.Thread(target=self._arrivals_loop, name="kvxfer-decode-arrivals", daemon=True)
@@ -147,10 +156,13 @@ class DecodeEndpoint(EndpointBase):
         ConnectError."""
         if not timeout > 0:
             raise ValueError(f"connect timeout must be > 0 seconds, got {timeout}")
+        self.check_usable()
         deadline = time.monotonic() + timeout
+        client = None
         if peers is None:
             if bootstrap is None:
                 raise ValueError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
+            check_reachable(self.info, bootstrap)
             client = BootstrapClient(bootstrap, self.secret, timeout=min(5.0, timeout))
             if instance is None:   # several instances: say so now, not after waiting for all of them
                 try:
@@ -187,8 +199,68 @@ class DecodeEndpoint(EndpointBase):
                             for s in sources for kinds in (self.kv_kinds, self.state_kinds)]
                 with self._lock:
                     self._grant_planners[key] = [p for p in planners if p is not None]
+                    self._known[key] = by_key[key]
             with self._lock:
                 self._groups[dp] = group
+        if self.recovery is None:
+            retry = max(1.0, 2 * self.timeouts.heartbeat.interval)
+            self.recovery = PeerRecovery(self, client, instance, self.timeouts.registry, retry).start()
+
+    # -- lost and replaced prefill ranks (recovery thread) -------------------------------------
+    def known_peers(self) -> dict[str, RankInfo]:
+        """Recovery thread: the prefill ranks handshook with, and the record each HELLO went to."""
+        with self._lock:
+            return dict(self._known)
+
+    @property
+    def lost_peers(self) -> dict[str, str]:
+        """Prefill ranks lost (silent, replaced and not handshaken yet), with why. Any thread."""
+        with self._lock:
+            return dict(self._lost)
+
+    def _mark_lost(self, key: str, why: str, later) -> None:
+        """Under the lock: ``key`` is lost; its running requests fail; the recovery thread looks."""
+        self._lost[key] = why
+        for r in [r for r in self._recvs.values() if key in r.contacts]:
+            self.end_request(r, Outcome.Failed, f"prefill rank {key} lost: {why}", later, tell=set(r.contacts) - {key})
+        if self.recovery is not None:
+            later.append(self.recovery.poke)
+
+    def rejoin(self, key: str, info: RankInfo, *, replaced: bool) -> bool:
+        """Recovery thread, blocking (one HELLO, at most ``REJOIN_HELLO`` s): handshake again with
+        prefill rank ``key`` at ``info.control``. ``replaced``: the registry holds a new record for
+        it (a restarted rank), so what ran with the old one fails now. True once it answered;
+        False (it stays lost, with the reason) otherwise. Never raises."""
+        with self.guard() as later:
+            old = self._known.get(key)
+            if old is None or self._closed or self.broken is not None:
+                return False
+            if replaced:
+                self._mark_lost(key, f"was replaced by a new registration (control {info.control})", later)
+        if old.spec != info.spec:
+            why = (f"re-registered with another shape ({info.spec} instead of {old.spec}): restart this decode rank "
+                   f"to pull from it")
+        else:
+            try:
+                require_compatible([(info, self.info)], self.transport.name)
+                self.channel.forget(key)            # a new connection: its replay state, a fresh HELLO
+                self.channel.connect(key, info.control)
+                hello(self.channel, key, self.info, min(self.timeouts.handshake, REJOIN_HELLO))
+                why = ""
+            except (ConnectError, CompatibilityError, ValueError) as e:
+                why = f"a new handshake with {info.control} failed: {e}"
+        with self.guard() as later:
+            if not why:
+                self._known[key] = info
+                if self._lost.pop(key, None) is not None:
+                    log.info("prefill rank %s is back at %s: handshake done", key, info.control)
+                return True
+            if key not in self._lost:
+                self._mark_lost(key, why, later)
+            else:
+                self._lost[key] = why
+            log.info("prefill rank %s is lost: %s", key, why)
+            return False
 
     # -- per request ------------------------------------------------------------------------
     def receiver(self, room: int, *, p_dp_rank: int = 0,
@@ -197,6 +269,7 @@ class DecodeEndpoint(EndpointBase):
         runs exactly once, outside the endpoint lock, after the grant ended and no write of it can
         land any more: on ``Outcome.Success`` the slots hold the KV (keep them for decoding), on
         any other outcome free them there."""
+        self.check_usable()
         with self._lock:
             if p_dp_rank not in self._groups:
                 raise ConnectError(f"not connected to prefill DP group {p_dp_rank}: call connect() first")
@@ -243,10 +316,17 @@ class DecodeEndpoint(EndpointBase):
             raise RequestError(f"prefix_len {prefix_len} must be in 0..{len(kv) - 1}: at least one token moves")
         if aux_slot is not None and (self.aux_buffer is None or not 0 <= aux_slot < len(self.aux_buffer.tensor)):
             raise RequestError(f"aux_slot {aux_slot} is not a row of this endpoint's aux buffer")
-        with self.guard():
+        with self.guard() as later:
             if r.state in END_STATES or r.granted:
                 raise RequestError(f"room {r.room}: init() on a request that is {r.state.name}"
                                    f"{' and already initialised' if r.granted else ''}")
+            lost = [(k, self._lost[k]) for k in r.contacts if k in self._lost]
+            if lost:   # fail at once, not at the bootstrap deadline; nothing granted, nothing sent
+                why = "; ".join(f"prefill rank {k} is lost: {w}" for k, w in lost)
+                self.end_request(r, Outcome.Failed, why, later, tell=())
+                if self.recovery is not None:
+                    later.append(self.recovery.poke)
+                return
             # window token i is request token len(kv) - len(swa) + i; those in the prefix stay as they are
             ranges = self._grant(r, kv[prefix_len:], st, swa[max(prefix_len - (len(kv) - len(swa)), 0):])
             # before the grant: a stale record from an earlier request never shows
@@ -296,7 +376,14 @@ class DecodeEndpoint(EndpointBase):
                                  f"prefill rank {peer}: {msg['why'][:512]}", later, tell=set(r.contacts) - {peer})
 
     def _arrivals_loop(self) -> None:
-        while not self._closed:
+        try:
+            self._arrivals_turns()
+        except BaseException as e:   # a bug: the requests it would have completed fail now, loudly
+            log.exception("decode arrivals thread died")
+            self.break_endpoint(f"arrivals thread died: {e!r}")
+
+    def _arrivals_turns(self) -> None:
+        while not self._closed and self.broken is None:
             t0 = time.monotonic()
             try:
                 got = self.transport.arrivals(timeout=0.05)
@@ -380,9 +467,8 @@ class DecodeEndpoint(EndpointBase):
 
     def on_peer_lost(self, peer: str, why: str) -> None:
         with self.guard() as later:
-            for r in [r for r in self._recvs.values() if peer in r.contacts]:
-                self.end_request(r, Outcome.Failed, f"prefill rank {peer} {why}", later,
-                                 tell=set(r.contacts) - {peer})
+            if peer in self._known:
+                self._mark_lost(peer, why, later)
 
     def _tick(self, now: float, later) -> float:
         if self._landing:
@@ -424,6 +510,8 @@ class DecodeEndpoint(EndpointBase):
             tell = r.contacts if tell is None else tell
         for key in tell:
             self.channel.send(key, msg, urgent=urgent)
+        if outcome in (Outcome.Failed, Outcome.TimedOut) and self.recovery is not None:
+            later.append(self.recovery.poke)   # a replaced prefill rank shows in the registry: look (rate-bounded)
         nbytes = sum(p.nbytes for p in r.progress.values())
         later.append(lambda: record_request_end(self.role, r.room, outcome, reason, peers=",".join(r.contacts),
                                                 nbytes=nbytes, seconds=r.ended_at - r.created))
@@ -437,6 +525,8 @@ class DecodeEndpoint(EndpointBase):
         self._landing = []
 
     def close(self) -> None:
+        if self.recovery is not None:   # first: it uses the channel
+            self.recovery.stop()
         super().close()
         if self._arrivals is not None:
             self._arrivals.join(1.0)

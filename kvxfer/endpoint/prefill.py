@@ -1,15 +1,19 @@
 """Prefill side: ``PrefillEndpoint`` (one per prefill rank) and ``KVSender`` (one per request).
 
 Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
-    start-up, once: ``PrefillEndpoint(spec, kv_pool, ...)``; ``register(url)`` (bootstrap
-        registration and its heartbeats).
+    start-up, once: ``PrefillEndpoint(spec, kv_pool, bind=..., advertise=..., on_request=cb, ...)``;
+        ``register(url)`` (bootstrap registration and its heartbeats; a loopback address for a
+        bootstrap on another host is refused here, naming the setting).
+    channel thread -> engine: ``cb(room, tokens)`` when a decode rank asks for a room with no
+        sender (outside the endpoint lock; must not block): the engine calls ``sender(room)``.
     scheduler, per request, never blocks on the network: ``sender(room, on_release=cb)``;
         ``send(kv_slots, ..., ready=event)`` per chunk as prefill computes it (a hybrid SWA
         pool's window slots are read from its ``full_to_swa`` at that call); ``poll()``;
         ``cb(outcome)`` once prefill may reuse the KV, then ``kv_releasable`` is True.
     channel thread: ``on_message`` (hello / req / done / abort), ``on_peer_lost``, ``on_tick``
         (every 5 ms while a transfer is open or a chunk waits for its ready event: reaps
-        handles, submits chunks whose event completed; deadlines and leases every 50 ms).
+        handles, submits chunks whose event completed; deadlines and leases every 50 ms),
+        ``on_dead`` (it died of a bug: every sender fails, the rank deregisters, ``broken``).
 
 Readiness: a chunk is submitted to the transport only when the request is bound (every decode
 rank's grant came) and its ``ready`` event's ``query()`` returned True; until then it waits in
@@ -55,7 +59,7 @@ from ..ranks import RankSpec
 from ..topology import expected_decode_ranks, peer_sources
 from ..transport.base import TransferHandle, TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRecord
-from .base import END_STATES, Clock, EndpointBase, KVPoll, Outcome, RequestBase, Timeouts
+from .base import END_STATES, Clock, EndpointBase, KVPoll, Outcome, RequestBase, Timeouts, check_reachable
 from .chunks import Chunk, DecodePeer, Target, plan_chunk
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
@@ -109,13 +113,28 @@ class PrefillEndpoint(EndpointBase):
     def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None = None,
                  transport: str | Transport = "zmq", transport_options: Mapping | None = None,
                  timeouts: Timeouts = Timeouts(), secret: str | bytes | None = None, host: str = "127.0.0.1",
-                 port: int = 0, aux_bytes: int = AUX_BYTES, clock: Clock = time.monotonic):
-        """``clock``: seconds, for deadlines and leases (``time.monotonic``; tests pass a manual one)."""
+                 port: int = 0, bind: str | None = None, advertise: str | None = None,
+                 on_request: Callable[[int, int], None] | None = None, aux_bytes: int = AUX_BYTES,
+                 clock: Clock = time.monotonic):
+        """``bind``: where the control ROUTER listens (``tcp://0.0.0.0:5555``: every interface; default
+        ``tcp://{host}:{port}``); ``advertise``: the address, host name or interface name (``eth0``)
+        decode ranks are told (``info.control``, what ``register`` publishes); default: the bind
+        host, or a routable interface for a wildcard bind (``kvxfer.control.addresses``).
+        ``on_request(room, tokens)``: called on the channel thread, outside the endpoint lock, when
+        a decode rank's request arrives for a room with no live sender (``tokens``: how many it
+        asks for, 0 for a silent replica's dummy request); once per decode rank that asks. It must
+        not block; it typically queues the room for the scheduler, which then calls ``sender(room)``
+        (the request waits ``Timeouts.bootstrap`` for it).
+        ``clock``: seconds, for deadlines and leases (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "prefill":
             raise ValueError(f"PrefillEndpoint needs a prefill RankSpec, got role {spec.role!r}")
+        if on_request is not None and not callable(on_request):
+            raise TypeError(f"on_request must be a callable (room, tokens), got {on_request!r}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
                          timeouts=timeouts, secret=secret, aux_bytes=aux_bytes, clock=clock)
         self.source = (spec.tp_rank, spec.pp_rank)
+        self.on_request = on_request
+        self._advertise = advertise
         self._peers: dict[str, DecodePeer] = {}
         self._senders: dict[int, KVSender] = {}               # room -> live sender
         self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
@@ -126,18 +145,34 @@ class PrefillEndpoint(EndpointBase):
         self._aborted: dict[int, tuple[str, float]] = {}      # rooms decode aborted before the sender existed
         self._next_scan = 0.0
         self._registration: Registration | None = None
-        self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="prefill-ctl",
-                                      bind=f"tcp://{host}:{port}")
+        try:
+            self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="prefill-ctl",
+                                          bind=bind if bind is not None else f"tcp://{host}:{port}",
+                                          advertise=advertise, on_dead=self.on_dead)
+        except BaseException:
+            if self._owns_transport:
+                self._close_transport()
+            raise
 
     def register(self, bootstrap: str, ttl: float = 10.0) -> Registration:
-        """Register with the bootstrap registry and keep the registration alive (heartbeats)."""
+        """Register with the bootstrap registry and keep the registration alive (heartbeats).
+        ValueError, naming the setting, when a bootstrap on another host would be told an address
+        of this rank that only this host reaches (loopback; see ``check_reachable``)."""
+        self.check_usable()
+        check_reachable(self.info, bootstrap, advertise=self._advertise, bound=self.channel.bound)
         self._registration = Registration(BootstrapClient(bootstrap, self.secret), self.info, ttl=ttl).start()
         return self._registration
+
+    def _on_broken(self, why: str) -> None:
+        reg, self._registration = self._registration, None
+        if reg is not None:   # no zombie rank: decode ranks stop being sent here
+            reg.stop()
 
     def sender(self, room: int, *, on_release: Callable[[Outcome], None] | None = None) -> KVSender:
         """Scheduler: a new request (Bootstrapping until every decode rank's grant arrived).
         ``on_release(outcome)`` runs exactly once, outside the endpoint lock, when prefill may
         reuse the request's KV; ``kv_releasable`` turns True after it returned."""
+        self.check_usable()
         with self.guard() as later:
             old = self._senders.get(room)
             if old is not None:
@@ -227,8 +262,16 @@ class PrefillEndpoint(EndpointBase):
         s = self._senders.get(msg["room"])
         if s is None:
             self._pending.setdefault(msg["room"], {})[peer] = (target, self.clock())
+            if self.on_request is not None:
+                later.append(functools.partial(self._call_on_request, msg["room"], 0 if target.dummy else len(kv)))
         else:
             self._bind(s, target, later)
+
+    def _call_on_request(self, room: int, tokens: int) -> None:
+        try:
+            self.on_request(room, tokens)
+        except Exception:   # the engine's bug must not cost the channel thread
+            log.exception("on_request callback failed for room %s", room)
 
     def _check_window(self, dp: DecodePeer, msg: dict, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
         """Decode's window slots of a request (hybrid SWA), bounds-checked; LayoutError says why not."""
@@ -487,8 +530,9 @@ class PrefillEndpoint(EndpointBase):
         self._release_if_due(s, now, later)
 
     def close(self) -> None:
-        if self._registration is not None:
-            self._registration.stop()
+        reg, self._registration = self._registration, None
+        if reg is not None:
+            reg.stop()
         super().close()
 
     def _after_close(self, later) -> None:

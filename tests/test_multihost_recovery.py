@@ -1,0 +1,137 @@
+"""Recovery across test hosts (issue 17): bootstrap in host A, prefill TP 2 page-major in host B,
+decode TP 1 token-major in host C (pulling from both), every rank a real process (``tests/multihost_rank.py``).
+
+- ``kill -9`` of prefill rank 0 with requests in flight: they fail on every decode rank within
+  the heartbeat timeout plus slack, no decode slot leaks, a new request fails at once naming the
+  lost rank; prefill rank 0 restarted (a new process on a new port) serves the next request,
+  byte-exact, without restarting any decode rank.
+- the bootstrap killed and restarted on its port: the prefill ranks register again, requests
+  keep working throughout.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+from hosts import hosts_fixture, hosts_skip_reason
+from multihost_rank import RankProc
+
+pytestmark = [pytest.mark.multihost, pytest.mark.slow,
+              pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason())),
+              pytest.mark.timeout(600)]
+
+three = hosts_fixture(3)
+P_TP, D_TP = 2, 1               # the decode rank pulls from both prefill ranks
+POOL = dict(heads=8, layers=2, head_dim=64, page_size=16, num_pages=64)
+HB = (0.5, 2.0)
+SLACK = 3.0
+BOOT_PORT = 8997
+
+
+def start(hosts, boot_port: int = 0) -> dict:
+    c = {"boot": RankProc(hosts[0], "bootstrap", expect=P_TP, port=boot_port), "prefill": [], "decode": []}
+    try:
+        common = dict(bootstrap=c["boot"].url, transport="zmq", timeouts=[30, 60, 10, 30], hb=list(HB), **POOL)
+        c["common"] = common
+        c["prefill"] = [prefill(hosts, r, common) for r in range(P_TP)]
+        c["decode"] = [RankProc(hosts[2], "decode", tp_rank=r, tp_size=D_TP, layout="token_major", **common)
+                       for r in range(D_TP)]
+    except BaseException:
+        stop(c)
+        raise
+    return c
+
+
+def prefill(hosts, r: int, common: dict) -> RankProc:
+    return RankProc(hosts[1], "prefill", tp_rank=r, tp_size=P_TP, layout="page_major", seed=7, **common)
+
+
+def stop(c: dict) -> None:
+    for r in c["decode"] + c["prefill"] + [c["boot"]]:
+        r.close()
+
+
+def request(c: dict, room: int, tokens: int = 40, send: bool = True) -> None:
+    for d in c["decode"]:
+        d.call("receiver", room=room, tokens=tokens)
+    for p in c["prefill"]:
+        p.call("sender", room=room, tokens=tokens)
+    if send:
+        for p in c["prefill"]:
+            p.call("send", room=room)
+
+
+def ended(ranks, rooms, within: float) -> list[dict]:
+    end = time.monotonic() + within
+    return [r.call("wait", timeout=within + 30, rooms=rooms, within=max(0.0, end - time.monotonic())) for r in ranks]
+
+
+def byte_exact(c: dict, room: int) -> None:
+    sent, got = {}, {}
+    for p in c["prefill"]:
+        sent.update(p.call("digest", room=room, timeout=120))
+    for d in c["decode"]:
+        got.update(d.call("digest", room=room, timeout=120))
+    assert set(got) == set(sent) and all(sent[k] == got[k] for k in sent), f"room {room}: bytes differ"
+
+
+def ok(c: dict, room: int) -> None:
+    request(c, room)
+    for st in ended(c["decode"] + c["prefill"], [room], 60):
+        assert st[str(room)]["state"] == "Success", st
+    byte_exact(c, room)
+
+
+def test_prefill_killed_then_restarted_on_a_new_port(three):
+    c = start(three)
+    try:
+        ok(c, 1)
+        free = [d.call("stats")["free_pages"] for d in c["decode"]]   # room 1's slots stay (decoding)
+        request(c, 2, send=False)                          # every side bound, waiting for input
+        for st in ended(c["decode"], [2], 0.5):
+            assert st["2"]["state"] == "WaitingForInput", st
+        c["prefill"][0].proc.kill()                        # kill -9
+        t0 = time.monotonic()
+        for st in ended(c["decode"], [2], HB[1] + SLACK):
+            assert st["2"]["state"] == "Failed" and "silent" in st["2"]["reason"], st
+        assert time.monotonic() - t0 <= HB[1] + SLACK + 1
+        for d, f in zip(c["decode"], free):                # no decode slot leaked
+            s = d.call("stats")
+            assert s["free_pages"] == f and s["releases"].get("2") == 1, s
+        t1 = time.monotonic()
+        for d in c["decode"]:                              # a new request fails at once, with the reason
+            d.call("receiver", room=3, tokens=40)
+        for st in ended(c["decode"], [3], 0.5):
+            assert st["3"]["state"] == "Failed" and "tp0 is lost" in st["3"]["reason"], st
+        assert time.monotonic() - t1 < 2.0
+        old = c["prefill"][0]
+        c["prefill"][0] = prefill(three, 0, c["common"])   # a new process, a new port
+        assert c["prefill"][0].hello["info"] != old.hello["info"]
+        end = time.monotonic() + 30
+        room = 10
+        while True:                                        # decode finds and greets it by itself
+            request(c, room)
+            sts = ended(c["decode"] + c["prefill"], [room], 20)
+            if all(st[str(room)]["state"] == "Success" for st in sts):
+                break
+            assert time.monotonic() < end, sts
+            room += 1
+        byte_exact(c, room)
+        ok(c, room + 1)
+    finally:
+        stop(c)
+
+
+def test_bootstrap_restarted_ranks_register_again(three):
+    c = start(three, BOOT_PORT)
+    try:
+        ok(c, 1)
+        c["boot"].proc.kill()
+        ok(c, 2)                                           # no registry: requests go on
+        c["boot"] = RankProc(three[0], "bootstrap", expect=P_TP, port=BOOT_PORT)
+        time.sleep(3.0)                                    # prefill heartbeats register them again
+        ok(c, 3)
+        # a fresh decode rank finds both prefill ranks in the new registry (it connects at start)
+        RankProc(three[2], "decode", tp_rank=0, tp_size=1, layout="token_major", **c["common"]).close()
+    finally:
+        stop(c)
