@@ -343,10 +343,6 @@ def test_a_hello_captured_for_one_rank_is_refused_by_another(registry, signed_pa
         other.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: an ABORT for a room whose sender is not made yet is taken from "
-                                       "any handshaked decode peer of the DP group, whatever its gen "
-                                       "(kvxfer/endpoint/prefill.py:176-181, _on_abort): a third party fails "
-                                       "another decode rank's live request")
 def test_a_third_party_abort_does_not_fail_another_peers_request(pair):
     before = snapshot()
     c = hw.CtlClient(pair.p.ep.channel.address, identity="decode-mallory")

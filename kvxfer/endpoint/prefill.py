@@ -207,9 +207,16 @@ class PrefillEndpoint(EndpointBase):
         room, why = msg["room"], f"decode rank {peer}: {msg['why'][:512]}"
         s = self._grants.get((peer, f"{room}.{msg['gen']}"))
         if s is None:   # not bound: the REQ is queued, or never came (decode ended before init)
-            self._pending.get(room, {}).pop(peer, None)
-            dp, s = self._peers.get(peer), self._senders.get(room)
-            if dp is None or (s is not None and s.group not in (None, dp.group)):
+            # Once a decode rank asked for the room, only a peer that asked for this very request
+            # (room and generation) may abort it: a third party's ABORT, or one for another
+            # generation, changes nothing. Before anyone asked, a decode peer of the sender's DP
+            # group may abort a sender the engine made (decode gave up before its init).
+            pending = self._pending.get(room, {})
+            queued = pending.get(peer)
+            s, dp = self._senders.get(room), self._peers.get(peer)
+            if queued is not None and queued[0].gen == msg["gen"]:
+                del pending[peer]
+            elif pending or s is None or dp is None or s.group not in (None, dp.group):
                 return
             if s is None:   # the sender is not made yet: it fails as soon as it is
                 self._aborted[room] = (why, self.clock())
