@@ -460,9 +460,10 @@ def test_connect_to_a_new_address_replaces_the_connection(victim):
     old, new = victim(), victim()
     d = _decode()
     try:
-        d.channel.connect("p", old.info.control)
-        assert hello(d.channel, "p", d.info, 3.0).control == old.info.control
-        d.channel.connect("p", new.info.control)
-        assert hello(d.channel, "p", d.info, 3.0).control == new.info.control
+        key = old.spec.key   # both answer to the same rank key: the restarted rank
+        d.channel.connect(key, old.info.control)
+        assert hello(d.channel, key, d.info, 3.0).control == old.info.control
+        d.channel.connect(key, new.info.control)
+        assert hello(d.channel, key, d.info, 3.0).control == new.info.control
     finally:
         d.close()

@@ -181,9 +181,9 @@ def test_prefill_refuses_too(prefill):
     p, _ = prefill(head_dim=16)
     d = _decode()
     try:
-        d.channel.connect("p", p.info.control)
+        d.channel.connect(p.spec.key, p.info.control)   # a prefill rank answers to its key only
         with pytest.raises(CompatibilityError, match="head_dim of k, v: P 16 vs D 8"):
-            hello(d.channel, "p", d.info, 3.0)
+            hello(d.channel, p.spec.key, d.info, 3.0)
     finally:
         d.close()
 
@@ -193,9 +193,9 @@ def test_wrong_or_missing_secret_is_refused(prefill, d_secret):
     p, url = prefill(secret="s3cret")
     d = _decode(secret=d_secret)
     try:
-        d.channel.connect("p", p.info.control)
+        d.channel.connect(p.spec.key, p.info.control)
         with pytest.raises(ConnectError, match="authentication|secret"):
-            hello(d.channel, "p", d.info, 3.0)
+            hello(d.channel, p.spec.key, d.info, 3.0)
         assert p.channel.dropped, "the prefill rank counted the bad message"
     finally:
         d.close()

@@ -317,10 +317,6 @@ def test_fuzzed_control_messages_never_kill_the_channel(pair):
 # ------------------------------------------------------------------------------------
 # Weaknesses the new protocol still has
 # ------------------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="issue 16: the signed recipient is checked only with check_recipient=True "
-                                       "(kvxfer/control/channel.py:392), which no endpoint sets: a HELLO captured "
-                                       "on its way to one prefill rank is welcomed by another rank of the same "
-                                       "secret (wire.py's docstring says it cannot be)")
 def test_a_hello_captured_for_one_rank_is_refused_by_another(registry, signed_pair):
     other = Pair(registry.url, secret=SECRET)
     c = None

@@ -65,10 +65,11 @@ class ControlChannel:
     ``bind`` (prefill): where the ROUTER listens (``tcp://0.0.0.0:0`` binds every interface);
     ``advertise``: the address or interface name peers are told (``address``), see
     ``kvxfer.control.addresses.advertise_address``. Decode passes no ``bind`` and ``connect``s.
-    ``check_recipient``: the ROUTER refuses a message signed for another address than its own
-    (``address``, ``bound``): a message captured on its way to one rank cannot be replayed at
-    another. Off by default because a peer behind a proxy or NAT reaches us by another address;
-    DEALERs always check that replies are signed for their own identity."""
+    ``check_recipient``: the ROUTER refuses a message signed for anyone but itself: DEALERs sign
+    the name they ``connect``ed the peer under (a rank's key), which the ROUTER knows as its
+    ``identity`` (or its addresses), so a message captured on its way to one rank cannot be
+    replayed at another, whatever proxy or NAT sits between. The endpoints turn it on; DEALERs
+    always check that replies are signed for their own identity."""
 
     def __init__(self, handler, *, secret: bytes | None, heartbeat: Heartbeat, bind: str | None = None,
                  identity: str = "", name: str = "ctl", advertise: str | None = None,
@@ -119,7 +120,7 @@ class ControlChannel:
             except (zmq.ZMQError, ValueError) as e:
                 self._ctx.destroy(linger=0)
                 raise ConnectError(f"control channel cannot bind {bind}: {e}") from None
-            self._names = {self.address, self.bound, bind}
+            self._names = {self.address, self.bound, bind} | ({identity} if identity else set())
             self._poller.register(self._router, zmq.POLLIN)
         self._closed = self._signaled = False
         self._thread = threading.Thread(target=self._run, name=f"kvxfer-{name}", daemon=True)
@@ -317,7 +318,7 @@ class ControlChannel:
             tx = self._tx[(side, peer)] = [os.urandom(16), 0]
         tx[1] += 1
         if side == "d":
-            return Head(self._me, self._dealer_at[peer], tx[0], tx[1])
+            return Head(self._me, peer, tx[0], tx[1])   # the peer's name (its rank key), not an address
         return Head(self.address, peer, tx[0], tx[1])
 
     def _send_now(self, peer: str, msg: Message) -> None:

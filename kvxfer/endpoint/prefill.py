@@ -148,7 +148,8 @@ class PrefillEndpoint(EndpointBase):
         try:
             self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="prefill-ctl",
                                           bind=bind if bind is not None else f"tcp://{host}:{port}",
-                                          advertise=advertise, on_dead=self.on_dead)
+                                          advertise=advertise, on_dead=self.on_dead, identity=spec.key,
+                                          check_recipient=True)
         except BaseException:
             if self._owns_transport:
                 self._close_transport()
