@@ -118,6 +118,15 @@ def test_refusal_names_the_mismatch(case):
     assert words in str(e.value)
 
 
+def test_a_dtype_of_another_width_is_one_mismatch_not_two():
+    """float32 vs float16: head_bytes differ too, but the head dims are the same: say only dtype."""
+    p, d = info("prefill", layout(dtype="float32")), info("decode", layout(dtype="float16"))
+    with pytest.raises(CompatibilityError) as e:
+        require_compatible([(p, d)])
+    assert e.value.mismatches == ["dtype of k, v: P float32 vs D float16: the bytes would be misread"], \
+        e.value.mismatches
+
+
 def test_every_mismatch_is_listed_once():
     p = info("prefill", layout(page_size=16, dtype="bfloat16", head_dim=16, state=True), aux=64)
     d = info("decode", layout(page_size=24, dtype="float16", head_dim=8), aux=32)
