@@ -208,3 +208,14 @@ def test_a_decode_endpoint_rejects_a_bad_clock():
     with pytest.raises(TypeError, match="clock must be a callable"):
         DecodeEndpoint(RankSpec(role="decode", num_kv_heads=2, num_layers=2), pool(None), transport="local",
                        clock=5.0)
+
+
+def test_a_mis_sized_pool_is_refused_with_what_it_should_hold():
+    """A TP-2 rank of a 4-KV-head model holds 2 heads; a pool of 4 is named at construction, with
+    the rule (``heads_held``), instead of a planner error at the first request."""
+    from kvxfer import DecodeEndpoint, LayoutError, MHAPool, RankSpec
+    pool = MHAPool(layers=2, heads=4, head_dim=8, dtype="float16", num_pages=8, page_size=4)
+    spec = RankSpec(role="decode", num_kv_heads=4, num_layers=2, tp_size=2, tp_rank=1)
+    with pytest.raises(LayoutError, match=r"holds 4 heads per layer, but TP rank 1 of 2 with 4 KV heads holds 2 "
+                                          r"\(heads 2..3\).*heads_held\(4, 2, 1\)"):
+        DecodeEndpoint(spec, pool, transport="local")

@@ -106,6 +106,7 @@ from ..layout import SWA, Layout, combine_layouts
 from ..plan import Planner
 from ..pools import KVPool
 from ..ranks import WILDCARDS, RankInfo, RankSpec, split_address
+from ..topology import heads_held
 from ..transport.base import Transport
 from ..transport.registry import get_transport
 from .aux import AUX_MIN_BYTES
@@ -312,6 +313,19 @@ def _swa_window(kv: KVPool) -> int:
     return window
 
 
+def _check_heads(spec: RankSpec, kv: KVPool) -> None:
+    """The KV pool holds as many heads as this rank's share (``heads_held``), or says so in words."""
+    held = heads_held(spec.num_kv_heads, spec.tp_size, spec.tp_rank)
+    want = spec.num_kv_heads if spec.replicated else len(held)
+    wrong = sorted({p.heads for p in kv.layout.parts if p.heads != want})
+    if wrong:
+        which = "every head" if spec.replicated else f"heads {held.start}..{held.stop - 1}"
+        raise LayoutError(
+            f"the KV pool of {spec.role} rank {spec.key} holds {wrong[0]} heads per layer, but TP rank "
+            f"{spec.tp_rank} of {spec.tp_size} with {spec.num_kv_heads} KV heads holds {want} ({which}): "
+            f"make the pool with heads=len(kvxfer.heads_held({spec.num_kv_heads}, {spec.tp_size}, {spec.tp_rank}))")
+
+
 class EndpointBase:
     """What both endpoints share: the pools' combined layout, the transport, the lock, the
     clock, the channel tick, close. A side implements ``end_request`` and the hooks ``_tick``
@@ -332,6 +346,7 @@ class EndpointBase:
             raise ValueError(f"aux_bytes must be 0 (no aux record) or >= {AUX_MIN_BYTES}, got {aux_bytes}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {clock!r}")
+        _check_heads(spec, kv)
         self.spec, self.timeouts, self.secret, self.clock = spec, timeouts, as_secret(secret), clock
         self.aux_bytes = int(aux_bytes)
         self.layout = combine_layouts(kv.layout, None if state is None else state.layout)
