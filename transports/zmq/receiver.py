@@ -151,6 +151,15 @@ class ZMQReceiver:
         key, request_id = (rid, h.request_id, h.xid), h.request_id
         if key in self._dead:   # the transfer failed already: its later messages are dropped quietly
             return
+        if not self.grants.capability_ok(request_id, h.cap):
+            # Not from the granted peer: dropped without touching the request (no arrival, no
+            # state), counted, and answered as an unknown id is (no oracle).
+            reason = self.grants.check(request_id, [], [], [], h.cap)
+            self._dead[key] = None
+            if len(self._dead) > 65536:
+                self._dead.popitem(last=False)
+            self._reply(rid, Nack(h.xid, peer_reason(reason or "unknown request")).pack())
+            return
         st = self._in.get(key)
         if st is None:
             if len(self._in) >= self.max_incoming or self._open_from[rid] >= self.max_incoming_per_peer:
@@ -188,7 +197,7 @@ class ZMQReceiver:
             return
         with self._write_lock:
             if k:
-                reason = self.grants.check(request_id, region, offset, nbytes)   # also: request ended?
+                reason = self.grants.check(request_id, region, offset, nbytes, h.cap)   # also: request ended?
             if reason is None and not (runs_inside_few(list(zip(region, offset, nbytes)), self.grants.region_sizes)
                                        if few else runs_inside(region, offset, nbytes, self._sizes)):
                 reason = self.grants.reject(request_id, "outside region: a granted run passes its region's end")
@@ -205,7 +214,7 @@ class ZMQReceiver:
                                    f"{st.nruns} of {h.end.nruns} runs arrived")
                 return
             self._close_in(key)
-            if st.nruns or self.grants.is_live(request_id):   # an empty transfer of no live request: ack only
+            if st.nruns or self.grants.is_live(request_id, h.cap):   # an empty transfer of no live request: ack only
                 self._completed.append(Arrival(request_id, st.nbytes, True, "", h.end.notify))
             self._acks.setdefault(rid, []).append(h.xid)
 
