@@ -26,6 +26,7 @@ from kvxfer.transport.kit import peer_reason
 
 from . import bindings as ucp
 from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, Ack, Announce, Fail, Go
+from kvxfer.transport.kit import peer_reason as _peer_reason
 from .sender import ucx_buffer
 
 
@@ -45,6 +46,7 @@ class Incoming:
     iov: ucp.IovFrames | None = None  # or receives posted into the runs themselves (host destinations)
     dtag: int = 0                    # tag of the frames (0: no GO sent)
     puts: int = 0                    # announced runs the sender puts (one-sided) after GO
+    cap: bytes = b""                 # the capability its ANNOUNCE carried (checked against the grant)
     got: int = 0
     done: bool = False
     reqs: list = field(default_factory=list)
@@ -57,11 +59,20 @@ class UCXReceiver:
         xid, rid = m.xid, m.request_id
         runs, nput, inline = m.run_array(), m.nput, m.inline
         reg, off, n = runs
+        if not self.grants.capability_ok(rid, m.cap):
+            # Not from the granted peer: dropped without touching the request (no arrival),
+            # counted, and answered as an unknown id is (no oracle). Nothing of it lands.
+            reason = self.grants.check(rid, [], [], [], m.cap) or "unknown request"
+            if len(n):
+                self._send(p, Fail(xid, _peer_reason(reason)))
+            else:   # an empty transfer of an unknown id is acknowledged: so is this one
+                self._send(p, Ack(xid))
+            return
         if len(self._in) >= self.max_incoming or p.open_in >= self.max_incoming_per_peer:
             return self._refuse(p, xid, rid, 0, m.notify, self.grants.reject(
                 rid, f"too many transfers: {len(self._in)} open, {p.open_in} from this peer"))
         # An empty transfer writes nothing: acknowledged whatever its request id (no oracle)
-        reason = self.grants.check(rid, reg, off, n) if len(n) else None
+        reason = self.grants.check(rid, reg, off, n, m.cap) if len(n) else None
         # A granted run lies inside the grant: non-negative and below 2**62, so the sums below hold.
         if reason is None and len(n) and (off + n > self._region_sizes[reg]).any():
             # GrantTable trusts the grant to lie inside the regions; a grant past the end is ours to catch.
@@ -76,7 +87,7 @@ class UCXReceiver:
             ok = len(n) and (n > 0).all() and (n < 1 << 40).all()
             return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason)
         i = Incoming(p, xid, rid, time.monotonic() + m.timeout, int(n.sum()), m.notify, tuple(packed), None,
-                     m.frame_bytes, 0 if inline else -(-total // m.frame_bytes), puts=nput)
+                     m.frame_bytes, 0 if inline else -(-total // m.frame_bytes), puts=nput, cap=m.cap)
         self._in[(p.id, xid)] = i
         p.open_in += 1
         if inline:  # checked a moment ago: lands now, with no re-check and no frames
@@ -146,12 +157,12 @@ class UCXReceiver:
             return
         if i.packed is not None and len(i.packed[2]):
             # The request may have ended while the frames were on their way: check before landing them.
-            if (reason := self.grants.check(i.rid, *i.packed)) is not None:
+            if (reason := self.grants.check(i.rid, *i.packed, i.cap)) is not None:
                 return self._fail_in(i, reason)
             self._land(i.packed, i.staging)
         self._forget_in(i)
         self._staging.put(i.staging)
-        if i.nbytes or self.grants.is_live(i.rid):   # an empty transfer of no live request: ACK only
+        if i.nbytes or self.grants.is_live(i.rid, i.cap):   # an empty transfer of no live request: ACK only
             self._deliver(Arrival(i.rid, i.nbytes, True, "", i.notify))
         self._send(i.peer, Ack(i.xid))
 
@@ -171,7 +182,8 @@ class UCXReceiver:
         self._zombies.extend((r, i.staging) for r in i.reqs)  # posted receives still own the staging block
         if i.iov is not None and not i.iov.poll():   # receives posted into the grant's memory
             i.iov.cancel(self._whandle)
-            self._draining.append((i.peer.id, i.rid, i.iov))
+            self._draining.append((i.peer.id, i.rid, i.iov, int(i.packed[2].sum()) if i.packed is not None else 0,
+                                   time.monotonic()))
             self._landing_rids[i.rid] += 1   # writes_pending until they are all done
 
     def _reap_draining(self) -> None:
@@ -186,8 +198,8 @@ class UCXReceiver:
 
     def _fail_in(self, i: Incoming, reason: str, tell: bool = True, puts_left: bool = True) -> None:
         self._forget_in(i)
-        if puts_left and i.dtag and i.puts and not i.done and not i.peer.gone:   # GO went out: puts may come
-            self._landing[(i.peer.id, i.xid)] = i.rid
+        if puts_left and i.dtag and i.puts and not i.done:   # GO went out: puts may come, silent peer or not
+            self._landing[(i.peer.id, i.xid)] = (i.rid, i.nbytes, time.monotonic())
             self._landing_rids[i.rid] += 1
         self._deliver(Arrival(i.rid, i.nbytes, False, reason, i.notify))
         if tell:
@@ -199,9 +211,11 @@ class UCXReceiver:
             del self._landing_rids[rid]
 
     def writes_pending(self, request_id: str) -> bool:
-        """After ``forget``: True while a sender that had GO for this request has not said that
-        its puts are flushed (DONE or ABORT), unless it went silent past ``peer_timeout`` (taken
-        as dead). Until then its puts can land in the grant's memory."""
+        """Decode's endpoint, any thread, after ``forget``: True while a sender that had GO for this
+        request has not proven its puts flushed (DONE or ABORT after its flush, or a re-handshake),
+        or frames posted into the grant are not done, and the sender is not proven dead. A silent
+        sender keeps it True (silence is not death); see ``fencing()``. Until it is False the
+        grant's memory must not be reused."""
         return request_id in self._landing_rids
 
     def _drop_request(self, rid: str) -> None:
