@@ -224,11 +224,18 @@ class GrantTable:
         return capability is None or _cap_ok(want, capability)
 
     def capability_ok(self, request_id: str, capability: bytes) -> bool:
-        """Receiver's I/O thread: ``capability`` (carried by a message) matches the grant's, or the
-        grant has none. An unknown or ended id is True here: ``check`` refuses it on its own."""
+        """Receiver's I/O thread, once per data message: ``capability`` (carried by the message)
+        matches the grant's, or the grant has none. An unknown or ended id is True here (``check``
+        refuses it on its own). False is counted in ``bad_capability``; the caller then handles
+        the message as one for an unknown id but delivers no arrival for it (``check`` and
+        ``is_live`` given the same capability refuse it)."""
         with self._lock:
             want = self._caps.get(request_id, b"")
-        return _cap_ok(want, capability)
+        if _cap_ok(want, capability):
+            return True
+        with self._lock:
+            self.bad_capability += 1
+        return False
 
     def live(self) -> int:
         with self._lock:
@@ -250,9 +257,7 @@ class GrantTable:
             ranges = self._grants.get(request_id)
             ended = request_id in self._ended
             want = self._caps.get(request_id, b"")
-        if ranges is not None and not _cap_ok(want, capability):
-            with self._lock:
-                self.bad_capability += 1
+        if ranges is not None and not _cap_ok(want, capability):   # the same words as below: no oracle
             return self.reject(request_id, "unknown request: no grant for this request id")
         if ranges is None:
             return self.reject(request_id, "ended request: write after the request ended" if ended

@@ -158,18 +158,34 @@ class Peer:
     def op_connect(self, descriptor: dict):
         return {"peer": self.t.connect(descriptor)}
 
-    def op_expect(self, request_id: str, ranges: dict):
+    def op_expect(self, request_id: str, ranges: dict, capability: str = ""):
         from kvxfer.grant import ByteRanges
-        self.t.expect(request_id, ByteRanges(dec(ranges["region"]), dec(ranges["start"]), dec(ranges["nbytes"])))
+        self.t.expect(request_id, ByteRanges(dec(ranges["region"]), dec(ranges["start"]), dec(ranges["nbytes"])),
+                      **({"capability": base64.b64decode(capability)} if capability else {}))
 
     def op_forget(self, request_id: str):
         grants = getattr(self.t, "grants", None)
         live = self.t.forget(request_id)
         return {"live": live, "grants_live": grants.live() if grants is not None else None}
 
-    def op_submit(self, peer: str, request_id: str, plan: list, timeout: float = 30.0, notify: str = ""):
+    def op_submit(self, peer: str, request_id: str, plan: list, timeout: float = 30.0, notify: str = "",
+                  capability: str = "", stall_s: float = 0.0):
+        """``stall_s`` (UCX): once the ANNOUNCE is out, the I/O thread stalls that long (a stalled
+        or partitioned sender: it answers nothing, then goes on with the GO it finds)."""
+        kw = {"capability": base64.b64decode(capability)} if capability else {}
         self.handles[request_id] = self.t.submit(peer, request_id, plan_from_json(plan), timeout=timeout,
-                                                 notify=base64.b64decode(notify))
+                                                 notify=base64.b64decode(notify), **kw)
+        if stall_s:
+            from kvxfer.transport.kit import Call
+            t = self.t
+
+            def stall():
+                t._flush_outboxes()
+                end = time.monotonic() + 0.05
+                while time.monotonic() < end:   # the ANNOUNCE leaves
+                    t._worker.progress()
+                time.sleep(stall_s)
+            t.commands.put(Call(stall, ()))
 
     def op_wait(self, request_ids: list[str], wait_s: float = 60.0):
         limit, out = time.monotonic() + wait_s, {}
@@ -207,6 +223,9 @@ class Peer:
     def op_foreign(self, region: int, seed: int):
         r = self.regions[region].numpy()
         return {"count": int(((r != CANARY) & (r != pattern(region_seed(seed, region), r.size))).sum())}
+
+    def op_fencing(self):
+        return {"fencing": self.t.fencing()}
 
     def op_rejected(self):
         return {"rejected": dict(self.t.rejected)}

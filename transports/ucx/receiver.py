@@ -26,7 +26,6 @@ from kvxfer.transport.kit import peer_reason
 
 from . import bindings as ucp
 from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, Ack, Announce, Fail, Go
-from kvxfer.transport.kit import peer_reason as _peer_reason
 from .sender import ucx_buffer
 
 
@@ -59,18 +58,13 @@ class UCXReceiver:
         xid, rid = m.xid, m.request_id
         runs, nput, inline = m.run_array(), m.nput, m.inline
         reg, off, n = runs
-        if not self.grants.capability_ok(rid, m.cap):
-            # Not from the granted peer: dropped without touching the request (no arrival),
-            # counted, and answered as an unknown id is (no oracle). Nothing of it lands.
-            reason = self.grants.check(rid, [], [], [], m.cap) or "unknown request"
-            if len(n):
-                self._send(p, Fail(xid, _peer_reason(reason)))
-            else:   # an empty transfer of an unknown id is acknowledged: so is this one
-                self._send(p, Ack(xid))
-            return
+        # Without the grant's capability: handled exactly as an ANNOUNCE for an unknown id (the same
+        # answer: no oracle; grants.check and is_live refuse it) but with no arrival: it never
+        # fails or completes the request.
+        quiet = not self.grants.capability_ok(rid, m.cap)
         if len(self._in) >= self.max_incoming or p.open_in >= self.max_incoming_per_peer:
             return self._refuse(p, xid, rid, 0, m.notify, self.grants.reject(
-                rid, f"too many transfers: {len(self._in)} open, {p.open_in} from this peer"))
+                rid, f"too many transfers: {len(self._in)} open, {p.open_in} from this peer"), quiet)
         # An empty transfer writes nothing: acknowledged whatever its request id (no oracle)
         reason = self.grants.check(rid, reg, off, n, m.cap) if len(n) else None
         # A granted run lies inside the grant: non-negative and below 2**62, so the sums below hold.
@@ -85,7 +79,7 @@ class UCXReceiver:
             reason = self.grants.reject(rid, f"malformed header: {len(inline)} inline bytes for {total} packed")
         if reason is not None:
             ok = len(n) and (n > 0).all() and (n < 1 << 40).all()
-            return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason)
+            return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason, quiet)
         i = Incoming(p, xid, rid, time.monotonic() + m.timeout, int(n.sum()), m.notify, tuple(packed), None,
                      m.frame_bytes, 0 if inline else -(-total // m.frame_bytes), puts=nput, cap=m.cap)
         self._in[(p.id, xid)] = i
@@ -109,8 +103,9 @@ class UCXReceiver:
             self._by_dtag[i.dtag] = i
         self._send(p, Go(xid, i.dtag))
 
-    def _refuse(self, p, xid: int, rid: str, nbytes: int, notify: bytes, reason: str) -> None:
-        self._deliver(Arrival(rid, nbytes, False, reason, notify))
+    def _refuse(self, p, xid: int, rid: str, nbytes: int, notify: bytes, reason: str, quiet: bool = False) -> None:
+        if not quiet:   # quiet: a wrong capability, which must not touch the request
+            self._deliver(Arrival(rid, nbytes, False, reason, notify))
         self._send(p, Fail(xid, peer_reason(reason)))
 
     def _poll_data(self) -> None:
