@@ -134,8 +134,11 @@ def runs_field(*triples) -> bytes:
 
 
 def data_header(rid: str, xid: int, runs: bytes = b"", dl: float = 10.0, end: tuple | None = None,
-                notify: bytes = b"") -> bytes:
+                notify: bytes = b"", cap: bytes | None = None) -> bytes:
+    """``cap``: the grant capability field "c" (bytes; absent when None)."""
     h = {"t": "d", "r": rid, "x": xid, "dl": dl, "runs": runs}
+    if cap is not None:
+        h["c"] = cap
     if end is not None:
         h.update(nruns=end[0], nbytes=end[1], notify=notify)
     return msgpack.packb(h, use_bin_type=True)
@@ -193,9 +196,12 @@ class UcxClient:
             ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(victim_address_hex)), False)
         self._keep: list = []
 
-    def send(self, sender: str, msgs: list, timeout: float = 5.0) -> None:
+    def send(self, sender: str, msgs: list, timeout: float = 5.0, secret: bytes | None = None) -> None:
+        """One control batch: ``[sender, msgs]``, or ``[sender, secret, msgs]`` (today's format,
+        with the channel secret this client chose in its HELLO ``[0, address, secret]``)."""
         import numpy as np
-        buf = np.frombuffer(msgpack.packb([sender, msgs], use_bin_type=True), np.uint8)
+        batch = [sender, msgs] if secret is None else [sender, secret, msgs]
+        buf = np.frombuffer(msgpack.packb(batch, use_bin_type=True), np.uint8)
         req = self.ep.tag_send(self._Array(buf), self._api.UCXXTag(CTRL_TAG))
         end = time.monotonic() + timeout
         while not req.completed and time.monotonic() < end:
@@ -225,7 +231,7 @@ class UcxClient:
             batch = self.recv(left)
             if batch is None:
                 return None
-            for m in batch[1]:
+            for m in batch[-1]:
                 if m and m[0] == kind:
                     return m
         return None

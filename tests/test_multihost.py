@@ -164,7 +164,5 @@ def test_link_cut_mid_transfer_zmq(three):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx does not import")
-@pytest.mark.xfail(strict=True, reason="issue 17: UCX-tcp puts queued in socket buffers land in freed "
-                                       "slots after the link heals (no fence before reuse across hosts)")
 def test_link_cut_mid_transfer_ucx(three):
     cut_mid_transfer(three, "ucx")
