@@ -138,12 +138,12 @@ def serve(a) -> None:
     ever = {}   # room -> its slots, kept after a free (prefill bytes never change: digest works)
 
     def released(room):
-        def cb(req):
+        def cb(outcome):   # on_release(outcome): called once the slots may be reused
             with lock:
                 releases[room] = releases.get(room, 0) + 1
                 if releases[room] > 1:
                     return
-                if a.role == "prefill" or req.poll() == KVPoll.Failed:
+                if a.role == "prefill" or getattr(outcome, "state", outcome) == KVPoll.Failed:
                     if a.role == "decode":
                         fill_canary(pool, slots[room])   # the next owner's bytes
                     alloc.free(slots.pop(room))
@@ -166,7 +166,7 @@ def serve(a) -> None:
         return s
 
     def status(rooms):
-        return {str(r): {"state": reqs[r].poll().name, "outcome": reqs[r].outcome, "reason": reqs[r].reason,
+        return {str(r): {"state": reqs[r].poll().name, "outcome": getattr(reqs[r].outcome, "value", reqs[r].outcome), "reason": reqs[r].reason,
                          "releases": releases.get(r, 0),
                          "ended_after": round(reqs[r].ended_at - reqs[r].created, 3) if reqs[r].ended_at else None}
                 for r in rooms}
