@@ -16,6 +16,7 @@ and every test checks the bytes of the receiver's region.
 """
 from __future__ import annotations
 
+import hashlib
 import signal
 import time
 
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX or "ucxx imports")
 
 import torch  # noqa: E402
 from waiting import until  # noqa: E402
-from xfer_peer import CANARY, PeerProcess, pattern, plan_to_json, raw_plan, region_seed  # noqa: E402
+from xfer_peer import CANARY, PeerProcess, enc, pattern, plan_to_json, raw_plan, region_seed  # noqa: E402
 
 from kvxfer.grant import ByteRanges  # noqa: E402
 from kvxfer.transport.registry import get_transport  # noqa: E402
@@ -158,3 +159,37 @@ def test_quarantine_timeout_gives_memory_back(tx, rx):
     assert rx.writes_pending("q.1")
     assert until(lambda: not rx.writes_pending("q.1"), 5.0), rx.fencing()
     assert rx.fencing()["expired"] >= 1, rx.fencing()
+
+
+def test_sender_keeps_its_source_while_the_receiver_is_silent(tmp_path):
+    """Over TCP a put reads the source until the receiver takes it: a receiver that stalls past
+    peer_timeout fails the transfer, but the source stays held until the flush completes."""
+    opts = {"tls": "tcp", "heartbeat": 0.1, "peer_timeout": 0.8}
+    tx = get_transport("ucx", **opts)
+    size = 64 << 20
+    region = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    tx.register([region])
+    rx = PeerProcess(tmp_path / "rx.err")
+    try:
+        desc = rx.call("init", transport="ucx", sizes=[size], fill="canary", options=opts)["descriptor"]
+        rx.call("expect", request_id="t.1", ranges={"region": enc(np.array([0])), "start": enc(np.array([0])),
+                                                     "nbytes": enc(np.array([size]))})
+        peer = tx.connect(desc)
+        z = np.zeros(1, np.int64)
+        plan = raw_plan(z, z, z, z, np.array([size], np.int64))
+        h = tx.submit(peer, "t.1", plan, timeout=20.0)
+        assert until(lambda: h.poll().name != "PENDING" or any(o.state == "flushing" for o in list(tx._out.values())),
+                     5.0, step=0.0005)
+        rx.send("stall", seconds=3.0)   # mid-transfer: the puts sit in the sockets
+        rx.reply(5.0, "stall")
+        assert not h.wait(5.0), "the transfer completed though the receiver stalled"
+        assert "silent" in str(h.error) or "deadline" in str(h.error), h.error
+        if not h.source_released:   # held: released only once the receiver took every put
+            assert until(lambda: tx.fencing()["sources"] == 1, 1.0), (tx.fencing(), h.error, len(tx._flushing))
+            assert until(lambda: h.source_released, 15.0), f"never released after the receiver woke: {tx.fencing()}"
+        else:   # everything had been taken before the stall: nothing to hold
+            assert rx.call("digest", regions=[0])["digests"]["0"] == hashlib.sha256(region.numpy()).hexdigest(), \
+                "the source was released while puts of it had not been taken (silence taken as death)"
+    finally:
+        rx.close()
+        tx.close()

@@ -224,6 +224,11 @@ class Peer:
         r = self.regions[region].numpy()
         return {"count": int(((r != CANARY) & (r != pattern(region_seed(seed, region), r.size))).sum())}
 
+    def op_stall(self, seconds: float):
+        """UCX: the I/O thread stops for ``seconds`` (no progress, no answers), as a stopped host."""
+        from kvxfer.transport.kit import Call
+        self.t.commands.put(Call(time.sleep, (seconds,)))
+
     def op_fencing(self):
         return {"fencing": self.t.fencing()}
 
