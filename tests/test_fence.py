@@ -193,3 +193,16 @@ def test_sender_keeps_its_source_while_the_receiver_is_silent(tmp_path):
     finally:
         rx.close()
         tx.close()
+
+
+def test_writes_pending_right_after_forget(rx, tx):
+    """``forget`` fails the request's open transfers on the I/O thread a moment later; a caller
+    asking ``writes_pending`` at once (decode's endpoint does, from the arrival callback, while
+    the other chunks of the request are still open) must already get True."""
+    rx.expect("f.1", grant())
+    tx.call("submit", peer=tx.peer, request_id="f.1", plan=plan_json(), timeout=8.0, stall_s=2.0)
+    assert until(lambda: len(rx._in) == 1, 5.0), "the announce did not arrive"
+    rx.commands.put(__import__("kvxfer.transport.kit", fromlist=["Call"]).Call(time.sleep, (0.3,)))  # I/O busy
+    rx.forget("f.1")
+    assert rx.writes_pending("f.1"), "released while a transfer with GO was still open"
+    assert until(lambda: not rx.writes_pending("f.1"), 15.0), rx.fencing()   # the sender wakes: DONE

@@ -209,6 +209,7 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         # is dead (never its silence): (peer, xid) -> (rid, nbytes, since).
         self._landing: dict[tuple[str, int], tuple[str, int, float]] = {}
         self._landing_rids: collections.Counter = collections.Counter()
+        self._open_rids: collections.Counter = collections.Counter()   # request id -> open incoming transfers
         # Receiver: ended transfers whose posted frame receives may still land:
         # (peer, rid, frames, nbytes, since).
         self._draining: list = []
@@ -439,6 +440,7 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         self.commands.fail_all(self.broken or "transport closed")
         self._peers, self._out, self._in, self._by_dtag, self._zombies, self._flushing = {}, {}, {}, {}, [], []
         self._holding, self._unflushed, self._draining = [], {}, []
+        self._open_rids.clear()   # nothing lands after close: the endpoints are closed
         self._ctrl_sends, self._ctrl_recvs = [], []
         self._staging.clear()
         self._whandle = None

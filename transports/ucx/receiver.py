@@ -82,6 +82,7 @@ class UCXReceiver:
             return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason, quiet)
         i = Incoming(p, xid, rid, time.monotonic() + m.timeout, int(n.sum()), m.notify, tuple(packed), None,
                      m.frame_bytes, 0 if inline else -(-total // m.frame_bytes), puts=nput, cap=m.cap)
+        self._open_rids[rid] += 1   # writes_pending until _forget_in (forget() fails it asynchronously)
         self._in[(p.id, xid)] = i
         p.open_in += 1
         if inline:  # checked a moment ago: lands now, with no re-check and no frames
@@ -171,8 +172,8 @@ class UCXReceiver:
             torch.cuda.current_stream(dev).synchronize()
 
     def _forget_in(self, i: Incoming) -> None:
-        if self._in.pop((i.peer.id, i.xid), None) is not None:
-            i.peer.open_in -= 1
+        """End ``i`` here. Whatever may still land of it is marked (``_draining``) before it stops
+        counting as open, so ``writes_pending`` (any thread) never sees a gap."""
         self._by_dtag.pop(i.dtag, None)
         self._zombies.extend((r, i.staging) for r in i.reqs)  # posted receives still own the staging block
         if i.iov is not None and not i.iov.poll():   # receives posted into the grant's memory
@@ -180,6 +181,11 @@ class UCXReceiver:
             self._draining.append((i.peer.id, i.rid, i.iov, int(i.packed[2].sum()) if i.packed is not None else 0,
                                    time.monotonic()))
             self._landing_rids[i.rid] += 1   # writes_pending until they are all done
+        if self._in.pop((i.peer.id, i.xid), None) is not None:
+            i.peer.open_in -= 1
+            self._open_rids[i.rid] -= 1
+            if self._open_rids[i.rid] <= 0:
+                del self._open_rids[i.rid]
 
     def _reap_draining(self) -> None:
         """Ended transfers whose posted receives are all done: nothing more of them lands."""
@@ -192,10 +198,11 @@ class UCXReceiver:
         self._draining = left
 
     def _fail_in(self, i: Incoming, reason: str, tell: bool = True, puts_left: bool = True) -> None:
-        self._forget_in(i)
-        if puts_left and i.dtag and i.puts and not i.done:   # GO went out: puts may come, silent peer or not
+        if puts_left and i.dtag and i.puts and not i.done and (i.peer.id, i.xid) in self._in \
+                and (i.peer.id, i.xid) not in self._landing:   # GO went out: puts may come, silent peer or not
             self._landing[(i.peer.id, i.xid)] = (i.rid, i.nbytes, time.monotonic())
             self._landing_rids[i.rid] += 1
+        self._forget_in(i)   # after: writes_pending stays True throughout
         self._deliver(Arrival(i.rid, i.nbytes, False, reason, i.notify))
         if tell:
             self._send(i.peer, Fail(i.xid, peer_reason(reason)))
@@ -210,8 +217,10 @@ class UCXReceiver:
         request has not proven its puts flushed (DONE or ABORT after its flush, or a re-handshake),
         or frames posted into the grant are not done, and the sender is not proven dead. A silent
         sender keeps it True (silence is not death); see ``fencing()``. Until it is False the
-        grant's memory must not be reused."""
-        return request_id in self._landing_rids
+        grant's memory must not be reused. Transfers of the request still open here count too:
+        ``forget`` fails them on the I/O thread a moment later."""
+        return request_id in self._landing_rids or (request_id in self._open_rids
+                                                    and not self.grants.is_live(request_id))
 
     def _drop_request(self, rid: str) -> None:
         for i in [i for i in self._in.values() if i.rid == rid]:

@@ -196,6 +196,15 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
                 fail_command(Submit(peer, request_id, None, handle), self.broken)
         return handle
 
+    def fencing(self) -> dict:
+        """Any thread (a snapshot): sender transfers that ended while zero-copy frames of theirs were
+        still queued in zmq (``sources``, ``source_bytes``): their sources stay unreleased until zmq
+        lets go of every frame (or the socket to a silent peer is closed with linger 0). A receiver
+        holds nothing here: it checks every frame against the live grants, so a late frame of an
+        ended request is dropped."""
+        rel = list(self._releasing)
+        return {"requests": 0, "bytes": 0, "sources": len(rel), "source_bytes": sum(o.handle.nbytes for o in rel)}
+
     def close(self) -> None:
         """Fail whatever is open, close the sockets and join the I/O thread. Idempotent."""
         with self._close_lock:
