@@ -82,6 +82,16 @@ def tx(rx, tmp_path):
     p = PeerProcess(tmp_path / "tx.err")
     p.call("init", transport="ucx", sizes=[REGION], fill="seed", seed=SEED, options=TX_OPTS)
     p.peer = p.call("connect", descriptor=rx.descriptor())["peer"]
+    # warm up: the handshake and UCX's wire-up done, so a stalled sender's ANNOUNCE still leaves
+    w = REGION - 4096
+    rx.expect("w.0", ByteRanges(np.array([0]), np.array([w]), np.array([4096])))
+    a = np.array([w], np.int64)
+    z = np.zeros(1, np.int64)
+    p.call("submit", peer=p.peer, request_id="w.0", plan=plan_to_json(raw_plan(z, a, z, a, np.array([4096]))))
+    assert p.call("wait", request_ids=["w.0"], wait_s=10)["results"]["w.0"]["status"] == "DONE"
+    rx.forget("w.0")
+    rx.region[w:].fill_(CANARY)
+    rx.arrivals(0.1)
     yield p
     p.close()
 
