@@ -173,19 +173,25 @@ class Peer:
         """``stall_s`` (UCX): once the ANNOUNCE is out, the I/O thread stalls that long (a stalled
         or partitioned sender: it answers nothing, then goes on with the GO it finds)."""
         kw = {"capability": base64.b64decode(capability)} if capability else {}
-        self.handles[request_id] = self.t.submit(peer, request_id, plan_from_json(plan), timeout=timeout,
-                                                 notify=base64.b64decode(notify), **kw)
-        if stall_s:
-            from kvxfer.transport.kit import Call
-            t = self.t
+        if not stall_s:
+            self.handles[request_id] = self.t.submit(peer, request_id, plan_from_json(plan), timeout=timeout,
+                                                     notify=base64.b64decode(notify), **kw)
+            return
+        # UCX internals: the announce and the stall in one command, so no GO is handled between
+        from kvxfer.transport.base import TransferHandle
+        from kvxfer.transport.kit import Call
+        t, pl = self.t, plan_from_json(plan)
+        h = self.handles[request_id] = TransferHandle(request_id, pl.nbytes, timeout, holds_source=True)
+        out = t._prepare_transfer(t._peers[peer], h, pl, base64.b64decode(notify), kw.get("capability", b""))
 
-            def stall():
-                t._flush_outboxes()
-                end = time.monotonic() + 0.05
-                while time.monotonic() < end:   # the ANNOUNCE leaves
-                    t._worker.progress()
-                time.sleep(stall_s)
-            t.commands.put(Call(stall, ()))
+        def stall():
+            t._start_out(out)
+            t._flush_outboxes()
+            end = time.monotonic() + 0.05
+            while time.monotonic() < end:   # the ANNOUNCE leaves
+                t._worker.progress()
+            time.sleep(stall_s)
+        t.commands.put(Call(stall, ()))
 
     def op_wait(self, request_ids: list[str], wait_s: float = 60.0):
         limit, out = time.monotonic() + wait_s, {}
