@@ -118,7 +118,8 @@ def not_canary(pool: MHAPool, keep: list[np.ndarray], rooms: dict | None = None)
     if out["bad"] and rooms:
         for room, sl in rooms.items():
             rb = ByteRanges.of_slots(pool.layout, sl)
-            n = sum(int(masks[r][s:e].sum()) for r in range(len(masks)) for s, e in zip(*(x.tolist() for x in rb.intervals(r))))
+            n = sum(int(masks[r][s:e].sum()) for r in range(len(masks))
+                    for s, e in zip(*(x.tolist() for x in rb.intervals(r))))
             if n:
                 out["by_room"][str(room)] = n
     return out
@@ -175,7 +176,8 @@ def serve(a) -> None:
         return s
 
     def status(rooms):
-        return {str(r): {"state": reqs[r].poll().name, "outcome": getattr(reqs[r].outcome, "value", reqs[r].outcome), "reason": reqs[r].reason,
+        return {str(r): {"state": reqs[r].poll().name, "outcome": getattr(reqs[r].outcome, "value", reqs[r].outcome),
+                         "reason": reqs[r].reason,
                          "releases": releases.get(r, 0),
                          "ended_after": round(reqs[r].ended_at - reqs[r].created, 3) if reqs[r].ended_at else None}
                 for r in rooms}

@@ -174,7 +174,8 @@ def test_grant_table_capability_rules():
     assert g.check("b", [0], [64], [64]) is None        # no capability: today's behaviour
     assert not g.is_live("a", b"") and g.is_live("a", CAP) and g.is_live("b", b"")
     assert g.capability_ok("zzz", WRONG) and not g.capability_ok("a", WRONG)
-    with pytest.raises(Exception):
+    from kvxfer.errors import TransportError
+    with pytest.raises(TransportError):
         g.expect("c", ByteRanges(np.array([0]), np.array([0]), np.array([1])), capability=b"x" * 65)
 
 

@@ -42,9 +42,9 @@ a dead peer raises nothing. Each side pings its peers every ``heartbeat`` s; a p
 ``peer_timeout`` s fails its transfers; every transfer also fails at its deadline, on both
 sides. Silence is not death: memory a silent peer could still write or read stays held
 (``writes_pending``, ``source_released``) until it is proven flushed or impossible; see
-``control`` ("Fencing") and ``fencing()``. Without error handling UCX's single-copy shared-memory transport (cma) abort()s the
-process when it touches a dead peer: the UCS log hook in ``bindings`` turns that into a
-failed call.
+``control`` ("Fencing") and ``fencing()``. Without error handling UCX's single-copy
+shared-memory transport (cma) abort()s the process when it touches a dead peer: the UCS log
+hook in ``bindings`` turns that into a failed call.
 
 Threads: one I/O thread per transport (``kit.IOThread``) owns the worker and makes every UCX
 call. It loops while something happens and sleeps on the worker's event fd otherwise (busy
@@ -85,8 +85,20 @@ from kvxfer.transport.kit import Call, Close, CommandQueue, Crash, IOThread, Sta
 from . import bindings as ucp
 from .bindings import frame_iovs
 from .control import Peer, UCXControl, host_identity, process_start
-from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO, SECRET_BYTES
-from .protocol import Abort, Bye, Fail, Hello
+from .protocol import (
+    ABORT,
+    ANNOUNCE,
+    CTRL_TAG,
+    DATA_BIT,
+    DONE,
+    FRAME_BITS,
+    HELLO,
+    SECRET_BYTES,
+    Abort,
+    Bye,
+    Fail,
+    Hello,
+)
 from .receiver import UCXReceiver
 from .sender import INLINE_BELOW, UCXSender
 

@@ -26,12 +26,11 @@ both sides within their deadlines, but what it could still write or read stays h
 """
 from __future__ import annotations
 
+import ctypes
 import hmac
 import logging
 import os
 from dataclasses import dataclass, field
-
-import ctypes
 
 import numpy as np
 from ucxx._lib import libucxx as ucx_api
