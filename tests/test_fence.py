@@ -216,3 +216,41 @@ def test_writes_pending_right_after_forget(rx, tx):
     rx.forget("f.1")
     assert rx.writes_pending("f.1"), "released while a transfer with GO was still open"
     assert until(lambda: not rx.writes_pending("f.1"), 15.0), rx.fencing()   # the sender wakes: DONE
+
+
+def test_fenced_peer_must_rehandshake_with_a_new_epoch(rx):
+    """A third-party-written peer (``hostile_wire.UcxClient``, not kvxfer's encoders): after it
+    went silent with a GO in hand, the receiver holds the grant's memory and refuses its
+    announces ("peer fenced") until it sends HELLO with a higher epoch (which it may only do
+    after flushing its endpoint); that HELLO releases what it held, and it may write again."""
+    import hostile_wire as hw
+    c = hw.UcxClient(rx.descriptor()["address"])
+    secret = b"e" * 16
+    runs = hw.runs_field((0, 0, 64 << 10))
+    try:
+        def announce(xid, rid):
+            c.send("epoch-peer", [[hw.ANNOUNCE, xid, rid, 10.0, b"", runs, 1, 4096, b""]], secret=secret)
+
+        def hello(epoch):
+            c.send("epoch-peer", [[hw.HELLO, c.address, secret, epoch, "", 0, 0]], secret=secret)
+
+        for rid in ("e.1", "e.2", "e.3"):
+            rx.expect(rid, ByteRanges(np.array([0]), np.array([0]), np.array([64 << 10])))
+        hello(0)
+        announce(1, "e.1")
+        assert c.wait_for(hw.GO), "no GO"
+        failed_arrival(rx, "e.1", 3.0)            # silent past peer_timeout
+        rx.forget("e.1")
+        assert rx.writes_pending("e.1")
+        announce(2, "e.2")
+        fail = c.wait_for(hw.FAIL)
+        assert fail and fail[1] == 2 and fail[2].startswith("peer fenced"), fail
+        assert rx.writes_pending("e.1"), "a fenced peer's announce released its old writes"
+        hello(1)                                   # flushed, then re-handshaken
+        assert until(lambda: not rx.writes_pending("e.1"), 3.0), rx.fencing()
+        announce(3, "e.3")
+        go = c.wait_for(hw.GO)
+        assert go and go[1] == 3, go
+        assert (rx.region.numpy() == CANARY).all()
+    finally:
+        c.close()
