@@ -235,6 +235,22 @@ class Peer:
         from kvxfer.transport.kit import Call
         self.t.commands.put(Call(time.sleep, (seconds,)))
 
+    def op_stall_after_announce(self, seconds: float):
+        """UCX: after the next ANNOUNCE is answered (GO sent), the I/O thread stops for ``seconds``
+        (a receiver that stops taking the puts it just allowed)."""
+        t = self.t
+        orig = t._on_announce
+
+        def hooked(p, m):
+            del t._on_announce   # once
+            orig(p, m)
+            t._flush_outboxes()
+            end = time.monotonic() + 0.05
+            while p.last_send is not None and not p.last_send.completed and time.monotonic() < end:
+                t._worker.progress()   # the GO leaves
+            time.sleep(seconds)
+        t._on_announce = hooked
+
     def op_fencing(self):
         return {"fencing": self.t.fencing()}
 
