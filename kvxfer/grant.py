@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import hmac
 import logging
 import threading
 from collections import Counter
@@ -130,6 +131,13 @@ class ByteRanges:
 
 log = logging.getLogger("kvxfer.transport")
 
+MAX_CAPABILITY = 64   # bytes; the endpoints use 16 (secrets.token_bytes(16))
+
+
+def _cap_ok(want: bytes, got) -> bool:
+    """A message's capability against the grant's (constant time; no capability wanted: any)."""
+    return not want or (type(got) is bytes and hmac.compare_digest(want, got))
+
 
 class Reason(str, enum.Enum):
     """Why an incoming message was refused or dropped: the fixed keys of ``GrantTable.rejected``.
@@ -174,30 +182,60 @@ class GrantTable:
     def __init__(self, region_sizes: Sequence[int] = ()):
         self._lock = threading.Lock()
         self._grants: dict[str, ByteRanges] = {}
+        self._caps: dict[str, bytes] = {}          # request id -> capability (only non-empty ones)
         self._ended: set[str] = set()
         self.region_sizes = list(region_sizes)
         self.rejected: Counter[str] = Counter()   # keys: Reason values only
+        self.bad_capability = 0   # of those counted as unknown request: a live id with a wrong capability
 
-    def expect(self, request_id: str, ranges: ByteRanges) -> None:
+    def expect(self, request_id: str, ranges: ByteRanges, capability: bytes = b"") -> None:
+        """Decode's endpoint (through ``Transport.expect``), once per request before its sender
+        may write. ``capability``: the grant's secret (``secrets.token_bytes(16)``, delivered to
+        the granted sender over the authenticated control channel); when non-empty, every data
+        message and completion for the request must carry it (``check``, ``is_live``) or it is
+        refused exactly as an unknown request id is (no oracle)."""
+        if type(capability) is not bytes or len(capability) > MAX_CAPABILITY:
+            raise TransportError(f"a capability is bytes of at most {MAX_CAPABILITY}")
         with self._lock:
             if request_id in self._grants:
                 raise TransportError(f"request {request_id} is already expected")
             self._ended.discard(request_id)
             self._grants[request_id] = ranges
+            if capability:
+                self._caps[request_id] = capability
 
     def forget(self, request_id: str) -> bool:
         """End a grant; True if it was live (so callers release slots exactly once)."""
         with self._lock:
             live = self._grants.pop(request_id, None) is not None
+            self._caps.pop(request_id, None)
             self._ended.add(request_id)
             if len(self._ended) > 100_000:
                 self._ended.clear()
             return live
 
-    def is_live(self, request_id: str) -> bool:
-        """Whether ``request_id`` has a grant now (the receiver's I/O thread, per completed transfer)."""
+    def is_live(self, request_id: str, capability: bytes | None = None) -> bool:
+        """Whether ``request_id`` has a grant now (the receiver's I/O thread, per completed transfer).
+        With ``capability`` (what the message carried): only if it also matches the grant's."""
         with self._lock:
-            return request_id in self._grants
+            if request_id not in self._grants:
+                return False
+            want = self._caps.get(request_id, b"")
+        return capability is None or _cap_ok(want, capability)
+
+    def capability_ok(self, request_id: str, capability: bytes) -> bool:
+        """Receiver's I/O thread, once per data message: ``capability`` (carried by the message)
+        matches the grant's, or the grant has none. An unknown or ended id is True here (``check``
+        refuses it on its own). False is counted in ``bad_capability``; the caller then handles
+        the message as one for an unknown id but delivers no arrival for it (``check`` and
+        ``is_live`` given the same capability refuse it)."""
+        with self._lock:
+            want = self._caps.get(request_id, b"")
+        if _cap_ok(want, capability):
+            return True
+        with self._lock:
+            self.bad_capability += 1
+        return False
 
     def live(self) -> int:
         with self._lock:
@@ -210,12 +248,17 @@ class GrantTable:
         return reason
 
     def check(self, request_id: str, region: np.ndarray | Sequence[int], offset: np.ndarray | Sequence[int],
-              nbytes: np.ndarray | Sequence[int]) -> str | None:
+              nbytes: np.ndarray | Sequence[int], capability: bytes = b"") -> str | None:
         """None when every run lies inside the request's grant and the regions; else the reason.
-        Runs come as int arrays, or as lists of Python ints for a message of a few runs."""
+        Runs come as int arrays, or as lists of Python ints for a message of a few runs.
+        ``capability``: what the message carried. A grant made with one refuses a message without
+        it (or with another) as "unknown request", the same answer as for an id never granted."""
         with self._lock:
             ranges = self._grants.get(request_id)
             ended = request_id in self._ended
+            want = self._caps.get(request_id, b"")
+        if ranges is not None and not _cap_ok(want, capability):   # the same words as below: no oracle
+            return self.reject(request_id, "unknown request: no grant for this request id")
         if ranges is None:
             return self.reject(request_id, "ended request: write after the request ended" if ended
                                else "unknown request: no grant for this request id")

@@ -170,8 +170,11 @@ def runs_field(*triples) -> bytes:
 
 
 def data_header(rid: str, xid: int, runs: bytes = b"", dl: float = 10.0, end: tuple | None = None,
-                notify: bytes = b"") -> bytes:
+                notify: bytes = b"", cap: bytes | None = None) -> bytes:
+    """``cap``: the grant capability field "c" (bytes; absent when None)."""
     h = {"t": "d", "r": rid, "x": xid, "dl": dl, "runs": runs}
+    if cap is not None:
+        h["c"] = cap
     if end is not None:
         h.update(nruns=end[0], nbytes=end[1], notify=notify)
     return msgpack.packb(h, use_bin_type=True)
@@ -267,7 +270,7 @@ class UcxClient:
             batch = self.recv(left)
             if batch is None:
                 return None
-            for m in batch[2]:
+            for m in batch[-1]:
                 if m and m[0] == kind:
                     return m
         return None

@@ -99,19 +99,29 @@ def fill_canary(pool: MHAPool, slots: np.ndarray) -> None:
             view[s:e] = CANARY
 
 
-def not_canary(pool: MHAPool, keep: list[np.ndarray]) -> dict:
-    """Bytes != CANARY outside the slots ``keep``, per region, and the first few offsets."""
+def not_canary(pool: MHAPool, keep: list[np.ndarray], rooms: dict | None = None) -> dict:
+    """Bytes != CANARY outside the slots ``keep``, per region, and the first few offsets;
+    ``by_room``: how many of them lie in each room's slots (``rooms``: room -> slots ever held)."""
     br = ByteRanges.of_slots(pool.layout, np.concatenate(keep)) if keep else None
-    out = {"bad": 0, "first": []}
+    out = {"bad": 0, "first": [], "by_room": {}}
+    masks = []
     for r, b in enumerate(pool.buffers):
         mask = b.numpy() != CANARY
         if br is not None:
             for s, e in zip(*(x.tolist() for x in br.intervals(r))):
                 mask[s:e] = False
+        masks.append(mask)
         n = int(mask.sum())
         if n:
             out["bad"] += n
             out["first"].append([r, np.flatnonzero(mask)[:4].tolist()])
+    if out["bad"] and rooms:
+        for room, sl in rooms.items():
+            rb = ByteRanges.of_slots(pool.layout, sl)
+            n = sum(int(masks[r][s:e].sum()) for r in range(len(masks))
+                    for s, e in zip(*(x.tolist() for x in rb.intervals(r))))
+            if n:
+                out["by_room"][str(room)] = n
     return out
 
 
@@ -201,7 +211,7 @@ def serve(a) -> None:
                 res = digest(pool, heads, a.layers, ever[cmd["room"]])
             elif op == "canary":
                 with lock:
-                    res = not_canary(pool, [slots[r] for r in cmd.get("keep", []) if r in slots])
+                    res = not_canary(pool, [slots[r] for r in cmd.get("keep", []) if r in slots], dict(ever))
             elif op == "stats":
                 with lock:
                     res = {"free_pages": alloc.free_pages, "capacity": alloc.capacity,

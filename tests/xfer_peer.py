@@ -158,18 +158,40 @@ class Peer:
     def op_connect(self, descriptor: dict):
         return {"peer": self.t.connect(descriptor)}
 
-    def op_expect(self, request_id: str, ranges: dict):
+    def op_expect(self, request_id: str, ranges: dict, capability: str = ""):
         from kvxfer.grant import ByteRanges
-        self.t.expect(request_id, ByteRanges(dec(ranges["region"]), dec(ranges["start"]), dec(ranges["nbytes"])))
+        self.t.expect(request_id, ByteRanges(dec(ranges["region"]), dec(ranges["start"]), dec(ranges["nbytes"])),
+                      **({"capability": base64.b64decode(capability)} if capability else {}))
 
     def op_forget(self, request_id: str):
         grants = getattr(self.t, "grants", None)
         live = self.t.forget(request_id)
         return {"live": live, "grants_live": grants.live() if grants is not None else None}
 
-    def op_submit(self, peer: str, request_id: str, plan: list, timeout: float = 30.0, notify: str = ""):
-        self.handles[request_id] = self.t.submit(peer, request_id, plan_from_json(plan), timeout=timeout,
-                                                 notify=base64.b64decode(notify))
+    def op_submit(self, peer: str, request_id: str, plan: list, timeout: float = 30.0, notify: str = "",
+                  capability: str = "", stall_s: float = 0.0):
+        """``stall_s`` (UCX): once the ANNOUNCE is out, the I/O thread stalls that long (a stalled
+        or partitioned sender: it answers nothing, then goes on with the GO it finds)."""
+        kw = {"capability": base64.b64decode(capability)} if capability else {}
+        if not stall_s:
+            self.handles[request_id] = self.t.submit(peer, request_id, plan_from_json(plan), timeout=timeout,
+                                                     notify=base64.b64decode(notify), **kw)
+            return
+        # UCX internals: the announce and the stall in one command, so no GO is handled between
+        from kvxfer.transport.base import TransferHandle
+        from kvxfer.transport.kit import Call
+        t, pl = self.t, plan_from_json(plan)
+        h = self.handles[request_id] = TransferHandle(request_id, pl.nbytes, timeout, holds_source=True)
+        out = t._prepare_transfer(t._peers[peer], h, pl, base64.b64decode(notify), kw.get("capability", b""))
+
+        def stall():
+            t._start_out(out)
+            t._flush_outboxes()
+            end = time.monotonic() + 0.05
+            while time.monotonic() < end:   # the ANNOUNCE leaves
+                t._worker.progress()
+            time.sleep(stall_s)
+        t.commands.put(Call(stall, ()))
 
     def op_wait(self, request_ids: list[str], wait_s: float = 60.0):
         limit, out = time.monotonic() + wait_s, {}
@@ -207,6 +229,30 @@ class Peer:
     def op_foreign(self, region: int, seed: int):
         r = self.regions[region].numpy()
         return {"count": int(((r != CANARY) & (r != pattern(region_seed(seed, region), r.size))).sum())}
+
+    def op_stall(self, seconds: float):
+        """UCX: the I/O thread stops for ``seconds`` (no progress, no answers), as a stopped host."""
+        from kvxfer.transport.kit import Call
+        self.t.commands.put(Call(time.sleep, (seconds,)))
+
+    def op_stall_after_announce(self, seconds: float):
+        """UCX: after the next ANNOUNCE is answered (GO sent), the I/O thread stops for ``seconds``
+        (a receiver that stops taking the puts it just allowed)."""
+        t = self.t
+        orig = t._on_announce
+
+        def hooked(p, m):
+            del t._on_announce   # once
+            orig(p, m)
+            t._flush_outboxes()
+            end = time.monotonic() + 0.05
+            while p.last_send is not None and not p.last_send.completed and time.monotonic() < end:
+                t._worker.progress()   # the GO leaves
+            time.sleep(seconds)
+        t._on_announce = hooked
+
+    def op_fencing(self):
+        return {"fencing": self.t.fencing()}
 
     def op_rejected(self):
         return {"rejected": dict(self.t.rejected)}

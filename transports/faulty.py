@@ -71,8 +71,11 @@ class FaultyTransport(Transport):
     def connect(self, descriptor: dict) -> str:
         return self.inner.connect(descriptor)
 
-    def expect(self, request_id: str, ranges: ByteRanges) -> None:
-        self.inner.expect(request_id, ranges)
+    def expect(self, request_id: str, ranges: ByteRanges, capability: bytes = b"") -> None:
+        self.inner.expect(request_id, ranges, capability)
+
+    def fencing(self) -> dict:
+        return self.inner.fencing()
 
     def forget(self, request_id: str) -> bool:
         return self.inner.forget(request_id)
@@ -82,7 +85,7 @@ class FaultyTransport(Transport):
         return self.inner.rejected
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
-               notify: bytes = b"") -> TransferHandle:
+               notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
         f = self.faults
         with self._lock:
             fail = f.fail_submits > 0 or request_id in f.fail_requests
@@ -93,14 +96,16 @@ class FaultyTransport(Transport):
             handle.finish(PeerError(f"request {request_id}: {INJECTED}: submit failed"), release=True)
             return handle
         if f.submit_delay <= 0:
-            return self.inner.submit(peer, request_id, plan, timeout=timeout, notify=notify)
+            return self.inner.submit(peer, request_id, plan, timeout=timeout, notify=notify,
+                                     capability=capability)
         # Late: the caller gets a handle now; the inner transfer starts after the delay, with what
         # is left of the deadline, and its end completes the caller's handle.
         handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
 
         def start() -> None:
             left = handle.deadline - time.monotonic()
-            inner = self.inner.submit(peer, request_id, plan, timeout=max(left, 0.001), notify=notify)
+            inner = self.inner.submit(peer, request_id, plan, timeout=max(left, 0.001), notify=notify,
+                                      capability=capability)
             _follow(inner, handle)
         timer = threading.Timer(f.submit_delay, start)
         timer.daemon = True

@@ -60,20 +60,20 @@ class LocalTransport(Transport):
         return peer_id
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
-               notify: bytes = b"") -> TransferHandle:
+               notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
         handle = TransferHandle(request_id, plan.nbytes, timeout)
         with _LIVE_LOCK:
             dst = _LIVE.get(peer)
         if dst is None or dst._closed:
             handle.finish(peer_failed(request_id, f"local peer {peer} is closed"))
             return handle
-        dst._receive(request_id, plan, self.regions, notify, handle)
+        dst._receive(request_id, plan, self.regions, notify, handle, bytes(capability))
         return handle
 
-    def _receive(self, request_id, plan, src_regions, notify, handle) -> None:
+    def _receive(self, request_id, plan, src_regions, notify, handle, capability: bytes = b"") -> None:
         runs = plan.runs()
         with self._write_lock:
-            reason = self.grants.check(request_id, runs.dst_region, runs.dst_offset, runs.nbytes)
+            reason = self.grants.check(request_id, runs.dst_region, runs.dst_offset, runs.nbytes, capability)
             if reason is None:
                 copy_runs(src_regions, self.regions, runs)
         if reason is None:

@@ -30,6 +30,7 @@ MAX_CALL_ID = (1 << 63) - 1
 MAX_WHY = 4096                # characters of one reason
 MAX_WHYS = 256                # reasons in one REFUSE
 MAX_WINDOW = 1 << 40          # sliding-window tokens (kvxfer.control.compat checks the same bound)
+CAP_BYTES = 16                # a grant's data-plane capability (Req.cap)
 
 
 class Drop(str, enum.Enum):
@@ -178,9 +179,14 @@ class Refuse(Message):
 
 @_msg("req", {**_RC, "kv": (bytes, 0, MAX_MESSAGE), "prefix": (int, 0, 1 << 40), "state": (bytes, 0, 1 << 16),
               "aux": (bool,), "dummy": (bool,)},
-      {"swa": (bytes, 0, MAX_MESSAGE), "swa_n": (int, 0, MAX_WINDOW)})
+      {"swa": (bytes, 0, MAX_MESSAGE), "swa_n": (int, 0, MAX_WINDOW), "cap": (bytes, CAP_BYTES, CAP_BYTES)})
 class Req(Message):
-    """Decode -> prefill, per request: the grant (slots as int64 little-endian bytes)."""
+    """Decode -> prefill, per request: the grant (slots as int64 little-endian bytes).
+
+    ``cap``: the grant's data-plane capability, ``secrets.token_bytes(CAP_BYTES)`` made by decode
+    per grant and given to its transport (``Transport.expect(..., capability=cap)``); prefill
+    passes it to every ``Transport.submit(..., capability=cap)`` of the request. Absent: the
+    grant has none (older decode ranks)."""
     room: int
     gen: int
     kv: bytes
@@ -190,6 +196,7 @@ class Req(Message):
     dummy: bool
     swa: bytes | None = None      # hybrid SWA only: decode's window slots
     swa_n: int | None = None      # and how many
+    cap: bytes | None = None      # the grant's capability (exactly CAP_BYTES), see above
 
 
 @_msg("ack", _RC)

@@ -12,16 +12,23 @@ Both sides, once at start-up (may block briefly):
 Prefill (sender), once per decode peer at handshake:
     ``connect(descriptor) -> peer``
 Prefill, per chunk of a request (never blocks on the network):
-    ``submit(peer, request_id, plan, timeout=..., notify=b"") -> TransferHandle``
+    ``submit(peer, request_id, plan, timeout=..., notify=b"", capability=b"") -> TransferHandle``
+    ``capability``: the grant's capability decode sent in its REQ (``expect`` below); every
+    data message and completion of the transfer carries it. Empty: the grant has none.
     The handle is done when the receiver confirmed that every byte landed, failed
     with a reason (rejected, peer died) or timed out at its deadline. ``wait`` blocks
     at most until that deadline; ``poll`` never blocks. The source bytes may be reused
     once ``handle.source_released``: after a failure a transport may still hold them
     for a while (queued zero-copy frames, puts in flight).
 Decode (receiver), per request:
-    ``expect(request_id, ranges)``  before the sender may write: the byte ranges the
-                                    request's slot grant covers. Runs outside are
-                                    rejected whole, counted and logged.
+    ``expect(request_id, ranges, capability=b"")``  before the sender may write: the byte
+                                    ranges the request's slot grant covers. Runs outside are
+                                    rejected whole, counted and logged. ``capability``
+                                    (``secrets.token_bytes(16)`` per grant, sent to the granted
+                                    prefill rank in the REQ): data and completions without it
+                                    are dropped without touching the request, counted, and
+                                    answered as for an unknown id; a zero-byte completion
+                                    without it completes nothing.
     ``arrivals()``                  completed (or rejected) incoming transfers; the
                                     control plane polls it. Never blocks for long.
     ``set_arrival_callback(fn)``    instead, once at start-up: the transport calls ``fn``
@@ -29,7 +36,11 @@ Decode (receiver), per request:
     ``forget(request_id)``          the request ended: later writes are dropped.
     ``writes_pending(request_id)``  after forget: True while writes the sender issued before
                                     may still land (one-sided puts in flight). The grant's
-                                    memory is reused only once it is False.
+                                    memory is reused only once it is False. Silence is not
+                                    death: a peer that stopped answering keeps it True until
+                                    its writes are proven flushed or impossible (``fencing``).
+Both, any time: ``fencing() -> dict`` what is quarantined because a failed or silent peer could
+still write it (receiver) or read it (sender): counts and bytes; see each transport.
 Both, at the end: ``close()`` (idempotent).
 Both, any time (never blocks): ``broken`` is None, or why the transport's I/O thread died of a
 bug; a broken transport has failed every transfer it owned and fails every later one, so the
@@ -188,10 +199,16 @@ class Transport(ABC):
 
     @abstractmethod
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
-               notify: bytes = b"") -> TransferHandle: ...
+               notify: bytes = b"", capability: bytes = b"") -> TransferHandle: ...
 
-    def expect(self, request_id: str, ranges: ByteRanges) -> None:
-        self.grants.expect(request_id, ranges)
+    def expect(self, request_id: str, ranges: ByteRanges, capability: bytes = b"") -> None:
+        self.grants.expect(request_id, ranges, capability)
+
+    def fencing(self) -> dict:
+        """Memory held back because a failed or silent peer could still write it (receiver:
+        requests, bytes) or read it (sender: transfers, bytes). Two-sided or local transports
+        hold none here (zmq reports its queued zero-copy frames)."""
+        return {"requests": 0, "bytes": 0, "sources": 0, "source_bytes": 0}
 
     def forget(self, request_id: str) -> bool:
         """End the grant. Waits out a message being written, so no byte of it lands afterwards."""

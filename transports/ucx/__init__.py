@@ -40,9 +40,11 @@ bound the control message size, incoming transfers per peer and in total, and pe
 Liveness: endpoints have error handling OFF (on, it excludes shared memory: ~10x slower), so
 a dead peer raises nothing. Each side pings its peers every ``heartbeat`` s; a peer silent for
 ``peer_timeout`` s fails its transfers; every transfer also fails at its deadline, on both
-sides. Without error handling UCX's single-copy shared-memory transport (cma) abort()s the
-process when it touches a dead peer: the UCS log hook in ``bindings`` turns that into a
-failed call.
+sides. Silence is not death: memory a silent peer could still write or read stays held
+(``writes_pending``, ``source_released``) until it is proven flushed or impossible; see
+``control`` ("Fencing") and ``fencing()``. Without error handling UCX's single-copy
+shared-memory transport (cma) abort()s the process when it touches a dead peer: the UCS log
+hook in ``bindings`` turns that into a failed call.
 
 Threads: one I/O thread per transport (``kit.IOThread``) owns the worker and makes every UCX
 call. It loops while something happens and sleeps on the worker's event fd otherwise (busy
@@ -82,9 +84,21 @@ from kvxfer.transport.kit import Call, Close, CommandQueue, Crash, IOThread, Sta
 
 from . import bindings as ucp
 from .bindings import frame_iovs
-from .control import Peer, UCXControl
-from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO, SECRET_BYTES
-from .protocol import Abort, Bye, Fail, Hello
+from .control import Peer, UCXControl, host_identity, process_start
+from .protocol import (
+    ABORT,
+    ANNOUNCE,
+    CTRL_TAG,
+    DATA_BIT,
+    DONE,
+    FRAME_BITS,
+    HELLO,
+    SECRET_BYTES,
+    Abort,
+    Bye,
+    Fail,
+    Hello,
+)
 from .receiver import UCXReceiver
 from .sender import INLINE_BELOW, UCXSender
 
@@ -147,6 +161,12 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
     max_incoming           incoming transfers open at once, all peers together
     max_incoming_per_peer  incoming transfers open at once from one peer
     max_peers     peers (sender ids) this transport keeps; a HELLO beyond it is dropped
+    fence_grace   seconds between proving a peer on this kernel dead (its process gone) and
+                  freeing what it held (its writes queued in shared memory are applied meanwhile)
+    quarantine_timeout  None (default): memory a failed or silent peer could still write is
+                  never given back until that peer flushes, re-handshakes or is proven dead.
+                  A number: give it back after that many seconds anyway (counted in
+                  ``fencing()["expired"]``); a late write may then corrupt the next owner.
     ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``; they replace
                   ``UCX_DEFAULTS`` (the environment's UCX_* settings do too).
     """
@@ -156,6 +176,7 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
                  put_below_many: int = PUT_BELOW_MANY, few_runs: int = FEW_RUNS,
                  heartbeat: float = 0.5, peer_timeout: float = 5.0, max_control_bytes: int = 64 << 20,
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, max_peers: int = 1024,
+                 fence_grace: float = 1.0, quarantine_timeout: float | None = None,
                  ucx_config: dict | None = None):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
@@ -166,6 +187,11 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         self.few_runs, self.heartbeat, self.peer_timeout = int(few_runs), heartbeat, peer_timeout
         self.max_control_bytes, self.max_incoming = int(max_control_bytes), int(max_incoming)
         self.max_incoming_per_peer, self.max_peers = int(max_incoming_per_peer), int(max_peers)
+        self.fence_grace = float(fence_grace)
+        self.quarantine_timeout = None if quarantine_timeout is None else float(quarantine_timeout)
+        self._host_id, self._pid = host_identity(), os.getpid()
+        self._start_ticks = process_start(self._pid) or 0
+        self._fence_released = self._fence_expired = 0
         self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
                                                               ucx_api.Feature.WAKEUP))
         self._worker = ucx_api.UCXWorker(self._ctx)
@@ -191,10 +217,13 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         self._ctrl_recvs: list = []  # (request, buffer, length) in arrival order
         self._zombies: list = []     # requests of ended transfers that still own buffers
         # Receiver: ended transfers whose sender had GO, so puts of theirs may still land, until
-        # its DONE or ABORT (sent once its puts are flushed) or it is gone: (peer, xid) -> rid.
-        self._landing: dict[tuple[str, int], str] = {}
+        # its DONE or ABORT (sent once its puts are flushed), its re-handshake, or proof that it
+        # is dead (never its silence): (peer, xid) -> (rid, nbytes, since).
+        self._landing: dict[tuple[str, int], tuple[str, int, float]] = {}
         self._landing_rids: collections.Counter = collections.Counter()
-        # Receiver: ended transfers whose posted frame receives may still land: (peer, rid, frames).
+        self._open_rids: collections.Counter = collections.Counter()   # request id -> open incoming transfers
+        # Receiver: ended transfers whose posted frame receives may still land:
+        # (peer, rid, frames, nbytes, since).
         self._draining: list = []
         self._xids, self._dtags = itertools.count(1), itertools.count(1)
         self.commands = CommandQueue(self._wake)
@@ -259,8 +288,9 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         return self._call(self._do_connect, peer_id, addr, base, sizes, rkeys)
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
-               notify: bytes = b"") -> TransferHandle:
-        """Sender, per chunk: plans runs and gathers packed ones here; never waits on the network."""
+               notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
+        """Sender, per chunk: plans runs and gathers packed ones here; never waits on the network.
+        ``capability``: the grant's (decode's REQ); the ANNOUNCE carries it."""
         handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
         p = self._peers.get(peer)
         why = (f"transport is broken: {self.broken}" if self.broken else "transport closed" if self._closed
@@ -270,7 +300,7 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
             handle.finish(PeerError(f"request {request_id}: {why}"), release=True)
             return handle
         try:
-            out = self._prepare_transfer(p, handle, plan, bytes(notify))
+            out = self._prepare_transfer(p, handle, plan, bytes(notify), bytes(capability))
         except (PlanError, TransportError) as e:
             handle.finish(e, release=True)
             return handle
@@ -341,8 +371,24 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
                 handles.append(h.value)
             p.base, p.sizes, p.rkeys = base, sizes, handles
             p.base_list, p.sizes_list = base.tolist(), sizes.tolist()
-            self._send(p, Hello(self._address, p.secret))
+            self._send(p, self._hello(p))
         return peer_id
+
+    def _hello(self, p: Peer) -> Hello:
+        return Hello(self._address, p.secret, p.my_epoch, self._host_id, self._pid, self._start_ticks)
+
+    def fencing(self) -> dict:
+        """Any thread: what is held because a failed or silent peer could still write it (receiver:
+        ``requests``, ``bytes``, ``transfers``) or read it (sender: ``sources``, ``source_bytes``);
+        ``fenced_peers``; ``released`` (peers proven dead and freed), ``expired`` (quarantines
+        given up by ``quarantine_timeout``). A snapshot; the I/O thread changes it."""
+        landing, draining, holding = list(self._landing.values()), list(self._draining), list(self._holding)
+        rids = {e[0] for e in landing} | {e[1] for e in draining}
+        return {"requests": len(rids), "bytes": sum(e[1] for e in landing) + sum(e[3] for e in draining),
+                "transfers": len(landing) + len(draining), "sources": len(holding),
+                "source_bytes": sum(o.handle.nbytes for o in holding),
+                "fenced_peers": sum(1 for p in list(self._peers.values()) if p.fenced),
+                "released": self._fence_released, "expired": self._fence_expired}
 
     def _add_peer(self, peer_id: str, addr: bytes, secret: bytes) -> Peer:
         ep = self._worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), False)
@@ -361,6 +407,15 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         for i in list(self._in.values()):
             self._fail_in(i, f"{why} before the transfer finished", tell=False)
         self.commands.fail_all(why)
+        # Give held transfers a bounded chance to flush, so their ABORTs (sent after the flush)
+        # release the receiver's memory; a peer that cannot take it keeps it fenced.
+        end = time.monotonic() + min(1.0, self.peer_timeout)
+        while self._holding and time.monotonic() < end:
+            self._worker.progress()
+            for o in self._holding:
+                if self._puts_settled(o):
+                    self._release_and_abort(o)
+            self._holding = [o for o in self._holding if not o.handle.source_released]
         for p in self._peers.values():
             p.outbox = [m for m in p.outbox if isinstance(m, (Abort, Fail))]
             self._send(p, Bye())
@@ -397,6 +452,7 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         self.commands.fail_all(self.broken or "transport closed")
         self._peers, self._out, self._in, self._by_dtag, self._zombies, self._flushing = {}, {}, {}, {}, [], []
         self._holding, self._unflushed, self._draining = [], {}, []
+        self._open_rids.clear()   # nothing lands after close: the endpoints are closed
         self._ctrl_sends, self._ctrl_recvs = [], []
         self._staging.clear()
         self._whandle = None

@@ -6,11 +6,30 @@ turn ``_poll_ctrl`` receives control batches (dropping one over ``max_control_by
 (``protocol.parse_message``) before ``_handle`` acts on it; ``_send`` queues replies, which
 ``_flush_outboxes`` sends as one batch per peer. ``_housekeeping`` (a few times a second) fails
 transfers past their deadline, pings peers, and ends those silent past ``peer_timeout``.
+
+Fencing (silence is not death). A peer silent past ``peer_timeout`` has its transfers failed on
+both sides within their deadlines, but what it could still write or read stays held:
+
+* receiver: ended transfers it had GO for stay in ``_landing`` and posted frame receives in
+  ``_draining``, so ``writes_pending`` stays True; the peer is *fenced*: its ANNOUNCEs are
+  refused until it re-handshakes. An entry ends when the peer sends DONE or ABORT for it (sent
+  only after its endpoint flush completed, so its puts have landed), when it re-handshakes
+  (a HELLO with a higher epoch, sent only after a flush of its endpoint completed: every put
+  issued before it has landed), when it is proven dead (same kernel, same PID and network
+  namespace, its process gone: ``_proven_dead``), or, only if the operator set
+  ``quarantine_timeout``, when that expires (counted in ``fencing()["expired"]``).
+* sender: a failed transfer whose puts or frames were issued keeps its source until its
+  endpoint flush completes (then ABORT), or until the peer is proven dead (then our endpoint
+  to it is closed, which cancels every local read, and the peer must be connected anew).
+  When a silent peer speaks again, or fences us, we flush our endpoint to it and re-handshake
+  (``_rehello``): announces wait for that HELLO, so no write of the old epoch follows it.
 """
 from __future__ import annotations
 
+import ctypes
 import hmac
 import logging
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,6 +51,7 @@ from .protocol import (
     Done,
     Fail,
     Go,
+    Hello,
     Malformed,
     Message,
     Ping,
@@ -44,6 +64,28 @@ from .protocol import (
 log = logging.getLogger("kvxfer.transport.ucx")
 
 _REFUSALS = ("outside", "unknown", "ended", "malformed", "refused")  # GrantTable reasons: RejectedWrite
+FENCED = "peer fenced"   # the FAIL a fenced peer's ANNOUNCE gets: flush, then HELLO with a higher epoch
+
+
+def host_identity() -> str:
+    """This process's kernel and namespaces (boot id, PID and network namespace): a peer with the
+    same identity can tell whether our process is alive by its pid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of process ``pid``, or None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 @dataclass(eq=False)
@@ -63,6 +105,16 @@ class Peer:
     next_ping: float = 0.0
     open_in: int = 0                 # incoming transfers open from it
     bye_at: float | None = None      # when it said BYE: its transport closed, it never comes back
+    # fencing (see the module docstring)
+    fenced: bool = False             # receiver: went silent; its ANNOUNCEs are refused until it re-handshakes
+    epoch: int = 0                   # receiver: the epoch of its latest HELLO
+    my_epoch: int = 0                # sender: the epoch of our latest HELLO to it
+    rehello: object = None           # sender: the endpoint flush after which we send HELLO(my_epoch + 1)
+    waiting: list = field(default_factory=list)   # sender: transfers to announce after that HELLO
+    host: str = ""                   # its HELLO's identity: same kernel and namespaces as ours?
+    pid: int = 0
+    start: int = 0
+    dead_since: float | None = None  # proven dead (process gone) at; held memory is freed after a grace
 
 
 
@@ -147,12 +199,21 @@ class UCXControl:
                 self.grants.reject("?", str(e)[:200])
             return
         p.clock.touch()
-        p.gone = False
+        if p.gone:   # back after silence: whatever we sent it may be lost; flush, then re-handshake
+            p.gone = False
+            self._rehello(p)
         self._handle(p, m)
 
     def _handle(self, p: Peer, m: Message) -> None:
         if isinstance(m, Announce):
+            if p.fenced:   # a write of the epoch we fenced: refused until the peer re-handshakes
+                self._deliver_failed(m.request_id, m.notify, f"peer failed: {FENCED}: it went silent and has "
+                                     "not re-handshaken")
+                self._send(p, Fail(m.xid, f"{FENCED}: flush, then HELLO with a new epoch"))
+                return
             self._on_announce(p, m)
+        elif isinstance(m, Hello):
+            self._on_hello(p, m)
         elif isinstance(m, (Go, Ack, Fail)):
             o = self._out.get(m.xid)
             if o is None or o.peer is not p:
@@ -164,10 +225,12 @@ class UCXControl:
                 del self._out[o.xid]
                 o.handle.finish(release=True)   # puts flushed before DONE, or there were none
             elif isinstance(m, Fail):
+                if m.why.startswith(FENCED):
+                    self._rehello(p)
                 self._fail_out(o, (RejectedWrite if m.why.startswith(_REFUSALS) else PeerError)(
                     f"request {o.handle.request_id}: receiver refused the transfer: {m.why}"), tell=False)
-        elif isinstance(m, (Done, Abort)) and (rid := self._landing.pop((p.id, m.xid), None)) is not None:
-            self._landed(rid)   # its puts are flushed: nothing more of it lands
+        elif isinstance(m, (Done, Abort)) and (e := self._landing.pop((p.id, m.xid), None)) is not None:
+            self._landed(e[0])   # its puts are flushed: nothing more of it lands
         elif isinstance(m, (Done, Abort)) and (i := self._in.get((p.id, m.xid))) is not None:
             if isinstance(m, Abort):   # sent once no put of it is left: nothing more lands
                 self._fail_in(i, f"aborted by the sender: {m.why}", tell=False, puts_left=False)
@@ -175,8 +238,54 @@ class UCXControl:
                 i.done = True
                 self._try_finish(i)
         elif isinstance(m, Bye):
+            # Its transport closed after flushing (bounded) and sending ABORTs for what it held;
+            # anything still held here was not proven flushed: it stays fenced.
             p.bye_at = p.clock.heard
             self._peer_gone(p, "peer closed its transport")
+
+    def _on_hello(self, p: Peer, m: Hello) -> None:
+        """A HELLO from a known peer (same channel secret). With a higher epoch it re-handshakes:
+        it sent it only after a flush of its endpoint to us completed, so every put it issued
+        before has landed. The fence lifts and its held transfers are released."""
+        p.host, p.pid, p.start = m.host, m.pid, m.start
+        if m.epoch <= p.epoch:
+            return
+        p.epoch, p.fenced, p.dead_since = m.epoch, False, None
+        for key in [k for k in self._landing if k[0] == p.id]:
+            self._landed(self._landing.pop(key)[0])
+
+    def _deliver_failed(self, rid: str, notify: bytes, reason: str) -> None:
+        from kvxfer.transport.base import Arrival
+        self._deliver(Arrival(rid, 0, False, reason, notify))
+
+    def _rehello(self, p: Peer) -> None:
+        """Sender: flush our endpoint to ``p``, then (``_check_rehello``) HELLO with a new epoch.
+        Transfers waiting for GO are failed (the peer fenced or forgot them), and new announces
+        wait for the HELLO, so no put issued after the flush began belongs to the old epoch."""
+        if p.rehello is not None or p.sizes is None:   # flushing already, or we never write to it
+            return
+        for o in [o for o in self._out.values() if o.peer is p and o.state == "wait_go"]:
+            self._fail_out(o, PeerError(f"request {o.handle.request_id}: the peer was silent or fenced us; "
+                                        "re-handshaking"))
+        p.rehello = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param)))
+
+    def _check_rehello(self, p: Peer) -> None:
+        """Sender, each tick: the re-handshake flush completed? Then HELLO, then the waiting announces."""
+        st = p.rehello.poll()
+        if st is None:
+            for o in [o for o in p.waiting if o.handle.poll() != 0]:   # timed out waiting: never read
+                o.handle.release_source()
+                p.waiting.remove(o)
+            return
+        p.rehello = None
+        if st != 0:   # not flushed: try again (a dead peer never completes one)
+            self._rehello(p)
+            return
+        p.my_epoch += 1
+        self._send(p, self._hello(p))
+        waiting, p.waiting = p.waiting, []
+        for o in waiting:
+            self._start_out(o)
 
     # ---- deadlines and heartbeats ---------------------------------------------------------
     def _housekeeping(self, now: float) -> None:
@@ -190,13 +299,105 @@ class UCXControl:
         for i in [i for i in self._in.values() if now > i.deadline]:
             self._fail_in(i, self.grants.reject(i.rid, "deadline passed: the sender did not finish in time"))
         for p in list(self._peers.values()):
+            if p.rehello is not None:
+                self._check_rehello(p)
             if not p.gone and p.clock.silent(now, self.peer_timeout):
                 self._peer_gone(p, f"peer silent for {p.clock.silent_for(now):.1f}s (dead or stalled)")
+            if p.gone or p.fenced:
+                self._fence_check(p, now)
             # Ping only once the last message left: sends to a dead peer may never complete.
             if now >= p.next_ping and (p.last_send is None or p.last_send.completed):
                 p.next_ping = now + self.heartbeat
                 self._send(p, Ping())
+        if self.quarantine_timeout is not None:
+            self._expire_quarantine(now)
         self._drop_closed_peers(now)
+
+    # ---- fencing ---------------------------------------------------------------------------
+    def _holds(self, p: Peer) -> bool:
+        return any(k[0] == p.id for k in self._landing) or any(e[0] == p.id for e in self._draining) or \
+            any(o.peer is p for o in self._holding)
+
+    def _fence_check(self, p: Peer, now: float) -> None:
+        """A silent, fenced or closed peer that holds memory here.
+
+        Proven dead: only for a peer on our kernel in our PID and network namespaces (its HELLO
+        said so) whose process is gone (pid absent, or reused: another start time). It issues
+        nothing more; after ``fence_grace`` s of progress the writes it had queued in our
+        shared-memory FIFO or on loopback have been applied, and everything it held is freed.
+        Said BYE (its transport closed): after ``fence_grace`` s our endpoint to it is closed,
+        which ends our puts still reading a source, so our held sources are released; what it
+        could still write here stays held unless its ABORTs came (it flushes before BYE)."""
+        if not self._holds(p):
+            return
+        if p.pid and p.host and p.host == self._host_id:
+            if p.dead_since is None:
+                if process_start(p.pid) == p.start:
+                    pass   # alive (stalled): silence is not death
+                else:
+                    p.dead_since = now
+                    log.warning("UCX transport %s: peer %s (pid %d) is gone; freeing what it held in %.1fs",
+                                self.id[:8], p.id[:8], p.pid, self.fence_grace)
+                    return
+            elif now - p.dead_since >= self.fence_grace:
+                return self._release_peer(p, "proven dead (its process is gone)", writes_impossible=True)
+        if p.bye_at is not None and now - p.bye_at >= self.fence_grace and any(o.peer is p for o in self._holding):
+            self._release_peer(p, "closed its transport", writes_impossible=False)
+
+    def _release_peer(self, p: Peer, why: str, writes_impossible: bool) -> None:
+        """Close our endpoint to ``p`` (no flush: it cancels what is queued to it, so no put of
+        ours reads a source any more), release our held sources, and forget ``p`` (a new
+        connect(), a new handshake, is needed to reach it again). ``writes_impossible``: ``p``
+        cannot write here any more either, so its landing and draining entries end too; else
+        they stay held (fenced) until ``quarantine_timeout``, if set."""
+        for o in [o for o in self._out.values() if o.peer is p]:
+            self._fail_out(o, PeerError(f"request {o.handle.request_id}: peer {why}"), tell=False)
+        for i in [i for i in self._in.values() if i.peer is p]:
+            self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"), tell=False,
+                          puts_left=not writes_impossible)
+        try:
+            p.ep.close()
+        except Exception:
+            log.exception("closing the endpoint of peer %s", p.id[:8])
+        for _ in range(16):
+            self._worker.progress()
+        if writes_impossible:
+            for key in [k for k in self._landing if k[0] == p.id]:
+                self._landed(self._landing.pop(key)[0])
+            for entry in [e for e in self._draining if e[0] == p.id]:
+                self._draining.remove(entry)
+                self._zombies.append((entry[2], None))
+                self._landed(entry[1])
+        for o in [o for o in (*self._holding, *self._flushing) if o.peer is p]:
+            o.handle.release_source()
+        self._holding = [o for o in self._holding if o.peer is not p]
+        self._flushing = [o for o in self._flushing if o.peer is not p]
+        self._unflushed.pop(p.id, None)
+        for o in p.waiting:
+            o.handle.finish(PeerError(f"request {o.handle.request_id}: peer {why}"), release=True)
+        for h in p.rkeys:
+            if h:
+                ucp.rkey_destroy(h)
+        p.rkeys, p.outbox, p.waiting, p.rehello = [], [], [], None
+        self._peers.pop(p.id, None)
+        self._fence_released += 1
+
+    def _expire_quarantine(self, now: float) -> None:
+        """Only with ``quarantine_timeout`` set (default None: never): give back memory held for a
+        fenced peer for longer than that. Unsafe by construction (the peer may still write it)."""
+        limit = self.quarantine_timeout
+        for key, (rid, _n, since) in list(self._landing.items()):
+            if now - since > limit:
+                del self._landing[key]
+                self._landed(rid)
+                self._fence_expired += 1
+                log.warning("UCX transport %s: quarantine of request %s expired after %.0fs: releasing memory "
+                            "its sender may still write", self.id[:8], rid, limit)
+        for entry in [e for e in self._draining if now - e[4] > limit]:
+            self._draining.remove(entry)
+            self._zombies.append((entry[2], None))
+            self._landed(entry[1])
+            self._fence_expired += 1
 
     def _drop_closed_peers(self, now: float) -> None:
         """Forget peers that said BYE a while ago and that nothing refers to any more: their
@@ -213,14 +414,11 @@ class UCXControl:
             p.ep.close()   # no flush: the peer is gone (error handling is off)
 
     def _peer_gone(self, p: Peer, why: str) -> None:
-        p.gone = True
-        for key in [k for k in self._landing if k[0] == p.id]:
-            self._landed(self._landing.pop(key))
-        for entry in [e for e in self._draining if e[0] == p.id]:   # its frames will not come (see puts)
-            self._draining.remove(entry)
-            self._zombies.append((entry[2], None))
-            self._landed(entry[1])
+        """``p`` went silent (or said BYE): its transfers fail on both sides, but silence is not
+        death: what it could still write (``_landing``, ``_draining``) or read (``_holding``)
+        stays held, and it is fenced until it re-handshakes (see the module docstring)."""
+        p.gone = p.fenced = True
         for o in [o for o in self._out.values() if o.peer is p]:
-            self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"), tell=False)
+            self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"))
         for i in [i for i in self._in.values() if i.peer is p]:
             self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"), tell=False)

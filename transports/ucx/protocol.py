@@ -37,6 +37,8 @@ MAX_ADDRESS = 1 << 16      # bytes of a worker address
 MAX_WHY = 1024             # characters of a failure reason (longer ones are cut)
 MAX_TIMEOUT = 86400.0
 SECRET_BYTES = 16
+MAX_CAPABILITY = 64        # bytes of a grant capability (kvxfer.grant.MAX_CAPABILITY)
+MAX_HOST = 256             # characters of a host identity
 RUN_BYTES = 24
 _I8 = np.dtype("<i8")
 
@@ -51,11 +53,20 @@ class Malformed(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Hello:
+    """Connecting side -> peer: its worker address and channel secret. ``epoch`` counts the
+    handshakes on this channel: a sender that was silent to the peer (or fenced by it) flushes
+    its endpoint and only then sends a HELLO with a higher epoch, which therefore also says
+    "every put I issued before this has landed". ``host`` (boot id and PID-namespace) and
+    ``pid`` let a receiver on the same kernel prove the sender dead (``UCXControl``)."""
     address: bytes
     secret: bytes
+    epoch: int = 0
+    host: str = ""
+    pid: int = 0
+    start: int = 0       # the process's start time (clock ticks since boot): pids are reused
 
     def wire(self) -> list:
-        return [HELLO, self.address, self.secret]
+        return [HELLO, self.address, self.secret, self.epoch, self.host, self.pid, self.start]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +80,11 @@ class Announce:
     nput: int
     frame_bytes: int
     inline: bytes
+    cap: bytes = b""     # the grant's capability (decode's REQ): checked before anything else
 
     def wire(self) -> list:
         return [ANNOUNCE, self.xid, self.request_id, self.timeout, self.notify, self.runs, self.nput,
-                self.frame_bytes, self.inline]
+                self.frame_bytes, self.inline, self.cap]
 
     def run_array(self) -> np.ndarray:
         return np.frombuffer(self.runs, _I8).reshape(3, -1)
@@ -176,17 +188,24 @@ def _str(v, limit: int, what: str) -> str:
     return v
 
 
-_SIZES = {HELLO: 3, ANNOUNCE: 9, GO: 3, DONE: 2, ACK: 2, FAIL: 3, ABORT: 3, PING: 1, BYE: 1}
+# Lengths a message may have: HELLO and ANNOUNCE without their newer fields are kvxfer's
+# older wire (epoch 0, no identity; no capability, which a grant with one refuses).
+_SIZES = {HELLO: (3, 7), ANNOUNCE: (9, 10), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,), PING: (1,),
+          BYE: (1,)}
 
 
 def parse_message(m, limit: int) -> Message:
     """One message as its dataclass; ``Malformed`` (saying why) for anything else."""
     kind = kind_of(m)
-    if kind not in _SIZES or len(m) != _SIZES[kind]:
+    if kind not in _SIZES or len(m) not in _SIZES[kind]:
         raise Malformed(f"malformed message: not a known message of the right length (kind {kind!r})")
     try:
         if kind == HELLO:
-            return Hello(_bytes(m[1], MAX_ADDRESS, "address"), _bytes(m[2], SECRET_BYTES, "secret"))
+            address, secret = _bytes(m[1], MAX_ADDRESS, "address"), _bytes(m[2], SECRET_BYTES, "secret")
+            if len(m) == 3:
+                return Hello(address, secret)
+            return Hello(address, secret, _int(m[3], 0, MAX_ID, "epoch"), _str(m[4], MAX_HOST, "host"),
+                         _int(m[5], 0, 1 << 31, "pid"), _int(m[6], 0, MAX_ID, "start time"))
         if kind == PING:
             return Ping()
         if kind == BYE:
@@ -218,6 +237,7 @@ def parse_message(m, limit: int) -> Message:
         nput = _int(m[6], 0, len(runs) // RUN_BYTES + 1, "put run count")
         frame = _int(m[7], 4096, 1 << 32, "frame size")
         inline = _bytes(m[8], limit, "inline bytes")
+        cap = _bytes(m[9], MAX_CAPABILITY, "capability") if len(m) == 10 else b""
     except ValueError as e:
         raise Malformed(f"malformed header: {e}", (xid, rid)) from None
-    return Announce(xid, rid, float(timeout), notify, runs, nput, frame, inline)
+    return Announce(xid, rid, float(timeout), notify, runs, nput, frame, inline, cap)

@@ -45,6 +45,7 @@ class Incoming:
     iov: ucp.IovFrames | None = None  # or receives posted into the runs themselves (host destinations)
     dtag: int = 0                    # tag of the frames (0: no GO sent)
     puts: int = 0                    # announced runs the sender puts (one-sided) after GO
+    cap: bytes = b""                 # the capability its ANNOUNCE carried (checked against the grant)
     got: int = 0
     done: bool = False
     reqs: list = field(default_factory=list)
@@ -57,11 +58,15 @@ class UCXReceiver:
         xid, rid = m.xid, m.request_id
         runs, nput, inline = m.run_array(), m.nput, m.inline
         reg, off, n = runs
+        # Without the grant's capability: handled exactly as an ANNOUNCE for an unknown id (the same
+        # answer: no oracle; grants.check and is_live refuse it) but with no arrival: it never
+        # fails or completes the request.
+        quiet = not self.grants.capability_ok(rid, m.cap)
         if len(self._in) >= self.max_incoming or p.open_in >= self.max_incoming_per_peer:
             return self._refuse(p, xid, rid, 0, m.notify, self.grants.reject(
-                rid, f"too many transfers: {len(self._in)} open, {p.open_in} from this peer"))
+                rid, f"too many transfers: {len(self._in)} open, {p.open_in} from this peer"), quiet)
         # An empty transfer writes nothing: acknowledged whatever its request id (no oracle)
-        reason = self.grants.check(rid, reg, off, n) if len(n) else None
+        reason = self.grants.check(rid, reg, off, n, m.cap) if len(n) else None
         # A granted run lies inside the grant: non-negative and below 2**62, so the sums below hold.
         if reason is None and len(n) and (off + n > self._region_sizes[reg]).any():
             # GrantTable trusts the grant to lie inside the regions; a grant past the end is ours to catch.
@@ -74,9 +79,10 @@ class UCXReceiver:
             reason = self.grants.reject(rid, f"malformed header: {len(inline)} inline bytes for {total} packed")
         if reason is not None:
             ok = len(n) and (n > 0).all() and (n < 1 << 40).all()
-            return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason)
+            return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason, quiet)
         i = Incoming(p, xid, rid, time.monotonic() + m.timeout, int(n.sum()), m.notify, tuple(packed), None,
-                     m.frame_bytes, 0 if inline else -(-total // m.frame_bytes), puts=nput)
+                     m.frame_bytes, 0 if inline else -(-total // m.frame_bytes), puts=nput, cap=m.cap)
+        self._open_rids[rid] += 1   # writes_pending until _forget_in (forget() fails it asynchronously)
         self._in[(p.id, xid)] = i
         p.open_in += 1
         if inline:  # checked a moment ago: lands now, with no re-check and no frames
@@ -98,8 +104,9 @@ class UCXReceiver:
             self._by_dtag[i.dtag] = i
         self._send(p, Go(xid, i.dtag))
 
-    def _refuse(self, p, xid: int, rid: str, nbytes: int, notify: bytes, reason: str) -> None:
-        self._deliver(Arrival(rid, nbytes, False, reason, notify))
+    def _refuse(self, p, xid: int, rid: str, nbytes: int, notify: bytes, reason: str, quiet: bool = False) -> None:
+        if not quiet:   # quiet: a wrong capability, which must not touch the request
+            self._deliver(Arrival(rid, nbytes, False, reason, notify))
         self._send(p, Fail(xid, peer_reason(reason)))
 
     def _poll_data(self) -> None:
@@ -146,12 +153,12 @@ class UCXReceiver:
             return
         if i.packed is not None and len(i.packed[2]):
             # The request may have ended while the frames were on their way: check before landing them.
-            if (reason := self.grants.check(i.rid, *i.packed)) is not None:
+            if (reason := self.grants.check(i.rid, *i.packed, i.cap)) is not None:
                 return self._fail_in(i, reason)
             self._land(i.packed, i.staging)
         self._forget_in(i)
         self._staging.put(i.staging)
-        if i.nbytes or self.grants.is_live(i.rid):   # an empty transfer of no live request: ACK only
+        if i.nbytes or self.grants.is_live(i.rid, i.cap):   # an empty transfer of no live request: ACK only
             self._deliver(Arrival(i.rid, i.nbytes, True, "", i.notify))
         self._send(i.peer, Ack(i.xid))
 
@@ -165,14 +172,20 @@ class UCXReceiver:
             torch.cuda.current_stream(dev).synchronize()
 
     def _forget_in(self, i: Incoming) -> None:
-        if self._in.pop((i.peer.id, i.xid), None) is not None:
-            i.peer.open_in -= 1
+        """End ``i`` here. Whatever may still land of it is marked (``_draining``) before it stops
+        counting as open, so ``writes_pending`` (any thread) never sees a gap."""
         self._by_dtag.pop(i.dtag, None)
         self._zombies.extend((r, i.staging) for r in i.reqs)  # posted receives still own the staging block
         if i.iov is not None and not i.iov.poll():   # receives posted into the grant's memory
             i.iov.cancel(self._whandle)
-            self._draining.append((i.peer.id, i.rid, i.iov))
+            self._draining.append((i.peer.id, i.rid, i.iov, int(i.packed[2].sum()) if i.packed is not None else 0,
+                                   time.monotonic()))
             self._landing_rids[i.rid] += 1   # writes_pending until they are all done
+        if self._in.pop((i.peer.id, i.xid), None) is not None:
+            i.peer.open_in -= 1
+            self._open_rids[i.rid] -= 1
+            if self._open_rids[i.rid] <= 0:
+                del self._open_rids[i.rid]
 
     def _reap_draining(self) -> None:
         """Ended transfers whose posted receives are all done: nothing more of them lands."""
@@ -185,10 +198,11 @@ class UCXReceiver:
         self._draining = left
 
     def _fail_in(self, i: Incoming, reason: str, tell: bool = True, puts_left: bool = True) -> None:
-        self._forget_in(i)
-        if puts_left and i.dtag and i.puts and not i.done and not i.peer.gone:   # GO went out: puts may come
-            self._landing[(i.peer.id, i.xid)] = i.rid
+        if puts_left and i.dtag and i.puts and not i.done and (i.peer.id, i.xid) in self._in \
+                and (i.peer.id, i.xid) not in self._landing:   # GO went out: puts may come, silent peer or not
+            self._landing[(i.peer.id, i.xid)] = (i.rid, i.nbytes, time.monotonic())
             self._landing_rids[i.rid] += 1
+        self._forget_in(i)   # after: writes_pending stays True throughout
         self._deliver(Arrival(i.rid, i.nbytes, False, reason, i.notify))
         if tell:
             self._send(i.peer, Fail(i.xid, peer_reason(reason)))
@@ -199,10 +213,14 @@ class UCXReceiver:
             del self._landing_rids[rid]
 
     def writes_pending(self, request_id: str) -> bool:
-        """After ``forget``: True while a sender that had GO for this request has not said that
-        its puts are flushed (DONE or ABORT), unless it went silent past ``peer_timeout`` (taken
-        as dead). Until then its puts can land in the grant's memory."""
-        return request_id in self._landing_rids
+        """Decode's endpoint, any thread, after ``forget``: True while a sender that had GO for this
+        request has not proven its puts flushed (DONE or ABORT after its flush, or a re-handshake),
+        or frames posted into the grant are not done, and the sender is not proven dead. A silent
+        sender keeps it True (silence is not death); see ``fencing()``. Until it is False the
+        grant's memory must not be reused. Transfers of the request still open here count too:
+        ``forget`` fails them on the I/O thread a moment later."""
+        return request_id in self._landing_rids or (request_id in self._open_rids
+                                                    and not self.grants.is_live(request_id))
 
     def _drop_request(self, rid: str) -> None:
         for i in [i for i in self._in.values() if i.rid == rid]:

@@ -64,7 +64,8 @@ class Outgoing:
 class UCXSender:
     """Sender half of ``UCXTransport`` (see the module docstring for who calls what)."""
 
-    def _prepare_transfer(self, p, handle: TransferHandle, plan: TransferPlan, notify: bytes) -> Outgoing:
+    def _prepare_transfer(self, p, handle: TransferHandle, plan: TransferPlan, notify: bytes,
+                          cap: bytes = b"") -> Outgoing:
         """Caller's thread: bounds, puts, announce and packed data of one transfer (PlanError,
         TransportError when it cannot be sent)."""
         if not self._regions and plan.num_runs:
@@ -88,7 +89,7 @@ class UCXSender:
         if staging is not None and staging.is_cuda:  # UCX reads it right after GO
             torch.cuda.current_stream(staging.device).synchronize()
         xid = next(self._xids)
-        announce = Announce(xid, handle.request_id, 0.0, bytes(notify), runs, nput, self.frame_bytes, inline)
+        announce = Announce(xid, handle.request_id, 0.0, bytes(notify), runs, nput, self.frame_bytes, inline, cap)
         return Outgoing(xid, p, handle, announce, puts, staging, self.frame_bytes, iov)
 
     def _prepare(self, p, plan: TransferPlan) -> tuple:
@@ -157,10 +158,13 @@ class UCXSender:
         if o.handle.poll() != 0:  # failed or timed out while queued: nothing read its source
             o.handle.release_source()
             return
+        if o.peer.rehello is not None:   # re-handshaking: announced after the new HELLO
+            o.peer.waiting.append(o)
+            return
         self._out[o.xid] = o
         a = o.announce   # relative deadline: clocks differ across hosts
         o.announce = Announce(a.xid, a.request_id, max(o.handle.deadline - time.monotonic(), 0.0), a.notify,
-                              a.runs, a.nput, a.frame_bytes, a.inline)
+                              a.runs, a.nput, a.frame_bytes, a.inline, a.cap)
         self._send(o.peer, o.announce)
         o.state = "wait_go"
 
@@ -255,12 +259,13 @@ class UCXSender:
     @staticmethod
     def _puts_settled(o: Outgoing) -> bool:
         """No put or frame of ``o`` reads its source any more: the flush ended and the frames
-        left, or the peer is gone (a dead peer takes nothing; a stalled one is past every deadline
-        when it wakes)."""
-        return o.peer.gone or (o.flush is not None and o.flush.completed and (o.iov is None or o.iov.poll()))
+        left. Never because the peer is silent: a silent peer may come back, and a put queued
+        in a socket then reads the source and lands (the peer proven dead: ``_release_peer``)."""
+        return o.flush is not None and o.flush.completed and (o.iov is None or o.iov.poll())
 
     def _release_and_abort(self, o: Outgoing) -> None:
-        """No put of failed ``o`` reads its source or lands any more: release it, tell the receiver."""
+        """No put of failed ``o`` reads its source or lands any more: release it, and tell the
+        receiver (ABORT: it may give the grant's memory back) only when the flush succeeded."""
         o.handle.release_source()
-        if not o.peer.gone:
+        if o.flush is None or o.flush.poll() == 0:
             self._send(o.peer, Abort(o.xid, o.abort))

@@ -183,17 +183,27 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             raise ConnectError(f"cannot connect to {endpoint}: {e}") from e
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
-               notify: bytes = b"") -> TransferHandle:
+               notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
         """Hand the plan to the I/O thread and return at once. The source bytes must stay
-        unchanged until ``handle.source_released``."""
+        unchanged until ``handle.source_released``. ``capability``: the grant's, from decode's
+        REQ; every data message of the transfer carries it."""
         handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
         if self._closed or self.broken:
             handle.finish(peer_failed(request_id, self.broken or "transport is closed"), release=True)
         else:
-            self.commands.put(Submit(peer, request_id, (plan, bytes(notify)), handle))
+            self.commands.put(Submit(peer, request_id, (plan, bytes(notify), bytes(capability)), handle))
             if self.broken and not self.io.alive:   # died meanwhile: nobody will take the command
                 fail_command(Submit(peer, request_id, None, handle), self.broken)
         return handle
+
+    def fencing(self) -> dict:
+        """Any thread (a snapshot): sender transfers that ended while zero-copy frames of theirs were
+        still queued in zmq (``sources``, ``source_bytes``): their sources stay unreleased until zmq
+        lets go of every frame (or the socket to a silent peer is closed with linger 0). A receiver
+        holds nothing here: it checks every frame against the live grants, so a late frame of an
+        ended request is dropped."""
+        rel = list(self._releasing)
+        return {"requests": 0, "bytes": 0, "sources": len(rel), "source_bytes": sum(o.handle.nbytes for o in rel)}
 
     def close(self) -> None:
         """Fail whatever is open, close the sockets and join the I/O thread. Idempotent."""
@@ -275,8 +285,8 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             if isinstance(cmd, Crash):
                 raise cmd.error
             if isinstance(cmd, Submit):
-                plan, notify = cmd.work
-                self._start(cmd.peer, cmd.request_id, plan, notify, cmd.handle)
+                plan, notify, cap = cmd.work
+                self._start(cmd.peer, cmd.request_id, plan, notify, cmd.handle, cap)
             elif isinstance(cmd, Connect):
                 self._connect(cmd.target, cmd.future)
             elif isinstance(cmd, Call):

@@ -3,7 +3,8 @@
 Headers are msgpack maps (never pickle); run arrays are little-endian int64 bytes::
 
     data  [hdr, part...]  {"t": "d", "r": request id, "x": transfer id, "dl": seconds left,
-                           "runs": int64 LE bytes [dst_region * k, dst_offset * k, nbytes * k]}
+                           "runs": int64 LE bytes [dst_region * k, dst_offset * k, nbytes * k],
+                           "c": the grant's capability (optional; bytes, at most MAX_CAPABILITY)}
                           parts: one part holding the k runs back to back (packed), or k parts,
                           part i holding run i (zero-copy), or none when k == 0.
                           The last message of a transfer adds its totals:
@@ -35,6 +36,7 @@ MAX_REQUEST_ID = 4096           # characters of a request id
 MAX_NOTIFY = 1 << 20            # bytes of a transfer's notify
 MAX_DEADLINE = 86400.0          # seconds: a longer deadline is cut to this
 MAX_ACKS = 1 << 20              # transfer ids per ack
+MAX_CAPABILITY = 64             # bytes of a grant capability (kvxfer.grant.MAX_CAPABILITY)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,9 +55,12 @@ class Data:
     deadline: float       # seconds left when it was sent
     runs: bytes
     end: End | None = None
+    cap: bytes = b""      # the grant's capability: every message of a transfer carries it
 
     def pack(self) -> bytes:
         h = {"t": "d", "r": self.request_id, "x": self.xid, "dl": self.deadline, "runs": self.runs}
+        if self.cap:
+            h["c"] = self.cap
         if self.end is not None:
             h.update(nruns=self.end.nruns, nbytes=self.end.nbytes, notify=self.end.notify)
         return msgpack.packb(h)
@@ -144,13 +149,16 @@ def parse_data(buf, limit: int) -> Data | Ping:
     dl, runs = _field(h, "dl", int, float), _field(h, "runs", bytes)
     if not math.isfinite(dl):
         raise ValueError("deadline not finite")
+    cap = h.get("c", b"")
+    if type(cap) is not bytes or len(cap) > MAX_CAPABILITY:
+        raise ValueError("capability is not bytes of at most 64")
     end = None
     if h.keys() & {"nruns", "nbytes", "notify"}:
         nruns, nbytes, notify = _field(h, "nruns", int), _field(h, "nbytes", int), _field(h, "notify", bytes)
         if not (0 <= nruns < MAX_ID and 0 <= nbytes < MAX_ID and len(notify) <= MAX_NOTIFY):
             raise ValueError("totals out of range")
         end = End(nruns, nbytes, notify)
-    return Data(request_id, xid, min(float(dl), MAX_DEADLINE), runs, end)
+    return Data(request_id, xid, min(float(dl), MAX_DEADLINE), runs, end, cap)
 
 
 def parse_reply(buf, limit: int = 1 << 24) -> Ack | Nack | Ping:

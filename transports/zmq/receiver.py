@@ -82,10 +82,11 @@ def region_spans(*keys: np.ndarray) -> list[tuple[int, int]]:
 
 class Incoming:
     """An incoming transfer, keyed by (routing id, request id, transfer id)."""
-    __slots__ = ("deadline", "start", "nbytes", "nruns")
+    __slots__ = ("deadline", "start", "nbytes", "nruns", "quiet")
 
     def __init__(self, deadline):
         self.deadline, self.start, self.nbytes, self.nruns = deadline, time.monotonic(), 0, 0
+        self.quiet = False   # a message of it carried a wrong capability: it never yields an arrival
 
 
 class ZMQReceiver:
@@ -151,14 +152,21 @@ class ZMQReceiver:
         key, request_id = (rid, h.request_id, h.xid), h.request_id
         if key in self._dead:   # the transfer failed already: its later messages are dropped quietly
             return
+        # Without the grant's capability: handled exactly as a message for an unknown id (the same
+        # replies: no oracle; grants.check and is_live refuse it), but it never touches the
+        # request: no arrival (``quiet``), so it cannot fail or complete it.
+        quiet = not self.grants.capability_ok(request_id, h.cap)
         st = self._in.get(key)
         if st is None:
             if len(self._in) >= self.max_incoming or self._open_from[rid] >= self.max_incoming_per_peer:
                 self._fail_in(key, self.grants.reject(
-                    request_id, f"too many transfers: {len(self._in)} open, {self._open_from[rid]} from this peer"))
+                    request_id, f"too many transfers: {len(self._in)} open, {self._open_from[rid]} from this peer"),
+                    quiet)
                 return
             st = self._in[key] = Incoming(time.monotonic() + h.deadline)
             self._open_from[rid] += 1
+        if quiet:
+            st.quiet = True
         if time.monotonic() > st.deadline:   # too late: the sender has given up on it
             self._fail_in(key, f"deadline passed: {st.nbytes} bytes arrived before it")
             return
@@ -188,7 +196,7 @@ class ZMQReceiver:
             return
         with self._write_lock:
             if k:
-                reason = self.grants.check(request_id, region, offset, nbytes)   # also: request ended?
+                reason = self.grants.check(request_id, region, offset, nbytes, h.cap)   # also: request ended?
             if reason is None and not (runs_inside_few(list(zip(region, offset, nbytes)), self.grants.region_sizes)
                                        if few else runs_inside(region, offset, nbytes, self._sizes)):
                 reason = self.grants.reject(request_id, "outside region: a granted run passes its region's end")
@@ -205,7 +213,7 @@ class ZMQReceiver:
                                    f"{st.nruns} of {h.end.nruns} runs arrived")
                 return
             self._close_in(key)
-            if st.nruns or self.grants.is_live(request_id):   # an empty transfer of no live request: ack only
+            if st.nruns or self.grants.is_live(request_id, h.cap):   # an empty transfer of no live request: ack only
                 self._completed.append(Arrival(request_id, st.nbytes, True, "", h.end.notify))
             self._acks.setdefault(rid, []).append(h.xid)
 
@@ -235,15 +243,19 @@ class ZMQReceiver:
         for a, b in spans:   # loop per destination region in the frame
             scatter_host(self._host[region[a]], offset[a:b], nbytes[a:b], data[pos[a]: pos[b]])
 
-    def _fail_in(self, key: tuple, reason: str) -> None:
+    def _fail_in(self, key: tuple, reason: str, quiet: bool = False) -> None:
+        """End an incoming transfer: drop its later messages, tell the sender. ``quiet`` (or a
+        transfer that carried a wrong capability): no arrival, the request is not touched."""
         rid, request_id, xid = key
         st = self._close_in(key)
+        quiet = quiet or (st is not None and st.quiet)
         self._dead[key] = None
         if len(self._dead) > 65536:
             self._dead.popitem(last=False)
         log.warning("incoming transfer %d of request %s failed: %s", xid, request_id, reason)
         self._deliver_completed()   # in the order they happened
-        self._deliver(Arrival(request_id, st.nbytes if st else 0, False, reason))
+        if not quiet:
+            self._deliver(Arrival(request_id, st.nbytes if st else 0, False, reason))
         self._reply(rid, Nack(xid, peer_reason(reason)).pack())
 
     def _close_in(self, key: tuple) -> Incoming | None:

@@ -66,10 +66,11 @@ class Outgoing:
     """An outgoing transfer (I/O thread). ``ahead``: its next message, made one step early
     so the message before it knows it is the last. ``trackers``: of its zero-copy messages,
     which may read the source until zmq lets go of them."""
-    __slots__ = ("xid", "handle", "peer", "frames", "ahead", "end", "nruns", "trackers")
+    __slots__ = ("xid", "handle", "peer", "frames", "ahead", "end", "nruns", "trackers", "cap")
 
-    def __init__(self, xid, handle, peer, frames, end: End):
+    def __init__(self, xid, handle, peer, frames, end: End, cap: bytes = b""):
         self.xid, self.handle, self.peer, self.frames, self.end = xid, handle, peer, frames, end
+        self.cap = cap   # the grant's capability: in every header
         self.nruns = 0   # runs in the headers sent so far: the last header's total
         self.trackers: list[zmq.MessageTracker] = []
         self.ahead = next(frames)
@@ -103,7 +104,8 @@ class ZMQSender:
         self._out: dict[int, Outgoing] = {}
         self._releasing: list[Outgoing] = []
 
-    def _start(self, pid: str, request_id: str, plan: TransferPlan, notify: bytes, handle: TransferHandle):
+    def _start(self, pid: str, request_id: str, plan: TransferPlan, notify: bytes, handle: TransferHandle,
+               cap: bytes = b""):
         peer = self._peers.get(pid)
         if peer is None:
             handle.finish(peer_failed(request_id, f"unknown peer {pid!r}; call connect() first"), release=True)
@@ -127,7 +129,7 @@ class ZMQSender:
             return
         xid = next(self._xids)
         try:
-            out = Outgoing(xid, handle, peer, frames(), End(0, nbytes, notify))
+            out = Outgoing(xid, handle, peer, frames(), End(0, nbytes, notify), cap)
         except Exception as e:  # e.g. a CUDA copy failed: this transfer fails, not the thread
             handle.finish(peer_failed(request_id, f"cannot read the source: {e}"), release=True)
             return
@@ -242,7 +244,7 @@ class ZMQSender:
                     end = End(out.nruns, out.end.nbytes, out.end.notify)
                 else:
                     peer.sending.append(out)
-                hdr = Data(out.handle.request_id, out.xid, out.handle.deadline - time.monotonic(), runs, end)
+                hdr = Data(out.handle.request_id, out.xid, out.handle.deadline - time.monotonic(), runs, end, out.cap)
                 peer.pending = Pending([hdr.pack(), *parts], stage, out)
             parts, stage, out = peer.pending.parts, peer.pending.stage, peer.pending.out
             # Small messages are copied into zmq: zero-copy costs pyzmq a tracked buffer and a
