@@ -58,8 +58,6 @@ def test_frames_for_an_unknown_request_write_nothing(pair, attacker):
     after_attack(pair, before)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: the ZMQ data plane is unauthenticated: a third party's "
-                                       "zero-run 'chunk 0 of 1, 0 bytes' completes a live request")
 def test_a_third_party_cannot_complete_a_live_request(pair, attacker):
     before = snapshot()
     r, d_slots = pair.receiver()
@@ -86,7 +84,6 @@ def test_probes_of_live_and_unknown_ids_get_the_same_answer(pair, attacker):
     after_attack(pair, before)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 16: one bad frame naming a live request id fails that request")
 @pytest.mark.parametrize("bad", ["length mismatch", "outside grant", "unknown region"])
 def test_one_bad_frame_does_not_fail_a_live_request(pair, attacker, bad):
     before = snapshot()

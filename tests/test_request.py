@@ -307,7 +307,7 @@ def test_prefill_holds_the_kv_while_a_transport_still_reads_it():
     held, released = [], []
     p_xport, clock = get_transport("local"), ManualClock()
 
-    def failing_submit(peer, request_id, plan, *, timeout=30.0, notify=b""):   # fault injection
+    def failing_submit(peer, request_id, plan, *, timeout=30.0, notify=b"", capability=b""):   # fault injection
         h = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
         h.finish(PeerError(f"request {request_id}: injected: the peer stopped answering"))
         held.append(h)

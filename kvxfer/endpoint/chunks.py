@@ -29,7 +29,7 @@ class DecodePeer:
 class Target:
     """One decode rank's grant inside one sender (from its "req" message)."""
     __slots__ = ("peer", "d_rank", "gen", "request_id", "kv", "prefix", "state", "swa", "window_start", "aux", "dummy",
-                 "chunks", "nbytes", "confirmed")
+                 "chunks", "nbytes", "confirmed", "cap")
 
     def __init__(self, peer: str, d_rank: int, msg: dict, kv: np.ndarray, state: np.ndarray, swa: np.ndarray):
         self.peer, self.d_rank, self.gen = peer, d_rank, msg["gen"]
@@ -38,6 +38,7 @@ class Target:
         # hybrid SWA: decode's window slots, for request tokens window_start .. len(kv) - 1
         self.swa, self.window_start = swa, len(kv) - len(swa)
         self.aux, self.dummy = msg["aux"], msg["dummy"]
+        self.cap = msg.get("cap") or b""   # the grant's data-plane capability: every submit carries it
         self.chunks = self.nbytes = 0   # submitted to this target so far
         self.confirmed = self.dummy     # a dummy target has nothing to confirm
 

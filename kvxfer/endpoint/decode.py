@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 import uuid
@@ -38,6 +39,7 @@ from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient
 from ..control.compat import require_compatible
 from ..control.handshake import hello
+from ..control.messages import CAP_BYTES
 from ..control.wire import ChunkMeta
 from ..errors import CompatibilityError, ConnectError, RequestError
 from ..grant import ByteRanges
@@ -332,8 +334,9 @@ class DecodeEndpoint(EndpointBase):
             # before the grant: a stale record from an earlier request never shows
             if aux_slot is not None and self.aux_buffer is not None:
                 self.aux_buffer.clear(aux_slot)
+            cap = secrets.token_bytes(CAP_BYTES)   # only the prefill ranks this request asks can complete it
             with self._xport_lock:
-                self.transport.expect(r.request_id, ranges)
+                self.transport.expect(r.request_id, ranges, capability=cap)
             r.granted, r.aux_slot = True, aux_slot
             kv_raw, st_raw = kv.astype("<i8").tobytes(), st.astype("<i8").tobytes()
             swa_raw = swa.astype("<i8").tobytes()
@@ -341,7 +344,8 @@ class DecodeEndpoint(EndpointBase):
                 dummy = not sources
                 msg = {"t": "req", "room": r.room, "gen": r.gen, "kv": b"" if dummy else kv_raw,
                        "prefix": prefix_len, "state": b"" if dummy else st_raw, "dummy": dummy,
-                       "aux": aux_slot is not None and r.aux_from is not None and r.peer_of.get(r.aux_from) == key}
+                       "aux": aux_slot is not None and r.aux_from is not None and r.peer_of.get(r.aux_from) == key,
+                       "cap": cap}
                 if self.swa_window:   # only hybrid pairs carry the window: other requests keep their shape
                     msg["swa"], msg["swa_n"] = (b"", 0) if dummy else (swa_raw, len(swa))
                 self.channel.send(key, msg)

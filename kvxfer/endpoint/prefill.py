@@ -409,7 +409,8 @@ class PrefillEndpoint(EndpointBase):
         meta = ChunkMeta(s.room, t.gen, self.source, t.chunks, t.chunks + 1 if c.last else -1,
                          t.nbytes + plan.nbytes if c.last else -1, aux)
         with self._xport_lock:
-            h = self.transport.submit(dp.xpeer, t.request_id, plan, timeout=self.timeouts.transfer, notify=meta.pack())
+            h = self.transport.submit(dp.xpeer, t.request_id, plan, timeout=self.timeouts.transfer, notify=meta.pack(),
+                                      capability=t.cap)
         t.chunks, t.nbytes = t.chunks + 1, t.nbytes + plan.nbytes
         s.handles.append((h, plan.num_runs))
         s.reading.append(h)
