@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 
 import numpy as np
 import ucxx  # noqa: F401  (loads the bundled libucx / libucxx)
@@ -23,6 +24,18 @@ log = logging.getLogger("kvxfer.transport.ucx")
 _ucp, _ucs = ctypes.CDLL("libucp.so.0"), ctypes.CDLL("libucs.so.0")  # the copies ucxx loaded
 _vp, _sz, _u64, _int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int
 _status_t = ctypes.c_int8  # ucs_status_t is a packed (one-byte) enum
+
+
+def ucp_version() -> tuple[int, int, int]:
+    major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+    _ucp.ucp_get_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release))
+    return major.value, minor.value, release.value
+
+
+if ucp_version() >= (1, 21, 0):
+    # ucxx sets UCX_MEMTYPE_CACHE=n (for old UCX releases) when it is imported; UCX 1.21 has no such
+    # setting and warns "unused environment variable" at every context it makes.
+    os.environ.pop("UCX_MEMTYPE_CACHE", None)
 
 
 class MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t
