@@ -49,7 +49,7 @@ class Incoming:
     deadline: float
     nbytes: int
     notify: bytes
-    packed: tuple | None             # region, offset, nbytes arrays of the packed runs; None once landed
+    packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # region, offset, nbytes arrays of the packed runs; None once landed
     staging: torch.Tensor | None     # their frames (CUDA destinations)
     frame_bytes: int
     frames: int

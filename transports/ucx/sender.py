@@ -145,6 +145,7 @@ class UCXSender:
         npk = int(np.count_nonzero(pk))
         put = slice(None) if npk == 0 else slice(0) if npk == len(n) else ~pk
         keyed = keyable(self._region_sizes, p.sizes)
+        announced: tuple[np.ndarray, ...] | None
         packed = announced = None
         if npk:
             psr, pso, pdr, pdo, pn = (sr, so, dr, do, n) if npk == len(n) else (sr[pk], so[pk], dr[pk], do[pk], n[pk])
@@ -169,6 +170,8 @@ class UCXSender:
 
     def _prepare_few(self, p, plan: TransferPlan) -> tuple:
         """``_prepare`` for a plan of at most ``few_runs`` runs, with Python ints."""
+        put_runs: list[tuple[int, int, int, int, int]]
+        packed_runs: list[tuple[int, int, int, int, int]]
         put_runs, packed_runs, puts, frame = [], [], [], self.frame_bytes
         for g in plan.groups:
             for sr, so, dr, do, n in g.run_tuples():
@@ -184,8 +187,8 @@ class UCXSender:
             puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]
         packed = None
         if packed_runs:
-            sr, so, _, _, n = (np.array(c, np.int64) for c in zip(*packed_runs))
-            packed = (sr, so, n)
+            psr, pso, _, _, pn = (np.array(c, np.int64) for c in zip(*packed_runs))
+            packed = (psr, pso, pn)
         runs = put_runs + packed_runs
         return puts, np.array([[r[2] for r in runs], [r[3] for r in runs], [r[4] for r in runs]], _I8).tobytes(), \
             len(put_runs), packed
