@@ -40,6 +40,9 @@ if TYPE_CHECKING:
     from .protocol import Message
 
 
+PackedRuns = tuple[np.ndarray, np.ndarray, np.ndarray]   # region, offset, nbytes
+
+
 @dataclass(eq=False)
 class Incoming:
     """An incoming transfer (receiver side)."""
@@ -49,7 +52,7 @@ class Incoming:
     deadline: float
     nbytes: int
     notify: bytes
-    packed: tuple[np.ndarray, np.ndarray, np.ndarray] | None  # region, offset, nbytes arrays of the packed runs; None once landed
+    packed: PackedRuns | None        # region, offset, nbytes arrays of the packed runs; None once landed
     staging: torch.Tensor | None     # their frames (CUDA destinations)
     frame_bytes: int
     frames: int

@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -255,7 +256,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._waker.fd, zmq.POLLIN)
-        self._ready.set_result(self._router.last_endpoint.decode())
+        self._ready.set_result(cast(bytes, self._router.last_endpoint).decode())  # pyzmq types sockopts loosely
         next_tick = 0.0
         while True:
             events = dict(self._poller.poll(50))
