@@ -100,7 +100,7 @@ def process_start(pid: int) -> int | None:
 @dataclass(eq=False)
 class Peer:
     id: str
-    ep: ucx_api.UCXEndpoint          # ucx_api.UCXEndpoint, error handling off
+    ep: ucx_api.UCXEndpoint          # error handling off
     secret: bytes                    # the channel secret every batch to or from it carries
     clock: PeerClock = field(default_factory=PeerClock)
     base: np.ndarray | None = None   # remote region addresses, sizes, rkeys: set by connect()
