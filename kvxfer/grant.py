@@ -266,6 +266,7 @@ class GrantTable:
             return self.reject(request_id, "malformed header: run arrays differ in length")
         if isinstance(region, np.ndarray) and len(region) <= FEW_RUNS:   # ints beat ~20 numpy calls here
             region, offset, nbytes = region.tolist(), np.asarray(offset).tolist(), np.asarray(nbytes).tolist()
+        unknown: int | np.bool_
         if isinstance(region, np.ndarray):
             unknown = len(region) and ((region < 0).any() or (region >= len(self.region_sizes)).any())
         else:
@@ -273,7 +274,7 @@ class GrantTable:
         if unknown:
             return self.reject(request_id, f"unknown region: id outside 0..{len(self.region_sizes) - 1}")
         if isinstance(region, np.ndarray):
-            bad = ~ranges.covers(region, offset, nbytes)
+            bad = ~ranges.covers(region, np.asarray(offset), np.asarray(nbytes))
         else:
             bad = np.array([not ranges.covers_run(*run) for run in zip(region, offset, nbytes)], bool)
         if bad.any():

@@ -93,6 +93,7 @@ class TransferHandle:
     ``release_source()`` once nothing of it is referenced, for every handle, failed or not.
     """
     __slots__ = ("request_id", "nbytes", "deadline", "_event", "_status", "_error", "started", "_released")
+    _error: Exception | None
 
     def __init__(self, request_id: str, nbytes: int, timeout: float, *, holds_source: bool = False):
         self.request_id, self.nbytes = request_id, nbytes

@@ -99,8 +99,8 @@ from .protocol import (
     Fail,
     Hello,
 )
-from .receiver import UCXReceiver
-from .sender import INLINE_BELOW, UCXSender
+from .receiver import Incoming, UCXReceiver
+from .sender import INLINE_BELOW, Outgoing, UCXSender
 
 __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLINE_BELOW", "ucx_settings",
            "CTRL_TAG", "DATA_BIT", "FRAME_BITS", "HELLO", "ANNOUNCE", "DONE", "ABORT", "Array", "ucx_api",
@@ -207,9 +207,9 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         self._param_refs: list = []  # ctypes.byref of each, made once
         self._rkeys_packed: list[bytes] = []
         self._peers: dict[str, Peer] = {}
-        self._out: dict[int, object] = {}
-        self._in: dict[tuple[str, int], object] = {}
-        self._by_dtag: dict[int, object] = {}
+        self._out: dict[int, Outgoing] = {}
+        self._in: dict[tuple[str, int], Incoming] = {}
+        self._by_dtag: dict[int, Incoming] = {}
         self._unflushed: dict[str, list] = {}   # puts issued this turn, per peer
         self._flushing: list = []               # flushed, DONE not sent yet
         self._holding: list = []                # failed with puts maybe in flight: source not released

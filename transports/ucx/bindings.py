@@ -117,6 +117,8 @@ def check(status: int, what: str) -> None:
 class Flush:
     """One ``ucp_ep_flush_nbx`` (shared by the transfers whose puts it covers)."""
     __slots__ = ("ptr", "status")
+    ptr: int | None       # the request while in progress
+    status: int | None    # the UCS status once complete
 
     def __init__(self, st: int | None):
         self.ptr, self.status = (None, 0) if not st else (None, st - 2**64) if st >= PTR_ERR_MIN else (st, None)

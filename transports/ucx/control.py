@@ -30,7 +30,9 @@ import ctypes
 import hmac
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 from ucxx._lib import libucxx as ucx_api
@@ -60,6 +62,13 @@ from .protocol import (
     parse_batch,
     parse_message,
 )
+
+if TYPE_CHECKING:
+    from kvxfer.grant import GrantTable
+    from kvxfer.transport.base import Arrival
+
+    from .receiver import Incoming
+    from .sender import Outgoing
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
@@ -91,7 +100,7 @@ def process_start(pid: int) -> int | None:
 @dataclass(eq=False)
 class Peer:
     id: str
-    ep: object                       # ucx_api.UCXEndpoint, error handling off
+    ep: ucx_api.UCXEndpoint          # error handling off
     secret: bytes                    # the channel secret every batch to or from it carries
     clock: PeerClock = field(default_factory=PeerClock)
     base: np.ndarray | None = None   # remote region addresses, sizes, rkeys: set by connect()
@@ -101,7 +110,7 @@ class Peer:
     rkeys: list = field(default_factory=list)
     gone: bool = False               # silent past peer_timeout; cleared when it speaks again
     outbox: list = field(default_factory=list)
-    last_send: object = None         # the latest control send to it
+    last_send: Any = None            # the latest control send to it
     next_ping: float = 0.0
     open_in: int = 0                 # incoming transfers open from it
     bye_at: float | None = None      # when it said BYE: its transport closed, it never comes back
@@ -109,7 +118,7 @@ class Peer:
     fenced: bool = False             # receiver: went silent; its ANNOUNCEs are refused until it re-handshakes
     epoch: int = 0                   # receiver: the epoch of its latest HELLO
     my_epoch: int = 0                # sender: the epoch of our latest HELLO to it
-    rehello: object = None           # sender: the endpoint flush after which we send HELLO(my_epoch + 1)
+    rehello: ucp.Flush = None           # sender: the endpoint flush after which we send HELLO(my_epoch + 1)
     waiting: list = field(default_factory=list)   # sender: transfers to announce after that HELLO
     host: str = ""                   # its HELLO's identity: same kernel and namespaces as ours?
     pid: int = 0
@@ -118,8 +127,66 @@ class Peer:
 
 
 
+class _FailOut(Protocol):
+    """``UCXSender._fail_out``, as the other halves of ``UCXTransport`` see it."""
+    def __call__(self, o: Outgoing, err: Exception, tell: bool = True) -> None: ...
+
+
+class _FailIn(Protocol):
+    """``UCXReceiver._fail_in``, as the other halves of ``UCXTransport`` see it."""
+    def __call__(self, i: Incoming, reason: str, tell: bool = True, puts_left: bool = True) -> None: ...
+
+
+class _Refuse(Protocol):
+    """``UCXReceiver._refuse``, as the other halves of ``UCXTransport`` see it."""
+    def __call__(self, p: Peer, xid: int, rid: str, nbytes: int, notify: bytes, reason: str,
+                 quiet: bool = False) -> None: ...
+
+
 class UCXControl:
     """Control half of ``UCXTransport`` (see the module docstring)."""
+
+    # Declared for the type checker only: set in ``UCXTransport.__init__`` or defined by the
+    # other halves (``UCXSender``, ``UCXReceiver``, ``UCXTransport``). Annotations, no values,
+    # so nothing here shadows the real attributes at run time.
+    id: str
+    grants: GrantTable
+    heartbeat: float
+    peer_timeout: float
+    fence_grace: float
+    quarantine_timeout: float | None
+    max_control_bytes: int
+    max_peers: int
+    _host_id: str
+    _fence_released: int
+    _fence_expired: int
+    _worker: Any                      # ucx_api.UCXWorker
+    _flush_param: ucp.RequestParam
+    _peers: dict[str, Peer]
+    _out: dict[int, Outgoing]
+    _in: dict[tuple[str, int], Incoming]
+    _unflushed: dict[str, list]
+    _flushing: list
+    _holding: list
+    _ctrl_sends: list
+    _ctrl_recvs: list
+    _zombies: list
+    _landing: dict[tuple[str, int], tuple[str, int, float]]
+    _draining: list
+    _acts: int
+    _deliver: Callable[[Arrival], None]
+    _add_peer: Callable[[str, bytes, bytes], Peer]
+    _hello: Callable[[Peer], Hello]
+    _start_out: Callable[[Outgoing], None]
+    _start_puts: Callable[[Outgoing, int], None]
+    _fail_out: _FailOut
+    _release_and_abort: Callable[[Outgoing], None]
+    _puts_settled: Callable[[Outgoing], bool]
+    _on_announce: Callable[[Peer, Announce], None]
+    _refuse: _Refuse
+    _try_finish: Callable[[Incoming], None]
+    _fail_in: _FailIn
+    _landed: Callable[[str], None]
 
     def _send(self, p: Peer, msg: Message) -> None:
         """Queue a control message; each peer's queue leaves as one tagged message per turn."""
@@ -182,6 +249,7 @@ class UCXControl:
                 return
             try:
                 hello = parse_message(raw, self.max_control_bytes)
+                assert isinstance(hello, Hello)  # kind_of(raw) == HELLO
                 p = self._add_peer(sender, hello.address, hello.secret)
             except Exception as e:   # Malformed, or an address UCX refuses
                 self.grants.reject("?", f"malformed message: HELLO: {e}"[:200])

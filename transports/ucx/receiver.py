@@ -11,8 +11,12 @@ request, runs outside it) reads the same; only the local counters and arrivals t
 """
 from __future__ import annotations
 
+import collections
+import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,17 +32,27 @@ from . import bindings as ucp
 from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, Ack, Announce, Fail, Go
 from .sender import ucx_buffer
 
+if TYPE_CHECKING:
+    from kvxfer.grant import GrantTable
+    from kvxfer.transport.kit import StagingPool
+
+    from .control import Peer
+    from .protocol import Message
+
+
+PackedRuns = tuple[np.ndarray, np.ndarray, np.ndarray]   # region, offset, nbytes
+
 
 @dataclass(eq=False)
 class Incoming:
     """An incoming transfer (receiver side)."""
-    peer: object                     # the transport's Peer
+    peer: Peer                       # the transport's Peer
     xid: int
     rid: str
     deadline: float
     nbytes: int
     notify: bytes
-    packed: tuple | None             # region, offset, nbytes arrays of the packed runs; None once landed
+    packed: PackedRuns | None        # region, offset, nbytes arrays of the packed runs; None once landed
     staging: torch.Tensor | None     # their frames (CUDA destinations)
     frame_bytes: int
     frames: int
@@ -53,6 +67,33 @@ class Incoming:
 
 class UCXReceiver:
     """Receiver half of ``UCXTransport`` (see the module docstring)."""
+
+    # Declared for the type checker only: set in ``UCXTransport.__init__`` or defined by the
+    # other halves (``UCXControl``, ``UCXSender``, ``UCXTransport``). Annotations, no values,
+    # so nothing here shadows the real attributes at run time.
+    grants: GrantTable
+    max_incoming: int
+    max_incoming_per_peer: int
+    _worker: Any                      # ucx_api.UCXWorker
+    _whandle: int                     # its ucp_worker_h (None once freed)
+    _regions: list[torch.Tensor]
+    _base: np.ndarray
+    _region_sizes: np.ndarray
+    _is_host: np.ndarray
+    _all_host: bool
+    _cuda_devices: set[torch.device]
+    _in: dict[tuple[str, int], Incoming]
+    _by_dtag: dict[int, Incoming]
+    _landing: dict[tuple[str, int], tuple[str, int, float]]
+    _landing_rids: collections.Counter
+    _open_rids: collections.Counter
+    _draining: list
+    _zombies: list
+    _dtags: itertools.count[int]
+    _staging: StagingPool
+    _acts: int
+    _send: Callable[[Peer, Message], None]
+    _deliver: Callable[[Arrival], None]
 
     def _on_announce(self, p, m: Announce) -> None:
         xid, rid = m.xid, m.request_id

@@ -10,8 +10,11 @@ issues puts and frames when GO comes, ``_flush_puts`` flushes once per peer and 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +37,13 @@ from kvxfer.transport.kit import (
 from . import bindings as ucp
 from .protocol import DATA_BIT, FRAME_BITS, Abort, Announce, Done
 
+if TYPE_CHECKING:
+    from kvxfer.grant import GrantTable
+    from kvxfer.transport.kit import StagingPool
+
+    from .control import Peer
+    from .protocol import Message
+
 _I8 = np.dtype("<i8")
 INLINE_BELOW = 256 * 1024   # packed bytes below this travel inside the ANNOUNCE
 
@@ -48,7 +58,7 @@ def ucx_buffer(t: torch.Tensor):
 class Outgoing:
     """An outgoing transfer (sender side), owned by the I/O thread once enqueued."""
     xid: int
-    peer: object                     # the transport's Peer
+    peer: Peer                       # the transport's Peer
     handle: TransferHandle
     announce: Announce
     puts: list                       # (src addr, dst addr, nbytes, src region, dst region) per put
@@ -63,6 +73,33 @@ class Outgoing:
 
 class UCXSender:
     """Sender half of ``UCXTransport`` (see the module docstring for who calls what)."""
+
+    # Declared for the type checker only: set in ``UCXTransport.__init__`` or defined by the
+    # other halves (``UCXControl``, ``UCXReceiver``, ``UCXTransport``). Annotations, no values,
+    # so nothing here shadows the real attributes at run time.
+    grants: GrantTable
+    frame_bytes: int
+    put_below: int
+    put_below_many: int
+    few_runs: int
+    max_control_bytes: int
+    _regions: list[torch.Tensor]
+    _base: np.ndarray
+    _base_list: list[int]
+    _region_sizes: np.ndarray
+    _is_host: np.ndarray
+    _host_list: list[bool]
+    _all_host: bool
+    _param_refs: list
+    _flush_param: ucp.RequestParam
+    _out: dict[int, Outgoing]
+    _unflushed: dict[str, list]
+    _flushing: list
+    _holding: list
+    _zombies: list
+    _xids: itertools.count[int]
+    _staging: StagingPool
+    _send: Callable[[Peer, Message], None]
 
     def _prepare_transfer(self, p, handle: TransferHandle, plan: TransferPlan, notify: bytes,
                           cap: bytes = b"") -> Outgoing:
@@ -108,6 +145,7 @@ class UCXSender:
         npk = int(np.count_nonzero(pk))
         put = slice(None) if npk == 0 else slice(0) if npk == len(n) else ~pk
         keyed = keyable(self._region_sizes, p.sizes)
+        announced: tuple[np.ndarray, ...] | None
         packed = announced = None
         if npk:
             psr, pso, pdr, pdo, pn = (sr, so, dr, do, n) if npk == len(n) else (sr[pk], so[pk], dr[pk], do[pk], n[pk])
@@ -132,6 +170,8 @@ class UCXSender:
 
     def _prepare_few(self, p, plan: TransferPlan) -> tuple:
         """``_prepare`` for a plan of at most ``few_runs`` runs, with Python ints."""
+        put_runs: list[tuple[int, int, int, int, int]]
+        packed_runs: list[tuple[int, int, int, int, int]]
         put_runs, packed_runs, puts, frame = [], [], [], self.frame_bytes
         for g in plan.groups:
             for sr, so, dr, do, n in g.run_tuples():
@@ -147,8 +187,8 @@ class UCXSender:
             puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]
         packed = None
         if packed_runs:
-            sr, so, _, _, n = (np.array(c, np.int64) for c in zip(*packed_runs))
-            packed = (sr, so, n)
+            psr, pso, _, _, pn = (np.array(c, np.int64) for c in zip(*packed_runs))
+            packed = (psr, pso, pn)
         runs = put_runs + packed_runs
         return puts, np.array([[r[2] for r in runs], [r[3] for r in runs], [r[4] for r in runs]], _I8).tobytes(), \
             len(put_runs), packed

@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import torch
@@ -105,7 +106,8 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
     def __init__(self, *, endpoint: str = "tcp://127.0.0.1:0", frame_bytes: int = 1 << 20,
                  frames_per_message: int = 4, zero_copy_min: int = 256 << 10, window: int = 16,
                  heartbeat_ivl: float = 1.0, heartbeat_timeout: float = 5.0, max_message_bytes: int = 64 << 20,
-                 max_incoming: int = 4096, max_incoming_per_peer: int = 1024, few_runs: int = FEW_RUNS, tune_malloc: bool = True):
+                 max_incoming: int = 4096, max_incoming_per_peer: int = 1024, few_runs: int = FEW_RUNS,
+                 tune_malloc: bool = True):
         if not 4096 <= frame_bytes <= max_message_bytes // 2:
             raise ValueError(f"frame_bytes {frame_bytes} must be in 4096..max_message_bytes/2")
         self.frame_bytes, self.frames_per_message = int(frame_bytes), max(1, int(frames_per_message))
@@ -254,7 +256,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._waker.fd, zmq.POLLIN)
-        self._ready.set_result(self._router.last_endpoint.decode())
+        self._ready.set_result(cast(bytes, self._router.last_endpoint).decode())  # pyzmq types sockopts loosely
         next_tick = 0.0
         while True:
             events = dict(self._poller.poll(50))

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -28,6 +31,9 @@ from kvxfer.transport.base import Arrival
 from kvxfer.transport.kit import peer_reason, runs_inside, runs_inside_few
 
 from .protocol import MAX_PARTS, RUN_BYTES, Ack, Data, Nack, Ping, parse_data
+
+if TYPE_CHECKING:
+    from kvxfer.grant import GrantTable
 
 log = logging.getLogger("kvxfer.transport.zmq")
 
@@ -93,6 +99,22 @@ class ZMQReceiver:
     """The ROUTER side of ``ZMQTransport`` (I/O thread). State it keeps: ``_in`` (open
     transfers), ``_dead`` (failed keys, so their later messages drop quietly), ``_seen``
     (routing id -> last message), ``_acks`` and ``_completed`` (flushed once per batch)."""
+
+    # Declared for the type checker only: set in ``ZMQTransport.__init__`` / ``_run`` or defined
+    # by ``ZMQTransport``. Annotations, no values, so nothing here shadows them at run time.
+    grants: GrantTable
+    window: int
+    few_runs: int
+    hb_timeout: float
+    max_message_bytes: int
+    max_incoming: int
+    max_incoming_per_peer: int
+    _regions: list[torch.Tensor]
+    _host: list[np.ndarray | None]
+    _sizes: np.ndarray
+    _write_lock: threading.Lock
+    _router: zmq.Socket
+    _deliver: Callable[[Arrival], None]
 
     def _receiver_init(self) -> None:
         self._in: dict[tuple, Incoming] = {}
@@ -172,6 +194,10 @@ class ZMQReceiver:
             return
         k = h.nruns
         few = k <= self.few_runs   # Python ints: a few runs check and land without array setup
+        region: Any    # lists of Python ints when ``few``, else int64 arrays (the checks take both)
+        offset: Any
+        nbytes: Any
+        sizes: list[int] | np.ndarray
         if few:
             region, offset, nbytes = h.run_lists()
             sizes = [len(p) for p in payload]

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import collections
 import functools
+import itertools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -28,6 +30,10 @@ from kvxfer.transport.kit import PeerClock, runs_inside, runs_inside_few, split_
 
 from .protocol import MAX_PARTS, RUN_BYTES, Ack, Data, End, Ping, parse_reply
 from .receiver import region_spans, row_index
+
+if TYPE_CHECKING:
+    from kvxfer.grant import GrantTable
+    from kvxfer.transport.kit import StagingPool
 
 log = logging.getLogger("kvxfer.transport.zmq")
 
@@ -42,6 +48,8 @@ def pack_runs(runs: list[tuple[int, int, int, int, int]]) -> bytes:
 def fill_messages(runs: list[tuple], budget: int, overhead: int) -> list[list[tuple]]:
     """Runs in order, cut into messages of at most ``budget`` bytes (each run costing its
     length plus ``overhead``) and ``MAX_PARTS`` runs; a longer run gets a message of its own."""
+    out: list[list[tuple]]
+    cur: list[tuple]
     out, cur, used = [], [], 0
     for run in runs:
         cost = run[4] + overhead
@@ -98,6 +106,26 @@ class Peer:
 class ZMQSender:
     """The DEALER side of ``ZMQTransport`` (I/O thread). State: ``_peers``, ``_out`` (open
     transfers by id), ``_releasing`` (ended, zero-copy messages of theirs still in zmq)."""
+
+    # Declared for the type checker only: set in ``ZMQTransport.__init__`` / ``_run`` or defined
+    # by ``ZMQTransport``. Annotations, no values, so nothing here shadows them at run time.
+    grants: GrantTable
+    frame_bytes: int
+    frames_per_message: int
+    zero_copy_min: int
+    window: int
+    few_runs: int
+    hb_ivl: float
+    hb_timeout: float
+    _regions: list[torch.Tensor]
+    _host: list[np.ndarray | None]
+    _is_host: np.ndarray
+    _sizes: np.ndarray
+    _staging: StagingPool
+    _xids: itertools.count[int]
+    _ctx: zmq.Context
+    _poller: zmq.Poller
+    _dealer: Callable[[str], zmq.Socket]
 
     def _sender_init(self) -> None:
         self._peers: dict[str, Peer] = {}
@@ -188,13 +216,15 @@ class ZMQSender:
                 start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])
                 header.append((np.full(len(start), dr[sel[a]]), start, length))
             msg = np.concatenate([np.concatenate(c) for c in zip(*header)]).astype("<i8").tobytes()
-            yield msg, [memoryview(base[: pos[-1]].numpy())], base
+            yield msg, [memoryview(base[: pos[-1]].numpy())], base  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
         if not sent:
             yield b"", [], None   # an empty transfer still sends its totals
 
     def _frames_few(self, runs: list[tuple[int, int, int, int, int]]) -> Iterator[tuple]:
         """``_frames`` for a few runs in CPU regions, as ``TransferPlan.run_tuples`` gives them."""
         fb, budget = self.frame_bytes, self.frame_bytes * self.frames_per_message
+        views: list[tuple[int, int, int, int, int]]
+        small: list[tuple[int, int, int, int, int]]
         views, small = [], []
         for r, o, d, e, c in runs:
             for x in range(0, c, fb):   # runs longer than a frame go in frame-sized chunks
@@ -214,7 +244,7 @@ class ZMQSender:
             for r, o, _, _, c in msg:
                 stage[p: p + c] = self._host[r][o: o + c]
                 p += c
-            yield pack_runs(msg), [memoryview(stage[:p])], base
+            yield pack_runs(msg), [memoryview(stage[:p])], base  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
         if not sent:
             yield b"", [], None
 
