@@ -17,7 +17,6 @@ from .errors import (
     TransportError,
 )
 from .grant import ByteRanges
-from .topology import heads_held, sources_for_decode_rank, targets_for_prefill_rank
 from .layout import (
     Layout,
     Part,
@@ -33,6 +32,7 @@ from .layout import (
 )
 from .plan import WHOLE, HeadSlice, Planner, TransferPlan, plan_transfer
 from .pools import HybridSWAPool, KVPool, MHAPool, MLAPool, StatePool
+from .topology import heads_held, sources_for_decode_rank, targets_for_prefill_rank
 from .transport.base import Arrival, TransferHandle, Transport
 from .transport.registry import available_transports, get_transport
 
@@ -51,7 +51,8 @@ __all__ = [
     "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
     # control plane and offload (loaded on first use: they bring pyzmq and aiohttp)
     "heads_held", "sources_for_decode_rank", "targets_for_prefill_rank",
-    "RankSpec", "RankInfo", "BootstrapConfig", "BootstrapServer", "BootstrapClient", "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
+    "RankSpec", "RankInfo", "BootstrapConfig", "BootstrapServer", "BootstrapClient",
+    "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
     "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll", "Outcome", "LocalGroup",
     "HostPool", "DecodeOffloadManager",
 ]

@@ -28,7 +28,8 @@ PUBLIC = [
     "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
     # control plane and offload, loaded lazily
     "heads_held", "sources_for_decode_rank", "targets_for_prefill_rank",
-    "RankSpec", "RankInfo", "BootstrapConfig", "BootstrapServer", "BootstrapClient", "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
+    "RankSpec", "RankInfo", "BootstrapConfig", "BootstrapServer", "BootstrapClient",
+    "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
     "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll", "Outcome", "LocalGroup",
     "HostPool", "DecodeOffloadManager",
 ]

@@ -329,14 +329,15 @@ def test_forgotten_request_keeps_its_memory_until_no_put_is_left(pair):
         rid = f"r-land-{xid}"
         peer("expect", rid, _whole(POOL))
         _raw(t, pid, [ANNOUNCE, xid, rid, 10.0, b"", runs, 1, MiB, b""])   # one put run: GO comes back
-        assert until(lambda: xid in peer("open_in"), 5.0), "the announce was not taken"
+        assert until(lambda xid=xid: xid in peer("open_in"), 5.0), "the announce was not taken"
         assert not peer("pending", rid)
         peer("forget", rid)
-        assert until(lambda: peer("pending", rid), 5.0), "a forgotten transfer with puts after GO is not pending"
+        assert until(lambda rid=rid: peer("pending", rid), 5.0), \
+            "a forgotten transfer with puts after GO is not pending"
         time.sleep(0.3)
         assert peer("pending", rid)                        # no word from the sender: still pending
         _raw(t, pid, end)
-        assert until(lambda: not peer("pending", rid), 5.0), f"{end[0]} did not end the pending writes"
+        assert until(lambda rid=rid: not peer("pending", rid), 5.0), f"{end[0]} did not end the pending writes"
         peer("arrivals", 2, 1)                             # the failed arrival of the forgotten transfer
     # the sender aborts first (its puts are flushed by then): nothing is pending after the forget
     peer("expect", "r-land-aborted", _whole(POOL))
@@ -394,14 +395,14 @@ def test_hostile_frames_fail_their_transfer_and_land_only_in_its_grant(pair):
         rid = f"r-frames-{xid}"
         peer("expect", rid, grant)
         _raw(t, pid, [ANNOUNCE, xid, rid, 10.0, b"", runs, 0, MiB, b""])
-        assert until(lambda: peer("dtag", xid), 5.0), "no GO for the packed frames"
+        assert until(lambda xid=xid: peer("dtag", xid), 5.0), "no GO for the packed frames"
         dtag = peer("dtag", xid)
         _send_tagged(t, pid, DATA_BIT | 999_999 << FRAME_BITS, b"x" * MiB)    # nobody's tag: dropped
         _send_tagged(t, pid, DATA_BIT | dtag << FRAME_BITS | 7, b"x" * MiB)   # no frame 7: dropped
         _send_tagged(t, pid, DATA_BIT | dtag << FRAME_BITS | 1, bad)
         (arr,) = peer("arrivals", 10, 1)
         assert arr[0] == rid and not arr[2] and "malformed frame" in arr[3], arr
-        assert until(lambda: not peer("pending", rid), 5.0), "cancelled receives still pending"
+        assert until(lambda rid=rid: not peer("pending", rid), 5.0), "cancelled receives still pending"
         peer("forget", rid)
     assert peer("rejected").get("malformed frame", 0) - before.get("malformed frame", 0) == 2
     pool = peer.pool()

@@ -185,6 +185,7 @@ class Rank:
         from ..endpoint.decode import DecodeEndpoint
         from ..endpoint.prefill import PrefillEndpoint
         common = dict(transport=cfg.transport, transport_options=opts, timeouts=timeouts, secret=cfg.secret)
+        self.ep: PrefillEndpoint | DecodeEndpoint
         if cfg.role == "prefill":
             self._todo: queue.Queue = queue.Queue(MAX_LIVE)
             self.ep = PrefillEndpoint(self.spec, self.pool, bind=f"tcp://{cfg.bind}:{cfg.port}",
@@ -199,7 +200,8 @@ class Rank:
         if self.cfg.metrics_port is not None:
             from ..metrics import start_exporter
             start_exporter(self.cfg.metrics_port, self.cfg.bind)
-        if self.cfg.role == "prefill":
+        from ..endpoint.prefill import PrefillEndpoint
+        if isinstance(self.ep, PrefillEndpoint):
             self.ep.register(self.cfg.bootstrap, ttl=10.0)
         else:
             self.ep.connect(bootstrap=self.cfg.bootstrap, instance=self.cfg.instance,
@@ -226,6 +228,7 @@ class Rank:
 
     def _answer_loop(self) -> None:
         from ..endpoint.base import KVPoll
+        from ..endpoint.prefill import PrefillEndpoint
         from ..errors import KVXferError
         while True:
             room, tokens = self._todo.get()
@@ -236,8 +239,10 @@ class Rank:
                 if old is not None and old.poll() not in (KVPoll.Success, KVPoll.Failed):
                     continue   # another decode rank's part of a request already answered
                 slots = self.alloc.alloc(tokens) if tokens else np.zeros(0, np.int64)
+            ep = self.ep
+            assert isinstance(ep, PrefillEndpoint), "the answer loop runs on prefill ranks"
             try:
-                s = self.ep.sender(room, on_release=self._prefill_released(room, slots))
+                s = ep.sender(room, on_release=self._prefill_released(room, slots))
             except KVXferError as e:
                 log.warning("room %s: cannot answer: %s", room, e)
                 if slots is not None and len(slots):
@@ -277,6 +282,8 @@ class Rank:
                 raise RequestError(f"decode pool full: {self.alloc.free_pages} pages free, {tokens} tokens asked")
             self.events[room] = threading.Event()
             self.done.pop(room, None)
+        from ..endpoint.decode import DecodeEndpoint
+        assert isinstance(self.ep, DecodeEndpoint), "recv is a decode rank's command"
         try:
             r = self.ep.receiver(room, on_release=self._decode_released(room, slots))
         except Exception:

@@ -17,9 +17,9 @@ came from. An absent optional field is ``None`` on the dataclass and absent from
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
@@ -145,10 +145,14 @@ class Message(Mapping):
         return len(self.to_dict())
 
 
-def _msg(t: str, spec: dict, optional: dict | None = None):
-    def wrap(cls):
+_M = TypeVar("_M", bound="type[Message]")
+
+
+def _msg(t: str, spec: dict, optional: dict | None = None) -> Callable[[_M], _M]:
+    """The wire name and field bounds of a message class (a frozen dataclass, declared under it)."""
+    def wrap(cls: _M) -> _M:
         cls.T, cls.SPEC, cls.OPTIONAL = t, spec, optional or {}
-        return dataclass(frozen=True, slots=True, eq=False)(cls)
+        return cls
     return wrap
 
 
@@ -156,6 +160,7 @@ _RC = {"room": (int, 0, MAX_ROOM), "gen": (int, 0, MAX_GEN)}
 
 
 @_msg("hello", {"i": (int, 0, MAX_CALL_ID), "info": (dict, 0, 4096), "nonce": (bytes, 8, 64)})
+@dataclass(frozen=True, slots=True, eq=False)
 class Hello(Message):
     """Decode -> prefill, once per connection: the decode rank's ``RankInfo`` as a dict."""
     i: int
@@ -164,6 +169,7 @@ class Hello(Message):
 
 
 @_msg("welcome", {"re": (int, 0, MAX_CALL_ID), "info": (dict, 0, 4096)})
+@dataclass(frozen=True, slots=True, eq=False)
 class Welcome(Message):
     """Prefill -> decode: the HELLO was accepted; the prefill rank's ``RankInfo``."""
     re: int
@@ -171,6 +177,7 @@ class Welcome(Message):
 
 
 @_msg("refuse", {"re": (int, 0, MAX_CALL_ID), "why": (list, 1, MAX_WHYS, (str, 0, MAX_WHY))})
+@dataclass(frozen=True, slots=True, eq=False)
 class Refuse(Message):
     """Prefill -> decode: every reason the HELLO was refused, in words."""
     re: int
@@ -180,6 +187,7 @@ class Refuse(Message):
 @_msg("req", {**_RC, "kv": (bytes, 0, MAX_MESSAGE), "prefix": (int, 0, 1 << 40), "state": (bytes, 0, 1 << 16),
               "aux": (bool,), "dummy": (bool,)},
       {"swa": (bytes, 0, MAX_MESSAGE), "swa_n": (int, 0, MAX_WINDOW), "cap": (bytes, CAP_BYTES, CAP_BYTES)})
+@dataclass(frozen=True, slots=True, eq=False)
 class Req(Message):
     """Decode -> prefill, per request: the grant (slots as int64 little-endian bytes).
 
@@ -200,6 +208,7 @@ class Req(Message):
 
 
 @_msg("ack", _RC)
+@dataclass(frozen=True, slots=True, eq=False)
 class Ack(Message):
     """Prefill -> decode: the request is bound to a sender."""
     room: int
@@ -207,6 +216,7 @@ class Ack(Message):
 
 
 @_msg("nack", {**_RC, "why": (str, 0, MAX_WHY)})
+@dataclass(frozen=True, slots=True, eq=False)
 class Nack(Message):
     """Prefill -> decode: the request is refused."""
     room: int
@@ -215,6 +225,7 @@ class Nack(Message):
 
 
 @_msg("abort", {**_RC, "why": (str, 0, MAX_WHY)})
+@dataclass(frozen=True, slots=True, eq=False)
 class Abort(Message):
     """Either side: the request failed there."""
     room: int
@@ -223,6 +234,7 @@ class Abort(Message):
 
 
 @_msg("done", _RC)
+@dataclass(frozen=True, slots=True, eq=False)
 class Done(Message):
     """Decode -> prefill: every byte landed; prefill may release the KV."""
     room: int
@@ -230,17 +242,20 @@ class Done(Message):
 
 
 @_msg("fin", {"meta": (bytes, 0, 1 << 20)})
+@dataclass(frozen=True, slots=True, eq=False)
 class Fin(Message):
     """Prefill -> decode: a last-chunk marker that moved no bytes (``ChunkMeta`` packed)."""
     meta: bytes
 
 
 @_msg("ping", {})
+@dataclass(frozen=True, slots=True, eq=False)
 class Ping(Message):
     """Decode -> prefill, every heartbeat interval."""
 
 
 @_msg("pong", {})
+@dataclass(frozen=True, slots=True, eq=False)
 class Pong(Message):
     """Prefill -> decode: the answer to a ping."""
 
