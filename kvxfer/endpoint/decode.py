@@ -58,15 +58,18 @@ log = logging.getLogger("kvxfer.request")   # one logger for the control plane, 
 
 
 class _Progress:
-    """What one prefill source of one receiver has delivered."""
-    __slots__ = ("chunks", "nbytes", "total", "total_bytes")
+    """What one prefill source of one receiver has delivered. ``expected``: the bytes decode
+    granted that source (computed at ``init`` from decode's own layout, never from what prefill
+    declares; -1 before ``init``); the source is complete only when exactly that many landed."""
+    __slots__ = ("chunks", "nbytes", "total", "total_bytes", "expected")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.chunks: set[int] = set()
-        self.nbytes, self.total, self.total_bytes = 0, -1, -1
+        self.nbytes, self.total, self.total_bytes, self.expected = 0, -1, -1, -1
 
     def complete(self) -> bool:
-        return self.total >= 0 and len(self.chunks) == self.total and self.nbytes == self.total_bytes
+        return (self.expected >= 0 and self.total >= 0 and len(self.chunks) == self.total
+                and self.nbytes == self.expected == self.total_bytes)
 
 
 def _check_one_instance(ranks: Sequence[RankInfo]) -> None:
@@ -81,7 +84,9 @@ class KVReceiver(RequestBase):
     """One request on a decode rank; made by ``DecodeEndpoint.receiver`` (see the module docstring).
 
     Success only when every source (prefill rank x stage x head slice, per ``kvxfer.topology``)
-    delivered all its chunks, and the aux record if one was asked for. Besides ``RequestBase``'s
+    delivered all its chunks and exactly the bytes ``init`` granted it (counted from decode's own
+    layout; a source declaring another total fails the request), and the aux record if one was
+    asked for. Besides ``RequestBase``'s
     attributes: ``gen``, ``request_id`` (``f"{room}.{gen}"``, the transport's name for it),
     ``granted`` (``init`` ran), ``aux_slot`` and ``aux`` (the ``AuxRecord`` that arrived, None
     before), ``acked`` (the prefill ranks that acknowledged)."""
@@ -136,7 +141,7 @@ class DecodeEndpoint(EndpointBase):
         self._recvs: dict[str, KVReceiver] = {}            # request_id -> live receiver
         self._landing: list[KVReceiver] = []               # ended; puts may still land in their slots
         self._groups: dict[int, dict[str, list]] = {}     # prefill dp rank -> peer key -> sources
-        self._grant_planners: dict[str, list[Planner]] = {}
+        self._grant_planners: dict[str, list[tuple[tuple[int, int], Planner]]] = {}   # key -> (source, planner)
         self._known: dict[str, RankInfo] = {}              # prefill key -> the record we handshook with
         self._lost: dict[str, str] = {}                    # prefill key -> why it is lost (no HELLO since)
         self.recovery: PeerRecovery | None = None
@@ -197,10 +202,11 @@ class DecodeEndpoint(EndpointBase):
                 if left <= 0:
                     raise ConnectError(f"connect timed out after {timeout}s before the handshake with {key}")
                 hello(self.channel, key, me, min(self.timeouts.handshake, left))   # the prefill rank checks too
-                planners = [self._planner(dl, dl, s.dst_heads, s.dst_heads, s.layers, kinds)
+                planners = [((s.p_tp_rank, s.p_pp_rank), self._planner(dl, dl, s.dst_heads, s.dst_heads, s.layers,
+                                                                         kinds))
                             for s in sources for kinds in (self.kv_kinds, self.state_kinds)]
                 with self._lock:
-                    self._grant_planners[key] = [p for p in planners if p is not None]
+                    self._grant_planners[key] = [(src, p) for src, p in planners if p is not None]
                     self._known[key] = by_key[key]
             with self._lock:
                 self._groups[dp] = group
@@ -279,18 +285,22 @@ class DecodeEndpoint(EndpointBase):
             self._recvs[r.request_id] = r
             return r
 
-    def _grant(self, r: KVReceiver, kv: np.ndarray, st: np.ndarray, swa: np.ndarray) -> ByteRanges:
+    def _grant(self, r: KVReceiver, kv: np.ndarray, st: np.ndarray,
+               swa: np.ndarray) -> tuple[ByteRanges, dict[tuple[int, int], int]]:
         """Exactly the bytes r's sources will write: each source's heads and layers at the slots
-        (``swa``: the window slots of the sliding-window layers that will be sent)."""
+        (``swa``: the window slots of the sliding-window layers that will be sent); and how many
+        bytes each source of r writes (0 for a source with nothing to send)."""
         slots = {self.token_space: kv, STATE: st, SWA: swa}
         cols: list[list[np.ndarray]] = [[], [], []]
+        expected = dict.fromkeys(r.progress, 0)
         for key in r.contacts:
-            for pl in self._grant_planners[key]:
+            for src, pl in self._grant_planners[key]:
                 mine = {k: v for k, v in slots.items() if k in {a for a, _ in pl.spaces}}
                 runs = pl.plan(mine, mine).runs()
                 for c, a in zip(cols, (runs.dst_region, runs.dst_offset, runs.nbytes)):
                     c.append(a)
-        return ByteRanges(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols))
+                expected[src] = expected.get(src, 0) + int(runs.nbytes.sum(dtype=np.int64))
+        return ByteRanges(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols)), expected
 
     def _window_slots(self, kv: np.ndarray, swa_slots) -> np.ndarray:
         """The checked window slots of a hybrid pool's request; empty for any other pool."""
@@ -330,7 +340,9 @@ class DecodeEndpoint(EndpointBase):
                     later.append(self.recovery.poke)
                 return
             # window token i is request token len(kv) - len(swa) + i; those in the prefix stay as they are
-            ranges = self._grant(r, kv[prefix_len:], st, swa[max(prefix_len - (len(kv) - len(swa)), 0):])
+            ranges, expected = self._grant(r, kv[prefix_len:], st, swa[max(prefix_len - (len(kv) - len(swa)), 0):])
+            for src, p in r.progress.items():   # complete only when exactly these bytes landed
+                p.expected = expected.get(src, 0)
             # before the grant: a stale record from an earlier request never shows
             if aux_slot is not None and self.aux_buffer is not None:
                 self.aux_buffer.clear(aux_slot)
@@ -429,6 +441,12 @@ class DecodeEndpoint(EndpointBase):
             fail = f"chunk {meta.chunk} from {peer} is a duplicate or beyond its total {src.total}"
         elif src.total >= 0 and meta.total >= 0 and (src.total, src.total_bytes) != (meta.total, meta.nbytes):
             fail = f"{peer} declared two different totals ({src.total} and {meta.total} chunks)"
+        elif meta.total >= 0 and meta.nbytes != src.expected:
+            fail = (f"source tp{meta.source[0]}/pp{meta.source[1]} ({peer}) declared {meta.nbytes} bytes "
+                    f"but decode expected {src.expected} (its grant)")
+        elif src.nbytes + nbytes > src.expected:
+            fail = (f"source tp{meta.source[0]}/pp{meta.source[1]} ({peer}): {src.nbytes + nbytes} bytes landed "
+                    f"but decode expected {src.expected} (its grant)")
         elif meta.aux is not None:
             try:
                 if meta.source != r.aux_from or r.aux_slot is None or len(meta.aux) != self.aux_bytes:
