@@ -455,6 +455,22 @@ def test_peers_lost_long_ago_make_room_for_new_ones():
         ch.close()
 
 
+def test_a_new_connection_to_the_same_rank_gets_answers(victim):
+    """Decode forgets a silent prefill rank and handshakes again with the same process (a healed
+    partition): the ROUTER sees a new connection nonce and answers on a new one too (decode has
+    spent the old one, so replies on it would be dropped as replays)."""
+    p = victim(secret="s")
+    d = _decode(secret="s")
+    try:
+        key = p.spec.key
+        for _ in range(3):
+            d.channel.forget(key)
+            d.channel.connect(key, p.info.control)
+            assert hello(d.channel, key, d.info, 3.0).control == p.info.control
+    finally:
+        d.close()
+
+
 def test_connect_to_a_new_address_replaces_the_connection(victim):
     """A prefill rank restarted on a new port: the same peer name, a new address, a new handshake."""
     old, new = victim(), victim()

@@ -396,8 +396,11 @@ class ControlChannel:
                 raise WireError(Drop.RECIPIENT, f"signed for {head.recipient[:64]!r}")
         elif head.recipient != self._me:
             raise WireError(Drop.RECIPIENT, f"signed for {head.recipient[:64]!r}")
+        fresh = router and self._rx.is_new_connection(("r", peer), head)
         gone = self._rx.admit(("r" if router else "d", peer), head, time.monotonic(), same_sender=not router,
                               keep=self._keep, spare=self._live)
+        if fresh:   # the peer opened a new connection (it forgot the old one): our replies open one too
+            self._tx.pop(("r", peer), None)
         for key in gone:       # a peer lost long ago made room for a new one: forget it entirely
             self._tx.pop(key, None)
             if key[1] in self._lost:

@@ -70,6 +70,11 @@ class ReplayGuard:
         while len(self._spent) > self.limits.spent_nonces:
             self._spent.popitem(last=False)
 
+    def is_new_connection(self, key: tuple[str, str], head: Head) -> bool:
+        """``head`` opens a connection on ``key`` (none known, or another nonce than the known one)."""
+        rx = self._rx.get(key)
+        return rx is None or rx.nonce != head.nonce
+
     def admit(self, key: tuple[str, str], head: Head, now: float, *, same_sender: bool,
               keep: Callable[[str], bool], spare: Callable[[str], bool] | None = None) -> list[tuple[str, str]]:
         """Accept ``head`` on connection ``key`` or raise WireError (REPLAY, PEERS); returns the
