@@ -31,14 +31,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from ..control.client import BootstrapClient
 from ..errors import ConnectError
 from ..ranks import RankInfo
-
-if TYPE_CHECKING:
-    from .decode import DecodeEndpoint
 
 log = logging.getLogger("kvxfer.request")
 
@@ -46,10 +43,22 @@ MIN_GAP = 0.5          # seconds between two registry reads, however often the e
 REJOIN_HELLO = 1.0     # seconds one HELLO to a lost or replaced rank may take (close() waits for it)
 
 
+class RejoiningEndpoint(Protocol):
+    """What the recovery thread uses of its ``DecodeEndpoint`` (a Protocol: no import cycle)."""
+    @property
+    def lost_peers(self) -> dict[str, str]: ...
+
+    def known_peers(self) -> dict[str, RankInfo]: ...
+
+    def rejoin(self, key: str, info: RankInfo, *, replaced: bool) -> bool: ...
+
+    def break_endpoint(self, why: str) -> None: ...
+
+
 class PeerRecovery:
     """The thread that watches the registry for one decode endpoint (see the module docstring)."""
 
-    def __init__(self, ep: "DecodeEndpoint", client: BootstrapClient | None, instance: str | None,
+    def __init__(self, ep: RejoiningEndpoint, client: BootstrapClient | None, instance: str | None,
                  interval: float, retry: float):
         self.ep, self.client, self.instance = ep, client, instance
         self.interval, self.retry = interval, retry

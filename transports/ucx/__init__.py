@@ -84,7 +84,7 @@ from kvxfer.transport.kit import Call, Close, CommandQueue, Crash, IOThread, Sta
 
 from . import bindings as ucp
 from .bindings import frame_iovs
-from .control import Peer, UCXControl, host_identity, process_start
+from .control import UCXControl, host_identity, process_start
 from .protocol import (
     ABORT,
     ANNOUNCE,
@@ -99,8 +99,9 @@ from .protocol import (
     Fail,
     Hello,
 )
-from .receiver import Incoming, UCXReceiver
-from .sender import INLINE_BELOW, Outgoing, UCXSender
+from .receiver import UCXReceiver
+from .sender import INLINE_BELOW, UCXSender
+from .state import Incoming, Outgoing, Peer
 
 __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLINE_BELOW", "ucx_settings",
            "CTRL_TAG", "DATA_BIT", "FRAME_BITS", "HELLO", "ANNOUNCE", "DONE", "ABORT", "Array", "ucx_api",

@@ -31,7 +31,6 @@ import hmac
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -39,7 +38,6 @@ from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from kvxfer.errors import PeerError, RejectedWrite, TransferTimeout
-from kvxfer.transport.kit import PeerClock
 
 from . import bindings as ucp
 from .protocol import (
@@ -62,13 +60,12 @@ from .protocol import (
     parse_batch,
     parse_message,
 )
+from .state import Incoming, Outgoing, Peer
 
 if TYPE_CHECKING:
     from kvxfer.grant import GrantTable
     from kvxfer.transport.base import Arrival
 
-    from .receiver import Incoming
-    from .sender import Outgoing
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
@@ -97,33 +94,6 @@ def process_start(pid: int) -> int | None:
         return None
 
 
-@dataclass(eq=False)
-class Peer:
-    id: str
-    ep: ucx_api.UCXEndpoint          # error handling off
-    secret: bytes                    # the channel secret every batch to or from it carries
-    clock: PeerClock = field(default_factory=PeerClock)
-    base: np.ndarray | None = None   # remote region addresses, sizes, rkeys: set by connect()
-    sizes: np.ndarray | None = None
-    base_list: list = field(default_factory=list)   # the same as Python ints (few-runs path)
-    sizes_list: list = field(default_factory=list)
-    rkeys: list = field(default_factory=list)
-    gone: bool = False               # silent past peer_timeout; cleared when it speaks again
-    outbox: list = field(default_factory=list)
-    last_send: Any = None            # the latest control send to it
-    next_ping: float = 0.0
-    open_in: int = 0                 # incoming transfers open from it
-    bye_at: float | None = None      # when it said BYE: its transport closed, it never comes back
-    # fencing (see the module docstring)
-    fenced: bool = False             # receiver: went silent; its ANNOUNCEs are refused until it re-handshakes
-    epoch: int = 0                   # receiver: the epoch of its latest HELLO
-    my_epoch: int = 0                # sender: the epoch of our latest HELLO to it
-    rehello: ucp.Flush = None           # sender: the endpoint flush after which we send HELLO(my_epoch + 1)
-    waiting: list = field(default_factory=list)   # sender: transfers to announce after that HELLO
-    host: str = ""                   # its HELLO's identity: same kernel and namespaces as ours?
-    pid: int = 0
-    start: int = 0
-    dead_since: float | None = None  # proven dead (process gone) at; held memory is freed after a grace
 
 
 

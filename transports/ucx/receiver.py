@@ -15,7 +15,6 @@ import collections
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,38 +30,17 @@ from kvxfer.transport.kit import peer_reason
 from . import bindings as ucp
 from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, Ack, Announce, Fail, Go
 from .sender import ucx_buffer
+from .state import Incoming, Peer
 
 if TYPE_CHECKING:
     from kvxfer.grant import GrantTable
     from kvxfer.transport.kit import StagingPool
 
-    from .control import Peer
     from .protocol import Message
 
 
-PackedRuns = tuple[np.ndarray, np.ndarray, np.ndarray]   # region, offset, nbytes
 
 
-@dataclass(eq=False)
-class Incoming:
-    """An incoming transfer (receiver side)."""
-    peer: Peer                       # the transport's Peer
-    xid: int
-    rid: str
-    deadline: float
-    nbytes: int
-    notify: bytes
-    packed: PackedRuns | None        # region, offset, nbytes arrays of the packed runs; None once landed
-    staging: torch.Tensor | None     # their frames (CUDA destinations)
-    frame_bytes: int
-    frames: int
-    iov: ucp.IovFrames | None = None  # or receives posted into the runs themselves (host destinations)
-    dtag: int = 0                    # tag of the frames (0: no GO sent)
-    puts: int = 0                    # announced runs the sender puts (one-sided) after GO
-    cap: bytes = b""                 # the capability its ANNOUNCE carried (checked against the grant)
-    got: int = 0
-    done: bool = False
-    reqs: list = field(default_factory=list)
 
 
 class UCXReceiver:

@@ -13,7 +13,6 @@ import ctypes
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,12 +35,12 @@ from kvxfer.transport.kit import (
 
 from . import bindings as ucp
 from .protocol import DATA_BIT, FRAME_BITS, Abort, Announce, Done
+from .state import Outgoing, Peer
 
 if TYPE_CHECKING:
     from kvxfer.grant import GrantTable
     from kvxfer.transport.kit import StagingPool
 
-    from .control import Peer
     from .protocol import Message
 
 _I8 = np.dtype("<i8")
@@ -54,21 +53,6 @@ def ucx_buffer(t: torch.Tensor):
     return Array(t.numpy() if t.device.type == "cpu" else t)
 
 
-@dataclass(eq=False)
-class Outgoing:
-    """An outgoing transfer (sender side), owned by the I/O thread once enqueued."""
-    xid: int
-    peer: Peer                       # the transport's Peer
-    handle: TransferHandle
-    announce: Announce
-    puts: list                       # (src addr, dst addr, nbytes, src region, dst region) per put
-    staging: torch.Tensor | None     # gathered packed runs (CUDA sources)
-    frame_bytes: int
-    iov: ucp.IovFrames | None = None  # or the packed runs' frames, read in place (host sources)
-    state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack
-    reqs: list = field(default_factory=list)
-    flush: ucp.Flush | None = None
-    abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
 
 
 class UCXSender:

@@ -1,0 +1,87 @@
+"""The records the three halves of ``UCXTransport`` share: a connected ``Peer``, an ``Incoming``
+transfer (receiver side) and an ``Outgoing`` one (sender side). Plain state, no behaviour: the
+control, sender and receiver modules all import it, and it imports none of them."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from ucxx._lib import libucxx as ucx_api
+
+from kvxfer.transport.base import TransferHandle
+from kvxfer.transport.kit import PeerClock
+
+from . import bindings as ucp
+from .protocol import Announce
+
+PackedRuns = tuple[np.ndarray, np.ndarray, np.ndarray]   # region, offset, nbytes of packed runs
+
+
+@dataclass(eq=False)
+class Peer:
+    id: str
+    ep: ucx_api.UCXEndpoint          # error handling off
+    secret: bytes                    # the channel secret every batch to or from it carries
+    clock: PeerClock = field(default_factory=PeerClock)
+    base: np.ndarray | None = None   # remote region addresses, sizes, rkeys: set by connect()
+    sizes: np.ndarray | None = None
+    base_list: list = field(default_factory=list)   # the same as Python ints (few-runs path)
+    sizes_list: list = field(default_factory=list)
+    rkeys: list = field(default_factory=list)
+    gone: bool = False               # silent past peer_timeout; cleared when it speaks again
+    outbox: list = field(default_factory=list)
+    last_send: Any = None            # the latest control send to it
+    next_ping: float = 0.0
+    open_in: int = 0                 # incoming transfers open from it
+    bye_at: float | None = None      # when it said BYE: its transport closed, it never comes back
+    # fencing (see the module docstring)
+    fenced: bool = False             # receiver: went silent; its ANNOUNCEs are refused until it re-handshakes
+    epoch: int = 0                   # receiver: the epoch of its latest HELLO
+    my_epoch: int = 0                # sender: the epoch of our latest HELLO to it
+    rehello: ucp.Flush = None           # sender: the endpoint flush after which we send HELLO(my_epoch + 1)
+    waiting: list = field(default_factory=list)   # sender: transfers to announce after that HELLO
+    host: str = ""                   # its HELLO's identity: same kernel and namespaces as ours?
+    pid: int = 0
+    start: int = 0
+    dead_since: float | None = None  # proven dead (process gone) at; held memory is freed after a grace
+
+
+@dataclass(eq=False)
+class Incoming:
+    """An incoming transfer (receiver side)."""
+    peer: Peer                       # the transport's Peer
+    xid: int
+    rid: str
+    deadline: float
+    nbytes: int
+    notify: bytes
+    packed: PackedRuns | None        # region, offset, nbytes arrays of the packed runs; None once landed
+    staging: torch.Tensor | None     # their frames (CUDA destinations)
+    frame_bytes: int
+    frames: int
+    iov: ucp.IovFrames | None = None  # or receives posted into the runs themselves (host destinations)
+    dtag: int = 0                    # tag of the frames (0: no GO sent)
+    puts: int = 0                    # announced runs the sender puts (one-sided) after GO
+    cap: bytes = b""                 # the capability its ANNOUNCE carried (checked against the grant)
+    got: int = 0
+    done: bool = False
+    reqs: list = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Outgoing:
+    """An outgoing transfer (sender side), owned by the I/O thread once enqueued."""
+    xid: int
+    peer: Peer                       # the transport's Peer
+    handle: TransferHandle
+    announce: Announce
+    puts: list                       # (src addr, dst addr, nbytes, src region, dst region) per put
+    staging: torch.Tensor | None     # gathered packed runs (CUDA sources)
+    frame_bytes: int
+    iov: ucp.IovFrames | None = None  # or the packed runs' frames, read in place (host sources)
+    state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack
+    reqs: list = field(default_factory=list)
+    flush: ucp.Flush | None = None
+    abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
