@@ -108,6 +108,11 @@ class ControlChannel:
         if bind is not None:
             self._router = self._socket(zmq.ROUTER)
             self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unknown peer: an error, not a silent drop
+            # A peer that reconnects (a new DEALER under its identity, after forget or a partition)
+            # takes its identity over at once instead of being refused until the old pipe dies.
+            # Taking another's identity gains nothing: every message is checked against the signed
+            # sender, so without the secret a thief only cuts that peer off until it reconnects.
+            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
             # ZMTP heartbeats close connections whose peer vanished, so their fds are freed
             self._router.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat.interval * 1000))
             self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat.timeout * 1000))
