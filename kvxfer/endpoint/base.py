@@ -86,6 +86,7 @@ The seam between requests and endpoints (all public, all documented here):
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import enum
 import logging
@@ -326,7 +327,7 @@ def _check_heads(spec: RankSpec, kv: KVPool) -> None:
             f"make the pool with heads=len(kvxfer.heads_held({spec.num_kv_heads}, {spec.tp_size}, {spec.tp_rank}))")
 
 
-class EndpointBase:
+class EndpointBase(abc.ABC):
     """What both endpoints share: the pools' combined layout, the transport, the lock, the
     clock, the channel tick, close. A side implements ``end_request`` and the hooks ``_tick``
     (deadlines; returns seconds until it wants the next tick), ``_live`` (running requests)
@@ -374,9 +375,9 @@ class EndpointBase:
         for fn in later:
             fn()
 
+    @abc.abstractmethod
     def end_request(self, req: Any, outcome: Outcome, reason: str, later: list) -> None:
-        """End ``req`` once with ``outcome`` (under ``guard``); a side's bookkeeping. Abstract."""
-        raise NotImplementedError
+        """End ``req`` once with ``outcome`` (under ``guard``); each side's bookkeeping."""
 
     @property
     def info(self) -> RankInfo:
@@ -403,11 +404,13 @@ class EndpointBase:
         with self.guard() as later:
             return self._tick(self.clock(), later)
 
+    @abc.abstractmethod
     def _tick(self, now: float, later: list) -> float:
-        raise NotImplementedError
+        """Deadlines and leases at ``now``; seconds until the side wants the next tick."""
 
+    @abc.abstractmethod
     def _live(self) -> Sequence[RequestBase]:
-        raise NotImplementedError
+        """The requests still running on this side."""
 
     # -- a thread that died ------------------------------------------------------------------
     def on_dead(self, exc: BaseException) -> None:
@@ -434,7 +437,8 @@ class EndpointBase:
                 self._after_close(later)
 
     def _on_broken(self, why: str) -> None:
-        """Hook, outside the lock, once the endpoint broke (prefill: deregister)."""
+        """Hook, outside the lock, once the endpoint broke (prefill: deregister). Optional."""
+        return None
 
     def check_usable(self) -> None:
         """RequestError, with the reason, when the endpoint is broken or closed (``sender`` / ``receiver``)."""
@@ -466,7 +470,8 @@ class EndpointBase:
             self._after_close(later)
 
     def _after_close(self, later: list) -> None:
-        """Hook: release what only the (now stopped) threads would have released."""
+        """Hook: release what only the (now stopped) threads would have released. Optional."""
+        return None
 
     def __enter__(self):
         return self
