@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .launch import DEMO_TIMEOUT, DEMO_TIMEOUTS, free_port, init_group
+from .launch import DEMO_TIMEOUT, DEMO_TIMEOUTS, finish_prefill, free_port, init_group
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +68,6 @@ def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, o
 
         from ..allocator import PageAllocator
         from ..endpoint.aux import AuxRecord
-        from ..endpoint.base import KVPoll
         from ..endpoint.prefill import PrefillEndpoint
         from ..ranks import RankSpec
         from .model import ModelConfig, TPModel, init_weights, shard_weights
@@ -101,15 +100,7 @@ def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, o
                     aux = AuxRecord(model.next_token(x)) if last else None
                     sender.send(slots[start:end], start=start, last=last, aux=aux)
                 senders.append(sender)
-            deadline = time.monotonic() + DEMO_TIMEOUT
-            while not all(s.kv_releasable for s in senders) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            with lock:
-                for slots in freed:
-                    alloc.free(slots)
-            failed = [(s.room, s.reason) for s in senders if s.poll() != KVPoll.Success]
-            outbox.put(("prefill_done", rank, failed, alloc.free_pages == alloc.capacity))
-            inbox.get(timeout=DEMO_TIMEOUT)    # stay up until decode is done
+            finish_prefill(senders, lock, freed, alloc, rank, outbox, inbox)
         dist.destroy_process_group()
     except Exception as e:   # report, never hang the demo
         import traceback

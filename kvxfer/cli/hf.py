@@ -48,7 +48,7 @@ from .hf_model import (
     require_transformers,
     write_prefill_kv,
 )
-from .launch import DEMO_TIMEOUT, DEMO_TIMEOUTS, free_port, init_group
+from .launch import DEMO_TIMEOUT, DEMO_TIMEOUTS, finish_prefill, free_port, init_group
 
 # -- prefill ------------------------------------------------------------------------------
 
@@ -60,7 +60,6 @@ def prefill_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, inbox,
 
         from ..allocator import PageAllocator
         from ..endpoint.aux import AuxRecord
-        from ..endpoint.base import KVPoll
         from ..endpoint.prefill import PrefillEndpoint
         from ..ranks import RankSpec
         from ..topology import heads_held
@@ -90,15 +89,7 @@ def prefill_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, inbox,
                 write_prefill_kv(cache, pool, slots, heads)
                 sender.send(slots, start=0, last=True, aux=AuxRecord(first))
                 senders.append(sender)
-            deadline = time.monotonic() + DEMO_TIMEOUT
-            while not all(s.kv_releasable for s in senders) and time.monotonic() < deadline:
-                time.sleep(0.01)
-            with lock:
-                for slots in freed:
-                    alloc.free(slots)
-            failed = [(s.room, s.reason) for s in senders if s.poll() != KVPoll.Success]
-            outbox.put(("prefill_done", rank, failed, alloc.free_pages == alloc.capacity))
-            inbox.get(timeout=DEMO_TIMEOUT)    # stay up until decode is done
+            finish_prefill(senders, lock, freed, alloc, rank, outbox, inbox)
         dist.destroy_process_group()
     except BaseException as e:   # report, never hang the demo
         import traceback

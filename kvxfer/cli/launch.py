@@ -4,6 +4,7 @@ tiny model, ``demo.py``) and ``kvxfer demo --model llama|qwen2`` (``hf.py``) bot
 from __future__ import annotations
 
 import socket
+import time
 
 DEMO_TIMEOUT = 600.0
 
@@ -23,3 +24,19 @@ def free_port() -> int:
 def init_group(port: int, rank: int, world: int):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+
+
+def finish_prefill(senders, lock, freed: list, alloc, rank: int, outbox, inbox) -> None:
+    """A demo prefill rank's end: wait until every sender's KV may be reused (``kv_releasable``),
+    give the slots back, report the failures and whether every page came back, then stay up
+    until decode is done."""
+    from ..endpoint.base import KVPoll
+    deadline = time.monotonic() + DEMO_TIMEOUT
+    while not all(s.kv_releasable for s in senders) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with lock:
+        for slots in freed:
+            alloc.free(slots)
+    failed = [(s.room, s.reason) for s in senders if s.poll() != KVPoll.Success]
+    outbox.put(("prefill_done", rank, failed, alloc.free_pages == alloc.capacity))
+    inbox.get(timeout=DEMO_TIMEOUT)    # stay up until decode is done
