@@ -134,6 +134,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._close_lock = threading.Lock()
         self._closed = False
         self._xids = itertools.count(1)
+        self._pids = itertools.count()
         self._ctx = zmq.Context(io_threads=1)
         self._router: zmq.Socket | None = None
         self._sender_init()
@@ -183,6 +184,19 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             return fut.result(timeout=30)
         except Exception as e:   # zmq refused the endpoint, the thread ended, or no answer in time
             raise ConnectError(f"cannot connect to {endpoint}: {e}") from e
+
+    def disconnect(self, peer: str) -> None:
+        """Fail the peer's open transfers ("disconnected") and close its DEALER (linger 0: zmq drops
+        what is queued for it). Sources of frames zmq still held stay unreleased until zmq lets go
+        of them (``fencing``). Idempotent; an unknown peer or a closed transport: no-op."""
+        if self._closed or self.broken:
+            return
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.commands.put(Call(self._disconnect, (peer,), fut))
+        try:
+            fut.result(timeout=30)
+        except Exception as e:   # the transport closed meanwhile: nothing left to free
+            log.debug("disconnect %s: %s", peer, e)
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
@@ -305,7 +319,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         except zmq.ZMQError as e:
             fut.set_exception(e)
             return
-        pid = f"{endpoint}#{len(self._peers)}"
+        pid = f"{endpoint}#{next(self._pids)}"   # never reused, so a stale id reaches no new peer
         self._peers[pid] = Peer(endpoint, sock)
         self._poller.register(sock, zmq.POLLIN)
         fut.set_result(pid)

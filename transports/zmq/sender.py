@@ -327,6 +327,20 @@ class ZMQSender:
             peer.sock = self._ctx.socket(zmq.DEALER)
         self._poller.register(peer.sock, zmq.POLLIN)
 
+    def _disconnect(self, pid: str) -> None:
+        """``disconnect`` on the I/O thread: fail the peer's transfers, close its socket (linger 0,
+        so zmq drops the frames queued for it; their sources are released once zmq lets go)."""
+        peer = self._peers.pop(pid, None)
+        if peer is None:
+            return
+        for out in list(peer.open.values()):
+            out.handle.finish(peer_failed(out.handle.request_id, f"peer {pid} was disconnected"))
+            self._retire(out)
+        peer.sending.clear()
+        peer.pending = None
+        self._poller.unregister(peer.sock)
+        peer.sock.close(linger=0)
+
     def _on_replies(self, peer: Peer) -> None:
         while True:
             try:
