@@ -27,12 +27,12 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import cast
 
 import numpy as np
 import torch
 import zmq
 
+from kvxfer.control.addresses import advertise_address
 from kvxfer.copy import byte_view
 from kvxfer.errors import ConnectError
 from kvxfer.grant import GrantTable
@@ -51,6 +51,7 @@ from kvxfer.transport.kit import (
     fail_command,
 )
 
+from .addresses import bind, check_ports
 from .protocol import MAX_PARTS, RUN_BYTES
 from .receiver import ZMQReceiver
 from .sender import Peer, ZMQSender
@@ -82,7 +83,14 @@ def _keep_malloc_arenas() -> None:
 class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
     """ZeroMQ data plane. Options (keyword arguments, all optional):
 
-    endpoint            where the ROUTER binds: "tcp://HOST:PORT" (port 0: a free one) or "ipc:///path"
+    endpoint            where the ROUTER binds: "tcp://HOST:PORT" (port 0: a free one; HOST may be a
+                        wildcard, 0.0.0.0) or "ipc:///path"
+    advertise           the address, host name or interface name (``eth0``) peers are told to reach
+                        (``descriptor()["endpoint"]``); None: the bind host, or for a wildcard bind a
+                        routable interface address. A wildcard is never advertised (ValueError)
+    remote              peers are on other hosts: advertising loopback (or ipc://) is refused too
+    ports               (first, last): bind the first free port of this range (the endpoint's port must
+                        be 0); None: the endpoint's port
     frame_bytes         largest zero-copy frame (~1 MiB: zmq slows down on multi-MiB frames)
     frames_per_message  zero-copy frames per message, and the size of a packed frame in frame_bytes
                         (fewer per-message costs; packed frames measured faster at 4 MiB than 1 MiB)
@@ -107,7 +115,9 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
                  frames_per_message: int = 4, zero_copy_min: int = 256 << 10, window: int = 16,
                  heartbeat_ivl: float = 1.0, heartbeat_timeout: float = 5.0, max_message_bytes: int = 64 << 20,
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, few_runs: int = FEW_RUNS,
-                 tune_malloc: bool = True):
+                 tune_malloc: bool = True, advertise: str | None = None, remote: bool = False,
+                 ports: tuple[int, int] | None = None):
+        self._advertise, self._remote, self._ports = advertise, bool(remote), check_ports(endpoint, ports)
         if not 4096 <= frame_bytes <= max_message_bytes // 2:
             raise ValueError(f"frame_bytes {frame_bytes} must be in 4096..max_message_bytes/2")
         self.frame_bytes, self.frames_per_message = int(frame_bytes), max(1, int(frames_per_message))
@@ -137,6 +147,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._pids = itertools.count()
         self._ctx = zmq.Context(io_threads=1)
         self._router: zmq.Socket | None = None
+        self.bound = ""                                  # what the ROUTER bound (endpoint: what peers are told)
         self._sender_init()
         self._receiver_init()
         self._ready: concurrent.futures.Future[str] = concurrent.futures.Future()
@@ -261,8 +272,10 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             torch.set_num_threads(1)
         router = self._socket(zmq.ROUTER)
         try:
-            router.bind(endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint)
-        except zmq.ZMQError as e:
+            self.bound = bind(router, endpoint, self._ports)
+            advertised = advertise_address(self.bound, self._advertise, remote=self._remote,
+                                           setting="advertise= (zmq transport option)")
+        except (zmq.ZMQError, ValueError) as e:
             router.close(linger=0)
             self._ready.set_exception(ConnectError(f"cannot bind {endpoint}: {e}"))
             return
@@ -270,7 +283,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._waker.fd, zmq.POLLIN)
-        self._ready.set_result(cast(bytes, self._router.last_endpoint).decode())  # pyzmq types sockopts loosely
+        self._ready.set_result(advertised)
         next_tick = 0.0
         while True:
             events = dict(self._poller.poll(50))
