@@ -4,6 +4,7 @@ Also the kit's I/O-thread death on the ZMQ transport (the UCX one is in test_ucx
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -112,13 +113,20 @@ def test_zmq_io_thread_death_fails_its_transfers_and_marks_the_transport_broken(
     owned at once, with the reason, and every later submit; nothing lands."""
     import zmq
     ctx = zmq.Context()
-    silent = ctx.socket(zmq.ROUTER)          # a receiver that takes data and never answers
+    silent = ctx.socket(zmq.ROUTER)          # a receiver that answers connect's ping, then nothing
     silent.linger = 0
     port = silent.bind_to_random_port("tcp://127.0.0.1")
+
+    def pong_once() -> None:
+        rid, ping = silent.recv_multipart()
+        silent.send_multipart([rid, ping])   # a pong has the ping's shape (protocol.Ping)
+    answer = threading.Thread(target=pong_once, daemon=True)
+    answer.start()
     tx = FaultyTransport(inner="zmq")
     try:
         tx.register([torch.ones(N, dtype=torch.uint8)])
         peer = tx.connect({"endpoint": f"tcp://127.0.0.1:{port}"})
+        answer.join(5)
         h = tx.submit(peer, "open", plan(N // 2), timeout=30)
         assert not h.wait(0.3)   # in flight: no answer comes
         start = time.monotonic()

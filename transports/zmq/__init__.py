@@ -26,7 +26,8 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,9 +53,10 @@ from kvxfer.transport.kit import (
 )
 
 from .addresses import bind, check_ports
+from .devsync import WriteSync
 from .protocol import MAX_PARTS, RUN_BYTES
 from .receiver import ZMQReceiver
-from .sender import Peer, ZMQSender
+from .sender import Peer, Probe, ZMQSender
 
 log = logging.getLogger("kvxfer.transport.zmq")
 
@@ -88,6 +90,11 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
     advertise           the address, host name or interface name (``eth0``) peers are told to reach
                         (``descriptor()["endpoint"]``); None: the bind host, or for a wildcard bind a
                         routable interface address. A wildcard is never advertised (ValueError)
+    event               a factory of events (``record(stream=None)``, ``query()``) marking writes complete;
+                        default ``torch.cuda.Event`` after writes to a device region (``devsync``).
+                        Given, every write records one (tests: a stand-in that completes late)
+    connect_timeout     seconds ``connect`` waits for a ping's answer on the data socket (an unreachable
+                        or black-holed data address fails there, naming the address)
     remote              peers are on other hosts: advertising loopback (or ipc://) is refused too
     ports               (first, last): bind the first free port of this range (the endpoint's port must
                         be 0); None: the endpoint's port
@@ -116,7 +123,12 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
                  heartbeat_ivl: float = 1.0, heartbeat_timeout: float = 5.0, max_message_bytes: int = 64 << 20,
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, few_runs: int = FEW_RUNS,
                  tune_malloc: bool = True, advertise: str | None = None, remote: bool = False,
-                 ports: tuple[int, int] | None = None):
+                 ports: tuple[int, int] | None = None, connect_timeout: float = 5.0,
+                 event: Callable[[], Any] | None = None):
+        self._sync = WriteSync(event)
+        self.connect_timeout = float(connect_timeout)
+        if not 0 < self.connect_timeout <= 600:
+            raise ValueError(f"connect_timeout {connect_timeout} must be in (0, 600] seconds")
         self._advertise, self._remote, self._ports = advertise, bool(remote), check_ports(endpoint, ports)
         if not 4096 <= frame_bytes <= max_message_bytes // 2:
             raise ValueError(f"frame_bytes {frame_bytes} must be in 4096..max_message_bytes/2")
@@ -175,6 +187,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             self._host = [v.numpy() if v.device.type == "cpu" else None for v in views]
             self._is_host = np.array([h is not None for h in self._host] + [False], bool)
             self._staging.pin = not self._is_host[:-1].all()
+            self._sync.configure(views)
             self.grants.region_sizes = [v.numel() for v in views]
             self._sizes = np.asarray(self.grants.region_sizes, np.int64)
 
@@ -192,8 +205,8 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         fut: concurrent.futures.Future[str] = concurrent.futures.Future()
         self.commands.put(Connect(endpoint, fut))
         try:
-            return fut.result(timeout=30)
-        except Exception as e:   # zmq refused the endpoint, the thread ended, or no answer in time
+            return fut.result(timeout=self.connect_timeout + 30)
+        except Exception as e:   # zmq refused the endpoint, no pong in time, or the thread ended
             raise ConnectError(f"cannot connect to {endpoint}: {e}") from e
 
     def disconnect(self, peer: str) -> None:
@@ -222,6 +235,10 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             if self.broken and not self.io.alive:   # died meanwhile: nobody will take the command
                 fail_command(Submit(peer, request_id, None, handle), self.broken)
         return handle
+
+    def writes_pending(self, request_id: str) -> bool:
+        """After ``forget``: True while a device copy of the request's bytes may still run."""
+        return self._sync.busy(request_id)
 
     def fencing(self) -> dict:
         """Any thread (a snapshot): sender transfers that ended while zero-copy frames of theirs were
@@ -286,11 +303,15 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._ready.set_result(advertised)
         next_tick = 0.0
         while True:
-            events = dict(self._poller.poll(50))
+            events = dict(self._poller.poll(1 if self._sync.waiting else 50))   # device copies: look again soon
             if self._waker.fd in events and not self._on_commands():
                 break
             drained = self._router not in events or self._on_router()
+            if self._sync.waiting:
+                self._on_synced()
             for peer in self._peers.values():
+                if peer.probe is not None and events.get(peer.sock, 0) & zmq.POLLOUT:
+                    self._probe(peer, 0.0)   # connected: the ping goes out (the tick checks the deadline)
                 if events.get(peer.sock, 0) & zmq.POLLIN:
                     self._on_replies(peer)
                 if peer.pending is not None or peer.sending:
@@ -332,18 +353,26 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         except zmq.ZMQError as e:
             fut.set_exception(e)
             return
-        pid = f"{endpoint}#{next(self._pids)}"   # never reused, so a stale id reaches no new peer
-        self._peers[pid] = Peer(endpoint, sock)
-        self._poller.register(sock, zmq.POLLIN)
-        fut.set_result(pid)
+        n = next(self._pids)
+        pid = f"{endpoint}#{n}"   # never reused, so a stale id reaches no new peer
+        # ``fut`` is answered when the pong to the probe's ping comes back, or fails at its deadline
+        peer = self._peers[pid] = Peer(endpoint, sock, Probe(pid, n, fut, time.monotonic() + self.connect_timeout))
+        self._poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
+        self._probe(peer, time.monotonic())
 
     def _fail_all(self, why: str) -> None:
         """Every transfer this thread owned fails with ``why`` (close, or a crash)."""
         for out in list(self._out.values()):
             out.handle.finish(peer_failed(out.handle.request_id, why))
+        for peer in self._peers.values():   # a connect still waiting for its pong
+            if peer.probe is not None and not peer.probe.future.done():
+                peer.probe.future.set_exception(ConnectError(why))
         self._deliver_completed()
         for key in list(self._in):
             self._fail_in(key, why)
+        for _, _, arrival in self._sync.drop():   # bytes landed, the device copy never confirmed
+            if arrival is not None:
+                self._deliver(Arrival(arrival.request_id, arrival.nbytes, False, why))
         self.commands.fail_all(why)   # commands that raced with close() or the crash
 
     def _free(self) -> None:

@@ -17,13 +17,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import zmq
 
-from kvxfer.errors import PlanError, RejectedWrite
+from kvxfer.errors import ConnectError, PlanError, RejectedWrite
 from kvxfer.plan import TransferPlan, merge_runs
 from kvxfer.transport.base import TransferHandle, TransferStatus, peer_failed
 from kvxfer.transport.kit import PeerClock, runs_inside, runs_inside_few, split_long_runs
@@ -92,13 +93,26 @@ class Pending:
         self.parts, self.stage, self.out = parts, stage, out
 
 
-class Peer:
-    """One DEALER and its transfers. ``clock``: last reply or progress (silence fails them)."""
-    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged")
+class Probe:
+    """``connect``'s round trip on the data socket: a ping with ``nonce``, sent once zmq has a
+    connection (DEALERs are IMMEDIATE), answered by a pong echoing it before ``deadline``."""
+    __slots__ = ("pid", "nonce", "future", "deadline", "sent")
 
-    def __init__(self, endpoint, sock):
-        self.endpoint, self.sock, self.sending, self.open = endpoint, sock, collections.deque(), {}
+    def __init__(self, pid: str, nonce: int, future: Future, deadline: float):
+        self.pid, self.nonce, self.future, self.deadline, self.sent = pid, nonce, future, deadline, False
+
+
+class Peer:
+    """One DEALER and its transfers. ``clock``: last reply or progress (silence fails them).
+    ``probe``: set while ``connect`` waits for the data path's round trip."""
+    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged", "probe")
+
+    def __init__(self, endpoint, sock, probe: Probe | None = None):
+        self.endpoint, self.sock = endpoint, sock
+        self.sending: collections.deque[Outgoing] = collections.deque()
+        self.open: dict[int, Outgoing] = {}
         self.pending: Pending | None = None
+        self.probe = probe
         self.clock = PeerClock()
         self.pinged = self.clock.heard
 
@@ -117,6 +131,7 @@ class ZMQSender:
     few_runs: int
     hb_ivl: float
     hb_timeout: float
+    connect_timeout: float
     _regions: list[torch.Tensor]
     _host: list[np.ndarray | None]
     _is_host: np.ndarray
@@ -333,6 +348,8 @@ class ZMQSender:
         peer = self._peers.pop(pid, None)
         if peer is None:
             return
+        if peer.probe is not None and not peer.probe.future.done():
+            peer.probe.future.set_exception(ConnectError(f"{peer.endpoint}: disconnected while connecting"))
         for out in list(peer.open.values()):
             out.handle.finish(peer_failed(out.handle.request_id, f"peer {pid} was disconnected"))
             self._retire(out)
@@ -340,6 +357,26 @@ class ZMQSender:
         peer.pending = None
         self._poller.unregister(peer.sock)
         peer.sock.close(linger=0)
+
+    def _probe(self, peer: Peer, now: float) -> None:
+        """Send the connect ping once zmq has a connection; fail ``connect`` past the deadline."""
+        probe = peer.probe
+        if probe is None:
+            return
+        if now > probe.deadline:
+            if not probe.future.done():
+                probe.future.set_exception(ConnectError(
+                    f"no answer on the data socket within {self.connect_timeout:g}s: nothing listens there, "
+                    f"or the address is unreachable or filtered from this host"))
+            self._disconnect(probe.pid)   # frees the socket: it never became a peer
+            return
+        if not probe.sent:
+            try:
+                peer.sock.send(Ping(probe.nonce).pack(), flags=zmq.NOBLOCK)
+            except zmq.Again:   # no connection yet: POLLOUT (or the tick) brings us back
+                return
+            probe.sent = True
+            self._poller.modify(peer.sock, zmq.POLLIN)
 
     def _on_replies(self, peer: Peer) -> None:
         while True:
@@ -354,6 +391,11 @@ class ZMQSender:
                 log.warning("ignoring a malformed reply: %s", e)
                 continue
             if isinstance(h, Ping):
+                probe = peer.probe
+                if probe is not None and probe.sent and h.n == probe.nonce:   # the data path works
+                    peer.probe = None
+                    if not probe.future.done():
+                        probe.future.set_result(probe.pid)
                 continue
             for xid in h.xids if isinstance(h, Ack) else (h.xid,):
                 out = peer.open.get(xid)
@@ -372,7 +414,8 @@ class ZMQSender:
             if out.handle.poll() != TransferStatus.PENDING:   # poll() times out a passed deadline
                 self._retire(out)
         self._releasing = [out for out in self._releasing if not self._release_if_free(out)]
-        for pid, peer in self._peers.items():
+        for pid, peer in list(self._peers.items()):
+            self._probe(peer, now)
             if not peer.open:
                 continue
             if peer.clock.silent(now, self.hb_timeout):
