@@ -93,6 +93,9 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
     event               a factory of events (``record(stream=None)``, ``query()``) marking writes complete;
                         default ``torch.cuda.Event`` after writes to a device region (``devsync``).
                         Given, every write records one (tests: a stand-in that completes late)
+    staging_frames      frames in the staging ring (each frame_bytes * (frames_per_message + 1) bytes),
+                        allocated at ``register`` (pinned when a region is on a device), never more:
+                        when every one is in zmq, sending waits (counted: ``staging()``, kvxfer.metrics)
     connect_timeout     seconds ``connect`` waits for a ping's answer on the data socket (an unreachable
                         or black-holed data address fails there, naming the address)
     remote              peers are on other hosts: advertising loopback (or ipc://) is refused too
@@ -124,7 +127,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, few_runs: int = FEW_RUNS,
                  tune_malloc: bool = True, advertise: str | None = None, remote: bool = False,
                  ports: tuple[int, int] | None = None, connect_timeout: float = 5.0,
-                 event: Callable[[], Any] | None = None):
+                 event: Callable[[], Any] | None = None, staging_frames: int = 8):
         self._sync = WriteSync(event)
         self.connect_timeout = float(connect_timeout)
         if not 0 < self.connect_timeout <= 600:
@@ -148,7 +151,11 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._regions: list[torch.Tensor] = []
         self._host: list[np.ndarray | None] = []       # numpy views of CPU regions (None: CUDA)
         self._is_host, self._sizes = np.zeros(1, bool), np.zeros(0, np.int64)
-        self._staging = StagingPool(keep=self.window)
+        if not 1 <= int(staging_frames) <= 4096:
+            raise ValueError(f"staging_frames {staging_frames} must be in 1..4096")
+        self._staging = StagingPool(frames=int(staging_frames), name=self.name,
+                                    frame_bytes=self.frame_bytes * (self.frames_per_message + 1))
+        self.staging_wait = False   # the ring was exhausted: look again soon (its frames free as zmq sends)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._waker = PipeWaker()
         self.commands = CommandQueue(self._waker.wake)
@@ -186,7 +193,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             self._regions = views
             self._host = [v.numpy() if v.device.type == "cpu" else None for v in views]
             self._is_host = np.array([h is not None for h in self._host] + [False], bool)
-            self._staging.pin = not self._is_host[:-1].all()
+            self._staging.allocate(pin=not self._is_host[:-1].all())
             self._sync.configure(views)
             self.grants.region_sizes = [v.numel() for v in views]
             self._sizes = np.asarray(self.grants.region_sizes, np.int64)
@@ -235,6 +242,10 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             if self.broken and not self.io.alive:   # died meanwhile: nobody will take the command
                 fail_command(Submit(peer, request_id, None, handle), self.broken)
         return handle
+
+    def staging(self) -> dict:
+        """The staging ring: frames, in use, and waits for a free one so far."""
+        return self._staging.stats()
 
     def writes_pending(self, request_id: str) -> bool:
         """After ``forget``: True while a device copy of the request's bytes may still run."""
@@ -303,7 +314,9 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._ready.set_result(advertised)
         next_tick = 0.0
         while True:
-            events = dict(self._poller.poll(1 if self._sync.waiting else 50))   # device copies: look again soon
+            soon = self._sync.waiting or self.staging_wait   # device copies, or frames zmq will free
+            self.staging_wait = False
+            events = dict(self._poller.poll(1 if soon else 50))
             if self._waker.fd in events and not self._on_commands():
                 break
             drained = self._router not in events or self._on_router()

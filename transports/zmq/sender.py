@@ -72,17 +72,16 @@ def gather_rows(region: torch.Tensor, off: np.ndarray, n: np.ndarray, out: torch
 
 
 class Outgoing:
-    """An outgoing transfer (I/O thread). ``ahead``: its next message, made one step early
-    so the message before it knows it is the last. ``trackers``: of its zero-copy messages,
-    which may read the source until zmq lets go of them."""
-    __slots__ = ("xid", "handle", "peer", "frames", "ahead", "end", "nruns", "trackers", "cap")
+    """An outgoing transfer (I/O thread). ``frames``: its messages, made as zmq takes them (a
+    packed one takes a staging frame then), each saying whether it is the last. ``trackers``: of
+    its zero-copy messages, which may read the source until zmq lets go of them."""
+    __slots__ = ("xid", "handle", "peer", "frames", "end", "nruns", "trackers", "cap")
 
     def __init__(self, xid, handle, peer, frames, end: End, cap: bytes = b""):
         self.xid, self.handle, self.peer, self.frames, self.end = xid, handle, peer, frames, end
         self.cap = cap   # the grant's capability: in every header
         self.nruns = 0   # runs in the headers sent so far: the last header's total
         self.trackers: list[zmq.MessageTracker] = []
-        self.ahead = next(frames)
 
 
 class Pending:
@@ -137,6 +136,7 @@ class ZMQSender:
     _is_host: np.ndarray
     _sizes: np.ndarray
     _staging: StagingPool
+    staging_wait: bool
     _xids: itertools.count[int]
     _ctx: zmq.Context
     _poller: zmq.Poller
@@ -204,36 +204,47 @@ class ZMQSender:
                 frame_of = frame_of * len(sel) + np.arange(len(sel)) // MAX_PARTS
             return np.split(sel, np.flatnonzero(np.diff(frame_of)) + 1) if len(sel) else []
 
-        sent = False
-        for sel in messages(np.flatnonzero(zc), 0, fb * self.frames_per_message):
-            sent = True
-            yield runs(sel), views(sel), None
+        zmsgs = messages(np.flatnonzero(zc), 0, fb * self.frames_per_message)
         small = np.flatnonzero(~zc)
         if len(small) > 1 and ((sr[small] != sr[small[0]]).any() or (dr[small] != dr[small[0]]).any()):
             small = small[np.lexsort((sr[small], dr[small]))]   # stable: plan order within a region pair
         packed = fb * self.frames_per_message   # measured: packed frames gain from size, zero-copy parts do not
-        for sel in messages(small, RUN_BYTES, packed):
-            sent = True
+        smsgs = messages(small, RUN_BYTES, packed)
+        left = len(zmsgs) + len(smsgs)          # messages still to make: 1 is the last
+        if not left:
+            yield b"", [], None, True   # an empty transfer still sends its totals
+        for sel in zmsgs:
+            left -= 1
+            yield runs(sel), views(sel), None, not left
+        for sel in smsgs:
+            left -= 1
             if len(sel) == 1 and self._is_host[sr[sel[0]]]:     # a lone run needs no staging
-                yield runs(sel), views(sel), None
+                yield runs(sel), views(sel), None, not left
                 continue
             pos = np.concatenate(([0], np.cumsum(n[sel])))
-            base, header = self._stage(), []
-            for a, b in region_spans(sr[sel], dr[sel]):         # loop per region pair in the frame
-                region = self._regions[sr[sel[a]]]
-                out = base[pos[a]: pos[b]] if region.is_cpu else torch.empty(
-                    int(pos[b] - pos[a]), dtype=torch.uint8, device=region.device)
-                gather_rows(region, so[sel[a:b]], n[sel[a:b]], out)
-                if not region.is_cpu:   # CUDA: gather on the device, one copy to pinned host memory
-                    base[pos[a]: pos[b]].copy_(out)
-                # Runs back to back in the frame and at the receiver are one run there: a head
-                # slice of token-major pages gathers 512 B rows into 8 KiB destination runs.
-                start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])
-                header.append((np.full(len(start), dr[sel[a]]), start, length))
-            msg = np.concatenate([np.concatenate(c) for c in zip(*header)]).astype("<i8").tobytes()
-            yield msg, [memoryview(base[: pos[-1]].numpy())], base  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
-        if not sent:
-            yield b"", [], None   # an empty transfer still sends its totals
+            base = self._stage()
+            try:
+                msg = self._gather(sel, pos, base, sr, so, dr, do, n)
+            except BaseException:
+                self._staging.put(base)   # never handed to zmq: free again at once
+                raise
+            yield msg, [memoryview(base[: pos[-1]].numpy())], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
+
+    def _gather(self, sel, pos, base, sr, so, dr, do, n) -> bytes:
+        """A packed frame: the runs ``sel`` gathered into ``base``; returns the header's runs."""
+        header = []
+        for a, b in region_spans(sr[sel], dr[sel]):         # loop per region pair in the frame
+            region = self._regions[sr[sel[a]]]
+            out = base[pos[a]: pos[b]] if region.is_cpu else torch.empty(
+                int(pos[b] - pos[a]), dtype=torch.uint8, device=region.device)
+            gather_rows(region, so[sel[a:b]], n[sel[a:b]], out)
+            if not region.is_cpu:   # CUDA: gather on the device, one copy to pinned host memory
+                base[pos[a]: pos[b]].copy_(out)
+            # Runs back to back in the frame and at the receiver are one run there: a head
+            # slice of token-major pages gathers 512 B rows into 8 KiB destination runs.
+            start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])
+            header.append((np.full(len(start), dr[sel[a]]), start, length))
+        return np.concatenate([np.concatenate(c) for c in zip(*header)]).astype("<i8").tobytes()
 
     def _frames_few(self, runs: list[tuple[int, int, int, int, int]]) -> Iterator[tuple]:
         """``_frames`` for a few runs in CPU regions, as ``TransferPlan.run_tuples`` gives them."""
@@ -244,29 +255,35 @@ class ZMQSender:
         for r, o, d, e, c in runs:
             for x in range(0, c, fb):   # runs longer than a frame go in frame-sized chunks
                 (views if c >= self.zero_copy_min else small).append((r, o + x, d, e + x, min(fb, c - x)))
-        sent = False
-        for msg in fill_messages(views, budget, 0):
-            sent = True
-            yield pack_runs(msg), [memoryview(self._host[r][o: o + c]) for r, o, _, _, c in msg], None
-        for msg in fill_messages(small, budget, RUN_BYTES):
-            sent = True
+        vmsgs, smsgs = fill_messages(views, budget, 0), fill_messages(small, budget, RUN_BYTES)
+        left = len(vmsgs) + len(smsgs)
+        if not left:
+            yield b"", [], None, True
+        for msg in vmsgs:
+            left -= 1
+            yield pack_runs(msg), [memoryview(self._host[r][o: o + c]) for r, o, _, _, c in msg], None, not left
+        for msg in smsgs:
+            left -= 1
             if len(msg) == 1:   # a lone run needs no staging
                 r, o, _, _, c = msg[0]
-                yield pack_runs(msg), [memoryview(self._host[r][o: o + c])], None
+                yield pack_runs(msg), [memoryview(self._host[r][o: o + c])], None, not left
                 continue
             base = self._stage()
             stage, p = base.numpy(), 0
-            for r, o, _, _, c in msg:
+            for r, o, _, _, c in msg:   # host regions, checked in bounds: nothing here raises
                 stage[p: p + c] = self._host[r][o: o + c]
                 p += c
-            yield pack_runs(msg), [memoryview(stage[:p])], base  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
-        if not sent:
-            yield b"", [], None
+            yield pack_runs(msg), [memoryview(stage[:p])], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
 
     def _stage(self) -> torch.Tensor:
-        """A staging block for a packed frame: one zmq has finished sending, or a new one."""
-        size = self.frame_bytes * (self.frames_per_message + 1)
-        return self._staging.get(size)
+        """A frame of the staging ring for a packed message (``_pump`` made sure one is free)."""
+        return self._staging.get(self.frame_bytes * (self.frames_per_message + 1))
+
+    def _drop_pending(self, peer: Peer) -> None:
+        """The message zmq refused is dropped, never sent: its staging frame is free again."""
+        if peer.pending is not None:
+            self._staging.put(peer.pending.stage)
+            peer.pending = None
 
     def _pump(self, peer: Peer) -> None:
         """Hand messages to zmq, round-robin over the peer's transfers, until it pushes back."""
@@ -274,18 +291,20 @@ class ZMQSender:
             if peer.pending is None:
                 if not peer.sending:
                     break
+                if not self._staging.available():   # ring exhausted: wait for zmq to let go of one
+                    self.staging_wait = True
+                    break
                 out = peer.sending.popleft()
                 if out.handle.poll() != TransferStatus.PENDING:
                     continue
-                runs, parts, stage = out.ahead
                 try:
-                    out.ahead = next(out.frames, None)
+                    runs, parts, stage, last = next(out.frames)
                 except Exception as e:  # a bad source fails this transfer, not the thread
                     out.handle.finish(peer_failed(out.handle.request_id, f"cannot read the source: {e}"))
                     continue
                 out.nruns += len(runs) // RUN_BYTES
                 end = None
-                if out.ahead is None:
+                if last:
                     end = End(out.nruns, out.end.nbytes, out.end.notify)
                 else:
                     peer.sending.append(out)
@@ -317,8 +336,8 @@ class ZMQSender:
         self._out.pop(out.xid, None)
         out.peer.open.pop(out.xid, None)
         if out.peer.pending is not None and out.peer.pending.out is out:
-            out.peer.pending = None   # never handed to zmq: dropped (the receiver fails the transfer)
-        out.frames = out.ahead = None
+            self._drop_pending(out.peer)   # never handed to zmq: dropped (the receiver fails the transfer)
+        out.frames = None
         if not self._release_if_free(out):
             self._releasing.append(out)
 
@@ -334,7 +353,7 @@ class ZMQSender:
         queued for it, so zero-copy frames stop referencing their sources."""
         self._poller.unregister(peer.sock)
         peer.sock.close(linger=0)
-        peer.pending = None
+        self._drop_pending(peer)
         try:
             peer.sock = self._dealer(peer.endpoint)
         except zmq.ZMQError as e:   # cannot happen for an endpoint that connected before; keep going
@@ -354,7 +373,7 @@ class ZMQSender:
             out.handle.finish(peer_failed(out.handle.request_id, f"peer {pid} was disconnected"))
             self._retire(out)
         peer.sending.clear()
-        peer.pending = None
+        self._drop_pending(peer)
         self._poller.unregister(peer.sock)
         peer.sock.close(linger=0)
 
