@@ -6,8 +6,15 @@ thread-safe); callers only enqueue typed commands (``kit.CommandQueue``) and wak
 pipe, so ``submit`` never blocks on the network.
 
 Files: ``protocol`` (wire messages, parsed and validated once), ``sender`` (runs cut into
-messages, zero-copy or staged), ``receiver`` (every message checked whole before a byte lands),
+messages, zero-copy or staged in the staging ring), ``receiver`` (every message checked whole
+before a byte lands), ``devsync`` (arrivals wait for device copies), ``addresses`` (bind, ports),
 this module (options, the contract's methods, the loop).
+
+Addresses: the ROUTER binds ``endpoint`` (a wildcard is fine); peers are told ``advertise`` (or
+the bind host, or a routable interface address), never a wildcard, never loopback with
+``remote``. ``connect`` proves the data path with a ping round trip (``connect_timeout``): an
+unreachable address fails there, by name. ``disconnect`` fails a peer's transfers and closes its
+DEALER; sources zmq still holds stay unreleased until it lets go.
 
 Every transfer ends: the sender's handle times out at its deadline, and the I/O thread fails
 the open transfers of a peer that has neither answered nor taken data for
