@@ -302,7 +302,8 @@ class ZMQReceiver:
                 if self._host[r] is not None:
                     self._host[r][o: o + c] = np.frombuffer(src, np.uint8)
                 else:
-                    self._regions[r][o: o + c].copy_(torch.frombuffer(src, dtype=torch.uint8))
+                    # on the transport stream (devsync): an event after it says when it is complete
+                    self._regions[r][o: o + c].copy_(torch.frombuffer(src, dtype=torch.uint8), non_blocking=True)
             return
         buf = payload[0].buffer
         spans = region_spans(region)
