@@ -16,6 +16,7 @@ import torch
 from waiting import until
 from xfer_peer import raw_plan
 
+from kvxfer.copy import execute_plan
 from kvxfer.grant import ByteRanges
 from kvxfer.transport.registry import get_transport
 
@@ -113,3 +114,35 @@ def test_close_fails_what_waits(pair):
     rx.close()
     (a,) = rx.arrivals(1)
     assert a.request_id == "closing" and not a.ok and "closed" in a.reason
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_region_bytes_are_complete_at_arrival():
+    """Real events: the moment the arrival is reported, a read on the default stream (which
+    does not wait for the transport's stream) already sees every byte."""
+    size = 32 << 20
+    rx, tx = get_transport("zmq"), get_transport("zmq")
+    try:
+        src = torch.from_numpy(np.random.default_rng(6).integers(0, 256, size, dtype=np.uint8))
+        dst = torch.zeros(size, dtype=torch.uint8, device="cuda")
+        want = torch.zeros(size, dtype=torch.uint8)
+        tx.register([src]), rx.register([dst])
+        peer = tx.connect(rx.descriptor())
+        rng = np.random.default_rng(7)
+        for k in range(4):
+            if k % 2:   # one long run: zero-copy parts
+                plan = raw_plan([0], [k << 20], [0], [k << 22], [8 << 20])
+            else:       # 200 short runs in distinct 32 KiB cells: packed frames
+                n = rng.integers(1, 32 << 10, 200)
+                do = rng.choice(size >> 15, 200, replace=False) << 15
+                plan = raw_plan(np.zeros(200), rng.integers(0, size - (32 << 10), 200), np.zeros(200), do, n)
+            rx.expect(f"c{k}", _grant(plan))
+            tx.submit(peer, f"c{k}", plan, timeout=30)
+            (a,) = rx.arrivals(30)
+            got = dst.cpu()             # on the default stream: it does not wait for the transport's
+            execute_plan(plan, [src], [want])
+            assert a.ok and torch.equal(got, want), f"request {k}: bytes not complete at its arrival"
+            assert not rx.writes_pending(f"c{k}")
+            rx.forget(f"c{k}")
+    finally:
+        tx.close(), rx.close()
