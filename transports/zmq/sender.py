@@ -222,7 +222,8 @@ class ZMQSender:
                 yield runs(sel), views(sel), None, not left
                 continue
             pos = np.concatenate(([0], np.cumsum(n[sel])))
-            base = self._stage()
+            while (base := self._stage()) is None:
+                yield None   # the staging ring is exhausted: asked again once zmq freed a frame
             try:
                 msg = self._gather(sel, pos, base, sr, so, dr, do, n)
             except BaseException:
@@ -268,15 +269,20 @@ class ZMQSender:
                 r, o, _, _, c = msg[0]
                 yield pack_runs(msg), [memoryview(self._host[r][o: o + c])], None, not left
                 continue
-            base = self._stage()
+            while (base := self._stage()) is None:
+                yield None   # the staging ring is exhausted: asked again once zmq freed a frame
             stage, p = base.numpy(), 0
             for r, o, _, _, c in msg:   # host regions, checked in bounds: nothing here raises
                 stage[p: p + c] = self._host[r][o: o + c]
                 p += c
             yield pack_runs(msg), [memoryview(stage[:p])], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
 
-    def _stage(self) -> torch.Tensor:
-        """A frame of the staging ring for a packed message (``_pump`` made sure one is free)."""
+    def _stage(self) -> torch.Tensor | None:
+        """A frame of the staging ring for a packed message, or None (counted as a wait) while
+        every frame is still in zmq: the I/O thread never allocates one, it waits."""
+        if not self._staging.available():
+            self.staging_wait = True   # the loop looks again soon
+            return None
         return self._staging.get(self.frame_bytes * (self.frames_per_message + 1))
 
     def _drop_pending(self, peer: Peer) -> None:
@@ -287,21 +293,25 @@ class ZMQSender:
 
     def _pump(self, peer: Peer) -> None:
         """Hand messages to zmq, round-robin over the peer's transfers, until it pushes back."""
+        starved = 0   # transfers in a row whose next message waits for a staging frame
         for _ in range(4 * self.window):
             if peer.pending is None:
-                if not peer.sending:
-                    break
-                if not self._staging.available():   # ring exhausted: wait for zmq to let go of one
-                    self.staging_wait = True
+                if not peer.sending or starved >= len(peer.sending):
                     break
                 out = peer.sending.popleft()
                 if out.handle.poll() != TransferStatus.PENDING:
                     continue
                 try:
-                    runs, parts, stage, last = next(out.frames)
+                    msg = next(out.frames)
                 except Exception as e:  # a bad source fails this transfer, not the thread
                     out.handle.finish(peer_failed(out.handle.request_id, f"cannot read the source: {e}"))
                     continue
+                if msg is None:   # waits for a staging frame: the peer's other transfers go on
+                    peer.sending.append(out)
+                    starved += 1
+                    continue
+                starved = 0
+                runs, parts, stage, last = msg
                 out.nruns += len(runs) // RUN_BYTES
                 end = None
                 if last:
