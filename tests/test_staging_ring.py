@@ -93,3 +93,16 @@ def test_zmq_many_requests_never_exceed_the_ring(frames):
         assert torch.equal(dst, want)
     finally:
         tx.close(), rx.close()
+
+
+def test_allocating_again_never_frees_a_frame_in_use():
+    ring = StagingPool(frames=2, frame_bytes=1024, name="ring-realloc")
+    ring.allocate()
+    held = ring.get(512)
+    ring.allocate(pin=True) if torch.cuda.is_available() else ring.allocate()
+    ring.allocate()
+    other = ring.get(512)
+    assert other.data_ptr() != held.data_ptr() and ring.stats()["frames"] == 2
+    assert not ring.available()                # the held frame still counts: nothing was freed under it
+    ring.put(held), ring.put(other)
+    ring.clear()

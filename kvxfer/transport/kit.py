@@ -240,9 +240,13 @@ class StagingPool:
 
     # -- ring -----------------------------------------------------------------------------
     def allocate(self, pin: bool = False) -> None:
-        """Ring mode: allocate every frame now (again: the old frames are freed first)."""
+        """Ring mode: allocate every frame now. Once allocated, the ring is kept while any frame
+        is in use (the network may still read it), or when it is already pinned as asked."""
         if not self.frames:
             return
+        with self._lock:
+            if self._ring and (self.pin == pin or self.in_use):
+                return
         self.clear()
         self.pin = pin
         ring = [torch.empty(self.frame_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(self.frames)]
