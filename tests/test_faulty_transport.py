@@ -160,3 +160,27 @@ def test_crash_command_reaches_a_bare_transport():
         assert until(lambda: t.broken is not None, 5.0) and "direct" in t.broken
     finally:
         t.close()
+
+
+def test_disconnect_reaches_the_inner_transport():
+    """``disconnect`` is forwarded: the inner zmq transport forgets the peer, so a later submit
+    to it fails at once; a fresh connect to the same receiver works, byte-exact."""
+    rx = get_transport("zmq")
+    tx = FaultyTransport(inner="zmq")
+    try:
+        dst = torch.zeros(2 * N, dtype=torch.uint8)
+        src = torch.arange(N, dtype=torch.int64).to(torch.uint8)
+        rx.register([dst])
+        tx.register([src])
+        tx.disconnect(tx.connect(rx.descriptor()))
+        old = tx.connect(rx.descriptor())
+        tx.disconnect(old)
+        h = tx.submit(old, "gone", plan(16), timeout=5)
+        assert not h.wait(5) and "unknown peer" in str(h.error), h.error
+        rx.expect("back", grant())
+        tx.submit(tx.connect(rx.descriptor()), "back", plan(N // 2), timeout=10).result(10)
+        assert torch.equal(dst[128: 128 + N // 2], src[: N // 2])   # plan(): source 0 -> destination 128
+        assert not dst[:128].any() and not dst[128 + N // 2:].any()
+    finally:
+        tx.close()
+        rx.close()
