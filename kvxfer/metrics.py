@@ -18,6 +18,7 @@ from typing import Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
     start_http_server,
@@ -38,6 +39,13 @@ REQUESTS = Counter("kvxfer_requests", "Requests by end state and failure reason"
                    registry=REGISTRY)
 OFFLOAD_BYTES = Counter("kvxfer_offload_bytes", "Bytes offloaded to or reloaded from host", ["direction"],
                         registry=REGISTRY)
+
+
+STAGING_FRAMES = Gauge("kvxfer_staging_frames", "Staging ring frames allocated (all transports of the process)",
+                       ["transport"], registry=REGISTRY)
+STAGING_IN_USE = Gauge("kvxfer_staging_in_use", "Staging ring frames in use", ["transport"], registry=REGISTRY)
+STAGING_WAITS = Counter("kvxfer_staging_waits", "Times an I/O path waited for a free staging frame (ring exhausted)",
+                        ["transport"], registry=REGISTRY)
 
 
 _children: dict[tuple, Any] = {}       # label values -> labelled metric children (hot path)
@@ -78,6 +86,22 @@ def record_request_end(role: str, room: int | str, outcome, reason: str = "", *,
 
 def record_offload(direction: str, nbytes: int) -> None:
     OFFLOAD_BYTES.labels(direction).inc(nbytes)
+
+
+def record_staging(transport: str, *, frames: int = 0, in_use: int = 0, waits: int = 0) -> None:
+    """A staging ring's changes (``kvxfer.transport.kit.StagingPool``): frames allocated (+) or
+    freed (-), frames taken (+) or given back (-), waits for a free frame."""
+    key = ("staging", transport)
+    c = _children.get(key)
+    if c is None:
+        c = _children[key] = (STAGING_FRAMES.labels(transport), STAGING_IN_USE.labels(transport),
+                              STAGING_WAITS.labels(transport))
+    if frames:
+        c[0].inc(frames)
+    if in_use:
+        c[1].inc(in_use)
+    if waits:
+        c[2].inc(waits)
 
 
 def start_exporter(port: int, addr: str = "127.0.0.1") -> None:

@@ -4,6 +4,7 @@ Also the kit's I/O-thread death on the ZMQ transport (the UCX one is in test_ucx
 """
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -112,13 +113,20 @@ def test_zmq_io_thread_death_fails_its_transfers_and_marks_the_transport_broken(
     owned at once, with the reason, and every later submit; nothing lands."""
     import zmq
     ctx = zmq.Context()
-    silent = ctx.socket(zmq.ROUTER)          # a receiver that takes data and never answers
+    silent = ctx.socket(zmq.ROUTER)          # a receiver that answers connect's ping, then nothing
     silent.linger = 0
     port = silent.bind_to_random_port("tcp://127.0.0.1")
+
+    def pong_once() -> None:
+        rid, ping = silent.recv_multipart()
+        silent.send_multipart([rid, ping])   # a pong has the ping's shape (protocol.Ping)
+    answer = threading.Thread(target=pong_once, daemon=True)
+    answer.start()
     tx = FaultyTransport(inner="zmq")
     try:
         tx.register([torch.ones(N, dtype=torch.uint8)])
         peer = tx.connect({"endpoint": f"tcp://127.0.0.1:{port}"})
+        answer.join(5)
         h = tx.submit(peer, "open", plan(N // 2), timeout=30)
         assert not h.wait(0.3)   # in flight: no answer comes
         start = time.monotonic()
@@ -152,3 +160,27 @@ def test_crash_command_reaches_a_bare_transport():
         assert until(lambda: t.broken is not None, 5.0) and "direct" in t.broken
     finally:
         t.close()
+
+
+def test_disconnect_reaches_the_inner_transport():
+    """``disconnect`` is forwarded: the inner zmq transport forgets the peer, so a later submit
+    to it fails at once; a fresh connect to the same receiver works, byte-exact."""
+    rx = get_transport("zmq")
+    tx = FaultyTransport(inner="zmq")
+    try:
+        dst = torch.zeros(2 * N, dtype=torch.uint8)
+        src = torch.arange(N, dtype=torch.int64).to(torch.uint8)
+        rx.register([dst])
+        tx.register([src])
+        tx.disconnect(tx.connect(rx.descriptor()))
+        old = tx.connect(rx.descriptor())
+        tx.disconnect(old)
+        h = tx.submit(old, "gone", plan(16), timeout=5)
+        assert not h.wait(5) and "unknown peer" in str(h.error), h.error
+        rx.expect("back", grant())
+        tx.submit(tx.connect(rx.descriptor()), "back", plan(N // 2), timeout=10).result(10)
+        assert torch.equal(dst[128: 128 + N // 2], src[: N // 2])   # plan(): source 0 -> destination 128
+        assert not dst[:128].any() and not dst[128 + N // 2:].any()
+    finally:
+        tx.close()
+        rx.close()

@@ -14,7 +14,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import itertools
+import os
 import signal
+import threading
 import time
 from functools import lru_cache
 from importlib.metadata import entry_points
@@ -38,7 +40,7 @@ from kvxfer.copy import execute_plan
 from kvxfer.grant import ByteRanges
 from kvxfer.layout import page_major_layout, token_major_layout
 from kvxfer.plan import EMPTY_PLAN, Planner, TransferPlan, plan_transfer
-from kvxfer.transport.registry import ENTRY_POINT_GROUP, available_transports
+from kvxfer.transport.registry import ENTRY_POINT_GROUP, available_transports, get_transport
 
 IN_PROCESS = {"local", "faulty"}   # faulty wraps "local" by default: both ends in one process
 KiB, MiB = 1 << 10, 1 << 20
@@ -447,3 +449,50 @@ def test_receiver_killed_mid_transfer(pair, tmp_path):
         assert tx.call("status", request_ids=[rid])["status"][rid] == "FAILED"   # the sender is still alive
     finally:
         tx.close()
+
+
+# -- disconnect ---------------------------------------------------------------------------
+def _ranges(plan: TransferPlan) -> ByteRanges:
+    return ByteRanges(plan.runs().dst_region, plan.runs().dst_offset, plan.runs().nbytes)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_disconnect_frees_the_peer(name):
+    """Connect/disconnect one peer 200 times (a decode rank re-handshaking): fds and threads stay
+    flat, a transfer after is byte-exact, one in flight at disconnect fails with a reason."""
+    _importable(name)
+    tx, rx = get_transport(name), get_transport(name)
+    try:
+        big, src = 64 * MiB, [source(0, SMALL), torch.from_numpy(make_pattern(region_seed(SEED, 9), 64 * MiB))]
+        dst = [torch.full((SMALL,), CANARY, dtype=torch.uint8), torch.full((big,), CANARY, dtype=torch.uint8)]
+        tx.register(src), rx.register(dst)
+        desc = rx.descriptor()
+        tx.disconnect(tx.connect(desc))   # the transport's own threads and fds exist from here on
+        fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
+        for _ in range(200):
+            peer = tx.connect(desc)
+            tx.disconnect(peer), tx.disconnect(peer)   # idempotent
+        tx.disconnect("no such peer")      # unknown: a no-op
+        assert until(lambda: len(os.listdir("/proc/self/fd")) <= fds and threading.active_count() <= threads, 10), \
+            f"{name}: fds {fds} -> {len(os.listdir('/proc/self/fd'))}, threads {threads} -> {threading.active_count()}"
+        peer = tx.connect(desc)
+        plan = raw_plan([0, 0], [5, 70_000], [0, 0], [1000, 3 * MiB], [60_000, 300 * KiB])
+        rx.expect("after", _ranges(plan)), tx.submit(peer, "after", plan, timeout=30).result(30)
+        want = torch.full((SMALL,), CANARY, dtype=torch.uint8)
+        execute_plan(plan, src, [want, torch.empty(0, dtype=torch.uint8)])
+        assert torch.equal(dst[0], want), f"{name}: bytes after 200 disconnects differ from those sent"
+        whole = raw_plan([1], [0], [1], [0], [big])
+        for k in range(3):   # in flight: disconnected right after submit (a local copy ends inside submit)
+            rid = f"inflight-{k}"
+            rx.expect(rid, _ranges(whole))
+            h = tx.submit(peer, rid, whole, timeout=30)
+            tx.disconnect(peer), h.wait(30), rx.forget(rid)
+            if h.error is not None or name in ("local", "faulty"):
+                break
+            peer = tx.connect(desc)
+        assert name in ("local", "faulty") or (h.error is not None and "disconnect" in str(h.error)), h.error
+        assert until(lambda: h.source_released, 10), f"{name}: the source was never released"
+        late = tx.submit(peer, "late", plan, timeout=5)
+        assert not late.wait(5) and "peer" in str(late.error), late.error
+    finally:
+        tx.close(), rx.close()

@@ -71,6 +71,9 @@ class FaultyTransport(Transport):
     def connect(self, descriptor: dict) -> str:
         return self.inner.connect(descriptor)
 
+    def disconnect(self, peer: str) -> None:
+        self.inner.disconnect(peer)
+
     def expect(self, request_id: str, ranges: ByteRanges, capability: bytes = b"") -> None:
         self.inner.expect(request_id, ranges, capability)
 

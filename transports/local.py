@@ -40,6 +40,8 @@ class LocalTransport(Transport):
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._write_lock = threading.Lock()   # check + copy vs forget: none lands after forget
         self._closed = False
+        self._peers: set[str] = set()         # connected peers (``disconnect`` removes one)
+        self._peers_lock = threading.Lock()
         with _LIVE_LOCK:
             _LIVE[self.id] = self
 
@@ -57,11 +59,24 @@ class LocalTransport(Transport):
         with _LIVE_LOCK:
             if peer_id not in _LIVE:
                 raise ConnectError(f"local peer {peer_id!r} does not exist in this process")
+        with self._peers_lock:
+            self._peers.add(peer_id)
         return peer_id
+
+    def disconnect(self, peer: str) -> None:
+        """Forget ``peer``: later submits to it fail. A local copy runs inside ``submit``, so no
+        transfer is ever open here and no source is held. Idempotent; unknown peers: no-op."""
+        with self._peers_lock:
+            self._peers.discard(peer)
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
         handle = TransferHandle(request_id, plan.nbytes, timeout)
+        with self._peers_lock:
+            known = peer in self._peers
+        if not known:
+            handle.finish(peer_failed(request_id, f"unknown peer {peer!r} (disconnected, or never connected)"))
+            return handle
         with _LIVE_LOCK:
             dst = _LIVE.get(peer)
         if dst is None or dst._closed:

@@ -11,6 +11,8 @@ Both sides, once at start-up (may block briefly):
                             the control plane carries it in the handshake.
 Prefill (sender), once per decode peer at handshake:
     ``connect(descriptor) -> peer``
+Prefill, when a decode peer re-handshaked with a new epoch, or was lost:
+    ``disconnect(peer)``    fails its transfers and frees what ``connect`` made for it.
 Prefill, per chunk of a request (never blocks on the network):
     ``submit(peer, request_id, plan, timeout=..., notify=b"", capability=b"") -> TransferHandle``
     ``capability``: the grant's capability decode sent in its REQ (``expect`` below); every
@@ -197,6 +199,24 @@ class Transport(ABC):
 
     @abstractmethod
     def connect(self, descriptor: dict) -> str: ...
+
+    @abstractmethod
+    def disconnect(self, peer: str) -> None:
+        """Forget a peer ``connect`` returned; without it every re-handshake leaks a peer.
+
+        Who calls it, and when: the prefill endpoint, for a decode peer that handshaked again
+        with a new epoch (after it connected the new descriptor) or that it declared lost.
+
+        What it does: every transfer to ``peer`` still open fails at once with a reason that
+        names the disconnect; later ``submit`` calls to ``peer`` fail as for an unknown peer.
+        The peer's sockets, endpoints and records are freed, but nothing that the network may
+        still read or write is let go early: a source stays held (``source_released`` False)
+        until the transport no longer reads it (queued zero-copy frames dropped, puts flushed
+        or made impossible), and memory the peer could still write is released only once its
+        writes are flushed or impossible. Blocks briefly (a round trip to the transport's I/O
+        thread, never the network). Idempotent; an unknown peer (or a closed transport) is a
+        no-op.
+        """
 
     @abstractmethod
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,

@@ -11,9 +11,10 @@ The I/O thread (one per transport; it alone touches sockets, workers and in-flig
                                 transport's ``on_crash`` fails every transfer the thread owned.
     ``CommandQueue.take(n)``    the commands queued so far (at most ``n`` per loop turn).
     ``CommandQueue.fail_all``   on the way out: every command still queued fails (no waiter hangs).
-    ``StagingPool``             reused staging blocks for packed runs (a fresh one costs page
-                                faults); a block handed to the network is reused only once the
-                                network let go of it (``until.done``).
+    ``StagingPool``             a fixed ring of staging frames for packed runs, allocated up front
+                                (pinned for device regions), never growing: exhausted, the I/O
+                                path waits; a frame handed to the network is reused only once the
+                                network let go of it (``until.done``). Counted in kvxfer.metrics.
     ``split_long_runs``         runs cut into pieces of at most one frame (vectorized).
     ``merge_in_stream``         runs of one byte stream that continue each other, as one run.
     ``runs_inside``             bounds of runs against region sizes, before a byte is read or sent.
@@ -40,6 +41,7 @@ import torch
 
 from ..errors import TransportError
 from ..grant import Reason
+from ..metrics import record_staging
 from ..plan import merge_runs
 from .base import TransferHandle, peer_failed
 
@@ -203,19 +205,102 @@ class IOThread:
 # ------------------------------------------------------------------------------------
 # Staging blocks
 # ------------------------------------------------------------------------------------
-class StagingPool:
-    """Reused staging blocks for packed runs. ``get`` returns a block of at least ``nbytes``
-    (at most 4x, so one huge block does not pin memory for small frames); ``put`` gives one
-    back, optionally busy ``until`` an object whose ``done`` turns True (a zmq tracker). At
-    most ``keep`` spare blocks are kept. Thread-safe."""
+class StagingExhausted(TransportError):
+    """Every frame of a staging ring is in use: the caller waits (``available``) and retries."""
 
-    def __init__(self, keep: int = 4, *, pin: bool = False):
+
+class StagingPool:
+    """Staging blocks for packed runs. Two modes:
+
+    Ring (``StagingPool(frames=N, frame_bytes=B, name=...)``, what a transport should use):
+    N blocks of B bytes, allocated once by ``allocate(pin=...)`` (pinned host memory when the
+    regions are on a device), never more. ``get`` takes a free one (``StagingExhausted`` when
+    none is: the I/O path checks ``available()`` first and, when False, waits, counted in
+    ``waits``); ``put`` gives it back, busy ``until`` an object whose ``done`` turns True (a zmq
+    tracker). Counted in ``kvxfer.metrics`` (frames, in use, waits) under ``name``.
+
+    Growing (``StagingPool()``, kept for callers not yet on the ring): ``get`` returns a block of
+    at least ``nbytes`` (at most 4x), reused or new; at most ``keep`` spare blocks are kept.
+
+    Thread-safe."""
+
+    def __init__(self, keep: int = 4, *, pin: bool = False, frames: int = 0, frame_bytes: int = 0,
+                 name: str = "?"):
         self._lock = threading.Lock()
         self._spare: list[tuple[torch.Tensor, Any]] = []
         self.keep, self.pin = keep, pin
+        if frames < 0 or (frames and frame_bytes <= 0):
+            raise ValueError(f"a staging ring needs frames >= 1 and frame_bytes >= 1 (got {frames}, {frame_bytes})")
+        self.frames, self.frame_bytes, self.name = int(frames), int(frame_bytes), name
+        self._ring: list[torch.Tensor] = []
+        self._index: dict[int, int] = {}          # block address -> ring slot
+        self._free: list[int] = []
+        self._busy: list[tuple[int, Any]] = []     # (slot, until): given back, maybe still read
+        self.in_use = self.waits = self.peak = 0
 
+    # -- ring -----------------------------------------------------------------------------
+    def allocate(self, pin: bool = False) -> None:
+        """Ring mode: allocate every frame now. Once allocated, the ring is kept while any frame
+        is in use (the network may still read it), or when it is already pinned as asked."""
+        if not self.frames:
+            return
+        with self._lock:
+            if self._ring and (self.pin == pin or self.in_use):
+                return
+        self.clear()
+        self.pin = pin
+        ring = [torch.empty(self.frame_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(self.frames)]
+        with self._lock:
+            self._ring, self._free, self._busy = ring, list(range(len(ring))), []
+            self._index = {b.data_ptr(): k for k, b in enumerate(ring)}
+        record_staging(self.name, frames=len(ring))
+
+    def _reap(self) -> None:   # lock held: busy frames the network let go of are free again
+        if self._busy:
+            done = [k for k, until in self._busy if until is None or until.done]
+            if done:
+                self._busy = [(k, u) for k, u in self._busy if not (u is None or u.done)]
+                self._free += done
+                self.in_use -= len(done)
+                record_staging(self.name, in_use=-len(done))
+
+    def available(self) -> bool:
+        """Ring mode: is a frame free now? False counts a wait (the caller backs off and retries)."""
+        if not self.frames:
+            return True
+        with self._lock:
+            if not self._ring:
+                return True   # not allocated yet: ``get`` allocates a host ring
+            self._reap()
+            if self._free:
+                return True
+            self.waits += 1
+        record_staging(self.name, waits=1)
+        return False
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._reap()
+            return {"frames": len(self._ring), "in_use": self.in_use, "peak": self.peak, "waits": self.waits}
+
+    # -- both -----------------------------------------------------------------------------
     def get(self, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
         device = torch.device(device)
+        if self.frames:
+            if device.type != "cpu" or nbytes > self.frame_bytes:
+                raise ValueError(f"a staging ring holds host frames of {self.frame_bytes} bytes: "
+                                 f"{nbytes} bytes on {device} do not fit")
+            if not self._ring:
+                self.allocate(self.pin)
+            with self._lock:
+                self._reap()
+                if not self._free:
+                    raise StagingExhausted(f"all {len(self._ring)} staging frames are in use")
+                k = self._free.pop()
+                self.in_use += 1
+                self.peak = max(self.peak, self.in_use)
+            record_staging(self.name, in_use=1)
+            return self._ring[k][:nbytes]
         with self._lock:
             fits = [k for k, (b, until) in enumerate(self._spare)
                     if b.device == device and nbytes <= b.numel() <= 4 * nbytes and (until is None or until.done)]
@@ -226,13 +311,24 @@ class StagingPool:
                            pin_memory=self.pin and device.type == "cpu")
 
     def put(self, block: torch.Tensor | None, until: Any = None) -> None:
-        if block is not None:
-            with self._lock:
-                self._spare = (self._spare + [(block, until)])[-self.keep:]
+        if block is None:
+            return
+        with self._lock:
+            if self.frames:
+                k = self._index.get(block.data_ptr())
+                if k is not None and k not in self._free and all(k != j for j, _ in self._busy):
+                    self._busy.append((k, until))
+                return
+            self._spare = (self._spare + [(block, until)])[-self.keep:]
 
     def clear(self) -> None:
+        """Drop every block (the transport ended: nothing reads them any more)."""
         with self._lock:
             self._spare = []
+            freed, in_use = len(self._ring), self.in_use
+            self._ring, self._index, self._free, self._busy, self.in_use = [], {}, [], [], 0
+        if freed:
+            record_staging(self.name, frames=-freed, in_use=-in_use)
 
 
 # ------------------------------------------------------------------------------------

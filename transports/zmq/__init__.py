@@ -6,8 +6,15 @@ thread-safe); callers only enqueue typed commands (``kit.CommandQueue``) and wak
 pipe, so ``submit`` never blocks on the network.
 
 Files: ``protocol`` (wire messages, parsed and validated once), ``sender`` (runs cut into
-messages, zero-copy or staged), ``receiver`` (every message checked whole before a byte lands),
+messages, zero-copy or staged in the staging ring), ``receiver`` (every message checked whole
+before a byte lands), ``devsync`` (arrivals wait for device copies), ``addresses`` (bind, ports),
 this module (options, the contract's methods, the loop).
+
+Addresses: the ROUTER binds ``endpoint`` (a wildcard is fine); peers are told ``advertise`` (or
+the bind host, or a routable interface address), never a wildcard, never loopback with
+``remote``. ``connect`` proves the data path with a ping round trip (``connect_timeout``): an
+unreachable address fails there, by name. ``disconnect`` fails a peer's transfers and closes its
+DEALER; sources zmq still holds stay unreleased until it lets go.
 
 Every transfer ends: the sender's handle times out at its deadline, and the I/O thread fails
 the open transfers of a peer that has neither answered nor taken data for
@@ -26,13 +33,14 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Sequence
-from typing import cast
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 import zmq
 
+from kvxfer.control.addresses import advertise_address
 from kvxfer.copy import byte_view
 from kvxfer.errors import ConnectError
 from kvxfer.grant import GrantTable
@@ -51,9 +59,11 @@ from kvxfer.transport.kit import (
     fail_command,
 )
 
+from .addresses import bind, check_ports
+from .devsync import WriteSync
 from .protocol import MAX_PARTS, RUN_BYTES
 from .receiver import ZMQReceiver
-from .sender import Peer, ZMQSender
+from .sender import Peer, Probe, ZMQSender
 
 log = logging.getLogger("kvxfer.transport.zmq")
 
@@ -82,7 +92,22 @@ def _keep_malloc_arenas() -> None:
 class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
     """ZeroMQ data plane. Options (keyword arguments, all optional):
 
-    endpoint            where the ROUTER binds: "tcp://HOST:PORT" (port 0: a free one) or "ipc:///path"
+    endpoint            where the ROUTER binds: "tcp://HOST:PORT" (port 0: a free one; HOST may be a
+                        wildcard, 0.0.0.0) or "ipc:///path"
+    advertise           the address, host name or interface name (``eth0``) peers are told to reach
+                        (``descriptor()["endpoint"]``); None: the bind host, or for a wildcard bind a
+                        routable interface address. A wildcard is never advertised (ValueError)
+    event               a factory of events (``record(stream=None)``, ``query()``) marking writes complete;
+                        default ``torch.cuda.Event`` after writes to a device region (``devsync``).
+                        Given, every write records one (tests: a stand-in that completes late)
+    staging_frames      frames in the staging ring (each frame_bytes * (frames_per_message + 1) bytes),
+                        allocated at ``register`` (pinned when a region is on a device), never more:
+                        when every one is in zmq, sending waits (counted: ``staging()``, kvxfer.metrics)
+    connect_timeout     seconds ``connect`` waits for a ping's answer on the data socket (an unreachable
+                        or black-holed data address fails there, naming the address)
+    remote              peers are on other hosts: advertising loopback (or ipc://) is refused too
+    ports               (first, last): bind the first free port of this range (the endpoint's port must
+                        be 0); None: the endpoint's port
     frame_bytes         largest zero-copy frame (~1 MiB: zmq slows down on multi-MiB frames)
     frames_per_message  zero-copy frames per message, and the size of a packed frame in frame_bytes
                         (fewer per-message costs; packed frames measured faster at 4 MiB than 1 MiB)
@@ -107,7 +132,14 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
                  frames_per_message: int = 4, zero_copy_min: int = 256 << 10, window: int = 16,
                  heartbeat_ivl: float = 1.0, heartbeat_timeout: float = 5.0, max_message_bytes: int = 64 << 20,
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, few_runs: int = FEW_RUNS,
-                 tune_malloc: bool = True):
+                 tune_malloc: bool = True, advertise: str | None = None, remote: bool = False,
+                 ports: tuple[int, int] | None = None, connect_timeout: float = 5.0,
+                 event: Callable[[], Any] | None = None, staging_frames: int = 8):
+        self._sync = WriteSync(event)
+        self.connect_timeout = float(connect_timeout)
+        if not 0 < self.connect_timeout <= 600:
+            raise ValueError(f"connect_timeout {connect_timeout} must be in (0, 600] seconds")
+        self._advertise, self._remote, self._ports = advertise, bool(remote), check_ports(endpoint, ports)
         if not 4096 <= frame_bytes <= max_message_bytes // 2:
             raise ValueError(f"frame_bytes {frame_bytes} must be in 4096..max_message_bytes/2")
         self.frame_bytes, self.frames_per_message = int(frame_bytes), max(1, int(frames_per_message))
@@ -126,7 +158,11 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._regions: list[torch.Tensor] = []
         self._host: list[np.ndarray | None] = []       # numpy views of CPU regions (None: CUDA)
         self._is_host, self._sizes = np.zeros(1, bool), np.zeros(0, np.int64)
-        self._staging = StagingPool(keep=self.window)
+        if not 1 <= int(staging_frames) <= 4096:
+            raise ValueError(f"staging_frames {staging_frames} must be in 1..4096")
+        self._staging = StagingPool(frames=int(staging_frames), name=self.name,
+                                    frame_bytes=self.frame_bytes * (self.frames_per_message + 1))
+        self.staging_wait = False   # the ring was exhausted: look again soon (its frames free as zmq sends)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._waker = PipeWaker()
         self.commands = CommandQueue(self._waker.wake)
@@ -134,8 +170,10 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._close_lock = threading.Lock()
         self._closed = False
         self._xids = itertools.count(1)
+        self._pids = itertools.count()
         self._ctx = zmq.Context(io_threads=1)
         self._router: zmq.Socket | None = None
+        self.bound = ""                                  # what the ROUTER bound (endpoint: what peers are told)
         self._sender_init()
         self._receiver_init()
         self._ready: concurrent.futures.Future[str] = concurrent.futures.Future()
@@ -162,7 +200,8 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             self._regions = views
             self._host = [v.numpy() if v.device.type == "cpu" else None for v in views]
             self._is_host = np.array([h is not None for h in self._host] + [False], bool)
-            self._staging.pin = not self._is_host[:-1].all()
+            self._staging.allocate(pin=not self._is_host[:-1].all())
+            self._sync.configure(views)
             self.grants.region_sizes = [v.numel() for v in views]
             self._sizes = np.asarray(self.grants.region_sizes, np.int64)
 
@@ -180,9 +219,22 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         fut: concurrent.futures.Future[str] = concurrent.futures.Future()
         self.commands.put(Connect(endpoint, fut))
         try:
-            return fut.result(timeout=30)
-        except Exception as e:   # zmq refused the endpoint, the thread ended, or no answer in time
+            return fut.result(timeout=self.connect_timeout + 30)
+        except Exception as e:   # zmq refused the endpoint, no pong in time, or the thread ended
             raise ConnectError(f"cannot connect to {endpoint}: {e}") from e
+
+    def disconnect(self, peer: str) -> None:
+        """Fail the peer's open transfers ("disconnected") and close its DEALER (linger 0: zmq drops
+        what is queued for it). Sources of frames zmq still held stay unreleased until zmq lets go
+        of them (``fencing``). Idempotent; an unknown peer or a closed transport: no-op."""
+        if self._closed or self.broken:
+            return
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.commands.put(Call(self._disconnect, (peer,), fut))
+        try:
+            fut.result(timeout=30)
+        except Exception as e:   # the transport closed meanwhile: nothing left to free
+            log.debug("disconnect %s: %s", peer, e)
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
@@ -197,6 +249,14 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             if self.broken and not self.io.alive:   # died meanwhile: nobody will take the command
                 fail_command(Submit(peer, request_id, None, handle), self.broken)
         return handle
+
+    def staging(self) -> dict:
+        """The staging ring: frames, in use, and waits for a free one so far."""
+        return self._staging.stats()
+
+    def writes_pending(self, request_id: str) -> bool:
+        """After ``forget``: True while a device copy of the request's bytes may still run."""
+        return self._sync.busy(request_id)
 
     def fencing(self) -> dict:
         """Any thread (a snapshot): sender transfers that ended while zero-copy frames of theirs were
@@ -247,8 +307,10 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             torch.set_num_threads(1)
         router = self._socket(zmq.ROUTER)
         try:
-            router.bind(endpoint[:-2] + ":*" if endpoint.endswith(":0") else endpoint)
-        except zmq.ZMQError as e:
+            self.bound = bind(router, endpoint, self._ports)
+            advertised = advertise_address(self.bound, self._advertise, remote=self._remote,
+                                           setting="advertise= (zmq transport option)")
+        except (zmq.ZMQError, ValueError) as e:
             router.close(linger=0)
             self._ready.set_exception(ConnectError(f"cannot bind {endpoint}: {e}"))
             return
@@ -256,14 +318,20 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
         self._poller.register(self._waker.fd, zmq.POLLIN)
-        self._ready.set_result(cast(bytes, self._router.last_endpoint).decode())  # pyzmq types sockopts loosely
+        self._ready.set_result(advertised)
         next_tick = 0.0
         while True:
-            events = dict(self._poller.poll(50))
+            soon = self._sync.waiting or self.staging_wait   # device copies, or frames zmq will free
+            self.staging_wait = False
+            events = dict(self._poller.poll(1 if soon else 50))
             if self._waker.fd in events and not self._on_commands():
                 break
             drained = self._router not in events or self._on_router()
+            if self._sync.waiting:
+                self._on_synced()
             for peer in self._peers.values():
+                if peer.probe is not None and events.get(peer.sock, 0) & zmq.POLLOUT:
+                    self._probe(peer, 0.0)   # connected: the ping goes out (the tick checks the deadline)
                 if events.get(peer.sock, 0) & zmq.POLLIN:
                     self._on_replies(peer)
                 if peer.pending is not None or peer.sending:
@@ -305,18 +373,26 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         except zmq.ZMQError as e:
             fut.set_exception(e)
             return
-        pid = f"{endpoint}#{len(self._peers)}"
-        self._peers[pid] = Peer(endpoint, sock)
-        self._poller.register(sock, zmq.POLLIN)
-        fut.set_result(pid)
+        n = next(self._pids)
+        pid = f"{endpoint}#{n}"   # never reused, so a stale id reaches no new peer
+        # ``fut`` is answered when the pong to the probe's ping comes back, or fails at its deadline
+        peer = self._peers[pid] = Peer(endpoint, sock, Probe(pid, n, fut, time.monotonic() + self.connect_timeout))
+        self._poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
+        self._probe(peer, time.monotonic())
 
     def _fail_all(self, why: str) -> None:
         """Every transfer this thread owned fails with ``why`` (close, or a crash)."""
         for out in list(self._out.values()):
             out.handle.finish(peer_failed(out.handle.request_id, why))
+        for peer in self._peers.values():   # a connect still waiting for its pong
+            if peer.probe is not None and not peer.probe.future.done():
+                peer.probe.future.set_exception(ConnectError(why))
         self._deliver_completed()
         for key in list(self._in):
             self._fail_in(key, why)
+        for _, _, arrival in self._sync.drop():   # bytes landed, the device copy never confirmed
+            if arrival is not None:
+                self._deliver(Arrival(arrival.request_id, arrival.nbytes, False, why))
         self.commands.fail_all(why)   # commands that raced with close() or the crash
 
     def _free(self) -> None:

@@ -35,7 +35,11 @@ from .protocol import MAX_PARTS, RUN_BYTES, Ack, Data, Nack, Ping, parse_data
 if TYPE_CHECKING:
     from kvxfer.grant import GrantTable
 
+    from .devsync import WriteSync
+
 log = logging.getLogger("kvxfer.transport.zmq")
+
+PING_BURST, PINGS_PER_S = 1024, 256.0   # pongs per sender (routing id): a burst, then this rate
 
 
 def lengths_match(nbytes, sizes, size: int) -> bool:
@@ -87,11 +91,13 @@ def region_spans(*keys: np.ndarray) -> list[tuple[int, int]]:
 
 
 class Incoming:
-    """An incoming transfer, keyed by (routing id, request id, transfer id)."""
-    __slots__ = ("deadline", "start", "nbytes", "nruns", "quiet")
+    """An incoming transfer, keyed by (routing id, request id, transfer id). ``event``: recorded
+    after its latest device write (``devsync``); its arrival waits for it."""
+    __slots__ = ("deadline", "start", "nbytes", "nruns", "quiet", "event")
 
     def __init__(self, deadline):
         self.deadline, self.start, self.nbytes, self.nruns = deadline, time.monotonic(), 0, 0
+        self.event: Any = None
         self.quiet = False   # a message of it carried a wrong capability: it never yields an arrival
 
 
@@ -112,6 +118,8 @@ class ZMQReceiver:
     _regions: list[torch.Tensor]
     _host: list[np.ndarray | None]
     _sizes: np.ndarray
+    _is_host: np.ndarray
+    _sync: WriteSync
     _write_lock: threading.Lock
     _router: zmq.Socket
     _deliver: Callable[[Arrival], None]
@@ -123,6 +131,7 @@ class ZMQReceiver:
         self._seen: dict[bytes, float] = {}
         self._acks: dict[bytes, list[int]] = {}
         self._completed: list[Arrival] = []   # delivered after this turn's acks
+        self._ping_budget: dict[bytes, tuple[float, float]] = {}   # routing id -> (pongs left, when)
 
     def _on_router(self) -> bool:
         """Handle queued messages; True when the socket is drained (silence checks are fair then)."""
@@ -165,10 +174,21 @@ class ZMQReceiver:
             self.grants.reject("?", f"malformed header: {e}")
             return
         if isinstance(h, Ping):   # answered after the acks so far: a pong means "all before it handled"
+            if not self._pong_allowed(rid, time.monotonic()):
+                self.grants.reject("?", f"ping flood: more than {PINGS_PER_S:g} pings a second from one sender")
+                return
             self._flush_acks()
             self._reply(rid, Ping(h.n).pack())
             return
         self._on_data(rid, h, parts[1:])
+
+    def _pong_allowed(self, rid: bytes, now: float) -> bool:
+        """A token bucket per sender: pings (heartbeats, connect probes) are answered at most at
+        ``PINGS_PER_S`` after a burst of ``PING_BURST``, so a flood costs no unbounded replies."""
+        left, at = self._ping_budget.get(rid, (float(PING_BURST), now))
+        left = min(float(PING_BURST), left + (now - at) * PINGS_PER_S)
+        self._ping_budget[rid] = (max(left - 1, 0.0), now)
+        return left >= 1
 
     def _on_data(self, rid: bytes, h: Data, payload: list) -> None:
         key, request_id = (rid, h.request_id, h.xid), h.request_id
@@ -227,7 +247,13 @@ class ZMQReceiver:
                                        if few else runs_inside(region, offset, nbytes, self._sizes)):
                 reason = self.grants.reject(request_id, "outside region: a granted run passes its region's end")
             if reason is None and size:
-                self._write(region, offset, nbytes, payload)
+                device = (any(self._host[r] is None for r in region) if few
+                          else not bool(self._is_host[region].all()))
+                if self._sync.needed(device):   # copies on the transport's stream, then an event
+                    st.event = self._sync.write(request_id, lambda: self._write(region, offset, nbytes, payload),
+                                                device)
+                else:
+                    self._write(region, offset, nbytes, payload)
         if reason is not None:
             self._fail_in(key, reason)
             return
@@ -239,9 +265,28 @@ class ZMQReceiver:
                                    f"{st.nruns} of {h.end.nruns} runs arrived")
                 return
             self._close_in(key)
+            arrival = None
             if st.nruns or self.grants.is_live(request_id, h.cap):   # an empty transfer of no live request: ack only
-                self._completed.append(Arrival(request_id, st.nbytes, True, "", h.end.notify))
-            self._acks.setdefault(rid, []).append(h.xid)
+                arrival = Arrival(request_id, st.nbytes, True, "", h.end.notify)
+            if st.event is not None and not st.event.query():   # bytes still on their way to the device
+                self._sync.hold(st.event, (rid, h.xid, arrival))
+                return
+            self._completed_now(rid, h.xid, arrival)
+
+    def _completed_now(self, rid: bytes, xid: int, arrival: Arrival | None) -> None:
+        """Every byte of a transfer is in place: ack it, and report it after this turn's acks."""
+        if arrival is not None:
+            self._completed.append(arrival)
+        self._acks.setdefault(rid, []).append(xid)
+
+    def _on_synced(self) -> None:
+        """Transfers whose device copies completed since (the loop, each turn while any wait)."""
+        done = self._sync.ready()
+        for rid, xid, arrival in done:
+            self._completed_now(rid, xid, arrival)
+        if done:
+            self._flush_acks()
+            self._deliver_completed()
 
     def _write(self, region, offset, nbytes, payload: list) -> None:
         """Copy checked runs from the received frames into the regions (one copy per byte).
@@ -257,7 +302,8 @@ class ZMQReceiver:
                 if self._host[r] is not None:
                     self._host[r][o: o + c] = np.frombuffer(src, np.uint8)
                 else:
-                    self._regions[r][o: o + c].copy_(torch.frombuffer(src, dtype=torch.uint8))
+                    # on the transport stream (devsync): an event after it says when it is complete
+                    self._regions[r][o: o + c].copy_(torch.frombuffer(src, dtype=torch.uint8), non_blocking=True)
             return
         buf = payload[0].buffer
         spans = region_spans(region)
@@ -308,3 +354,5 @@ class ZMQReceiver:
         if len(self._seen) > 1024:   # forget routing ids gone quiet with nothing open
             busy = {k[0] for k in self._in}
             self._seen = {r: t for r, t in self._seen.items() if r in busy or now - t < 60}
+            self._ping_budget = {r: v for r, v in self._ping_budget.items() if r in self._seen}
+        self._sync.prune()

@@ -17,13 +17,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import zmq
 
-from kvxfer.errors import PlanError, RejectedWrite
+from kvxfer.errors import ConnectError, PlanError, RejectedWrite
 from kvxfer.plan import TransferPlan, merge_runs
 from kvxfer.transport.base import TransferHandle, TransferStatus, peer_failed
 from kvxfer.transport.kit import PeerClock, runs_inside, runs_inside_few, split_long_runs
@@ -71,17 +72,16 @@ def gather_rows(region: torch.Tensor, off: np.ndarray, n: np.ndarray, out: torch
 
 
 class Outgoing:
-    """An outgoing transfer (I/O thread). ``ahead``: its next message, made one step early
-    so the message before it knows it is the last. ``trackers``: of its zero-copy messages,
-    which may read the source until zmq lets go of them."""
-    __slots__ = ("xid", "handle", "peer", "frames", "ahead", "end", "nruns", "trackers", "cap")
+    """An outgoing transfer (I/O thread). ``frames``: its messages, made as zmq takes them (a
+    packed one takes a staging frame then), each saying whether it is the last. ``trackers``: of
+    its zero-copy messages, which may read the source until zmq lets go of them."""
+    __slots__ = ("xid", "handle", "peer", "frames", "end", "nruns", "trackers", "cap")
 
     def __init__(self, xid, handle, peer, frames, end: End, cap: bytes = b""):
         self.xid, self.handle, self.peer, self.frames, self.end = xid, handle, peer, frames, end
         self.cap = cap   # the grant's capability: in every header
         self.nruns = 0   # runs in the headers sent so far: the last header's total
         self.trackers: list[zmq.MessageTracker] = []
-        self.ahead = next(frames)
 
 
 class Pending:
@@ -92,13 +92,26 @@ class Pending:
         self.parts, self.stage, self.out = parts, stage, out
 
 
-class Peer:
-    """One DEALER and its transfers. ``clock``: last reply or progress (silence fails them)."""
-    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged")
+class Probe:
+    """``connect``'s round trip on the data socket: a ping with ``nonce``, sent once zmq has a
+    connection (DEALERs are IMMEDIATE), answered by a pong echoing it before ``deadline``."""
+    __slots__ = ("pid", "nonce", "future", "deadline", "sent")
 
-    def __init__(self, endpoint, sock):
-        self.endpoint, self.sock, self.sending, self.open = endpoint, sock, collections.deque(), {}
+    def __init__(self, pid: str, nonce: int, future: Future, deadline: float):
+        self.pid, self.nonce, self.future, self.deadline, self.sent = pid, nonce, future, deadline, False
+
+
+class Peer:
+    """One DEALER and its transfers. ``clock``: last reply or progress (silence fails them).
+    ``probe``: set while ``connect`` waits for the data path's round trip."""
+    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged", "probe")
+
+    def __init__(self, endpoint, sock, probe: Probe | None = None):
+        self.endpoint, self.sock = endpoint, sock
+        self.sending: collections.deque[Outgoing] = collections.deque()
+        self.open: dict[int, Outgoing] = {}
         self.pending: Pending | None = None
+        self.probe = probe
         self.clock = PeerClock()
         self.pinged = self.clock.heard
 
@@ -117,11 +130,13 @@ class ZMQSender:
     few_runs: int
     hb_ivl: float
     hb_timeout: float
+    connect_timeout: float
     _regions: list[torch.Tensor]
     _host: list[np.ndarray | None]
     _is_host: np.ndarray
     _sizes: np.ndarray
     _staging: StagingPool
+    staging_wait: bool
     _xids: itertools.count[int]
     _ctx: zmq.Context
     _poller: zmq.Poller
@@ -189,36 +204,48 @@ class ZMQSender:
                 frame_of = frame_of * len(sel) + np.arange(len(sel)) // MAX_PARTS
             return np.split(sel, np.flatnonzero(np.diff(frame_of)) + 1) if len(sel) else []
 
-        sent = False
-        for sel in messages(np.flatnonzero(zc), 0, fb * self.frames_per_message):
-            sent = True
-            yield runs(sel), views(sel), None
+        zmsgs = messages(np.flatnonzero(zc), 0, fb * self.frames_per_message)
         small = np.flatnonzero(~zc)
         if len(small) > 1 and ((sr[small] != sr[small[0]]).any() or (dr[small] != dr[small[0]]).any()):
             small = small[np.lexsort((sr[small], dr[small]))]   # stable: plan order within a region pair
         packed = fb * self.frames_per_message   # measured: packed frames gain from size, zero-copy parts do not
-        for sel in messages(small, RUN_BYTES, packed):
-            sent = True
+        smsgs = messages(small, RUN_BYTES, packed)
+        left = len(zmsgs) + len(smsgs)          # messages still to make: 1 is the last
+        if not left:
+            yield b"", [], None, True   # an empty transfer still sends its totals
+        for sel in zmsgs:
+            left -= 1
+            yield runs(sel), views(sel), None, not left
+        for sel in smsgs:
+            left -= 1
             if len(sel) == 1 and self._is_host[sr[sel[0]]]:     # a lone run needs no staging
-                yield runs(sel), views(sel), None
+                yield runs(sel), views(sel), None, not left
                 continue
             pos = np.concatenate(([0], np.cumsum(n[sel])))
-            base, header = self._stage(), []
-            for a, b in region_spans(sr[sel], dr[sel]):         # loop per region pair in the frame
-                region = self._regions[sr[sel[a]]]
-                out = base[pos[a]: pos[b]] if region.is_cpu else torch.empty(
-                    int(pos[b] - pos[a]), dtype=torch.uint8, device=region.device)
-                gather_rows(region, so[sel[a:b]], n[sel[a:b]], out)
-                if not region.is_cpu:   # CUDA: gather on the device, one copy to pinned host memory
-                    base[pos[a]: pos[b]].copy_(out)
-                # Runs back to back in the frame and at the receiver are one run there: a head
-                # slice of token-major pages gathers 512 B rows into 8 KiB destination runs.
-                start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])
-                header.append((np.full(len(start), dr[sel[a]]), start, length))
-            msg = np.concatenate([np.concatenate(c) for c in zip(*header)]).astype("<i8").tobytes()
-            yield msg, [memoryview(base[: pos[-1]].numpy())], base  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
-        if not sent:
-            yield b"", [], None   # an empty transfer still sends its totals
+            while (base := self._stage()) is None:
+                yield None   # the staging ring is exhausted: asked again once zmq freed a frame
+            try:
+                msg = self._gather(sel, pos, base, sr, so, dr, do, n)
+            except BaseException:
+                self._staging.put(base)   # never handed to zmq: free again at once
+                raise
+            yield msg, [memoryview(base[: pos[-1]].numpy())], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
+
+    def _gather(self, sel, pos, base, sr, so, dr, do, n) -> bytes:
+        """A packed frame: the runs ``sel`` gathered into ``base``; returns the header's runs."""
+        header = []
+        for a, b in region_spans(sr[sel], dr[sel]):         # loop per region pair in the frame
+            region = self._regions[sr[sel[a]]]
+            out = base[pos[a]: pos[b]] if region.is_cpu else torch.empty(
+                int(pos[b] - pos[a]), dtype=torch.uint8, device=region.device)
+            gather_rows(region, so[sel[a:b]], n[sel[a:b]], out)
+            if not region.is_cpu:   # CUDA: gather on the device, one copy to pinned host memory
+                base[pos[a]: pos[b]].copy_(out)
+            # Runs back to back in the frame and at the receiver are one run there: a head
+            # slice of token-major pages gathers 512 B rows into 8 KiB destination runs.
+            start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])
+            header.append((np.full(len(start), dr[sel[a]]), start, length))
+        return np.concatenate([np.concatenate(c) for c in zip(*header)]).astype("<i8").tobytes()
 
     def _frames_few(self, runs: list[tuple[int, int, int, int, int]]) -> Iterator[tuple]:
         """``_frames`` for a few runs in CPU regions, as ``TransferPlan.run_tuples`` gives them."""
@@ -229,48 +256,65 @@ class ZMQSender:
         for r, o, d, e, c in runs:
             for x in range(0, c, fb):   # runs longer than a frame go in frame-sized chunks
                 (views if c >= self.zero_copy_min else small).append((r, o + x, d, e + x, min(fb, c - x)))
-        sent = False
-        for msg in fill_messages(views, budget, 0):
-            sent = True
-            yield pack_runs(msg), [memoryview(self._host[r][o: o + c]) for r, o, _, _, c in msg], None
-        for msg in fill_messages(small, budget, RUN_BYTES):
-            sent = True
+        vmsgs, smsgs = fill_messages(views, budget, 0), fill_messages(small, budget, RUN_BYTES)
+        left = len(vmsgs) + len(smsgs)
+        if not left:
+            yield b"", [], None, True
+        for msg in vmsgs:
+            left -= 1
+            yield pack_runs(msg), [memoryview(self._host[r][o: o + c]) for r, o, _, _, c in msg], None, not left
+        for msg in smsgs:
+            left -= 1
             if len(msg) == 1:   # a lone run needs no staging
                 r, o, _, _, c = msg[0]
-                yield pack_runs(msg), [memoryview(self._host[r][o: o + c])], None
+                yield pack_runs(msg), [memoryview(self._host[r][o: o + c])], None, not left
                 continue
-            base = self._stage()
+            while (base := self._stage()) is None:
+                yield None   # the staging ring is exhausted: asked again once zmq freed a frame
             stage, p = base.numpy(), 0
-            for r, o, _, _, c in msg:
+            for r, o, _, _, c in msg:   # host regions, checked in bounds: nothing here raises
                 stage[p: p + c] = self._host[r][o: o + c]
                 p += c
-            yield pack_runs(msg), [memoryview(stage[:p])], base  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
-        if not sent:
-            yield b"", [], None
+            yield pack_runs(msg), [memoryview(stage[:p])], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
 
-    def _stage(self) -> torch.Tensor:
-        """A staging block for a packed frame: one zmq has finished sending, or a new one."""
-        size = self.frame_bytes * (self.frames_per_message + 1)
-        return self._staging.get(size)
+    def _stage(self) -> torch.Tensor | None:
+        """A frame of the staging ring for a packed message, or None (counted as a wait) while
+        every frame is still in zmq: the I/O thread never allocates one, it waits."""
+        if not self._staging.available():
+            self.staging_wait = True   # the loop looks again soon
+            return None
+        return self._staging.get(self.frame_bytes * (self.frames_per_message + 1))
+
+    def _drop_pending(self, peer: Peer) -> None:
+        """The message zmq refused is dropped, never sent: its staging frame is free again."""
+        if peer.pending is not None:
+            self._staging.put(peer.pending.stage)
+            peer.pending = None
 
     def _pump(self, peer: Peer) -> None:
         """Hand messages to zmq, round-robin over the peer's transfers, until it pushes back."""
+        starved = 0   # transfers in a row whose next message waits for a staging frame
         for _ in range(4 * self.window):
             if peer.pending is None:
-                if not peer.sending:
+                if not peer.sending or starved >= len(peer.sending):
                     break
                 out = peer.sending.popleft()
                 if out.handle.poll() != TransferStatus.PENDING:
                     continue
-                runs, parts, stage = out.ahead
                 try:
-                    out.ahead = next(out.frames, None)
+                    msg = next(out.frames)
                 except Exception as e:  # a bad source fails this transfer, not the thread
                     out.handle.finish(peer_failed(out.handle.request_id, f"cannot read the source: {e}"))
                     continue
+                if msg is None:   # waits for a staging frame: the peer's other transfers go on
+                    peer.sending.append(out)
+                    starved += 1
+                    continue
+                starved = 0
+                runs, parts, stage, last = msg
                 out.nruns += len(runs) // RUN_BYTES
                 end = None
-                if out.ahead is None:
+                if last:
                     end = End(out.nruns, out.end.nbytes, out.end.notify)
                 else:
                     peer.sending.append(out)
@@ -302,8 +346,8 @@ class ZMQSender:
         self._out.pop(out.xid, None)
         out.peer.open.pop(out.xid, None)
         if out.peer.pending is not None and out.peer.pending.out is out:
-            out.peer.pending = None   # never handed to zmq: dropped (the receiver fails the transfer)
-        out.frames = out.ahead = None
+            self._drop_pending(out.peer)   # never handed to zmq: dropped (the receiver fails the transfer)
+        out.frames = None
         if not self._release_if_free(out):
             self._releasing.append(out)
 
@@ -319,13 +363,49 @@ class ZMQSender:
         queued for it, so zero-copy frames stop referencing their sources."""
         self._poller.unregister(peer.sock)
         peer.sock.close(linger=0)
-        peer.pending = None
+        self._drop_pending(peer)
         try:
             peer.sock = self._dealer(peer.endpoint)
         except zmq.ZMQError as e:   # cannot happen for an endpoint that connected before; keep going
             log.error("cannot reconnect to %s: %s", peer.endpoint, e)
             peer.sock = self._ctx.socket(zmq.DEALER)
         self._poller.register(peer.sock, zmq.POLLIN)
+
+    def _disconnect(self, pid: str) -> None:
+        """``disconnect`` on the I/O thread: fail the peer's transfers, close its socket (linger 0,
+        so zmq drops the frames queued for it; their sources are released once zmq lets go)."""
+        peer = self._peers.pop(pid, None)
+        if peer is None:
+            return
+        if peer.probe is not None and not peer.probe.future.done():
+            peer.probe.future.set_exception(ConnectError(f"{peer.endpoint}: disconnected while connecting"))
+        for out in list(peer.open.values()):
+            out.handle.finish(peer_failed(out.handle.request_id, f"peer {pid} was disconnected"))
+            self._retire(out)
+        peer.sending.clear()
+        self._drop_pending(peer)
+        self._poller.unregister(peer.sock)
+        peer.sock.close(linger=0)
+
+    def _probe(self, peer: Peer, now: float) -> None:
+        """Send the connect ping once zmq has a connection; fail ``connect`` past the deadline."""
+        probe = peer.probe
+        if probe is None:
+            return
+        if now > probe.deadline:
+            if not probe.future.done():
+                probe.future.set_exception(ConnectError(
+                    f"no answer on the data socket within {self.connect_timeout:g}s: nothing listens there, "
+                    f"or the address is unreachable or filtered from this host"))
+            self._disconnect(probe.pid)   # frees the socket: it never became a peer
+            return
+        if not probe.sent:
+            try:
+                peer.sock.send(Ping(probe.nonce).pack(), flags=zmq.NOBLOCK)
+            except zmq.Again:   # no connection yet: POLLOUT (or the tick) brings us back
+                return
+            probe.sent = True
+            self._poller.modify(peer.sock, zmq.POLLIN)
 
     def _on_replies(self, peer: Peer) -> None:
         while True:
@@ -340,6 +420,11 @@ class ZMQSender:
                 log.warning("ignoring a malformed reply: %s", e)
                 continue
             if isinstance(h, Ping):
+                probe = peer.probe
+                if probe is not None and probe.sent and h.n == probe.nonce:   # the data path works
+                    peer.probe = None
+                    if not probe.future.done():
+                        probe.future.set_result(probe.pid)
                 continue
             for xid in h.xids if isinstance(h, Ack) else (h.xid,):
                 out = peer.open.get(xid)
@@ -358,7 +443,8 @@ class ZMQSender:
             if out.handle.poll() != TransferStatus.PENDING:   # poll() times out a passed deadline
                 self._retire(out)
         self._releasing = [out for out in self._releasing if not self._release_if_free(out)]
-        for pid, peer in self._peers.items():
+        for pid, peer in list(self._peers.items()):
+            self._probe(peer, now)
             if not peer.open:
                 continue
             if peer.clock.silent(now, self.hb_timeout):
