@@ -37,7 +37,7 @@ import torch
 
 from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient
-from ..control.compat import require_compatible
+from ..control.compat import check_group, require_compatible
 from ..control.handshake import hello
 from ..control.messages import CAP_BYTES
 from ..control.wire import ChunkMeta
@@ -185,6 +185,9 @@ class DecodeEndpoint(EndpointBase):
         by_key = {p.spec.key: p for p in peers}
         if not by_key:
             raise ConnectError("no prefill rank to connect to" + (f" in instance {instance!r}" if instance else ""))
+        conflicts = check_group(list(by_key.values()))   # sources by head id: one head map per group
+        if conflicts:
+            raise CompatibilityError(conflicts)
         groups: dict[int, dict[str, list]] = {}
         for p in by_key.values():
             if p.spec.dp_rank not in groups:

@@ -225,7 +225,9 @@ class PrefillEndpoint(EndpointBase):
         self.end_request(s, Outcome.Aborted, why, later)
 
     def _on_hello(self, peer: str, msg: dict) -> None:
-        d_info, reply = answer_hello(self.info, msg, self.transport.name)
+        with self._lock:
+            others = [dp.info for key, dp in self._peers.items() if key != peer]
+        d_info, reply = answer_hello(self.info, msg, self.transport.name, others)
         if d_info is not None:
             try:
                 dl = Layout.from_dict(d_info.layout)
