@@ -26,13 +26,7 @@ The engine records the event on the stream that wrote the chunk's KV (and state)
 writes, and calls ``send`` right away; from the event's completion until ``on_release`` it must
 not write those slots again.
 
-Chunks may be any number of tokens (plans are per token, so 1-token chunks and chunks that
-split a page land exactly). Whole pages are cheaper on page-major pools, where whole pages in a
-row coalesce into one run but a split page moves as one run per layer and K/V. Measured with
-``Planner`` + ``execute_plan`` on CPU (4,096 tokens, 16 layers, 8 heads x 64, page 16,
-page-major to page-major): chunks of 256 tokens plan 16 runs and take 25 ms; chunks of
-248 or 264 tokens plan 529 runs and take 28-33 ms. Token-major pools plan ~512 runs either way.
-Over a network the run count costs more than on CPU (one descriptor or put per run).
+Chunks may be any number of tokens; what chunk sizes cost is in ``kvxfer.endpoint.chunks``.
 
 A sender ends once (``end_request``): counted in ``kvxfer.metrics``, its KV then held under a
 lease until decode confirms ("done"), no transfer still reads it, or the lease runs out.
@@ -42,7 +36,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -57,10 +51,11 @@ from ..plan import Planner
 from ..pools import KVPool
 from ..ranks import RankSpec
 from ..topology import expected_decode_ranks, peer_sources
-from ..transport.base import TransferHandle, TransferStatus, Transport
+from ..transport.base import TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRecord
-from .base import END_STATES, Clock, EndpointBase, KVPoll, Outcome, RequestBase, Timeouts, check_reachable
-from .chunks import Chunk, DecodePeer, Target, plan_chunk
+from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
+from .chunks import Chunk, DecodePeer, Target, check_window, plan_chunk
+from .sender import KVSender, SenderHost, stalled
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
@@ -70,43 +65,7 @@ def _count_transfers(transport: str, done: list[tuple[int, int, float]]) -> None
         record_transfer(transport, "send", nbytes, runs, seconds)
 
 
-class KVSender(RequestBase):
-    """One request on a prefill rank; made by ``PrefillEndpoint.sender`` (see the module docstring)."""
-    endpoint: "PrefillEndpoint"
-    __slots__ = ("targets", "group", "expected", "queued", "handles", "reading", "next_pos", "last_sent",
-                 "lease_end", "overdue")
-
-    def __init__(self, ep: "PrefillEndpoint", room: int, on_release: Callable[[Outcome], None] | None):
-        super().__init__(ep, room, ep.clock() + ep.timeouts.bootstrap, on_release)
-        self.targets: dict[int, Target] = {}
-        self.group: tuple[str, int] | None = None      # the decode (instance, dp rank) it is bound to
-        self.expected: frozenset[int] = frozenset()     # the decode TP ranks that must ask
-        self.queued: list[Chunk] = []   # not submitted yet: not bound, or waiting for a ready event
-        self.handles: list[tuple[TransferHandle, int]] = []   # in flight: (handle, runs in its plan)
-        self.reading: list[TransferHandle] = []    # handles whose transport may still read the KV
-        self.next_pos, self.last_sent, self.lease_end, self.overdue = 0, False, float("inf"), False
-
-    def send(self, kv_slots, *, start: int | None = None, layers: Sequence[int] | None = None, last: bool = False,
-             aux: AuxRecord | bytes | None = None, state_slots=None, ready=None) -> bool:
-        """Scheduler, per chunk: send the KV of tokens ``start .. start + len(kv_slots)`` (default:
-        right after the previous chunk), of ``layers`` (default: all; for per-layer-group streaming
-        pass ``start`` too). The last chunk carries ``aux`` and the state at ``state_slots``. A
-        hybrid SWA pool must have mapped (``full_to_swa``) every token of decode's window by this
-        call. ``ready``: None when the KV (and state) of this chunk is written already, else an
-        object with ``query() -> bool`` (e.g. ``torch.cuda.Event`` recorded on the forward's stream
-        after it wrote them); no transport reads the chunk before ``query()`` returned True.
-        Never blocks on the network; False when the request has already ended."""
-        return self.endpoint.send_chunk(self, kv_slots, start, layers, last, aux, state_slots, ready)
-
-    @property
-    def kv_releasable(self) -> bool:
-        """True once prefill may reuse this request's KV and ``on_release`` returned: decode
-        confirmed, or the request ended and no transfer still reads it, or the lease ran out and
-        no transport still holds the KV (``TransferHandle.source_released``)."""
-        return self.released
-
-
-class PrefillEndpoint(EndpointBase):
+class PrefillEndpoint(SenderHost):
     """A prefill rank: its senders, the control ROUTER, the planners towards each decode rank."""
     role = "prefill"
 
@@ -264,7 +223,7 @@ class PrefillEndpoint(EndpointBase):
                 st = dp.layout.check_slots(STATE, st, "state slots") if len(st) else st
                 if msg["prefix"] >= len(kv):
                     raise LayoutError(f"prefix {msg['prefix']} leaves none of the {len(kv)} tokens to send")
-                swa = self._check_window(dp, msg, kv, swa)
+                swa = check_window(self.swa_window, self.spec.key, dp, msg, kv, swa)
         except LayoutError as e:
             nack(f"bad request: {e}")
             return
@@ -282,23 +241,6 @@ class PrefillEndpoint(EndpointBase):
             self.on_request(room, tokens)
         except Exception:   # the engine's bug must not cost the channel thread
             log.exception("on_request callback failed for room %s", room)
-
-    def _check_window(self, dp: DecodePeer, msg: dict, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
-        """Decode's window slots of a request (hybrid SWA), bounds-checked; LayoutError says why not."""
-        if not self.swa_window:
-            if len(swa) or msg.get("swa_n"):
-                raise LayoutError(f"sliding-window slots sent to prefill {self.spec.key}, whose pool has no "
-                                  f"sliding-window layers")
-            return swa
-        if "swa_n" not in msg or msg["swa_n"] != len(swa):
-            raise LayoutError(f"a hybrid SWA request must carry its window slots and their count; got "
-                              f"{len(swa)} slot(s) and count {msg.get('swa_n')}")
-        swa = dp.layout.check_slots(SWA, swa, "swa slots")
-        most = min(self.swa_window, len(kv))
-        if not 1 <= len(swa) <= most:
-            raise LayoutError(f"{len(swa)} window slot(s) for a request of {len(kv)} tokens: must be "
-                              f"1..{most} (sliding window {self.swa_window})")
-        return swa
 
     def _bind(self, s: KVSender, t: Target, later) -> None:
         dp = self._peers.get(t.peer)
@@ -487,7 +429,7 @@ class PrefillEndpoint(EndpointBase):
         if real >= self._next_scan:
             self._next_scan = real + 0.05
             for s in [s for s in self._senders.values() if now > s.deadline]:
-                self.end_request(s, Outcome.TimedOut, f"timed out in {s.state.name}: {self._stalled(s)} within the "
+                self.end_request(s, Outcome.TimedOut, f"timed out in {s.state.name}: {stalled(s)} within the "
                                                       f"deadline", later)
             for s in list(self._held):
                 self._settle(s, now, later)
@@ -503,17 +445,6 @@ class PrefillEndpoint(EndpointBase):
                 if not reqs:
                     del self._pending[room]
         return 0.005 if self._busy or self._unready else 0.05   # reaping is not on decode's critical path
-
-    @staticmethod
-    def _stalled(s: KVSender) -> str:
-        """What a sender past its deadline was waiting for, in words."""
-        if s.state == KVPoll.Bootstrapping:
-            return "no request from " + ("decode rank(s) " + ", ".join(map(str, sorted(set(s.expected) -
-                                                                                      set(s.targets))))
-                                         if s.group else "any decode rank")
-        if s.queued and s.queued[0].ready is not None:
-            return f"the ready event of {s.queued[0].what()} did not complete (query() stayed False)"
-        return "no chunk was sent" if s.state == KVPoll.WaitingForInput else "the transfer made no progress"
 
     def _live(self) -> list[KVSender]:
         return list(self._senders.values())

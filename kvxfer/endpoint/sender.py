@@ -1,0 +1,71 @@
+"""Prefill's per-request record: ``KVSender`` (one per request, made by
+``PrefillEndpoint.sender``), and ``stalled``, what a sender past its deadline waited for. The
+endpoint (``kvxfer.endpoint.prefill``) holds its lock around everything here but ``send``.
+"""
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Sequence
+
+from ..transport.base import TransferHandle
+from .aux import AuxRecord
+from .base import EndpointBase, KVPoll, Outcome, RequestBase
+from .chunks import Chunk, Target
+
+
+class SenderHost(EndpointBase):
+    """What a ``KVSender`` calls on its endpoint (``PrefillEndpoint`` is the one)."""
+
+    @abc.abstractmethod
+    def send_chunk(self, s: "KVSender", kv_slots, start, layers, last, aux, state_slots, ready) -> bool:
+        """The body of ``KVSender.send``."""
+
+
+class KVSender(RequestBase):
+    """One request on a prefill rank; made by ``PrefillEndpoint.sender`` (see the module docstring)."""
+    endpoint: "SenderHost"
+    __slots__ = ("targets", "group", "expected", "queued", "handles", "reading", "next_pos", "last_sent",
+                 "lease_end", "overdue")
+
+    def __init__(self, ep: "SenderHost", room: int, on_release: Callable[[Outcome], None] | None):
+        super().__init__(ep, room, ep.clock() + ep.timeouts.bootstrap, on_release)
+        self.targets: dict[int, Target] = {}
+        self.group: tuple[str, int] | None = None      # the decode (instance, dp rank) it is bound to
+        self.expected: frozenset[int] = frozenset()     # the decode TP ranks that must ask
+        self.queued: list[Chunk] = []   # not submitted yet: not bound, or waiting for a ready event
+        self.handles: list[tuple[TransferHandle, int]] = []   # in flight: (handle, runs in its plan)
+        self.reading: list[TransferHandle] = []    # handles whose transport may still read the KV
+        self.next_pos, self.last_sent, self.lease_end, self.overdue = 0, False, float("inf"), False
+
+    def send(self, kv_slots, *, start: int | None = None, layers: Sequence[int] | None = None, last: bool = False,
+             aux: AuxRecord | bytes | None = None, state_slots=None, ready=None) -> bool:
+        """Scheduler, per chunk: send the KV of tokens ``start .. start + len(kv_slots)`` (default:
+        right after the previous chunk), of ``layers`` (default: all; for per-layer-group streaming
+        pass ``start`` too). The last chunk carries ``aux`` and the state at ``state_slots``. A
+        hybrid SWA pool must have mapped (``full_to_swa``) every token of decode's window by this
+        call. ``ready``: None when the KV (and state) of this chunk is written already, else an
+        object with ``query() -> bool`` (e.g. ``torch.cuda.Event`` recorded on the forward's stream
+        after it wrote them); no transport reads the chunk before ``query()`` returned True.
+        Never blocks on the network; False when the request has already ended."""
+        return self.endpoint.send_chunk(self, kv_slots, start, layers, last, aux, state_slots, ready)
+
+    @property
+    def kv_releasable(self) -> bool:
+        """True once prefill may reuse this request's KV and ``on_release`` returned: decode
+        confirmed, or the request ended and no transfer still reads it, or the lease ran out and
+        no transport still holds the KV (``TransferHandle.source_released``)."""
+        return self.released
+
+
+def stalled(s: KVSender) -> str:
+    """What a sender past its deadline was waiting for, in words."""
+    if s.state == KVPoll.Bootstrapping:
+        return "no request from " + ("decode rank(s) " + ", ".join(map(str, sorted(set(s.expected) -
+                                                                                  set(s.targets))))
+                                     if s.group else "any decode rank")
+    if s.queued and s.queued[0].ready is not None:
+        return f"the ready event of {s.queued[0].what()} did not complete (query() stayed False)"
+    return "no chunk was sent" if s.state == KVPoll.WaitingForInput else "the transfer made no progress"
+
+
+__all__ = ["KVSender", "SenderHost", "stalled"]
