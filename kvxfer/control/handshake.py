@@ -19,6 +19,19 @@ from .messages import MAX_WHY, MAX_WHYS
 
 log = logging.getLogger("kvxfer.control")
 
+# A refusal that starts so says the data path is unreachable: ``hello`` raises ConnectError.
+DATA_PATH = "data path unreachable"
+
+
+def describe(descriptor) -> str:
+    """A peer's transport descriptor in a few words for a message: its address, or the record."""
+    if isinstance(descriptor, Mapping):
+        for k in ("endpoint", "address", "addr"):
+            if isinstance(descriptor.get(k), str):
+                return descriptor[k][:256]
+    r = repr(descriptor)
+    return r if len(r) <= 200 else r[:197] + "..."
+
 
 # ------------------------------------------------------------------------------------
 # The two halves of the handshake
@@ -28,7 +41,8 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float) 
     reply = channel.call(peer, {"t": "hello", "info": d_info.to_dict(), "nonce": os.urandom(16)}, timeout)
     if reply["t"] == "refuse":
         why = [str(w)[:1024] for w in reply["why"]]
-        if any(w.startswith(("authentication", "addressed to", "sender identity", "bad envelope")) for w in why):
+        if any(w.startswith(("authentication", "addressed to", "sender identity", "bad envelope", DATA_PATH))
+               for w in why):
             raise ConnectError(f"prefill rank {peer} refused the handshake: {'; '.join(why)}")
         raise CompatibilityError(why)
     if reply["t"] != "welcome":

@@ -107,6 +107,24 @@ def window_part(c: Chunk, t: Target, first: int, end: int) -> tuple[np.ndarray, 
     return src, t.swa[first - t.window_start:end - t.window_start]
 
 
+def request_slots(dp: DecodePeer, msg: dict, token_space: str, swa_window: int,
+                  key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A decode rank's REQ: its (kv, state, window) slots, each checked against its layout;
+    LayoutError says why not (prefill ``key`` then nacks it)."""
+    swa_raw = msg.get("swa", b"")
+    if len(msg["kv"]) % 8 or len(msg["state"]) % 8 or len(swa_raw) % 8:
+        raise LayoutError("slot arrays must be whole int64s")
+    kv, st = np.frombuffer(msg["kv"], "<i8"), np.frombuffer(msg["state"], "<i8")
+    swa = np.frombuffer(swa_raw, "<i8")
+    if not msg["dummy"]:
+        kv = dp.layout.check_slots(token_space, kv, "kv slots")
+        st = dp.layout.check_slots(STATE, st, "state slots") if len(st) else st
+        if msg["prefix"] >= len(kv):
+            raise LayoutError(f"prefix {msg['prefix']} leaves none of the {len(kv)} tokens to send")
+        swa = check_window(swa_window, key, dp, msg, kv, swa)
+    return kv, st, swa
+
+
 def check_window(swa_window: int, key: str, dp: DecodePeer, msg: dict, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
     """Decode's window slots of a request (hybrid SWA), bounds-checked; LayoutError says why not."""
     if not swa_window:
@@ -125,4 +143,4 @@ def check_window(swa_window: int, key: str, dp: DecodePeer, msg: dict, kv: np.nd
     return swa
 
 
-__all__ = ["DecodePeer", "Target", "Chunk", "plan_chunk", "window_part", "check_window"]
+__all__ = ["DecodePeer", "Target", "Chunk", "plan_chunk", "window_part", "check_window", "request_slots"]

@@ -15,17 +15,7 @@ Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
         handles, submits chunks whose event completed; deadlines and leases every 50 ms),
         ``on_dead`` (it died of a bug: every sender fails, the rank deregisters, ``broken``).
 
-Readiness: a chunk is submitted to the transport only when the request is bound (every decode
-rank's grant came) and its ``ready`` event's ``query()`` returned True; until then it waits in
-the sender's queue, and the chunks after it wait behind it (their order is the chunk order
-decode counts). ``query()`` is called by ``send`` itself (an event already complete costs no
-tick) and then by the channel thread at every tick, never blocking; kvxfer never calls
-``synchronize()`` on the sender path. An event that never completes fails the request at its
-phase deadline ("timed out ... ready event"), and nothing of that chunk is ever read.
-The engine records the event on the stream that wrote the chunk's KV (and state), after the
-writes, and calls ``send`` right away; from the event's completion until ``on_release`` it must
-not write those slots again.
-
+Readiness (when a chunk may be read) is ``KVSender.send``'s contract: ``kvxfer.endpoint.sender``.
 Chunks may be any number of tokens; what chunk sizes cost is in ``kvxfer.endpoint.chunks``.
 
 A sender ends once (``end_request``): counted in ``kvxfer.metrics``, its KV then held under a
@@ -42,7 +32,8 @@ import numpy as np
 
 from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient, Registration
-from ..control.handshake import answer_hello
+from ..control.handshake import DATA_PATH, answer_hello, describe
+from ..control.messages import MAX_WHY
 from ..control.wire import ChunkMeta
 from ..errors import ConnectError, LayoutError, PlanError, RequestError
 from ..layout import STATE, SWA, Layout
@@ -54,7 +45,7 @@ from ..topology import expected_decode_ranks, peer_sources
 from ..transport.base import TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRecord
 from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
-from .chunks import Chunk, DecodePeer, Target, check_window, plan_chunk
+from .chunks import Chunk, DecodePeer, Target, plan_chunk, request_slots
 from .sender import KVSender, SenderHost, stalled
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
@@ -94,7 +85,8 @@ class PrefillEndpoint(SenderHost):
         self.source = (spec.tp_rank, spec.pp_rank)
         self.on_request = on_request
         self._advertise = advertise
-        self._peers: dict[str, DecodePeer] = {}
+        self._peers: dict[str, DecodePeer] = {}               # control peer -> its handshake
+        self._rank_peer: dict[str, str] = {}                  # decode rank key -> its control peer now
         self._senders: dict[int, KVSender] = {}               # room -> live sender
         self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
         self._pending: dict[int, dict[str, tuple[Target, float]]] = {}   # REQs that came before the sender
@@ -188,22 +180,50 @@ class PrefillEndpoint(SenderHost):
             others = [dp.info for key, dp in self._peers.items() if key != peer]
         d_info, reply = answer_hello(self.info, msg, self.transport.name, others)
         if d_info is not None:
+            self._retire(d_info.spec.key, peer, f"decode rank {d_info.spec.key} handshook again (as {peer})")
             try:
                 dl = Layout.from_dict(d_info.layout)
                 sources = peer_sources(self.spec, d_info.spec)
-                with self._xport_lock:
-                    xpeer = self.transport.connect(dict(d_info.data[self.transport.name]))
+                desc = d_info.data[self.transport.name]
+                try:
+                    with self._xport_lock:
+                        xpeer = self.transport.connect(dict(desc))
+                except (ConnectError, ValueError) as e:   # the data path: refused now, with the reason
+                    raise ConnectError(f"{DATA_PATH}: prefill {self.spec.key} cannot reach decode {d_info.spec.key} "
+                                       f"at its {self.transport.name} data address {describe(desc)}: {e}") from None
                 with self._lock:
                     self._peers[peer] = DecodePeer(d_info, dl, xpeer, sources,
                                                     expected_decode_ranks(self.spec, d_info.spec))
+                    self._rank_peer[d_info.spec.key] = peer
                 self.channel.watch(peer)
                 log.info("decode rank %s connected (%d source(s) from here)", peer, len(sources))
             except KeyError:
                 reply = {"t": "refuse", "re": msg["i"],
                          "why": [f"transport: P uses {self.transport.name!r}, D offers {sorted(d_info.data)}"]}
-            except (ConnectError, LayoutError, PlanError) as e:
-                reply = {"t": "refuse", "re": msg["i"], "why": [f"prefill {self.spec.key}: {e}"]}
+            except ConnectError as e:
+                reply = {"t": "refuse", "re": msg["i"], "why": [str(e)[:MAX_WHY]]}
+            except (LayoutError, PlanError) as e:
+                reply = {"t": "refuse", "re": msg["i"], "why": [f"prefill {self.spec.key}: {e}"[:MAX_WHY]]}
         self.channel.send(peer, reply)
+
+    def _retire(self, rank: str, peer: str, why: str) -> None:
+        """Channel thread: decode rank ``rank`` handshakes again as control peer ``peer`` (a restart,
+        a new epoch): the requests of its previous handshake fail, then its data peer is
+        disconnected (before the new connect, which may hand out the same peer key) and a
+        previous control peer forgotten. Without it every re-handshake leaks a data peer."""
+        with self.guard() as later:
+            old = self._rank_peer.pop(rank, None)
+            dp = self._peers.pop(old, None) if old is not None else None
+            if dp is None:
+                return
+            for room in list(self._pending):
+                self._pending[room].pop(old, None)
+            for s in [s for s in self._senders.values() if any(t.peer == old for t in s.targets.values())]:
+                self.end_request(s, Outcome.Failed, why, later)
+        with self._xport_lock:
+            self.transport.disconnect(dp.xpeer)
+        if old != peer:
+            self.channel.forget(old)
 
     def _on_req(self, peer: str, msg: dict, later) -> None:
         nack = lambda why: self.channel.send(peer, {"t": "nack", "room": msg["room"], "gen": msg["gen"],  # noqa: E731
@@ -213,17 +233,7 @@ class PrefillEndpoint(SenderHost):
             nack(f"prefill {self.spec.key} has no handshake with {peer}")
             return
         try:
-            swa_raw = msg.get("swa", b"")
-            if len(msg["kv"]) % 8 or len(msg["state"]) % 8 or len(swa_raw) % 8:
-                raise LayoutError("slot arrays must be whole int64s")
-            kv, st = np.frombuffer(msg["kv"], "<i8"), np.frombuffer(msg["state"], "<i8")
-            swa = np.frombuffer(swa_raw, "<i8")
-            if not msg["dummy"]:
-                kv = dp.layout.check_slots(self.token_space, kv, "kv slots")
-                st = dp.layout.check_slots(STATE, st, "state slots") if len(st) else st
-                if msg["prefix"] >= len(kv):
-                    raise LayoutError(f"prefix {msg['prefix']} leaves none of the {len(kv)} tokens to send")
-                swa = check_window(self.swa_window, self.spec.key, dp, msg, kv, swa)
+            kv, st, swa = request_slots(dp, msg, self.token_space, self.swa_window, self.spec.key)
         except LayoutError as e:
             nack(f"bad request: {e}")
             return

@@ -1,6 +1,17 @@
 """Prefill's per-request record: ``KVSender`` (one per request, made by
 ``PrefillEndpoint.sender``), and ``stalled``, what a sender past its deadline waited for. The
 endpoint (``kvxfer.endpoint.prefill``) holds its lock around everything here but ``send``.
+
+Readiness: a chunk is submitted to the transport only when the request is bound (every decode
+rank's grant came) and its ``ready`` event's ``query()`` returned True; until then it waits in
+the sender's queue, and the chunks after it wait behind it (their order is the chunk order
+decode counts). ``query()`` is called by ``send`` itself (an event already complete costs no
+tick) and then by the channel thread at every tick, never blocking; kvxfer never calls
+``synchronize()`` on the sender path. An event that never completes fails the request at its
+phase deadline ("timed out ... ready event"), and nothing of that chunk is ever read.
+The engine records the event on the stream that wrote the chunk's KV (and state), after the
+writes, and calls ``send`` right away; from the event's completion until ``on_release`` it must
+not write those slots again.
 """
 from __future__ import annotations
 
