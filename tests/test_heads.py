@@ -301,3 +301,47 @@ def test_prefill_refuses_a_decode_rank_that_disagrees_with_its_group():
             ep.close()
         server.stop()
 
+
+
+def test_a_restarted_decode_group_may_change_its_map_once_the_old_ranks_are_silent():
+    """A decode group restarted with another head map: refused while an earlier rank of it still
+    answers heartbeats, accepted once the prefill rank found it silent."""
+    fast = Timeouts(bootstrap=10, waiting=10, transfer=10, lease=10, handshake=5,
+                    heartbeat=Heartbeat(interval=0.1, timeout=0.6))
+    server = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+
+    def decode(r, m):
+        return DecodeEndpoint(spec("decode", 2, r, m), MHAPool(layers=LAYERS, heads=2, head_dim=DIM, dtype="float32",
+                                                               num_pages=16, page_size=PAGE),
+                              transport="local", timeouts=fast)
+    eps = []
+    try:
+        pe = PrefillEndpoint(spec("prefill", 1, 0), MHAPool(layers=LAYERS, heads=4, head_dim=DIM, dtype="float32",
+                                                             num_pages=16, page_size=PAGE),
+                             transport="local", timeouts=fast)
+        pe.register(server.url)
+        eps.append(pe)
+        first = [decode(r, None) for r in range(2)]
+        eps += first
+        for de in first:
+            de.connect(bootstrap=server.url, timeout=10)
+        first[0].close()                              # rank 0 restarts with the new map ...
+        again = decode(0, [[3, 1], [0, 2]])
+        eps.append(again)
+        with pytest.raises(CompatibilityError, match="head placement"):
+            again.connect(bootstrap=server.url, timeout=10)   # ... while rank 1 of the old map lives
+        first[1].close()                              # the whole group restarted: rank 1 goes silent
+        deadline = time.monotonic() + 10
+        while True:
+            renewed = decode(0, [[3, 1], [0, 2]])
+            eps.append(renewed)
+            try:
+                renewed.connect(bootstrap=server.url, timeout=10)
+                break
+            except CompatibilityError:
+                assert time.monotonic() < deadline, "the silent rank still holds the group's head map"
+                time.sleep(0.2)
+    finally:
+        for ep in eps:
+            ep.close()
+        server.stop()

@@ -37,7 +37,7 @@ from ..control.messages import MAX_WHY
 from ..control.wire import ChunkMeta
 from ..errors import ConnectError, LayoutError, PlanError, RequestError
 from ..layout import STATE, SWA, Layout
-from ..metrics import record_request_end, record_transfer
+from ..metrics import record_request_end
 from ..plan import Planner
 from ..pools import KVPool
 from ..ranks import RankSpec
@@ -46,14 +46,9 @@ from ..transport.base import TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRecord
 from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
 from .chunks import Chunk, DecodePeer, Target, plan_chunk, request_slots
-from .sender import KVSender, SenderHost, stalled
+from .sender import KVSender, SenderHost, call_on_request, count_transfers, stalled
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
-
-
-def _count_transfers(transport: str, done: list[tuple[int, int, float]]) -> None:
-    for nbytes, runs, seconds in done:
-        record_transfer(transport, "send", nbytes, runs, seconds)
 
 
 class PrefillEndpoint(SenderHost):
@@ -87,6 +82,7 @@ class PrefillEndpoint(SenderHost):
         self._advertise = advertise
         self._peers: dict[str, DecodePeer] = {}               # control peer -> its handshake
         self._rank_peer: dict[str, str] = {}                  # decode rank key -> its control peer now
+        self._silent: set[str] = set()                        # decode peers lost (heartbeats) since their HELLO
         self._senders: dict[int, KVSender] = {}               # room -> live sender
         self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
         self._pending: dict[int, dict[str, tuple[Target, float]]] = {}   # REQs that came before the sender
@@ -176,8 +172,8 @@ class PrefillEndpoint(SenderHost):
         self.end_request(s, Outcome.Aborted, why, later)
 
     def _on_hello(self, peer: str, msg: dict) -> None:
-        with self._lock:
-            others = [dp.info for key, dp in self._peers.items() if key != peer]
+        with self._lock:   # a silent peer (a restarted group's earlier rank) does not hold the group's map
+            others = [dp.info for key, dp in self._peers.items() if key != peer and key not in self._silent]
         d_info, reply = answer_hello(self.info, msg, self.transport.name, others)
         if d_info is not None:
             self._retire(d_info.spec.key, peer, f"decode rank {d_info.spec.key} handshook again (as {peer})")
@@ -195,6 +191,7 @@ class PrefillEndpoint(SenderHost):
                     self._peers[peer] = DecodePeer(d_info, dl, xpeer, sources,
                                                     expected_decode_ranks(self.spec, d_info.spec))
                     self._rank_peer[d_info.spec.key] = peer
+                    self._silent.discard(peer)
                 self.channel.watch(peer)
                 log.info("decode rank %s connected (%d source(s) from here)", peer, len(sources))
             except KeyError:
@@ -214,6 +211,7 @@ class PrefillEndpoint(SenderHost):
         with self.guard() as later:
             old = self._rank_peer.pop(rank, None)
             dp = self._peers.pop(old, None) if old is not None else None
+            self._silent.discard(old or "")
             if dp is None:
                 return
             for room in list(self._pending):
@@ -242,15 +240,10 @@ class PrefillEndpoint(SenderHost):
         if s is None:
             self._pending.setdefault(msg["room"], {})[peer] = (target, self.clock())
             if self.on_request is not None:
-                later.append(functools.partial(self._call_on_request, msg["room"], 0 if target.dummy else len(kv)))
+                tokens = 0 if target.dummy else len(kv)
+                later.append(functools.partial(call_on_request, self.on_request, msg["room"], tokens))
         else:
             self._bind(s, target, later)
-
-    def _call_on_request(self, room: int, tokens: int) -> None:
-        try:
-            self.on_request(room, tokens)
-        except Exception:   # the engine's bug must not cost the channel thread
-            log.exception("on_request callback failed for room %s", room)
 
     def _bind(self, s: KVSender, t: Target, later) -> None:
         dp = self._peers.get(t.peer)
@@ -386,7 +379,7 @@ class PrefillEndpoint(SenderHost):
                     s.deadline = now + self.timeouts.transfer   # progress
         s.handles = pending
         if done:   # counted outside the endpoint lock
-            later.append(functools.partial(_count_transfers, self.transport.name, done))
+            later.append(functools.partial(count_transfers, self.transport.name, done))
         if not pending:
             self._busy.discard(s)
         confirmed = all(t.confirmed for t in s.targets.values())
@@ -424,6 +417,8 @@ class PrefillEndpoint(SenderHost):
 
     def on_peer_lost(self, peer: str, why: str) -> None:
         with self.guard() as later:
+            if peer in self._peers:
+                self._silent.add(peer)
             for room in list(self._pending):
                 self._pending[room].pop(peer, None)
             for s in list(self._senders.values()):

@@ -16,12 +16,16 @@ not write those slots again.
 from __future__ import annotations
 
 import abc
+import logging
 from collections.abc import Callable, Sequence
 
+from ..metrics import record_transfer
 from ..transport.base import TransferHandle
 from .aux import AuxRecord
 from .base import EndpointBase, KVPoll, Outcome, RequestBase
 from .chunks import Chunk, Target
+
+log = logging.getLogger("kvxfer.request")
 
 
 class SenderHost(EndpointBase):
@@ -79,4 +83,20 @@ def stalled(s: KVSender) -> str:
     return "no chunk was sent" if s.state == KVPoll.WaitingForInput else "the transfer made no progress"
 
 
-__all__ = ["KVSender", "SenderHost", "stalled"]
+
+def call_on_request(on_request: Callable[[int, int], None], room: int, tokens: int) -> None:
+    """The engine's ``on_request(room, tokens)``, outside the endpoint lock; its bug is logged,
+    never the channel thread's death."""
+    try:
+        on_request(room, tokens)
+    except Exception:
+        log.exception("on_request callback failed for room %s", room)
+
+
+def count_transfers(transport: str, done: list[tuple[int, int, float]]) -> None:
+    """Count reaped transfers (bytes, runs, seconds) in ``kvxfer.metrics``, outside the lock."""
+    for nbytes, runs, seconds in done:
+        record_transfer(transport, "send", nbytes, runs, seconds)
+
+
+__all__ = ["KVSender", "SenderHost", "stalled", "call_on_request", "count_transfers"]
