@@ -1,6 +1,8 @@
 """The data path at handshake: an unreachable one is refused at connect, naming the prefill rank
 and the data address (#17); a decode rank that handshakes again (a restart) has its earlier
-requests failed and its earlier data peer disconnected, so 50 restarts leave one data peer."""
+requests failed and its earlier data peer disconnected (a new epoch of the same peer at once, an
+earlier process once it is silent), so 50 restarts leave one data peer; a live rank is never cut
+off by another's HELLO."""
 from __future__ import annotations
 
 import time
@@ -10,7 +12,7 @@ import torch
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
-from kvxfer.control.handshake import DATA_PATH
+from kvxfer.control.handshake import DATA_PATH, hello
 from kvxfer.endpoint import AuxBuffer, DecodeEndpoint, KVPoll, Outcome, PrefillEndpoint, Timeouts
 from kvxfer.errors import ConnectError
 from kvxfer.pools import MHAPool
@@ -20,6 +22,8 @@ from kvxfer_transports.local import LocalTransport
 H, LAYERS, DIM, PAGE = 2, 2, 8, 4
 QUICK = Timeouts(bootstrap=10, waiting=10, transfer=10, lease=10, handshake=5,
                  heartbeat=Heartbeat(interval=0.5, timeout=5.0))
+FAST = Timeouts(bootstrap=10, waiting=10, transfer=10, lease=10, handshake=5,
+                heartbeat=Heartbeat(interval=0.1, timeout=0.5))   # a closed decode rank is silent in 0.5 s
 
 
 def _pool() -> MHAPool:
@@ -69,19 +73,19 @@ def server():
 POOLS: dict[int, MHAPool] = {}   # id(endpoint) -> the pool the test made it with
 
 
-def _prefill(server, transport) -> PrefillEndpoint:
+def _prefill(server, transport, timeouts: Timeouts = QUICK) -> PrefillEndpoint:
     pool = _pool()
     pe = PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=H, num_layers=LAYERS), pool, transport=transport,
-                         timeouts=QUICK)
+                         timeouts=timeouts)
     POOLS[id(pe)] = pool
     pe.register(server.url)
     return pe
 
 
-def _decode() -> DecodeEndpoint:
+def _decode(timeouts: Timeouts = QUICK) -> DecodeEndpoint:
     pool = _pool()
     de = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=H, num_layers=LAYERS), pool, aux=AuxBuffer(2),
-                        transport="local", timeouts=QUICK)
+                        transport="local", timeouts=timeouts)
     POOLS[id(de)] = pool
     return de
 
@@ -126,22 +130,33 @@ def _one_request(pe: PrefillEndpoint, de: DecodeEndpoint, room: int) -> None:
     assert sd.wait(10) == KVPoll.Success
 
 
+def _until(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def test_a_restarted_decode_rank_leaves_one_data_peer(server):
-    """50 restarts of one decode rank (each a new endpoint, a new data peer, a new HELLO): the
-    prefill transport holds one data peer throughout, and the last decode rank moves bytes exactly."""
+    """50 restarts of one decode rank (each a new endpoint, a new data peer, a new HELLO): each
+    earlier data peer is disconnected once its process is silent, so the prefill transport ends
+    with one data peer, and the last decode rank moves bytes exactly."""
     tx = Counting()
-    pe = _prefill(server, tx)
+    pe = _prefill(server, tx, FAST)
     de = None
     try:
-        for i in range(50):
-            de = _decode()
+        for _ in range(50):
+            if de is not None:
+                de.close()                    # the process ends; a new one starts, same rank
+            de = _decode(FAST)
             de.connect(bootstrap=server.url, timeout=10)
-            assert len(tx.live) == 1, f"restart {i}: {len(tx.live)} data peers"
-            if i < 49:
-                de.close()
-        assert tx.most <= 2      # the new peer is connected after the old one is let go
+        assert _until(lambda: len(tx.live) == 1, 5), f"{len(tx.live)} data peers after 50 restarts"
+        assert tx.most <= 25, f"{tx.most} data peers at once: earlier ones are not let go"
         assert de is not None
         _one_request(pe, de, room=3)
+        assert len(tx.live) == 1
     finally:
         if de is not None:
             de.close()
@@ -149,25 +164,69 @@ def test_a_restarted_decode_rank_leaves_one_data_peer(server):
         tx.close()
 
 
-def test_requests_of_the_old_handshake_fail_when_the_rank_handshakes_again(server):
-    pe = _prefill(server, Counting())
-    old = _decode()
-    new = None
+def _bound_sender(pe: PrefillEndpoint, de: DecodeEndpoint, room: int):
+    rc = de.receiver(room)
+    rc.init(POOLS[id(de)].allocator().alloc(5))
+    sd = pe.sender(room)
+    assert _until(lambda: sd.poll() != KVPoll.Bootstrapping, 5)
+    assert sd.poll() == KVPoll.WaitingForInput
+    return rc, sd
+
+
+def test_a_new_epoch_of_a_decode_peer_ends_its_earlier_requests(server):
+    """The same decode endpoint says HELLO again (as after it lost the prefill rank): what ran on
+    its earlier handshake fails at once, naming why; the new handshake moves bytes exactly."""
+    tx = Counting()
+    pe = _prefill(server, tx)
+    de = _decode()
     try:
-        old.connect(bootstrap=server.url, timeout=10)
-        rc = old.receiver(7)
-        rc.init(POOLS[id(old)].allocator().alloc(5))
-        sd = pe.sender(7)
-        deadline = time.monotonic() + 5
-        while sd.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert sd.poll() == KVPoll.WaitingForInput    # bound to the old handshake
-        new = _decode()                                # the same decode rank, restarted
-        new.connect(bootstrap=server.url, timeout=10)
+        de.connect(bootstrap=server.url, timeout=10)
+        rc, sd = _bound_sender(pe, de, 7)
+        hello(de.channel, "default/dp0/pp0/tp0", de.info, 5)
         assert sd.wait(5) == KVPoll.Failed and sd.outcome == Outcome.Failed
         assert "handshook again" in sd.reason and "default/dp0/pp0/tp0" in sd.reason
-        _one_request(pe, new, room=8)
+        assert rc.wait(5) == KVPoll.Failed
+        assert len(tx.live) == 1
+        _one_request(pe, de, room=8)
     finally:
-        for ep in (new, old, pe):
-            if ep is not None:
-                ep.close()
+        de.close()
+        pe.close()
+        tx.close()
+
+
+def test_another_hello_with_a_live_ranks_record_does_not_cut_it_off(server):
+    """A second process says HELLO with the record of a decode rank that still lives (heartbeats):
+    the live rank keeps its handshake, its request completes byte-exact."""
+    pe = _prefill(server, Counting())
+    de, other = _decode(), _decode()
+    try:
+        de.connect(bootstrap=server.url, timeout=10)
+        other.connect(bootstrap=server.url, timeout=10)    # the same rank key, another process
+        _one_request(pe, de, room=9)
+    finally:
+        for ep in (other, de, pe):
+            ep.close()
+
+
+def test_a_retired_peer_does_not_take_a_shared_data_peer_with_it(server):
+    """Two handshakes with one data peer (a HELLO that carried a live rank's record, then the
+    rank's own): when the earlier goes silent and is retired, the shared data peer stays."""
+    tx = Counting()
+    pe = _prefill(server, tx, FAST)
+    de, imp = _decode(FAST), _decode(FAST)
+    try:
+        imp.connect(bootstrap=server.url, timeout=10)
+        hello(imp.channel, "default/dp0/pp0/tp0", de.info, 5)    # imp speaks with de's data descriptor
+        de.connect(bootstrap=server.url, timeout=10)             # de's own HELLO: it is the rank's peer now
+        shared = de.transport.descriptor()["id"]
+        assert shared in tx.live
+        imp.close()                                              # silent, superseded: retired
+        assert _until(lambda: len(tx.live) == 1 and shared in tx.live and imp.transport.descriptor()["id"]
+                      not in tx.live, 5), tx.live
+        time.sleep(1.0)                                          # imp's retirement has run by now
+        assert shared in tx.live, "retiring imp disconnected de's data peer"
+        _one_request(pe, de, room=4)
+    finally:
+        for ep in (imp, de, pe):
+            ep.close()
+        tx.close()

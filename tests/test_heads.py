@@ -8,6 +8,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
@@ -65,6 +67,24 @@ def test_bad_maps_are_refused_naming_the_field(bad, why):
     assert why in str(e.value)
     with pytest.raises(ValueError, match=why):                # the same from a peer's record
         RankInfo.from_dict({**RankInfo(spec=spec("decode", 2, 0)).to_dict(), "head_map": bad})
+
+
+_ANY = st.recursive(st.none() | st.booleans() | st.integers(-5, 1 << 40) | st.floats() | st.text(max_size=4),
+                    lambda inner: st.lists(inner, max_size=6), max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(raw=_ANY, tp=st.integers(1, 8), heads=st.integers(1, 8))
+def test_any_map_from_a_peer_only_raises_value_error(raw, tp, heads):
+    d = {**RankInfo(spec=RankSpec(role="decode", num_kv_heads=8, num_layers=LAYERS)).to_dict(), "head_map": raw,
+         "tp_size": tp, "num_kv_heads": heads}
+    try:
+        info = RankInfo.from_dict(d)
+    except ValueError:
+        return
+    s = info.spec                                   # accepted: an explicit map is a valid placement
+    for r in range(s.tp_size if s.head_map is not None else 0):
+        assert len(s.heads_of(r)) == len(heads_held(s.num_kv_heads, s.tp_size, 0))
 
 
 def test_a_map_has_a_size_bound():

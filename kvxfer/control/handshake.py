@@ -73,7 +73,7 @@ def answer_hello(p_info: RankInfo, msg: Mapping, transport: str,
     except Exception as e:   # a record check_pair did not foresee: refuse it, never kill the thread
         log.warning("HELLO from %s: compatibility check failed on its record: %r", d_info.spec.key, e)
         why = [f"invalid rank record: {type(e).__name__}: {str(e)[:512]}"]
-    for other in group:
+    for other in group if not why else ():   # a record check_pair passed: its heads split
         conflict = head_map_mismatch(other.spec, d_info.spec)
         if conflict and other.spec.tp_rank != d_info.spec.tp_rank:
             why.append(conflict)

@@ -46,6 +46,7 @@ from ..transport.base import TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRecord
 from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
 from .chunks import Chunk, DecodePeer, Target, plan_chunk, request_slots
+from .peers import PeerTable
 from .sender import KVSender, SenderHost, call_on_request, count_transfers, stalled
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
@@ -80,9 +81,7 @@ class PrefillEndpoint(SenderHost):
         self.source = (spec.tp_rank, spec.pp_rank)
         self.on_request = on_request
         self._advertise = advertise
-        self._peers: dict[str, DecodePeer] = {}               # control peer -> its handshake
-        self._rank_peer: dict[str, str] = {}                  # decode rank key -> its control peer now
-        self._silent: set[str] = set()                        # decode peers lost (heartbeats) since their HELLO
+        self._peers = PeerTable()                             # decode peers (kvxfer.endpoint.peers)
         self._senders: dict[int, KVSender] = {}               # room -> live sender
         self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
         self._pending: dict[int, dict[str, tuple[Target, float]]] = {}   # REQs that came before the sender
@@ -173,10 +172,14 @@ class PrefillEndpoint(SenderHost):
 
     def _on_hello(self, peer: str, msg: dict) -> None:
         with self._lock:   # a silent peer (a restarted group's earlier rank) does not hold the group's map
-            others = [dp.info for key, dp in self._peers.items() if key != peer and key not in self._silent]
+            others = self._peers.group_records(peer)
         d_info, reply = answer_hello(self.info, msg, self.transport.name, others)
         if d_info is not None:
-            self._retire(d_info.spec.key, peer, f"decode rank {d_info.spec.key} handshook again (as {peer})")
+            rank = d_info.spec.key
+            with self._lock:   # a new epoch of this peer, or a silent earlier one of its rank: gone
+                stale = self._peers.stale(peer, rank)
+            for old in stale:
+                self._retire(old, f"decode rank {rank} handshook again (as {peer})", forget=old != peer)
             try:
                 dl = Layout.from_dict(d_info.layout)
                 sources = peer_sources(self.spec, d_info.spec)
@@ -188,10 +191,8 @@ class PrefillEndpoint(SenderHost):
                     raise ConnectError(f"{DATA_PATH}: prefill {self.spec.key} cannot reach decode {d_info.spec.key} "
                                        f"at its {self.transport.name} data address {describe(desc)}: {e}") from None
                 with self._lock:
-                    self._peers[peer] = DecodePeer(d_info, dl, xpeer, sources,
-                                                    expected_decode_ranks(self.spec, d_info.spec))
-                    self._rank_peer[d_info.spec.key] = peer
-                    self._silent.discard(peer)
+                    self._peers.add(peer, DecodePeer(d_info, dl, xpeer, sources,
+                                                     expected_decode_ranks(self.spec, d_info.spec)))
                 self.channel.watch(peer)
                 log.info("decode rank %s connected (%d source(s) from here)", peer, len(sources))
             except KeyError:
@@ -203,24 +204,26 @@ class PrefillEndpoint(SenderHost):
                 reply = {"t": "refuse", "re": msg["i"], "why": [f"prefill {self.spec.key}: {e}"[:MAX_WHY]]}
         self.channel.send(peer, reply)
 
-    def _retire(self, rank: str, peer: str, why: str) -> None:
-        """Channel thread: decode rank ``rank`` handshakes again as control peer ``peer`` (a restart,
-        a new epoch): the requests of its previous handshake fail, then its data peer is
-        disconnected (before the new connect, which may hand out the same peer key) and a
-        previous control peer forgotten. Without it every re-handshake leaks a data peer."""
+    def _retire(self, old: str, why: str, forget: bool = True) -> None:
+        """Channel thread: decode peer ``old`` is superseded (it handshook again, or it went silent
+        after its rank handshook again from a restarted process): its requests fail, then its data
+        peer is disconnected unless another handshake shares it (before a new connect, which may
+        hand out the same key), and its control state is forgotten. Without it every re-handshake
+        leaks a data peer. A live peer is never retired for another's HELLO (that would let anyone
+        who says HELLO with a rank's record cut that rank off)."""
         with self.guard() as later:
-            old = self._rank_peer.pop(rank, None)
-            dp = self._peers.pop(old, None) if old is not None else None
-            self._silent.discard(old or "")
+            dp = self._peers.pop(old)
             if dp is None:
                 return
             for room in list(self._pending):
                 self._pending[room].pop(old, None)
             for s in [s for s in self._senders.values() if any(t.peer == old for t in s.targets.values())]:
                 self.end_request(s, Outcome.Failed, why, later)
-        with self._xport_lock:
-            self.transport.disconnect(dp.xpeer)
-        if old != peer:
+            shared = self._peers.shares(dp.xpeer)
+        if not shared:
+            with self._xport_lock:
+                self.transport.disconnect(dp.xpeer)
+        if forget:
             self.channel.forget(old)
 
     def _on_req(self, peer: str, msg: dict, later) -> None:
@@ -343,7 +346,7 @@ class PrefillEndpoint(SenderHost):
     def _submit_to(self, s: KVSender, t: Target, c: Chunk) -> None:
         if t.dummy:
             return
-        dp = self._peers[t.peer]
+        dp = self._peers.peers[t.peer]
         plan = plan_chunk(c, t, next_pos=s.next_pos, token_space=self.token_space, hybrid=bool(self.swa_window),
                           kv_planners=self._planners_for(dp, c.layers, self.kv_kinds),
                           state_planners=self._planners_for(dp, None, self.state_kinds) if c.last else [])
@@ -417,13 +420,14 @@ class PrefillEndpoint(SenderHost):
 
     def on_peer_lost(self, peer: str, why: str) -> None:
         with self.guard() as later:
-            if peer in self._peers:
-                self._silent.add(peer)
+            superseded = self._peers.lost(peer)
             for room in list(self._pending):
                 self._pending[room].pop(peer, None)
             for s in list(self._senders.values()):
                 if any(t.peer == peer for t in s.targets.values()):
                     self.end_request(s, Outcome.Failed, f"decode rank {peer} {why}", later)
+        if superseded:   # its rank handshook again since: a restarted process, this one is gone
+            self._retire(peer, f"decode rank {peer} {why}")
 
     def _tick(self, now: float, later) -> float:
         for s in list(self._unready):
