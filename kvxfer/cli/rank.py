@@ -268,7 +268,7 @@ def _head_map(args, kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ...] 
     if args.layout.startswith("mla"):
         raise UsageError("--head-map with --layout mla: MLA's latent head is whole on every TP rank; drop --head-map")
     try:
-        rows = [[int(h) for h in row.split(",")] for row in args.head_map.split(";")]
+        rows = tuple(tuple(int(h) for h in row.split(",")) for row in args.head_map.split(";"))
         return RankSpec(role=args.role, num_kv_heads=kv_heads, num_layers=args.layers, tp_size=tp_size,
                         head_map=rows).head_map
     except ValueError as e:
