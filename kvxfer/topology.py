@@ -2,7 +2,11 @@
 
 Heads are global KV heads of the model. With ``tp`` ranks and ``H`` KV heads a rank
 holds ``H / tp`` heads when ``H >= tp``, else one head replicated on ``tp / H`` ranks
-(GQA with few KV heads). MLA KV is replicated on every rank.
+(GQA with few KV heads); by default in contiguous blocks (``heads_held``), or where the
+group's ``RankSpec.head_map`` says. Sources are matched by global head id: each head a
+decode rank holds comes from a prefill rank that holds it, slice by slice (one aligned slice
+per run of heads both sides hold in the same order, else one per head). MLA KV is
+replicated on every rank.
 
 ``sources_for_decode_rank`` answers "whom does my decode rank pull from"; every
 (decode rank, head) has exactly one source, so no byte is written twice.
