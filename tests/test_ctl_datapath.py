@@ -17,7 +17,9 @@ from kvxfer.endpoint import AuxBuffer, DecodeEndpoint, KVPoll, Outcome, PrefillE
 from kvxfer.errors import ConnectError
 from kvxfer.pools import MHAPool
 from kvxfer.ranks import RankSpec
+from kvxfer.transport.base import Transport
 from kvxfer_transports.local import LocalTransport
+from kvxfer_transports.zmq import ZMQTransport
 
 H, LAYERS, DIM, PAGE = 2, 2, 8, 4
 QUICK = Timeouts(bootstrap=10, waiting=10, transfer=10, lease=10, handshake=5,
@@ -44,23 +46,29 @@ class Garbled(LocalTransport):
         raise ValueError("descriptor field 'region_sizes' is not a list of sizes")
 
 
-class Counting(LocalTransport):
-    """The local transport, counting the data peers it holds (connected, not yet disconnected)."""
+def counting(base: type[Transport]) -> type[Transport]:
+    """``base``, counting the data peers it holds (connected, not yet disconnected)."""
 
-    def __init__(self, **options):
-        super().__init__(**options)
-        self.live: set[str] = set()
-        self.most = 0
+    class Counting(base):   # type: ignore[misc, valid-type]
+        def __init__(self, **options):
+            super().__init__(**options)
+            self.live: set[str] = set()
+            self.most = 0
 
-    def connect(self, descriptor: dict) -> str:
-        peer = super().connect(descriptor)
-        self.live.add(peer)
-        self.most = max(self.most, len(self.live))
-        return peer
+        def connect(self, descriptor: dict) -> str:
+            peer = super().connect(descriptor)
+            self.live.add(peer)
+            self.most = max(self.most, len(self.live))
+            return peer
 
-    def disconnect(self, peer: str) -> None:
-        super().disconnect(peer)
-        self.live.discard(peer)
+        def disconnect(self, peer: str) -> None:
+            super().disconnect(peer)
+            self.live.discard(peer)
+    return Counting
+
+
+Counting = counting(LocalTransport)
+TRANSPORTS = {"local": LocalTransport, "zmq": ZMQTransport}
 
 
 @pytest.fixture
@@ -82,10 +90,10 @@ def _prefill(server, transport, timeouts: Timeouts = QUICK) -> PrefillEndpoint:
     return pe
 
 
-def _decode(timeouts: Timeouts = QUICK) -> DecodeEndpoint:
+def _decode(timeouts: Timeouts = QUICK, transport: str = "local") -> DecodeEndpoint:
     pool = _pool()
     de = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=H, num_layers=LAYERS), pool, aux=AuxBuffer(2),
-                        transport="local", timeouts=timeouts)
+                        transport=transport, timeouts=timeouts)
     POOLS[id(de)] = pool
     return de
 
@@ -139,18 +147,19 @@ def _until(cond, timeout: float) -> bool:
     return True
 
 
-def test_a_restarted_decode_rank_leaves_one_data_peer(server):
+@pytest.mark.parametrize("name", ["local", "zmq"])
+def test_a_restarted_decode_rank_leaves_one_data_peer(server, name):
     """50 restarts of one decode rank (each a new endpoint, a new data peer, a new HELLO): each
     earlier data peer is disconnected once its process is silent, so the prefill transport ends
     with one data peer, and the last decode rank moves bytes exactly."""
-    tx = Counting()
+    tx = counting(TRANSPORTS[name])()
     pe = _prefill(server, tx, FAST)
     de = None
     try:
         for _ in range(50):
             if de is not None:
                 de.close()                    # the process ends; a new one starts, same rank
-            de = _decode(FAST)
+            de = _decode(FAST, name)
             de.connect(bootstrap=server.url, timeout=10)
         assert _until(lambda: len(tx.live) == 1, 5), f"{len(tx.live)} data peers after 50 restarts"
         assert tx.most <= 25, f"{tx.most} data peers at once: earlier ones are not let go"
