@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+
+from .errors import PlanError
 
 PROTOCOL = 2            # bumped when RankInfo or the control messages change shape (2: signed envelope)
 
@@ -21,6 +23,9 @@ MAX_PARALLEL = 1024     # setting: the largest tp/pp/dp size a record may claim 
 
 
 MAX_LAYOUT_ITEMS = 1 << 16   # setting: spaces + regions + parts of one layout record
+
+
+MAX_HEAD_IDS = 1 << 16       # setting: head ids in one explicit head map (a record's ``head_map``)
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
@@ -119,6 +124,57 @@ def _layout_leaf(where: str, name, x) -> None:
         raise ValueError(f"field {where!r} must be an integer, got {_short(x)}")
 
 
+def heads_held(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
+    """Global KV heads that ``tp_rank`` of ``tp_size`` holds by default: contiguous blocks of
+    ``num_kv_heads / tp_size``, or one head replicated on ``tp_size / num_kv_heads`` ranks."""
+    if num_kv_heads >= tp_size:
+        if num_kv_heads % tp_size:
+            raise PlanError(f"KV heads {num_kv_heads} are not divisible by TP size {tp_size}")
+        n = num_kv_heads // tp_size
+        return range(tp_rank * n, (tp_rank + 1) * n)
+    if tp_size % num_kv_heads:
+        raise PlanError(f"TP size {tp_size} is not a multiple of KV heads {num_kv_heads}")
+    h = tp_rank * num_kv_heads // tp_size
+    return range(h, h + 1)
+
+
+def _check_head_map(raw, num_kv_heads: int, tp_size: int, replicated: bool) -> tuple[tuple[int, ...], ...] | None:
+    """An explicit head map, checked: one list of global head ids per TP rank of the group, as
+    many per rank as the default split gives, each id in range and once per rank, every head
+    held by the same number of ranks. None when it equals the default (the wire stays as before)."""
+    if not isinstance(raw, (list, tuple)) or len(raw) != tp_size:
+        raise ValueError(f"head_map must be a list of {tp_size} lists (one per TP rank), got {_short(raw)}")
+    if replicated:
+        raise ValueError("head_map: replicated KV (MLA) is whole on every TP rank; it has no head placement")
+    try:
+        per = len(heads_held(num_kv_heads, tp_size, 0))
+    except PlanError as e:
+        raise ValueError(f"head_map: {e}") from None
+    if per * tp_size > MAX_HEAD_IDS:
+        raise ValueError(f"head_map: more than {MAX_HEAD_IDS} head ids")
+    out, count = [], [0] * num_kv_heads
+    for r, row in enumerate(raw):
+        if not isinstance(row, (list, tuple)) or len(row) != per:
+            raise ValueError(f"head_map[{r}] must list {per} head id(s) (TP {tp_size}, {num_kv_heads} KV heads), "
+                             f"got {_short(row)}")
+        for h in row:
+            if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < num_kv_heads:
+                raise ValueError(f"head_map[{r}]: head ids must be integers in 0..{num_kv_heads - 1}, got {_short(h)}")
+        if len(set(row)) != per:
+            raise ValueError(f"head_map[{r}] names a head twice: {_short(list(row))}")
+        for h in row:
+            count[h] += 1
+        out.append(tuple(row))
+    share = per * tp_size // num_kv_heads    # how many ranks hold each head
+    uneven = [h for h, c in enumerate(count) if c != share]
+    if uneven:
+        h = uneven[0]
+        raise ValueError(f"head_map: head {h} is held by {count[h]} TP rank(s), every head must be held by {share}")
+    if all(tuple(heads_held(num_kv_heads, tp_size, r)) == row for r, row in enumerate(out)):
+        return None
+    return tuple(out)
+
+
 # ------------------------------------------------------------------------------------
 # Plain-data records
 # ------------------------------------------------------------------------------------
@@ -136,6 +192,9 @@ class RankSpec:
     dp_rank: int = 0
     dp_size: int = 1
     replicated: bool = False    # KV identical on every TP rank (MLA): one source per head
+    # The global KV heads of each TP rank of this rank's group, in the order of its pool's local
+    # heads; None: the default (``heads_held``). Every rank of a TP group gives the same map.
+    head_map: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
         d = asdict(self)
@@ -150,6 +209,29 @@ class RankSpec:
         _int(d, "num_layers", 1, 1 << 20)
         if not isinstance(self.replicated, bool):
             raise ValueError(f"replicated must be a bool, got {_short(self.replicated)}")
+        if self.head_map is not None:
+            object.__setattr__(self, "head_map",
+                               _check_head_map(self.head_map, self.num_kv_heads, self.tp_size, self.replicated))
+
+    def heads_of(self, tp_rank: int) -> Sequence[int]:
+        """The global KV heads TP rank ``tp_rank`` of this rank's group holds, in local order."""
+        if self.head_map is not None:
+            return self.head_map[tp_rank]
+        return heads_held(self.num_kv_heads, self.tp_size, tp_rank)
+
+    @property
+    def heads(self) -> Sequence[int]:
+        """The global KV heads this rank holds, in the order of its pool's local heads."""
+        return self.heads_of(self.tp_rank)
+
+    def to_dict(self) -> dict:
+        """Plain data; ``head_map`` only when explicit (a default record has the old shape)."""
+        d = asdict(self)
+        if self.head_map is None:
+            del d["head_map"]
+        else:
+            d["head_map"] = [list(row) for row in self.head_map]
+        return d
 
     @property
     def key(self) -> str:
@@ -168,7 +250,7 @@ class RankInfo:
     protocol: int = PROTOCOL
 
     def to_dict(self) -> dict:
-        return {**asdict(self.spec), "control": self.control, "data": {k: dict(v) for k, v in self.data.items()},
+        return {**self.spec.to_dict(), "control": self.control, "data": {k: dict(v) for k, v in self.data.items()},
                 "layout": dict(self.layout), "aux_bytes": self.aux_bytes, "protocol": self.protocol}
 
     @classmethod

@@ -174,3 +174,58 @@ def test_cli_serves_until_sigterm():
         os.kill(proc.pid, signal.SIGTERM)
         proc.join(10)
     assert proc.exitcode == 0
+
+
+def _dead_address() -> str:
+    """A control address nothing listens on: connections to it are refused."""
+    return f"tcp://127.0.0.1:{_free_port()}"
+
+
+def _topology_controls(url: str) -> list[str]:
+    return [r.control for r in BootstrapClient(url).topology()[1]]
+
+
+def test_a_restarted_rank_takes_over_a_gone_predecessor(server):
+    """Silent for takeover_silence and nothing listens at its control address: the key goes to the
+    new owner at once, long before the ttl; not while the predecessor heartbeats recently."""
+    s = server(ttl=30.0, takeover_silence=0.3)
+    old = RankInfo.from_dict({**rank(0, tp_size=1).to_dict(), "control": _dead_address()})
+    new = RankInfo.from_dict({**rank(0, tp_size=1).to_dict(), "control": "tcp://127.0.0.1:5999"})
+    c = BootstrapClient(s.url)
+    c.register(old, "a" * 32)
+    with pytest.raises(ConnectError, match="HTTP 409"):   # heartbeat fresh: not provably gone
+        c.register(new, "b" * 32)
+    time.sleep(0.4)
+    t0 = time.monotonic()
+    assert c.register(new, "b" * 32) == "default/dp0/pp0/tp0"
+    assert time.monotonic() - t0 < 5
+    assert _topology_controls(s.url) == ["tcp://127.0.0.1:5999"]
+    assert not c.heartbeat("default/dp0/pp0/tp0", "a" * 32)   # the predecessor's owner lost it
+
+
+def test_a_listening_predecessor_is_never_taken_over(server):
+    s = server(ttl=30.0, takeover_silence=0.1)
+    with socket.socket() as live:
+        live.bind(("127.0.0.1", 0))
+        live.listen()
+        address = f"tcp://127.0.0.1:{live.getsockname()[1]}"
+        c = BootstrapClient(s.url)
+        c.register(RankInfo.from_dict({**rank(0, tp_size=1).to_dict(), "control": address}), "a" * 32)
+        time.sleep(0.3)                                   # silent, but it listens: live
+        with pytest.raises(ConnectError, match="HTTP 409"):
+            c.register(rank(0, tp_size=1), "b" * 32)
+        assert _topology_controls(s.url) == [address]
+
+
+def test_registration_start_takes_over_well_before_the_ttl(server):
+    s = server(ttl=4.0)                                   # takeover after ttl / 2 of silence
+    c = BootstrapClient(s.url)
+    c.register(RankInfo.from_dict({**rank(0, tp_size=1).to_dict(), "control": _dead_address()}), "a" * 32)
+    t0 = time.monotonic()
+    reg = Registration(c, rank(0, tp_size=1), ttl=4.0).start()   # the restarted rank
+    try:
+        took = time.monotonic() - t0
+        assert took < 3.5, f"took {took:.1f}s: waited for the ttl instead of taking over"
+        assert _topology_controls(s.url) == [rank(0, tp_size=1).control]
+    finally:
+        reg.stop()

@@ -111,6 +111,45 @@ def test_fill_then_verify_across_layouts():
     assert bad and first.startswith("layer 0 k head 0 token 0")
 
 
+def test_head_map_flag_is_the_rank_specs():
+    c = config("--role", "decode", "--kv-heads", "4", "--tp-size", "2", "--head-map", "3,1;0,2")
+    assert c.head_map == ((3, 1), (0, 2))
+    assert config("--role", "decode", "--kv-heads", "4", "--tp-size", "2", "--head-map", "0,1;2,3").head_map is None
+    for bad, words in (("0,1;1,2", "head 1 is held by 2"), ("0,1", "list of 2 lists"), ("a,b;c,d", "--head-map")):
+        with pytest.raises(cli.UsageError, match=words):
+            config("--role", "decode", "--kv-heads", "4", "--tp-size", "2", "--head-map", bad)
+    with pytest.raises(cli.UsageError, match="drop --head-map"):
+        config("--role", "decode", "--layout", "mla", "--head-map", "0")
+
+
+def test_a_rank_with_a_head_map_moves_the_heads_it_names():
+    """In process: prefill TP 2 (contiguous) -> decode rank 0 of TP 2 holding heads 2, 3 (the
+    other block: --head-map '2,3;0,1'); its self-test verifies each head's pattern byte for byte."""
+    from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+    server = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    flags = ["--bootstrap", server.url, "--kv-heads", "4", "--head-dim", "16", "--layers", "2", "--pages", "32",
+             "--page-size", "4", "--tp-size", "2", "--seed", "6"]
+    ranks = []
+    try:
+        for r in (0, 1):
+            p = serve.Rank(cli.resolve(cli.parser().parse_args([*flags, "--role", "prefill", "--tp-rank", str(r),
+                                                                "--layout", "page_major"]), {}))
+            ranks.append(p)
+            p.start()
+        d = serve.Rank(cli.resolve(cli.parser().parse_args([*flags, "--role", "decode", "--tp-rank", "0",
+                                                            "--head-map", "2,3;0,1"]), {}))
+        ranks.append(d)
+        assert d.heads == [2, 3]
+        d.start()
+        res = d.selftest(2, 10, 5, 20)
+        assert res["ok"] and all(v["verified"] for v in res["requests"].values()), res
+        assert res["nbytes"] == 2 * 10 * 2 * 2 * 2 * 16 * 2   # requests x tokens x layers x K,V x heads x dim x bf16
+    finally:
+        for rk in reversed(ranks):
+            rk.close()
+        server.stop()
+
+
 # ------------------------------------------------------------------------------------
 # Slow: real processes
 # ------------------------------------------------------------------------------------

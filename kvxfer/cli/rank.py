@@ -90,6 +90,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--layout", choices=LAYOUTS, default="token_major")
     p.add_argument("--layers", type=int, default=2, help="global layers (a PP stage holds its share)")
     p.add_argument("--kv-heads", type=int, default=None, help="global KV heads (default 8; MLA: 1)")
+    p.add_argument("--head-map", default=None, metavar="HEADS",
+                   help="global KV heads of every TP rank, in pool order, e.g. '3,1;0,2' (default: contiguous blocks)")
     p.add_argument("--head-dim", type=int, default=None, help="head dimension (default 128; not for MLA)")
     p.add_argument("--kv-lora-rank", type=int, default=512, help="MLA latent width")
     p.add_argument("--rope-dim", type=int, default=64, help="MLA rope width")
@@ -221,6 +223,7 @@ def resolve(args, env: Mapping[str, str] | None = None) -> RankConfig:
             raise UsageError(f"--kv-heads {h} and --tp-size {place['tp_size']}: each rank must hold whole heads; "
                              f"use a TP size that divides {h} or is a multiple of it ({', '.join(map(str, fits))}, "
                              f"...)") from None
+    head_map = None if args.head_map is None else _head_map(args, shape["kv_heads"], place["tp_size"])
     if args.pp_size and args.pp_size > args.layers:
         raise UsageError(f"--pp-size {args.pp_size} is more than --layers {args.layers}: every stage needs a layer")
     if args.check and (args.selftest or args.serve):
@@ -256,7 +259,21 @@ def resolve(args, env: Mapping[str, str] | None = None) -> RankConfig:
                       metrics_port=None if args.metrics_port is None else bump(args.metrics_port),
                       timeouts=tuple(args.timeouts), heartbeat=tuple(args.heartbeat), seed=args.seed,
                       check=args.check, selftest=args.selftest, tokens=args.tokens, room=args.room,
-                      serve=args.serve, connect_timeout=args.connect_timeout)
+                      serve=args.serve, connect_timeout=args.connect_timeout, head_map=head_map)
+
+
+def _head_map(args, kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ...] | None:
+    """``--head-map '3,1;0,2'``: the rows of ``RankSpec.head_map``, checked by it (None: the default)."""
+    from ..ranks import RankSpec
+    if args.layout.startswith("mla"):
+        raise UsageError("--head-map with --layout mla: MLA's latent head is whole on every TP rank; drop --head-map")
+    try:
+        rows = tuple(tuple(int(h) for h in row.split(",")) for row in args.head_map.split(";"))
+        return RankSpec(role=args.role, num_kv_heads=kv_heads, num_layers=args.layers, tp_size=tp_size,
+                        head_map=rows).head_map
+    except ValueError as e:
+        raise UsageError(f"--head-map {args.head_map!r}: {e} (one ';'-separated row of ','-separated global head "
+                         f"ids per TP rank, the same on every rank of the group)") from None
 
 
 # ------------------------------------------------------------------------------------

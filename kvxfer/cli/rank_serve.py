@@ -76,6 +76,7 @@ class RankConfig:
     room: int
     serve: str | None
     connect_timeout: float
+    head_map: tuple[tuple[int, ...], ...] | None = None   # RankSpec.head_map (--head-map); None: contiguous
 
     @property
     def mla(self) -> bool:
@@ -149,13 +150,13 @@ class Rank:
     def __init__(self, cfg: RankConfig):
         from ..pools import KVPool, MHAPool, MLAPool, PageAllocator
         from ..ranks import RankSpec
-        from ..topology import heads_held, stage_layers
+        from ..topology import stage_layers
         self.cfg = cfg
         self.spec = RankSpec(role=cfg.role, num_kv_heads=cfg.kv_heads, num_layers=cfg.layers, instance=cfg.instance,
                              tp_rank=cfg.tp_rank, tp_size=cfg.tp_size, pp_rank=cfg.pp_rank, pp_size=cfg.pp_size,
-                             dp_rank=cfg.dp_rank, dp_size=cfg.dp_size, replicated=cfg.mla)
+                             dp_rank=cfg.dp_rank, dp_size=cfg.dp_size, replicated=cfg.mla, head_map=cfg.head_map)
         layers = list(stage_layers(cfg.layers, cfg.pp_size, cfg.pp_rank))
-        self.heads = [0] if cfg.mla else list(heads_held(cfg.kv_heads, cfg.tp_size, cfg.tp_rank))
+        self.heads = [0] if cfg.mla else list(self.spec.heads)   # global heads, in the pool's order
         self.pool: KVPool
         if cfg.mla:
             self.pool = MLAPool(layers=layers, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.rope_dim, dtype=cfg.dtype,

@@ -74,16 +74,40 @@ class BootstrapConfig:
     max_connections: int = 256        # open connections; more are closed at once
     header_timeout: float = 5.0       # seconds from connect to the end of the request headers
     body_timeout: float = 10.0        # seconds to read the body
+    # A restarted rank takes its key over from a predecessor silent this long (None: ttl / 2, longer
+    # than a live rank's default heartbeat period ttl / 3) whose control address refuses connections.
+    takeover_silence: float | None = None
+    probe_timeout: float = 1.0        # seconds to wait for that control address to answer or refuse
 
     def __post_init__(self):
         if self.ttl <= 0:
             raise ValueError(f"ttl must be > 0 seconds, got {self.ttl}")
         if self.expect is not None and self.expect < 1:
             raise ValueError(f"expect must be >= 1 ranks, got {self.expect}")
+        if self.takeover_silence is not None and self.takeover_silence < 0:
+            raise ValueError(f"takeover_silence must be >= 0 seconds, got {self.takeover_silence}")
         for name in ("max_ranks", "max_record", "max_total_bytes", "max_connections", "header_timeout",
-                     "body_timeout"):
+                     "body_timeout", "probe_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+async def refuses(address: str, timeout: float) -> bool:
+    """True when a connection to control ``address`` is refused: nothing listens there. False when
+    it connects, or times out, or the network says anything else (a silent host is not a gone one)."""
+    try:
+        kind, host, port = split_address(address)
+        if kind == "ipc":
+            opened = asyncio.open_unix_connection(host)
+        else:
+            opened = asyncio.open_connection(host.strip("[]"), port)
+        _, writer = await asyncio.wait_for(opened, timeout)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except (OSError, ValueError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return False
 
 
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
@@ -263,12 +287,27 @@ class BootstrapServer:
         except ValueError as e:
             raise _bad(str(e)) from None
         self._reachable(request, info)
+        gone = await self._predecessor_gone(info, owner)
         try:
-            key = self.registry.register(info, time.monotonic(), owner, size)
+            key = self.registry.register(info, time.monotonic(), owner, size, replace_owner=gone)
         except RegistryError as e:
             raise _error(_STATUS.get(e.status, web.HTTPConflict), str(e)) from None
         log.info("registered %s (control %s)", key, info.control)
         return web.json_response({"key": key})
+
+    async def _predecessor_gone(self, info: RankInfo, owner: str) -> str | None:
+        """The owner of another owner's registration of ``info``'s key when it is provably gone: no
+        heartbeat for ``takeover_silence`` and its control address refuses connections (nothing
+        listens there). A live rank heartbeats more often and listens: it is never replaced."""
+        prev = self.registry.holder(info.spec.key, time.monotonic())
+        if prev is None or prev[2] == owner:
+            return None
+        silence = self.config.ttl / 2 if self.config.takeover_silence is None else self.config.takeover_silence
+        if prev[1] < silence or not await refuses(prev[0].control, self.config.probe_timeout):
+            return None
+        log.warning("%s: its registration (control %s) was silent %.1fs and its control address refuses "
+                    "connections: a restarted rank takes the key over", info.spec.key, prev[0].control, prev[1])
+        return prev[2]
 
     async def _heartbeat(self, request: web.Request) -> web.Response:
         body, _ = await self._body(request)

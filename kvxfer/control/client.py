@@ -111,8 +111,17 @@ class BootstrapClient:
 class Registration:
     """A prefill rank's registration, kept alive by heartbeats from a daemon thread. It owns its
     key (a random ``owner`` token sent with every write): another process cannot replace or
-    delete it while it lives. ``start`` waits up to ``ttl`` for a predecessor's registration of
-    the same key to expire (a restarted rank), then fails loudly."""
+    delete it while it lives. ``start`` waits up to 1.5 x ``ttl`` for a predecessor's registration
+    of the same key (a restarted rank) to go, then fails loudly.
+
+    The registry hands the key over before the predecessor's registration expires once that
+    predecessor is provably gone: silent for ``BootstrapConfig.takeover_silence`` (ttl / 2: a live
+    rank heartbeats every ttl / 3) and its control address refuses connections (nothing listens
+    there). Not at once, and not on refusal alone: a rank may heartbeat while its control port
+    refuses the registry (starting up, or a firewall rejecting the registry's host), and telling
+    two processes apart at one address would take a signed identity probe on the control channel
+    that the registry does not speak. A predecessor that still listens (a live rank, or this
+    restarted rank on the same fixed port) is never replaced early: the key then expires at ttl."""
 
     def __init__(self, client: BootstrapClient, info: RankInfo, interval: float | None = None, ttl: float = 10.0):
         self.client, self.info, self.ttl = client, info, ttl

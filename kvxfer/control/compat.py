@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from ..errors import CompatibilityError, LayoutError, PlanError
 from ..layout import SWA, Layout, is_hybrid
 from ..plan import Planner
-from ..ranks import RankInfo
+from ..ranks import RankInfo, RankSpec
 from ..topology import heads_held, peer_sources, stage_layers
 from .messages import MAX_WINDOW  # one bound for the wire and the record
 
@@ -162,6 +162,37 @@ def check_pair(p: RankInfo, d: RankInfo, transport: str | None = None) -> list[s
             Planner(pl, dl, src_heads=src.src_heads, dst_heads=src.dst_heads, layers=src.layers)
         except PlanError as e:
             out.append(f"P {ps.key} -> D tp{ds.tp_rank}: {e}")
+    return out
+
+
+def head_map_mismatch(a: RankSpec, b: RankSpec) -> str | None:
+    """Why ranks ``a`` and ``b`` of one TP group (same role, instance and DP rank) cannot both be
+    right about where the group's heads are (``RankSpec.head_map``), naming both ranks and both
+    assignments; None when they agree or are not of one group. O(heads)."""
+    if (a.role, a.instance, a.dp_rank, a.tp_size, a.num_kv_heads) != (b.role, b.instance, b.dp_rank, b.tp_size,
+                                                                        b.num_kv_heads) or a.head_map == b.head_map:
+        return None
+    side = "P" if a.role == "prefill" else "D"
+    for r in range(a.tp_size):
+        ha, hb = list(a.heads_of(r)), list(b.heads_of(r))
+        if ha != hb:
+            return (f"head placement: {side} {a.key} holds heads {list(a.heads)} and says TP rank {r} holds {ha}, but "
+                    f"{side} {b.key} holds {list(b.heads)} and says TP rank {r} holds {hb}: every rank of a TP group "
+                    f"must give the same head_map")
+    return None
+
+
+def check_group(ranks: Sequence[RankInfo]) -> list[str]:
+    """Ranks of one TP group that disagree on its head placement (each against the first of its
+    group, so O(ranks x heads)); [] when every group agrees."""
+    first: dict[tuple, RankInfo] = {}
+    out: list[str] = []
+    for info in ranks:
+        s = info.spec
+        ref = first.setdefault((s.role, s.instance, s.dp_rank), info)   # every stage too
+        why = head_map_mismatch(ref.spec, s)
+        if why:
+            out.append(why)
     return out
 
 

@@ -9,15 +9,28 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from ..errors import CompatibilityError, ConnectError
 from ..ranks import RankInfo
 from .channel import ControlChannel
-from .compat import check_pair
+from .compat import check_pair, head_map_mismatch
 from .messages import MAX_WHY, MAX_WHYS
 
 log = logging.getLogger("kvxfer.control")
+
+# A refusal that starts so says the data path is unreachable: ``hello`` raises ConnectError.
+DATA_PATH = "data path unreachable"
+
+
+def describe(descriptor) -> str:
+    """A peer's transport descriptor in a few words for a message: its address, or the record."""
+    if isinstance(descriptor, Mapping):
+        for k in ("endpoint", "address", "addr"):
+            if isinstance(descriptor.get(k), str):
+                return descriptor[k][:256]
+    r = repr(descriptor)
+    return r if len(r) <= 200 else r[:197] + "..."
 
 
 # ------------------------------------------------------------------------------------
@@ -28,7 +41,8 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float) 
     reply = channel.call(peer, {"t": "hello", "info": d_info.to_dict(), "nonce": os.urandom(16)}, timeout)
     if reply["t"] == "refuse":
         why = [str(w)[:1024] for w in reply["why"]]
-        if any(w.startswith(("authentication", "addressed to", "sender identity", "bad envelope")) for w in why):
+        if any(w.startswith(("authentication", "addressed to", "sender identity", "bad envelope", DATA_PATH))
+               for w in why):
             raise ConnectError(f"prefill rank {peer} refused the handshake: {'; '.join(why)}")
         raise CompatibilityError(why)
     if reply["t"] != "welcome":
@@ -43,8 +57,11 @@ def _refuse(i: int, why: list[str]) -> dict:
     return {"t": "refuse", "re": i, "why": [w[:MAX_WHY] for w in why[:MAX_WHYS]] or ["refused"]}
 
 
-def answer_hello(p_info: RankInfo, msg: Mapping, transport: str) -> tuple[RankInfo | None, dict]:
-    """Prefill side: (decode RankInfo or None, the reply to send). Never raises on peer input."""
+def answer_hello(p_info: RankInfo, msg: Mapping, transport: str,
+                 group: Sequence[RankInfo] = ()) -> tuple[RankInfo | None, dict]:
+    """Prefill side: (decode RankInfo or None, the reply to send). Never raises on peer input.
+    ``group``: the decode ranks connected already; one of the peer's TP group that places the
+    group's heads otherwise (``RankSpec.head_map``) is a refusal naming both."""
     try:
         d_info = RankInfo.from_dict(msg["info"])
     except ValueError as e:
@@ -56,6 +73,11 @@ def answer_hello(p_info: RankInfo, msg: Mapping, transport: str) -> tuple[RankIn
     except Exception as e:   # a record check_pair did not foresee: refuse it, never kill the thread
         log.warning("HELLO from %s: compatibility check failed on its record: %r", d_info.spec.key, e)
         why = [f"invalid rank record: {type(e).__name__}: {str(e)[:512]}"]
+    for other in group if not why else ():   # a record check_pair passed: its heads split
+        conflict = head_map_mismatch(other.spec, d_info.spec)
+        if conflict and other.spec.tp_rank != d_info.spec.tp_rank:
+            why.append(conflict)
+            break
     if why:
         return None, _refuse(msg["i"], why)
     return d_info, {"t": "welcome", "re": msg["i"], "info": p_info.to_dict()}

@@ -9,7 +9,9 @@ keys are ever listed).
 Ownership: the first registrant of a key owns it (``owner``: a random token the client's
 ``Registration`` sends with every write, never returned by a read). While that registration
 lives, a PUT, heartbeat or DELETE of the key with another owner is refused; once it expired
-(no heartbeat for ``ttl``) anyone may register the key.
+(no heartbeat for ``ttl``) anyone may register the key. A restarted rank may take the key over
+sooner when its predecessor is provably gone: ``BootstrapServer`` decides that (silent and its
+control address refuses connections) and passes ``replace_owner``.
 """
 from __future__ import annotations
 
@@ -73,9 +75,17 @@ class Registry:
             self._drop(k)
         return gone
 
-    def register(self, info: RankInfo, now: float, owner: str = "", size: int = 0) -> str:
+    def holder(self, key: str, now: float) -> tuple[RankInfo, float, str] | None:
+        """The live registration of ``key``: (record, seconds since its last heartbeat, owner)."""
+        self.expire(now)
+        rec = self._ranks.get(key)
+        return None if rec is None else (rec[0], now - rec[1], rec[2])
+
+    def register(self, info: RankInfo, now: float, owner: str = "", size: int = 0,
+                 replace_owner: str | None = None) -> str:
         """Add or replace (same owner) a registration; RegistryError 409 when sizes disagree with
-        the instance or another owner holds the key, 413/507 past the caps."""
+        the instance or another owner holds the key, 413/507 past the caps. ``replace_owner``: the
+        owner of a predecessor shown to be gone, whose registration this one may replace."""
         self.expire(now)
         s = info.spec
         n = s.tp_size * s.pp_size * s.dp_size
@@ -83,7 +93,7 @@ class Registry:
             raise RegistryError(400, f"{s.key} claims {s.tp_size}x{s.pp_size}x{s.dp_size} = {n} ranks, more than "
                                      f"this registry holds (max_ranks {self.max_ranks})")
         old = self._ranks.get(s.key)
-        if old is not None and old[2] != owner:
+        if old is not None and old[2] != owner and (replace_owner is None or old[2] != replace_owner):
             raise RegistryError(409, f"{s.key} is registered by another owner (a live rank heartbeats it); it can "
                                      f"be registered again {self.ttl:g}s after that rank stops")
         for other, _, _, _ in self._ranks.values():

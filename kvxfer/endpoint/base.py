@@ -107,7 +107,6 @@ from ..layout import SWA, Layout, combine_layouts
 from ..plan import Planner
 from ..pools import KVPool
 from ..ranks import WILDCARDS, RankInfo, RankSpec, split_address
-from ..topology import heads_held
 from ..transport.base import Transport
 from ..transport.registry import get_transport
 from .aux import AUX_MIN_BYTES
@@ -315,16 +314,22 @@ def _swa_window(kv: KVPool) -> int:
 
 
 def _check_heads(spec: RankSpec, kv: KVPool) -> None:
-    """The KV pool holds as many heads as this rank's share (``heads_held``), or says so in words."""
-    held = heads_held(spec.num_kv_heads, spec.tp_size, spec.tp_rank)
+    """The KV pool holds as many heads as this rank's share (``spec.heads``), or says so in words."""
+    held = list(spec.heads)
     want = spec.num_kv_heads if spec.replicated else len(held)
     wrong = sorted({p.heads for p in kv.layout.parts if p.heads != want})
     if wrong:
-        which = "every head" if spec.replicated else f"heads {held.start}..{held.stop - 1}"
+        which = "every head" if spec.replicated else f"heads {_span(held)}"
         raise LayoutError(
             f"the KV pool of {spec.role} rank {spec.key} holds {wrong[0]} heads per layer, but TP rank "
             f"{spec.tp_rank} of {spec.tp_size} with {spec.num_kv_heads} KV heads holds {want} ({which}): "
             f"make the pool with heads=len(kvxfer.heads_held({spec.num_kv_heads}, {spec.tp_size}, {spec.tp_rank}))")
+
+
+def _span(heads: list[int]) -> str:
+    if heads == list(range(heads[0], heads[-1] + 1)):
+        return f"{heads[0]}..{heads[-1]}"
+    return str(heads) if len(heads) <= 16 else f"{heads[:16]}..."
 
 
 class EndpointBase(abc.ABC):

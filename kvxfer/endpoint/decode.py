@@ -1,4 +1,5 @@
-"""Decode side: ``DecodeEndpoint`` (one per decode rank) and ``KVReceiver`` (one per request).
+"""Decode side: ``DecodeEndpoint`` (one per decode rank) and ``KVReceiver`` (one per request; its
+record and the checks a chunk passes live in ``kvxfer.endpoint.receiver``).
 
 Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
     start-up, once, blocking: ``DecodeEndpoint(spec, kv_pool, aux=...)``; ``connect(bootstrap=url,
@@ -37,7 +38,7 @@ import torch
 
 from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient
-from ..control.compat import require_compatible
+from ..control.compat import check_group, require_compatible
 from ..control.handshake import hello
 from ..control.messages import CAP_BYTES
 from ..control.wire import ChunkMeta
@@ -48,79 +49,17 @@ from ..metrics import record_request_end
 from ..plan import Planner
 from ..pools import KVPool
 from ..ranks import RankInfo, RankSpec
-from ..topology import aux_source, peers_needed
+from ..topology import peers_needed
 from ..transport.base import Arrival, Transport
-from .aux import AUX_BYTES, AuxBuffer, AuxRecord
-from .base import END_STATES, Clock, EndpointBase, KVPoll, Outcome, RequestBase, Timeouts, check_reachable
+from .aux import AUX_BYTES, AuxBuffer
+from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
+from .receiver import KVReceiver, ReceiverHost, check_one_instance, chunk_problem
 from .recovery import REJOIN_HELLO, PeerRecovery
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
 
-class _Progress:
-    """What one prefill source of one receiver has delivered. ``expected``: the bytes decode
-    granted that source (computed at ``init`` from decode's own layout, never from what prefill
-    declares; -1 before ``init``); the source is complete only when exactly that many landed."""
-    __slots__ = ("chunks", "nbytes", "total", "total_bytes", "expected")
-
-    def __init__(self) -> None:
-        self.chunks: set[int] = set()
-        self.nbytes, self.total, self.total_bytes, self.expected = 0, -1, -1, -1
-
-    def complete(self) -> bool:
-        return (self.expected >= 0 and self.total >= 0 and len(self.chunks) == self.total
-                and self.nbytes == self.expected == self.total_bytes)
-
-
-def _check_one_instance(ranks: Sequence[RankInfo]) -> None:
-    """ConnectError listing the prefill instances when ``ranks`` holds more than one."""
-    names = sorted({r.spec.instance for r in ranks if r.spec.role == "prefill"})
-    if len(names) > 1:
-        raise ConnectError(f"several prefill instances are registered ({', '.join(names)}): pass "
-                           f"connect(instance=...) to say which one this decode rank pulls from")
-
-
-class KVReceiver(RequestBase):
-    """One request on a decode rank; made by ``DecodeEndpoint.receiver`` (see the module docstring).
-
-    Success only when every source (prefill rank x stage x head slice, per ``kvxfer.topology``)
-    delivered all its chunks and exactly the bytes ``init`` granted it (counted from decode's own
-    layout; a source declaring another total fails the request), and the aux record if one was
-    asked for. Besides ``RequestBase``'s
-    attributes: ``gen``, ``request_id`` (``f"{room}.{gen}"``, the transport's name for it),
-    ``granted`` (``init`` ran), ``aux_slot`` and ``aux`` (the ``AuxRecord`` that arrived, None
-    before), ``acked`` (the prefill ranks that acknowledged)."""
-    endpoint: "DecodeEndpoint"
-    __slots__ = ("gen", "request_id", "contacts", "peer_of", "progress", "acked", "aux_slot", "aux", "aux_from",
-                 "granted")
-
-    def __init__(self, ep: "DecodeEndpoint", room: int, gen: int, contacts: dict[str, list],
-                 on_release: Callable[[Outcome], None] | None):
-        super().__init__(ep, room, ep.clock() + ep.timeouts.bootstrap, on_release)
-        self.gen, self.request_id = gen, f"{room}.{gen}"   # request_id: the transport's name for it
-        self.contacts = contacts                      # prefill peer key -> its sources here (empty: dummy)
-        self.peer_of = {(s.p_tp_rank, s.p_pp_rank): key for key, ss in contacts.items() for s in ss}
-        self.progress = {src: _Progress() for src in self.peer_of}
-        self.acked: set[str] = set()
-        self.aux_slot: int | None = None
-        self.aux: AuxRecord | None = None
-        self.aux_from = aux_source([s for ss in contacts.values() for s in ss])
-        self.granted = False
-
-    def init(self, kv_slots, *, prefix_len: int = 0, state_slots=None, aux_slot: int | None = None,
-             swa_slots=None) -> None:
-        """Grant the slots and request the KV. ``kv_slots``: the slot of every token of the request;
-        the first ``prefix_len`` are already filled (prefix cache) and are neither granted nor sent.
-        ``swa_slots`` (hybrid sliding-window pools only, and required there): the "swa" slots of the
-        last ``len(swa_slots)`` tokens, 1..window of them; only those tokens' sliding-window layers
-        are sent (and of them, only the ones at or after ``prefix_len``).
-        ``aux_slot``: the row of the endpoint's ``AuxBuffer`` for the aux record; cleared here, filled
-        when the last chunk arrives (so a row read before Success is None, never a stale record).
-        Raises LayoutError/RequestError on bad arguments; never blocks."""
-        self.endpoint.init_request(self, kv_slots, int(prefix_len), state_slots, aux_slot, swa_slots)
-
-
-class DecodeEndpoint(EndpointBase):
+class DecodeEndpoint(ReceiverHost):
     """A decode rank: its receivers, a DEALER per prefill rank, and the arrival handler
     (called on the transport's thread, or by an arrivals thread of its own)."""
     role = "decode"
@@ -176,15 +115,18 @@ class DecodeEndpoint(EndpointBase):
                     early = client.topology()[1]
                 except ConnectError:   # not up yet: wait_ready below says so if it stays down
                     early = []
-                _check_one_instance(early)
+                check_one_instance(early)
             peers = client.wait_ready(max(deadline - time.monotonic(), 0.0), instance)
         peers = [p for p in peers if p.spec.role == "prefill" and (instance is None or p.spec.instance == instance)]
         if instance is None:
-            _check_one_instance(peers)
+            check_one_instance(peers)
         me = self.info
         by_key = {p.spec.key: p for p in peers}
         if not by_key:
             raise ConnectError("no prefill rank to connect to" + (f" in instance {instance!r}" if instance else ""))
+        conflicts = check_group(list(by_key.values()))   # sources by head id: one head map per group
+        if conflicts:
+            raise CompatibilityError(conflicts)
         groups: dict[int, dict[str, list]] = {}
         for p in by_key.values():
             if p.spec.dp_rank not in groups:
@@ -432,28 +374,9 @@ class DecodeEndpoint(EndpointBase):
 
     def _on_chunk(self, r: KVReceiver, meta: ChunkMeta, nbytes: int, later, fin: bool = False) -> None:
         src, peer = r.progress.get(meta.source), r.peer_of.get(meta.source)
-        fail = None
         if self._late(r, f"a chunk from {peer}", later):
             return
-        if src is None:
-            fail = f"a chunk from prefill tp{meta.source[0]}/pp{meta.source[1]}, not a source of this request"
-        elif not fin and (meta.chunk in src.chunks or 0 <= src.total <= meta.chunk):
-            fail = f"chunk {meta.chunk} from {peer} is a duplicate or beyond its total {src.total}"
-        elif src.total >= 0 and meta.total >= 0 and (src.total, src.total_bytes) != (meta.total, meta.nbytes):
-            fail = f"{peer} declared two different totals ({src.total} and {meta.total} chunks)"
-        elif meta.total >= 0 and meta.nbytes != src.expected:
-            fail = (f"source tp{meta.source[0]}/pp{meta.source[1]} ({peer}) declared {meta.nbytes} bytes "
-                    f"but decode expected {src.expected} (its grant)")
-        elif src.nbytes + nbytes > src.expected:
-            fail = (f"source tp{meta.source[0]}/pp{meta.source[1]} ({peer}): {src.nbytes + nbytes} bytes landed "
-                    f"but decode expected {src.expected} (its grant)")
-        elif meta.aux is not None:
-            try:
-                if meta.source != r.aux_from or r.aux_slot is None or len(meta.aux) != self.aux_bytes:
-                    raise ValueError(f"{len(meta.aux)} bytes from a source that was not asked for it")
-                r.aux = AuxRecord.unpack(meta.aux)
-            except ValueError as e:
-                fail = f"bad aux record from {peer}: {e}"
+        fail = chunk_problem(r, meta, nbytes, fin, self.aux_bytes)
         if fail or src is None or peer is None:
             self.end_request(r, Outcome.Failed, fail or "a chunk from an unknown source", later)
             return

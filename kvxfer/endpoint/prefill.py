@@ -15,24 +15,8 @@ Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
         handles, submits chunks whose event completed; deadlines and leases every 50 ms),
         ``on_dead`` (it died of a bug: every sender fails, the rank deregisters, ``broken``).
 
-Readiness: a chunk is submitted to the transport only when the request is bound (every decode
-rank's grant came) and its ``ready`` event's ``query()`` returned True; until then it waits in
-the sender's queue, and the chunks after it wait behind it (their order is the chunk order
-decode counts). ``query()`` is called by ``send`` itself (an event already complete costs no
-tick) and then by the channel thread at every tick, never blocking; kvxfer never calls
-``synchronize()`` on the sender path. An event that never completes fails the request at its
-phase deadline ("timed out ... ready event"), and nothing of that chunk is ever read.
-The engine records the event on the stream that wrote the chunk's KV (and state), after the
-writes, and calls ``send`` right away; from the event's completion until ``on_release`` it must
-not write those slots again.
-
-Chunks may be any number of tokens (plans are per token, so 1-token chunks and chunks that
-split a page land exactly). Whole pages are cheaper on page-major pools, where whole pages in a
-row coalesce into one run but a split page moves as one run per layer and K/V. Measured with
-``Planner`` + ``execute_plan`` on CPU (4,096 tokens, 16 layers, 8 heads x 64, page 16,
-page-major to page-major): chunks of 256 tokens plan 16 runs and take 25 ms; chunks of
-248 or 264 tokens plan 529 runs and take 28-33 ms. Token-major pools plan ~512 runs either way.
-Over a network the run count costs more than on CPU (one descriptor or put per run).
+Readiness (when a chunk may be read) is ``KVSender.send``'s contract: ``kvxfer.endpoint.sender``.
+Chunks may be any number of tokens; what chunk sizes cost is in ``kvxfer.endpoint.chunks``.
 
 A sender ends once (``end_request``): counted in ``kvxfer.metrics``, its KV then held under a
 lease until decode confirms ("done"), no transfer still reads it, or the lease runs out.
@@ -42,71 +26,33 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient, Registration
-from ..control.handshake import answer_hello
+from ..control.handshake import DATA_PATH, answer_hello, describe
+from ..control.messages import MAX_WHY
 from ..control.wire import ChunkMeta
 from ..errors import ConnectError, LayoutError, PlanError, RequestError
 from ..layout import STATE, SWA, Layout
-from ..metrics import record_request_end, record_transfer
+from ..metrics import record_request_end
 from ..plan import Planner
 from ..pools import KVPool
 from ..ranks import RankSpec
 from ..topology import expected_decode_ranks, peer_sources
-from ..transport.base import TransferHandle, TransferStatus, Transport
+from ..transport.base import TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRecord
-from .base import END_STATES, Clock, EndpointBase, KVPoll, Outcome, RequestBase, Timeouts, check_reachable
-from .chunks import Chunk, DecodePeer, Target, plan_chunk
+from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
+from .chunks import Chunk, DecodePeer, Target, plan_chunk, request_slots
+from .peers import PeerTable
+from .sender import KVSender, SenderHost, call_on_request, count_transfers, stalled
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
 
-def _count_transfers(transport: str, done: list[tuple[int, int, float]]) -> None:
-    for nbytes, runs, seconds in done:
-        record_transfer(transport, "send", nbytes, runs, seconds)
-
-
-class KVSender(RequestBase):
-    """One request on a prefill rank; made by ``PrefillEndpoint.sender`` (see the module docstring)."""
-    endpoint: "PrefillEndpoint"
-    __slots__ = ("targets", "group", "expected", "queued", "handles", "reading", "next_pos", "last_sent",
-                 "lease_end", "overdue")
-
-    def __init__(self, ep: "PrefillEndpoint", room: int, on_release: Callable[[Outcome], None] | None):
-        super().__init__(ep, room, ep.clock() + ep.timeouts.bootstrap, on_release)
-        self.targets: dict[int, Target] = {}
-        self.group: tuple[str, int] | None = None      # the decode (instance, dp rank) it is bound to
-        self.expected: frozenset[int] = frozenset()     # the decode TP ranks that must ask
-        self.queued: list[Chunk] = []   # not submitted yet: not bound, or waiting for a ready event
-        self.handles: list[tuple[TransferHandle, int]] = []   # in flight: (handle, runs in its plan)
-        self.reading: list[TransferHandle] = []    # handles whose transport may still read the KV
-        self.next_pos, self.last_sent, self.lease_end, self.overdue = 0, False, float("inf"), False
-
-    def send(self, kv_slots, *, start: int | None = None, layers: Sequence[int] | None = None, last: bool = False,
-             aux: AuxRecord | bytes | None = None, state_slots=None, ready=None) -> bool:
-        """Scheduler, per chunk: send the KV of tokens ``start .. start + len(kv_slots)`` (default:
-        right after the previous chunk), of ``layers`` (default: all; for per-layer-group streaming
-        pass ``start`` too). The last chunk carries ``aux`` and the state at ``state_slots``. A
-        hybrid SWA pool must have mapped (``full_to_swa``) every token of decode's window by this
-        call. ``ready``: None when the KV (and state) of this chunk is written already, else an
-        object with ``query() -> bool`` (e.g. ``torch.cuda.Event`` recorded on the forward's stream
-        after it wrote them); no transport reads the chunk before ``query()`` returned True.
-        Never blocks on the network; False when the request has already ended."""
-        return self.endpoint.send_chunk(self, kv_slots, start, layers, last, aux, state_slots, ready)
-
-    @property
-    def kv_releasable(self) -> bool:
-        """True once prefill may reuse this request's KV and ``on_release`` returned: decode
-        confirmed, or the request ended and no transfer still reads it, or the lease ran out and
-        no transport still holds the KV (``TransferHandle.source_released``)."""
-        return self.released
-
-
-class PrefillEndpoint(EndpointBase):
+class PrefillEndpoint(SenderHost):
     """A prefill rank: its senders, the control ROUTER, the planners towards each decode rank."""
     role = "prefill"
 
@@ -135,7 +81,7 @@ class PrefillEndpoint(EndpointBase):
         self.source = (spec.tp_rank, spec.pp_rank)
         self.on_request = on_request
         self._advertise = advertise
-        self._peers: dict[str, DecodePeer] = {}
+        self._peers = PeerTable()                             # decode peers (kvxfer.endpoint.peers)
         self._senders: dict[int, KVSender] = {}               # room -> live sender
         self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
         self._pending: dict[int, dict[str, tuple[Target, float]]] = {}   # REQs that came before the sender
@@ -225,24 +171,60 @@ class PrefillEndpoint(EndpointBase):
         self.end_request(s, Outcome.Aborted, why, later)
 
     def _on_hello(self, peer: str, msg: dict) -> None:
-        d_info, reply = answer_hello(self.info, msg, self.transport.name)
+        with self._lock:   # a silent peer (a restarted group's earlier rank) does not hold the group's map
+            others = self._peers.group_records(peer)
+        d_info, reply = answer_hello(self.info, msg, self.transport.name, others)
         if d_info is not None:
+            rank = d_info.spec.key
+            with self._lock:   # a new epoch of this peer, or a silent earlier one of its rank: gone
+                stale = self._peers.stale(peer, rank)
+            for old in stale:
+                self._retire(old, f"decode rank {rank} handshook again (as {peer})", forget=old != peer)
             try:
                 dl = Layout.from_dict(d_info.layout)
                 sources = peer_sources(self.spec, d_info.spec)
-                with self._xport_lock:
-                    xpeer = self.transport.connect(dict(d_info.data[self.transport.name]))
+                desc = d_info.data[self.transport.name]
+                try:
+                    with self._xport_lock:
+                        xpeer = self.transport.connect(dict(desc))
+                except (ConnectError, ValueError) as e:   # the data path: refused now, with the reason
+                    raise ConnectError(f"{DATA_PATH}: prefill {self.spec.key} cannot reach decode {d_info.spec.key} "
+                                       f"at its {self.transport.name} data address {describe(desc)}: {e}") from None
                 with self._lock:
-                    self._peers[peer] = DecodePeer(d_info, dl, xpeer, sources,
-                                                    expected_decode_ranks(self.spec, d_info.spec))
+                    self._peers.add(peer, DecodePeer(d_info, dl, xpeer, sources,
+                                                     expected_decode_ranks(self.spec, d_info.spec)))
                 self.channel.watch(peer)
                 log.info("decode rank %s connected (%d source(s) from here)", peer, len(sources))
             except KeyError:
                 reply = {"t": "refuse", "re": msg["i"],
                          "why": [f"transport: P uses {self.transport.name!r}, D offers {sorted(d_info.data)}"]}
-            except (ConnectError, LayoutError, PlanError) as e:
-                reply = {"t": "refuse", "re": msg["i"], "why": [f"prefill {self.spec.key}: {e}"]}
+            except ConnectError as e:
+                reply = {"t": "refuse", "re": msg["i"], "why": [str(e)[:MAX_WHY]]}
+            except (LayoutError, PlanError) as e:
+                reply = {"t": "refuse", "re": msg["i"], "why": [f"prefill {self.spec.key}: {e}"[:MAX_WHY]]}
         self.channel.send(peer, reply)
+
+    def _retire(self, old: str, why: str, forget: bool = True) -> None:
+        """Channel thread: decode peer ``old`` is superseded (it handshook again, or it went silent
+        after its rank handshook again from a restarted process): its requests fail, then its data
+        peer is disconnected unless another handshake shares it (before a new connect, which may
+        hand out the same key), and its control state is forgotten. Without it every re-handshake
+        leaks a data peer. A live peer is never retired for another's HELLO (that would let anyone
+        who says HELLO with a rank's record cut that rank off)."""
+        with self.guard() as later:
+            dp = self._peers.pop(old)
+            if dp is None:
+                return
+            for room in list(self._pending):
+                self._pending[room].pop(old, None)
+            for s in [s for s in self._senders.values() if any(t.peer == old for t in s.targets.values())]:
+                self.end_request(s, Outcome.Failed, why, later)
+            shared = self._peers.shares(dp.xpeer)
+        if not shared:
+            with self._xport_lock:
+                self.transport.disconnect(dp.xpeer)
+        if forget:
+            self.channel.forget(old)
 
     def _on_req(self, peer: str, msg: dict, later) -> None:
         nack = lambda why: self.channel.send(peer, {"t": "nack", "room": msg["room"], "gen": msg["gen"],  # noqa: E731
@@ -252,17 +234,7 @@ class PrefillEndpoint(EndpointBase):
             nack(f"prefill {self.spec.key} has no handshake with {peer}")
             return
         try:
-            swa_raw = msg.get("swa", b"")
-            if len(msg["kv"]) % 8 or len(msg["state"]) % 8 or len(swa_raw) % 8:
-                raise LayoutError("slot arrays must be whole int64s")
-            kv, st = np.frombuffer(msg["kv"], "<i8"), np.frombuffer(msg["state"], "<i8")
-            swa = np.frombuffer(swa_raw, "<i8")
-            if not msg["dummy"]:
-                kv = dp.layout.check_slots(self.token_space, kv, "kv slots")
-                st = dp.layout.check_slots(STATE, st, "state slots") if len(st) else st
-                if msg["prefix"] >= len(kv):
-                    raise LayoutError(f"prefix {msg['prefix']} leaves none of the {len(kv)} tokens to send")
-                swa = self._check_window(dp, msg, kv, swa)
+            kv, st, swa = request_slots(dp, msg, self.token_space, self.swa_window, self.spec.key)
         except LayoutError as e:
             nack(f"bad request: {e}")
             return
@@ -271,32 +243,10 @@ class PrefillEndpoint(EndpointBase):
         if s is None:
             self._pending.setdefault(msg["room"], {})[peer] = (target, self.clock())
             if self.on_request is not None:
-                later.append(functools.partial(self._call_on_request, msg["room"], 0 if target.dummy else len(kv)))
+                tokens = 0 if target.dummy else len(kv)
+                later.append(functools.partial(call_on_request, self.on_request, msg["room"], tokens))
         else:
             self._bind(s, target, later)
-
-    def _call_on_request(self, room: int, tokens: int) -> None:
-        try:
-            self.on_request(room, tokens)
-        except Exception:   # the engine's bug must not cost the channel thread
-            log.exception("on_request callback failed for room %s", room)
-
-    def _check_window(self, dp: DecodePeer, msg: dict, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
-        """Decode's window slots of a request (hybrid SWA), bounds-checked; LayoutError says why not."""
-        if not self.swa_window:
-            if len(swa) or msg.get("swa_n"):
-                raise LayoutError(f"sliding-window slots sent to prefill {self.spec.key}, whose pool has no "
-                                  f"sliding-window layers")
-            return swa
-        if "swa_n" not in msg or msg["swa_n"] != len(swa):
-            raise LayoutError(f"a hybrid SWA request must carry its window slots and their count; got "
-                              f"{len(swa)} slot(s) and count {msg.get('swa_n')}")
-        swa = dp.layout.check_slots(SWA, swa, "swa slots")
-        most = min(self.swa_window, len(kv))
-        if not 1 <= len(swa) <= most:
-            raise LayoutError(f"{len(swa)} window slot(s) for a request of {len(kv)} tokens: must be "
-                              f"1..{most} (sliding window {self.swa_window})")
-        return swa
 
     def _bind(self, s: KVSender, t: Target, later) -> None:
         dp = self._peers.get(t.peer)
@@ -396,7 +346,7 @@ class PrefillEndpoint(EndpointBase):
     def _submit_to(self, s: KVSender, t: Target, c: Chunk) -> None:
         if t.dummy:
             return
-        dp = self._peers[t.peer]
+        dp = self._peers.peers[t.peer]
         plan = plan_chunk(c, t, next_pos=s.next_pos, token_space=self.token_space, hybrid=bool(self.swa_window),
                           kv_planners=self._planners_for(dp, c.layers, self.kv_kinds),
                           state_planners=self._planners_for(dp, None, self.state_kinds) if c.last else [])
@@ -432,7 +382,7 @@ class PrefillEndpoint(EndpointBase):
                     s.deadline = now + self.timeouts.transfer   # progress
         s.handles = pending
         if done:   # counted outside the endpoint lock
-            later.append(functools.partial(_count_transfers, self.transport.name, done))
+            later.append(functools.partial(count_transfers, self.transport.name, done))
         if not pending:
             self._busy.discard(s)
         confirmed = all(t.confirmed for t in s.targets.values())
@@ -470,11 +420,14 @@ class PrefillEndpoint(EndpointBase):
 
     def on_peer_lost(self, peer: str, why: str) -> None:
         with self.guard() as later:
+            superseded = self._peers.lost(peer)
             for room in list(self._pending):
                 self._pending[room].pop(peer, None)
             for s in list(self._senders.values()):
                 if any(t.peer == peer for t in s.targets.values()):
                     self.end_request(s, Outcome.Failed, f"decode rank {peer} {why}", later)
+        if superseded:   # its rank handshook again since: a restarted process, this one is gone
+            self._retire(peer, f"decode rank {peer} {why}")
 
     def _tick(self, now: float, later) -> float:
         for s in list(self._unready):
@@ -485,7 +438,7 @@ class PrefillEndpoint(EndpointBase):
         if real >= self._next_scan:
             self._next_scan = real + 0.05
             for s in [s for s in self._senders.values() if now > s.deadline]:
-                self.end_request(s, Outcome.TimedOut, f"timed out in {s.state.name}: {self._stalled(s)} within the "
+                self.end_request(s, Outcome.TimedOut, f"timed out in {s.state.name}: {stalled(s)} within the "
                                                       f"deadline", later)
             for s in list(self._held):
                 self._settle(s, now, later)
@@ -501,17 +454,6 @@ class PrefillEndpoint(EndpointBase):
                 if not reqs:
                     del self._pending[room]
         return 0.005 if self._busy or self._unready else 0.05   # reaping is not on decode's critical path
-
-    @staticmethod
-    def _stalled(s: KVSender) -> str:
-        """What a sender past its deadline was waiting for, in words."""
-        if s.state == KVPoll.Bootstrapping:
-            return "no request from " + ("decode rank(s) " + ", ".join(map(str, sorted(set(s.expected) -
-                                                                                      set(s.targets))))
-                                         if s.group else "any decode rank")
-        if s.queued and s.queued[0].ready is not None:
-            return f"the ready event of {s.queued[0].what()} did not complete (query() stayed False)"
-        return "no chunk was sent" if s.state == KVPoll.WaitingForInput else "the transfer made no progress"
 
     def _live(self) -> list[KVSender]:
         return list(self._senders.values())

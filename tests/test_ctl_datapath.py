@@ -1,0 +1,241 @@
+"""The data path at handshake: an unreachable one is refused at connect, naming the prefill rank
+and the data address (#17); a decode rank that handshakes again (a restart) has its earlier
+requests failed and its earlier data peer disconnected (a new epoch of the same peer at once, an
+earlier process once it is silent), so 50 restarts leave one data peer; a live rank is never cut
+off by another's HELLO."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.control.channel import Heartbeat
+from kvxfer.control.handshake import DATA_PATH, hello
+from kvxfer.endpoint import AuxBuffer, DecodeEndpoint, KVPoll, Outcome, PrefillEndpoint, Timeouts
+from kvxfer.errors import ConnectError
+from kvxfer.pools import MHAPool
+from kvxfer.ranks import RankSpec
+from kvxfer.transport.base import Transport
+from kvxfer_transports.local import LocalTransport
+from kvxfer_transports.zmq import ZMQTransport
+
+H, LAYERS, DIM, PAGE = 2, 2, 8, 4
+QUICK = Timeouts(bootstrap=10, waiting=10, transfer=10, lease=10, handshake=5,
+                 heartbeat=Heartbeat(interval=0.5, timeout=5.0))
+FAST = Timeouts(bootstrap=10, waiting=10, transfer=10, lease=10, handshake=5,
+                heartbeat=Heartbeat(interval=0.1, timeout=0.5))   # a closed decode rank is silent in 0.5 s
+
+
+def _pool() -> MHAPool:
+    return MHAPool(layers=LAYERS, heads=H, head_dim=DIM, dtype="float32", num_pages=16, page_size=PAGE)
+
+
+class Unreachable(LocalTransport):
+    """A transport whose data path never reaches: connect does the round trip and fails."""
+
+    def connect(self, descriptor: dict) -> str:
+        raise ConnectError(f"cannot connect to local peer {descriptor.get('id')!r}: no answer within 1.0s")
+
+
+class Garbled(LocalTransport):
+    """A transport that finds the peer's descriptor unusable."""
+
+    def connect(self, descriptor: dict) -> str:
+        raise ValueError("descriptor field 'region_sizes' is not a list of sizes")
+
+
+def counting(base: type[Transport]) -> type[Transport]:
+    """``base``, counting the data peers it holds (connected, not yet disconnected)."""
+
+    class Counting(base):   # type: ignore[misc, valid-type]
+        def __init__(self, **options):
+            super().__init__(**options)
+            self.live: set[str] = set()
+            self.most = 0
+
+        def connect(self, descriptor: dict) -> str:
+            peer = super().connect(descriptor)
+            self.live.add(peer)
+            self.most = max(self.most, len(self.live))
+            return peer
+
+        def disconnect(self, peer: str) -> None:
+            super().disconnect(peer)
+            self.live.discard(peer)
+    return Counting
+
+
+Counting = counting(LocalTransport)
+TRANSPORTS = {"local": LocalTransport, "zmq": ZMQTransport}
+
+
+@pytest.fixture
+def server():
+    s = BootstrapServer(BootstrapConfig(host="127.0.0.1", port=0)).start()
+    yield s
+    s.stop()
+
+
+POOLS: dict[int, MHAPool] = {}   # id(endpoint) -> the pool the test made it with
+
+
+def _prefill(server, transport, timeouts: Timeouts = QUICK) -> PrefillEndpoint:
+    pool = _pool()
+    pe = PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=H, num_layers=LAYERS), pool, transport=transport,
+                         timeouts=timeouts)
+    POOLS[id(pe)] = pool
+    pe.register(server.url)
+    return pe
+
+
+def _decode(timeouts: Timeouts = QUICK, transport: str = "local") -> DecodeEndpoint:
+    pool = _pool()
+    de = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=H, num_layers=LAYERS), pool, aux=AuxBuffer(2),
+                        transport=transport, timeouts=timeouts)
+    POOLS[id(de)] = pool
+    return de
+
+
+@pytest.mark.parametrize("transport, why", [(Unreachable, "no answer within 1.0s"),
+                                            (Garbled, "is not a list of sizes")])
+def test_unreachable_data_path_fails_connect_at_once_naming_both(server, transport, why):
+    pe = _prefill(server, transport())
+    de = _decode()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConnectError) as e:
+            de.connect(bootstrap=server.url, timeout=20)
+        took = time.monotonic() - t0
+        msg = str(e.value)
+        assert took < 4, f"connect failed after {took:.1f}s, not at once"
+        assert DATA_PATH in msg and why in msg
+        assert "prefill rank default/dp0/pp0/tp0" in msg                     # the prefill rank
+        assert de.transport.descriptor()["id"] in msg                          # decode's data address
+    finally:
+        de.close()
+        pe.close()
+
+
+def _one_request(pe: PrefillEndpoint, de: DecodeEndpoint, room: int) -> None:
+    """One request of 9 tokens; decode's slots must hold exactly prefill's bytes."""
+    n = 9
+    d_pool, p_pool = POOLS[id(de)], POOLS[id(pe)]
+    d_slots, p_slots = d_pool.allocator().alloc(n), p_pool.allocator().alloc(n)
+    g = torch.Generator().manual_seed(room)
+    kv = [(torch.randn(n, H, DIM, generator=g), torch.randn(n, H, DIM, generator=g)) for _ in range(LAYERS)]
+    for layer, (k, v) in enumerate(kv):
+        p_pool.set_kv_buffer(layer, p_slots, k, v)
+    rc = de.receiver(room)
+    rc.init(d_slots)
+    sd = pe.sender(room)
+    sd.send(p_slots, last=True)
+    assert rc.wait(10) == KVPoll.Success, rc.failure_exception()
+    for layer, (k, v) in enumerate(kv):
+        got_k, got_v = d_pool.get_kv_buffer(layer, d_slots)
+        assert torch.equal(got_k, k) and torch.equal(got_v, v), layer
+    assert sd.wait(10) == KVPoll.Success
+
+
+def _until(cond, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+@pytest.mark.parametrize("name", ["local", "zmq"])
+def test_a_restarted_decode_rank_leaves_one_data_peer(server, name):
+    """50 restarts of one decode rank (each a new endpoint, a new data peer, a new HELLO): each
+    earlier data peer is disconnected once its process is silent, so the prefill transport ends
+    with one data peer, and the last decode rank moves bytes exactly."""
+    tx = counting(TRANSPORTS[name])()
+    pe = _prefill(server, tx, FAST)
+    de = None
+    try:
+        for _ in range(50):
+            if de is not None:
+                de.close()                    # the process ends; a new one starts, same rank
+            de = _decode(FAST, name)
+            de.connect(bootstrap=server.url, timeout=10)
+        assert _until(lambda: len(tx.live) == 1, 5), f"{len(tx.live)} data peers after 50 restarts"
+        assert tx.most <= 25, f"{tx.most} data peers at once: earlier ones are not let go"
+        assert de is not None
+        _one_request(pe, de, room=3)
+        assert len(tx.live) == 1
+    finally:
+        if de is not None:
+            de.close()
+        pe.close()
+        tx.close()
+
+
+def _bound_sender(pe: PrefillEndpoint, de: DecodeEndpoint, room: int):
+    rc = de.receiver(room)
+    rc.init(POOLS[id(de)].allocator().alloc(5))
+    sd = pe.sender(room)
+    assert _until(lambda: sd.poll() != KVPoll.Bootstrapping, 5)
+    assert sd.poll() == KVPoll.WaitingForInput
+    return rc, sd
+
+
+def test_a_new_epoch_of_a_decode_peer_ends_its_earlier_requests(server):
+    """The same decode endpoint says HELLO again (as after it lost the prefill rank): what ran on
+    its earlier handshake fails at once, naming why; the new handshake moves bytes exactly."""
+    tx = Counting()
+    pe = _prefill(server, tx)
+    de = _decode()
+    try:
+        de.connect(bootstrap=server.url, timeout=10)
+        rc, sd = _bound_sender(pe, de, 7)
+        hello(de.channel, "default/dp0/pp0/tp0", de.info, 5)
+        assert sd.wait(5) == KVPoll.Failed and sd.outcome == Outcome.Failed
+        assert "handshook again" in sd.reason and "default/dp0/pp0/tp0" in sd.reason
+        assert rc.wait(5) == KVPoll.Failed
+        assert len(tx.live) == 1
+        _one_request(pe, de, room=8)
+    finally:
+        de.close()
+        pe.close()
+        tx.close()
+
+
+def test_another_hello_with_a_live_ranks_record_does_not_cut_it_off(server):
+    """A second process says HELLO with the record of a decode rank that still lives (heartbeats):
+    the live rank keeps its handshake, its request completes byte-exact."""
+    pe = _prefill(server, Counting())
+    de, other = _decode(), _decode()
+    try:
+        de.connect(bootstrap=server.url, timeout=10)
+        other.connect(bootstrap=server.url, timeout=10)    # the same rank key, another process
+        _one_request(pe, de, room=9)
+    finally:
+        for ep in (other, de, pe):
+            ep.close()
+
+
+def test_a_retired_peer_does_not_take_a_shared_data_peer_with_it(server):
+    """Two handshakes with one data peer (a HELLO that carried a live rank's record, then the
+    rank's own): when the earlier goes silent and is retired, the shared data peer stays."""
+    tx = Counting()
+    pe = _prefill(server, tx, FAST)
+    de, imp = _decode(FAST), _decode(FAST)
+    try:
+        imp.connect(bootstrap=server.url, timeout=10)
+        hello(imp.channel, "default/dp0/pp0/tp0", de.info, 5)    # imp speaks with de's data descriptor
+        de.connect(bootstrap=server.url, timeout=10)             # de's own HELLO: it is the rank's peer now
+        shared = de.transport.descriptor()["id"]
+        assert shared in tx.live
+        imp.close()                                              # silent, superseded: retired
+        assert _until(lambda: len(tx.live) == 1 and shared in tx.live and imp.transport.descriptor()["id"]
+                      not in tx.live, 5), tx.live
+        time.sleep(1.0)                                          # imp's retirement has run by now
+        assert shared in tx.live, "retiring imp disconnected de's data peer"
+        _one_request(pe, de, room=4)
+    finally:
+        for ep in (imp, de, pe):
+            ep.close()
+        tx.close()
