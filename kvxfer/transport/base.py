@@ -205,7 +205,8 @@ class Transport(ABC):
         """Forget a peer ``connect`` returned; without it every re-handshake leaks a peer.
 
         Who calls it, and when: the prefill endpoint, for a decode peer that handshaked again
-        with a new epoch (after it connected the new descriptor) or that it declared lost.
+        with a new epoch (before it connects the new descriptor: a transport may hand back the
+        same key for the same descriptor) or whose rank was superseded by a live successor.
 
         What it does: every transfer to ``peer`` still open fails at once with a reason that
         names the disconnect; later ``submit`` calls to ``peer`` fail as for an unknown peer.
