@@ -39,8 +39,8 @@ Addresses: ``--advertise`` (an address, hostname or interface name) is what peer
 ``--bind`` what the sockets bind (default: the advertised address). Without either, the rank
 advertises the address this host uses to reach the bootstrap server. A loopback address is
 refused when the bootstrap is on another host, a wildcard always. The control address is the
-prefill endpoint's own ``bind=`` / ``advertise=``; the zmq data socket binds the advertised
-address when ``--bind`` is a wildcard (the zmq transport advertises what it binds).
+prefill endpoint's own ``bind=`` / ``advertise=``; the zmq data socket binds ``--bind`` and
+advertises ``--advertise`` the same way (the transport's ``advertise=``).
 
 This module holds the flags, their checks (``resolve``: ``UsageError`` names the flag and the
 fix) and the addresses; ``kvxfer.cli.rank_serve`` what the running rank does.

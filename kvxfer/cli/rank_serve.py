@@ -176,10 +176,9 @@ class Rank:
         timeouts = timeouts_of(cfg.timeouts, cfg.heartbeat)
         hb = timeouts.heartbeat
         if cfg.transport == "zmq":
-            # The zmq transport advertises the address it binds (no advertise option yet): a wildcard
-            # --bind puts its data socket on the advertised address, which peers can reach.
-            data_host = cfg.advertise if cfg.bind in ("0.0.0.0", "*") else cfg.bind
-            opts = {"endpoint": f"tcp://{data_host}:{cfg.data_port}", "heartbeat_ivl": hb.interval,
+            # The data socket binds --bind and tells peers --advertise (checked in rank.addresses).
+            opts = {"endpoint": f"tcp://{cfg.bind}:{cfg.data_port}", "advertise": cfg.advertise or None,
+                    "heartbeat_ivl": hb.interval,
                     "heartbeat_timeout": hb.timeout}
         else:
             opts = {"tls": cfg.ucx_tls, "heartbeat": hb.interval, "peer_timeout": hb.timeout}
