@@ -483,3 +483,44 @@ def test_connect_to_a_new_address_replaces_the_connection(victim):
         assert hello(d.channel, key, d.info, 3.0).control == new.info.control
     finally:
         d.close()
+
+
+class _Gate(_Quiet):
+    """Holds the channel thread inside ``on_tick`` while armed, so a test can line up events
+    that one turn of the thread then meets together."""
+
+    def __init__(self):
+        self.armed, self.entered, self.release = False, threading.Event(), threading.Event()
+
+    def on_tick(self, now):
+        if self.armed:
+            self.armed = False
+            self.entered.set()
+            self.release.wait(5)
+        return 0.05
+
+
+def test_forgetting_a_peer_whose_message_is_waiting_keeps_the_thread_alive():
+    """A peer forgotten in the same turn as its message arrives: the turn closes its DEALER
+    first, and must not then read from the closed socket (the thread died of ENOTSOCK)."""
+    gate = _Gate()
+    b = ControlChannel(_Quiet(), secret=None, heartbeat=Heartbeat(), bind="tcp://127.0.0.1:0", identity="p0")
+    a = ControlChannel(gate, secret=None, heartbeat=Heartbeat(), identity="d0")
+    try:
+        a.connect("p0", b.address)
+        a.send("p0", {"t": "ping"})
+        deadline = time.monotonic() + 3
+        while b.peers == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert b.peers == 1
+        gate.armed = True
+        assert gate.entered.wait(3)
+        b.send("d0", {"t": "ping"})      # lands in a's DEALER while a's thread is held
+        time.sleep(0.3)
+        a.forget("p0")                    # queued for the same turn
+        gate.release.set()
+        time.sleep(0.5)
+        assert a.alive and a.broken is None, f"channel thread died: {a.broken!r}"
+    finally:
+        a.close()
+        b.close()

@@ -232,7 +232,8 @@ class ControlChannel:
                         pass
                 self._flush()
                 for sock in [s for s in events if isinstance(s, zmq.Socket)]:   # fds are ints: == not is
-                    self._receive(sock)
+                    if not sock.closed:      # _flush may have forgotten its peer (closed it) this turn
+                        self._receive(sock)
                 now = time.monotonic()
                 if now >= next_ping:
                     self._heartbeat(now)
