@@ -237,16 +237,21 @@ class UCXControl:
                 self.grants.reject("?", str(e)[:200])
             return
         p.clock.touch()
-        if p.gone:   # back after silence: whatever we sent it may be lost; flush, then re-handshake
+        back = p.gone
+        if back:   # back after silence: whatever we sent it may be lost; flush, then re-handshake
             p.gone = False
             self._rehello(p)
         self._handle(p, m)
+        if back and p.fenced and not isinstance(m, Announce):
+            # We fenced it; it may not know (its own view of us never went silent). Tell it now,
+            # so it re-handshakes before its next announce instead of having that refused.
+            self._send(p, Fail(0, f"{FENCED}: flush, then HELLO with a new epoch"))
 
     def _handle(self, p: Peer, m: Message) -> None:
         if isinstance(m, Announce):
             if p.fenced:   # a write of the epoch we fenced: refused until the peer re-handshakes
-                self._deliver_failed(m.request_id, m.notify, f"peer failed: {FENCED}: it went silent and has "
-                                     "not re-handshaken")
+                # No arrival: the request is not failed here. Its sender re-handshakes and
+                # announces it again (``_requeue``); if it never does, the request's own deadline ends it.
                 self._send(p, Fail(m.xid, f"{FENCED}: flush, then HELLO with a new epoch"))
                 return
             self._on_announce(p, m)
@@ -254,17 +259,27 @@ class UCXControl:
             self._on_hello(p, m)
         elif isinstance(m, (Go, Ack, Fail)):
             o = self._out.get(m.xid)
+            if isinstance(m, Fail) and m.why.startswith(FENCED):
+                # The receiver fenced us (we never saw it silent, or not yet): flush, then HELLO
+                # with a new epoch; an announce it refused for that goes again after the HELLO.
+                self._rehello(p)
+                if o is not None and o.peer is p and o.state == "wait_go":
+                    self._requeue(o)
+                return
             if o is None or o.peer is not p:
                 return  # a late answer for a transfer that already ended here
-            if isinstance(m, Go) and o.state == "wait_go":
+            if isinstance(m, Go) and o.state == "wait_go" and o.stale:
+                # Announced before a re-handshake began: a put of it now would follow the flush
+                # and belong to neither epoch. ABORT (nothing issued) lets the receiver let go.
+                self._fail_out(o, PeerError(f"request {o.handle.request_id}: the receiver fenced us; "
+                                            "re-handshaking"))
+            elif isinstance(m, Go) and o.state == "wait_go":
                 self._start_puts(o, m.dtag)
             elif isinstance(m, Ack) and (o.state == "wait_ack" or o.state == "wait_go" and not o.puts
                                          and o.staging is None and o.iov is None):
                 del self._out[o.xid]
                 o.handle.finish(release=True)   # puts flushed before DONE, or there were none
             elif isinstance(m, Fail):
-                if m.why.startswith(FENCED):
-                    self._rehello(p)
                 self._fail_out(o, (RejectedWrite if m.why.startswith(_REFUSALS) else PeerError)(
                     f"request {o.handle.request_id}: receiver refused the transfer: {m.why}"), tell=False)
         elif isinstance(m, (Done, Abort)) and (e := self._landing.pop((p.id, m.xid), None)) is not None:
@@ -292,20 +307,25 @@ class UCXControl:
         for key in [k for k in self._landing if k[0] == p.id]:
             self._landed(self._landing.pop(key)[0])
 
-    def _deliver_failed(self, rid: str, notify: bytes, reason: str) -> None:
-        from kvxfer.transport.base import Arrival
-        self._deliver(Arrival(rid, 0, False, reason, notify))
-
     def _rehello(self, p: Peer) -> None:
         """Sender: flush our endpoint to ``p``, then (``_check_rehello``) HELLO with a new epoch.
-        Transfers waiting for GO are failed (the peer fenced or forgot them), and new announces
-        wait for the HELLO, so no put issued after the flush began belongs to the old epoch."""
+        Transfers waiting for GO are marked stale: each gets one answer (control is ordered): a
+        GO fails it without a put (ABORT), a FENCED refusal announces it again after the HELLO
+        (``_requeue``). New announces wait for the HELLO, so no put issued after the flush
+        began belongs to the old epoch."""
         if p.rehello is not None or p.sizes is None:   # flushing already, or we never write to it
             return
-        for o in [o for o in self._out.values() if o.peer is p and o.state == "wait_go"]:
-            self._fail_out(o, PeerError(f"request {o.handle.request_id}: the peer was silent or fenced us; "
-                                        "re-handshaking"))
+        for o in self._out.values():
+            if o.peer is p and o.state == "wait_go":
+                o.stale = True
         p.rehello = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param)))
+
+    def _requeue(self, o: Outgoing) -> None:
+        """Sender: ``o``'s announce was refused because the receiver fenced us. Nothing of it
+        was issued (no GO): it is announced again, same transfer id, after our new HELLO."""
+        del self._out[o.xid]
+        o.state, o.stale = "queued", False
+        self._start_out(o)   # waits in p.waiting while the re-handshake flush runs
 
     def _check_rehello(self, p: Peer) -> None:
         """Sender, each tick: the re-handshake flush completed? Then HELLO, then the waiting announces."""

@@ -85,3 +85,4 @@ class Outgoing:
     reqs: list = field(default_factory=list)
     flush: ucp.Flush | None = None
     abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
+    stale: bool = False              # announced before a re-handshake began: a GO for it is refused
