@@ -1,0 +1,193 @@
+"""Start-up, connect and shutdown of a UCX transport, on its I/O thread.
+
+``UCXLifecycle`` is a mixin of ``UCXTransport``: ``_do_register`` maps the regions for RMA,
+``_do_connect`` makes an endpoint to a receiver and unpacks its rkeys, ``_shutdown`` fails what
+is open, says BYE and frees every UCX resource, ``_free`` drops the objects themselves.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from ucxx._lib import libucxx as ucx_api
+
+from kvxfer.errors import PeerError, TransportError
+from kvxfer.grant import GrantTable
+from kvxfer.transport.kit import CommandQueue, IOThread, StagingPool
+
+from . import bindings as ucp
+from .protocol import SECRET_BYTES, Abort, Bye, Fail, Hello
+from .state import Outgoing, Peer
+
+if TYPE_CHECKING:
+    from .protocol import Message
+
+
+class UCXLifecycle:
+    """Start-up and shutdown half of ``UCXTransport`` (I/O thread)."""
+
+    # Declared for the type checker only: set in ``UCXTransport.__init__`` or defined by the
+    # other halves. Annotations, no values, so nothing here shadows the real attributes.
+    grants: GrantTable
+    peer_timeout: float
+    commands: CommandQueue
+    io: IOThread
+    _ctx: Any                          # ucx_api.UCXContext
+    _worker: Any                       # ucx_api.UCXWorker
+    _whandle: Any
+    _address: bytes
+    _host_id: str
+    _pid: int
+    _start_ticks: int
+    _closed: bool
+    _stop: bool
+    _regions: list[torch.Tensor]
+    _base: np.ndarray
+    _base_list: list[int]
+    _region_sizes: np.ndarray
+    _is_host: np.ndarray
+    _host_list: list[bool]
+    _all_host: bool
+    _cuda_devices: set[torch.device]
+    _memh: list[int | None]
+    _params: list[ucp.RequestParam]
+    _param_refs: list
+    _rkeys_packed: list[bytes]
+    _peers: dict[str, Peer]
+    _out: dict
+    _in: dict
+    _by_dtag: dict
+    _unflushed: dict
+    _flushing: list
+    _holding: list[Outgoing]
+    _ctrl_sends: list
+    _ctrl_recvs: list
+    _zombies: list
+    _draining: list
+    _open_rids: Any
+    _staging: StagingPool
+    _send: Callable[[Peer, Message], None]
+    _flush_outboxes: Callable[[], None]
+    _fail_out: Callable[..., None]            # UCXSender._fail_out(o, err, tell=True)
+    _fail_in: Callable[..., None]             # UCXReceiver._fail_in(i, reason, tell=True, puts_left=True)
+    _puts_settled: Callable[[Outgoing], bool]
+    _release_and_abort: Callable[[Outgoing], None]
+    _reap_draining: Callable[[], None]
+
+    def _do_register(self, regions: list[torch.Tensor]) -> None:
+        if self._memh:
+            raise TransportError("register() was already called on this UCX transport")
+        for t in regions:
+            memh, buf, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
+            if t.numel():
+                params = ucp.MemMapParams(ucp.MEMMAP_ADDR_LEN, t.data_ptr(), t.numel())  # host or device
+                ucp.check(ucp.mem_map(self._ctx.handle, ctypes.byref(params), ctypes.byref(memh)), "ucp_mem_map")
+                ucp.check(ucp.rkey_pack(self._ctx.handle, memh, ctypes.byref(buf), ctypes.byref(size)),
+                          "ucp_rkey_pack")
+                self._rkeys_packed.append(ctypes.string_at(buf, size.value))
+                ucp.rkey_release(buf)
+            else:
+                self._rkeys_packed.append(b"")
+            self._memh.append(memh.value)
+            # One put parameter block per source region: its memh spares UCX a registration lookup.
+            self._params.append(ucp.RequestParam(op_attr_mask=ucp.OP_ATTR_MEMH if memh.value else 0,
+                                                 memh=memh.value))
+            self._param_refs.append(ctypes.byref(self._params[-1]))
+        self._regions = regions
+        self._base_list = [t.data_ptr() for t in regions]
+        self._base = np.asarray(self._base_list, np.int64)
+        self._region_sizes = np.asarray([t.numel() for t in regions], np.int64)
+        self._cuda_devices = {t.device for t in regions if t.is_cuda}
+        self._is_host = np.array([not t.is_cuda for t in regions], bool)
+        self._host_list, self._all_host = self._is_host.tolist(), bool(self._is_host.all())
+        self.grants.region_sizes = [t.numel() for t in regions]
+
+    def _do_connect(self, peer_id, addr, base, sizes, rkeys) -> str:
+        p = self._peers.get(peer_id) or self._add_peer(peer_id, addr, os.urandom(SECRET_BYTES))
+        if p.sizes is None:
+            handles = []
+            for k in rkeys:
+                h = ctypes.c_void_p()
+                if k:
+                    ucp.check(ucp.rkey_unpack(p.ep.handle, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
+                handles.append(h.value)
+            p.base, p.sizes, p.rkeys = base, sizes, handles
+            p.base_list, p.sizes_list = base.tolist(), sizes.tolist()
+            self._send(p, self._hello(p))
+        return peer_id
+
+    def _hello(self, p: Peer) -> Hello:
+        return Hello(self._address, p.secret, p.my_epoch, self._host_id, self._pid, self._start_ticks)
+
+    def _add_peer(self, peer_id: str, addr: bytes, secret: bytes) -> Peer:
+        ep = self._worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), False)
+        p = self._peers[peer_id] = Peer(peer_id, ep, secret)
+        return p
+
+    def _crashed(self, why: str) -> None:
+        """The loop died of a bug (``IOThread.on_crash``): every transfer it owned fails."""
+        self._closed = True
+        self._shutdown(why)
+
+    def _shutdown(self, why: str) -> None:
+        """Fail what is open, say BYE, free UCX state (I/O thread; close, or after a crash)."""
+        for o in list(self._out.values()):
+            self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"), tell=False)
+        for i in list(self._in.values()):
+            self._fail_in(i, f"{why} before the transfer finished", tell=False)
+        self.commands.fail_all(why)
+        # Give held transfers a bounded chance to flush, so their ABORTs (sent after the flush)
+        # release the receiver's memory; a peer that cannot take it keeps it fenced.
+        end = time.monotonic() + min(1.0, self.peer_timeout)
+        while self._holding and time.monotonic() < end:
+            self._worker.progress()
+            for o in self._holding:
+                if self._puts_settled(o):
+                    self._release_and_abort(o)
+            self._holding = [o for o in self._holding if not o.handle.source_released]
+        for p in self._peers.values():
+            p.outbox = [m for m in p.outbox if isinstance(m, (Abort, Fail))]
+            self._send(p, Bye())
+        self._flush_outboxes()
+        end = time.monotonic() + 0.2  # let BYE leave; a dead peer never takes it
+        while self._ctrl_sends and time.monotonic() < end:
+            self._worker.progress()
+            self._ctrl_sends = [s for s in self._ctrl_sends if not s[0].completed]
+        self._worker.cancel_inflight_requests()
+        for p in self._peers.values():
+            for h in p.rkeys:
+                if h:
+                    ucp.rkey_destroy(h)
+            p.rkeys = []
+        for m in self._memh:
+            if m:
+                ucp.mem_unmap(self._ctx.handle, m)
+        self._memh, self._params, self._param_refs, self._regions = [], [], [], []
+        # Close endpoints now, without a flush: ucxx's destructor would flush-close them and
+        # spin forever on a dead peer (error handling is off).
+        for p in self._peers.values():
+            p.ep.close()
+        end = time.monotonic() + 0.1
+        while time.monotonic() < end:
+            self._worker.progress()
+        self._reap_draining()   # cancelled receives: free their requests
+        for o in self._holding:   # endpoints closed: no put of theirs is in flight any more
+            o.handle.release_source()
+        self._stop = True
+
+    def _free(self) -> None:
+        """Drop every UCX object (``IOThread.on_exit``): endpoints, requests, then the worker and
+        context themselves, so their fds and shared memory go now, cycle or no cycle."""
+        self.commands.fail_all(self.io.broken or "transport closed")
+        self._peers, self._out, self._in, self._by_dtag, self._zombies, self._flushing = {}, {}, {}, {}, [], []
+        self._holding, self._unflushed, self._draining = [], {}, []
+        self._open_rids.clear()   # nothing lands after close: the endpoints are closed
+        self._ctrl_sends, self._ctrl_recvs = [], []
+        self._staging.clear()
+        self._whandle = None
+        self._worker = self._ctx = None
