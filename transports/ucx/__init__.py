@@ -180,6 +180,9 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
         # Receiver: ended transfers whose posted frame receives may still land:
         # (peer, rid, frames, nbytes, since).
         self._draining: list = []
+        self._closing: list[Peer] = []   # disconnected, freed once nothing of them is held
+        # Channel secret and epoch of disconnected peers (at most max_peers), for a later connect.
+        self._retired: collections.OrderedDict[str, tuple[bytes, int]] = collections.OrderedDict()
         self._xids, self._dtags = itertools.count(1), itertools.count(1)
         self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
@@ -242,6 +245,15 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
             raise ConnectError("UCX descriptor region lists differ in length")
         return self._call(self._do_connect, peer_id, addr, base, sizes, rkeys)
 
+    def disconnect(self, peer: str) -> None:
+        """Sender or receiver: end ``peer`` (an id from connect(), or a sender of ours). Its
+        transfers fail now, with a reason; its endpoint, rkeys and records go once nothing it
+        could still write here, and no put of ours that reads a source, is left (see
+        ``lifecycle``). Idempotent; an unknown peer is a no-op; connect() may follow."""
+        if self._closed or self.broken or not self.io.alive:
+            return
+        self._call(self._do_disconnect, str(peer))
+
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
         """Sender, per chunk: plans runs and gathers packed ones here; never waits on the network.
@@ -249,7 +261,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
         handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
         p = self._peers.get(peer)
         why = (f"transport is broken: {self.broken}" if self.broken else "transport closed" if self._closed
-               else f"peer {peer!r} is not connected" if p is None or p.sizes is None
+               else f"peer {peer!r} is not connected" if p is None or p.sizes is None or p.closing
                else f"peer {peer} is silent (dead or stalled)" if p.gone else None)
         if why:
             handle.finish(PeerError(f"request {request_id}: {why}"), release=True)
@@ -320,6 +332,8 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
                 self._housekeeping(now)
                 self._next_tick = now + min(self.heartbeat, 0.1)
             self._flush_outboxes()
+            if self._closing:
+                self._retire_closing()
             if not self._acts:
                 self._sleeping = True
                 if self.commands.empty():

@@ -26,6 +26,7 @@ both sides within their deadlines, but what it could still write or read stays h
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import hmac
 import logging
@@ -143,6 +144,7 @@ class UCXControl:
     _zombies: list
     _landing: dict[tuple[str, int], tuple[str, int, float]]
     _draining: list
+    _retired: collections.OrderedDict[str, tuple[bytes, int]]
     _acts: int
     _deliver: Callable[[Arrival], None]
     _add_peer: Callable[[str, bytes, bytes], Peer]
@@ -224,6 +226,8 @@ class UCXControl:
             except Exception as e:   # Malformed, or an address UCX refuses
                 self.grants.reject("?", f"malformed message: HELLO: {e}"[:200])
                 return
+        if p is None and (r := self._retired.get(sender)) is not None and hmac.compare_digest(secret, r[0]):
+            return   # a peer we disconnected, before it took our BYE: nothing to do with us any more
         if p is None or not hmac.compare_digest(secret, p.secret):
             self.grants.reject("?", f"unknown peer: message from {sender[:40]!r} without its channel")
             return
@@ -313,7 +317,7 @@ class UCXControl:
         GO fails it without a put (ABORT), a FENCED refusal announces it again after the HELLO
         (``_requeue``). New announces wait for the HELLO, so no put issued after the flush
         began belongs to the old epoch."""
-        if p.rehello is not None or p.sizes is None:   # flushing already, or we never write to it
+        if p.rehello is not None or p.sizes is None or p.closing:   # flushing already, or we never write to it
             return
         for o in self._out.values():
             if o.peer is p and o.state == "wait_go":
@@ -364,7 +368,7 @@ class UCXControl:
             if p.gone or p.fenced:
                 self._fence_check(p, now)
             # Ping only once the last message left: sends to a dead peer may never complete.
-            if now >= p.next_ping and (p.last_send is None or p.last_send.completed):
+            if now >= p.next_ping and (p.last_send is None or p.last_send.completed) and not p.closing:
                 p.next_ping = now + self.heartbeat
                 self._send(p, Ping())
         if self.quarantine_timeout is not None:

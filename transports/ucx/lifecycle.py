@@ -1,11 +1,22 @@
 """Start-up, connect and shutdown of a UCX transport, on its I/O thread.
 
 ``UCXLifecycle`` is a mixin of ``UCXTransport``: ``_do_register`` maps the regions for RMA,
-``_do_connect`` makes an endpoint to a receiver and unpacks its rkeys, ``_shutdown`` fails what
-is open, says BYE and frees every UCX resource, ``_free`` drops the objects themselves.
+``_do_connect`` makes an endpoint to a receiver and unpacks its rkeys, ``_do_disconnect`` and
+``_retire_closing`` end one peer, ``_shutdown`` fails what is open, says BYE and frees every UCX
+resource, ``_free`` drops the objects themselves.
+
+Disconnect (one peer; the transport lives on). Its transfers fail at once, with a reason, and
+the peer hears BYE. Its resources go only once the fencing rules allow: sources of ours that a
+put of it may still read stay held until their flush completes (then ABORT); memory of ours it
+may still write (it was a sender to us) stays held until its DONE, ABORT, re-handshake or proven
+death. Then our endpoint to it is flushed (bounded by ``peer_timeout``, so the ABORTs and BYE
+leave), closed, its rkeys destroyed and the ``Peer`` dropped; only its channel secret and epoch
+are kept (a bounded table), so a later connect() to the same transport re-handshakes with a
+higher epoch, which the peer may still be waiting for.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import os
 import time
@@ -35,6 +46,7 @@ class UCXLifecycle:
     # other halves. Annotations, no values, so nothing here shadows the real attributes.
     grants: GrantTable
     peer_timeout: float
+    max_peers: int
     commands: CommandQueue
     io: IOThread
     _ctx: Any                          # ucx_api.UCXContext
@@ -71,6 +83,12 @@ class UCXLifecycle:
     _draining: list
     _open_rids: Any
     _staging: StagingPool
+    _flush_param: ucp.RequestParam
+    _closing: list[Peer]
+    _retired: collections.OrderedDict[str, tuple[bytes, int]]
+    _landing: dict
+    _rehello: Callable[[Peer], None]
+    _landed: Callable[[str], None]
     _send: Callable[[Peer, Message], None]
     _flush_outboxes: Callable[[], None]
     _fail_out: Callable[..., None]            # UCXSender._fail_out(o, err, tell=True)
@@ -108,7 +126,18 @@ class UCXLifecycle:
         self.grants.region_sizes = [t.numel() for t in regions]
 
     def _do_connect(self, peer_id, addr, base, sizes, rkeys) -> str:
-        p = self._peers.get(peer_id) or self._add_peer(peer_id, addr, os.urandom(SECRET_BYTES))
+        p = self._peers.get(peer_id)
+        if p is not None and p.closing:   # connected again while its disconnect was pending
+            p.closing = False
+            self._closing.remove(p)
+            if p.close_flush is not None:
+                self._zombies.append((p.close_flush, None))
+                p.close_flush = None
+            self._rehello(p)   # it heard BYE and fenced us: flush, then HELLO with a new epoch
+        if p is None:
+            secret, epoch = self._retired.pop(peer_id, (os.urandom(SECRET_BYTES), -1))
+            p = self._add_peer(peer_id, addr, secret)
+            p.my_epoch = epoch + 1   # above every HELLO it had from us: lifts a fence it may hold
         if p.sizes is None:
             handles = []
             for k in rkeys:
@@ -120,6 +149,57 @@ class UCXLifecycle:
             p.base_list, p.sizes_list = base.tolist(), sizes.tolist()
             self._send(p, self._hello(p))
         return peer_id
+
+    def _do_disconnect(self, peer_id: str) -> None:
+        """Fail ``peer_id``'s transfers, say BYE, and free it once the fencing rules allow
+        (``_retire_closing``). Unknown or already disconnecting: nothing to do."""
+        p = self._peers.get(peer_id)
+        if p is None or p.closing:
+            return
+        p.closing, p.closing_since = True, time.monotonic()
+        why = "the peer was disconnected"
+        for o in [o for o in self._out.values() if o.peer is p]:
+            self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"))   # ABORT once flushed
+        for o in p.waiting:
+            o.handle.finish(PeerError(f"request {o.handle.request_id}: {why}"), release=True)
+        p.waiting = []
+        for i in [i for i in self._in.values() if i.peer is p]:
+            self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"))
+        self._send(p, Bye())
+        self._closing.append(p)
+        self._retire_closing()
+
+    def _retire_closing(self) -> None:
+        """Free disconnected peers that hold nothing any more: flush the endpoint (bounded), close
+        it, destroy the rkeys, keep only the channel secret and epoch."""
+        now, left = time.monotonic(), []
+        for p in self._closing:
+            if self._peers.get(p.id) is not p:   # released meanwhile (proven dead)
+                continue
+            if any(o.peer is p for o in (*self._out.values(), *self._holding, *self._flushing)) \
+                    or p.id in self._unflushed or p.rehello is not None or p.outbox \
+                    or any(k[0] == p.id for k in (*self._in, *self._landing)) \
+                    or any(e[0] == p.id for e in self._draining):
+                left.append(p)   # a put may still read our source, or one of its may still land here
+                continue
+            if p.close_flush is None:   # nothing of ours reads a source: flush so ABORTs and BYE leave
+                p.close_flush = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param)))
+            if p.close_flush.poll() is None and now - p.closing_since < self.peer_timeout:
+                left.append(p)
+                continue
+            if p.close_flush.ptr is not None:
+                self._zombies.append((p.close_flush, None))
+            del self._peers[p.id]
+            for h in p.rkeys:
+                if h:
+                    ucp.rkey_destroy(h)
+            p.rkeys, p.close_flush = [], None
+            p.ep.close()   # flushed, or the peer is silent: no put of ours is in flight to it
+            self._retired[p.id] = (p.secret, p.my_epoch)
+            self._retired.move_to_end(p.id)
+            while len(self._retired) > self.max_peers:
+                self._retired.popitem(last=False)
+        self._closing = left
 
     def _hello(self, p: Peer) -> Hello:
         return Hello(self._address, p.secret, p.my_epoch, self._host_id, self._pid, self._start_ticks)
@@ -185,7 +265,7 @@ class UCXLifecycle:
         context themselves, so their fds and shared memory go now, cycle or no cycle."""
         self.commands.fail_all(self.io.broken or "transport closed")
         self._peers, self._out, self._in, self._by_dtag, self._zombies, self._flushing = {}, {}, {}, {}, [], []
-        self._holding, self._unflushed, self._draining = [], {}, []
+        self._holding, self._unflushed, self._draining, self._closing = [], {}, [], []
         self._open_rids.clear()   # nothing lands after close: the endpoints are closed
         self._ctrl_sends, self._ctrl_recvs = [], []
         self._staging.clear()

@@ -46,6 +46,9 @@ class Peer:
     pid: int = 0
     start: int = 0
     dead_since: float | None = None  # proven dead (process gone) at; held memory is freed after a grace
+    closing: bool = False            # disconnect(): freed once nothing of it is held (``_retire_closing``)
+    close_flush: ucp.Flush | None = None   # the endpoint flush before it is closed
+    closing_since: float = 0.0
 
 
 @dataclass(eq=False)
