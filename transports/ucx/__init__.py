@@ -64,6 +64,7 @@ import itertools
 import logging
 import os
 import queue
+import socket
 import time
 import uuid
 import weakref
@@ -122,6 +123,8 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
                   never given back until that peer flushes, re-handshakes or is proven dead.
                   A number: give it back after that many seconds anyway (counted in
                   ``fencing()["expired"]``); a late write may then corrupt the next owner.
+    connect_timeout  seconds connect() waits for the peer's answer over the new endpoint (a
+                  round trip on the data path); none: ``ConnectError`` naming the address.
     ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``; they replace
                   ``UCX_DEFAULTS`` (the environment's UCX_* settings do too).
     """
@@ -132,7 +135,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
                  heartbeat: float = 0.5, peer_timeout: float = 5.0, max_control_bytes: int = 64 << 20,
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, max_peers: int = 1024,
                  fence_grace: float = 1.0, quarantine_timeout: float | None = None,
-                 ucx_config: dict | None = None):
+                 connect_timeout: float = 10.0, ucx_config: dict | None = None):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
         config = ucx_settings(tls, ucx_config, os.environ)
@@ -142,7 +145,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
         self.few_runs, self.heartbeat, self.peer_timeout = int(few_runs), heartbeat, peer_timeout
         self.max_control_bytes, self.max_incoming = int(max_control_bytes), int(max_incoming)
         self.max_incoming_per_peer, self.max_peers = int(max_incoming_per_peer), int(max_peers)
-        self.fence_grace = float(fence_grace)
+        self.fence_grace, self.connect_timeout = float(fence_grace), float(connect_timeout)
         self.quarantine_timeout = None if quarantine_timeout is None else float(quarantine_timeout)
         self._host_id, self._pid = host_identity(), os.getpid()
         self._start_ticks = process_start(self._pid) or 0
@@ -224,6 +227,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
     def descriptor(self) -> dict:
         """Plain JSON-safe data a peer needs: worker address, region addresses, sizes, rkeys."""
         return {"transport": self.name, "id": self.id, "address": self._address.hex(),
+                "hostname": socket.gethostname()[:255], "host": self._host_id,
                 "region_base": [int(b) for b in self._base], "region_sizes": list(self.grants.region_sizes),
                 "rkeys": [k.hex() for k in self._rkeys_packed], "shm_settings": self._shm_settings}
 
@@ -243,7 +247,25 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
                                f"transfers): {'; '.join(differ)}. Give both sides the same settings.")
         if not len(base) == len(sizes) == len(rkeys) or base.ndim != 1:
             raise ConnectError("UCX descriptor region lists differ in length")
-        return self._call(self._do_connect, peer_id, addr, base, sizes, rkeys)
+        where = (f"UCX peer {peer_id[:8]} on {str(descriptor.get('hostname', '?'))[:255]!r} (worker address "
+                 f"{addr[:8].hex()}..., {len(addr)} bytes)")
+        try:
+            peer = self._call(self._do_connect, peer_id, addr, base, sizes, rkeys)
+        except (TransportError, TimeoutError):
+            raise
+        except Exception as e:   # UCX refused the address (unreachable, malformed)
+            raise ConnectError(f"{where}: cannot make an endpoint: {type(e).__name__}: {e}") from e
+        # A round trip on the data path (our HELLO, its answer, over the endpoints transfers use),
+        # so an address that does not reach fails here, not at the first request.
+        p, end = self._peers.get(peer), time.monotonic() + self.connect_timeout
+        while p is not None and not p.answered and time.monotonic() < end and not self.broken:
+            time.sleep(0.002)
+        if p is None or not p.answered:
+            self.disconnect(peer)
+            raise ConnectError(f"{where} did not answer over UCX within {self.connect_timeout:g}s: its data "
+                               "address does not reach from here (another host or network namespace without a "
+                               "common transport, a firewall, or the process is gone)")
+        return peer
 
     def disconnect(self, peer: str) -> None:
         """Sender or receiver: end ``peer`` (an id from connect(), or a sender of ours). Its

@@ -241,6 +241,7 @@ class UCXControl:
                 self.grants.reject("?", str(e)[:200])
             return
         p.clock.touch()
+        p.answered = True
         back = p.gone
         if back:   # back after silence: whatever we sent it may be lost; flush, then re-handshake
             p.gone = False
@@ -261,6 +262,7 @@ class UCXControl:
             self._on_announce(p, m)
         elif isinstance(m, Hello):
             self._on_hello(p, m)
+            self._send(p, Ping())   # at once: its connect() waits for a round trip over this path
         elif isinstance(m, (Go, Ack, Fail)):
             o = self._out.get(m.xid)
             if isinstance(m, Fail) and m.why.startswith(FENCED):
