@@ -64,6 +64,7 @@ import itertools
 import logging
 import os
 import queue
+import select
 import socket
 import time
 import uuid
@@ -90,7 +91,17 @@ from .lifecycle import UCXLifecycle
 from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO
 from .receiver import UCXReceiver
 from .sender import INLINE_BELOW, UCXSender
-from .settings import MUST_MATCH, PUT_BELOW, PUT_BELOW_MANY, UCX_DEFAULTS, shared_memory_settings, ucx_settings
+from .settings import (
+    MUST_MATCH,
+    PUT_BELOW,
+    PUT_BELOW_MANY,
+    UCX_DEFAULTS,
+    far_path,
+    reach,
+    shared_memory_settings,
+    tls_explicit,
+    ucx_settings,
+)
 from .state import Incoming, Outgoing, Peer
 
 __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLINE_BELOW", "ucx_settings",
@@ -102,8 +113,11 @@ log = logging.getLogger("kvxfer.transport.ucx")
 class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
     """UCX data plane of one rank. Options (keyword only, via ``get_transport("ucx", ...)``):
 
-    tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...); None: UCX's choice
-                  (shared memory on one host). Both peers must share a transport.
+    tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...), for every peer. None:
+                  UCX's choice (shared memory on one host), except that a peer on another host
+                  or in another network namespace (its descriptor says) is connected through a
+                  second worker without shared memory and cma (``FAR_TLS``), whose queues never
+                  deliver across network namespaces. Both peers must share a transport.
     frame_bytes   big runs are put in pieces of this size; packed blocks go in frames of it.
     put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)
     put_below_many  the same for plans of more than ``few_runs`` runs (``PUT_BELOW_MANY``)
@@ -155,6 +169,12 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()  # so the idle I/O thread can sleep on the worker fd
         self._whandle, self._address = self._worker.handle, self._worker.address.tobytes()
+        # A second worker (FAR_TLS: no shared memory, no cma), made at the first peer on another
+        # host or network namespace; the I/O thread progresses and sleeps on both.
+        self._config, self._tls_explicit = config, tls_explicit(tls, ucx_config, os.environ)
+        self._far_ctx = self._far_worker = None
+        self._far_address = b""
+        self._workers = [self._worker]
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
         self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)
@@ -240,21 +260,22 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
             theirs = {k: str(descriptor.get("shm_settings", {}).get(k, "")) for k in MUST_MATCH}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConnectError(f"not a UCX transport descriptor ({type(e).__name__}: {e})") from e
+        where = reach(self._host_id, str(descriptor.get("host", ""))[:200])
         differ = [f"UCX_{k} {self._shm_settings[k] or 'unset'} here, {theirs[k] or 'unset'} at the peer"
                   for k in MUST_MATCH if theirs[k] != self._shm_settings[k]]
-        if differ:
+        if differ and not far_path(where, self._tls_explicit):   # no shared memory between us: no matter
             raise ConnectError("UCX shared-memory settings differ from the peer's (a mismatch would hang "
                                f"transfers): {'; '.join(differ)}. Give both sides the same settings.")
         if not len(base) == len(sizes) == len(rkeys) or base.ndim != 1:
             raise ConnectError("UCX descriptor region lists differ in length")
-        where = (f"UCX peer {peer_id[:8]} on {str(descriptor.get('hostname', '?'))[:255]!r} (worker address "
+        named = (f"UCX peer {peer_id[:8]} on {str(descriptor.get('hostname', '?'))[:255]!r} (worker address "
                  f"{addr[:8].hex()}..., {len(addr)} bytes)")
         try:
-            peer = self._call(self._do_connect, peer_id, addr, base, sizes, rkeys)
+            peer = self._call(self._do_connect, peer_id, addr, base, sizes, rkeys, where)
         except (TransportError, TimeoutError):
             raise
         except Exception as e:   # UCX refused the address (unreachable, malformed)
-            raise ConnectError(f"{where}: cannot make an endpoint: {type(e).__name__}: {e}") from e
+            raise ConnectError(f"{named}: cannot make an endpoint: {type(e).__name__}: {e}") from e
         # A round trip on the data path (our HELLO, its answer, over the endpoints transfers use),
         # so an address that does not reach fails here, not at the first request.
         p, end = self._peers.get(peer), time.monotonic() + self.connect_timeout
@@ -262,7 +283,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
             time.sleep(0.002)
         if p is None or not p.answered:
             self.disconnect(peer)
-            raise ConnectError(f"{where} did not answer over UCX within {self.connect_timeout:g}s: its data "
+            raise ConnectError(f"{named} did not answer over UCX within {self.connect_timeout:g}s: its data "
                                "address does not reach from here (another host or network namespace without a "
                                "common transport, a firewall, or the process is gone)")
         return peer
@@ -344,7 +365,8 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
             self._run_commands()
             if self._stop:  # closed by a command: the endpoints are gone
                 break
-            self._worker.progress()
+            for w in self._workers:
+                w.progress()
             self._poll_ctrl()
             self._poll_data()
             self._flush_puts()
@@ -360,8 +382,16 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
                 self._sleeping = True
                 if self.commands.empty():
                     busy = self._out or self._in or self._ctrl_recvs  # then wake at least every ms
-                    self._worker.progress_worker_event(1 if busy else max(1, int((self._next_tick - now) * 1000)))
+                    self._idle(1 if busy else max(1, int((self._next_tick - now) * 1000)))
                 self._sleeping = False
+
+    def _idle(self, ms: int) -> None:
+        """Sleep until a worker has an event (or a command signals the main one), at most ``ms``."""
+        if self._far_worker is None:
+            self._worker.progress_worker_event(ms)
+        elif self._worker.arm() and self._far_worker.arm():   # False: events pending, do not sleep
+            select.select([self._worker.epoll_file_descriptor, self._far_worker.epoll_file_descriptor], [], [],
+                          ms / 1000)
 
     def _run_commands(self) -> None:
         for cmd in self.commands.take():

@@ -49,6 +49,22 @@ class RequestParam(ctypes.Structure):  # ucp_request_param_t
                 ("recv_info", _vp), ("memh", _vp)]
 
 
+class TransportEntry(ctypes.Structure):  # ucp_transport_entry_t
+    _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
+
+
+class Transports(ctypes.Structure):  # ucp_transports_t
+    _fields_ = [("entries", ctypes.POINTER(TransportEntry)), ("num_entries", ctypes.c_uint), ("entry_size", _sz)]
+
+
+class EpAttr(ctypes.Structure):  # ucp_ep_attr_t (sockaddr_storage: 128 bytes, 8-aligned)
+    _fields_ = [("field_mask", _u64), ("name", ctypes.c_char * 32), ("local_sockaddr", _u64 * 16),
+                ("remote_sockaddr", _u64 * 16), ("transports", Transports), ("user_data", _vp)]
+
+
+EP_ATTR_TRANSPORTS = 1 << 3
+
+
 def _fn(lib, name, res, *args):
     f = getattr(lib, name)
     f.restype, f.argtypes = res, list(args)
@@ -71,6 +87,7 @@ request_cancel = _fn(_ucp, "ucp_request_cancel", None, _vp, _vp)
 tag_send = _fn(_ucp, "ucp_tag_send_nbx", _vp, _vp, _vp, _sz, _u64, _P(RequestParam))
 tag_recv = _fn(_ucp, "ucp_tag_recv_nbx", _vp, _vp, _vp, _sz, _u64, _u64, _P(RequestParam))
 worker_signal = _fn(_ucp, "ucp_worker_signal", _status_t, _vp)
+ep_query = _fn(_ucp, "ucp_ep_query", _status_t, _vp, ctypes.POINTER(EpAttr))
 _status_str = _fn(_ucs, "ucs_status_string", ctypes.c_char_p, _int)
 MEMMAP_ADDR_LEN, OP_ATTR_MEMH, INPROGRESS = 0b11, 1 << 8, 1
 OP_ATTR_DATATYPE, OP_ATTR_RECV_INFO, DT_IOV = 1 << 3, 1 << 7, 2   # ucp_dt_make_iov()
@@ -227,3 +244,21 @@ def frame_iovs(addr: np.ndarray, n: np.ndarray, frame: int) -> list[np.ndarray]:
     else:   # every frame starts with a run (equal runs that divide the frame): the runs as they are
         piece, iov[:, 0], iov[:, 1] = starts, addr, n
     return np.split(iov, np.searchsorted(piece, bounds))
+
+
+def ep_transports(ep: int) -> list[tuple[str, str]]:
+    """(transport, device) of each lane of endpoint ``ep`` (``ucp_ep_query``), e.g.
+    ``[("tcp", "eth0"), ("sysv", "memory")]``; [] when UCX cannot say."""
+    entries = (TransportEntry * 16)()
+    attr = EpAttr(field_mask=EP_ATTR_TRANSPORTS)
+    attr.transports = Transports(ctypes.cast(entries, ctypes.POINTER(TransportEntry)), 16,
+                                 ctypes.sizeof(TransportEntry))
+    if ep_query(ep, ctypes.byref(attr)) != 0:
+        return []
+    out = []
+    for e in entries[:min(attr.transports.num_entries, 16)]:
+        name = (e.transport_name or b"?").decode(errors="replace")
+        dev = (e.device_name or b"?").decode(errors="replace")
+        if (name, dev) not in out:
+            out.append((name, dev))
+    return out

@@ -132,6 +132,7 @@ class UCXControl:
     _fence_released: int
     _fence_expired: int
     _worker: Any                      # ucx_api.UCXWorker
+    _workers: list                    # it, and the FAR_TLS worker once made
     _flush_param: ucp.RequestParam
     _peers: dict[str, Peer]
     _out: dict[int, Outgoing]
@@ -186,15 +187,15 @@ class UCXControl:
         self._ctrl_sends.append((p.last_send, buf))
 
     def _poll_ctrl(self) -> None:
-        while (res := self._worker.tag_probe(ucx_api.UCXXTag(CTRL_TAG), ucx_api.UCXXTagMask(KIND_MASK),
-                                             remove=True)).matched:
-            if res.length > self.max_control_bytes:   # received into one byte: UCX drops the rest unread
-                self.grants.reject("?", f"too large: a control message of {res.length} bytes")
-                junk = np.empty(1, np.uint8)
-                self._zombies.append((self._worker.tag_recv_with_handle(Array(junk), res), junk))
-                continue
-            buf = np.empty(max(res.length, 1), np.uint8)
-            self._ctrl_recvs.append((self._worker.tag_recv_with_handle(Array(buf), res), buf, res.length))
+        for w in self._workers:   # the main worker, and the FAR_TLS one once made
+            while (res := w.tag_probe(ucx_api.UCXXTag(CTRL_TAG), ucx_api.UCXXTagMask(KIND_MASK), remove=True)).matched:
+                if res.length > self.max_control_bytes:   # received into one byte: UCX drops the rest unread
+                    self.grants.reject("?", f"too large: a control message of {res.length} bytes")
+                    junk = np.empty(1, np.uint8)
+                    self._zombies.append((w.tag_recv_with_handle(Array(junk), res), junk))
+                    continue
+                buf = np.empty(max(res.length, 1), np.uint8)
+                self._ctrl_recvs.append((w.tag_recv_with_handle(Array(buf), res), buf, res.length))
         # In arrival order: an ANNOUNCE still streaming in must not be overtaken by its DONE.
         while self._ctrl_recvs and self._ctrl_recvs[0][0].completed:
             req, buf, length = self._ctrl_recvs.pop(0)
@@ -424,7 +425,8 @@ class UCXControl:
         except Exception:
             log.exception("closing the endpoint of peer %s", p.id[:8])
         for _ in range(16):
-            self._worker.progress()
+            for w in self._workers:
+                w.progress()
         if writes_impossible:
             for key in [k for k in self._landing if k[0] == p.id]:
                 self._landed(self._landing.pop(key)[0])

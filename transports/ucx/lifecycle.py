@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -33,10 +34,13 @@ from kvxfer.transport.kit import CommandQueue, IOThread, StagingPool
 
 from . import bindings as ucp
 from .protocol import SECRET_BYTES, Abort, Bye, Fail, Hello
+from .settings import FAR_TLS, far_path
 from .state import Outgoing, Peer
 
 if TYPE_CHECKING:
     from .protocol import Message
+
+log = logging.getLogger("kvxfer.transport.ucx")
 
 
 class UCXLifecycle:
@@ -44,6 +48,7 @@ class UCXLifecycle:
 
     # Declared for the type checker only: set in ``UCXTransport.__init__`` or defined by the
     # other halves. Annotations, no values, so nothing here shadows the real attributes.
+    id: str
     grants: GrantTable
     peer_timeout: float
     max_peers: int
@@ -53,6 +58,12 @@ class UCXLifecycle:
     _worker: Any                       # ucx_api.UCXWorker
     _whandle: Any
     _address: bytes
+    _config: dict[str, str]
+    _tls_explicit: bool
+    _far_ctx: Any
+    _far_worker: Any
+    _far_address: bytes
+    _workers: list
     _host_id: str
     _pid: int
     _start_ticks: int
@@ -125,7 +136,7 @@ class UCXLifecycle:
         self._host_list, self._all_host = self._is_host.tolist(), bool(self._is_host.all())
         self.grants.region_sizes = [t.numel() for t in regions]
 
-    def _do_connect(self, peer_id, addr, base, sizes, rkeys) -> str:
+    def _do_connect(self, peer_id, addr, base, sizes, rkeys, where: str = "unknown") -> str:
         p = self._peers.get(peer_id)
         if p is not None and p.closing:   # connected again while its disconnect was pending
             p.closing = False
@@ -136,8 +147,9 @@ class UCXLifecycle:
             self._rehello(p)   # it heard BYE and fenced us: flush, then HELLO with a new epoch
         if p is None:
             secret, epoch = self._retired.pop(peer_id, (os.urandom(SECRET_BYTES), -1))
-            p = self._add_peer(peer_id, addr, secret)
+            p = self._add_peer(peer_id, addr, secret, far_path(where, self._tls_explicit))
             p.my_epoch = epoch + 1   # above every HELLO it had from us: lifts a fence it may hold
+            self._log_path(p, where)
         if p.sizes is None:
             handles = []
             for k in rkeys:
@@ -201,13 +213,44 @@ class UCXLifecycle:
                 self._retired.popitem(last=False)
         self._closing = left
 
-    def _hello(self, p: Peer) -> Hello:
-        return Hello(self._address, p.secret, p.my_epoch, self._host_id, self._pid, self._start_ticks)
+    def _far(self) -> Any:
+        """The FAR_TLS worker, made on first use (its own context: its transports differ)."""
+        if self._far_worker is None:
+            self._far_ctx = ucx_api.UCXContext({**self._config, "TLS": FAR_TLS},
+                                               feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
+                                                              ucx_api.Feature.WAKEUP))
+            w = ucx_api.UCXWorker(self._far_ctx)
+            w.init_blocking_progress_mode()
+            self._far_address, self._far_worker = w.address.tobytes(), w
+            self._workers = [self._worker, w]
+        return self._far_worker
 
-    def _add_peer(self, peer_id: str, addr: bytes, secret: bytes) -> Peer:
-        ep = self._worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), False)
-        p = self._peers[peer_id] = Peer(peer_id, ep, secret)
+    def _log_path(self, p: Peer, where: str) -> None:
+        """Say which transports reach ``p`` (INFO), and warn when another host is reached by TCP."""
+        lanes = ucp.ep_transports(p.ep.handle)
+        said = ", ".join(f"{t}/{d}" for t, d in lanes) or "unknown transports"
+        place = {"same": "this host", "netns": "this host, another network namespace", "host": "another host"}.get(
+            where, "a place it did not say")
+        log.info("UCX transport %s: peer %s (%s) over %s%s", self.id[:8], p.id[:8], place, said,
+                 " (no shared memory or cma: they do not reach it)" if p.far else "")
+        if where == "host" and lanes and all(t == "tcp" for t, _ in lanes):
+            log.warning("UCX transport %s: peer %s on another host is reached over TCP only (no RDMA transport "
+                        "in this UCX; RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true uses a system UCX)",
+                        self.id[:8], p.id[:8])
+
+    def _hello(self, p: Peer) -> Hello:
+        return Hello(self._far_address if p.far else self._address, p.secret, p.my_epoch, self._host_id, self._pid,
+                     self._start_ticks)
+
+    def _add_peer(self, peer_id: str, addr: bytes, secret: bytes, far: bool = False) -> Peer:
+        worker = self._far() if far else self._worker
+        ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), False)
+        p = self._peers[peer_id] = Peer(peer_id, ep, secret, far=far)
         return p
+
+    def _progress(self) -> None:
+        for w in self._workers:
+            w.progress()
 
     def _crashed(self, why: str) -> None:
         """The loop died of a bug (``IOThread.on_crash``): every transfer it owned fails."""
@@ -225,7 +268,7 @@ class UCXLifecycle:
         # release the receiver's memory; a peer that cannot take it keeps it fenced.
         end = time.monotonic() + min(1.0, self.peer_timeout)
         while self._holding and time.monotonic() < end:
-            self._worker.progress()
+            self._progress()
             for o in self._holding:
                 if self._puts_settled(o):
                     self._release_and_abort(o)
@@ -236,9 +279,10 @@ class UCXLifecycle:
         self._flush_outboxes()
         end = time.monotonic() + 0.2  # let BYE leave; a dead peer never takes it
         while self._ctrl_sends and time.monotonic() < end:
-            self._worker.progress()
+            self._progress()
             self._ctrl_sends = [s for s in self._ctrl_sends if not s[0].completed]
-        self._worker.cancel_inflight_requests()
+        for w in self._workers:
+            w.cancel_inflight_requests()
         for p in self._peers.values():
             for h in p.rkeys:
                 if h:
@@ -254,7 +298,7 @@ class UCXLifecycle:
             p.ep.close()
         end = time.monotonic() + 0.1
         while time.monotonic() < end:
-            self._worker.progress()
+            self._progress()
         self._reap_draining()   # cancelled receives: free their requests
         for o in self._holding:   # endpoints closed: no put of theirs is in flight any more
             o.handle.release_source()
@@ -270,4 +314,5 @@ class UCXLifecycle:
         self._ctrl_sends, self._ctrl_recvs = [], []
         self._staging.clear()
         self._whandle = None
+        self._workers, self._far_worker, self._far_ctx = [], None, None
         self._worker = self._ctx = None

@@ -36,3 +36,32 @@ def ucx_settings(tls: str | None, ucx_config: dict | None, environ: Mapping[str,
 def shared_memory_settings(config: dict[str, str], environ: Mapping[str, str]) -> dict[str, str]:
     """The ``MUST_MATCH`` settings in effect ("" for UCX's own default)."""
     return {k: str(config.get(k, environ.get(f"UCX_{k}", ""))) for k in MUST_MATCH}
+
+
+# Transports for a peer on another host or in another network namespace of this kernel: every
+# one but shared memory and cma. Namespaces of one kernel share IPC, so UCX would pick sysv/posix
+# shared memory for them, whose queues never deliver across network namespaces (docs: UCX.md,
+# "Across hosts"); on another host they do not reach at all.
+FAR_TLS = "^sm,cma"
+
+
+def tls_explicit(tls: str | None, ucx_config: dict | None, environ: Mapping[str, str]) -> bool:
+    """The user chose UCX's transports (the ``tls`` option, ``ucx_config["TLS"]`` or UCX_TLS):
+    then every peer is reached with them, as told."""
+    return bool(tls) or "TLS" in (ucx_config or {}) or "UCX_TLS" in environ
+
+
+def reach(mine: str, theirs: str) -> str:
+    """Where a peer is, from two ``host_identity()`` strings (boot id / PID ns / network ns):
+    "same" (this kernel and network namespace), "netns" (this kernel, another network
+    namespace), "host" (another kernel) or "unknown" (the peer did not say)."""
+    m, t = mine.split("/"), theirs.split("/")
+    if len(m) != 3 or len(t) != 3 or not all(m) or not all(t):
+        return "unknown"
+    return "host" if m[0] != t[0] else "netns" if m[2] != t[2] else "same"
+
+
+def far_path(where: str, explicit: bool) -> bool:
+    """Connect through the ``FAR_TLS`` worker? Only when the peer said where it is, is not in
+    our network namespace, and the user did not choose the transports."""
+    return not explicit and where in ("host", "netns")

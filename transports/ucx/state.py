@@ -31,6 +31,7 @@ class Peer:
     sizes_list: list = field(default_factory=list)
     rkeys: list = field(default_factory=list)
     gone: bool = False               # silent past peer_timeout; cleared when it speaks again
+    far: bool = False                # reached through the FAR_TLS worker (another host or network namespace)
     answered: bool = False           # a message of it came through (connect() waits for one)
     outbox: list = field(default_factory=list)
     last_send: Any = None            # the latest control send to it
