@@ -244,6 +244,12 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
         """Both sides, once, before descriptor(): map every region for RMA (blocks briefly)."""
         self._call(self._do_register, [byte_view(t) for t in regions])
 
+    def memory_types(self) -> list[str]:
+        """What UCX registered each region as ("host", "cuda", ...; "" for an empty region), as
+        ``ucp_mem_query`` says (register() already refused a region of another type than asked)."""
+        return self._call(lambda: [ucp.memory_type_name(ucp.registered_memory_type(m)) if m else ""
+                                   for m in self._memh])
+
     def descriptor(self) -> dict:
         """Plain JSON-safe data a peer needs: worker address, region addresses, sizes, rkeys."""
         return {"transport": self.name, "id": self.id, "address": self._address.hex(),

@@ -111,11 +111,21 @@ class UCXLifecycle:
     def _do_register(self, regions: list[torch.Tensor]) -> None:
         if self._memh:
             raise TransportError("register() was already called on this UCX transport")
-        for t in regions:
+        cuda = [t.device for t in regions if t.is_cuda]
+        if cuda:   # this thread makes every UCX call, CUDA copies of frames too: on the regions' device
+            torch.cuda.set_device(cuda[0])
+        for k, t in enumerate(regions):
             memh, buf, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
             if t.numel():
-                params = ucp.MemMapParams(ucp.MEMMAP_ADDR_LEN, t.data_ptr(), t.numel())  # host or device
+                want = ucp.memory_type_of(t.device)
+                params = ucp.MemMapParams(ucp.MEMMAP_ADDR_LEN | ucp.MEMMAP_MEMORY_TYPE, t.data_ptr(), t.numel(),
+                                          memory_type=want)
                 ucp.check(ucp.mem_map(self._ctx.handle, ctypes.byref(params), ctypes.byref(memh)), "ucp_mem_map")
+                why = ucp.registration_mismatch(k, t.device, want, ucp.registered_memory_type(memh.value))
+                if why:
+                    ucp.mem_unmap(self._ctx.handle, memh.value)
+                    self._unmap_all()
+                    raise TransportError(why)
                 ucp.check(ucp.rkey_pack(self._ctx.handle, memh, ctypes.byref(buf), ctypes.byref(size)),
                           "ucp_rkey_pack")
                 self._rkeys_packed.append(ctypes.string_at(buf, size.value))
@@ -135,6 +145,13 @@ class UCXLifecycle:
         self._is_host = np.array([not t.is_cuda for t in regions], bool)
         self._host_list, self._all_host = self._is_host.tolist(), bool(self._is_host.all())
         self.grants.region_sizes = [t.numel() for t in regions]
+
+    def _unmap_all(self) -> None:
+        """Undo a register() that failed part way: nothing stays mapped or half-listed."""
+        for m in self._memh:
+            if m:
+                ucp.mem_unmap(self._ctx.handle, m)
+        self._memh, self._params, self._param_refs, self._rkeys_packed = [], [], [], []
 
     def _do_connect(self, peer_id, addr, base, sizes, rkeys, where: str = "unknown") -> str:
         p = self._peers.get(peer_id)
