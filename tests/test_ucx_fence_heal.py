@@ -83,3 +83,21 @@ def test_receiver_tells_a_fenced_sender_before_its_next_announce(pair):
     assert until(lambda: tx._peers[peer].my_epoch >= 1, 5.0), "the sender never learned it was fenced"
     assert until(lambda: rx.fencing()["fenced_peers"] == 0, 5.0), rx.fencing()
     transfer_lands(rx, tx, peer, src, dst, "heal.2")
+
+
+def test_a_go_for_an_announce_older_than_the_rehandshake_puts_nothing(pair):
+    """The sender begins a re-handshake (here called directly, as a FENCED word would) while an
+    announce of the old epoch waits for GO. That GO must not start puts (they would follow the
+    flush and could land after the HELLO released the receiver's fence): the transfer fails,
+    ABORT releases the receiver's hold, nothing lands, and the next transfer lands byte-exact."""
+    rx, tx, peer, src, dst = pair
+    rx.expect("old.1", ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
+    rx.commands.put(Call(time.sleep, (0.5,)))     # the receiver answers the announce only later
+    h = tx.submit(peer, "old.1", plan(N), timeout=10)
+    assert until(lambda: any(o.state == "wait_go" for o in list(tx._out.values())), 2.0)
+    tx._call(tx._rehello, tx._peers[peer])
+    assert h.wait(10) is False and "re-handshaking" in str(h.error), h.error
+    assert bool((dst == CANARY).all()), "a put of the old epoch landed"
+    rx.forget("old.1")
+    assert until(lambda: not rx.writes_pending("old.1"), 5.0), rx.fencing()
+    transfer_lands(rx, tx, peer, src, dst, "new.1")

@@ -47,6 +47,12 @@ sides. Silence is not death: memory a silent peer could still write or read stay
 shared-memory transport (cma) abort()s the process when it touches a dead peer: the UCS log
 hook in ``bindings`` turns that into a failed call.
 
+Peers: ``connect`` waits for a round trip over the new endpoint (``connect_timeout``), so an
+address that does not reach fails there, by name. A peer whose descriptor says it is on another
+host or in another network namespace is reached through a second worker without shared memory
+and cma (``settings.FAR_TLS``; the user's own TLS setting wins); each connection's transports are
+logged. ``disconnect`` ends one peer and frees it once fencing allows (``lifecycle``).
+
 Threads: one I/O thread per transport (``kit.IOThread``) owns the worker and makes every UCX
 call. It loops while something happens and sleeps on the worker's event fd otherwise (busy
 polling was 3-40x slower on this 2-core machine whenever other processes ran). ``register``,

@@ -23,6 +23,10 @@ both sides within their deadlines, but what it could still write or read stays h
   to it is closed, which cancels every local read, and the peer must be connected anew).
   When a silent peer speaks again, or fences us, we flush our endpoint to it and re-handshake
   (``_rehello``): announces wait for that HELLO, so no write of the old epoch follows it.
+  Silence is seen per direction, so a receiver may fence a sender that never saw it silent:
+  hearing a peer it fenced, the receiver tells it (FAIL, transfer id 0, "peer fenced"); an
+  announce it refused as fenced fails no request there and goes again after the new HELLO
+  (``_requeue``); a GO for an announce older than the re-handshake starts no put (ABORT).
 """
 from __future__ import annotations
 
