@@ -15,6 +15,7 @@ import pytest
 import torch
 
 pytest.importorskip("ucxx")
+pytestmark = pytest.mark.slow   # stalls or stops a peer and waits (the full tier)
 
 from xfer_peer import PeerProcess, enc, raw_plan  # noqa: E402
 

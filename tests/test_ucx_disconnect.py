@@ -114,6 +114,7 @@ def test_disconnect_is_idempotent_unknown_is_a_noop_and_connect_may_come_at_once
     transfer_lands(rx, tx, peer, src, dst, "i.2")
 
 
+@pytest.mark.slow   # a receiver stalls for seconds (the full tier)
 def test_disconnect_holds_the_source_until_the_puts_are_flushed(tmp_path):
     """Over TCP a put reads the source until the receiver takes it. Disconnecting a receiver
     that stalls (GO in hand, then silent) fails the transfer at once, but the source and the

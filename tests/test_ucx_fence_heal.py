@@ -16,6 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("ucxx")
+pytestmark = pytest.mark.slow   # stalls or stops a peer and waits (the full tier)
 
 from waiting import until  # noqa: E402
 
