@@ -26,7 +26,7 @@ One transfer (S sender, R receiver, each on its own I/O thread)::
     R -> S  ACK       only now is the handle DONE
 
 Files: ``bindings`` (ctypes over libucp), ``protocol`` (control messages, validated once),
-``sender``, ``receiver``, ``control`` (peers, control batches, heartbeats), ``settings``
+``sender``, ``receiver``, ``control`` (peers, control batches, heartbeats), ``fencing``, ``settings``
 (thresholds, UCX settings), ``lifecycle`` (start-up, connect, shutdown), ``state`` (records),
 and this module (options, the contract, the I/O loop).
 
@@ -93,6 +93,7 @@ from kvxfer.transport.kit import Call, Close, CommandQueue, Crash, IOThread, Sta
 from . import bindings as ucp
 from .bindings import frame_iovs
 from .control import UCXControl, host_identity, process_start
+from .fencing import UCXFencing
 from .lifecycle import UCXLifecycle
 from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO
 from .receiver import UCXReceiver
@@ -116,7 +117,7 @@ __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLIN
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
-class UCXTransport(UCXLifecycle, UCXControl, UCXSender, UCXReceiver, Transport):
+class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver, Transport):
     """UCX data plane of one rank. Options (keyword only, via ``get_transport("ucx", ...)``):
 
     tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...), for every peer. None:
