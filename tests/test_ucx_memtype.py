@@ -72,3 +72,21 @@ def test_a_region_registered_as_another_memory_type_is_refused(monkeypatch):
         assert t._memh == [] and t._rkeys_packed == [] and t._regions == []
     finally:
         t.close()
+
+
+def test_a_region_ucx_cannot_map_is_named(monkeypatch):
+    """ucp_mem_map refuses region 1 (injected: as a UCX without CUDA refuses a CUDA type):
+    register() says which region, of what memory type, and leaves nothing mapped."""
+    real, calls = ucp.mem_map, []
+
+    def mem_map(ctx, params, memh):
+        calls.append(1)
+        return -3 if len(calls) == 2 else real(ctx, params, memh)   # UCS_ERR_NO_MEMORY... any error
+    monkeypatch.setattr(ucp, "mem_map", mem_map)
+    t = get_transport("ucx")
+    try:
+        with pytest.raises(TransportError, match=r"ucp_mem_map of region 1 \(host memory on cpu, 4096 bytes\)"):
+            t.register([torch.zeros(8192, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)])
+        assert t._memh == [] and t._rkeys_packed == []
+    finally:
+        t.close()

@@ -120,7 +120,11 @@ class UCXLifecycle:
                 want = ucp.memory_type_of(t.device)
                 params = ucp.MemMapParams(ucp.MEMMAP_ADDR_LEN | ucp.MEMMAP_MEMORY_TYPE, t.data_ptr(), t.numel(),
                                           memory_type=want)
-                ucp.check(ucp.mem_map(self._ctx.handle, ctypes.byref(params), ctypes.byref(memh)), "ucp_mem_map")
+                st = ucp.mem_map(self._ctx.handle, ctypes.byref(params), ctypes.byref(memh))
+                if st != 0:
+                    self._unmap_all()
+                    raise TransportError(f"ucp_mem_map of region {k} ({ucp.memory_type_name(want)} memory on "
+                                         f"{t.device}, {t.numel()} bytes) failed: {ucp.why(st)}")
                 why = ucp.registration_mismatch(k, t.device, want, ucp.registered_memory_type(memh.value))
                 if why:
                     ucp.mem_unmap(self._ctx.handle, memh.value)
