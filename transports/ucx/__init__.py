@@ -265,7 +265,9 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
                 "rkeys": [k.hex() for k in self._rkeys_packed], "shm_settings": self._shm_settings}
 
     def connect(self, descriptor: dict) -> str:
-        """Sender, once per receiver: an endpoint to its worker (error handling off), its rkeys."""
+        """Sender, once per receiver: an endpoint to its worker (error handling off; through the
+        FAR_TLS worker when the peer is on another host or network namespace), its rkeys, and a
+        round trip over it within ``connect_timeout`` (``ConnectError`` naming the address)."""
         try:
             peer_id, addr = str(descriptor["id"]), bytes.fromhex(descriptor["address"])
             base, sizes = (np.asarray(descriptor[k], np.int64) for k in ("region_base", "region_sizes"))
