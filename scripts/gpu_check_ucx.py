@@ -94,8 +94,11 @@ def check_ucx_gpu_gpu(ctx: Ctx) -> str:
     proc, conn, desc = _spawn_receiver(ctx)
     tx = get_transport("ucx")
     src = _pattern(UCX_BYTES, ctx.device)
-    tx.register([src])
-    out = [f"UCX transports {sorted(tls)}", f"cuda_ipc {'yes' if 'cuda_ipc' in tls else 'NO'}"]
+    tx.register([src])   # mapped with the device's memory type; refused if UCX made it another
+    registered = tx.memory_types()
+    expect(registered == ["cuda" if ctx.cuda else "host"], f"UCX registered the {ctx.device} region as {registered}")
+    out = [f"UCX transports {sorted(tls)}", f"cuda_ipc {'yes' if 'cuda_ipc' in tls else 'NO'}",
+           f"registered as {registered[0]}"]
     try:
         peer = tx.connect(desc)
         for kind in ("whole", "pages", "packed"):

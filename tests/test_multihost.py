@@ -5,7 +5,8 @@ network namespace (``tests/hosts.py``), talking over the hosts' own addresses.
 Each transfer is checked byte for byte (sha256 per layer, K/V and global head of the request's
 tokens on both sides) and every decode byte outside the slots of successful requests must
 still hold the canary. UCX runs with ``UCX_TLS=tcp`` (``hosts.UCX_ENV``): namespaces share IPC,
-and UCX's shared-memory transports never deliver across them.
+and UCX's shared-memory transports never deliver across them; one test runs without it, where
+the transport itself must leave them out for a peer in another namespace.
 """
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ def transports():
     return out
 
 
-def start_cluster(hosts, transport: str, pool: dict, timeouts=(30, 60, 30, 60), hb=(0.5, 5.0)) -> dict:
+def start_cluster(hosts, transport: str, pool: dict, timeouts=(30, 60, 30, 60), hb=(0.5, 5.0),
+                  ucx_env: dict | None = UCX_ENV) -> dict:
     """Bootstrap in hosts[0], P_TP prefill ranks in hosts[1], D_TP decode ranks in hosts[2]."""
-    env = UCX_ENV if transport == "ucx" else None
+    env = ucx_env if transport == "ucx" else None
     c = {"boot": RankProc(hosts[0], "bootstrap", expect=P_TP), "prefill": [], "decode": []}
     try:
         common = dict(bootstrap=c["boot"].url, transport=transport, timeouts=list(timeouts), hb=list(hb), **pool)
@@ -100,6 +102,25 @@ def test_tp2_page_major_to_tp4_token_major_across_hosts(three, transport):
     c = start_cluster(three, transport, SMALL)
     try:
         rooms = {1: 37, 2: 160, 3: 300, 4: 16}
+        for room, tokens in rooms.items():
+            submit(c, room, tokens, chunks=2 if tokens >= 64 else 1)
+        for st in states(c["decode"] + c["prefill"], list(rooms), 60):
+            assert all(s["state"] == "Success" for s in st.values()), st
+        for room in rooms:
+            check_bytes(c, room)
+        check_canary(c, keep=list(rooms))
+    finally:
+        stop_cluster(c)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx does not import")
+def test_ucx_across_namespaces_without_a_tls_setting(three):
+    """No UCX_TLS anywhere (issue 17): each sender sees from the receiver's descriptor that it is
+    in another network namespace and connects it through transports that reach it (no shared
+    memory, no cma), where UCX's default would pick sysv/posix queues that never deliver."""
+    c = start_cluster(three, "ucx", SMALL, ucx_env={})
+    try:
+        rooms = {1: 37, 2: 160}
         for room, tokens in rooms.items():
             submit(c, room, tokens, chunks=2 if tokens >= 64 else 1)
         for st in states(c["decode"] + c["prefill"], list(rooms), 60):

@@ -22,7 +22,7 @@ pytest.importorskip("ucxx")
 
 from waiting import until  # noqa: E402
 
-from kvxfer.errors import PeerError  # noqa: E402
+from kvxfer.errors import ConnectError, PeerError  # noqa: E402
 from kvxfer.grant import ByteRanges  # noqa: E402
 from kvxfer.plan import RunGroup, TransferPlan  # noqa: E402
 from kvxfer.transport.kit import Crash  # noqa: E402
@@ -177,12 +177,14 @@ def test_incoming_transfers_per_peer_are_capped():
 
 
 def test_peers_are_capped():
-    """A HELLO beyond max_peers is dropped and counted; the known peer is still served."""
+    """A HELLO beyond max_peers is dropped and counted (the sender's connect gets no answer: a
+    ConnectError); the known peer is still served."""
     p = Pair(rx_opts={"max_peers": 1})
-    other = get_transport("ucx", **OPTS)
+    other = get_transport("ucx", **OPTS, connect_timeout=1.0)
     try:
         other.register([torch.zeros(4096, dtype=torch.uint8)])
-        other.connect(p.rx.descriptor())
+        with pytest.raises(ConnectError, match="did not answer"):
+            other.connect(p.rx.descriptor())
         assert until(lambda: _count(p.rx, "too many peers") == 1, 5.0), p.rx.rejected
         assert len(p.rx._peers) == 1
         p.honest()

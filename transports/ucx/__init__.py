@@ -26,8 +26,9 @@ One transfer (S sender, R receiver, each on its own I/O thread)::
     R -> S  ACK       only now is the handle DONE
 
 Files: ``bindings`` (ctypes over libucp), ``protocol`` (control messages, validated once),
-``sender``, ``receiver``, ``control`` (peers, control batches, heartbeats), and this module
-(options, the contract, start-up and shutdown, the I/O loop).
+``sender``, ``receiver``, ``control`` (peers, control batches, heartbeats), ``fencing``, ``settings``
+(thresholds, UCX settings), ``lifecycle`` (start-up, connect, shutdown), ``state`` (records),
+and this module (options, the contract, the I/O loop).
 
 Trust model: R checks every announced run before it answers GO, so an honest sender (even one
 with a wrong plan) never writes outside a grant. A *malicious* peer holding the rkeys of our
@@ -46,6 +47,12 @@ sides. Silence is not death: memory a silent peer could still write or read stay
 shared-memory transport (cma) abort()s the process when it touches a dead peer: the UCS log
 hook in ``bindings`` turns that into a failed call.
 
+Peers: ``connect`` waits for a round trip over the new endpoint (``connect_timeout``), so an
+address that does not reach fails there, by name. A peer whose descriptor says it is on another
+host or in another network namespace is reached through a second worker without shared memory
+and cma (``settings.FAR_TLS``; the user's own TLS setting wins); each connection's transports are
+logged. ``disconnect`` ends one peer and frees it once fencing allows (``lifecycle``).
+
 Threads: one I/O thread per transport (``kit.IOThread``) owns the worker and makes every UCX
 call. It loops while something happens and sleeps on the worker's event fd otherwise (busy
 polling was 3-40x slower on this 2-core machine whenever other processes ran). ``register``,
@@ -59,15 +66,16 @@ from __future__ import annotations
 
 import atexit
 import collections
-import ctypes
 import itertools
 import logging
 import os
 import queue
+import select
+import socket
 import time
 import uuid
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -85,22 +93,22 @@ from kvxfer.transport.kit import Call, Close, CommandQueue, Crash, IOThread, Sta
 from . import bindings as ucp
 from .bindings import frame_iovs
 from .control import UCXControl, host_identity, process_start
-from .protocol import (
-    ABORT,
-    ANNOUNCE,
-    CTRL_TAG,
-    DATA_BIT,
-    DONE,
-    FRAME_BITS,
-    HELLO,
-    SECRET_BYTES,
-    Abort,
-    Bye,
-    Fail,
-    Hello,
-)
+from .fencing import UCXFencing
+from .lifecycle import UCXLifecycle
+from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO
 from .receiver import UCXReceiver
 from .sender import INLINE_BELOW, UCXSender
+from .settings import (
+    MUST_MATCH,
+    PUT_BELOW,
+    PUT_BELOW_MANY,
+    UCX_DEFAULTS,
+    far_path,
+    reach,
+    shared_memory_settings,
+    tls_explicit,
+    ucx_settings,
+)
 from .state import Incoming, Outgoing, Peer
 
 __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLINE_BELOW", "ucx_settings",
@@ -109,46 +117,14 @@ __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLIN
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
-# Runs shorter than PUT_BELOW are packed, longer ones put; in a plan of more than FEW_RUNS runs,
-# runs shorter than PUT_BELOW_MANY are packed too. Measured (bench_transport.py, bench_hetero.py,
-# bench_request.py; shared memory on the 2-core box): 4 KiB pages go 1.6x faster packed than put.
-# A request of a few 8-16 KiB runs is faster put (1-page request 2.0 vs 2.35 ms packed): a frame
-# costs a rendezvous. Many such runs are faster packed, once the receiver's FIFO is large enough
-# (UCX_DEFAULTS): TP 2 -> 2 with 16 KiB runs 2.4 -> 3.3 GB/s, HND TP 2 -> 4 / 4 -> 2 with 8 KiB
-# runs 1.5 -> 2.3 / 1.9 -> 2.2; a put costs the sender a system call per run.
-PUT_BELOW = 8 * 1024
-PUT_BELOW_MANY = 32 * 1024
-# UCX settings this transport changes unless ``ucx_config`` or the environment (UCX_<name>) sets
-# them. SYSV_FIFO_SIZE: packed frames cross shared memory through the receiver's FIFO of 8 KiB
-# segments; UCX's 256 (2 MiB) fills in well under a millisecond, and a sender whose FIFO is full
-# waits for the receiver's thread to be scheduled and drain it. With six rank processes on two
-# cores (bench_hetero.py, token-major head slices) 4096 took TP 4 -> 2 from 0.75 to 1.4 GB/s and
-# 2 -> 4 from 1.2 to 1.4 (medians), same TP and one-sender transfers unchanged; it costs ~33 MB
-# of resident shared memory per transport (61 MiB of sysv segments reserved).
-UCX_DEFAULTS = {"SYSV_FIFO_SIZE": "4096"}
-# Shared-memory settings both peers must agree on: a sender indexes the receiver's FIFO with its
-# own size, so a mismatch hangs the pair silently. Descriptors carry them; connect() compares.
-_MUST_MATCH = ("SYSV_FIFO_SIZE", "SYSV_SEG_SIZE", "POSIX_FIFO_SIZE", "POSIX_SEG_SIZE")
-
-
-def ucx_settings(tls: str | None, ucx_config: dict | None, environ: Mapping[str, str]) -> dict[str, str]:
-    """The settings a transport hands UCX (names without ``UCX_``): ``UCX_DEFAULTS`` the
-    environment does not set, then ``ucx_config``, then ``tls``."""
-    return {**{k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in environ},
-            **(ucx_config or {}), **({"TLS": tls} if tls else {})}
-
-
-def _shared_memory_settings(config: dict[str, str], environ: Mapping[str, str]) -> dict[str, str]:
-    """The ``_MUST_MATCH`` settings in effect ("" for UCX's own default)."""
-    return {k: str(config.get(k, environ.get(f"UCX_{k}", ""))) for k in _MUST_MATCH}
-
-
-
-class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
+class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver, Transport):
     """UCX data plane of one rank. Options (keyword only, via ``get_transport("ucx", ...)``):
 
-    tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...); None: UCX's choice
-                  (shared memory on one host). Both peers must share a transport.
+    tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...), for every peer. None:
+                  UCX's choice (shared memory on one host), except that a peer on another host
+                  or in another network namespace (its descriptor says) is connected through a
+                  second worker without shared memory and cma (``FAR_TLS``), whose queues never
+                  deliver across network namespaces. Both peers must share a transport.
     frame_bytes   big runs are put in pieces of this size; packed blocks go in frames of it.
     put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)
     put_below_many  the same for plans of more than ``few_runs`` runs (``PUT_BELOW_MANY``)
@@ -168,6 +144,8 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
                   never given back until that peer flushes, re-handshakes or is proven dead.
                   A number: give it back after that many seconds anyway (counted in
                   ``fencing()["expired"]``); a late write may then corrupt the next owner.
+    connect_timeout  seconds connect() waits for the peer's answer over the new endpoint (a
+                  round trip on the data path); none: ``ConnectError`` naming the address.
     ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``; they replace
                   ``UCX_DEFAULTS`` (the environment's UCX_* settings do too).
     """
@@ -178,17 +156,17 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
                  heartbeat: float = 0.5, peer_timeout: float = 5.0, max_control_bytes: int = 64 << 20,
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, max_peers: int = 1024,
                  fence_grace: float = 1.0, quarantine_timeout: float | None = None,
-                 ucx_config: dict | None = None):
+                 connect_timeout: float = 10.0, ucx_config: dict | None = None):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
         config = ucx_settings(tls, ucx_config, os.environ)
-        self._shm_settings = _shared_memory_settings(config, os.environ)
+        self._shm_settings = shared_memory_settings(config, os.environ)
         self.id = uuid.uuid4().hex
         self.frame_bytes, self.put_below, self.put_below_many = int(frame_bytes), int(put_below), int(put_below_many)
         self.few_runs, self.heartbeat, self.peer_timeout = int(few_runs), heartbeat, peer_timeout
         self.max_control_bytes, self.max_incoming = int(max_control_bytes), int(max_incoming)
         self.max_incoming_per_peer, self.max_peers = int(max_incoming_per_peer), int(max_peers)
-        self.fence_grace = float(fence_grace)
+        self.fence_grace, self.connect_timeout = float(fence_grace), float(connect_timeout)
         self.quarantine_timeout = None if quarantine_timeout is None else float(quarantine_timeout)
         self._host_id, self._pid = host_identity(), os.getpid()
         self._start_ticks = process_start(self._pid) or 0
@@ -198,6 +176,12 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()  # so the idle I/O thread can sleep on the worker fd
         self._whandle, self._address = self._worker.handle, self._worker.address.tobytes()
+        # A second worker (FAR_TLS: no shared memory, no cma), made at the first peer on another
+        # host or network namespace; the I/O thread progresses and sleeps on both.
+        self._config, self._tls_explicit = config, tls_explicit(tls, ucx_config, os.environ)
+        self._far_ctx = self._far_worker = None
+        self._far_address = b""
+        self._workers = [self._worker]
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
         self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)
@@ -226,6 +210,9 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         # Receiver: ended transfers whose posted frame receives may still land:
         # (peer, rid, frames, nbytes, since).
         self._draining: list = []
+        self._closing: list[Peer] = []   # disconnected, freed once nothing of them is held
+        # Channel secret and epoch of disconnected peers (at most max_peers), for a later connect.
+        self._retired: collections.OrderedDict[str, tuple[bytes, int]] = collections.OrderedDict()
         self._xids, self._dtags = itertools.count(1), itertools.count(1)
         self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
@@ -264,29 +251,66 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         """Both sides, once, before descriptor(): map every region for RMA (blocks briefly)."""
         self._call(self._do_register, [byte_view(t) for t in regions])
 
+    def memory_types(self) -> list[str]:
+        """What UCX registered each region as ("host", "cuda", ...; "" for an empty region), as
+        ``ucp_mem_query`` says (register() already refused a region of another type than asked)."""
+        return self._call(lambda: [ucp.memory_type_name(ucp.registered_memory_type(m)) if m else ""
+                                   for m in self._memh])
+
     def descriptor(self) -> dict:
         """Plain JSON-safe data a peer needs: worker address, region addresses, sizes, rkeys."""
         return {"transport": self.name, "id": self.id, "address": self._address.hex(),
+                "hostname": socket.gethostname()[:255], "host": self._host_id,
                 "region_base": [int(b) for b in self._base], "region_sizes": list(self.grants.region_sizes),
                 "rkeys": [k.hex() for k in self._rkeys_packed], "shm_settings": self._shm_settings}
 
     def connect(self, descriptor: dict) -> str:
-        """Sender, once per receiver: an endpoint to its worker (error handling off), its rkeys."""
+        """Sender, once per receiver: an endpoint to its worker (error handling off; through the
+        FAR_TLS worker when the peer is on another host or network namespace), its rkeys, and a
+        round trip over it within ``connect_timeout`` (``ConnectError`` naming the address)."""
         try:
             peer_id, addr = str(descriptor["id"]), bytes.fromhex(descriptor["address"])
             base, sizes = (np.asarray(descriptor[k], np.int64) for k in ("region_base", "region_sizes"))
             rkeys = [bytes.fromhex(k) for k in descriptor["rkeys"]]
-            theirs = {k: str(descriptor.get("shm_settings", {}).get(k, "")) for k in _MUST_MATCH}
+            theirs = {k: str(descriptor.get("shm_settings", {}).get(k, "")) for k in MUST_MATCH}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ConnectError(f"not a UCX transport descriptor ({type(e).__name__}: {e})") from e
+        where = reach(self._host_id, str(descriptor.get("host", ""))[:200])
         differ = [f"UCX_{k} {self._shm_settings[k] or 'unset'} here, {theirs[k] or 'unset'} at the peer"
-                  for k in _MUST_MATCH if theirs[k] != self._shm_settings[k]]
-        if differ:
+                  for k in MUST_MATCH if theirs[k] != self._shm_settings[k]]
+        if differ and not far_path(where, self._tls_explicit):   # no shared memory between us: no matter
             raise ConnectError("UCX shared-memory settings differ from the peer's (a mismatch would hang "
                                f"transfers): {'; '.join(differ)}. Give both sides the same settings.")
         if not len(base) == len(sizes) == len(rkeys) or base.ndim != 1:
             raise ConnectError("UCX descriptor region lists differ in length")
-        return self._call(self._do_connect, peer_id, addr, base, sizes, rkeys)
+        named = (f"UCX peer {peer_id[:8]} on {str(descriptor.get('hostname', '?'))[:255]!r} (worker address "
+                 f"{addr[:8].hex()}..., {len(addr)} bytes)")
+        try:
+            peer = self._call(self._do_connect, peer_id, addr, base, sizes, rkeys, where)
+        except (TransportError, TimeoutError):
+            raise
+        except Exception as e:   # UCX refused the address (unreachable, malformed)
+            raise ConnectError(f"{named}: cannot make an endpoint: {type(e).__name__}: {e}") from e
+        # A round trip on the data path (our HELLO, its answer, over the endpoints transfers use),
+        # so an address that does not reach fails here, not at the first request.
+        p, end = self._peers.get(peer), time.monotonic() + self.connect_timeout
+        while p is not None and not p.answered and time.monotonic() < end and not self.broken:
+            time.sleep(0.002)
+        if p is None or not p.answered:
+            self.disconnect(peer)
+            raise ConnectError(f"{named} did not answer over UCX within {self.connect_timeout:g}s: its data "
+                               "address does not reach from here (another host or network namespace without a "
+                               "common transport, a firewall, or the process is gone)")
+        return peer
+
+    def disconnect(self, peer: str) -> None:
+        """Sender or receiver: end ``peer`` (an id from connect(), or a sender of ours). Its
+        transfers fail now, with a reason; its endpoint, rkeys and records go once nothing it
+        could still write here, and no put of ours that reads a source, is left (see
+        ``lifecycle``). Idempotent; an unknown peer is a no-op; connect() may follow."""
+        if self._closed or self.broken or not self.io.alive:
+            return
+        self._call(self._do_disconnect, str(peer))
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
@@ -295,7 +319,7 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
         handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
         p = self._peers.get(peer)
         why = (f"transport is broken: {self.broken}" if self.broken else "transport closed" if self._closed
-               else f"peer {peer!r} is not connected" if p is None or p.sizes is None
+               else f"peer {peer!r} is not connected" if p is None or p.sizes is None or p.closing
                else f"peer {peer} is silent (dead or stalled)" if p.gone else None)
         if why:
             handle.finish(PeerError(f"request {request_id}: {why}"), release=True)
@@ -333,50 +357,6 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
             log.warning("UCXTransport %s was garbage-collected without close()", self.id[:8])
 
     # ---- I/O thread: start-up and shutdown ------------------------------------------------
-    def _do_register(self, regions: list[torch.Tensor]) -> None:
-        if self._memh:
-            raise TransportError("register() was already called on this UCX transport")
-        for t in regions:
-            memh, buf, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
-            if t.numel():
-                params = ucp.MemMapParams(ucp.MEMMAP_ADDR_LEN, t.data_ptr(), t.numel())  # host or device
-                ucp.check(ucp.mem_map(self._ctx.handle, ctypes.byref(params), ctypes.byref(memh)), "ucp_mem_map")
-                ucp.check(ucp.rkey_pack(self._ctx.handle, memh, ctypes.byref(buf), ctypes.byref(size)),
-                          "ucp_rkey_pack")
-                self._rkeys_packed.append(ctypes.string_at(buf, size.value))
-                ucp.rkey_release(buf)
-            else:
-                self._rkeys_packed.append(b"")
-            self._memh.append(memh.value)
-            # One put parameter block per source region: its memh spares UCX a registration lookup.
-            self._params.append(ucp.RequestParam(op_attr_mask=ucp.OP_ATTR_MEMH if memh.value else 0,
-                                                 memh=memh.value))
-            self._param_refs.append(ctypes.byref(self._params[-1]))
-        self._regions = regions
-        self._base_list = [t.data_ptr() for t in regions]
-        self._base = np.asarray(self._base_list, np.int64)
-        self._region_sizes = np.asarray([t.numel() for t in regions], np.int64)
-        self._cuda_devices = {t.device for t in regions if t.is_cuda}
-        self._is_host = np.array([not t.is_cuda for t in regions], bool)
-        self._host_list, self._all_host = self._is_host.tolist(), bool(self._is_host.all())
-        self.grants.region_sizes = [t.numel() for t in regions]
-
-    def _do_connect(self, peer_id, addr, base, sizes, rkeys) -> str:
-        p = self._peers.get(peer_id) or self._add_peer(peer_id, addr, os.urandom(SECRET_BYTES))
-        if p.sizes is None:
-            handles = []
-            for k in rkeys:
-                h = ctypes.c_void_p()
-                if k:
-                    ucp.check(ucp.rkey_unpack(p.ep.handle, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
-                handles.append(h.value)
-            p.base, p.sizes, p.rkeys = base, sizes, handles
-            p.base_list, p.sizes_list = base.tolist(), sizes.tolist()
-            self._send(p, self._hello(p))
-        return peer_id
-
-    def _hello(self, p: Peer) -> Hello:
-        return Hello(self._address, p.secret, p.my_epoch, self._host_id, self._pid, self._start_ticks)
 
     def fencing(self) -> dict:
         """Any thread: what is held because a failed or silent peer could still write it (receiver:
@@ -391,73 +371,6 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
                 "fenced_peers": sum(1 for p in list(self._peers.values()) if p.fenced),
                 "released": self._fence_released, "expired": self._fence_expired}
 
-    def _add_peer(self, peer_id: str, addr: bytes, secret: bytes) -> Peer:
-        ep = self._worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), False)
-        p = self._peers[peer_id] = Peer(peer_id, ep, secret)
-        return p
-
-    def _crashed(self, why: str) -> None:
-        """The loop died of a bug (``IOThread.on_crash``): every transfer it owned fails."""
-        self._closed = True
-        self._shutdown(why)
-
-    def _shutdown(self, why: str) -> None:
-        """Fail what is open, say BYE, free UCX state (I/O thread; close, or after a crash)."""
-        for o in list(self._out.values()):
-            self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"), tell=False)
-        for i in list(self._in.values()):
-            self._fail_in(i, f"{why} before the transfer finished", tell=False)
-        self.commands.fail_all(why)
-        # Give held transfers a bounded chance to flush, so their ABORTs (sent after the flush)
-        # release the receiver's memory; a peer that cannot take it keeps it fenced.
-        end = time.monotonic() + min(1.0, self.peer_timeout)
-        while self._holding and time.monotonic() < end:
-            self._worker.progress()
-            for o in self._holding:
-                if self._puts_settled(o):
-                    self._release_and_abort(o)
-            self._holding = [o for o in self._holding if not o.handle.source_released]
-        for p in self._peers.values():
-            p.outbox = [m for m in p.outbox if isinstance(m, (Abort, Fail))]
-            self._send(p, Bye())
-        self._flush_outboxes()
-        end = time.monotonic() + 0.2  # let BYE leave; a dead peer never takes it
-        while self._ctrl_sends and time.monotonic() < end:
-            self._worker.progress()
-            self._ctrl_sends = [s for s in self._ctrl_sends if not s[0].completed]
-        self._worker.cancel_inflight_requests()
-        for p in self._peers.values():
-            for h in p.rkeys:
-                if h:
-                    ucp.rkey_destroy(h)
-            p.rkeys = []
-        for m in self._memh:
-            if m:
-                ucp.mem_unmap(self._ctx.handle, m)
-        self._memh, self._params, self._param_refs, self._regions = [], [], [], []
-        # Close endpoints now, without a flush: ucxx's destructor would flush-close them and
-        # spin forever on a dead peer (error handling is off).
-        for p in self._peers.values():
-            p.ep.close()
-        end = time.monotonic() + 0.1
-        while time.monotonic() < end:
-            self._worker.progress()
-        self._reap_draining()   # cancelled receives: free their requests
-        for o in self._holding:   # endpoints closed: no put of theirs is in flight any more
-            o.handle.release_source()
-        self._stop = True
-
-    def _free(self) -> None:
-        """Drop every UCX object (``IOThread.on_exit``): endpoints, requests, then the worker and
-        context themselves, so their fds and shared memory go now, cycle or no cycle."""
-        self.commands.fail_all(self.broken or "transport closed")
-        self._peers, self._out, self._in, self._by_dtag, self._zombies, self._flushing = {}, {}, {}, {}, [], []
-        self._holding, self._unflushed, self._draining = [], {}, []
-        self._open_rids.clear()   # nothing lands after close: the endpoints are closed
-        self._ctrl_sends, self._ctrl_recvs = [], []
-        self._staging.clear()
-        self._whandle = None
-        self._worker = self._ctx = None
 
     # ---- I/O thread: the loop -------------------------------------------------------------
     def _loop(self) -> None:
@@ -467,7 +380,8 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
             self._run_commands()
             if self._stop:  # closed by a command: the endpoints are gone
                 break
-            self._worker.progress()
+            for w in self._workers:
+                w.progress()
             self._poll_ctrl()
             self._poll_data()
             self._flush_puts()
@@ -477,12 +391,22 @@ class UCXTransport(UCXControl, UCXSender, UCXReceiver, Transport):
                 self._housekeeping(now)
                 self._next_tick = now + min(self.heartbeat, 0.1)
             self._flush_outboxes()
+            if self._closing:
+                self._retire_closing()
             if not self._acts:
                 self._sleeping = True
                 if self.commands.empty():
                     busy = self._out or self._in or self._ctrl_recvs  # then wake at least every ms
-                    self._worker.progress_worker_event(1 if busy else max(1, int((self._next_tick - now) * 1000)))
+                    self._idle(1 if busy else max(1, int((self._next_tick - now) * 1000)))
                 self._sleeping = False
+
+    def _idle(self, ms: int) -> None:
+        """Sleep until a worker has an event (or a command signals the main one), at most ``ms``."""
+        if self._far_worker is None:
+            self._worker.progress_worker_event(ms)
+        elif self._worker.arm() and self._far_worker.arm():   # False: events pending, do not sleep
+            select.select([self._worker.epoll_file_descriptor, self._far_worker.epoll_file_descriptor], [], [],
+                          ms / 1000)
 
     def _run_commands(self) -> None:
         for cmd in self.commands.take():

@@ -17,7 +17,7 @@ import os
 import numpy as np
 import ucxx  # noqa: F401  (loads the bundled libucx / libucxx)
 
-from kvxfer.errors import ConnectError
+from kvxfer.errors import ConnectError, TransportError
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
@@ -43,10 +43,30 @@ class MemMapParams(ctypes.Structure):  # ucp_mem_map_params_t
                 ("prot", ctypes.c_uint), ("memory_type", _int), ("exported_memh_buffer", _vp)]
 
 
+class MemAttr(ctypes.Structure):  # ucp_mem_attr_t
+    _fields_ = [("field_mask", _u64), ("address", _vp), ("length", _sz), ("mem_type", _int)]
+
+
 class RequestParam(ctypes.Structure):  # ucp_request_param_t
     _fields_ = [("op_attr_mask", ctypes.c_uint32), ("flags", ctypes.c_uint32), ("request", _vp), ("cb", _vp),
                 ("datatype", _u64), ("user_data", _vp), ("reply_buffer", _vp), ("memory_type", _int),
                 ("recv_info", _vp), ("memh", _vp)]
+
+
+class TransportEntry(ctypes.Structure):  # ucp_transport_entry_t
+    _fields_ = [("transport_name", ctypes.c_char_p), ("device_name", ctypes.c_char_p)]
+
+
+class Transports(ctypes.Structure):  # ucp_transports_t
+    _fields_ = [("entries", ctypes.POINTER(TransportEntry)), ("num_entries", ctypes.c_uint), ("entry_size", _sz)]
+
+
+class EpAttr(ctypes.Structure):  # ucp_ep_attr_t (sockaddr_storage: 128 bytes, 8-aligned)
+    _fields_ = [("field_mask", _u64), ("name", ctypes.c_char * 32), ("local_sockaddr", _u64 * 16),
+                ("remote_sockaddr", _u64 * 16), ("transports", Transports), ("user_data", _vp)]
+
+
+EP_ATTR_TRANSPORTS = 1 << 3
 
 
 def _fn(lib, name, res, *args):
@@ -71,8 +91,14 @@ request_cancel = _fn(_ucp, "ucp_request_cancel", None, _vp, _vp)
 tag_send = _fn(_ucp, "ucp_tag_send_nbx", _vp, _vp, _vp, _sz, _u64, _P(RequestParam))
 tag_recv = _fn(_ucp, "ucp_tag_recv_nbx", _vp, _vp, _vp, _sz, _u64, _u64, _P(RequestParam))
 worker_signal = _fn(_ucp, "ucp_worker_signal", _status_t, _vp)
+mem_query = _fn(_ucp, "ucp_mem_query", _status_t, _vp, _P(MemAttr))
+ep_query = _fn(_ucp, "ucp_ep_query", _status_t, _vp, ctypes.POINTER(EpAttr))
 _status_str = _fn(_ucs, "ucs_status_string", ctypes.c_char_p, _int)
 MEMMAP_ADDR_LEN, OP_ATTR_MEMH, INPROGRESS = 0b11, 1 << 8, 1
+MEMMAP_MEMORY_TYPE, MEM_ATTR_MEM_TYPE = 1 << 4, 1 << 2
+# ucs_memory_type_t
+MEMORY_TYPES = ("host", "cuda", "cuda-managed", "rocm", "rocm-managed", "rdma", "ze-host", "ze-device", "ze-managed")
+MEMORY_HOST, MEMORY_CUDA = 0, 1
 OP_ATTR_DATATYPE, OP_ATTR_RECV_INFO, DT_IOV = 1 << 3, 1 << 7, 2   # ucp_dt_make_iov()
 TRUNCATED = -9   # UCS_ERR_MESSAGE_TRUNCATED: a frame longer than its posted receive
 
@@ -227,3 +253,53 @@ def frame_iovs(addr: np.ndarray, n: np.ndarray, frame: int) -> list[np.ndarray]:
     else:   # every frame starts with a run (equal runs that divide the frame): the runs as they are
         piece, iov[:, 0], iov[:, 1] = starts, addr, n
     return np.split(iov, np.searchsorted(piece, bounds))
+
+
+def ep_transports(ep: int) -> list[tuple[str, str]]:
+    """(transport, device) of each lane of endpoint ``ep`` (``ucp_ep_query``), e.g.
+    ``[("tcp", "eth0"), ("sysv", "memory")]``; [] when UCX cannot say."""
+    entries = (TransportEntry * 16)()
+    attr = EpAttr(field_mask=EP_ATTR_TRANSPORTS)
+    attr.transports = Transports(ctypes.cast(entries, ctypes.POINTER(TransportEntry)), 16,
+                                 ctypes.sizeof(TransportEntry))
+    if ep_query(ep, ctypes.byref(attr)) != 0:
+        return []
+    out = []
+    for e in entries[:min(attr.transports.num_entries, 16)]:
+        name = (e.transport_name or b"?").decode(errors="replace")
+        dev = (e.device_name or b"?").decode(errors="replace")
+        if (name, dev) not in out:
+            out.append((name, dev))
+    return out
+
+
+def memory_type_of(device) -> int:
+    """The ``ucs_memory_type_t`` of memory on a torch device: cuda -> CUDA, cpu -> HOST."""
+    kind = getattr(device, "type", str(device).split(":")[0])
+    if kind == "cuda":
+        return MEMORY_CUDA
+    if kind == "cpu":
+        return MEMORY_HOST
+    raise TransportError(f"UCX cannot register memory on a {kind!r} device (only cpu and cuda)")
+
+
+def memory_type_name(n: int | None) -> str:
+    return "unknown" if n is None else MEMORY_TYPES[n] if 0 <= n < len(MEMORY_TYPES) else f"type {n}"
+
+
+def registered_memory_type(memh: int) -> int | None:
+    """What UCX made of a registration (``ucp_mem_query``), or None when it cannot say."""
+    attr = MemAttr(field_mask=MEM_ATTR_MEM_TYPE)
+    return int(attr.mem_type) if mem_query(memh, ctypes.byref(attr)) == 0 else None
+
+
+def registration_mismatch(index: int, device, want: int, got: int | None) -> str | None:
+    """Why registered region ``index`` (on ``device``) cannot be used, or None: UCX registered it
+    as another memory type than asked (a CUDA region as host memory: a UCX without CUDA support,
+    whose puts would read device pointers as host ones)."""
+    if got is None or got == want:
+        return None
+    hint = " (this UCX has no CUDA support, or its cuda module did not load: check `ucx_info -d`; a system " \
+           "UCX built with CUDA: RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true)" if want == MEMORY_CUDA else ""
+    return (f"UCX registered region {index} on {device} as {memory_type_name(got)} memory, not "
+            f"{memory_type_name(want)}{hint}")

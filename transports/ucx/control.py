@@ -23,9 +23,14 @@ both sides within their deadlines, but what it could still write or read stays h
   to it is closed, which cancels every local read, and the peer must be connected anew).
   When a silent peer speaks again, or fences us, we flush our endpoint to it and re-handshake
   (``_rehello``): announces wait for that HELLO, so no write of the old epoch follows it.
+  Silence is seen per direction, so a receiver may fence a sender that never saw it silent:
+  hearing a peer it fenced, the receiver tells it (FAIL, transfer id 0, "peer fenced"); an
+  announce it refused as fenced fails no request there and goes again after the new HELLO
+  (``_requeue``); a GO for an announce older than the re-handshake starts no put (ABORT).
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import hmac
 import logging
@@ -131,6 +136,7 @@ class UCXControl:
     _fence_released: int
     _fence_expired: int
     _worker: Any                      # ucx_api.UCXWorker
+    _workers: list                    # it, and the FAR_TLS worker once made
     _flush_param: ucp.RequestParam
     _peers: dict[str, Peer]
     _out: dict[int, Outgoing]
@@ -143,6 +149,7 @@ class UCXControl:
     _zombies: list
     _landing: dict[tuple[str, int], tuple[str, int, float]]
     _draining: list
+    _retired: collections.OrderedDict[str, tuple[bytes, int]]
     _acts: int
     _deliver: Callable[[Arrival], None]
     _add_peer: Callable[[str, bytes, bytes], Peer]
@@ -157,6 +164,10 @@ class UCXControl:
     _try_finish: Callable[[Incoming], None]
     _fail_in: _FailIn
     _landed: Callable[[str], None]
+    _peer_gone: Callable[[Peer, str], None]          # UCXFencing
+    _fence_check: Callable[[Peer, float], None]
+    _expire_quarantine: Callable[[float], None]
+    _drop_closed_peers: Callable[[float], None]
 
     def _send(self, p: Peer, msg: Message) -> None:
         """Queue a control message; each peer's queue leaves as one tagged message per turn."""
@@ -184,15 +195,15 @@ class UCXControl:
         self._ctrl_sends.append((p.last_send, buf))
 
     def _poll_ctrl(self) -> None:
-        while (res := self._worker.tag_probe(ucx_api.UCXXTag(CTRL_TAG), ucx_api.UCXXTagMask(KIND_MASK),
-                                             remove=True)).matched:
-            if res.length > self.max_control_bytes:   # received into one byte: UCX drops the rest unread
-                self.grants.reject("?", f"too large: a control message of {res.length} bytes")
-                junk = np.empty(1, np.uint8)
-                self._zombies.append((self._worker.tag_recv_with_handle(Array(junk), res), junk))
-                continue
-            buf = np.empty(max(res.length, 1), np.uint8)
-            self._ctrl_recvs.append((self._worker.tag_recv_with_handle(Array(buf), res), buf, res.length))
+        for w in self._workers:   # the main worker, and the FAR_TLS one once made
+            while (res := w.tag_probe(ucx_api.UCXXTag(CTRL_TAG), ucx_api.UCXXTagMask(KIND_MASK), remove=True)).matched:
+                if res.length > self.max_control_bytes:   # received into one byte: UCX drops the rest unread
+                    self.grants.reject("?", f"too large: a control message of {res.length} bytes")
+                    junk = np.empty(1, np.uint8)
+                    self._zombies.append((w.tag_recv_with_handle(Array(junk), res), junk))
+                    continue
+                buf = np.empty(max(res.length, 1), np.uint8)
+                self._ctrl_recvs.append((w.tag_recv_with_handle(Array(buf), res), buf, res.length))
         # In arrival order: an ANNOUNCE still streaming in must not be overtaken by its DONE.
         while self._ctrl_recvs and self._ctrl_recvs[0][0].completed:
             req, buf, length = self._ctrl_recvs.pop(0)
@@ -224,6 +235,8 @@ class UCXControl:
             except Exception as e:   # Malformed, or an address UCX refuses
                 self.grants.reject("?", f"malformed message: HELLO: {e}"[:200])
                 return
+        if p is None and (r := self._retired.get(sender)) is not None and hmac.compare_digest(secret, r[0]):
+            return   # a peer we disconnected, before it took our BYE: nothing to do with us any more
         if p is None or not hmac.compare_digest(secret, p.secret):
             self.grants.reject("?", f"unknown peer: message from {sender[:40]!r} without its channel")
             return
@@ -237,34 +250,51 @@ class UCXControl:
                 self.grants.reject("?", str(e)[:200])
             return
         p.clock.touch()
-        if p.gone:   # back after silence: whatever we sent it may be lost; flush, then re-handshake
+        p.answered = True
+        back = p.gone
+        if back:   # back after silence: whatever we sent it may be lost; flush, then re-handshake
             p.gone = False
             self._rehello(p)
         self._handle(p, m)
+        if back and p.fenced and not isinstance(m, Announce):
+            # We fenced it; it may not know (its own view of us never went silent). Tell it now,
+            # so it re-handshakes before its next announce instead of having that refused.
+            self._send(p, Fail(0, f"{FENCED}: flush, then HELLO with a new epoch"))
 
     def _handle(self, p: Peer, m: Message) -> None:
         if isinstance(m, Announce):
             if p.fenced:   # a write of the epoch we fenced: refused until the peer re-handshakes
-                self._deliver_failed(m.request_id, m.notify, f"peer failed: {FENCED}: it went silent and has "
-                                     "not re-handshaken")
+                # No arrival: the request is not failed here. Its sender re-handshakes and
+                # announces it again (``_requeue``); if it never does, the request's own deadline ends it.
                 self._send(p, Fail(m.xid, f"{FENCED}: flush, then HELLO with a new epoch"))
                 return
             self._on_announce(p, m)
         elif isinstance(m, Hello):
             self._on_hello(p, m)
+            self._send(p, Ping())   # at once: its connect() waits for a round trip over this path
         elif isinstance(m, (Go, Ack, Fail)):
             o = self._out.get(m.xid)
+            if isinstance(m, Fail) and m.why.startswith(FENCED):
+                # The receiver fenced us (we never saw it silent, or not yet): flush, then HELLO
+                # with a new epoch; an announce it refused for that goes again after the HELLO.
+                self._rehello(p)
+                if o is not None and o.peer is p and o.state == "wait_go":
+                    self._requeue(o)
+                return
             if o is None or o.peer is not p:
                 return  # a late answer for a transfer that already ended here
-            if isinstance(m, Go) and o.state == "wait_go":
+            if isinstance(m, Go) and o.state == "wait_go" and o.stale:
+                # Announced before a re-handshake began: a put of it now would follow the flush
+                # and belong to neither epoch. ABORT (nothing issued) lets the receiver let go.
+                self._fail_out(o, PeerError(f"request {o.handle.request_id}: the receiver fenced us; "
+                                            "re-handshaking"))
+            elif isinstance(m, Go) and o.state == "wait_go":
                 self._start_puts(o, m.dtag)
             elif isinstance(m, Ack) and (o.state == "wait_ack" or o.state == "wait_go" and not o.puts
                                          and o.staging is None and o.iov is None):
                 del self._out[o.xid]
                 o.handle.finish(release=True)   # puts flushed before DONE, or there were none
             elif isinstance(m, Fail):
-                if m.why.startswith(FENCED):
-                    self._rehello(p)
                 self._fail_out(o, (RejectedWrite if m.why.startswith(_REFUSALS) else PeerError)(
                     f"request {o.handle.request_id}: receiver refused the transfer: {m.why}"), tell=False)
         elif isinstance(m, (Done, Abort)) and (e := self._landing.pop((p.id, m.xid), None)) is not None:
@@ -292,20 +322,25 @@ class UCXControl:
         for key in [k for k in self._landing if k[0] == p.id]:
             self._landed(self._landing.pop(key)[0])
 
-    def _deliver_failed(self, rid: str, notify: bytes, reason: str) -> None:
-        from kvxfer.transport.base import Arrival
-        self._deliver(Arrival(rid, 0, False, reason, notify))
-
     def _rehello(self, p: Peer) -> None:
         """Sender: flush our endpoint to ``p``, then (``_check_rehello``) HELLO with a new epoch.
-        Transfers waiting for GO are failed (the peer fenced or forgot them), and new announces
-        wait for the HELLO, so no put issued after the flush began belongs to the old epoch."""
-        if p.rehello is not None or p.sizes is None:   # flushing already, or we never write to it
+        Transfers waiting for GO are marked stale: each gets one answer (control is ordered): a
+        GO fails it without a put (ABORT), a FENCED refusal announces it again after the HELLO
+        (``_requeue``). New announces wait for the HELLO, so no put issued after the flush
+        began belongs to the old epoch."""
+        if p.rehello is not None or p.sizes is None or p.closing:   # flushing already, or we never write to it
             return
-        for o in [o for o in self._out.values() if o.peer is p and o.state == "wait_go"]:
-            self._fail_out(o, PeerError(f"request {o.handle.request_id}: the peer was silent or fenced us; "
-                                        "re-handshaking"))
+        for o in self._out.values():
+            if o.peer is p and o.state == "wait_go":
+                o.stale = True
         p.rehello = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param)))
+
+    def _requeue(self, o: Outgoing) -> None:
+        """Sender: ``o``'s announce was refused because the receiver fenced us. Nothing of it
+        was issued (no GO): it is announced again, same transfer id, after our new HELLO."""
+        del self._out[o.xid]
+        o.state, o.stale = "queued", False
+        self._start_out(o)   # waits in p.waiting while the re-handshake flush runs
 
     def _check_rehello(self, p: Peer) -> None:
         """Sender, each tick: the re-handshake flush completed? Then HELLO, then the waiting announces."""
@@ -344,119 +379,9 @@ class UCXControl:
             if p.gone or p.fenced:
                 self._fence_check(p, now)
             # Ping only once the last message left: sends to a dead peer may never complete.
-            if now >= p.next_ping and (p.last_send is None or p.last_send.completed):
+            if now >= p.next_ping and (p.last_send is None or p.last_send.completed) and not p.closing:
                 p.next_ping = now + self.heartbeat
                 self._send(p, Ping())
         if self.quarantine_timeout is not None:
             self._expire_quarantine(now)
         self._drop_closed_peers(now)
-
-    # ---- fencing ---------------------------------------------------------------------------
-    def _holds(self, p: Peer) -> bool:
-        return any(k[0] == p.id for k in self._landing) or any(e[0] == p.id for e in self._draining) or \
-            any(o.peer is p for o in self._holding)
-
-    def _fence_check(self, p: Peer, now: float) -> None:
-        """A silent, fenced or closed peer that holds memory here.
-
-        Proven dead: only for a peer on our kernel in our PID and network namespaces (its HELLO
-        said so) whose process is gone (pid absent, or reused: another start time). It issues
-        nothing more; after ``fence_grace`` s of progress the writes it had queued in our
-        shared-memory FIFO or on loopback have been applied, and everything it held is freed.
-        Said BYE (its transport closed): after ``fence_grace`` s our endpoint to it is closed,
-        which ends our puts still reading a source, so our held sources are released; what it
-        could still write here stays held unless its ABORTs came (it flushes before BYE)."""
-        if not self._holds(p):
-            return
-        if p.pid and p.host and p.host == self._host_id:
-            if p.dead_since is None:
-                if process_start(p.pid) == p.start:
-                    pass   # alive (stalled): silence is not death
-                else:
-                    p.dead_since = now
-                    log.warning("UCX transport %s: peer %s (pid %d) is gone; freeing what it held in %.1fs",
-                                self.id[:8], p.id[:8], p.pid, self.fence_grace)
-                    return
-            elif now - p.dead_since >= self.fence_grace:
-                return self._release_peer(p, "proven dead (its process is gone)", writes_impossible=True)
-        if p.bye_at is not None and now - p.bye_at >= self.fence_grace and any(o.peer is p for o in self._holding):
-            self._release_peer(p, "closed its transport", writes_impossible=False)
-
-    def _release_peer(self, p: Peer, why: str, writes_impossible: bool) -> None:
-        """Close our endpoint to ``p`` (no flush: it cancels what is queued to it, so no put of
-        ours reads a source any more), release our held sources, and forget ``p`` (a new
-        connect(), a new handshake, is needed to reach it again). ``writes_impossible``: ``p``
-        cannot write here any more either, so its landing and draining entries end too; else
-        they stay held (fenced) until ``quarantine_timeout``, if set."""
-        for o in [o for o in self._out.values() if o.peer is p]:
-            self._fail_out(o, PeerError(f"request {o.handle.request_id}: peer {why}"), tell=False)
-        for i in [i for i in self._in.values() if i.peer is p]:
-            self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"), tell=False,
-                          puts_left=not writes_impossible)
-        try:
-            p.ep.close()
-        except Exception:
-            log.exception("closing the endpoint of peer %s", p.id[:8])
-        for _ in range(16):
-            self._worker.progress()
-        if writes_impossible:
-            for key in [k for k in self._landing if k[0] == p.id]:
-                self._landed(self._landing.pop(key)[0])
-            for entry in [e for e in self._draining if e[0] == p.id]:
-                self._draining.remove(entry)
-                self._zombies.append((entry[2], None))
-                self._landed(entry[1])
-        for o in [o for o in (*self._holding, *self._flushing) if o.peer is p]:
-            o.handle.release_source()
-        self._holding = [o for o in self._holding if o.peer is not p]
-        self._flushing = [o for o in self._flushing if o.peer is not p]
-        self._unflushed.pop(p.id, None)
-        for o in p.waiting:
-            o.handle.finish(PeerError(f"request {o.handle.request_id}: peer {why}"), release=True)
-        for h in p.rkeys:
-            if h:
-                ucp.rkey_destroy(h)
-        p.rkeys, p.outbox, p.waiting, p.rehello = [], [], [], None
-        self._peers.pop(p.id, None)
-        self._fence_released += 1
-
-    def _expire_quarantine(self, now: float) -> None:
-        """Only with ``quarantine_timeout`` set (default None: never): give back memory held for a
-        fenced peer for longer than that. Unsafe by construction (the peer may still write it)."""
-        limit = self.quarantine_timeout
-        for key, (rid, _n, since) in list(self._landing.items()):
-            if now - since > limit:
-                del self._landing[key]
-                self._landed(rid)
-                self._fence_expired += 1
-                log.warning("UCX transport %s: quarantine of request %s expired after %.0fs: releasing memory "
-                            "its sender may still write", self.id[:8], rid, limit)
-        for entry in [e for e in self._draining if now - e[4] > limit]:
-            self._draining.remove(entry)
-            self._zombies.append((entry[2], None))
-            self._landed(entry[1])
-            self._fence_expired += 1
-
-    def _drop_closed_peers(self, now: float) -> None:
-        """Forget peers that said BYE a while ago and that nothing refers to any more: their
-        transport closed (ids are per transport), and kept they would count against max_peers."""
-        busy = {o.peer.id for o in (*self._out.values(), *self._holding, *self._flushing)} | \
-            {key[0] for key in (*self._in, *self._landing)} | {e[0] for e in self._draining} | set(self._unflushed)
-        for p in [p for p in self._peers.values() if p.bye_at is not None and now - p.bye_at > self.peer_timeout
-                  and p.id not in busy and p.clock.heard <= p.bye_at]:
-            del self._peers[p.id]
-            for h in p.rkeys:
-                if h:
-                    ucp.rkey_destroy(h)
-            p.rkeys, p.outbox = [], []
-            p.ep.close()   # no flush: the peer is gone (error handling is off)
-
-    def _peer_gone(self, p: Peer, why: str) -> None:
-        """``p`` went silent (or said BYE): its transfers fail on both sides, but silence is not
-        death: what it could still write (``_landing``, ``_draining``) or read (``_holding``)
-        stays held, and it is fenced until it re-handshakes (see the module docstring)."""
-        p.gone = p.fenced = True
-        for o in [o for o in self._out.values() if o.peer is p]:
-            self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"))
-        for i in [i for i in self._in.values() if i.peer is p]:
-            self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"), tell=False)

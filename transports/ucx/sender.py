@@ -195,6 +195,8 @@ class UCXSender:
     def _start_puts(self, o: Outgoing, dtag: int) -> None:
         """GO came: issue every put and packed frame at once (all in flight); the turn flushes."""
         ep, rkeys, params, host = o.peer.ep.handle, o.peer.rkeys, self._param_refs, self._host_list
+        if o.peer.far:   # another context: our memory handles are not its own
+            params = [ctypes.byref(self._flush_param)] * len(params)
         # One ctypes call per put: a Python loop, bounded by bytes / put_below (see _prepare).
         for s, d, n, sr, dr in o.puts:
             if host[sr]:   # frees its request in C: one call per put instead of two (64 KiB: 22 vs 25 us)

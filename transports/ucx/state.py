@@ -31,6 +31,8 @@ class Peer:
     sizes_list: list = field(default_factory=list)
     rkeys: list = field(default_factory=list)
     gone: bool = False               # silent past peer_timeout; cleared when it speaks again
+    far: bool = False                # reached through the FAR_TLS worker (another host or network namespace)
+    answered: bool = False           # a message of it came through (connect() waits for one)
     outbox: list = field(default_factory=list)
     last_send: Any = None            # the latest control send to it
     next_ping: float = 0.0
@@ -46,6 +48,9 @@ class Peer:
     pid: int = 0
     start: int = 0
     dead_since: float | None = None  # proven dead (process gone) at; held memory is freed after a grace
+    closing: bool = False            # disconnect(): freed once nothing of it is held (``_retire_closing``)
+    close_flush: ucp.Flush | None = None   # the endpoint flush before it is closed
+    closing_since: float = 0.0
 
 
 @dataclass(eq=False)
@@ -85,3 +90,4 @@ class Outgoing:
     reqs: list = field(default_factory=list)
     flush: ucp.Flush | None = None
     abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
+    stale: bool = False              # announced before a re-handshake began: a GO for it is refused

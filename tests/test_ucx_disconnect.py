@@ -1,0 +1,151 @@
+"""``UCXTransport.disconnect(peer)``: the prefill endpoint ends a decode peer that re-handshook
+or was lost, so a peer's endpoint, rkeys and records do not leak per re-handshake.
+
+An in-process pair (shared memory). Every transfer is checked byte for byte.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ucxx")
+
+from waiting import until  # noqa: E402
+
+from kvxfer.grant import ByteRanges  # noqa: E402
+from kvxfer.plan import RunGroup, TransferPlan  # noqa: E402
+from kvxfer.transport.registry import get_transport  # noqa: E402
+
+POOL, CANARY = 8 << 20, 0xA5
+
+
+def plan(n: int, dst: int = 4096) -> TransferPlan:
+    z = np.zeros(1, np.int64)
+    return TransferPlan((RunGroup(z, z, z, z, np.array([0]), np.array([dst]), np.array([n]), False),))
+
+
+@pytest.fixture
+def pair():
+    rx = get_transport("ucx", heartbeat=0.1, peer_timeout=3.0)
+    tx = get_transport("ucx", heartbeat=0.1, peer_timeout=3.0)
+    dst = torch.full((POOL,), CANARY, dtype=torch.uint8)
+    src = torch.randint(0, 256, (POOL,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
+    rx.register([dst])
+    tx.register([src])
+    try:
+        yield rx, tx, src, dst
+    finally:
+        tx.close()
+        rx.close()
+
+
+def transfer_lands(rx, tx, peer, src, dst, rid: str, n: int = 256 << 10) -> None:
+    dst.fill_(CANARY)
+    rx.expect(rid, ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
+    h = tx.submit(peer, rid, plan(n), timeout=10)
+    assert h.wait(12), h.error
+    assert [a.ok for a in rx.arrivals(2.0) if a.request_id == rid] == [True]
+    assert torch.equal(dst[4096: 4096 + n], src[:n]), "bytes differ"
+    assert bool((dst[:4096] == CANARY).all()) and bool((dst[4096 + n:] == CANARY).all())
+
+
+def fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_connect_disconnect_200_times_leaks_nothing(pair):
+    rx, tx, src, dst = pair
+    desc = rx.descriptor()
+    peer = tx.connect(desc)
+    transfer_lands(rx, tx, peer, src, dst, "d.0")
+    base = None
+    for k in range(200):
+        tx.disconnect(peer)
+        assert until(lambda: peer not in tx._peers, 5.0), f"cycle {k}: the disconnected peer was never freed"
+        assert tx.connect(desc) == peer
+        if k == 9:   # UCX allocates some things once: measure after a few cycles
+            base = (fds(), threading.active_count(), len(rx._peers))
+    assert (fds(), threading.active_count(), len(rx._peers)) <= (base[0] + 2, base[1], base[2]), (base, fds())
+    assert len(tx._peers) == 1 and len(tx._retired) == 0 and not tx._closing
+    transfer_lands(rx, tx, peer, src, dst, "d.1")
+    assert sum(rx.grants.rejected.values()) == 0, rx.grants.rejected   # no HELLO refused on the way
+
+
+def test_disconnect_fails_in_flight_transfers_and_frees_after_the_flush(pair):
+    rx, tx, src, dst = pair
+    peer = tx.connect(rx.descriptor())
+    rx.expect("x.1", ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
+    h = tx.submit(peer, "x.1", plan(POOL - 4096), timeout=10)
+    tx.disconnect(peer)   # most often before its puts are done
+    h.wait(10)
+    if h.error is not None:   # it did not finish first: failed with the reason, source held until flushed
+        assert "disconnected" in str(h.error), h.error
+        assert until(lambda: h.source_released, 5.0), tx.fencing()
+        rx.forget("x.1")
+        assert until(lambda: not rx.writes_pending("x.1"), 5.0), f"the ABORT never came: {rx.fencing()}"
+    assert until(lambda: peer not in tx._peers, 5.0), "never freed"
+    assert tx.fencing()["sources"] == 0
+    # Submitting to a disconnected peer fails at once; connect() brings it back.
+    h2 = tx.submit(peer, "x.2", plan(4096), timeout=5)
+    assert h2.wait(1) is False and "not connected" in str(h2.error), h2.error
+    peer = tx.connect(rx.descriptor())
+    transfer_lands(rx, tx, peer, src, dst, "x.3")
+
+
+def test_disconnect_is_idempotent_unknown_is_a_noop_and_connect_may_come_at_once(pair):
+    rx, tx, src, dst = pair
+    tx.disconnect("no-such-peer")
+    desc = rx.descriptor()
+    peer = tx.connect(desc)
+    tx.disconnect(peer)
+    tx.disconnect(peer)
+    assert tx.connect(desc) == peer          # while its disconnect may still be pending
+    transfer_lands(rx, tx, peer, src, dst, "i.1")
+    assert rx.fencing()["fenced_peers"] == 0, rx.fencing()
+    tx.disconnect(peer)
+    assert until(lambda: peer not in tx._peers, 5.0)
+    # The receiver had our BYE and fenced us; reconnecting re-handshakes with a higher epoch.
+    assert tx.connect(desc) == peer
+    transfer_lands(rx, tx, peer, src, dst, "i.2")
+
+
+@pytest.mark.slow   # a receiver stalls for seconds (the full tier)
+def test_disconnect_holds_the_source_until_the_puts_are_flushed(tmp_path):
+    """Over TCP a put reads the source until the receiver takes it. Disconnecting a receiver
+    that stalls (GO in hand, then silent) fails the transfer at once, but the source and the
+    peer's endpoint stay until the flush completes; then both go, and every put did land."""
+    import hashlib
+
+    from xfer_peer import PeerProcess, enc, raw_plan
+    opts = {"tls": "tcp", "heartbeat": 0.1, "peer_timeout": 0.8}
+    tx = get_transport("ucx", **opts)
+    size = 64 << 20
+    region = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    tx.register([region])
+    rx = PeerProcess(tmp_path / "rx.err")
+    try:
+        desc = rx.call("init", transport="ucx", sizes=[size], fill="canary", options=opts)["descriptor"]
+        rx.call("expect", request_id="t.1", ranges={"region": enc(np.array([0])), "start": enc(np.array([0])),
+                                                     "nbytes": enc(np.array([size]))})
+        peer = tx.connect(desc)
+        z = np.zeros(1, np.int64)
+        rx.call("stall_after_announce", seconds=3.0)   # GO, then it stops: the puts sit in the sockets
+        h = tx.submit(peer, "t.1", raw_plan(z, z, z, z, np.array([size], np.int64)), timeout=20.0)
+        assert until(lambda: any(o.state == "flushing" for o in list(tx._out.values())), 5.0), "no GO came"
+        tx.disconnect(peer)
+        assert h.wait(2.0) is False and "disconnected" in str(h.error), h.error
+        time.sleep(1.5)   # past peer_timeout, the receiver still stalled
+        assert not h.source_released, "the source was released while puts of it were in flight"
+        assert peer in tx._peers, "the endpoint was closed while puts of it were in flight"
+        assert until(lambda: h.source_released, 15.0), f"never released after the receiver woke: {tx.fencing()}"
+        assert until(lambda: peer not in tx._peers, 5.0), "the peer was never freed"
+        assert rx.call("digest", regions=[0])["digests"]["0"] == hashlib.sha256(region.numpy()).hexdigest(), \
+            "the stalled receiver did not get every put once it woke"
+    finally:
+        rx.close()
+        tx.close()

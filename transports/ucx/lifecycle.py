@@ -1,0 +1,339 @@
+"""Start-up, connect and shutdown of a UCX transport, on its I/O thread.
+
+``UCXLifecycle`` is a mixin of ``UCXTransport``: ``_do_register`` maps the regions for RMA,
+``_do_connect`` makes an endpoint to a receiver and unpacks its rkeys, ``_do_disconnect`` and
+``_retire_closing`` end one peer, ``_shutdown`` fails what is open, says BYE and frees every UCX
+resource, ``_free`` drops the objects themselves.
+
+Disconnect (one peer; the transport lives on). Its transfers fail at once, with a reason, and
+the peer hears BYE. Its resources go only once the fencing rules allow: sources of ours that a
+put of it may still read stay held until their flush completes (then ABORT); memory of ours it
+may still write (it was a sender to us) stays held until its DONE, ABORT, re-handshake or proven
+death. Then our endpoint to it is flushed (bounded by ``peer_timeout``, so the ABORTs and BYE
+leave), closed, its rkeys destroyed and the ``Peer`` dropped; only its channel secret and epoch
+are kept (a bounded table), so a later connect() to the same transport re-handshakes with a
+higher epoch, which the peer may still be waiting for.
+"""
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from ucxx._lib import libucxx as ucx_api
+
+from kvxfer.errors import PeerError, TransportError
+from kvxfer.grant import GrantTable
+from kvxfer.transport.kit import CommandQueue, IOThread, StagingPool
+
+from . import bindings as ucp
+from .protocol import SECRET_BYTES, Abort, Bye, Fail, Hello
+from .settings import FAR_TLS, far_path
+from .state import Outgoing, Peer
+
+if TYPE_CHECKING:
+    from .protocol import Message
+
+log = logging.getLogger("kvxfer.transport.ucx")
+
+
+class UCXLifecycle:
+    """Start-up and shutdown half of ``UCXTransport`` (I/O thread)."""
+
+    # Declared for the type checker only: set in ``UCXTransport.__init__`` or defined by the
+    # other halves. Annotations, no values, so nothing here shadows the real attributes.
+    id: str
+    grants: GrantTable
+    peer_timeout: float
+    max_peers: int
+    commands: CommandQueue
+    io: IOThread
+    _ctx: Any                          # ucx_api.UCXContext
+    _worker: Any                       # ucx_api.UCXWorker
+    _whandle: Any
+    _address: bytes
+    _config: dict[str, str]
+    _tls_explicit: bool
+    _far_ctx: Any
+    _far_worker: Any
+    _far_address: bytes
+    _workers: list
+    _host_id: str
+    _pid: int
+    _start_ticks: int
+    _closed: bool
+    _stop: bool
+    _regions: list[torch.Tensor]
+    _base: np.ndarray
+    _base_list: list[int]
+    _region_sizes: np.ndarray
+    _is_host: np.ndarray
+    _host_list: list[bool]
+    _all_host: bool
+    _cuda_devices: set[torch.device]
+    _memh: list[int | None]
+    _params: list[ucp.RequestParam]
+    _param_refs: list
+    _rkeys_packed: list[bytes]
+    _peers: dict[str, Peer]
+    _out: dict
+    _in: dict
+    _by_dtag: dict
+    _unflushed: dict
+    _flushing: list
+    _holding: list[Outgoing]
+    _ctrl_sends: list
+    _ctrl_recvs: list
+    _zombies: list
+    _draining: list
+    _open_rids: Any
+    _staging: StagingPool
+    _flush_param: ucp.RequestParam
+    _closing: list[Peer]
+    _retired: collections.OrderedDict[str, tuple[bytes, int]]
+    _landing: dict
+    _rehello: Callable[[Peer], None]
+    _landed: Callable[[str], None]
+    _send: Callable[[Peer, Message], None]
+    _flush_outboxes: Callable[[], None]
+    _fail_out: Callable[..., None]            # UCXSender._fail_out(o, err, tell=True)
+    _fail_in: Callable[..., None]             # UCXReceiver._fail_in(i, reason, tell=True, puts_left=True)
+    _puts_settled: Callable[[Outgoing], bool]
+    _release_and_abort: Callable[[Outgoing], None]
+    _reap_draining: Callable[[], None]
+
+    def _do_register(self, regions: list[torch.Tensor]) -> None:
+        if self._memh:
+            raise TransportError("register() was already called on this UCX transport")
+        cuda = [t.device for t in regions if t.is_cuda]
+        if cuda:   # this thread makes every UCX call, CUDA copies of frames too: on the regions' device
+            torch.cuda.set_device(cuda[0])
+        for k, t in enumerate(regions):
+            memh, buf, size = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_size_t()
+            if t.numel():
+                want = ucp.memory_type_of(t.device)
+                params = ucp.MemMapParams(ucp.MEMMAP_ADDR_LEN | ucp.MEMMAP_MEMORY_TYPE, t.data_ptr(), t.numel(),
+                                          memory_type=want)
+                st = ucp.mem_map(self._ctx.handle, ctypes.byref(params), ctypes.byref(memh))
+                if st != 0:
+                    self._unmap_all()
+                    raise TransportError(f"ucp_mem_map of region {k} ({ucp.memory_type_name(want)} memory on "
+                                         f"{t.device}, {t.numel()} bytes) failed: {ucp.why(st)}")
+                why = ucp.registration_mismatch(k, t.device, want, ucp.registered_memory_type(memh.value))
+                if why:
+                    ucp.mem_unmap(self._ctx.handle, memh.value)
+                    self._unmap_all()
+                    raise TransportError(why)
+                ucp.check(ucp.rkey_pack(self._ctx.handle, memh, ctypes.byref(buf), ctypes.byref(size)),
+                          "ucp_rkey_pack")
+                self._rkeys_packed.append(ctypes.string_at(buf, size.value))
+                ucp.rkey_release(buf)
+            else:
+                self._rkeys_packed.append(b"")
+            self._memh.append(memh.value)
+            # One put parameter block per source region: its memh spares UCX a registration lookup.
+            self._params.append(ucp.RequestParam(op_attr_mask=ucp.OP_ATTR_MEMH if memh.value else 0,
+                                                 memh=memh.value))
+            self._param_refs.append(ctypes.byref(self._params[-1]))
+        self._regions = regions
+        self._base_list = [t.data_ptr() for t in regions]
+        self._base = np.asarray(self._base_list, np.int64)
+        self._region_sizes = np.asarray([t.numel() for t in regions], np.int64)
+        self._cuda_devices = {t.device for t in regions if t.is_cuda}
+        self._is_host = np.array([not t.is_cuda for t in regions], bool)
+        self._host_list, self._all_host = self._is_host.tolist(), bool(self._is_host.all())
+        self.grants.region_sizes = [t.numel() for t in regions]
+
+    def _unmap_all(self) -> None:
+        """Undo a register() that failed part way: nothing stays mapped or half-listed."""
+        for m in self._memh:
+            if m:
+                ucp.mem_unmap(self._ctx.handle, m)
+        self._memh, self._params, self._param_refs, self._rkeys_packed = [], [], [], []
+
+    def _do_connect(self, peer_id, addr, base, sizes, rkeys, where: str = "unknown") -> str:
+        p = self._peers.get(peer_id)
+        if p is not None and p.closing:   # connected again while its disconnect was pending
+            p.closing = False
+            self._closing.remove(p)
+            if p.close_flush is not None:
+                self._zombies.append((p.close_flush, None))
+                p.close_flush = None
+            self._rehello(p)   # it heard BYE and fenced us: flush, then HELLO with a new epoch
+        if p is None:
+            secret, epoch = self._retired.pop(peer_id, (os.urandom(SECRET_BYTES), -1))
+            p = self._add_peer(peer_id, addr, secret, far_path(where, self._tls_explicit))
+            p.my_epoch = epoch + 1   # above every HELLO it had from us: lifts a fence it may hold
+            self._log_path(p, where)
+        if p.sizes is None:
+            handles = []
+            for k in rkeys:
+                h = ctypes.c_void_p()
+                if k:
+                    ucp.check(ucp.rkey_unpack(p.ep.handle, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
+                handles.append(h.value)
+            p.base, p.sizes, p.rkeys = base, sizes, handles
+            p.base_list, p.sizes_list = base.tolist(), sizes.tolist()
+            self._send(p, self._hello(p))
+        return peer_id
+
+    def _do_disconnect(self, peer_id: str) -> None:
+        """Fail ``peer_id``'s transfers, say BYE, and free it once the fencing rules allow
+        (``_retire_closing``). Unknown or already disconnecting: nothing to do."""
+        p = self._peers.get(peer_id)
+        if p is None or p.closing:
+            return
+        p.closing, p.closing_since = True, time.monotonic()
+        why = "the peer was disconnected"
+        for o in [o for o in self._out.values() if o.peer is p]:
+            self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"))   # ABORT once flushed
+        for o in p.waiting:
+            o.handle.finish(PeerError(f"request {o.handle.request_id}: {why}"), release=True)
+        p.waiting = []
+        for i in [i for i in self._in.values() if i.peer is p]:
+            self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"))
+        self._send(p, Bye())
+        self._closing.append(p)
+        self._retire_closing()
+
+    def _retire_closing(self) -> None:
+        """Free disconnected peers that hold nothing any more: flush the endpoint (bounded), close
+        it, destroy the rkeys, keep only the channel secret and epoch."""
+        now, left = time.monotonic(), []
+        for p in self._closing:
+            if self._peers.get(p.id) is not p:   # released meanwhile (proven dead)
+                continue
+            if any(o.peer is p for o in (*self._out.values(), *self._holding, *self._flushing)) \
+                    or p.id in self._unflushed or p.rehello is not None or p.outbox \
+                    or any(k[0] == p.id for k in (*self._in, *self._landing)) \
+                    or any(e[0] == p.id for e in self._draining):
+                left.append(p)   # a put may still read our source, or one of its may still land here
+                continue
+            if p.close_flush is None:   # nothing of ours reads a source: flush so ABORTs and BYE leave
+                p.close_flush = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param)))
+            if p.close_flush.poll() is None and now - p.closing_since < self.peer_timeout:
+                left.append(p)
+                continue
+            if p.close_flush.ptr is not None:
+                self._zombies.append((p.close_flush, None))
+            del self._peers[p.id]
+            for h in p.rkeys:
+                if h:
+                    ucp.rkey_destroy(h)
+            p.rkeys, p.close_flush = [], None
+            p.ep.close()   # flushed, or the peer is silent: no put of ours is in flight to it
+            self._retired[p.id] = (p.secret, p.my_epoch)
+            self._retired.move_to_end(p.id)
+            while len(self._retired) > self.max_peers:
+                self._retired.popitem(last=False)
+        self._closing = left
+
+    def _far(self) -> Any:
+        """The FAR_TLS worker, made on first use (its own context: its transports differ)."""
+        if self._far_worker is None:
+            self._far_ctx = ucx_api.UCXContext({**self._config, "TLS": FAR_TLS},
+                                               feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
+                                                              ucx_api.Feature.WAKEUP))
+            w = ucx_api.UCXWorker(self._far_ctx)
+            w.init_blocking_progress_mode()
+            self._far_address, self._far_worker = w.address.tobytes(), w
+            self._workers = [self._worker, w]
+        return self._far_worker
+
+    def _log_path(self, p: Peer, where: str) -> None:
+        """Say which transports reach ``p`` (INFO), and warn when another host is reached by TCP."""
+        lanes = ucp.ep_transports(p.ep.handle)
+        said = ", ".join(f"{t}/{d}" for t, d in lanes) or "unknown transports"
+        place = {"same": "this host", "netns": "this host, another network namespace", "host": "another host"}.get(
+            where, "a place it did not say")
+        log.info("UCX transport %s: peer %s (%s) over %s%s", self.id[:8], p.id[:8], place, said,
+                 " (no shared memory or cma: they do not reach it)" if p.far else "")
+        if where == "host" and lanes and all(t == "tcp" for t, _ in lanes):
+            log.warning("UCX transport %s: peer %s on another host is reached over TCP only (no RDMA transport "
+                        "in this UCX; RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true uses a system UCX)",
+                        self.id[:8], p.id[:8])
+
+    def _hello(self, p: Peer) -> Hello:
+        return Hello(self._far_address if p.far else self._address, p.secret, p.my_epoch, self._host_id, self._pid,
+                     self._start_ticks)
+
+    def _add_peer(self, peer_id: str, addr: bytes, secret: bytes, far: bool = False) -> Peer:
+        worker = self._far() if far else self._worker
+        ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), False)
+        p = self._peers[peer_id] = Peer(peer_id, ep, secret, far=far)
+        return p
+
+    def _progress(self) -> None:
+        for w in self._workers:
+            w.progress()
+
+    def _crashed(self, why: str) -> None:
+        """The loop died of a bug (``IOThread.on_crash``): every transfer it owned fails."""
+        self._closed = True
+        self._shutdown(why)
+
+    def _shutdown(self, why: str) -> None:
+        """Fail what is open, say BYE, free UCX state (I/O thread; close, or after a crash)."""
+        for o in list(self._out.values()):
+            self._fail_out(o, PeerError(f"request {o.handle.request_id}: {why}"), tell=False)
+        for i in list(self._in.values()):
+            self._fail_in(i, f"{why} before the transfer finished", tell=False)
+        self.commands.fail_all(why)
+        # Give held transfers a bounded chance to flush, so their ABORTs (sent after the flush)
+        # release the receiver's memory; a peer that cannot take it keeps it fenced.
+        end = time.monotonic() + min(1.0, self.peer_timeout)
+        while self._holding and time.monotonic() < end:
+            self._progress()
+            for o in self._holding:
+                if self._puts_settled(o):
+                    self._release_and_abort(o)
+            self._holding = [o for o in self._holding if not o.handle.source_released]
+        for p in self._peers.values():
+            p.outbox = [m for m in p.outbox if isinstance(m, (Abort, Fail))]
+            self._send(p, Bye())
+        self._flush_outboxes()
+        end = time.monotonic() + 0.2  # let BYE leave; a dead peer never takes it
+        while self._ctrl_sends and time.monotonic() < end:
+            self._progress()
+            self._ctrl_sends = [s for s in self._ctrl_sends if not s[0].completed]
+        for w in self._workers:
+            w.cancel_inflight_requests()
+        for p in self._peers.values():
+            for h in p.rkeys:
+                if h:
+                    ucp.rkey_destroy(h)
+            p.rkeys = []
+        for m in self._memh:
+            if m:
+                ucp.mem_unmap(self._ctx.handle, m)
+        self._memh, self._params, self._param_refs, self._regions = [], [], [], []
+        # Close endpoints now, without a flush: ucxx's destructor would flush-close them and
+        # spin forever on a dead peer (error handling is off).
+        for p in self._peers.values():
+            p.ep.close()
+        end = time.monotonic() + 0.1
+        while time.monotonic() < end:
+            self._progress()
+        self._reap_draining()   # cancelled receives: free their requests
+        for o in self._holding:   # endpoints closed: no put of theirs is in flight any more
+            o.handle.release_source()
+        self._stop = True
+
+    def _free(self) -> None:
+        """Drop every UCX object (``IOThread.on_exit``): endpoints, requests, then the worker and
+        context themselves, so their fds and shared memory go now, cycle or no cycle."""
+        self.commands.fail_all(self.io.broken or "transport closed")
+        self._peers, self._out, self._in, self._by_dtag, self._zombies, self._flushing = {}, {}, {}, {}, [], []
+        self._holding, self._unflushed, self._draining, self._closing = [], {}, [], []
+        self._open_rids.clear()   # nothing lands after close: the endpoints are closed
+        self._ctrl_sends, self._ctrl_recvs = [], []
+        self._staging.clear()
+        self._whandle = None
+        self._workers, self._far_worker, self._far_ctx = [], None, None
+        self._worker = self._ctx = None

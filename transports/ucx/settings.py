@@ -1,0 +1,67 @@
+"""Settings of a UCX transport: the put/pack thresholds, the UCX settings it changes, and the
+shared-memory settings both peers must agree on. Plain functions and constants, no UCX calls."""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Runs shorter than PUT_BELOW are packed, longer ones put; in a plan of more than FEW_RUNS runs,
+# runs shorter than PUT_BELOW_MANY are packed too. Measured (bench_transport.py, bench_hetero.py,
+# bench_request.py; shared memory on the 2-core box): 4 KiB pages go 1.6x faster packed than put.
+# A request of a few 8-16 KiB runs is faster put (1-page request 2.0 vs 2.35 ms packed): a frame
+# costs a rendezvous. Many such runs are faster packed, once the receiver's FIFO is large enough
+# (UCX_DEFAULTS): TP 2 -> 2 with 16 KiB runs 2.4 -> 3.3 GB/s, HND TP 2 -> 4 / 4 -> 2 with 8 KiB
+# runs 1.5 -> 2.3 / 1.9 -> 2.2; a put costs the sender a system call per run.
+PUT_BELOW = 8 * 1024
+PUT_BELOW_MANY = 32 * 1024
+# UCX settings this transport changes unless ``ucx_config`` or the environment (UCX_<name>) sets
+# them. SYSV_FIFO_SIZE: packed frames cross shared memory through the receiver's FIFO of 8 KiB
+# segments; UCX's 256 (2 MiB) fills in well under a millisecond, and a sender whose FIFO is full
+# waits for the receiver's thread to be scheduled and drain it. With six rank processes on two
+# cores (bench_hetero.py, token-major head slices) 4096 took TP 4 -> 2 from 0.75 to 1.4 GB/s and
+# 2 -> 4 from 1.2 to 1.4 (medians), same TP and one-sender transfers unchanged; it costs ~33 MB
+# of resident shared memory per transport (61 MiB of sysv segments reserved).
+UCX_DEFAULTS = {"SYSV_FIFO_SIZE": "4096"}
+# Shared-memory settings both peers must agree on: a sender indexes the receiver's FIFO with its
+# own size, so a mismatch hangs the pair silently. Descriptors carry them; connect() compares.
+MUST_MATCH = ("SYSV_FIFO_SIZE", "SYSV_SEG_SIZE", "POSIX_FIFO_SIZE", "POSIX_SEG_SIZE")
+
+
+def ucx_settings(tls: str | None, ucx_config: dict | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The settings a transport hands UCX (names without ``UCX_``): ``UCX_DEFAULTS`` the
+    environment does not set, then ``ucx_config``, then ``tls``."""
+    return {**{k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in environ},
+            **(ucx_config or {}), **({"TLS": tls} if tls else {})}
+
+
+def shared_memory_settings(config: dict[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``MUST_MATCH`` settings in effect ("" for UCX's own default)."""
+    return {k: str(config.get(k, environ.get(f"UCX_{k}", ""))) for k in MUST_MATCH}
+
+
+# Transports for a peer on another host or in another network namespace of this kernel: every
+# one but shared memory and cma. Namespaces of one kernel share IPC, so UCX would pick sysv/posix
+# shared memory for them, whose queues never deliver across network namespaces (docs: UCX.md,
+# "Across hosts"); on another host they do not reach at all.
+FAR_TLS = "^sm,cma"
+
+
+def tls_explicit(tls: str | None, ucx_config: dict | None, environ: Mapping[str, str]) -> bool:
+    """The user chose UCX's transports (the ``tls`` option, ``ucx_config["TLS"]`` or UCX_TLS):
+    then every peer is reached with them, as told."""
+    return bool(tls) or "TLS" in (ucx_config or {}) or "UCX_TLS" in environ
+
+
+def reach(mine: str, theirs: str) -> str:
+    """Where a peer is, from two ``host_identity()`` strings (boot id / PID ns / network ns):
+    "same" (this kernel and network namespace), "netns" (this kernel, another network
+    namespace), "host" (another kernel) or "unknown" (the peer did not say)."""
+    m, t = mine.split("/"), theirs.split("/")
+    if len(m) != 3 or len(t) != 3 or not all(m) or not all(t):
+        return "unknown"
+    return "host" if m[0] != t[0] else "netns" if m[2] != t[2] else "same"
+
+
+def far_path(where: str, explicit: bool) -> bool:
+    """Connect through the ``FAR_TLS`` worker? Only when the peer said where it is, is not in
+    our network namespace, and the user did not choose the transports."""
+    return not explicit and where in ("host", "netns")
