@@ -27,8 +27,10 @@ still inside the namespaces (``ip netns pids``), then deletes namespaces, veths 
 ``sweep_stale()`` (run by every ``TestHosts``) removes what runs whose pid is dead left.
 
 Processes in different network namespaces still share IPC (System V / POSIX shared memory),
-so UCX would pick shared memory between them, which never delivers across namespaces:
-give UCX peers ``UCX_ENV`` (``UCX_TLS=tcp``).
+so UCX's default choice would be shared memory, which never delivers across namespaces; the
+UCX transport sees the other namespace in the peer's descriptor and connects it without shared
+memory (``test_multihost`` runs that once with no setting). ``UCX_ENV`` (``UCX_TLS=tcp``) pins
+the other multi-host tests to TCP explicitly.
 
 ``tc netem`` is not in this kernel (``qdisc_available("netem")`` says so); ``tbf`` is.
 Delay and loss are emulated by ``tests/relay.py`` instead.
