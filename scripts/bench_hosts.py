@@ -1,8 +1,9 @@
-"""Benchmark across test hosts: one 64 MiB request host B -> host C, TP 1 -> 1, over zmq and
-UCX-tcp, next to a raw TCP stream (sendall / recv_into) between the same two namespaces.
+"""Benchmark across test hosts: one 64 MiB request host B -> host C, TP 1 -> 1 and TP 2 -> 4
+(page-major prefill, token-major decode: head slices), over zmq and UCX-tcp, next to a raw TCP
+stream (sendall / recv_into) between the same two namespaces, before and after (same run).
 Prints the median of ``--repeat`` runs (default 3) in GB/s. Root only (network namespaces).
 
-    .venv/bin/python scripts/bench_hosts.py [--mib 64] [--repeat 3] [--transports zmq,ucx]
+    .venv/bin/python scripts/bench_hosts.py [--mib 64] [--repeat 3] [--transports zmq,ucx] [--tp 1:1,2:4]
 
 Uses tests/hosts.py (the hosts) and tests/multihost_rank.py (the ranks). A benchmark, not a
 test: it asserts only that every request arrived byte-exact.
@@ -56,32 +57,47 @@ def raw_tcp(hosts, nbytes: int, repeat: int) -> list[float]:
     return out
 
 
-def kvxfer_request(hosts, transport: str, mib: int, repeat: int) -> list[float]:
-    # 2 layers x K,V x 8 heads x 128 dims x bf16 = 8 KiB per token
+def kvxfer_request(hosts, transport: str, mib: int, repeat: int, p_tp: int = 1, d_tp: int = 1) -> list[float]:
+    """One ``mib`` MiB request (all heads) from prefill TP ``p_tp`` (page-major, host B) to decode
+    TP ``d_tp`` (token-major, host C): GB/s of each timed run, every head's bytes compared."""
+    # 2 layers x K,V x 8 heads x 128 dims x bf16 = 8 KiB per token (all ranks together)
     tokens = mib * 1024 * 1024 // 8192
     # decode keeps every successful request's slots: room for all of them
     pool = dict(heads=8, layers=2, head_dim=128, page_size=16, num_pages=(repeat + 1) * tokens // 16 + 2)
     env = UCX_ENV if transport == "ucx" else None
-    boot = RankProc(hosts[0], "bootstrap", expect=1)
-    ranks = []
+    boot = RankProc(hosts[0], "bootstrap", expect=p_tp)
+    ranks: list[RankProc] = []
     try:
-        common = dict(bootstrap=boot.url, transport=transport, tp_size=1, **pool)
-        ranks.append(RankProc(hosts[1], "prefill", env=env, layout="page_major", seed=3, **common))
-        ranks.append(RankProc(hosts[2], "decode", env=env, layout="token_major", **common))
-        p, d = ranks
+        common = dict(bootstrap=boot.url, transport=transport, **pool)
+        ps = [RankProc(hosts[1], "prefill", env=env, layout="page_major", seed=3, tp_rank=r, tp_size=p_tp, **common)
+              for r in range(p_tp)]
+        ranks += ps
+        ds = [RankProc(hosts[2], "decode", env=env, layout="token_major", tp_rank=r, tp_size=d_tp, **common)
+              for r in range(d_tp)]
+        ranks += ds
         out = []
         for room in range(1, repeat + 2):        # the first one warms up, and is not counted
-            d.call("receiver", room=room, tokens=tokens)
-            p.call("sender", room=room, tokens=tokens)
+            for d in ds:
+                d.call("receiver", room=room, tokens=tokens)
+            for p in ps:
+                p.call("sender", room=room, tokens=tokens)
             t = time.perf_counter()
-            p.call("send", room=room)
-            st = d.call("wait", rooms=[room], within=120, timeout=180)[str(room)]
+            for p in ps:
+                p.call("send", room=room)
+            for d in ds:
+                st = d.call("wait", rooms=[room], within=120, timeout=180)[str(room)]
+                assert st["state"] == "Success", st
             took = time.perf_counter() - t
-            assert st["state"] == "Success", st
-            assert p.call("digest", room=room) == d.call("digest", room=room), f"room {room}: bytes differ"
+            sent, got = {}, {}
+            for p in ps:
+                sent.update(p.call("digest", room=room, timeout=120))
+            for d in ds:
+                got.update(d.call("digest", room=room, timeout=120))
+            assert sent == got, f"room {room}: bytes differ"
             if room > 1:
                 out.append(tokens * 8192 / took / 1e9)
-            p.call("wait", rooms=[room], within=30)
+            for p in ps:
+                p.call("wait", rooms=[room], within=30)
         return out
     finally:
         for r in ranks[::-1] + [boot]:
@@ -93,21 +109,29 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--transports", default="zmq,ucx")
+    ap.add_argument("--tp", default="1:1,2:4", help="prefill:decode TP pairs, comma-separated")
     a = ap.parse_args()
     why = hosts_skip_reason()
     if why:
         print(f"cannot run: {why}")
         return 1
+    pairs = [tuple(int(x) for x in pair.split(":")) for pair in a.tp.split(",")]
     with TestHosts(3) as hosts:
         rows = {"raw tcp": raw_tcp(hosts, a.mib << 20, a.repeat)}
-        for t in a.transports.split(","):
-            if t == "ucx" and importlib.util.find_spec("ucxx") is None:
-                print("ucx: ucxx does not import, skipped")
-                continue
-            rows[f"kvxfer {t}" + ("(tcp)" if t == "ucx" else "")] = kvxfer_request(hosts, t, a.mib, a.repeat)
-    print(f"one {a.mib} MiB request host B -> host C, TP 1 -> 1 (veth on a bridge), median of {a.repeat}:")
+        for p_tp, d_tp in pairs:
+            for t in a.transports.split(","):
+                if t == "ucx" and importlib.util.find_spec("ucxx") is None:
+                    print("ucx: ucxx does not import, skipped")
+                    continue
+                name = f"kvxfer {t}{'(tcp)' if t == 'ucx' else ''} TP {p_tp}->{d_tp}"
+                rows[name] = kvxfer_request(hosts, t, a.mib, a.repeat, p_tp, d_tp)
+        rows["raw tcp (again)"] = raw_tcp(hosts, a.mib << 20, a.repeat)
+    raw = statistics.median(rows["raw tcp"] + rows["raw tcp (again)"])
+    print(f"one {a.mib} MiB request host B -> host C (veth on a bridge), page-major -> token-major, "
+          f"median of {a.repeat}; ratio to the raw TCP median of this run ({raw:.2f} GB/s):")
     for name, v in rows.items():
-        print(f"  {name:18s} {statistics.median(v):6.2f} GB/s   runs: {', '.join(f'{x:.2f}' for x in v)}")
+        m = statistics.median(v)
+        print(f"  {name:24s} {m:6.2f} GB/s  {m / raw:5.2f}x   runs: {', '.join(f'{x:.2f}' for x in v)}")
     return 0
 
 
