@@ -5,9 +5,9 @@ on 127.0.0.1: torch.distributed gloo, NIXL (UCX backend) and Mooncake Transfer E
     .venv/bin/python scripts/bench_peers.py [--quick] [--json PATH] [--peers]
 
 Cases (pools of 1 GiB, 256 MiB with --quick, on both sides):
-  scattered    1000 pages of 64 KiB at random places of the source pool -> random places of
-               the destination pool (a request's KV pages after some churn)
-  one run      one 16 MiB contiguous run
+  scattered    1000 pages of 64 KiB, and 1000 of 4 KiB, at random places of the source pool ->
+               random places of the destination pool (a request's KV pages after some churn)
+  one run      one 16 MiB contiguous run, and one of 1 MiB
 
 Peers, each the way its users drive it:
   kvxfer zmq / ucx  one ``submit`` of a plan with the runs; done when the receiver acked
@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--peers", action="store_true", help="include NIXL and Mooncake (creates their venvs)")
     ap.add_argument("--pages", type=int, default=1000)
-    ap.add_argument("--page-kib", type=int, default=64)
-    ap.add_argument("--run-mib", type=int, default=16)
+    ap.add_argument("--page-kib", default="64,4", help="page sizes of the scattered cases, comma-separated")
+    ap.add_argument("--run-mib", default="16,1", help="sizes of the one-run cases, comma-separated")
     ap.add_argument("--reps", type=int)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per peer")
     ap.add_argument("--only", help=f"comma-separated subset of: {','.join(PEERS)}")
@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     pool_bytes = (256 if args.quick else 1024) * MiB
     reps = args.reps or (3 if args.quick else 5)
-    cases = make_cases(pool_bytes, args.pages, args.page_kib * KiB, args.run_mib * MiB, seed=0)
+    cases = make_cases(pool_bytes, args.pages, [int(k) * KiB for k in args.page_kib.split(",")],
+                       [int(m) * MiB for m in args.run_mib.split(",")], seed=0)
     spec = {"pool_bytes": pool_bytes, "cases": cases}
     print(f"pools {pool_bytes // MiB} MiB on both sides; cases: {', '.join(c['name'] for c in cases)}; "
           f"best of {reps}+ rounds after a checked warm-up; peers interleaved within each round", flush=True)

@@ -22,14 +22,21 @@ CHUNK = MiB
 # ---------------------------------------------------------------------------------------
 # The cases and the byte pattern (numpy only: workers run in peer venvs without torch)
 # ---------------------------------------------------------------------------------------
-def make_cases(pool_bytes: int, pages: int, page: int, run: int, seed: int) -> list[dict]:
+def make_cases(pool_bytes: int, pages: int, page_sizes: list[int], run_sizes: list[int], seed: int) -> list[dict]:
+    """One scattered case per page size (``pages`` pages at random places of the source pool ->
+    random places of the destination pool) and one single-run case per run size."""
     rng = np.random.default_rng(seed)
-    slots = pool_bytes // page
-    return [{"name": f"scattered {page // KiB} KiB x{pages}", "nbytes": page,
-             "so": (rng.choice(slots, pages, replace=False) * page).tolist(),
-             "do": (rng.choice(slots, pages, replace=False) * page).tolist()},
-            {"name": f"one run {run // MiB} MiB", "nbytes": run,
-             "so": [int(rng.integers(pool_bytes // run)) * run], "do": [int(rng.integers(pool_bytes // run)) * run]}]
+    cases = []
+    for page in page_sizes:
+        slots = pool_bytes // page
+        cases.append({"name": f"scattered {page // KiB} KiB x{pages}", "nbytes": page,
+                      "so": (rng.choice(slots, pages, replace=False) * page).tolist(),
+                      "do": (rng.choice(slots, pages, replace=False) * page).tolist()})
+    for run in run_sizes:
+        cases.append({"name": f"one run {run // MiB} MiB", "nbytes": run,
+                      "so": [int(rng.integers(pool_bytes // run)) * run],
+                      "do": [int(rng.integers(pool_bytes // run)) * run]})
+    return cases
 
 
 def pattern(word_index: np.ndarray) -> np.ndarray:
