@@ -15,6 +15,7 @@ import collections
 import functools
 import itertools
 import logging
+import struct
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -39,11 +40,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvxfer.transport.zmq")
 
 _COPY_BELOW = 256 << 10          # messages up to this size are copied into zmq (see _pump)
+_MIN_PACKED = 256 << 10          # packed messages are cut at least this long (see pipelined_budget)
+_PIPELINE = 4                    # a transfer's packed bytes go in at least this many messages
+
+
+def pipelined_budget(total: int, budget: int) -> int:
+    """Bytes per packed message for ``total`` packed bytes: at most ``budget``, and small enough
+    that a transfer of a few MiB goes in ``_PIPELINE`` messages (at least ``_MIN_PACKED`` each).
+    One big message serializes gather, wire and scatter; cut in a few, the sender gathers the
+    next while the network carries one and the receiver scatters the one before."""
+    return max(min(budget, -(-total // _PIPELINE)), min(budget, _MIN_PACKED))
 
 
 def pack_runs(runs: list[tuple[int, int, int, int, int]]) -> bytes:
     """The header's runs field for (src region, src offset, dst region, dst offset, nbytes) runs."""
-    return np.array([[r[2] for r in runs], [r[3] for r in runs], [r[4] for r in runs]], "<i8").tobytes()
+    return struct.pack(f"<{3 * len(runs)}q", *[r[2] for r in runs], *[r[3] for r in runs], *[r[4] for r in runs])
 
 
 def fill_messages(runs: list[tuple], budget: int, overhead: int) -> list[list[tuple]]:
@@ -209,7 +220,7 @@ class ZMQSender:
         if len(small) > 1 and ((sr[small] != sr[small[0]]).any() or (dr[small] != dr[small[0]]).any()):
             small = small[np.lexsort((sr[small], dr[small]))]   # stable: plan order within a region pair
         packed = fb * self.frames_per_message   # measured: packed frames gain from size, zero-copy parts do not
-        smsgs = messages(small, RUN_BYTES, packed)
+        smsgs = messages(small, RUN_BYTES, pipelined_budget(int(n[small].sum()) + RUN_BYTES * len(small), packed))
         left = len(zmsgs) + len(smsgs)          # messages still to make: 1 is the last
         if not left:
             yield b"", [], None, True   # an empty transfer still sends its totals
@@ -256,7 +267,8 @@ class ZMQSender:
         for r, o, d, e, c in runs:
             for x in range(0, c, fb):   # runs longer than a frame go in frame-sized chunks
                 (views if c >= self.zero_copy_min else small).append((r, o + x, d, e + x, min(fb, c - x)))
-        vmsgs, smsgs = fill_messages(views, budget, 0), fill_messages(small, budget, RUN_BYTES)
+        packed = pipelined_budget(sum(run[4] for run in small) + RUN_BYTES * len(small), budget)
+        vmsgs, smsgs = fill_messages(views, budget, 0), fill_messages(small, packed, RUN_BYTES)
         left = len(vmsgs) + len(smsgs)
         if not left:
             yield b"", [], None, True
@@ -338,7 +350,12 @@ class ZMQSender:
                 self._staging.put(stage, None if copy else trackers[-1])
             peer.pending = None
             peer.clock.touch()
-        want = zmq.POLLIN | (zmq.POLLOUT if peer.pending is not None or peer.sending else 0)
+        # POLLOUT only when zmq pushed back, or when messages are ready to go. Not while every
+        # transfer waits for a staging frame: the socket is writable, so poll would return at
+        # once and the loop would spin a core until zmq frees a frame (the loop's short tick,
+        # ``staging_wait``, looks again instead).
+        ready = bool(peer.sending) and starved < len(peer.sending)
+        want = zmq.POLLIN | (zmq.POLLOUT if peer.pending is not None or ready else 0)
         self._poller.modify(peer.sock, want)
 
     def _retire(self, out: Outgoing) -> None:
@@ -408,7 +425,7 @@ class ZMQSender:
             self._poller.modify(peer.sock, zmq.POLLIN)
 
     def _on_replies(self, peer: Peer) -> None:
-        while True:
+        while peer.sock.get(zmq.EVENTS) & zmq.POLLIN:   # asked first: an empty receive raises (~10 us)
             try:
                 parts = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
