@@ -425,7 +425,7 @@ class ZMQSender:
             self._poller.modify(peer.sock, zmq.POLLIN)
 
     def _on_replies(self, peer: Peer) -> None:
-        while peer.sock.get(zmq.EVENTS) & zmq.POLLIN:   # asked first: an empty receive raises (~10 us)
+        while peer.sock.get(zmq.EVENTS) & zmq.POLLIN:   # asked first: an empty receive raises zmq.Again
             try:
                 parts = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
