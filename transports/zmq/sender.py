@@ -40,16 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvxfer.transport.zmq")
 
 _COPY_BELOW = 256 << 10          # messages up to this size are copied into zmq (see _pump)
-_MIN_PACKED = 256 << 10          # packed messages are cut at least this long (see pipelined_budget)
-_PIPELINE = 4                    # a transfer's packed bytes go in at least this many messages
-
-
-def pipelined_budget(total: int, budget: int) -> int:
-    """Bytes per packed message for ``total`` packed bytes: at most ``budget``, and small enough
-    that a transfer of a few MiB goes in ``_PIPELINE`` messages (at least ``_MIN_PACKED`` each).
-    One big message serializes gather, wire and scatter; cut in a few, the sender gathers the
-    next while the network carries one and the receiver scatters the one before."""
-    return max(min(budget, -(-total // _PIPELINE)), min(budget, _MIN_PACKED))
 
 
 def pack_runs(runs: list[tuple[int, int, int, int, int]]) -> bytes:
@@ -220,7 +210,7 @@ class ZMQSender:
         if len(small) > 1 and ((sr[small] != sr[small[0]]).any() or (dr[small] != dr[small[0]]).any()):
             small = small[np.lexsort((sr[small], dr[small]))]   # stable: plan order within a region pair
         packed = fb * self.frames_per_message   # measured: packed frames gain from size, zero-copy parts do not
-        smsgs = messages(small, RUN_BYTES, pipelined_budget(int(n[small].sum()) + RUN_BYTES * len(small), packed))
+        smsgs = messages(small, RUN_BYTES, packed)
         left = len(zmsgs) + len(smsgs)          # messages still to make: 1 is the last
         if not left:
             yield b"", [], None, True   # an empty transfer still sends its totals
@@ -267,8 +257,7 @@ class ZMQSender:
         for r, o, d, e, c in runs:
             for x in range(0, c, fb):   # runs longer than a frame go in frame-sized chunks
                 (views if c >= self.zero_copy_min else small).append((r, o + x, d, e + x, min(fb, c - x)))
-        packed = pipelined_budget(sum(run[4] for run in small) + RUN_BYTES * len(small), budget)
-        vmsgs, smsgs = fill_messages(views, budget, 0), fill_messages(small, packed, RUN_BYTES)
+        vmsgs, smsgs = fill_messages(views, budget, 0), fill_messages(small, budget, RUN_BYTES)
         left = len(vmsgs) + len(smsgs)
         if not left:
             yield b"", [], None, True
