@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
@@ -135,11 +135,15 @@ class ZMQReceiver:
 
     def _on_router(self) -> bool:
         """Handle queued messages; True when the socket is drained (silence checks are fair then)."""
-        drained = False
+        drained, router = False, self._router
         for _ in range(4 * self.window):
+            # Ask zmq first: a receive that finds nothing raises zmq.Again (an exception per turn)
             try:
-                parts = self._router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                parts = (router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                         if cast(int, router.get(zmq.EVENTS)) & zmq.POLLIN else None)
             except zmq.Again:
+                parts = None
+            if parts is None:
                 drained = True
                 break
             rid = parts[0].bytes

@@ -15,6 +15,7 @@ import collections
 import functools
 import itertools
 import logging
+import struct
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -43,7 +44,7 @@ _COPY_BELOW = 256 << 10          # messages up to this size are copied into zmq 
 
 def pack_runs(runs: list[tuple[int, int, int, int, int]]) -> bytes:
     """The header's runs field for (src region, src offset, dst region, dst offset, nbytes) runs."""
-    return np.array([[r[2] for r in runs], [r[3] for r in runs], [r[4] for r in runs]], "<i8").tobytes()
+    return struct.pack(f"<{3 * len(runs)}q", *[r[2] for r in runs], *[r[3] for r in runs], *[r[4] for r in runs])
 
 
 def fill_messages(runs: list[tuple], budget: int, overhead: int) -> list[list[tuple]]:
@@ -338,7 +339,12 @@ class ZMQSender:
                 self._staging.put(stage, None if copy else trackers[-1])
             peer.pending = None
             peer.clock.touch()
-        want = zmq.POLLIN | (zmq.POLLOUT if peer.pending is not None or peer.sending else 0)
+        # POLLOUT only when zmq pushed back, or when messages are ready to go. Not while every
+        # transfer waits for a staging frame: the socket is writable, so poll would return at
+        # once and the loop would spin a core until zmq frees a frame (the loop's short tick,
+        # ``staging_wait``, looks again instead).
+        ready = bool(peer.sending) and starved < len(peer.sending)
+        want = zmq.POLLIN | (zmq.POLLOUT if peer.pending is not None or ready else 0)
         self._poller.modify(peer.sock, want)
 
     def _retire(self, out: Outgoing) -> None:
@@ -408,7 +414,7 @@ class ZMQSender:
             self._poller.modify(peer.sock, zmq.POLLIN)
 
     def _on_replies(self, peer: Peer) -> None:
-        while True:
+        while peer.sock.get(zmq.EVENTS) & zmq.POLLIN:   # asked first: an empty receive raises zmq.Again
             try:
                 parts = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
