@@ -25,11 +25,20 @@ def test_tcp_sends_carry_many_iov_pieces_unless_told_otherwise():
         assert with_tcp_defaults(given, {}) == {**given, "TCP_MAX_IOV": "128"}
     assert "TCP_MAX_IOV" not in with_tcp_defaults(ucx_settings(None, None, {}), {"UCX_TCP_MAX_IOV": "6"})
     assert with_tcp_defaults(ucx_settings(None, {"TCP_MAX_IOV": "16"}, {}), {})["TCP_MAX_IOV"] == "16"
-    t = get_transport("ucx", tls="tcp")
-    try:
-        assert t._config["TCP_MAX_IOV"] == "128"   # what its contexts (main and FAR_TLS) are made with
-    finally:
-        t.close()
+
+
+def test_the_tcp_defaults_reach_ucx(monkeypatch):
+    """The transport hands ``TCP_DEFAULTS`` to UCX itself: a value UCX refuses (1024 pieces:
+    "AM Zcopy context (16416) must be <= TX segment size") fails start-up; ours starts."""
+    from ucxx._lib.libucxx import UCXError
+
+    from kvxfer_transports.ucx import settings
+    monkeypatch.delenv("UCX_TCP_MAX_IOV", raising=False)
+    monkeypatch.setattr(settings, "TCP_DEFAULTS", {"TCP_MAX_IOV": "1024"})
+    with pytest.raises(UCXError):
+        get_transport("ucx", tls="tcp").close()
+    monkeypatch.undo()
+    get_transport("ucx", tls="tcp").close()
 
 
 @pytest.mark.parametrize("far", [False, True], ids=["tls-tcp", "far-worker"])
@@ -55,7 +64,6 @@ def test_packed_rows_cross_tcp_byte_exact(far):
             ids = desc["host"].split("/")
             desc = {**desc, "host": "/".join([ids[0], ids[1], str(int(ids[2]) + 1)])}
         peer = tx.connect(desc)
-        assert tx._peers[peer].far == far
         zz = np.zeros(1, np.int64)
         rx.expect("tcp.1", ByteRanges(zz, zz, np.full(1, dst.numel(), np.int64)))
         h = tx.submit(peer, "tcp.1", raw_plan(z, so, z, do, n), timeout=20)
