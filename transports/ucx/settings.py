@@ -24,11 +24,13 @@ UCX_DEFAULTS = {"SYSV_FIFO_SIZE": "4096"}
 # Settings of UCX's TCP transport (what reaches a peer without shared memory or RDMA), given to
 # every context of the transport (the main worker's and the FAR_TLS one) unless ``ucx_config``
 # or the environment sets them. TCP_MAX_IOV: how many pieces one TCP send (sendmsg) of UCX may
-# carry; UCX's 6 cuts a packed frame (an iov of head-slice rows, a few KiB each) into a system
-# call and a protocol step per ~5 rows. Between two network namespaces (scripts/bench_hosts.py,
+# carry; UCX's 6 cuts a packed frame (an iov of head-slice rows, 512 B each at TP 2 -> 4) into a
+# system call and a protocol step per ~5 rows. Between two network namespaces (scripts/bench_hosts.py,
 # veth, UCX_TLS=tcp, 64 MiB, median of 3, ratio to raw TCP in the same run) TP 2 -> 4 went from
-# 0.29-0.30x to 0.54-0.60x; one pair alone (16 MiB of 512 B rows) 0.40-0.45 -> 0.59-0.74 GB/s.
-# UCX refuses 1024 (the context fails). Only the sending side reads it: no need to match.
+# 0.29-0.43x to 0.51-0.64x (4 runs each); one pair alone (16 MiB of 512 B rows) 0.40-0.45 -> 0.59-0.74 GB/s.
+# 256 measured no better; 512 and up fail the context (UCX: "AM Zcopy context must be <= TX
+# segment size", 16 bytes a piece against TCP_TX_SEG_SIZE 8K). Only the sending side reads it: no
+# need to match the peer.
 TCP_DEFAULTS = {"TCP_MAX_IOV": "128"}
 # Shared-memory settings both peers must agree on: a sender indexes the receiver's FIFO with its
 # own size, so a mismatch hangs the pair silently. Descriptors carry them; connect() compares.
