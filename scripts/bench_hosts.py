@@ -4,6 +4,10 @@ stream (sendall / recv_into) between the same two namespaces, before and after (
 Prints the median of ``--repeat`` runs (default 3) in GB/s. Root only (network namespaces).
 
     .venv/bin/python scripts/bench_hosts.py [--mib 64] [--repeat 3] [--transports zmq,ucx] [--tp 1:1,2:4]
+                                            [--ucx-tls tcp]
+
+``--ucx-tls ""`` sets no UCX_TLS: the ranks reach each other as users get by default (the second
+worker a peer in another network namespace gets, ``settings.FAR_TLS``; TCP here).
 
 Uses tests/hosts.py (the hosts) and tests/multihost_rank.py (the ranks). A benchmark, not a
 test: it asserts only that every request arrived byte-exact.
@@ -57,14 +61,15 @@ def raw_tcp(hosts, nbytes: int, repeat: int) -> list[float]:
     return out
 
 
-def kvxfer_request(hosts, transport: str, mib: int, repeat: int, p_tp: int = 1, d_tp: int = 1) -> list[float]:
+def kvxfer_request(hosts, transport: str, mib: int, repeat: int, p_tp: int = 1, d_tp: int = 1,
+                   ucx_tls: str = "tcp") -> list[float]:
     """One ``mib`` MiB request (all heads) from prefill TP ``p_tp`` (page-major, host B) to decode
     TP ``d_tp`` (token-major, host C): GB/s of each timed run, every head's bytes compared."""
     # 2 layers x K,V x 8 heads x 128 dims x bf16 = 8 KiB per token (all ranks together)
     tokens = mib * 1024 * 1024 // 8192
     # decode keeps every successful request's slots: room for all of them
     pool = dict(heads=8, layers=2, head_dim=128, page_size=16, num_pages=(repeat + 1) * tokens // 16 + 2)
-    env = UCX_ENV if transport == "ucx" else None
+    env = ({**UCX_ENV, "UCX_TLS": ucx_tls} if ucx_tls else None) if transport == "ucx" else None
     boot = RankProc(hosts[0], "bootstrap", expect=p_tp)
     ranks: list[RankProc] = []
     try:
@@ -110,6 +115,7 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--transports", default="zmq,ucx")
     ap.add_argument("--tp", default="1:1,2:4", help="prefill:decode TP pairs, comma-separated")
+    ap.add_argument("--ucx-tls", default=UCX_ENV["UCX_TLS"], help='UCX_TLS of the UCX ranks ("": none set)')
     a = ap.parse_args()
     why = hosts_skip_reason()
     if why:
@@ -123,8 +129,9 @@ def main() -> int:
                 if t == "ucx" and importlib.util.find_spec("ucxx") is None:
                     print("ucx: ucxx does not import, skipped")
                     continue
-                name = f"kvxfer {t}{'(tcp)' if t == 'ucx' else ''} TP {p_tp}->{d_tp}"
-                rows[name] = kvxfer_request(hosts, t, a.mib, a.repeat, p_tp, d_tp)
+                how = f"({a.ucx_tls or 'far'})" if t == "ucx" else ""
+                name = f"kvxfer {t}{how} TP {p_tp}->{d_tp}"
+                rows[name] = kvxfer_request(hosts, t, a.mib, a.repeat, p_tp, d_tp, a.ucx_tls)
         rows["raw tcp (again)"] = raw_tcp(hosts, a.mib << 20, a.repeat)
     raw = statistics.median(rows["raw tcp"] + rows["raw tcp (again)"])
     print(f"one {a.mib} MiB request host B -> host C (veth on a bridge), page-major -> token-major, "

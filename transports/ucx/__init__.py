@@ -108,6 +108,7 @@ from .settings import (
     shared_memory_settings,
     tls_explicit,
     ucx_settings,
+    with_tcp_defaults,
 )
 from .state import Incoming, Outgoing, Peer
 
@@ -159,7 +160,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
                  connect_timeout: float = 10.0, ucx_config: dict | None = None):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
-        config = ucx_settings(tls, ucx_config, os.environ)
+        config = with_tcp_defaults(ucx_settings(tls, ucx_config, os.environ), os.environ)
         self._shm_settings = shared_memory_settings(config, os.environ)
         self.id = uuid.uuid4().hex
         self.frame_bytes, self.put_below, self.put_below_many = int(frame_bytes), int(put_below), int(put_below_many)

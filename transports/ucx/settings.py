@@ -21,6 +21,17 @@ PUT_BELOW_MANY = 32 * 1024
 # 2 -> 4 from 1.2 to 1.4 (medians), same TP and one-sender transfers unchanged; it costs ~33 MB
 # of resident shared memory per transport (61 MiB of sysv segments reserved).
 UCX_DEFAULTS = {"SYSV_FIFO_SIZE": "4096"}
+# Settings of UCX's TCP transport (what reaches a peer without shared memory or RDMA), given to
+# every context of the transport (the main worker's and the FAR_TLS one) unless ``ucx_config``
+# or the environment sets them. TCP_MAX_IOV: how many pieces one TCP send (sendmsg) of UCX may
+# carry; UCX's 6 cuts a packed frame (an iov of head-slice rows, 512 B each at TP 2 -> 4) into a
+# system call and a protocol step per ~5 rows. Between two network namespaces (scripts/bench_hosts.py,
+# veth, UCX_TLS=tcp, 64 MiB, median of 3, ratio to raw TCP in the same run) TP 2 -> 4 went from
+# 0.29-0.43x to 0.51-0.64x (4 runs each); one pair alone (16 MiB of 512 B rows) 0.40-0.45 -> 0.59-0.74 GB/s.
+# 256 measured no better; 512 and up fail the context (UCX: "AM Zcopy context must be <= TX
+# segment size", 16 bytes a piece against TCP_TX_SEG_SIZE 8K). Only the sending side reads it: no
+# need to match the peer.
+TCP_DEFAULTS = {"TCP_MAX_IOV": "128"}
 # Shared-memory settings both peers must agree on: a sender indexes the receiver's FIFO with its
 # own size, so a mismatch hangs the pair silently. Descriptors carry them; connect() compares.
 MUST_MATCH = ("SYSV_FIFO_SIZE", "SYSV_SEG_SIZE", "POSIX_FIFO_SIZE", "POSIX_SEG_SIZE")
@@ -31,6 +42,12 @@ def ucx_settings(tls: str | None, ucx_config: dict | None, environ: Mapping[str,
     environment does not set, then ``ucx_config``, then ``tls``."""
     return {**{k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in environ},
             **(ucx_config or {}), **({"TLS": tls} if tls else {})}
+
+
+def with_tcp_defaults(config: dict[str, str], environ: Mapping[str, str]) -> dict[str, str]:
+    """``config`` (from ``ucx_settings``) plus the ``TCP_DEFAULTS`` neither it nor the
+    environment sets."""
+    return {**{k: v for k, v in TCP_DEFAULTS.items() if k not in config and f"UCX_{k}" not in environ}, **config}
 
 
 def shared_memory_settings(config: dict[str, str], environ: Mapping[str, str]) -> dict[str, str]:
