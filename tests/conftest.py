@@ -26,7 +26,8 @@ SLOW_TESTS = {"test_source_released_only_when_nothing_reads_it", "test_receiver_
               "test_a_replayed_hello_does_not_make_peers", "test_doctor_is_a_command_and_reports_this_machine",
               "test_doctor_works_without_ucxx", "test_gpu_check_dry_run_on_cpu_passes",
               "test_incoming_transfers_per_peer_are_capped", "test_a_restarted_decode_rank_leaves_one_data_peer",
-              "test_registration_start_takes_over_well_before_the_ttl", "test_no_ucx_warning_noise_at_start_up"}
+              "test_registration_start_takes_over_well_before_the_ttl", "test_no_ucx_warning_noise_at_start_up",
+              "test_both_run_paths", "test_disconnect_frees_the_peer"}
 
 
 def pytest_collection_modifyitems(config, items):
