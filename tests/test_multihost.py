@@ -97,18 +97,22 @@ def check_canary(c: dict, keep: list[int] | list[list[int]]) -> None:
         assert res["bad"] == 0, f"decode rank {i}: {res['bad']} bytes outside the kept grants changed: {res}"
 
 
+def move_rooms(c, rooms: dict[int, int]) -> None:
+    """Requests of ``rooms`` (room -> tokens) end Success on every rank, byte-exact, canary intact."""
+    for room, tokens in rooms.items():
+        submit(c, room, tokens, chunks=2 if tokens >= 64 else 1)
+    for st in states(c["decode"] + c["prefill"], list(rooms), 60):
+        assert all(s["state"] == "Success" for s in st.values()), st
+    for room in rooms:
+        check_bytes(c, room)
+    check_canary(c, keep=list(rooms))
+
+
 @pytest.mark.parametrize("transport", transports())
 def test_tp2_page_major_to_tp4_token_major_across_hosts(three, transport):
     c = start_cluster(three, transport, SMALL)
     try:
-        rooms = {1: 37, 2: 160, 3: 300, 4: 16}
-        for room, tokens in rooms.items():
-            submit(c, room, tokens, chunks=2 if tokens >= 64 else 1)
-        for st in states(c["decode"] + c["prefill"], list(rooms), 60):
-            assert all(s["state"] == "Success" for s in st.values()), st
-        for room in rooms:
-            check_bytes(c, room)
-        check_canary(c, keep=list(rooms))
+        move_rooms(c, {1: 37, 2: 160, 3: 300, 4: 16})
     finally:
         stop_cluster(c)
 
@@ -120,14 +124,7 @@ def test_ucx_across_namespaces_without_a_tls_setting(three):
     memory, no cma), where UCX's default would pick sysv/posix queues that never deliver."""
     c = start_cluster(three, "ucx", SMALL, ucx_env={})
     try:
-        rooms = {1: 37, 2: 160}
-        for room, tokens in rooms.items():
-            submit(c, room, tokens, chunks=2 if tokens >= 64 else 1)
-        for st in states(c["decode"] + c["prefill"], list(rooms), 60):
-            assert all(s["state"] == "Success" for s in st.values()), st
-        for room in rooms:
-            check_bytes(c, room)
-        check_canary(c, keep=list(rooms))
+        move_rooms(c, {1: 37, 2: 160})
     finally:
         stop_cluster(c)
 
