@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import sys
 import threading
 import time
@@ -23,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .launch import DEMO_TIMEOUT, DEMO_TIMEOUTS, finish_prefill, free_port, init_group
+from .launch import DEMO_TIMEOUTS, collect, finish_prefill, init_group, start_ranks, stop_ranks, verdict, wait_batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +112,7 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
         import torch.distributed as dist
 
         from ..allocator import PageAllocator
-        from ..endpoint import KVPoll, reduce_poll
+        from ..endpoint import KVPoll
         from ..endpoint.aux import AuxBuffer
         from ..endpoint.decode import DecodeEndpoint
         from ..grant import ByteRanges
@@ -136,7 +135,7 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
             outbox.put(("ready", "decode", rank))
             for b in range(0, len(requests), cfg.batch):
                 batch = requests[b:b + cfg.batch]
-                recv, slots, started, latency = [], [], {}, {}
+                recv, slots, started = [], [], {}
                 for i, (room, prompt) in enumerate(batch):
                     s = alloc.alloc(len(prompt) + cfg.gen_len)
                     r = ep.receiver(room)
@@ -145,18 +144,8 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
                     recv.append(r)
                     slots.append(s)
                 nbytes = sum(ByteRanges.of_slots(pool.layout, s[:len(p)]).nbytes for s, (_, p) in zip(slots, batch))
-                states = [KVPoll.Bootstrapping] * len(batch)
-                deadline = time.monotonic() + DEMO_TIMEOUT
-                while any(st not in (KVPoll.Success, KVPoll.Failed) for st in states):
-                    if time.monotonic() > deadline:
-                        for r in recv:
-                            r.abort("demo deadline")
-                    states = reduce_poll([r.poll() for r in recv], group)
-                    now = time.perf_counter()
-                    for (room, _), st in zip(batch, states):
-                        if st in (KVPoll.Success, KVPoll.Failed) and room not in latency:
-                            latency[room] = now - started[room]
-                    time.sleep(0.002)
+                states, ended = wait_batch(recv, group)
+                latency = {room: t - started[room] for (room, _), t in zip(batch, ended)}
                 for i, ((room, prompt), r, s, st) in enumerate(zip(batch, recv, slots, states)):
                     tokens = []
                     if st == KVPoll.Success:
@@ -206,100 +195,50 @@ def _bar(done: int, total: int, width: int = 30) -> str:
 
 def run(cfg: DemoConfig, out=sys.stdout) -> dict:
     """Run the demo; returns the summary (also printed)."""
-    import multiprocessing as mp
-
-    from ..control.bootstrap import BootstrapConfig, BootstrapServer
-
-    ctx = mp.get_context("spawn")
-    outbox = ctx.Queue()
-    server = BootstrapServer(BootstrapConfig(expect=cfg.prefill_tp)).start()
-    p_port, d_port = free_port(), free_port()
-    inboxes = [ctx.Queue() for _ in range(cfg.prefill_tp)]
-    procs = [ctx.Process(target=prefill_rank, args=(cfg, r, p_port, server.url, inboxes[r], outbox), daemon=True)
-             for r in range(cfg.prefill_tp)]
-    procs += [ctx.Process(target=decode_rank, args=(cfg, r, d_port, server.url, outbox), daemon=True)
-              for r in range(cfg.decode_tp)]
     t0 = time.perf_counter()
-    for p in procs:
-        p.start()
+    ranks = start_ranks(cfg, prefill_rank, decode_rank)
     print(f"kvxfer demo: prefill TP {cfg.prefill_tp} ({cfg.prefill_layout}) -> decode TP {cfg.decode_tp} "
           f"({cfg.decode_layout}) over {cfg.transport}, {cfg.requests} requests", file=out)
     ref_box: dict = {}
     ref_thread = threading.Thread(target=lambda: ref_box.update(reference_tokens(cfg)), daemon=True)
     ref_thread.start()
     results: dict = {}
-    errors: list[str] = []
-    done: dict[str, list] = {"prefill": [], "decode": []}
-    nbytes, ready = 0, 0
-    t_first = None
-    deadline = time.monotonic() + DEMO_TIMEOUT
-    while len(done["decode"]) < cfg.decode_tp and not errors and time.monotonic() < deadline:
-        try:
-            msg = outbox.get(timeout=1.0)
-        except queue.Empty:
-            if not all(p.is_alive() for p in procs) and outbox.empty():
-                errors.append("a rank process died: " + ", ".join(str(p.exitcode) for p in procs))
-            continue
-        kind = msg[0]
-        if kind == "ready":
-            ready += 1
-            if ready == len(procs):
-                t_first = time.perf_counter()
-        elif kind == "result":
+    seen = {"ready": 0, "bytes": 0, "t_first": 0.0}
+
+    def on_report(msg: tuple) -> None:
+        if msg[0] == "ready":
+            seen["ready"] += 1
+            if seen["ready"] == len(ranks.procs):
+                seen["t_first"] = time.perf_counter()
+        elif msg[0] == "result":
             results[msg[1]] = msg[2:]
             print(f"\r  transferring and decoding {_bar(len(results), cfg.requests)}", end="", file=out, flush=True)
-        elif kind == "bytes":
-            nbytes += msg[1]
-        elif kind == "decode_done":
-            done["decode"].append(msg[2])
-        elif kind == "prefill_done":   # prefill may finish first: decode's "done" frees its KV early
-            done["prefill"].append(msg)
-        elif kind == "error":
-            errors.append(f"{msg[1]}: {msg[2]}")
+        elif msg[0] == "bytes":
+            seen["bytes"] += msg[1]
+    done, errors = collect(ranks, cfg, on_report)
     print(file=out)
-    for q in inboxes:
-        q.put("stop")
-    while not errors and len(done["prefill"]) < cfg.prefill_tp and time.monotonic() < deadline:
-        try:
-            msg = outbox.get(timeout=5.0)
-        except queue.Empty:
-            errors.append("prefill ranks did not finish")
-            break
-        if msg[0] == "prefill_done":
-            done["prefill"].append(msg)
-        elif msg[0] == "error":
-            errors.append(f"{msg[1]}: {msg[2]}")
-    wall = time.perf_counter() - (t_first or t0)
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    server.stop()
+    wall = time.perf_counter() - (seen["t_first"] or t0)
+    stop_ranks(ranks)
     ref_thread.join()
 
-    mismatched = [room for room, (toks, ok, *_rest) in results.items() if not ok or toks != ref_box.get(room)]
-    missing = cfg.requests - len(results)
+    nbytes = seen["bytes"]
     lat = sorted(r[3] for r in results.values())
     pct = (lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3) if lat else (lambda q: float("nan"))
-    prefill_failed = [f for m in done["prefill"] for f in m[2]]
-    leaks = not all(done["decode"]) or not all(m[3] for m in done["prefill"])
-    summary = {"config": asdict(cfg), "requests": cfg.requests, "verified": len(results) - len(mismatched),
-               "mismatched": mismatched, "missing": missing, "bytes_moved": nbytes, "seconds": wall,
-               "throughput_mb_s": nbytes / wall / 1e6 if wall else 0.0, "p50_ms": pct(0.50), "p99_ms": pct(0.99),
-               "prefill_failed": prefill_failed, "slot_leak": leaks, "errors": errors}
+    summary = {"config": asdict(cfg), **verdict(cfg, results, ref_box, done, errors), "bytes_moved": nbytes,
+               "seconds": wall, "throughput_mb_s": nbytes / wall / 1e6 if wall else 0.0, "p50_ms": pct(0.50),
+               "p99_ms": pct(0.99), "errors": errors}
     rows = [("requests", f"{cfg.requests}"), ("verified token for token", f"{summary['verified']}/{cfg.requests}"),
             ("bytes moved", f"{nbytes / 1e6:.2f} MB"), ("wall time", f"{wall:.1f} s"),
             ("bytes / wall time", f"{summary['throughput_mb_s']:.2f} MB/s (bound by the model's compute)"),
             ("grant -> KV landed p50", f"{summary['p50_ms']:.1f} ms (includes waiting for prefill)"),
             ("grant -> KV landed p99", f"{summary['p99_ms']:.1f} ms"),
-            ("slots back to full", "no" if leaks else "yes")]
+            ("slots back to full", "no" if summary["slot_leak"] else "yes")]
     print("\n".join(f"  {k:26s} {v}" for k, v in rows), file=out)
     for e in errors:
         print(f"  ERROR {e}", file=out)
-    for room in mismatched:
+    for room in summary["mismatched"]:
         got = results[room]
         print(f"  MISMATCH room {room}: got {got[0]} (ok={got[1]}, {got[2]}), want {ref_box.get(room)}", file=out)
-    summary["ok"] = not (mismatched or missing or errors or prefill_failed or leaks)
     print("  RESULT: " + ("every request verified" if summary["ok"] else "FAILED"), file=out)
     return summary
 

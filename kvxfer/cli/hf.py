@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import sys
 import threading
 import time
@@ -48,7 +47,7 @@ from .hf_model import (
     require_transformers,
     write_prefill_kv,
 )
-from .launch import DEMO_TIMEOUT, DEMO_TIMEOUTS, finish_prefill, free_port, init_group
+from .launch import DEMO_TIMEOUTS, collect, finish_prefill, init_group, start_ranks, stop_ranks, verdict, wait_batch
 
 # -- prefill ------------------------------------------------------------------------------
 
@@ -105,7 +104,7 @@ def decode_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, outbox)
         import torch.distributed as dist
 
         from ..allocator import PageAllocator
-        from ..endpoint import KVPoll, reduce_poll
+        from ..endpoint import KVPoll
         from ..endpoint.aux import AuxBuffer
         from ..endpoint.decode import DecodeEndpoint
         from ..grant import ByteRanges
@@ -135,14 +134,7 @@ def decode_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, outbox)
                     recv.append(r)
                     slots.append(s)
                 nbytes = sum(ByteRanges.of_slots(pool.layout, s).nbytes for s in slots)
-                states = [KVPoll.Bootstrapping] * len(batch)
-                deadline = time.monotonic() + DEMO_TIMEOUT
-                while any(st not in (KVPoll.Success, KVPoll.Failed) for st in states):
-                    if time.monotonic() > deadline:
-                        for r in recv:
-                            r.abort("demo deadline")
-                    states = reduce_poll([r.poll() for r in recv], group)
-                    time.sleep(0.002)
+                states, _ = wait_batch(recv, group)
                 for i, ((room, prompt), r, s, st) in enumerate(zip(batch, recv, slots, states)):
                     tokens = []
                     if st == KVPoll.Success:              # every rank takes part in the all-gather
@@ -172,28 +164,14 @@ def reference_tokens(cfg: HFDemoConfig, model) -> dict[int, list[int]]:
 
 def run(cfg: HFDemoConfig, out=sys.stdout) -> dict:
     """Run the HF demo; returns the summary (also printed)."""
-    import multiprocessing as mp
-
     import torch
-
-    from ..control.bootstrap import BootstrapConfig, BootstrapServer
 
     t0 = time.perf_counter()
     tf = require_transformers()
     torch.set_num_threads(1)
     model = build_model(cfg)
     fp = fingerprint(model)
-    ctx = mp.get_context("spawn")
-    outbox = ctx.Queue()
-    server = BootstrapServer(BootstrapConfig(expect=cfg.prefill_tp)).start()
-    p_port, d_port = free_port(), free_port()
-    inboxes = [ctx.Queue() for _ in range(cfg.prefill_tp)]
-    procs = [ctx.Process(target=prefill_rank, args=(cfg, r, p_port, server.url, inboxes[r], outbox), daemon=True)
-             for r in range(cfg.prefill_tp)]
-    procs += [ctx.Process(target=decode_rank, args=(cfg, r, d_port, server.url, outbox), daemon=True)
-              for r in range(cfg.decode_tp)]
-    for p in procs:
-        p.start()
+    ranks = start_ranks(cfg, prefill_rank, decode_rank)
     print(f"kvxfer demo --model {cfg.model}: {type(model).__name__} (transformers {tf.__version__}, "
           f"{cfg.layers} layers, {cfg.heads} heads, {cfg.kv_heads} KV heads, head_dim {cfg.head_dim}, "
           f"float32, seed {cfg.seed}, weights {fp})", file=out)
@@ -204,56 +182,25 @@ def run(cfg: HFDemoConfig, out=sys.stdout) -> dict:
     ref_thread = threading.Thread(target=lambda: ref_box.update(reference_tokens(cfg, model)), daemon=True)
     ref_thread.start()
     results: dict[int, tuple] = {}
-    errors: list[str] = []
     fps: dict[str, str] = {}
-    done: dict[str, list] = {"prefill": [], "decode": []}
-    nbytes = 0
-    t_ready = None
-    deadline = time.monotonic() + DEMO_TIMEOUT
-    while len(done["decode"]) < cfg.decode_tp and not errors and time.monotonic() < deadline:
-        try:
-            msg = outbox.get(timeout=1.0)
-        except queue.Empty:
-            if not all(p.is_alive() for p in procs) and outbox.empty():
-                errors.append("a rank process died: " + ", ".join(str(p.exitcode) for p in procs))
-            continue
-        kind = msg[0]
-        if kind == "ready":
+    seen = {"bytes": 0, "t_ready": 0.0}
+
+    def on_report(msg: tuple) -> None:
+        if msg[0] == "ready":
             fps[f"{msg[1]} rank {msg[2]}"] = msg[3]
-            if len(fps) == len(procs):
-                t_ready = time.perf_counter()
-        elif kind == "result":
+            if len(fps) == len(ranks.procs):
+                seen["t_ready"] = time.perf_counter()
+        elif msg[0] == "result":
             results[msg[1]] = msg[2:]
-        elif kind == "bytes":
-            nbytes += msg[1]
-        elif kind == "decode_done":
-            done["decode"].append(msg[2])
-        elif kind == "prefill_done":
-            done["prefill"].append(msg)
-        elif kind == "error":
-            errors.append(f"{msg[1]}: {msg[2]}")
-    for q in inboxes:
-        q.put("stop")
-    while not errors and len(done["prefill"]) < cfg.prefill_tp and time.monotonic() < deadline:
-        try:
-            msg = outbox.get(timeout=5.0)
-        except queue.Empty:
-            errors.append("prefill ranks did not finish")
-            break
-        if msg[0] == "prefill_done":
-            done["prefill"].append(msg)
-        elif msg[0] == "error":
-            errors.append(f"{msg[1]}: {msg[2]}")
+        elif msg[0] == "bytes":
+            seen["bytes"] += msg[1]
+    done, errors = collect(ranks, cfg, on_report)
     t_end = time.perf_counter()
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.kill()
-    server.stop()
+    stop_ranks(ranks)
     ref_thread.join()
 
     errors += [f"{who} built weights {f}, this process {fp}" for who, f in sorted(fps.items()) if f != fp]
-    ref = ref_box
+    ref, nbytes = ref_box, seen["bytes"]
     if len(ref) != cfg.requests:
         errors.append(f"the reference generate finished {len(ref)} of {cfg.requests} requests")
     for room, prompt in make_requests(cfg):
@@ -262,24 +209,17 @@ def run(cfg: HFDemoConfig, out=sys.stdout) -> dict:
             mark = "ok" if ok and toks == ref.get(room) else \
                 f"MISMATCH: want {ref.get(room)}" + (f" ({reason})" if reason else "")
             print(f"  room {room:3d}: prompt {len(prompt):3d} tokens -> {toks} {mark}", file=out)
-    mismatched = [room for room, (toks, ok, _) in results.items() if not ok or toks != ref.get(room)]
-    missing = cfg.requests - len(results)
-    prefill_failed = [f for m in done["prefill"] for f in m[2]]
-    leaks = not all(done["decode"]) or not all(m[3] for m in done["prefill"])
-    transfer_s = t_end - (t_ready or t_end)
-    summary = {"config": asdict(cfg), "requests": cfg.requests, "verified": len(results) - len(mismatched),
-               "mismatched": mismatched, "missing": missing, "bytes_moved": nbytes, "weights": fp,
-               "seconds": t_end - t0, "seconds_after_ready": transfer_s, "prefill_failed": prefill_failed,
-               "slot_leak": leaks, "errors": errors}
+    transfer_s = t_end - (seen["t_ready"] or t_end)
+    summary = {"config": asdict(cfg), **verdict(cfg, results, ref, done, errors), "bytes_moved": nbytes,
+               "weights": fp, "seconds": t_end - t0, "seconds_after_ready": transfer_s, "errors": errors}
     rows = [("requests", f"{cfg.requests}"),
             ("verified token for token", f"{summary['verified']}/{cfg.requests} (vs the model's own generate)"),
             ("bytes moved", f"{nbytes / 1e3:.1f} kB"),
             ("wall time", f"{t_end - t0:.1f} s ({transfer_s:.1f} s after every rank was ready)"),
-            ("slots back to full", "no" if leaks else "yes")]
+            ("slots back to full", "no" if summary["slot_leak"] else "yes")]
     print("\n".join(f"  {k:26s} {v}" for k, v in rows), file=out)
     for e in errors:
         print(f"  ERROR {e}", file=out)
-    summary["ok"] = not (mismatched or missing or errors or prefill_failed or leaks)
     print("  RESULT: " + ("every request verified" if summary["ok"] else "FAILED"), file=out)
     return summary
 
