@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -238,22 +238,31 @@ def _kv_dims(head_dim: int, v_head_dim: int | None) -> list[tuple[str, int]]:
     return [("k", head_dim), ("v", v)]
 
 
-def _scale_regions(ids, heads, dims, space: Space, scale_block: int | None, first_region: int):
-    """Per-block fp32 scales, one token-major region per (layer, K/V): ``[slots, heads, dim // block]``."""
-    if scale_block is None:
-        return [], []
+def _per_layer(ids, dims, sp: Space, heads: int, *, hnd: bool, dtype: str, head_bytes: Callable[[int], int],
+               suffix: str = "", first_region: int = 0) -> tuple[list[Region], list[Part]]:
+    """One region per (layer, K/V): ``[slots, heads, dim]`` (NHD) or, with ``hnd``,
+    ``[pages, heads, page_size, dim]``; ``head_bytes(dim)`` is one head's bytes of one token."""
     regions: list[Region] = []
     parts: list[Part] = []
     for layer in ids:
         for kind, dim in dims:
-            _require(dim % scale_block == 0, f"head dim {dim} is not a multiple of scale_block {scale_block}")
-            hb = dim // scale_block * 4
-            parts.append(Part(layer=layer, kind=f"{kind}_scale", space=space.name,
-                              region=first_region + len(regions), base=0,
-                              page_stride=space.page_size * heads * hb, token_stride=heads * hb,
-                              heads=heads, head_stride=hb, head_bytes=hb, dtype="float32"))
-            regions.append(Region(name=f"{kind}_scale{layer}", nbytes=space.num_slots * heads * hb))
+            hb = head_bytes(dim)
+            token_stride, head_stride = (hb, sp.page_size * hb) if hnd else (heads * hb, hb)
+            parts.append(Part(layer=layer, kind=f"{kind}{suffix}", space=sp.name, region=first_region + len(regions),
+                              base=0, page_stride=sp.page_size * heads * hb, token_stride=token_stride,
+                              heads=heads, head_stride=head_stride, head_bytes=hb, dtype=dtype))
+            regions.append(Region(name=f"{kind}{suffix}{layer}", nbytes=sp.num_slots * heads * hb))
     return regions, parts
+
+
+def _scale_regions(ids, heads, dims, space: Space, scale_block: int | None, first_region: int):
+    """Per-block fp32 scales, one token-major region per (layer, K/V): ``[slots, heads, dim // block]``."""
+    if scale_block is None:
+        return [], []
+    for _, dim in dims:
+        _require(dim % scale_block == 0, f"head dim {dim} is not a multiple of scale_block {scale_block}")
+    return _per_layer(ids, dims, space, heads, hnd=False, dtype="float32", head_bytes=lambda d: d // scale_block * 4,
+                      suffix="_scale", first_region=first_region)
 
 
 def token_major_layout(*, layers: int | Sequence[int], heads: int, head_dim: int, dtype: str,
@@ -262,15 +271,7 @@ def token_major_layout(*, layers: int | Sequence[int], heads: int, head_dim: int
     """Per-layer K and V ``[slots, heads, head_dim]`` (NHD), one region each."""
     ids, dims, es = _layer_ids(layers), _kv_dims(head_dim, v_head_dim), dtype_size(dtype)
     sp = Space(name=space, num_slots=num_slots, page_size=page_size)
-    regions: list[Region] = []
-    parts: list[Part] = []
-    for layer in ids:
-        for kind, dim in dims:
-            hb = dim * es
-            parts.append(Part(layer=layer, kind=kind, space=space, region=len(regions), base=0,
-                              page_stride=page_size * heads * hb, token_stride=heads * hb,
-                              heads=heads, head_stride=hb, head_bytes=hb, dtype=dtype))
-            regions.append(Region(name=f"{kind}{layer}", nbytes=num_slots * heads * hb))
+    regions, parts = _per_layer(ids, dims, sp, heads, hnd=False, dtype=dtype, head_bytes=lambda d: d * es)
     sr, sparts = _scale_regions(ids, heads, dims, sp, scale_block, len(regions))
     return Layout(kind="token_major", spaces=(sp,), regions=tuple(regions + sr), parts=tuple(parts + sparts))
 
@@ -281,15 +282,7 @@ def hnd_layout(*, layers: int | Sequence[int], heads: int, head_dim: int, dtype:
     """Per-layer K and V ``[pages, heads, page_size, head_dim]`` (HND), one region each."""
     ids, dims, es = _layer_ids(layers), _kv_dims(head_dim, v_head_dim), dtype_size(dtype)
     sp = Space(name=space, num_slots=num_pages * page_size, page_size=page_size)
-    regions: list[Region] = []
-    parts: list[Part] = []
-    for layer in ids:
-        for kind, dim in dims:
-            hb = dim * es
-            parts.append(Part(layer=layer, kind=kind, space=space, region=len(regions), base=0,
-                              page_stride=heads * page_size * hb, token_stride=hb,
-                              heads=heads, head_stride=page_size * hb, head_bytes=hb, dtype=dtype))
-            regions.append(Region(name=f"{kind}{layer}", nbytes=num_pages * heads * page_size * hb))
+    regions, parts = _per_layer(ids, dims, sp, heads, hnd=True, dtype=dtype, head_bytes=lambda d: d * es)
     sr, sparts = _scale_regions(ids, heads, dims, sp, scale_block, len(regions))
     return Layout(kind="hnd", spaces=(sp,), regions=tuple(regions + sr), parts=tuple(parts + sparts))
 
