@@ -118,27 +118,42 @@ def _free_port() -> int:
 class PeerPair:
     """Both workers of one peer, as subprocesses, driven one transfer at a time."""
 
-    def __init__(self, peer: str, python: str, spec: dict, tmp: Path, timeout: float):
+    def __init__(self, peer: str, python: str, spec: dict, tmp: Path, timeout: float, script: Path | None = None,
+                 wait: bool = True):
+        """Starts both workers, one after the other. ``wait=False`` only launches the target:
+        then ``launch_initiator()`` and ``ready()`` finish the start, so that several pairs
+        start side by side (their imports take seconds)."""
         self.peer, self.timeout = peer, timeout
-        spec = {**spec, "port": _free_port(), "port2": _free_port()}   # for peers that need ports
-        spec_path = tmp / f"{peer.replace(' ', '_')}.json"
-        spec_path.write_text(json.dumps(spec))
-        cmd = [python, str(Path(__file__).resolve()), "--worker", peer, "--spec", str(spec_path)]
+        self.spec = {**spec, "port": _free_port(), "port2": _free_port()}   # for peers that need ports
+        self.spec_path = tmp / f"{peer.replace(' ', '_')}.json"
+        self.spec_path.write_text(json.dumps(self.spec))
+        # the script whose ``--worker`` runs one side (bench_posting.py brings its own)
+        self.cmd = [python, str(script or Path(__file__).resolve()), "--worker", peer, "--spec", str(self.spec_path)]
         self.procs: list[subprocess.Popen] = []
         self.logs = [open(tmp / f"{peer.replace(' ', '_')}.{r}.err", "w+") for r in ("target", "initiator")]
         self.lines: list[queue.Queue] = []
-        info = self._start([*cmd, "--role", "target"], 0)
-        spec_path.write_text(json.dumps({**spec, "target": info}))
-        self._start([*cmd, "--role", "initiator"], 1)
+        self._launch([*self.cmd, "--role", "target"], 0)
+        if wait:
+            self.launch_initiator()
+            self.ready()
 
-    def _start(self, cmd: list[str], side: int) -> dict:
+    def launch_initiator(self) -> None:
+        """Once the target is up: the initiator, told where the target is."""
+        info = self._expect(0, "READY")
+        self.spec_path.write_text(json.dumps({**self.spec, "target": info}))
+        self._launch([*self.cmd, "--role", "initiator"], 1)
+
+    def ready(self) -> None:
+        """Once the initiator is connected."""
+        self._expect(1, "READY")
+
+    def _launch(self, cmd: list[str], side: int) -> None:
         p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.logs[side], text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT)
         q: queue.Queue = queue.Queue()
         threading.Thread(target=lambda: [q.put(ln) for ln in p.stdout] + [q.put(None)], daemon=True).start()
         self.procs.append(p)
         self.lines.append(q)
-        return self._expect(side, "READY")
 
     def _expect(self, side: int, what: str) -> dict:
         try:
@@ -154,20 +169,29 @@ class PeerPair:
 
     def run(self, case: int, verify: bool) -> float:
         """Seconds of one transfer of ``case`` (its bytes checked at the target when ``verify``)."""
+        return self.run_measured(case, verify)["seconds"]
+
+    def run_measured(self, case: int, verify: bool) -> dict:
+        """One transfer of ``case``: the initiator's DONE (``seconds`` and whatever else it measured)."""
         self.procs[1].stdin.write(json.dumps({"op": "run", "case": case, "verify": verify}) + "\n")
         self.procs[1].stdin.flush()
         out = self._expect(1, "DONE")
         if out["why"]:
             raise RuntimeError(out["why"])
-        return out["seconds"]
+        return out
 
-    def close(self) -> None:
-        if len(self.procs) == 2 and self.procs[1].poll() is None:
+    def quit(self) -> None:
+        """Tell the workers to end (``close`` waits for them): pairs may end side by side."""
+        if len(self.procs) == 2 and self.procs[1].poll() is None and not self.procs[1].stdin.closed:
             try:
                 self.procs[1].stdin.write(json.dumps({"op": "quit"}) + "\n")
                 self.procs[1].stdin.flush()
+                self.procs[1].stdin.close()
             except OSError:
                 pass
+
+    def close(self) -> None:
+        self.quit()
         for p in self.procs:
             try:
                 p.wait(timeout=20)

@@ -114,3 +114,49 @@ def test_without_matplotlib_the_bench_says_how_to_get_the_chart(tmp_path, monkey
 def test_unknown_benchmark_is_a_usage_error():
     with pytest.raises(SystemExit):
         bench.main(["--only", "nope"])
+
+
+def _posting_module():
+    """scripts/bench_posting.py as a module (it imports its neighbours by name)."""
+    import importlib
+    import sys
+    if str(bench.SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(bench.SCRIPTS))
+    return importlib.import_module("bench_posting")
+
+
+def test_posting_plan_and_digest_catch_a_misplaced_run():
+    """The posting benchmark's own check: distinct aligned runs, and a digest that sees one run
+    landed in another's place."""
+    import numpy as np
+    bp = _posting_module()
+    spec = {"runs": 5000, "run_bytes": 512, "pool_bytes": bp.pool_bytes(5000, 512), "seed": 0}
+    case = bp.make_plan(spec)
+    for offs in (case["so"], case["do"]):
+        assert len(np.unique(offs)) == 5000 and not (offs % 512).any() and offs.max() + 512 <= spec["pool_bytes"]
+    src, dst = np.zeros(spec["pool_bytes"], np.uint8), np.zeros(spec["pool_bytes"], np.uint8)
+    bp.fill_source(src, case)
+    rows_s, rows_d = bp._rows(src, 512), bp._rows(dst, 512)
+    rows_d[case["do"] // 512] = rows_s[case["so"] // 512]   # what a correct transfer leaves
+    want = bp.digest(src, case["so"], 512)
+    assert bp.digest(dst, case["do"], 512) == want
+    a, b = case["do"][7] // 512, case["do"][8] // 512
+    rows_d[[a, b]] = rows_d[[b, a]]   # two runs swapped
+    assert bp.digest(dst, case["do"], 512) != want
+
+
+def test_posting_row_runs_and_checks_its_bytes(tmp_path, monkeypatch):
+    """The posting row end to end through ``kvxfer bench``, kvxfer UCX only, a small plan: rows
+    with values, every transfer's bytes checked (a digest mismatch would be an error row)."""
+    pytest.importorskip("ucxx")
+    posting = bench.Bench(name="posting", script="bench_posting.py",
+                          extra=("--only", "kvxfer ucx", "--runs", "4096", "--reps", "1"))
+    monkeypatch.setattr(bench, "BENCHES", [posting])
+    out = tmp_path / "b.json"
+    assert bench.main(["--only", "posting", "--json", str(out), "--chart", str(tmp_path / "b.png")]) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert rows and all(not r.get("error") for r in rows), rows
+    assert {r["unit"] for r in rows} == {"us/run", "GB/s"} and all(r["value"] > 0 for r in rows)
+    data = doc["benches"]["posting"]["data"]
+    assert data["runs"] == 4096 and len(data["samples"]["kvxfer ucx"]) == 1 and not data["errors"]

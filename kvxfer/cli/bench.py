@@ -83,6 +83,8 @@ BENCHES = [
     Bench(name="request", script="bench_request.py",
           quick_fallback=("--requests", "100", "--throughput-requests", "300")),
     Bench(name="peers", script="bench_peers.py", needs_peers_flag=True),
+    # sender CPU per run of a 1.3 M-run plan, kvxfer UCX next to NIXL (with --peers)
+    Bench(name="posting", script="bench_posting.py", needs_peers_flag=True),
 ]
 
 
