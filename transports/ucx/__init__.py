@@ -214,6 +214,9 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
         self._closing: list[Peer] = []   # disconnected, freed once nothing of them is held
         # Channel secret and epoch of disconnected peers (at most max_peers), for a later connect.
         self._retired: collections.OrderedDict[str, tuple[bytes, int]] = collections.OrderedDict()
+        # Peers whose error-handling endpoint UCX closed (failure) or we closed, queued by the close
+        # callback for the I/O loop (``UCXFencing._check_failed``); stale ones are skipped there.
+        self._failed_eps: collections.deque = collections.deque(maxlen=4 * max_peers)
         self._xids, self._dtags = itertools.count(1), itertools.count(1)
         self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()

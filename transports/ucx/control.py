@@ -152,7 +152,7 @@ class UCXControl:
     _retired: collections.OrderedDict[str, tuple[bytes, int]]
     _acts: int
     _deliver: Callable[[Arrival], None]
-    _add_peer: Callable[[str, bytes, bytes], Peer]
+    _add_peer: Callable[[str, bytes, bytes, bool, bool], Peer]
     _hello: Callable[[Peer], Hello]
     _start_out: Callable[[Outgoing], None]
     _start_puts: Callable[[Outgoing, int], None]
@@ -168,6 +168,7 @@ class UCXControl:
     _fence_check: Callable[[Peer, float], None]
     _expire_quarantine: Callable[[float], None]
     _drop_closed_peers: Callable[[float], None]
+    _check_failed: Callable[[float], None]
 
     def _send(self, p: Peer, msg: Message) -> None:
         """Queue a control message; each peer's queue leaves as one tagged message per turn."""
@@ -231,7 +232,9 @@ class UCXControl:
             try:
                 hello = parse_message(raw, self.max_control_bytes)
                 assert isinstance(hello, Hello)  # kind_of(raw) == HELLO
-                p = self._add_peer(sender, hello.address, hello.secret)
+                # Error handling as the sender's endpoint has it (a peer in another host or
+                # network namespace): its death is then seen here too.
+                p = self._add_peer(sender, hello.address, hello.secret, False, hello.err)
             except Exception as e:   # Malformed, or an address UCX refuses
                 self.grants.reject("?", f"malformed message: HELLO: {e}"[:200])
                 return
@@ -362,6 +365,7 @@ class UCXControl:
 
     # ---- deadlines and heartbeats ---------------------------------------------------------
     def _housekeeping(self, now: float) -> None:
+        self._check_failed(now)
         for o in self._holding:
             if self._puts_settled(o):
                 self._release_and_abort(o)

@@ -13,6 +13,7 @@ from kvxfer.errors import PeerError
 
 from . import bindings as ucp
 from .control import process_start
+from .lifecycle import close_endpoint
 from .state import Peer
 
 if TYPE_CHECKING:
@@ -44,6 +45,7 @@ class UCXFencing:
     _landing: dict
     _draining: list
     _landing_rids: collections.Counter
+    _failed_eps: collections.deque
     _fail_out: Callable[..., None]            # UCXSender._fail_out(o, err, tell=True)
     _fail_in: Callable[..., None]             # UCXReceiver._fail_in(i, reason, tell=True, puts_left=True)
     _landed: Callable[[str], None]
@@ -78,6 +80,31 @@ class UCXFencing:
         if p.bye_at is not None and now - p.bye_at >= self.fence_grace and any(o.peer is p for o in self._holding):
             self._release_peer(p, "closed its transport", writes_impossible=False)
 
+    def _check_failed(self, now: float) -> None:
+        """Each tick: peers whose error-handling endpoint failed (``Peer.err``; queued by the close
+        callback, or seen not alive). Their transfers fail at once; ``fence_grace`` s later (of
+        progress: whatever their connection had delivered is applied or dropped by then) they are
+        released as *writes impossible*: UCX closed their connection (a TCP reset or close; its
+        process is gone), so nothing more of theirs is applied here; to write again the peer must
+        connect and handshake anew. Measured (``tests/test_ucx_close_fence.py``): after the
+        peer's ``kill -9`` nothing it had issued lands, and no socket to it is left."""
+        while self._failed_eps:
+            p = self._failed_eps.popleft()
+            if self._peers.get(p.id) is p and p.failed_at is None:
+                self._ep_failed(p, now)
+        for p in list(self._peers.values()):
+            if p.err and p.failed_at is None and not p.ep.alive:   # the callback's backstop
+                self._ep_failed(p, now)
+            if p.failed_at is not None and now - p.failed_at >= self.fence_grace:
+                self._release_peer(p, "lost: its connection failed (process gone or connection reset)",
+                                   writes_impossible=True)
+
+    def _ep_failed(self, p: Peer, now: float) -> None:
+        p.failed_at = now
+        log.warning("UCX transport %s: the endpoint of peer %s failed (connection reset or closed: its process "
+                    "is gone); freeing what it held in %.1fs", self.id[:8], p.id[:8], self.fence_grace)
+        self._peer_gone(p, "peer lost: its connection failed (process gone or connection reset)")
+
     def _release_peer(self, p: Peer, why: str, writes_impossible: bool) -> None:
         """Close our endpoint to ``p`` (no flush: it cancels what is queued to it, so no put of
         ours reads a source any more), release our held sources, and forget ``p`` (a new
@@ -90,7 +117,7 @@ class UCXFencing:
             self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"), tell=False,
                           puts_left=not writes_impossible)
         try:
-            p.ep.close()
+            close_endpoint(p)   # one UCX reported failed is closed already (``Peer.err``)
         except Exception:
             log.exception("closing the endpoint of peer %s", p.id[:8])
         for _ in range(16):
@@ -146,7 +173,7 @@ class UCXFencing:
                 if h:
                     ucp.rkey_destroy(h)
             p.rkeys, p.outbox = [], []
-            p.ep.close()   # no flush: the peer is gone (error handling is off)
+            close_endpoint(p)   # no flush: the peer is gone
 
     def _peer_gone(self, p: Peer, why: str) -> None:
         """``p`` went silent (or said BYE): its transfers fail on both sides, but silence is not
