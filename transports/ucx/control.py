@@ -15,9 +15,18 @@ both sides within their deadlines, but what it could still write or read stays h
   refused until it re-handshakes. An entry ends when the peer sends DONE or ABORT for it (sent
   only after its endpoint flush completed, so its puts have landed), when it re-handshakes
   (a HELLO with a higher epoch, sent only after a flush of its endpoint completed: every put
-  issued before it has landed), when it is proven dead (same kernel, same PID and network
-  namespace, its process gone: ``_proven_dead``), or, only if the operator set
-  ``quarantine_timeout``, when that expires (counted in ``fencing()["expired"]``).
+  issued before it has landed), when it is proven dead, or, only if the operator set
+  ``quarantine_timeout``, when that expires (counted in ``fencing()["expired"]``). Proven dead
+  (``fencing``): on our kernel, in our PID and network namespaces, its process is gone (pid
+  check); elsewhere (another host or network namespace, no user-chosen TLS: ``Peer.err``,
+  endpoints with UCX error handling on both sides) UCX reported its endpoint failed: its
+  connection was reset or closed, which its process's death does. Either way ``fence_grace``
+  s of progress later it is released as *writes impossible* and forgotten: to write again it
+  must connect and handshake anew. A peer elsewhere that is alive but silent (a cut link, a
+  stall) is NOT released by closing our endpoint to it: measured
+  (``tests/test_ucx_close_fence.py``), its puts and messages keep landing after our
+  endpoint is force-closed, over the TCP connection its own wireup made, which our endpoint
+  does not own. It stays fenced as above until it flushes, re-handshakes or fails.
 * sender: a failed transfer whose puts or frames were issued keeps its source until its
   endpoint flush completes (then ABORT), or until the peer is proven dead (then our endpoint
   to it is closed, which cancels every local read, and the peer must be connected anew).

@@ -1,7 +1,21 @@
 """Fencing of a UCX transport (silence is not death): what a failed, silent or closed peer holds,
 and when it may go. ``UCXFencing`` is a mixin of ``UCXTransport``; every method runs on the I/O
-thread, called from ``control`` (``_housekeeping``, ``_handle``). The rules are in the
-``control`` module docstring ("Fencing")."""
+thread, called from ``control`` (``_housekeeping``: ``_check_failed``, ``_fence_check``,
+``_expire_quarantine``, ``_drop_closed_peers``; ``_handle``: ``_peer_gone``). The rules are in
+the ``control`` module docstring ("Fencing").
+
+What proves a peer's writes impossible, where:
+
+* same kernel, PID and network namespaces (shared memory, cma): its process is gone (pid and
+  start time); our endpoint to it proves nothing (closing it does not stop a peer's cma
+  writes), so that is the only proof there.
+* another host or network namespace, no user-chosen TLS (``Peer.err``): UCX reports its
+  endpoint failed (``_check_failed``): the TCP connection its writes travel on was reset or
+  closed. Measured (``tests/test_ucx_close_fence.py``): after its ``kill -9`` the close
+  callback fires in ~0.1 s, no socket to it is left and nothing lands afterwards. Closing our
+  endpoint to a live peer is no proof: its writes go on landing.
+* anything else (a user-chosen TLS across hosts, a silent live peer): nothing; its memory
+  stays held until it flushes or re-handshakes, or ``quarantine_timeout`` (opt-in, unsafe)."""
 from __future__ import annotations
 
 import collections
@@ -101,8 +115,9 @@ class UCXFencing:
 
     def _ep_failed(self, p: Peer, now: float) -> None:
         p.failed_at = now
-        log.warning("UCX transport %s: the endpoint of peer %s failed (connection reset or closed: its process "
-                    "is gone); freeing what it held in %.1fs", self.id[:8], p.id[:8], self.fence_grace)
+        log.warning("UCX transport %s: the endpoint of peer %s failed (its connection was reset or closed: its "
+                    "process is gone or its transport closed); freeing what it held in %.1fs", self.id[:8], p.id[:8],
+                    self.fence_grace)
         self._peer_gone(p, "peer lost: its connection failed (process gone or connection reset)")
 
     def _release_peer(self, p: Peer, why: str, writes_impossible: bool) -> None:
