@@ -1,6 +1,8 @@
 """UCX across test hosts with no UCX setting at all (issue 17: far-worker endpoints, error
-handling on): bootstrap in host A, prefill TP 2 page-major in host B, decode TP 1 token-major in
-host C (pulling from both), every rank a real process (``tests/multihost_rank.py``).
+handling on): bootstrap in host A, prefill in host B, decode TP 1 in host C, every rank a real
+process (``tests/multihost_rank.py``). Two shapes: prefill TP 2 page-major -> decode token-major
+(1 KiB head-slice runs: packed frames into receives decode posted) and prefill TP 1 page-major
+-> decode page-major (128 KiB page runs: one-sided puts, which decode cannot cancel).
 
 ``kill -9`` of prefill rank 0 while 256 MiB are in flight (host B's egress shaped so they are):
 decode's endpoint to it reports the failure (TCP reset), its requests fail on decode with a
@@ -26,7 +28,8 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.timeout(600)]
 
 three = hosts_fixture(3)
-P_TP, D_TP = 2, 1
+D_TP = 1
+SHAPES = {"frames": (2, "token_major"), "puts": (1, "page_major")}   # prefill TP, decode layout
 # 4 requests of 8192 tokens: 2 layers x K,V x 8 heads x 128 dims x bf16 = 8 KiB a token, 256 MiB.
 POOL = dict(heads=8, layers=2, head_dim=128, page_size=16, num_pages=4 * 8192 // 16 + 64)
 ROOMS, TOKENS = [11, 12, 13, 14], 8192
@@ -35,12 +38,12 @@ SLACK = 4.0
 CANARY_WATCH = 5.0
 
 
-def start(hosts) -> dict:
-    c = {"boot": RankProc(hosts[0], "bootstrap", expect=P_TP), "prefill": [], "decode": []}
+def start(hosts, p_tp: int, d_layout: str) -> dict:
+    c = {"boot": RankProc(hosts[0], "bootstrap", expect=p_tp), "prefill": [], "decode": [], "p_tp": p_tp}
     try:
         c["common"] = dict(bootstrap=c["boot"].url, transport="ucx", timeouts=list(TIMEOUTS), hb=list(HB), **POOL)
-        c["prefill"] = [prefill(hosts, r, c["common"]) for r in range(P_TP)]
-        c["decode"] = [RankProc(hosts[2], "decode", env={}, tp_rank=r, tp_size=D_TP, layout="token_major",
+        c["prefill"] = [prefill(hosts, r, c) for r in range(p_tp)]
+        c["decode"] = [RankProc(hosts[2], "decode", env={}, tp_rank=r, tp_size=D_TP, layout=d_layout,
                                 **c["common"]) for r in range(D_TP)]
     except BaseException:
         stop(c)
@@ -48,12 +51,13 @@ def start(hosts) -> dict:
     return c
 
 
-def prefill(hosts, r: int, common: dict) -> RankProc:
-    return RankProc(hosts[1], "prefill", env={}, tp_rank=r, tp_size=P_TP, layout="page_major", seed=7, **common)
+def prefill(hosts, r: int, c: dict) -> RankProc:
+    return RankProc(hosts[1], "prefill", env={}, tp_rank=r, tp_size=c["p_tp"], layout="page_major", seed=7,
+                    **c["common"])
 
 
 def stop(c: dict) -> None:
-    for r in c["decode"] + c["prefill"] + [c["boot"]]:
+    for r in c.get("decode", []) + c.get("prefill", []) + [c["boot"]]:
         r.close()
 
 
@@ -86,8 +90,9 @@ def canary_intact(c: dict, keep: list[int]) -> None:
         assert res["bad"] == 0, f"{res['bad']} decode bytes outside live grants changed (a late write): {res}"
 
 
-def test_prefill_killed_mid_transfer_over_ucx_without_settings(three):
-    c = start(three)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_prefill_killed_mid_transfer_over_ucx_without_settings(three, shape):
+    c = start(three, *SHAPES[shape])
     report: dict = {}
     try:
         request(c, 1, 64)                                  # the path works (and warms up) first
@@ -130,7 +135,7 @@ def test_prefill_killed_mid_transfer_over_ucx_without_settings(three):
             time.sleep(1.0)
         three[1].tc("qdisc", "del", "dev", "veth0", "root", check=False)
         old = c["prefill"][0]
-        c["prefill"][0] = prefill(three, 0, c["common"])   # a new process, a new port
+        c["prefill"][0] = prefill(three, 0, c)             # a new process, a new port
         assert c["prefill"][0].hello["info"] != old.hello["info"]
         end, room = time.monotonic() + 40, 20
         while True:                                        # decode finds and greets it by itself
@@ -144,6 +149,6 @@ def test_prefill_killed_mid_transfer_over_ucx_without_settings(three):
         byte_exact(c, room)
         canary_intact(c, [1, *ok, room])
     finally:
-        print("prefill kill -9 over UCX (no settings):", report)
+        print(f"prefill kill -9 over UCX (no settings, {shape}):", report)
         three[1].tc("qdisc", "del", "dev", "veth0", "root", check=False)
         stop(c)

@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,18 @@ def close_endpoint(p: Peer) -> None:
     if p.err and not p.ep.alive:
         return
     p.ep.close()
+
+
+def _ep_closed(transport_ref: weakref.ref, peer_ref: weakref.ref) -> None:
+    """ucxx's close callback of an ``err`` endpoint (inside a worker progress call, on the I/O
+    thread): only queue the peer for ``UCXFencing._check_failed``. It also comes when we close the
+    endpoint ourselves; the handler skips a peer already forgotten. Never raises into UCX."""
+    try:
+        t, p = transport_ref(), peer_ref()
+        if t is not None and p is not None:
+            t._failed_eps.append(p)
+    except Exception:   # pragma: no cover - nothing here raises; UCX must never see it
+        pass
 
 
 class UCXLifecycle:
@@ -287,18 +300,9 @@ class UCXLifecycle:
         worker = self._far() if far else self._worker
         ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), err)
         p = self._peers[peer_id] = Peer(peer_id, ep, secret, far=far, err=err)
-        if err:
-            ep.set_close_callback(self._ep_closed, (p,))
+        if err:   # weak references: ucxx holds the callback in C++, where no collector sees a cycle
+            ep.set_close_callback(_ep_closed, (weakref.ref(self), weakref.ref(p)))
         return p
-
-    def _ep_closed(self, p: Peer) -> None:
-        """ucxx's close callback of an ``err`` endpoint (inside a worker progress call, on the I/O
-        thread): only queue it. It also comes when we close the endpoint ourselves; the handler
-        ignores a peer already forgotten. Must never raise into UCX."""
-        try:
-            self._failed_eps.append(p)
-        except Exception:   # pragma: no cover - a bounded deque's append does not raise
-            pass
 
     def _progress(self) -> None:
         for w in self._workers:
