@@ -140,11 +140,11 @@ HEAL_WAIT = 30.0         # after link-up, freed slots must still hold the canary
 NEXT_ROOM = 21           # the request after link-up
 
 
-def cut_mid_transfer(three, transport: str) -> dict:
-    """Submit 256 MiB, cut host C (decode) off 1 s in, wait for every request to end, heal the
-    link, wait HEAL_WAIT s, check successful requests byte-exact and the canary everywhere else.
-    Returns what happened (printed, for the issue note)."""
-    c = start_cluster(three, transport, BIG, CUT_TIMEOUTS, CUT_HB)
+def cut_mid_transfer(three, transport: str, ucx_env: dict | None = UCX_ENV, hold: float = 0.0) -> dict:
+    """Submit 256 MiB, cut host C (decode) off 1 s in, wait for every request to end (and
+    ``hold`` s more), heal the link, wait HEAL_WAIT s, check successful requests byte-exact and
+    the canary everywhere else. Returns what happened (printed, for the issue note)."""
+    c = start_cluster(three, transport, BIG, CUT_TIMEOUTS, CUT_HB, ucx_env=ucx_env)
     report = {}
     try:
         three[1].tc("qdisc", "replace", "dev", "veth0", "root", "tbf", "rate", "800mbit", "burst", "256kb",
@@ -158,6 +158,8 @@ def cut_mid_transfer(three, transport: str) -> dict:
         try:
             d_end = states(c["decode"], BIG_ROOMS, END_WITHIN)
             report["decode_end_s"] = round(time.monotonic() - cut, 2)
+            time.sleep(hold)
+            report["held"] = [d.call("stats") for d in c["decode"]]
         finally:
             three[2].link_up()
         p_end = states(c["prefill"], BIG_ROOMS, END_WITHIN)
@@ -196,3 +198,11 @@ def test_link_cut_mid_transfer_zmq(three):
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx does not import")
 def test_link_cut_mid_transfer_ucx(three):
     cut_mid_transfer(three, "ucx")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx does not import")
+def test_link_cut_mid_transfer_ucx_far_worker(three):
+    """No UCX setting (issue 17): endpoints with error handling (``Peer.err``). A cut held past
+    TCP's and UCX's keepalive times (10 s + probes, 20 s) may fail endpoints during the cut: what
+    a failed one released must still hold the canary after the heal, and the next request lands."""
+    cut_mid_transfer(three, "ucx", ucx_env={}, hold=30.0)

@@ -39,7 +39,11 @@ third party cannot send DONE, ABORT or FAIL in another peer's name. Caps (option
 bound the control message size, incoming transfers per peer and in total, and peers.
 
 Liveness: endpoints have error handling OFF (on, it excludes shared memory: ~10x slower), so
-a dead peer raises nothing. Each side pings its peers every ``heartbeat`` s; a peer silent for
+a dead peer raises nothing, except for a peer in another host or network namespace reached
+through ``FAR_TLS`` (no shared memory to lose): there both endpoints have it on (``Peer.err``;
+HELLO says so), a connection that fails (its process died: TCP reset) is reported, its
+transfers fail at once and what it held is released (``fencing``). Each side pings its peers
+every ``heartbeat`` s; a peer silent for
 ``peer_timeout`` s fails its transfers; every transfer also fails at its deadline, on both
 sides. Silence is not death: memory a silent peer could still write or read stays held
 (``writes_pending``, ``source_released``) until it is proven flushed or impossible; see
@@ -134,15 +138,18 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
                   2-core box) 1 run 16 vs 124 us, 4 runs 16 vs 86, 16 runs 51 vs 127. The
                   conformance suite forces 0 and 2**20 so each path carries every case.
     heartbeat     seconds between pings to each peer; ``peer_timeout`` seconds of silence
-                  fail a peer's transfers (a dead peer is silent: error handling is off).
+                  fail a peer's transfers (a dead peer is silent: error handling is off, except
+                  to a peer elsewhere without ``tls``, whose failed connection is reported at once).
     max_control_bytes      largest control batch received (larger ones are dropped unread)
     max_incoming           incoming transfers open at once, all peers together
     max_incoming_per_peer  incoming transfers open at once from one peer
     max_peers     peers (sender ids) this transport keeps; a HELLO beyond it is dropped
-    fence_grace   seconds between proving a peer on this kernel dead (its process gone) and
-                  freeing what it held (its writes queued in shared memory are applied meanwhile)
+    fence_grace   seconds between proving a peer dead (on this kernel: its process gone; elsewhere:
+                  UCX reports its connection failed) and freeing what it held (its writes
+                  already queued here are applied meanwhile)
     quarantine_timeout  None (default): memory a failed or silent peer could still write is
-                  never given back until that peer flushes, re-handshakes or is proven dead.
+                  never given back until that peer flushes, re-handshakes or is proven dead
+                  (elsewhere, without ``tls``: its connection failed).
                   A number: give it back after that many seconds anyway (counted in
                   ``fencing()["expired"]``); a late write may then corrupt the next owner.
     connect_timeout  seconds connect() waits for the peer's answer over the new endpoint (a
@@ -214,6 +221,9 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
         self._closing: list[Peer] = []   # disconnected, freed once nothing of them is held
         # Channel secret and epoch of disconnected peers (at most max_peers), for a later connect.
         self._retired: collections.OrderedDict[str, tuple[bytes, int]] = collections.OrderedDict()
+        # Peers whose error-handling endpoint UCX closed (failure) or we closed, queued by the close
+        # callback for the I/O loop (``UCXFencing._check_failed``); stale ones are skipped there.
+        self._failed_eps: collections.deque = collections.deque(maxlen=4 * max_peers)
         self._xids, self._dtags = itertools.count(1), itertools.count(1)
         self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()

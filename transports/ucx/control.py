@@ -15,9 +15,18 @@ both sides within their deadlines, but what it could still write or read stays h
   refused until it re-handshakes. An entry ends when the peer sends DONE or ABORT for it (sent
   only after its endpoint flush completed, so its puts have landed), when it re-handshakes
   (a HELLO with a higher epoch, sent only after a flush of its endpoint completed: every put
-  issued before it has landed), when it is proven dead (same kernel, same PID and network
-  namespace, its process gone: ``_proven_dead``), or, only if the operator set
-  ``quarantine_timeout``, when that expires (counted in ``fencing()["expired"]``).
+  issued before it has landed), when it is proven dead, or, only if the operator set
+  ``quarantine_timeout``, when that expires (counted in ``fencing()["expired"]``). Proven dead
+  (``fencing``): on our kernel, in our PID and network namespaces, its process is gone (pid
+  check); elsewhere (another host or network namespace, no user-chosen TLS: ``Peer.err``,
+  endpoints with UCX error handling on both sides) UCX reported its endpoint failed: its
+  connection was reset or closed, which its process's death does. Either way ``fence_grace``
+  s of progress later it is released as *writes impossible* and forgotten: to write again it
+  must connect and handshake anew. A peer elsewhere that is alive but silent (a cut link, a
+  stall) is NOT released by closing our endpoint to it: measured
+  (``tests/test_ucx_close_fence.py``), its puts and messages keep landing after our
+  endpoint is force-closed, over the TCP connection its own wireup made, which our endpoint
+  does not own. It stays fenced as above until it flushes, re-handshakes or fails.
 * sender: a failed transfer whose puts or frames were issued keeps its source until its
   endpoint flush completes (then ABORT), or until the peer is proven dead (then our endpoint
   to it is closed, which cancels every local read, and the peer must be connected anew).
@@ -152,7 +161,7 @@ class UCXControl:
     _retired: collections.OrderedDict[str, tuple[bytes, int]]
     _acts: int
     _deliver: Callable[[Arrival], None]
-    _add_peer: Callable[[str, bytes, bytes], Peer]
+    _add_peer: Callable[[str, bytes, bytes, bool, bool], Peer]
     _hello: Callable[[Peer], Hello]
     _start_out: Callable[[Outgoing], None]
     _start_puts: Callable[[Outgoing, int], None]
@@ -168,6 +177,7 @@ class UCXControl:
     _fence_check: Callable[[Peer, float], None]
     _expire_quarantine: Callable[[float], None]
     _drop_closed_peers: Callable[[float], None]
+    _check_failed: Callable[[float], None]
 
     def _send(self, p: Peer, msg: Message) -> None:
         """Queue a control message; each peer's queue leaves as one tagged message per turn."""
@@ -231,7 +241,9 @@ class UCXControl:
             try:
                 hello = parse_message(raw, self.max_control_bytes)
                 assert isinstance(hello, Hello)  # kind_of(raw) == HELLO
-                p = self._add_peer(sender, hello.address, hello.secret)
+                # Error handling as the sender's endpoint has it (a peer in another host or
+                # network namespace): its death is then seen here too.
+                p = self._add_peer(sender, hello.address, hello.secret, False, hello.err)
             except Exception as e:   # Malformed, or an address UCX refuses
                 self.grants.reject("?", f"malformed message: HELLO: {e}"[:200])
                 return
@@ -362,6 +374,7 @@ class UCXControl:
 
     # ---- deadlines and heartbeats ---------------------------------------------------------
     def _housekeeping(self, now: float) -> None:
+        self._check_failed(now)
         for o in self._holding:
             if self._puts_settled(o):
                 self._release_and_abort(o)

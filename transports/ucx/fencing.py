@@ -1,7 +1,21 @@
 """Fencing of a UCX transport (silence is not death): what a failed, silent or closed peer holds,
 and when it may go. ``UCXFencing`` is a mixin of ``UCXTransport``; every method runs on the I/O
-thread, called from ``control`` (``_housekeeping``, ``_handle``). The rules are in the
-``control`` module docstring ("Fencing")."""
+thread, called from ``control`` (``_housekeeping``: ``_check_failed``, ``_fence_check``,
+``_expire_quarantine``, ``_drop_closed_peers``; ``_handle``: ``_peer_gone``). The rules are in
+the ``control`` module docstring ("Fencing").
+
+What proves a peer's writes impossible, where:
+
+* same kernel, PID and network namespaces (shared memory, cma): its process is gone (pid and
+  start time); our endpoint to it proves nothing (closing it does not stop a peer's cma
+  writes), so that is the only proof there.
+* another host or network namespace, no user-chosen TLS (``Peer.err``): UCX reports its
+  endpoint failed (``_check_failed``): the TCP connection its writes travel on was reset or
+  closed. Measured (``tests/test_ucx_close_fence.py``): after its ``kill -9`` the close
+  callback fires in ~0.1 s, no socket to it is left and nothing lands afterwards. Closing our
+  endpoint to a live peer is no proof: its writes go on landing.
+* anything else (a user-chosen TLS across hosts, a silent live peer): nothing; its memory
+  stays held until it flushes or re-handshakes, or ``quarantine_timeout`` (opt-in, unsafe)."""
 from __future__ import annotations
 
 import collections
@@ -13,6 +27,7 @@ from kvxfer.errors import PeerError
 
 from . import bindings as ucp
 from .control import process_start
+from .lifecycle import close_endpoint
 from .state import Peer
 
 if TYPE_CHECKING:
@@ -44,6 +59,7 @@ class UCXFencing:
     _landing: dict
     _draining: list
     _landing_rids: collections.Counter
+    _failed_eps: collections.deque
     _fail_out: Callable[..., None]            # UCXSender._fail_out(o, err, tell=True)
     _fail_in: Callable[..., None]             # UCXReceiver._fail_in(i, reason, tell=True, puts_left=True)
     _landed: Callable[[str], None]
@@ -78,6 +94,32 @@ class UCXFencing:
         if p.bye_at is not None and now - p.bye_at >= self.fence_grace and any(o.peer is p for o in self._holding):
             self._release_peer(p, "closed its transport", writes_impossible=False)
 
+    def _check_failed(self, now: float) -> None:
+        """Each tick: peers whose error-handling endpoint failed (``Peer.err``; queued by the close
+        callback, or seen not alive). Their transfers fail at once; ``fence_grace`` s later (of
+        progress: whatever their connection had delivered is applied or dropped by then) they are
+        released as *writes impossible*: UCX closed their connection (a TCP reset or close; its
+        process is gone), so nothing more of theirs is applied here; to write again the peer must
+        connect and handshake anew. Measured (``tests/test_ucx_close_fence.py``): after the
+        peer's ``kill -9`` nothing it had issued lands, and no socket to it is left."""
+        while self._failed_eps:
+            p = self._failed_eps.popleft()
+            if self._peers.get(p.id) is p and p.failed_at is None:
+                self._ep_failed(p, now)
+        for p in list(self._peers.values()):
+            if p.err and p.failed_at is None and not p.ep.alive:   # the callback's backstop
+                self._ep_failed(p, now)
+            if p.failed_at is not None and now - p.failed_at >= self.fence_grace:
+                self._release_peer(p, "lost: its connection failed (process gone or connection reset)",
+                                   writes_impossible=True)
+
+    def _ep_failed(self, p: Peer, now: float) -> None:
+        p.failed_at = now
+        log.warning("UCX transport %s: the endpoint of peer %s failed (its connection was reset or closed: its "
+                    "process is gone or its transport closed); freeing what it held in %.1fs", self.id[:8], p.id[:8],
+                    self.fence_grace)
+        self._peer_gone(p, "peer lost: its connection failed (process gone or connection reset)")
+
     def _release_peer(self, p: Peer, why: str, writes_impossible: bool) -> None:
         """Close our endpoint to ``p`` (no flush: it cancels what is queued to it, so no put of
         ours reads a source any more), release our held sources, and forget ``p`` (a new
@@ -90,7 +132,7 @@ class UCXFencing:
             self._fail_in(i, self.grants.reject(i.rid, f"peer failed: {why}"), tell=False,
                           puts_left=not writes_impossible)
         try:
-            p.ep.close()
+            close_endpoint(p)   # one UCX reported failed is closed already (``Peer.err``)
         except Exception:
             log.exception("closing the endpoint of peer %s", p.id[:8])
         for _ in range(16):
@@ -146,7 +188,7 @@ class UCXFencing:
                 if h:
                     ucp.rkey_destroy(h)
             p.rkeys, p.outbox = [], []
-            p.ep.close()   # no flush: the peer is gone (error handling is off)
+            close_endpoint(p)   # no flush: the peer is gone
 
     def _peer_gone(self, p: Peer, why: str) -> None:
         """``p`` went silent (or said BYE): its transfers fail on both sides, but silence is not

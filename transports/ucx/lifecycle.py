@@ -21,6 +21,7 @@ import ctypes
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,30 @@ if TYPE_CHECKING:
     from .protocol import Message
 
 log = logging.getLogger("kvxfer.transport.ucx")
+
+
+def close_endpoint(p: Peer) -> None:
+    """Close our endpoint to ``p`` (I/O thread), unless UCX reported it failed: ucxx closed that
+    one itself, and closing it again crashes the process (SIGSEGV in ucxx 0.52, measured: see
+    ``tests/ucx_fence_peer.py``); dropping it is safe. Its state changes only inside a worker
+    progress call, which this thread makes, so nothing changes between the check and the close.
+    Error handling on (``Peer.err``): ucxx closes in force mode (no flush); off: a flush-close
+    that does not wait for a dead peer here, as ucxx runs it."""
+    if p.err and not p.ep.alive:
+        return
+    p.ep.close()
+
+
+def _ep_closed(transport_ref: weakref.ref, peer_ref: weakref.ref) -> None:
+    """ucxx's close callback of an ``err`` endpoint (inside a worker progress call, on the I/O
+    thread): only queue the peer for ``UCXFencing._check_failed``. It also comes when we close the
+    endpoint ourselves; the handler skips a peer already forgotten. Never raises into UCX."""
+    try:
+        t, p = transport_ref(), peer_ref()
+        if t is not None and p is not None:
+            t._failed_eps.append(p)
+    except Exception:   # pragma: no cover - nothing here raises; UCX must never see it
+        pass
 
 
 class UCXLifecycle:
@@ -98,6 +123,7 @@ class UCXLifecycle:
     _closing: list[Peer]
     _retired: collections.OrderedDict[str, tuple[bytes, int]]
     _landing: dict
+    _failed_eps: collections.deque
     _rehello: Callable[[Peer], None]
     _landed: Callable[[str], None]
     _send: Callable[[Peer, Message], None]
@@ -168,7 +194,8 @@ class UCXLifecycle:
             self._rehello(p)   # it heard BYE and fenced us: flush, then HELLO with a new epoch
         if p is None:
             secret, epoch = self._retired.pop(peer_id, (os.urandom(SECRET_BYTES), -1))
-            p = self._add_peer(peer_id, addr, secret, far_path(where, self._tls_explicit))
+            far = far_path(where, self._tls_explicit)
+            p = self._add_peer(peer_id, addr, secret, far, err=far)
             p.my_epoch = epoch + 1   # above every HELLO it had from us: lifts a fence it may hold
             self._log_path(p, where)
         if p.sizes is None:
@@ -227,7 +254,7 @@ class UCXLifecycle:
                 if h:
                     ucp.rkey_destroy(h)
             p.rkeys, p.close_flush = [], None
-            p.ep.close()   # flushed, or the peer is silent: no put of ours is in flight to it
+            close_endpoint(p)   # flushed, or the peer is silent: no put of ours is in flight to it
             self._retired[p.id] = (p.secret, p.my_epoch)
             self._retired.move_to_end(p.id)
             while len(self._retired) > self.max_peers:
@@ -261,12 +288,20 @@ class UCXLifecycle:
 
     def _hello(self, p: Peer) -> Hello:
         return Hello(self._far_address if p.far else self._address, p.secret, p.my_epoch, self._host_id, self._pid,
-                     self._start_ticks)
+                     self._start_ticks, p.err)
 
-    def _add_peer(self, peer_id: str, addr: bytes, secret: bytes, far: bool = False) -> Peer:
+    def _add_peer(self, peer_id: str, addr: bytes, secret: bytes, far: bool = False, err: bool = False) -> Peer:
+        """An endpoint to ``addr`` (through the FAR_TLS worker when ``far``) and its ``Peer``.
+        ``err``: UCX endpoint error handling on (``UCP_ERR_HANDLING_MODE_PEER``), for a peer in
+        another host or network namespace only: it excludes shared memory and cma, which such a
+        peer cannot use anyway. UCX then reports the failure of its connection (reset or closed:
+        its process is gone) through the close callback, queued here and handled by
+        ``UCXFencing._check_failed`` on the I/O loop's next tick (nothing runs inside UCX's call)."""
         worker = self._far() if far else self._worker
-        ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), False)
-        p = self._peers[peer_id] = Peer(peer_id, ep, secret, far=far)
+        ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), err)
+        p = self._peers[peer_id] = Peer(peer_id, ep, secret, far=far, err=err)
+        if err:   # weak references: ucxx holds the callback in C++, where no collector sees a cycle
+            ep.set_close_callback(_ep_closed, (weakref.ref(self), weakref.ref(p)))
         return p
 
     def _progress(self) -> None:
@@ -316,7 +351,7 @@ class UCXLifecycle:
         # Close endpoints now, without a flush: ucxx's destructor would flush-close them and
         # spin forever on a dead peer (error handling is off).
         for p in self._peers.values():
-            p.ep.close()
+            close_endpoint(p)
         end = time.monotonic() + 0.1
         while time.monotonic() < end:
             self._progress()

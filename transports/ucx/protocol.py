@@ -57,16 +57,19 @@ class Hello:
     handshakes on this channel: a sender that was silent to the peer (or fenced by it) flushes
     its endpoint and only then sends a HELLO with a higher epoch, which therefore also says
     "every put I issued before this has landed". ``host`` (boot id and PID-namespace) and
-    ``pid`` let a receiver on the same kernel prove the sender dead (``UCXControl``)."""
+    ``pid`` let a receiver on the same kernel prove the sender dead (``UCXControl``). ``err``:
+    the sender's endpoint has UCX error handling on; the receiver's to it must match (endpoints
+    of both modes do not talk)."""
     address: bytes
     secret: bytes
     epoch: int = 0
     host: str = ""
     pid: int = 0
     start: int = 0       # the process's start time (clock ticks since boot): pids are reused
+    err: bool = False
 
     def wire(self) -> list:
-        return [HELLO, self.address, self.secret, self.epoch, self.host, self.pid, self.start]
+        return [HELLO, self.address, self.secret, self.epoch, self.host, self.pid, self.start, int(self.err)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +193,7 @@ def _str(v, limit: int, what: str) -> str:
 
 # Lengths a message may have: HELLO and ANNOUNCE without their newer fields are kvxfer's
 # older wire (epoch 0, no identity; no capability, which a grant with one refuses).
-_SIZES = {HELLO: (3, 7), ANNOUNCE: (9, 10), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,), PING: (1,),
+_SIZES = {HELLO: (3, 7, 8), ANNOUNCE: (9, 10), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,), PING: (1,),
           BYE: (1,)}
 
 
@@ -205,7 +208,8 @@ def parse_message(m, limit: int) -> Message:
             if len(m) == 3:
                 return Hello(address, secret)
             return Hello(address, secret, _int(m[3], 0, MAX_ID, "epoch"), _str(m[4], MAX_HOST, "host"),
-                         _int(m[5], 0, 1 << 31, "pid"), _int(m[6], 0, MAX_ID, "start time"))
+                         _int(m[5], 0, 1 << 31, "pid"), _int(m[6], 0, MAX_ID, "start time"),
+                         len(m) == 8 and _int(m[7], 0, 2, "error handling") == 1)
         if kind == PING:
             return Ping()
         if kind == BYE:

@@ -22,7 +22,7 @@ PackedRuns = tuple[np.ndarray, np.ndarray, np.ndarray]   # region, offset, nbyte
 @dataclass(eq=False)
 class Peer:
     id: str
-    ep: ucx_api.UCXEndpoint          # error handling off
+    ep: ucx_api.UCXEndpoint          # error handling off, except for ``err`` peers
     secret: bytes                    # the channel secret every batch to or from it carries
     clock: PeerClock = field(default_factory=PeerClock)
     base: np.ndarray | None = None   # remote region addresses, sizes, rkeys: set by connect()
@@ -32,6 +32,9 @@ class Peer:
     rkeys: list = field(default_factory=list)
     gone: bool = False               # silent past peer_timeout; cleared when it speaks again
     far: bool = False                # reached through the FAR_TLS worker (another host or network namespace)
+    err: bool = False                # endpoint error handling on (a peer in another host or network namespace
+                                     # reached without a user-chosen TLS): UCX reports its connection's failure
+    failed_at: float | None = None   # ``err``: its endpoint reported a failure at (connection reset or closed)
     answered: bool = False           # a message of it came through (connect() waits for one)
     outbox: list = field(default_factory=list)
     last_send: Any = None            # the latest control send to it
