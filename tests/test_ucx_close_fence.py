@@ -88,6 +88,7 @@ def test_a_killed_peers_connection_fails_and_nothing_of_it_lands_after():
         after = r.get()["after"]
         assert after["callback_s"] is not None and after["callback_s"] < 5, after
         assert after["alive"] is False and after["written"] == 0 and after["sockets"] == [], after
+        assert after["status"] == "reset", after["status"]   # what _check_failed takes as proof
     finally:
         s.stop()
         r.stop()

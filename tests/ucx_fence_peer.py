@@ -32,6 +32,7 @@ from ucxx._lib import libucxx as u
 from ucxx._lib.arr import Array
 
 from kvxfer_transports.ucx import bindings as ucp
+from kvxfer_transports.ucx.lifecycle import failure_of
 from kvxfer_transports.ucx.settings import FAR_TLS
 
 N, WATCH = 64 << 20, 4.0
@@ -86,6 +87,7 @@ def receiver(mode: str) -> None:
         while not closed and time.monotonic() - t0 < 20:
             w.progress()
     callback = round(closed[0] - t0, 3) if closed else None
+    status = failure_of(ep)   # what the transport makes of the failure ("reset" after a kill)
     buf[:] = 0
     tags, end = 0, time.monotonic() + WATCH
     while time.monotonic() < end:
@@ -93,7 +95,7 @@ def receiver(mode: str) -> None:
         while w.tag_probe(u.UCXXTag(DATA_TAG), MASK, remove=True).matched:
             tags += 1
     say({"after": {"written": int((buf != 0).sum()), "tags": tags, "sockets": sockets(), "alive": ep.alive,
-                   "callback_s": callback}})
+                   "callback_s": callback, "status": status}})
     sys.stdin.readline()
 
 

@@ -10,10 +10,11 @@ What proves a peer's writes impossible, where:
   start time); our endpoint to it proves nothing (closing it does not stop a peer's cma
   writes), so that is the only proof there.
 * another host or network namespace, no user-chosen TLS (``Peer.err``): UCX reports its
-  endpoint failed (``_check_failed``): the TCP connection its writes travel on was reset or
-  closed. Measured (``tests/test_ucx_close_fence.py``): after its ``kill -9`` the close
-  callback fires in ~0.1 s, no socket to it is left and nothing lands afterwards. Closing our
-  endpoint to a live peer is no proof: its writes go on landing.
+  endpoint failed with a connection reset (``_check_failed``): the TCP connection its writes
+  travel on was reset or closed by its side. Measured (``tests/test_ucx_close_fence.py``):
+  after its ``kill -9`` the close callback fires in ~0.1 s with a reset, no socket to it is
+  left and nothing lands afterwards. A timeout (a partition) is no proof, nor is closing our
+  endpoint to a live peer: its writes go on landing.
 * anything else (a user-chosen TLS across hosts, a silent live peer): nothing; its memory
   stays held until it flushes or re-handshakes, or ``quarantine_timeout`` (opt-in, unsafe)."""
 from __future__ import annotations
@@ -27,7 +28,7 @@ from kvxfer.errors import PeerError
 
 from . import bindings as ucp
 from .control import process_start
-from .lifecycle import close_endpoint
+from .lifecycle import close_endpoint, failure_of
 from .state import Peer
 
 if TYPE_CHECKING:
@@ -98,10 +99,13 @@ class UCXFencing:
         """Each tick: peers whose error-handling endpoint failed (``Peer.err``; queued by the close
         callback, or seen not alive). Their transfers fail at once; ``fence_grace`` s later (of
         progress: whatever their connection had delivered is applied or dropped by then) they are
-        released as *writes impossible*: UCX closed their connection (a TCP reset or close; its
-        process is gone), so nothing more of theirs is applied here; to write again the peer must
-        connect and handshake anew. Measured (``tests/test_ucx_close_fence.py``): after the
-        peer's ``kill -9`` nothing it had issued lands, and no socket to it is left."""
+        released and forgotten (to write again a peer must connect and handshake anew), as
+        *writes impossible* only when UCX says the connection was reset (``failure_of``): the
+        other side closed it (its process is gone), so nothing more of it is applied here.
+        Measured (``tests/test_ucx_close_fence.py``): after the peer's ``kill -9`` the failure is
+        a reset, nothing it had issued lands and no socket to it is left. Any other failure (a
+        timeout: a partition, the peer maybe alive with writes on their way) proves nothing:
+        what it could write stays held (fenced), as for a silent peer."""
         while self._failed_eps:
             p = self._failed_eps.popleft()
             if self._peers.get(p.id) is p and p.failed_at is None:
@@ -110,15 +114,20 @@ class UCXFencing:
             if p.err and p.failed_at is None and not p.ep.alive:   # the callback's backstop
                 self._ep_failed(p, now)
             if p.failed_at is not None and now - p.failed_at >= self.fence_grace:
-                self._release_peer(p, "lost: its connection failed (process gone or connection reset)",
-                                   writes_impossible=True)
+                if p.failure == "reset":
+                    self._release_peer(p, "lost: its connection was reset (process gone)", writes_impossible=True)
+                else:
+                    self._release_peer(p, f"lost: its connection failed ({p.failure})", writes_impossible=False)
 
     def _ep_failed(self, p: Peer, now: float) -> None:
-        p.failed_at = now
-        log.warning("UCX transport %s: the endpoint of peer %s failed (its connection was reset or closed: its "
-                    "process is gone or its transport closed); freeing what it held in %.1fs", self.id[:8], p.id[:8],
-                    self.fence_grace)
-        self._peer_gone(p, "peer lost: its connection failed (process gone or connection reset)")
+        p.failed_at, p.failure = now, failure_of(p.ep)
+        if p.failure == "reset":
+            log.warning("UCX transport %s: the connection of peer %s was reset (its process is gone or its "
+                        "transport closed); freeing what it held in %.1fs", self.id[:8], p.id[:8], self.fence_grace)
+        else:
+            log.warning("UCX transport %s: the endpoint of peer %s failed (%s): no proof its writes stopped; what "
+                        "it could write stays held until quarantine_timeout, if set", self.id[:8], p.id[:8], p.failure)
+        self._peer_gone(p, f"peer lost: its connection failed ({p.failure})")
 
     def _release_peer(self, p: Peer, why: str, writes_impossible: bool) -> None:
         """Close our endpoint to ``p`` (no flush: it cancels what is queued to it, so no put of

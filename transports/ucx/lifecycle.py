@@ -56,6 +56,20 @@ def close_endpoint(p: Peer) -> None:
     p.ep.close()
 
 
+def failure_of(ep) -> str:
+    """What UCX says an endpoint's failure was (I/O thread): "reset" when the connection was
+    reset or closed by the other side (its process is gone, or its transport closed the
+    connection), else the error's name (``UCXEndpointTimeoutError``: a partition, the peer may
+    be alive), or "" when UCX reports none."""
+    try:
+        ep.raise_on_error()
+    except ucx_api.UCXConnectionResetError:
+        return "reset"
+    except Exception as e:
+        return type(e).__name__ or "error"
+    return ""
+
+
 def _ep_closed(transport_ref: weakref.ref, peer_ref: weakref.ref) -> None:
     """ucxx's close callback of an ``err`` endpoint (inside a worker progress call, on the I/O
     thread): only queue the peer for ``UCXFencing._check_failed``. It also comes when we close the

@@ -34,7 +34,8 @@ class Peer:
     far: bool = False                # reached through the FAR_TLS worker (another host or network namespace)
     err: bool = False                # endpoint error handling on (a peer in another host or network namespace
                                      # reached without a user-chosen TLS): UCX reports its connection's failure
-    failed_at: float | None = None   # ``err``: its endpoint reported a failure at (connection reset or closed)
+    failed_at: float | None = None   # ``err``: its endpoint reported a failure at
+    failure: str = ""                # what the failure was (``lifecycle.failure_of``): "reset" proves writes over
     answered: bool = False           # a message of it came through (connect() waits for one)
     outbox: list = field(default_factory=list)
     last_send: Any = None            # the latest control send to it
