@@ -16,7 +16,6 @@ and every test checks the bytes of the receiver's region.
 """
 from __future__ import annotations
 
-import hashlib
 import signal
 import time
 
@@ -32,7 +31,16 @@ pytestmark = pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX or "ucxx imports")
 
 import torch  # noqa: E402
 from waiting import until  # noqa: E402
-from xfer_peer import CANARY, PeerProcess, enc, pattern, plan_to_json, raw_plan, region_seed  # noqa: E402
+from xfer_peer import (  # noqa: E402
+    CANARY,
+    PeerProcess,
+    digest_of,
+    pattern,
+    plan_to_json,
+    raw_plan,
+    region_seed,
+    stalled_receiver,
+)
 
 from kvxfer.grant import ByteRanges  # noqa: E402
 from kvxfer.transport.registry import get_transport  # noqa: E402
@@ -174,20 +182,7 @@ def test_quarantine_timeout_gives_memory_back(tx, rx):
 def test_sender_keeps_its_source_while_the_receiver_is_silent(tmp_path):
     """Over TCP a put reads the source until the receiver takes it: a receiver that stalls past
     peer_timeout fails the transfer, but the source stays held until the flush completes."""
-    opts = {"tls": "tcp", "heartbeat": 0.1, "peer_timeout": 0.8}
-    tx = get_transport("ucx", **opts)
-    size = 64 << 20
-    region = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    tx.register([region])
-    rx = PeerProcess(tmp_path / "rx.err")
-    try:
-        desc = rx.call("init", transport="ucx", sizes=[size], fill="canary", options=opts)["descriptor"]
-        rx.call("expect", request_id="t.1", ranges={"region": enc(np.array([0])), "start": enc(np.array([0])),
-                                                     "nbytes": enc(np.array([size]))})
-        peer = tx.connect(desc)
-        z = np.zeros(1, np.int64)
-        plan = raw_plan(z, z, z, z, np.array([size], np.int64))
-        rx.call("stall_after_announce", seconds=3.0)   # GO, then it stops: the puts sit in the sockets
+    with stalled_receiver(tmp_path) as (tx, rx, peer, region, plan):
         h = tx.submit(peer, "t.1", plan, timeout=20.0)
         assert not h.wait(5.0), "the transfer completed though the receiver stalled"
         assert "silent" in str(h.error) or "deadline" in str(h.error), h.error
@@ -196,11 +191,8 @@ def test_sender_keeps_its_source_while_the_receiver_is_silent(tmp_path):
         assert until(lambda: tx.fencing()["sources"] == 1, 1.0), (tx.fencing(), h.error)
         assert until(lambda: h.source_released, 15.0), f"never released after the receiver woke: {tx.fencing()}"
         assert tx.fencing()["sources"] == 0
-        assert rx.call("digest", regions=[0])["digests"]["0"] == hashlib.sha256(region.numpy()).hexdigest(), \
+        assert rx.call("digest", regions=[0])["digests"]["0"] == digest_of(region), \
             "the stalled receiver did not get every put once it woke (the flush completed early?)"
-    finally:
-        rx.close()
-        tx.close()
 
 
 def test_writes_pending_right_after_forget(rx, tx):

@@ -119,23 +119,9 @@ def test_disconnect_holds_the_source_until_the_puts_are_flushed(tmp_path):
     """Over TCP a put reads the source until the receiver takes it. Disconnecting a receiver
     that stalls (GO in hand, then silent) fails the transfer at once, but the source and the
     peer's endpoint stay until the flush completes; then both go, and every put did land."""
-    import hashlib
-
-    from xfer_peer import PeerProcess, enc, raw_plan
-    opts = {"tls": "tcp", "heartbeat": 0.1, "peer_timeout": 0.8}
-    tx = get_transport("ucx", **opts)
-    size = 64 << 20
-    region = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
-    tx.register([region])
-    rx = PeerProcess(tmp_path / "rx.err")
-    try:
-        desc = rx.call("init", transport="ucx", sizes=[size], fill="canary", options=opts)["descriptor"]
-        rx.call("expect", request_id="t.1", ranges={"region": enc(np.array([0])), "start": enc(np.array([0])),
-                                                     "nbytes": enc(np.array([size]))})
-        peer = tx.connect(desc)
-        z = np.zeros(1, np.int64)
-        rx.call("stall_after_announce", seconds=3.0)   # GO, then it stops: the puts sit in the sockets
-        h = tx.submit(peer, "t.1", raw_plan(z, z, z, z, np.array([size], np.int64)), timeout=20.0)
+    from xfer_peer import digest_of, stalled_receiver
+    with stalled_receiver(tmp_path) as (tx, rx, peer, region, plan):
+        h = tx.submit(peer, "t.1", plan, timeout=20.0)
         assert until(lambda: any(o.state == "flushing" for o in list(tx._out.values())), 5.0), "no GO came"
         tx.disconnect(peer)
         assert h.wait(2.0) is False and "disconnected" in str(h.error), h.error
@@ -144,8 +130,5 @@ def test_disconnect_holds_the_source_until_the_puts_are_flushed(tmp_path):
         assert peer in tx._peers, "the endpoint was closed while puts of it were in flight"
         assert until(lambda: h.source_released, 15.0), f"never released after the receiver woke: {tx.fencing()}"
         assert until(lambda: peer not in tx._peers, 5.0), "the peer was never freed"
-        assert rx.call("digest", regions=[0])["digests"]["0"] == hashlib.sha256(region.numpy()).hexdigest(), \
+        assert rx.call("digest", regions=[0])["digests"]["0"] == digest_of(region), \
             "the stalled receiver did not get every put once it woke"
-    finally:
-        rx.close()
-        tx.close()

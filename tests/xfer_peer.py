@@ -28,6 +28,7 @@ the image a destination must hold without moving the bytes back.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -342,6 +343,36 @@ class PeerProcess:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(10)
         self._err.close()
+
+
+@contextlib.contextmanager
+def stalled_receiver(tmp_path: Path, stall_s: float = 3.0, size: int = 64 << 20):
+    """A UCX sender in this process (over TCP, peer_timeout 0.8 s) and a receiver process that
+    grants all of its ``size``-byte canary region, answers the first ANNOUNCE with GO and then
+    stalls for ``stall_s`` s, so the sender's puts sit in the sockets. Yields ``(tx, rx, peer,
+    region, plan)``: ``plan`` moves the whole random ``region`` to offset 0; nothing is sent yet.
+    Closes both at the end. ``digest_of(region)`` is what the receiver's region must hash to."""
+    from kvxfer.transport.registry import get_transport
+    opts = {"tls": "tcp", "heartbeat": 0.1, "peer_timeout": 0.8}
+    tx = get_transport("ucx", **opts)
+    region = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    tx.register([region])
+    rx = PeerProcess(tmp_path / "rx.err")
+    try:
+        desc = rx.call("init", transport="ucx", sizes=[size], fill="canary", options=opts)["descriptor"]
+        rx.call("expect", request_id="t.1", ranges={"region": enc(np.array([0])), "start": enc(np.array([0])),
+                                                     "nbytes": enc(np.array([size]))})
+        peer = tx.connect(desc)
+        rx.call("stall_after_announce", seconds=stall_s)   # GO, then it stops
+        z = np.zeros(1, np.int64)
+        yield tx, rx, peer, region, raw_plan(z, z, z, z, np.array([size], np.int64))
+    finally:
+        rx.close()
+        tx.close()
+
+
+def digest_of(region: torch.Tensor) -> str:
+    return hashlib.sha256(region.numpy()).hexdigest()
 
 
 def main() -> None:
