@@ -112,6 +112,36 @@ class Completes:
         return bool(self.req.completed)
 
 
+class RingHold:
+    """The frame receives of an ended transfer that still write receive-ring slots: the object
+    of its ``_draining`` entry (``fencing``: released once they completed, or once the sender is
+    proven dead). Its slots are free again when their own receive completed, or the entry is gone."""
+    __slots__ = ("reqs",)
+
+    def __init__(self, reqs: list):
+        self.reqs = reqs
+
+    def poll(self) -> bool:
+        return all(r.completed for r in self.reqs)
+
+    @property
+    def completed(self) -> bool:
+        return self.poll()
+
+
+class HeldSlot:
+    """``until`` of one slot of a ``RingHold``: done when its receive completed or ``held()``
+    (is the hold still fenced?) says no."""
+    __slots__ = ("req", "held")
+
+    def __init__(self, req, held):
+        self.req, self.held = req, held
+
+    @property
+    def done(self) -> bool:
+        return bool(self.req.completed) or not self.held()
+
+
 class StagedFrames:
     """One transfer's staged frames: its side's ``Stream``, the bounds, the next frame to
     issue (sender), the frames in flight: ``(request, frame, slot)``, and which frames came

@@ -28,7 +28,7 @@ from kvxfer.transport.base import Arrival
 from kvxfer.transport.kit import peer_reason
 
 from . import bindings as ucp
-from .frames import Completes, StagedFrames, Stream, byte_cut, cut
+from .frames import HeldSlot, RingHold, StagedFrames, Stream, byte_cut, cut
 from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, Ack, Announce, Fail, Go
 from .sender import ucx_buffer
 from .state import Incoming, Peer
@@ -228,11 +228,8 @@ class UCXReceiver:
         """End ``i`` here. Whatever may still land of it is marked (``_draining``) before it stops
         counting as open, so ``writes_pending`` (any thread) never sees a gap."""
         self._by_dtag.pop(i.dtag, None)
-        if i.staging is not None:   # a receive still writes its slot: free only once it completed
-            for req, _, slot in i.staging.reqs:
-                self._rx_ring.put(slot, Completes(req))
-                self._zombies.append((req, slot))
-            i.staging.reqs = []
+        if i.staging is not None and i.staging.reqs:   # receives still write their slots: fenced
+            self._hold_slots(i)
         if i.iov is not None and not i.iov.poll():   # receives posted into the grant's memory
             i.iov.cancel(self._whandle)
             self._draining.append((i.peer.id, i.rid, i.iov, int(i.packed[2].sum()) if i.packed is not None else 0,
@@ -243,6 +240,25 @@ class UCXReceiver:
             self._open_rids[i.rid] -= 1
             if self._open_rids[i.rid] <= 0:
                 del self._open_rids[i.rid]
+
+    def _hold_slots(self, i: Incoming) -> None:
+        """``i`` ended with frames still being received into ring slots: each slot is free once
+        its receive completed, or once the sender is proven dead (``fencing._release_peer`` ends
+        the ``_draining`` entry made here; no ucp call cancels a matched receive). Counted in
+        ``fencing()`` under a key of its own: these writes reach ring slots, never the grant."""
+        st = i.staging
+        assert st is not None
+        hold = RingHold([req for req, _, _ in st.reqs])
+
+        def held() -> bool:
+            return any(e[2] is hold for e in self._draining)
+        for req, _, slot in st.reqs:
+            self._rx_ring.put(slot, HeldSlot(req, held))
+            self._zombies.append((req, slot))
+        key = ("ring slots", i.rid)
+        self._draining.append((i.peer.id, key, hold, sum(int(s.numel()) for _, _, s in st.reqs), time.monotonic()))
+        self._landing_rids[key] += 1
+        st.reqs = []
 
     def _reap_draining(self) -> None:
         """Ended transfers whose posted receives are all done: nothing more of them lands."""
