@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("ucxx")
 
-from kvxfer_transports.ucx.frames import Stream, byte_cut, cut, network_only  # noqa: E402
+from kvxfer_transports.ucx.bindings import frame_iovs  # noqa: E402
+from kvxfer_transports.ucx.frames import Stream, byte_cut, cut, network_only, stream_iovs  # noqa: E402
 
 runs = st.lists(st.integers(1, 40_000), min_size=0, max_size=300)
 frames = st.integers(4096, 1 << 17)
@@ -75,6 +76,23 @@ def test_both_sides_find_the_same_bytes_in_a_frame(n, seed, frame, data):
         assert np.array_equal(got, image[lo:hi])
         _, doff, dm = dst.part(lo, hi)
         assert doff[0] == lo and dm.sum() == hi - lo
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 40_000), min_size=1, max_size=100), frames)
+def test_in_place_frames_hold_the_cut_bytes(n, frame):
+    """What a host receiver posts for staged frames: one iov per frame of ``cut``, pieces in
+    stream order, each frame exactly its bytes; for ``byte_cut`` the same as ``frame_iovs``."""
+    n = np.array(n, np.int64)
+    addr = np.cumsum(n) - n + 10_000_000 + np.arange(len(n)) * 64   # gaps between runs
+    for b in (cut(n, frame), byte_cut(int(n.sum()), frame)):
+        iovs = stream_iovs(addr, n, b)
+        assert [int(v[:, 1].sum()) for v in iovs] == np.diff(b).tolist()
+        flat = np.concatenate(iovs)
+        stream = np.concatenate([np.arange(a, a + k) for a, k in flat.astype(np.int64).tolist()])
+        assert np.array_equal(stream, np.concatenate([np.arange(a, a + k) for a, k in zip(addr, n)]))
+    same = frame_iovs(addr, n, frame)
+    assert all(np.array_equal(x, y) for x, y in zip(same, stream_iovs(addr, n, byte_cut(int(n.sum()), frame))))
 
 
 def test_byte_cut_and_edges():

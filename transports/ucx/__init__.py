@@ -9,8 +9,9 @@ sides (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx`` with ``ucp_dt_make_iov``): th
 from the source runs and the receiver posts its receive into the granted destination runs, so
 neither gathers nor scatters. CUDA memory, and host memory to peers reached over the network
 (``stage_host``), is *staged* (``frames``): frames of whole runs, gathered one by one into a
-fixed ring of ``staging_frames`` slots and received into a ring on the other side, which
-scatters each frame as it lands; a transfer of any size takes at most the rings. Control
+fixed ring of ``staging_frames`` slots. A CUDA receiver takes them into a ring of its own and
+scatters each frame as it lands; a host receiver posts them in place (iovs cut the same way).
+A transfer of any size takes at most the rings. Control
 messages (``protocol``) are batched per peer and loop turn into one tagged message.
 
 One transfer (S sender, R receiver, each on its own I/O thread)::
@@ -137,9 +138,11 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
                   allocated at register() on the regions' CUDA device, or in host memory at the
                   first staged frame; never more (exhausted, the I/O thread waits: ``staging()``,
                   kvxfer.metrics under "ucx-send" / "ucx-recv").
-    stage_host    which host-memory frames are staged (``frames.STAGE_HOST``): "network" (peers
-                  reached over the network: another host or network namespace, or a UCX_TLS
-                  without shared memory), "always", "never" (UCX iovs, read and written in place).
+    stage_host    which host-memory frames the sender stages (``frames.STAGE_HOST``): "network"
+                  (peers reached over the network: another host or network namespace, or a
+                  UCX_TLS without shared memory; measured faster over TCP), "always", "never"
+                  (UCX iovs read in place). A host receiver takes frames in place, except with
+                  "always" (its receive ring too: what tests of the ring on a CPU use).
     put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)
     put_below_many  the same for plans of more than ``few_runs`` runs (``PUT_BELOW_MANY``)
     few_runs      plans of at most this many runs are prepared with Python ints (``FEW_RUNS``).

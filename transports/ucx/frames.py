@@ -3,10 +3,10 @@
 Packed runs are one byte stream (run after run, as the ANNOUNCE lists the destination runs).
 A *staged* transfer moves that stream as frames of at most ``frame_bytes`` through fixed ring
 slots (``kit.StagingPool(frames=...)``): the sender gathers frame ``k`` into a free slot and
-tag-sends it, the receiver receives it into a free slot of its own ring and scatters it. So a
-transfer of any size takes at most the ring's memory on either side (issue #18), and over TCP
-the sender hands UCX one contiguous buffer per frame instead of thousands of 512 B iov pieces
-(issue #17).
+tag-sends it; a CUDA receiver receives it into a free slot of its own ring and scatters it, a
+host receiver posts it in place (``stream_iovs``). So a transfer of any size takes at most the
+rings' memory (issue #18), and over TCP the sender hands UCX one contiguous buffer per frame
+instead of thousands of 512 B iov pieces (issue #17).
 
 ``cut`` is the frame cut. Both sides call it on the same input (the announced packed run
 lengths and the ANNOUNCE's ``frame_bytes``), so they agree on every frame's bytes without a
@@ -34,7 +34,10 @@ _I8 = np.int64
 # "always" stages every one, "never" none. Unstaged host frames are UCX iovs read and written
 # in place: best in shared memory, where UCX copies each piece once anyway. Over TCP each
 # 512 B piece costs UCX a descriptor, and one gathered buffer per frame is faster (issue #17;
-# the A/B numbers are in the commit that made "network" the default).
+# interleaved A/B with scripts/bench_hosts.py --ucx-stage never,network,always, UCX over TCP
+# between namespace hosts, 64 MiB, under load: TP 2 -> 4 0.65 / 1.12 / 0.99 GB/s, TP 1 -> 1
+# 0.71 / 0.84 / 0.65; a host receiver is faster in place than through its ring, so only
+# "always" gives it one).
 STAGE_HOST = ("network", "always", "never")
 SHARED_MEMORY_TLS = ("sm", "shm", "posix", "sysv", "cma", "xpmem", "knem", "all")
 
@@ -76,6 +79,26 @@ def cut(nbytes: np.ndarray, frame_bytes: int) -> np.ndarray:
 def byte_cut(total: int, frame_bytes: int) -> np.ndarray:
     """Frame bounds every ``frame_bytes`` bytes (unstaged frames: ``bindings.frame_iovs``)."""
     return np.append(np.arange(0, total, frame_bytes, dtype=_I8), _I8(total))
+
+
+def stream_iovs(addr: np.ndarray, n: np.ndarray, bounds: np.ndarray) -> list[np.ndarray]:
+    """The bytes of runs ``(addr, n)`` back to back, cut at stream offsets ``bounds`` (``cut``):
+    one iov per frame, ``[pieces, 2]`` uint64 of (address, length) as ``ucp_dt_iov_t``. What a
+    host receiver posts for staged frames: they land in place, no ring, no scatter.
+    (``bindings.frame_iovs`` is the same for ``byte_cut``.)"""
+    keep = n > 0
+    addr, n = addr[keep], n[keep]
+    ends = np.cumsum(n)
+    starts, total = ends - n, int(ends[-1])
+    inner = bounds[1:-1]                                              # where frames 1, 2, ... start
+    k = np.minimum(np.searchsorted(starts, inner), len(starts) - 1)
+    mid = inner[starts[k] != inner]                                   # ... inside a run: cut it there
+    piece = np.insert(starts, np.searchsorted(starts, mid), mid) if len(mid) else starts
+    run = np.searchsorted(starts, piece, side="right") - 1
+    iov = np.empty((len(piece), 2), np.uint64)
+    iov[:, 0] = addr[run] + (piece - starts[run])
+    iov[:, 1] = np.diff(np.append(piece, total))
+    return np.split(iov, np.searchsorted(piece, inner))
 
 
 class Stream:

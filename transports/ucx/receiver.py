@@ -2,8 +2,9 @@
 
 ``UCXReceiver`` is a mixin of ``UCXTransport``; its methods run on the I/O thread, except
 ``writes_pending`` (any thread). ``_on_announce`` checks every announced run against the grant
-and the regions before GO; ``_poll_data`` receives packed frames (in place for host memory,
-into staging for CUDA); ``_try_finish`` lands and acknowledges; ``_fail_in`` ends a transfer and
+and the regions before GO; ``_poll_data`` receives packed frames (in place for host memory;
+for CUDA, or host with ``stage_host="always"``, into the receive ring, each frame scattered as it
+lands: ``_land_frames``); ``_try_finish`` acknowledges; ``_fail_in`` ends a transfer and
 keeps the grant's memory marked (``writes_pending``) while puts or posted receives may land.
 
 No oracle: the FAIL a peer gets for a refusal because of the grant (unknown, ended or live
@@ -28,7 +29,7 @@ from kvxfer.transport.base import Arrival
 from kvxfer.transport.kit import peer_reason
 
 from . import bindings as ucp
-from .frames import HeldSlot, RingHold, StagedFrames, Stream, byte_cut, cut
+from .frames import HeldSlot, RingHold, StagedFrames, Stream, byte_cut, cut, stream_iovs
 from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, Ack, Announce, Fail, Go
 from .sender import ucx_buffer
 from .state import Incoming, Peer
@@ -71,6 +72,7 @@ class UCXReceiver:
     _dtags: itertools.count[int]
     _rx_ring: StagingPool
     frame_bytes: int
+    stage_host: str
     _acts: int
     _send: Callable[[Peer, Message], None]
     _deliver: Callable[[Arrival], None]
@@ -99,7 +101,9 @@ class UCXReceiver:
         if reason is None and inline and len(inline) != total:
             reason = self.grants.reject(rid, f"malformed header: {len(inline)} inline bytes for {total} packed")
         host = self._all_host or bool(self._is_host[packed[0]].all())
-        ring = reason is None and total > 0 and not inline and (m.staged or not host)
+        # The receive ring: for CUDA destinations, and host ones only with stage_host "always";
+        # other host frames land in place as iovs, staged frames cut as the sender cut them.
+        ring = reason is None and total > 0 and not inline and (not host or m.staged and self.stage_host == "always")
         if ring and m.frame_bytes > self.frame_bytes:
             reason = self.grants.reject(rid, f"malformed header: frames of {m.frame_bytes} bytes do not fit the "
                                         f"receiver's staging frames of {self.frame_bytes}: use one frame_bytes")
@@ -122,7 +126,9 @@ class UCXReceiver:
             self._land(i.packed, torch.frombuffer(bytearray(inline), dtype=torch.uint8))
             i.packed = None
         elif total and not ring:   # frames land in the runs themselves
-            i.iov = ucp.IovFrames(ucp.frame_iovs(self._base[packed[0]] + packed[1], packed[2], m.frame_bytes))
+            addr = self._base[packed[0]] + packed[1]
+            i.iov = ucp.IovFrames(stream_iovs(addr, packed[2], cut(packed[2], m.frame_bytes)) if m.staged
+                                  else ucp.frame_iovs(addr, packed[2], m.frame_bytes))
         if nput == 0 and not i.frames:  # all here already: ACK without GO and DONE
             i.done = True
             return self._try_finish(i)
