@@ -231,7 +231,9 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
         assert arrived and not arrived[0].ok, arrived
         held = rx.fencing()["transfers"]
         ring = rx._rx_ring
+        assert held, "no receive of the killed sender was left in flight: nothing was tested"
         for _ in range(50):   # while the I/O thread runs: never a free slot under a live receive
+            rx.staging()   # frees every slot whose receive completed (or whose hold ended)
             with ring._lock:
                 free = {ring._ring[k].data_ptr() for k in ring._free}
             live = {slot.data_ptr() for req, slot in list(rx._zombies) if isinstance(slot, torch.Tensor)
@@ -239,9 +241,9 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
             assert not free & live, "a slot a receive may still write is free for reuse"
             time.sleep(0.01)
         assert rx.staging()["recv"]["frames"] == 2
-        if held:   # receives of the dead sender held slots: freed once it is proven dead, not before
-            assert until(lambda: rx.fencing()["released"] == 1 and rx.staging()["recv"]["in_use"] == 0, 10), \
-                (rx.fencing(), rx.staging())
+        # the dead sender's receives held their slots: freed once it is proven dead, not before
+        assert until(lambda: rx.fencing()["released"] == 1 and rx.staging()["recv"]["in_use"] == 0, 10), \
+            (rx.fencing(), rx.staging())
         rx.forget("k.1")
         dst.fill_(CANARY)
         # a new sender: byte-exact through the same ring
