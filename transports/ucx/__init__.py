@@ -276,9 +276,8 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
         allocate the staging rings on the regions' CUDA device (host rings: at first use)."""
         self._call(self._do_register, [byte_view(t) for t in regions])
         cuda = [t.device for t in self._regions if t.is_cuda]
-        for ring in (self._staging, self._rx_ring):
-            if cuda:
-                ring.allocate(device=cuda[0])
+        if cuda:   # on the I/O thread, whose streams use them
+            self._call(lambda: [ring.allocate(device=cuda[0]) for ring in (self._staging, self._rx_ring)])
 
     def staging(self) -> dict:
         """Any thread: each staging ring's frames, in use, peak and waits (``send``, ``recv``)."""

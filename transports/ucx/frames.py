@@ -56,24 +56,28 @@ def network_only(tls: str) -> bool:
 def cut(nbytes: np.ndarray, frame_bytes: int) -> np.ndarray:
     """Frame bounds of a stream of runs of ``nbytes`` (each > 0): ``b[0] = 0``, ``b[-1]`` the
     total, frame ``k`` is stream bytes ``[b[k], b[k+1])``, at most ``frame_bytes`` each. Whole
-    runs, greedily; a run longer than a frame goes in frame-sized pieces. One Python step per
-    frame (numpy ``searchsorted``), none per run."""
+    runs, greedily; a run longer than a frame goes in frame-sized pieces (from its start; its
+    last, shorter piece starts the next frame). Python steps: one per frame that holds a run
+    end, one per long run (its full pieces at once), so at most ~2 per run: proportional to
+    the ANNOUNCE, never to bytes / frame_bytes."""
     n = np.asarray(nbytes, _I8)
     if not len(n):
         return np.zeros(1, _I8)
     ends = np.cumsum(n)
-    total = int(ends[-1])
-    long = n > frame_bytes
-    if long.any():   # cut points inside long runs, at frame_bytes from each run's start
-        inner = (n[long] - 1) // frame_bytes
-        first = np.repeat(ends[long] - n[long], inner)
-        step = np.arange(int(inner.sum()), dtype=_I8) - np.repeat(np.cumsum(inner) - inner, inner) + 1
-        ends = np.union1d(ends, first + step * frame_bytes)
-    bounds, at = [0], 0
-    while at < total:   # the farthest cut point within a frame of here (there is one: pieces fit)
-        at = int(ends[np.searchsorted(ends, at + frame_bytes, side="right") - 1])
-        bounds.append(at)
-    return np.asarray(bounds, _I8)
+    starts = ends - n
+    total, f = int(ends[-1]), int(frame_bytes)
+    out: list = [np.zeros(1, _I8)]
+    at = 0
+    while at < total:
+        j = int(np.searchsorted(starts, at))
+        if j < len(n) and int(starts[j]) == at and int(n[j]) > f:   # a long run: its full pieces
+            k = int(n[j]) // f
+            out.append(at + f * np.arange(1, k + 1, dtype=_I8))
+            at += k * f
+        else:   # the farthest run end within a frame (one exists: at starts a short run or a last piece)
+            at = int(ends[np.searchsorted(ends, at + f, side="right") - 1])
+            out.append(np.array([at], _I8))
+    return np.concatenate(out)
 
 
 def byte_cut(total: int, frame_bytes: int) -> np.ndarray:
