@@ -277,7 +277,8 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
         self._call(self._do_register, [byte_view(t) for t in regions])
         cuda = [t.device for t in self._regions if t.is_cuda]
         if cuda:   # on the I/O thread, whose streams use them
-            self._call(lambda: [ring.allocate(device=cuda[0]) for ring in (self._staging, self._rx_ring)])
+            for ring in (self._staging, self._rx_ring):
+                self._call(ring.allocate, False, cuda[0])
 
     def staging(self) -> dict:
         """Any thread: each staging ring's frames, in use, peak and waits (``send``, ``recv``)."""
