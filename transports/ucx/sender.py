@@ -3,9 +3,10 @@
 ``UCXSender`` is a mixin of ``UCXTransport``. ``submit`` (caller's thread) prepares a transfer
 (``_prepare`` / ``_prepare_few``: bounds, puts, announced runs, packed runs) and enqueues it;
 everything else runs on the I/O thread: ``_start_out`` sends the ANNOUNCE, ``_start_puts``
-issues puts and frames when GO comes, ``_flush_puts`` flushes once per peer and turn,
-``_advance`` sends DONE once the flush and frames completed, ``_fail_out`` ends a transfer
-(ABORT once no put of it is in flight).
+issues puts and iov frames when GO comes, ``_flush_puts`` flushes once per peer and turn,
+``_advance`` gathers staged frames into the send ring as its slots free (``_pump_frames``) and
+sends DONE once the flush and every frame completed, ``_fail_out`` ends a transfer (ABORT once
+no put of it is in flight; its frames in flight keep their slots until their sends end).
 """
 from __future__ import annotations
 
