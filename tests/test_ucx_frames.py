@@ -107,3 +107,18 @@ def test_which_tls_leave_no_shared_memory():
     assert network_only("tcp") and network_only("^sm,cma") and network_only("tcp,self")
     assert not network_only("") and not network_only("sm,self") and not network_only("cma,tcp,self")
     assert not network_only("^tcp") and not network_only("all")
+
+
+def test_the_staged_flag_on_the_wire():
+    """Unstaged ANNOUNCEs keep the older 10-field wire (older peers read them); the flag is an
+    exact 0 or 1 (a bool, 2 or a string is refused, answerably)."""
+    from kvxfer_transports.ucx.protocol import Announce, Malformed, parse_message
+    runs = np.array([[0], [0], [8192]], "<i8").tobytes()
+    for staged in (False, True):
+        a = Announce(1, "r", 1.0, b"", runs, 0, 4096, b"", b"", staged)
+        assert len(a.wire()) == (11 if staged else 10) and parse_message(a.wire(), 1 << 20) == a
+    base = Announce(1, "r", 1.0, b"", runs, 0, 4096, b"", b"").wire()
+    for bad in (True, 2, -1, "1"):
+        with pytest.raises(Malformed) as e:
+            parse_message(base + [bad], 1 << 20)
+        assert e.value.answer == (1, "r")

@@ -86,8 +86,9 @@ class Announce:
     staged: bool = False  # packed frames cut by ``frames.cut`` (whole runs), else every frame_bytes
 
     def wire(self) -> list:
-        return [ANNOUNCE, self.xid, self.request_id, self.timeout, self.notify, self.runs, self.nput,
-                self.frame_bytes, self.inline, self.cap, int(self.staged)]
+        head = [ANNOUNCE, self.xid, self.request_id, self.timeout, self.notify, self.runs, self.nput,
+                self.frame_bytes, self.inline, self.cap]
+        return head + [1] if self.staged else head   # unstaged: the older wire, which older peers read
 
     def run_array(self) -> np.ndarray:
         return np.frombuffer(self.runs, _I8).reshape(3, -1)
