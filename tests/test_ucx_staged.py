@@ -213,6 +213,12 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
             return p, p.call("connect", descriptor=rx.descriptor())["peer"]
 
         tx, peer = sender()
+        land = rx._land
+
+        def slow(packed, data):   # a slow receiver (4 ms a frame): the kill finds frames streaming
+            time.sleep(0.004)
+            land(packed, data)
+        rx._land = slow
         rows = 32768                               # 16 MiB of rows: 1024 frames
         so, do = _rows(rows, 3, size)
         z, zz = np.zeros(rows, np.int64), np.zeros(1, np.int64)
@@ -222,6 +228,10 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
         end = time.monotonic() + 30
         while rx.staging()["recv"]["peak"] < 1 and time.monotonic() < end:   # frames are streaming
             time.sleep(0.001)
+        # stopped first: what it sent is matched here, and the receives of its rendezvous frames
+        # wait for data that never comes; then killed
+        tx.signal(signal.SIGSTOP)
+        time.sleep(0.3)
         tx.signal(signal.SIGKILL)
         tx.proc.wait(10)   # reaped: a zombie still has its pid and start time (not proven dead)
         end = time.monotonic() + 15
@@ -245,6 +255,7 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
         assert until(lambda: rx.fencing()["released"] == 1 and rx.staging()["recv"]["in_use"] == 0, 10), \
             (rx.fencing(), rx.staging())
         rx.forget("k.1")
+        del rx._land
         dst.fill_(CANARY)
         # a new sender: byte-exact through the same ring
         tx2, peer2 = sender()
