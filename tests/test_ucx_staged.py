@@ -192,6 +192,46 @@ def test_a_frame_sent_twice_does_not_stand_in_for_another():
         rx.close()
 
 
+def test_a_transfer_that_times_out_mid_stream_gives_every_slot_back():
+    """A transfer whose deadline passes while its frames stream (a slow receiver): it fails on
+    both sides, its frames in flight end (received, or dropped as frames of an ended transfer),
+    every slot of both rings comes back without a new one, and the next transfer is byte-exact."""
+    rx, tx = _pair("always")
+    src = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(12))
+    dst = torch.full((16 << 20,), CANARY, dtype=torch.uint8)
+    try:
+        rx.register([dst])
+        tx.register([src])
+        peer = tx.connect(rx.descriptor())
+        land = rx._land
+
+        def slow(packed, data):
+            time.sleep(0.004)
+            land(packed, data)
+        rx._land = slow
+        so, do = _rows(16384, 13, 16 << 20)   # 512 frames: ~2 s at 4 ms a frame
+        z, zz = np.zeros(len(so), np.int64), np.zeros(1, np.int64)
+        rx.expect("t.1", ByteRanges(zz, zz, np.full(1, dst.numel(), np.int64)))
+        h = tx.submit(peer, "t.1", raw_plan(z, so, z, do, np.full(len(so), ROW)), timeout=0.5)
+        assert not h.wait(10) and "deadline" in str(h.error), h.error
+        assert until(lambda: tx.staging()["send"]["in_use"] == 0 and rx.staging()["recv"]["in_use"] == 0, 10), \
+            (tx.staging(), rx.staging())
+        del rx._land
+        rx.forget("t.1")
+        dst.fill_(CANARY)
+        so, do = _rows(4096, 14, 16 << 20)
+        z = np.zeros(len(so), np.int64)
+        rx.expect("t.2", ByteRanges(zz, zz, np.full(1, dst.numel(), np.int64)))
+        h = tx.submit(peer, "t.2", raw_plan(z, so, z, do, np.full(len(so), ROW)), timeout=30)
+        assert h.wait(30), h.error
+        _check(dst.numpy(), src.numpy(), so, do)
+        s, r = tx.staging()["send"], rx.staging()["recv"]
+        assert s["frames"] == r["frames"] == 2 and s["peak"] <= 2 and r["peak"] <= 2, (s, r)
+    finally:
+        tx.close()
+        rx.close()
+
+
 def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
     """A sender process (UCX over TCP, both rings: ``stage_host="always"``) is killed while its
     frames stream into a receive ring of two. The transfer fails; every slot a receive of it may still write stays
