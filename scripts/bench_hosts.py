@@ -4,7 +4,11 @@ stream (sendall / recv_into) between the same two namespaces, before and after (
 Prints the median of ``--repeat`` runs (default 3) in GB/s. Root only (network namespaces).
 
     .venv/bin/python scripts/bench_hosts.py [--mib 64] [--repeat 3] [--transports zmq,ucx] [--tp 1:1,2:4]
-                                            [--ucx-tls tcp]
+                                            [--ucx-tls tcp] [--ucx-stage never,network] [--rounds 1]
+
+``--ucx-stage``: the UCX ranks' ``stage_host`` values to compare (A/B: "never" sends packed rows
+as in-place iovs, "network" gathers them into the staging ring over TCP); ``--rounds`` repeats
+the whole set, interleaved (A, B, A, B, ...), so load that drifts during the run hits both.
 
 ``--ucx-tls ""`` sets no UCX_TLS: the ranks reach each other as users get by default (the second
 worker a peer in another network namespace gets, ``settings.FAR_TLS``; TCP here).
@@ -62,7 +66,7 @@ def raw_tcp(hosts, nbytes: int, repeat: int) -> list[float]:
 
 
 def kvxfer_request(hosts, transport: str, mib: int, repeat: int, p_tp: int = 1, d_tp: int = 1,
-                   ucx_tls: str = "tcp") -> list[float]:
+                   ucx_tls: str = "tcp", stage: str = "") -> list[float]:
     """One ``mib`` MiB request (all heads) from prefill TP ``p_tp`` (page-major, host B) to decode
     TP ``d_tp`` (token-major, host C): GB/s of each timed run, every head's bytes compared."""
     # 2 layers x K,V x 8 heads x 128 dims x bf16 = 8 KiB per token (all ranks together)
@@ -74,6 +78,8 @@ def kvxfer_request(hosts, transport: str, mib: int, repeat: int, p_tp: int = 1, 
     ranks: list[RankProc] = []
     try:
         common = dict(bootstrap=boot.url, transport=transport, **pool)
+        if stage and transport == "ucx":
+            common["ucx_stage_host"] = stage
         ps = [RankProc(hosts[1], "prefill", env=env, layout="page_major", seed=3, tp_rank=r, tp_size=p_tp, **common)
               for r in range(p_tp)]
         ranks += ps
@@ -116,29 +122,36 @@ def main() -> int:
     ap.add_argument("--transports", default="zmq,ucx")
     ap.add_argument("--tp", default="1:1,2:4", help="prefill:decode TP pairs, comma-separated")
     ap.add_argument("--ucx-tls", default=UCX_ENV["UCX_TLS"], help='UCX_TLS of the UCX ranks ("": none set)')
+    ap.add_argument("--ucx-stage", default="", help="stage_host values of the UCX ranks to compare (comma-separated)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat the whole set, interleaved")
     a = ap.parse_args()
     why = hosts_skip_reason()
     if why:
         print(f"cannot run: {why}")
         return 1
     pairs = [tuple(int(x) for x in pair.split(":")) for pair in a.tp.split(",")]
+    stages = a.ucx_stage.split(",") if a.ucx_stage else [""]
+    rows: dict[str, list[float]] = {}
     with TestHosts(3) as hosts:
-        rows = {"raw tcp": raw_tcp(hosts, a.mib << 20, a.repeat)}
-        for p_tp, d_tp in pairs:
-            for t in a.transports.split(","):
-                if t == "ucx" and importlib.util.find_spec("ucxx") is None:
-                    print("ucx: ucxx does not import, skipped")
-                    continue
-                how = f"({a.ucx_tls or 'far'})" if t == "ucx" else ""
-                name = f"kvxfer {t}{how} TP {p_tp}->{d_tp}"
-                rows[name] = kvxfer_request(hosts, t, a.mib, a.repeat, p_tp, d_tp, a.ucx_tls)
-        rows["raw tcp (again)"] = raw_tcp(hosts, a.mib << 20, a.repeat)
+        for _ in range(a.rounds):
+            rows.setdefault("raw tcp", []).extend(raw_tcp(hosts, a.mib << 20, a.repeat))
+            for p_tp, d_tp in pairs:
+                for t in a.transports.split(","):
+                    if t == "ucx" and importlib.util.find_spec("ucxx") is None:
+                        print("ucx: ucxx does not import, skipped")
+                        continue
+                    for stage in stages if t == "ucx" else [""]:
+                        how = f"({a.ucx_tls or 'far'}{', ' + stage if stage else ''})" if t == "ucx" else ""
+                        name = f"kvxfer {t}{how} TP {p_tp}->{d_tp}"
+                        rows.setdefault(name, []).extend(
+                            kvxfer_request(hosts, t, a.mib, a.repeat, p_tp, d_tp, a.ucx_tls, stage))
+            rows.setdefault("raw tcp (again)", []).extend(raw_tcp(hosts, a.mib << 20, a.repeat))
     raw = statistics.median(rows["raw tcp"] + rows["raw tcp (again)"])
     print(f"one {a.mib} MiB request host B -> host C (veth on a bridge), page-major -> token-major, "
-          f"median of {a.repeat}; ratio to the raw TCP median of this run ({raw:.2f} GB/s):")
+          f"median of {a.repeat} x {a.rounds} rounds; ratio to the raw TCP median of this run ({raw:.2f} GB/s):")
     for name, v in rows.items():
         m = statistics.median(v)
-        print(f"  {name:24s} {m:6.2f} GB/s  {m / raw:5.2f}x   runs: {', '.join(f'{x:.2f}' for x in v)}")
+        print(f"  {name:34s} {m:6.2f} GB/s  {m / raw:5.2f}x   runs: {', '.join(f'{x:.2f}' for x in v)}")
     return 0
 
 

@@ -86,7 +86,8 @@ def transport_options(a) -> dict:
     if a.transport == "zmq":
         return {"endpoint": f"tcp://{a.host}:0", "heartbeat_ivl": a.hb[0], "heartbeat_timeout": a.hb[1]}
     if a.transport == "ucx":   # UCX_TLS comes from the environment (hosts.UCX_ENV)
-        return {"heartbeat": a.hb[0], "peer_timeout": a.hb[1]}
+        return {"heartbeat": a.hb[0], "peer_timeout": a.hb[1]} | ({"stage_host": a.ucx_stage_host}
+                                                                   if a.ucx_stage_host else {})
     return {}
 
 
@@ -310,6 +311,7 @@ def parse(argv=None):
     ap.add_argument("--timeouts", type=float, nargs=4, default=[30, 60, 30, 60],
                     metavar=("BOOTSTRAP", "WAITING", "TRANSFER", "LEASE"))
     ap.add_argument("--hb", type=float, nargs=2, default=[0.5, 5.0], metavar=("INTERVAL", "TIMEOUT"))
+    ap.add_argument("--ucx-stage-host", default="", help="UCX: stage_host (never, network, always; \"\": default)")
     return ap.parse_args(argv)
 
 

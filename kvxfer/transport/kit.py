@@ -209,12 +209,23 @@ class StagingExhausted(TransportError):
     """Every frame of a staging ring is in use: the caller waits (``available``) and retries."""
 
 
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are one device when 0 is the current one."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    cur = torch.cuda.current_device()
+    return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+
+
 class StagingPool:
     """Staging blocks for packed runs. Two modes:
 
     Ring (``StagingPool(frames=N, frame_bytes=B, name=...)``, what a transport should use):
-    N blocks of B bytes, allocated once by ``allocate(pin=...)`` (pinned host memory when the
-    regions are on a device), never more. ``get`` takes a free one (``StagingExhausted`` when
+    N blocks of B bytes, allocated once by ``allocate(pin=..., device=...)`` (pinned host memory
+    when the regions are on a device and the transport stages on the host, as zmq does; on the
+    device itself for UCX's device frames), never more. ``get`` takes a free one (``StagingExhausted`` when
     none is: the I/O path checks ``available()`` first and, when False, waits, counted in
     ``waits``); ``put`` gives it back, busy ``until`` an object whose ``done`` turns True (a zmq
     tracker). Counted in ``kvxfer.metrics`` (frames, in use, waits) under ``name``.
@@ -236,20 +247,25 @@ class StagingPool:
         self._index: dict[int, int] = {}          # block address -> ring slot
         self._free: list[int] = []
         self._busy: list[tuple[int, Any]] = []     # (slot, until): given back, maybe still read
+        self.device = torch.device("cpu")
         self.in_use = self.waits = self.peak = 0
 
     # -- ring -----------------------------------------------------------------------------
-    def allocate(self, pin: bool = False) -> None:
-        """Ring mode: allocate every frame now. Once allocated, the ring is kept while any frame
-        is in use (the network may still read it), or when it is already pinned as asked."""
+    def allocate(self, pin: bool = False, device: torch.device | str = "cpu") -> None:
+        """Ring mode: allocate every frame now (on ``device``; host frames pinned with ``pin``).
+        Once allocated, the ring is kept while any frame is in use (the network may still read
+        it), or when it is already where and as asked."""
         if not self.frames:
             return
+        device = torch.device(device)
+        pin = pin and device.type == "cpu"
         with self._lock:
-            if self._ring and (self.pin == pin or self.in_use):
+            if self._ring and ((self.pin == pin and self.device == device) or self.in_use):
                 return
         self.clear()
-        self.pin = pin
-        ring = [torch.empty(self.frame_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(self.frames)]
+        self.pin, self.device = pin, device
+        ring = [torch.empty(self.frame_bytes, dtype=torch.uint8, device=device, pin_memory=pin)
+                for _ in range(self.frames)]
         with self._lock:
             self._ring, self._free, self._busy = ring, list(range(len(ring))), []
             self._index = {b.data_ptr(): k for k, b in enumerate(ring)}
@@ -287,11 +303,11 @@ class StagingPool:
     def get(self, nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
         device = torch.device(device)
         if self.frames:
-            if device.type != "cpu" or nbytes > self.frame_bytes:
-                raise ValueError(f"a staging ring holds host frames of {self.frame_bytes} bytes: "
-                                 f"{nbytes} bytes on {device} do not fit")
             if not self._ring:
                 self.allocate(self.pin)
+            if not _same_device(device, self.device) or nbytes > self.frame_bytes:
+                raise ValueError(f"a staging ring holds frames of {self.frame_bytes} bytes on {self.device}: "
+                                 f"{nbytes} bytes on {device} do not fit")
             with self._lock:
                 self._reap()
                 if not self._free:

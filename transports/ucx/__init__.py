@@ -4,12 +4,15 @@ Mechanism, by measurement (scripts/bench_transport.py, scripts/bench_ucx.py): ru
 with ``ucp_put_nbx`` through the ``libucp`` bundled with ``ucxx`` (ctypes, on the worker and
 endpoint handles ucxx creates): one call on the sender, nothing posted by the receiver. Runs
 shorter than ``PUT_BELOW`` are packed instead: their bytes, back to back, travel as tagged
-frames of ``frame_bytes``. In host memory a frame is a UCX iov on both sides
-(``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx`` with ``ucp_dt_make_iov``): the sender sends from
-the source runs and the receiver posts its receive into the granted destination runs, so
-neither gathers nor scatters, and the receiver alone says where bytes land. CUDA memory gathers
-into a staging block on the device, and the receiver scatters from one. Control messages
-(``protocol``) are batched per peer and loop turn into one tagged message.
+frames of at most ``frame_bytes``. Near peers in host memory: a frame is a UCX iov on both
+sides (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx`` with ``ucp_dt_make_iov``): the sender sends
+from the source runs and the receiver posts its receive into the granted destination runs, so
+neither gathers nor scatters. CUDA memory, and host memory to peers reached over the network
+(``stage_host``), is *staged* (``frames``): frames of whole runs, gathered one by one into a
+fixed ring of ``staging_frames`` slots. A CUDA receiver takes them into a ring of its own and
+scatters each frame as it lands; a host receiver posts them in place (iovs cut the same way).
+A transfer of any size takes at most the rings. Control
+messages (``protocol``) are batched per peer and loop turn into one tagged message.
 
 One transfer (S sender, R receiver, each on its own I/O thread)::
 
@@ -19,14 +22,16 @@ One transfer (S sender, R receiver, each on its own I/O thread)::
     R       GrantTable.check + region bounds; refused: FAIL to S, Arrival(ok=False);
             inline bytes land now; nothing else to come (no puts, no frames): ACK at once
     R -> S  GO        a data tag for the packed frames (host: R has posted their receives)
-    S       puts (big runs cut in frames), packed frames, one ep flush per peer and turn
-    S -> R  DONE      after the flush, so every put is visible at R
-    R       every frame received (host: in place; CUDA: re-checks the grant and scatters
-            the staging block), Arrival(ok=True)
+    S       puts (big runs cut in frames), packed frames (staged: as send-ring slots free),
+            one ep flush per peer and turn
+    S -> R  DONE      after the flush and the last frame, so every put is visible at R
+    R       every frame received (in place; staged: into a receive-ring slot as one is free,
+            re-checked against the grant and scattered), Arrival(ok=True)
     R -> S  ACK       only now is the handle DONE
 
 Files: ``bindings`` (ctypes over libucp), ``protocol`` (control messages, validated once),
-``sender``, ``receiver``, ``control`` (peers, control batches, heartbeats), ``fencing``, ``settings``
+``sender``, ``receiver``, ``frames`` (the staged frame cut), ``control`` (peers, control batches,
+heartbeats), ``fencing``, ``settings``
 (thresholds, UCX settings), ``lifecycle`` (start-up, connect, shutdown), ``state`` (records),
 and this module (options, the contract, the I/O loop).
 
@@ -98,6 +103,7 @@ from . import bindings as ucp
 from .bindings import frame_iovs
 from .control import UCXControl, host_identity, process_start
 from .fencing import UCXFencing
+from .frames import STAGE_HOST, network_only
 from .lifecycle import UCXLifecycle
 from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO
 from .receiver import UCXReceiver
@@ -131,6 +137,16 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
                   second worker without shared memory and cma (``FAR_TLS``), whose queues never
                   deliver across network namespaces. Both peers must share a transport.
     frame_bytes   big runs are put in pieces of this size; packed blocks go in frames of it.
+                  Staged frames received here must fit it: give both sides one value.
+    staging_frames  slots of each staging ring (send and receive), each ``frame_bytes``:
+                  allocated at register() on the regions' CUDA device, or in host memory at the
+                  first staged frame; never more (exhausted, the I/O thread waits: ``staging()``,
+                  kvxfer.metrics under "ucx-send" / "ucx-recv").
+    stage_host    which host-memory frames the sender stages (``frames.STAGE_HOST``): "network"
+                  (peers reached over the network: another host or network namespace, or a
+                  UCX_TLS without shared memory; measured faster over TCP), "always", "never"
+                  (UCX iovs read in place). A host receiver takes frames in place, except with
+                  "always" (its receive ring too: what tests of the ring on a CPU use).
     put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)
     put_below_many  the same for plans of more than ``few_runs`` runs (``PUT_BELOW_MANY``)
     few_runs      plans of at most this many runs are prepared with Python ints (``FEW_RUNS``).
@@ -164,9 +180,14 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
                  heartbeat: float = 0.5, peer_timeout: float = 5.0, max_control_bytes: int = 64 << 20,
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, max_peers: int = 1024,
                  fence_grace: float = 1.0, quarantine_timeout: float | None = None,
-                 connect_timeout: float = 10.0, ucx_config: dict | None = None):
+                 connect_timeout: float = 10.0, ucx_config: dict | None = None, staging_frames: int = 8,
+                 stage_host: str = "network"):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
+        if not 1 <= int(staging_frames) <= 4096 or stage_host not in STAGE_HOST:
+            raise TransportError(f"staging_frames {staging_frames} must be in 1..4096 and stage_host "
+                                 f"{stage_host!r} one of {STAGE_HOST}")
+        self.stage_host = stage_host
         config = with_tcp_defaults(ucx_settings(tls, ucx_config, os.environ), os.environ)
         self._shm_settings = shared_memory_settings(config, os.environ)
         self.id = uuid.uuid4().hex
@@ -228,10 +249,12 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
         self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._flush_param = ucp.RequestParam()
-        self._staging = StagingPool()
+        self._staging = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-send")
+        self._rx_ring = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-recv")
+        self._network_only = network_only(config.get("TLS", ""))
         self._closed = self._stop = self._sleeping = False
         self._next_tick, self._acts = 0.0, 0
-        self.io = IOThread(f"kvxfer-ucx-{self.id[:6]}", self._loop, on_crash=self._crashed, on_exit=self._free)
+        self.io = IOThread(f"kvxfer-ucx-{self.id[:6]}", self._loop, on_crash=self._crashed, on_exit=self._exit)
         self.io.start()
         _LIVE.add(self)
 
@@ -259,8 +282,21 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
             ucp.worker_signal(h)
 
     def register(self, regions: Sequence[torch.Tensor]) -> None:
-        """Both sides, once, before descriptor(): map every region for RMA (blocks briefly)."""
+        """Both sides, once, before descriptor(): map every region for RMA (blocks briefly), and
+        allocate the staging rings on the regions' CUDA device (host rings: at first use)."""
         self._call(self._do_register, [byte_view(t) for t in regions])
+        cuda = [t.device for t in self._regions if t.is_cuda]
+        if cuda:   # on the I/O thread, whose streams use them
+            for ring in (self._staging, self._rx_ring):
+                self._call(ring.allocate, False, cuda[0])
+
+    def staging(self) -> dict:
+        """Any thread: each staging ring's frames, in use, peak and waits (``send``, ``recv``)."""
+        return {"send": self._staging.stats(), "recv": self._rx_ring.stats()}
+
+    def _exit(self) -> None:   # IOThread.on_exit: the UCX objects, then the receive ring
+        self._free()
+        self._rx_ring.clear()
 
     def memory_types(self) -> list[str]:
         """What UCX registered each region as ("host", "cuda", ...; "" for an empty region), as

@@ -17,6 +17,8 @@ ANNOUNCE whose ids are valid (the receiver refuses it with a FAIL and a failed a
 other bad message cannot be answered, and is counted and dropped.
 
 Data frames carry no header: tag ``DATA_BIT | dtag << FRAME_BITS | frame index``, dtag from GO.
+Which bytes frame ``k`` holds follows from the ANNOUNCE alone (``frames.cut`` when ``staged``,
+else every ``frame_bytes`` bytes), so both sides agree without more on the wire.
 """
 from __future__ import annotations
 
@@ -84,10 +86,12 @@ class Announce:
     frame_bytes: int
     inline: bytes
     cap: bytes = b""     # the grant's capability (decode's REQ): checked before anything else
+    staged: bool = False  # packed frames cut by ``frames.cut`` (whole runs), else every frame_bytes
 
     def wire(self) -> list:
-        return [ANNOUNCE, self.xid, self.request_id, self.timeout, self.notify, self.runs, self.nput,
+        head = [ANNOUNCE, self.xid, self.request_id, self.timeout, self.notify, self.runs, self.nput,
                 self.frame_bytes, self.inline, self.cap]
+        return head + [1] if self.staged else head   # unstaged: the older wire, which older peers read
 
     def run_array(self) -> np.ndarray:
         return np.frombuffer(self.runs, _I8).reshape(3, -1)
@@ -193,7 +197,7 @@ def _str(v, limit: int, what: str) -> str:
 
 # Lengths a message may have: HELLO and ANNOUNCE without their newer fields are kvxfer's
 # older wire (epoch 0, no identity; no capability, which a grant with one refuses).
-_SIZES = {HELLO: (3, 7, 8), ANNOUNCE: (9, 10), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,), PING: (1,),
+_SIZES = {HELLO: (3, 7, 8), ANNOUNCE: (9, 10, 11), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,), PING: (1,),
           BYE: (1,)}
 
 
@@ -241,7 +245,8 @@ def parse_message(m, limit: int) -> Message:
         nput = _int(m[6], 0, len(runs) // RUN_BYTES + 1, "put run count")
         frame = _int(m[7], 4096, 1 << 32, "frame size")
         inline = _bytes(m[8], limit, "inline bytes")
-        cap = _bytes(m[9], MAX_CAPABILITY, "capability") if len(m) == 10 else b""
+        cap = _bytes(m[9], MAX_CAPABILITY, "capability") if len(m) >= 10 else b""
+        staged = _int(m[10], 0, 2, "staged flag") if len(m) == 11 else 0
     except ValueError as e:
         raise Malformed(f"malformed header: {e}", (xid, rid)) from None
-    return Announce(xid, rid, float(timeout), notify, runs, nput, frame, inline, cap)
+    return Announce(xid, rid, float(timeout), notify, runs, nput, frame, inline, cap, bool(staged))

@@ -2,8 +2,9 @@
 
 ``UCXReceiver`` is a mixin of ``UCXTransport``; its methods run on the I/O thread, except
 ``writes_pending`` (any thread). ``_on_announce`` checks every announced run against the grant
-and the regions before GO; ``_poll_data`` receives packed frames (in place for host memory,
-into staging for CUDA); ``_try_finish`` lands and acknowledges; ``_fail_in`` ends a transfer and
+and the regions before GO; ``_poll_data`` receives packed frames (in place for host memory;
+for CUDA, or host with ``stage_host="always"``, into the receive ring, each frame scattered as it
+lands: ``_land_frames``); ``_try_finish`` acknowledges; ``_fail_in`` ends a transfer and
 keeps the grant's memory marked (``writes_pending``) while puts or posted receives may land.
 
 No oracle: the FAIL a peer gets for a refusal because of the grant (unknown, ended or live
@@ -28,6 +29,7 @@ from kvxfer.transport.base import Arrival
 from kvxfer.transport.kit import peer_reason
 
 from . import bindings as ucp
+from .frames import HeldSlot, RingHold, StagedFrames, Stream, byte_cut, cut, stream_iovs
 from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, Ack, Announce, Fail, Go
 from .sender import ucx_buffer
 from .state import Incoming, Peer
@@ -68,7 +70,9 @@ class UCXReceiver:
     _draining: list
     _zombies: list
     _dtags: itertools.count[int]
-    _staging: StagingPool
+    _rx_ring: StagingPool
+    frame_bytes: int
+    stage_host: str
     _acts: int
     _send: Callable[[Peer, Message], None]
     _deliver: Callable[[Arrival], None]
@@ -96,21 +100,35 @@ class UCXReceiver:
         total = int(packed[2].sum()) if reason is None else 0
         if reason is None and inline and len(inline) != total:
             reason = self.grants.reject(rid, f"malformed header: {len(inline)} inline bytes for {total} packed")
+        host = self._all_host or bool(self._is_host[packed[0]].all())
+        # The receive ring: for CUDA destinations, and host ones only with stage_host "always";
+        # other host frames land in place as iovs, staged frames cut as the sender cut them.
+        ring = reason is None and total > 0 and not inline and (not host or m.staged and self.stage_host == "always")
+        if ring and m.frame_bytes > self.frame_bytes:
+            reason = self.grants.reject(rid, f"malformed header: frames of {m.frame_bytes} bytes do not fit the "
+                                        f"receiver's staging frames of {self.frame_bytes}: use one frame_bytes")
+        if reason is None and total and 2 * total // m.frame_bytes + 1 >= 1 << FRAME_BITS:   # bounds the cut
+            reason = self.grants.reject(rid, f"malformed header: {total} packed bytes in frames of {m.frame_bytes}")
         if reason is not None:
             ok = len(n) and (n > 0).all() and (n < 1 << 40).all()
             return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason, quiet)
-        i = Incoming(p, xid, rid, time.monotonic() + m.timeout, int(n.sum()), m.notify, tuple(packed), None,
-                     m.frame_bytes, 0 if inline else -(-total // m.frame_bytes), puts=nput, cap=m.cap)
+        staging = None
+        if ring:   # frames through the receive ring: cut as the sender cut them (``frames``)
+            bounds = cut(packed[2], m.frame_bytes) if m.staged else byte_cut(total, m.frame_bytes)
+            staging = StagedFrames(Stream(*packed), bounds, self._rx_ring.device)
+        i = Incoming(p, xid, rid, time.monotonic() + m.timeout, int(n.sum()), m.notify, tuple(packed), staging,
+                     m.frame_bytes, 0 if inline else staging.count if staging else -(-total // m.frame_bytes),
+                     puts=nput, cap=m.cap)
         self._open_rids[rid] += 1   # writes_pending until _forget_in (forget() fails it asynchronously)
         self._in[(p.id, xid)] = i
         p.open_in += 1
         if inline:  # checked a moment ago: lands now, with no re-check and no frames
             self._land(i.packed, torch.frombuffer(bytearray(inline), dtype=torch.uint8))
             i.packed = None
-        elif total and (self._all_host or self._is_host[packed[0]].all()):   # frames land in the runs themselves
-            i.iov = ucp.IovFrames(ucp.frame_iovs(self._base[packed[0]] + packed[1], packed[2], m.frame_bytes))
-        elif total:
-            i.staging = self._staging.get(total, self._regions[int(packed[0, 0])].device)
+        elif total and not ring:   # frames land in the runs themselves
+            addr = self._base[packed[0]] + packed[1]
+            i.iov = ucp.IovFrames(stream_iovs(addr, packed[2], cut(packed[2], m.frame_bytes)) if m.staged
+                                  else ucp.frame_iovs(addr, packed[2], m.frame_bytes))
         if nput == 0 and not i.frames:  # all here already: ACK without GO and DONE
             i.done = True
             return self._try_finish(i)
@@ -129,20 +147,27 @@ class UCXReceiver:
         self._send(p, Fail(xid, peer_reason(reason)))
 
     def _poll_data(self) -> None:
-        while (res := self._worker.tag_probe(ucx_api.UCXXTag(DATA_BIT), ucx_api.UCXXTagMask(KIND_MASK),
-                                             remove=True)).matched:
-            self._acts += 1
+        """I/O thread, every turn: receive arrived frames of ring transfers into free slots of
+        the receive ring (none free: the frame waits in UCX, counted in ``waits``; an unusable
+        frame is dropped), land completed ones, and finish transfers whose frames all landed."""
+        probe, want_tag, mask = self._worker.tag_probe, ucx_api.UCXXTag(DATA_BIT), ucx_api.UCXXTagMask(KIND_MASK)
+        while (res := probe(want_tag, mask, remove=False)).matched:
             tag = res.sender_tag.value
             i, k = self._by_dtag.get((tag & ~KIND_MASK) >> FRAME_BITS), tag & ((1 << FRAME_BITS) - 1)
-            want = -1 if i is None or k >= i.frames else min(i.frame_bytes, i.staging.numel() - k * i.frame_bytes)
-            if res.length != want:  # a frame of an ended transfer, or one that does not fit: drop it
-                if i is not None:
+            want = -1 if i is None or i.staging is None or k >= i.frames or i.staging.seen[k] else i.staging.size(k)
+            if res.length == want and not self._rx_ring.available():   # back-pressure: next turn
+                break
+            res = probe(want_tag, mask, remove=True)   # the same message, now ours to receive
+            self._acts += 1
+            if i is None or i.staging is None or res.length != want or res.sender_tag.value != tag:
+                if i is not None:   # a frame of an ended transfer, or one that does not fit: drop it
                     self._fail_in(i, self.grants.reject(i.rid, f"malformed frame: {k} of {res.length} bytes"))
                 junk = np.empty(1, np.uint8)   # a 1-byte receive: UCX truncates and drops the rest
                 self._zombies.append((self._worker.tag_recv_with_handle(Array(junk), res), junk))
                 continue
-            view = i.staging[k * i.frame_bytes: k * i.frame_bytes + want]
-            i.reqs.append(self._worker.tag_recv_with_handle(ucx_buffer(view), res))
+            slot = self._rx_ring.get(want, i.staging.device)
+            i.staging.seen[k] = True
+            i.staging.reqs.append((self._worker.tag_recv_with_handle(ucx_buffer(slot), res), k, slot))
         for i in [i for i in self._in.values() if i.iov is not None and i.got < i.frames]:
             done = i.iov.poll()
             if i.iov.error:   # at once: the frames still posted are cancelled
@@ -155,28 +180,43 @@ class UCXReceiver:
                 self._try_finish(i)
         if self._draining:
             self._reap_draining()
-        for i in [i for i in self._in.values() if i.reqs and all(r.completed for r in i.reqs)]:
-            try:
-                for r in i.reqs:
-                    r.check_error()
-            except Exception as e:
-                self._fail_in(i, f"peer failed: receiving packed frames: {e}")
-                continue
-            i.got, i.reqs = i.got + len(i.reqs), []
-            self._acts += 1
-            self._try_finish(i)
+        for i in [i for i in self._in.values() if i.staging is not None and i.staging.reqs]:
+            self._land_frames(i)
         self._zombies = [z for z in self._zombies if not z[0].completed]
 
-    def _try_finish(self, i: Incoming) -> None:
-        if not i.done or i.got < i.frames or i.reqs:
+    def _land_frames(self, i: Incoming) -> None:
+        """Scatter every received frame of ``i`` into its runs (checked against the grant first:
+        the request may have ended meanwhile) and free its slot; all landed: finish."""
+        st = i.staging
+        assert st is not None
+        done = [r for r in st.reqs if r[0].completed]
+        if not done:
             return
-        if i.packed is not None and len(i.packed[2]):
-            # The request may have ended while the frames were on their way: check before landing them.
-            if (reason := self.grants.check(i.rid, *i.packed, i.cap)) is not None:
+        st.reqs = [r for r in st.reqs if not r[0].completed]
+        self._acts += 1
+        for j, (req, k, slot) in enumerate(done):
+            try:
+                req.check_error()
+                reason = None
+            except Exception as e:
+                reason = f"peer failed: receiving packed frames: {e}"
+            part = st.part(k)
+            if reason is None and (reason := self.grants.check(i.rid, *part, i.cap)) is None:
+                self._land(part, slot)   # in place (CUDA: the copies completed) before the slot is free
+            self._rx_ring.put(slot)
+            if reason is not None:
+                for _, _, s in done[j + 1:]:
+                    self._rx_ring.put(s)
                 return self._fail_in(i, reason)
-            self._land(i.packed, i.staging)
+            i.got += 1
+        if i.got == i.frames:
+            i.packed = None   # landed, frame by frame
+            self._try_finish(i)
+
+    def _try_finish(self, i: Incoming) -> None:
+        if not i.done or i.got < i.frames:
+            return
         self._forget_in(i)
-        self._staging.put(i.staging)
         if i.nbytes or self.grants.is_live(i.rid, i.cap):   # an empty transfer of no live request: ACK only
             self._deliver(Arrival(i.rid, i.nbytes, True, "", i.notify))
         self._send(i.peer, Ack(i.xid))
@@ -194,7 +234,8 @@ class UCXReceiver:
         """End ``i`` here. Whatever may still land of it is marked (``_draining``) before it stops
         counting as open, so ``writes_pending`` (any thread) never sees a gap."""
         self._by_dtag.pop(i.dtag, None)
-        self._zombies.extend((r, i.staging) for r in i.reqs)  # posted receives still own the staging block
+        if i.staging is not None and i.staging.reqs:   # receives still write their slots: fenced
+            self._hold_slots(i)
         if i.iov is not None and not i.iov.poll():   # receives posted into the grant's memory
             i.iov.cancel(self._whandle)
             self._draining.append((i.peer.id, i.rid, i.iov, int(i.packed[2].sum()) if i.packed is not None else 0,
@@ -205,6 +246,25 @@ class UCXReceiver:
             self._open_rids[i.rid] -= 1
             if self._open_rids[i.rid] <= 0:
                 del self._open_rids[i.rid]
+
+    def _hold_slots(self, i: Incoming) -> None:
+        """``i`` ended with frames still being received into ring slots: each slot is free once
+        its receive completed, or once the sender is proven dead (``fencing._release_peer`` ends
+        the ``_draining`` entry made here; no ucp call cancels a matched receive). Counted in
+        ``fencing()`` under a key of its own: these writes reach ring slots, never the grant."""
+        st = i.staging
+        assert st is not None
+        hold = RingHold([req for req, _, _ in st.reqs])
+
+        def held() -> bool:
+            return any(e[2] is hold for e in self._draining)
+        for req, _, slot in st.reqs:
+            self._rx_ring.put(slot, HeldSlot(req, held))
+            self._zombies.append((req, slot))
+        key = ("ring slots", i.rid)
+        self._draining.append((i.peer.id, key, hold, sum(int(s.numel()) for _, _, s in st.reqs), time.monotonic()))
+        self._landing_rids[key] += 1
+        st.reqs = []
 
     def _reap_draining(self) -> None:
         """Ended transfers whose posted receives are all done: nothing more of them lands."""

@@ -3,13 +3,15 @@
 ``UCXSender`` is a mixin of ``UCXTransport``. ``submit`` (caller's thread) prepares a transfer
 (``_prepare`` / ``_prepare_few``: bounds, puts, announced runs, packed runs) and enqueues it;
 everything else runs on the I/O thread: ``_start_out`` sends the ANNOUNCE, ``_start_puts``
-issues puts and frames when GO comes, ``_flush_puts`` flushes once per peer and turn,
-``_advance`` sends DONE once the flush and frames completed, ``_fail_out`` ends a transfer
-(ABORT once no put of it is in flight).
+issues puts and iov frames when GO comes, ``_flush_puts`` flushes once per peer and turn,
+``_advance`` gathers staged frames into the send ring as its slots free (``_pump_frames``) and
+sends DONE once the flush and every frame completed, ``_fail_out`` ends a transfer (ABORT once
+no put of it is in flight; its frames in flight keep their slots until their sends end).
 """
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -34,6 +36,7 @@ from kvxfer.transport.kit import (
 )
 
 from . import bindings as ucp
+from .frames import Completes, StagedFrames, Stream, cut
 from .protocol import DATA_BIT, FRAME_BITS, Abort, Announce, Done
 from .state import Outgoing, Peer
 
@@ -67,6 +70,9 @@ class UCXSender:
     put_below_many: int
     few_runs: int
     max_control_bytes: int
+    stage_host: str
+    _network_only: bool
+    _acts: int
     _regions: list[torch.Tensor]
     _base: np.ndarray
     _base_list: list[int]
@@ -100,18 +106,22 @@ class UCXSender:
         if packed is not None:
             sr, so, n = packed
             total = int(n.sum())
+            host = self._all_host or bool(self._is_host[sr].all())
             if total < INLINE_BELOW:               # in the announce: no GO wait, no frames
                 inline = gather_runs(self._regions, sr, so, n).cpu().numpy().tobytes()
-            elif self._all_host or self._is_host[sr].all():   # frames read straight from the source runs
+            elif host and not self._stages_host(p):   # frames read straight from the source runs
                 iov = ucp.IovFrames(ucp.frame_iovs(self._base[sr] + so, n, self.frame_bytes))
-            else:                                  # CUDA: gather on the device, frames from there
-                staging = self._staging.get(total, self._regions[int(sr[0])].device)
-                gather_runs(self._regions, sr, so, n, out=staging)
-        if staging is not None and staging.is_cuda:  # UCX reads it right after GO
-            torch.cuda.current_stream(staging.device).synchronize()
+            else:   # gathered frame by frame into the send ring, on the I/O thread after GO
+                bounds = cut(np.frombuffer(runs, _I8).reshape(3, -1)[2, nput:], self.frame_bytes)
+                staging = StagedFrames(Stream(sr, so, n), bounds, self._staging.device)
         xid = next(self._xids)
-        announce = Announce(xid, handle.request_id, 0.0, bytes(notify), runs, nput, self.frame_bytes, inline, cap)
+        announce = Announce(xid, handle.request_id, 0.0, bytes(notify), runs, nput, self.frame_bytes, inline, cap,
+                            staging is not None)
         return Outgoing(xid, p, handle, announce, puts, staging, self.frame_bytes, iov)
+
+    def _stages_host(self, p: Peer) -> bool:
+        """Do packed frames of host memory to ``p`` go through the send ring (``stage_host``)?"""
+        return self.stage_host == "always" or (self.stage_host == "network" and (p.far or self._network_only))
 
     def _prepare(self, p, plan: TransferPlan) -> tuple:
         """Bounds-check the runs: (puts, announced runs, put count, packed runs as
@@ -187,8 +197,7 @@ class UCXSender:
             return
         self._out[o.xid] = o
         a = o.announce   # relative deadline: clocks differ across hosts
-        o.announce = Announce(a.xid, a.request_id, max(o.handle.deadline - time.monotonic(), 0.0), a.notify,
-                              a.runs, a.nput, a.frame_bytes, a.inline, a.cap)
+        o.announce = dataclasses.replace(a, timeout=max(o.handle.deadline - time.monotonic(), 0.0))
         self._send(o.peer, o.announce)
         o.state = "wait_go"
 
@@ -214,11 +223,7 @@ class UCXSender:
             o.iov.send(ep, DATA_BIT | dtag << FRAME_BITS)
             if o.iov.error:
                 return self._fail_issued(o, f"sending frames failed: {o.iov.error}")
-        if o.staging is not None:
-            for k in range(-(-o.staging.numel() // o.frame_bytes)):  # one step per frame (MiBs)
-                view = o.staging[k * o.frame_bytes: (k + 1) * o.frame_bytes]
-                o.reqs.append((o.peer.ep.tag_send(ucx_buffer(view), ucx_api.UCXXTag(DATA_BIT | dtag << FRAME_BITS | k)),
-                               view))
+        o.dtag = dtag   # staged frames leave from _pump_frames, as ring slots free
         o.state = "flushing"
         self._unflushed.setdefault(o.peer.id, []).append(o)
 
@@ -238,6 +243,39 @@ class UCXSender:
             self._flushing += outs
         self._unflushed.clear()
 
+    def _pump_frames(self, o: Outgoing) -> bool:
+        """I/O thread, every turn, for a transfer past GO with staged frames: gather its next
+        frames into free slots of the send ring and tag-send them; a slot is free again once
+        its send completed (``Completes``), whatever became of the transfer. The ring exhausted,
+        it waits (counted in ``waits``) and never allocates. True when every frame has left."""
+        st = o.staging
+        assert st is not None
+        left = []
+        for r in st.reqs:
+            if not r[0].completed:
+                left.append(r)
+                continue
+            try:
+                r[0].check_error()
+            except Exception as e:   # the rest of its slots free as their sends end
+                self._fail_out(o, PeerError(f"request {o.handle.request_id}: sending frame {r[1]} failed: {e}"))
+                return False
+        st.reqs = left
+        while st.next < st.count:
+            if not self._staging.available():   # back-pressure: looked at again next turn
+                return False
+            k, size = st.next, st.size(st.next)
+            slot = self._staging.get(size, st.device)
+            gather_runs(self._regions, *st.part(k), out=slot)
+            if slot.is_cuda:   # UCX reads the slot at once: the gather must be complete
+                torch.cuda.current_stream(slot.device).synchronize()
+            req = o.peer.ep.tag_send(ucx_buffer(slot), ucx_api.UCXXTag(DATA_BIT | o.dtag << FRAME_BITS | k))
+            self._staging.put(slot, Completes(req))
+            st.reqs.append((req, k, slot))
+            st.next += 1
+            self._acts += 1
+        return not st.reqs
+
     def _advance(self) -> None:
         """DONE for every flushed transfer whose packed frames left too (in the turn of its flush
         when that completes at once, as it does for shared-memory puts)."""
@@ -245,17 +283,18 @@ class UCXSender:
         for o in self._flushing:
             if o.state != "flushing":  # failed meanwhile
                 continue
-            if (st := o.flush.poll()) is None or not all(r.completed for r, _ in o.reqs) or \
-                    (o.iov is not None and not o.iov.poll()):
+            sent = o.staging is None or self._pump_frames(o)
+            if o.state != "flushing":   # a frame failed
+                continue
+            if (st := o.flush.poll()) is None or not sent or (o.iov is not None and not o.iov.poll()):
                 waiting.append(o)
             elif st != 0:
                 self._fail_out(o, PeerError(f"request {o.handle.request_id}: flush failed: {ucp.why(st)}"))
             elif o.iov is not None and o.iov.error:
                 self._fail_out(o, PeerError(f"request {o.handle.request_id}: sending frames failed: {o.iov.error}"))
             else:
-                self._staging.put(o.staging)
                 o.handle.release_source()   # every put is remotely visible: the source is read
-                o.reqs, o.staging, o.state = [], None, "wait_ack"
+                o.staging, o.state = None, "wait_ack"
                 self._send(o.peer, Done(o.xid))
         self._flushing = waiting
 
@@ -275,12 +314,13 @@ class UCXSender:
             if tell:
                 self._send(o.peer, Abort(o.xid, str(err)))
         o.state = "failed"
-        self._zombies.extend(o.reqs)  # frames still being sent read the staging block
+        if o.staging is not None:   # frames still being sent keep their ring slots (``Completes``)
+            self._zombies.extend((r, slot) for r, _, slot in o.staging.reqs)
+            o.staging.reqs, o.staging.next = [], o.staging.count
         if o.iov is not None and o.iov.reqs:
             self._zombies.append((o.iov, None))   # their requests are freed as they complete
         if o.flush is not None and o.flush.ptr is not None:
             self._zombies.append((o.flush, None))
-        o.reqs = []
 
     @staticmethod
     def _puts_settled(o: Outgoing) -> bool:

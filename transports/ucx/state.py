@@ -7,13 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 from ucxx._lib import libucxx as ucx_api
 
 from kvxfer.transport.base import TransferHandle
 from kvxfer.transport.kit import PeerClock
 
 from . import bindings as ucp
+from .frames import StagedFrames
 from .protocol import Announce
 
 PackedRuns = tuple[np.ndarray, np.ndarray, np.ndarray]   # region, offset, nbytes of packed runs
@@ -67,16 +67,15 @@ class Incoming:
     nbytes: int
     notify: bytes
     packed: PackedRuns | None        # region, offset, nbytes arrays of the packed runs; None once landed
-    staging: torch.Tensor | None     # their frames (CUDA destinations)
+    staging: StagedFrames | None     # their frames through the receive ring (CUDA, or staged by the sender)
     frame_bytes: int
     frames: int
-    iov: ucp.IovFrames | None = None  # or receives posted into the runs themselves (host destinations)
+    iov: ucp.IovFrames | None = None  # or receives posted into the runs themselves (host, unstaged)
     dtag: int = 0                    # tag of the frames (0: no GO sent)
     puts: int = 0                    # announced runs the sender puts (one-sided) after GO
     cap: bytes = b""                 # the capability its ANNOUNCE carried (checked against the grant)
     got: int = 0
     done: bool = False
-    reqs: list = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -87,11 +86,11 @@ class Outgoing:
     handle: TransferHandle
     announce: Announce
     puts: list                       # (src addr, dst addr, nbytes, src region, dst region) per put
-    staging: torch.Tensor | None     # gathered packed runs (CUDA sources)
+    staging: StagedFrames | None     # packed frames gathered into the send ring (CUDA sources; host to far peers)
     frame_bytes: int
     iov: ucp.IovFrames | None = None  # or the packed runs' frames, read in place (host sources)
     state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack
-    reqs: list = field(default_factory=list)
+    dtag: int = 0                    # the data tag GO gave (staged frames)
     flush: ucp.Flush | None = None
     abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
     stale: bool = False              # announced before a re-handshake began: a GO for it is refused
