@@ -26,7 +26,8 @@ FRAME, ROW, GAP = 16 << 10, 512, 256
 # Rendezvous for every frame: a send completes only once the receiver took it, so a small send
 # ring runs out (what a slow network does), deterministically.
 RING = {"frame_bytes": FRAME, "staging_frames": 2, "ucx_config": {"RNDV_THRESH": "4096"}}
-WAYS = {"always": {"stage_host": "always"}, "far": {}, "tcp": {"tls": "tcp"}}
+WAYS = {"always": {"stage_host": "always"}, "far": {}, "tcp": {"tls": "tcp"}, "in_place": {"tls": "tcp"}}
+RX_ONLY = {"in_place": {"stage_host": "never"}}   # the receiver takes staged frames in place (its iovs)
 
 
 def _far(desc: dict) -> dict:
@@ -37,7 +38,7 @@ def _far(desc: dict) -> dict:
 
 def _pair(way: str, **opts):
     o = {**RING, **WAYS[way], **opts}
-    return get_transport("ucx", **o), get_transport("ucx", **o)
+    return get_transport("ucx", **{**o, **RX_ONLY.get(way, {})}), get_transport("ucx", **o)
 
 
 def _rows(rows: int, seed: int, src_size: int, base: int = 0):
@@ -71,8 +72,8 @@ def _frames(name: str) -> float:
 @pytest.mark.parametrize("way", sorted(WAYS))
 def test_staged_transfers_far_larger_than_the_ring_are_byte_exact(way):
     """8192 rows (4 MiB, 256 frames of 16 KiB through rings of 2), then four such transfers at
-    once: byte-exact, the same two slots throughout, waits counted. The receiver stages them
-    too with "always"; otherwise they land in place, cut as the sender cut them."""
+    once: byte-exact, the same two slots throughout, waits counted. The receiver takes them
+    through its ring too, except with stage_host "never" ("in_place": cut as the sender cut them)."""
     rx, tx = _pair(way)
     src = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     dst = torch.full((5 * 6 << 20,), CANARY, dtype=torch.uint8)
@@ -99,10 +100,9 @@ def test_staged_transfers_far_larger_than_the_ring_are_byte_exact(way):
         assert (dst.numpy()[5 * (6 << 20) - (6 << 20) + rows * (ROW + GAP):] == CANARY).all()
         s, r = tx.staging(), rx.staging()
         assert s["send"]["frames"] == 2 and s["send"]["peak"] <= 2 and s["send"]["waits"] > 0, s
-        # a host receiver stages only when told ("always"); else the frames land in place (faster
-        # over TCP: scripts/bench_hosts.py --ucx-stage never,network,always)
-        assert r["recv"]["frames"] == (2 if way == "always" else 0) and r["recv"]["peak"] <= 2, r
-        assert r["recv"]["in_use"] == 0 and (way != "always" or r["recv"]["waits"] >= 0), r
+        # a host receiver takes staged frames through its ring unless told "never" (then in place)
+        assert r["recv"]["frames"] == (0 if way == "in_place" else 2) and r["recv"]["peak"] <= 2, r
+        assert r["recv"]["in_use"] == 0, r
         assert s["recv"]["frames"] == r["send"]["frames"] == 0, "a ring that moved nothing was allocated"
         # the very same slots: the rings never grew or were replaced
         assert [b.data_ptr() for b in tx._staging._ring] == ring["send"]
@@ -311,4 +311,28 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
     finally:
         for p in procs:
             p.close()
+        rx.close()
+
+
+def test_ucx_tls_from_the_environment_counts_as_network_only(monkeypatch):
+    """UCX_TLS=tcp set in the environment (no ``tls`` option, a peer on this host): the sender
+    stages (stage_host "network") and the receiver takes the frames through its ring."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    rx, tx = _pair("far")
+    src = torch.randint(0, 256, (4 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    dst = torch.full((1 << 20,), CANARY, dtype=torch.uint8)
+    try:
+        rx.register([dst])
+        tx.register([src])
+        peer = tx.connect(rx.descriptor())
+        so, do = _rows(1024, 3, 4 << 20)
+        z, zz = np.zeros(len(so), np.int64), np.zeros(1, np.int64)
+        rx.expect("env.1", ByteRanges(zz, zz, np.full(1, dst.numel(), np.int64)))
+        h = tx.submit(peer, "env.1", raw_plan(z, so, z, do, np.full(len(so), ROW)), timeout=30)
+        assert h.wait(30), h.error
+        _check(dst.numpy(), src.numpy(), so, do)
+        assert tx.staging()["send"]["frames"] == 2 and rx.staging()["recv"]["frames"] == 2, \
+            (tx.staging(), rx.staging())
+    finally:
+        tx.close()
         rx.close()

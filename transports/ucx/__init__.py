@@ -9,8 +9,9 @@ sides (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx`` with ``ucp_dt_make_iov``): th
 from the source runs and the receiver posts its receive into the granted destination runs, so
 neither gathers nor scatters. CUDA memory, and host memory to peers reached over the network
 (``stage_host``), is *staged* (``frames``): frames of whole runs, gathered one by one into a
-fixed ring of ``staging_frames`` slots. A CUDA receiver takes them into a ring of its own and
-scatters each frame as it lands; a host receiver posts them in place (iovs cut the same way).
+fixed ring of ``staging_frames`` slots. The receiver takes them into a ring of its own and
+scatters each frame as it lands (a host receiver with ``stage_host="never"`` posts them in
+place: iovs cut the same way).
 A transfer of any size takes at most the rings. Control
 messages (``protocol``) are batched per peer and loop turn into one tagged message.
 
@@ -145,8 +146,8 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
     stage_host    which host-memory frames the sender stages (``frames.STAGE_HOST``): "network"
                   (peers reached over the network: another host or network namespace, or a
                   UCX_TLS without shared memory; measured faster over TCP), "always", "never"
-                  (UCX iovs read in place). A host receiver takes frames in place, except with
-                  "always" (its receive ring too: what tests of the ring on a CPU use).
+                  (UCX iovs read in place). A host receiver takes staged frames into its receive
+                  ring, except with "never" (in place).
     put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)
     put_below_many  the same for plans of more than ``few_runs`` runs (``PUT_BELOW_MANY``)
     few_runs      plans of at most this many runs are prepared with Python ints (``FEW_RUNS``).
@@ -251,7 +252,8 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
         self._flush_param = ucp.RequestParam()
         self._staging = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-send")
         self._rx_ring = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-recv")
-        self._network_only = network_only(config.get("TLS", ""))
+        # UCX_TLS in the environment counts too: UCX reads it where the config sets none
+        self._network_only = network_only(config.get("TLS") or os.environ.get("UCX_TLS", ""))
         self._closed = self._stop = self._sleeping = False
         self._next_tick, self._acts = 0.0, 0
         self.io = IOThread(f"kvxfer-ucx-{self.id[:6]}", self._loop, on_crash=self._crashed, on_exit=self._exit)

@@ -3,8 +3,8 @@
 ``UCXReceiver`` is a mixin of ``UCXTransport``; its methods run on the I/O thread, except
 ``writes_pending`` (any thread). ``_on_announce`` checks every announced run against the grant
 and the regions before GO; ``_poll_data`` receives packed frames (in place for host memory;
-for CUDA, or host with ``stage_host="always"``, into the receive ring, each frame scattered as it
-lands: ``_land_frames``); ``_try_finish`` acknowledges; ``_fail_in`` ends a transfer and
+for CUDA, and staged host frames unless ``stage_host="never"``, into the receive ring, each
+frame scattered as it lands: ``_land_frames``); ``_try_finish`` acknowledges; ``_fail_in`` ends a transfer and
 keeps the grant's memory marked (``writes_pending``) while puts or posted receives may land.
 
 No oracle: the FAIL a peer gets for a refusal because of the grant (unknown, ended or live
@@ -101,9 +101,11 @@ class UCXReceiver:
         if reason is None and inline and len(inline) != total:
             reason = self.grants.reject(rid, f"malformed header: {len(inline)} inline bytes for {total} packed")
         host = self._all_host or bool(self._is_host[packed[0]].all())
-        # The receive ring: for CUDA destinations, and host ones only with stage_host "always";
-        # other host frames land in place as iovs, staged frames cut as the sender cut them.
-        ring = reason is None and total > 0 and not inline and (not host or m.staged and self.stage_host == "always")
+        # The receive ring: for CUDA destinations, and for host ones the sender staged (it does for
+        # peers over the network) unless stage_host is "never"; other host frames land in place
+        # as iovs (staged ones cut as the sender cut them).
+        ring = reason is None and total > 0 and not inline and \
+            (not host or m.staged and self.stage_host != "never")
         if ring and m.frame_bytes > self.frame_bytes:
             reason = self.grants.reject(rid, f"malformed header: frames of {m.frame_bytes} bytes do not fit the "
                                         f"receiver's staging frames of {self.frame_bytes}: use one frame_bytes")
