@@ -36,7 +36,7 @@ from kvxfer.transport.kit import (
 )
 
 from . import bindings as ucp
-from .frames import Completes, StagedFrames, Stream, cut
+from .frames import STAGE_BELOW, Completes, StagedFrames, Stream, cut
 from .protocol import DATA_BIT, FRAME_BITS, Abort, Announce, Done
 from .state import Outgoing, Peer
 
@@ -109,7 +109,8 @@ class UCXSender:
             host = self._all_host or bool(self._is_host[sr].all())
             if total < INLINE_BELOW:               # in the announce: no GO wait, no frames
                 inline = gather_runs(self._regions, sr, so, n).cpu().numpy().tobytes()
-            elif host and not self._stages_host(p):   # frames read straight from the source runs
+            elif host and not self._stages_host(p, total, max(len(n), len(runs) // 24 - nput)):
+                # frames read straight from the source runs
                 iov = ucp.IovFrames(ucp.frame_iovs(self._base[sr] + so, n, self.frame_bytes))
             else:   # gathered frame by frame into the send ring, on the I/O thread after GO
                 bounds = cut(np.frombuffer(runs, _I8).reshape(3, -1)[2, nput:], self.frame_bytes)
@@ -119,9 +120,11 @@ class UCXSender:
                             staging is not None)
         return Outgoing(xid, p, handle, announce, puts, staging, self.frame_bytes, iov)
 
-    def _stages_host(self, p: Peer) -> bool:
-        """Do packed frames of host memory to ``p`` go through the send ring (``stage_host``)?"""
-        return self.stage_host == "always" or (self.stage_host == "network" and (p.far or self._network_only))
+    def _stages_host(self, p: Peer, total: int, pieces: int) -> bool:
+        """Do ``total`` packed bytes of host memory to ``p``, ``pieces`` runs on the busier side,
+        go through the send ring (``stage_host``; "network": small pieces to a network peer)?"""
+        return self.stage_host == "always" or (self.stage_host == "network" and (p.far or self._network_only)
+                                               and total < STAGE_BELOW * pieces)
 
     def _prepare(self, p, plan: TransferPlan) -> tuple:
         """Bounds-check the runs: (puts, announced runs, put count, packed runs as
@@ -135,7 +138,7 @@ class UCXSender:
                 raise PlanError(f"a {side} run leaves its region (the {side} has {len(lim)} regions)")
         # Runs below put_below_many travel packed, whatever the plan says: this bounds the put loop
         # (one Python step per put) by bytes / put_below_many, and a small put costs more than packing.
-        pk = n < self.put_below_many
+        pk = np.ones(len(n), bool) if p.pack_all else n < self.put_below_many   # pack_all: see Peer
         npk = int(np.count_nonzero(pk))
         put = slice(None) if npk == 0 else slice(0) if npk == len(n) else ~pk
         keyed = keyable(self._region_sizes, p.sizes)
@@ -175,7 +178,7 @@ class UCXSender:
                                               ("destination", p.sizes_list, dr, do)):
                     if not runs_inside_few(((reg, off, n),), sizes):
                         raise PlanError(f"a {side} run leaves its region (the {side} has {len(sizes)} regions)")
-                (packed_runs if n < self.put_below else put_runs).append((sr, so, dr, do, n))
+                (packed_runs if n < self.put_below or p.pack_all else put_runs).append((sr, so, dr, do, n))
         for sr, so, dr, do, n in put_runs:
             src, dst = self._base_list[sr] + so, p.base_list[dr] + do
             puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]

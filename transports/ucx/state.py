@@ -35,6 +35,7 @@ class Peer:
     err: bool = False                # endpoint error handling on (a peer in another host or network namespace
                                      # reached without a user-chosen TLS): UCX reports its connection's failure
     failed_at: float | None = None   # ``err``: its endpoint reported a failure at
+    pack_all: bool = False           # every run travels packed (``err`` over TCP only: UCX emulates puts there)
     failure: str = ""                # what the failure was (``lifecycle.failure_of``): "reset" proves writes over
     answered: bool = False           # a message of it came through (connect() waits for one)
     outbox: list = field(default_factory=list)
