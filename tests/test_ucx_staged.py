@@ -252,7 +252,6 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
             p.call("init", transport="ucx", sizes=[size], fill="seed", seed=seed, options=opts)
             return p, p.call("connect", descriptor=rx.descriptor())["peer"]
 
-        tx, peer = sender()
         land = rx._land
 
         def slow(packed, data):   # a slow receiver (4 ms a frame): the kill finds frames streaming
@@ -262,26 +261,38 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
         rows = 32768                               # 16 MiB of rows: 1024 frames
         so, do = _rows(rows, 3, size)
         z, zz = np.zeros(rows, np.int64), np.zeros(1, np.int64)
-        rx.expect("k.1", ByteRanges(zz, zz, np.full(1, size, np.int64)))
-        tx.call("submit", peer=peer, request_id="k.1", plan=plan_to_json(raw_plan(z, so, z, do, np.full(rows, ROW))),
-                timeout=60)
-        end = time.monotonic() + 30
-        while rx.staging()["recv"]["peak"] < 1 and time.monotonic() < end:   # frames are streaming
-            time.sleep(0.001)
-        # stopped first: what it sent is matched here, and the receives of its rendezvous frames
-        # wait for data that never comes; then killed
-        tx.signal(signal.SIGSTOP)
-        time.sleep(0.3)
-        tx.signal(signal.SIGKILL)
-        tx.proc.wait(10)   # reaped: a zombie still has its pid and start time (not proven dead)
-        end = time.monotonic() + 15
-        arrived = []
-        while not arrived and time.monotonic() < end:
-            arrived = [a for a in rx.arrivals(0.1) if a.request_id == "k.1"]
-        assert arrived and not arrived[0].ok, arrived
-        held = rx.fencing()["transfers"]
+        held = 0
+        for attempt in range(3):   # under load the kill may find no receive in flight: kill another
+            rid = f"k.{attempt}"
+            tx, peer = sender()
+            rx.expect(rid, ByteRanges(zz, zz, np.full(1, size, np.int64)))
+            tx.call("submit", peer=peer, request_id=rid,
+                    plan=plan_to_json(raw_plan(z, so, z, do, np.full(rows, ROW))), timeout=60)
+            end = time.monotonic() + 30
+            while rx.staging()["recv"]["peak"] < 1 and time.monotonic() < end:   # frames are streaming
+                time.sleep(0.001)
+            # stopped first: what it sent is matched here, and the receives of its rendezvous frames
+            # wait for data that never comes; stopped again until one does (under load a stop may
+            # find none sent), then killed
+            for _ in range(100):
+                tx.signal(signal.SIGSTOP)
+                if until(lambda: receiving(rx), 0.3):
+                    break
+                tx.signal(signal.SIGCONT)
+                time.sleep(0.02)
+            tx.signal(signal.SIGKILL)
+            tx.proc.wait(10)   # reaped: a zombie still has its pid and start time (not proven dead)
+            end = time.monotonic() + 15
+            arrived = []
+            while not arrived and time.monotonic() < end:
+                arrived = [a for a in rx.arrivals(0.1) if a.request_id == rid]
+            assert arrived and not arrived[0].ok, arrived
+            held = rx.fencing()["transfers"]
+            if held:
+                break
+            rx.forget(rid)
         ring = rx._rx_ring
-        assert held, "no receive of the killed sender was left in flight: nothing was tested"
+        assert held, "in 3 kills no receive of the killed sender was left in flight: nothing was tested"
         for _ in range(50):   # while the I/O thread runs: never a free slot under a live receive
             rx.staging()   # frees every slot whose receive completed (or whose hold ended)
             with ring._lock:
@@ -292,19 +303,19 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
             time.sleep(0.01)
         assert rx.staging()["recv"]["frames"] == 2
         # the dead sender's receives held their slots: freed once it is proven dead, not before
-        assert until(lambda: rx.fencing()["released"] == 1 and rx.staging()["recv"]["in_use"] == 0, 10), \
+        assert until(lambda: rx.fencing()["released"] >= 1 and rx.staging()["recv"]["in_use"] == 0, 10), \
             (rx.fencing(), rx.staging())
-        rx.forget("k.1")
+        rx.forget(rid)
         del rx._land
         dst.fill_(CANARY)
         # a new sender: byte-exact through the same ring
         tx2, peer2 = sender()
         so, do = _rows(8192, 5, size)
         z = np.zeros(len(so), np.int64)
-        rx.expect("k.2", ByteRanges(zz, zz, np.full(1, size, np.int64)))
-        tx2.call("submit", peer=peer2, request_id="k.2",
+        rx.expect("k.new", ByteRanges(zz, zz, np.full(1, size, np.int64)))
+        tx2.call("submit", peer=peer2, request_id="k.new",
                  plan=plan_to_json(raw_plan(z, so, z, do, np.full(len(so), ROW))), timeout=60)
-        res = tx2.call("wait", request_ids=["k.2"], wait_s=60)["results"]["k.2"]
+        res = tx2.call("wait", request_ids=["k.new"], wait_s=60)["results"]["k.new"]
         assert res["status"] == "DONE", res
         _check(dst.numpy(), src, so, do)
         assert rx.staging()["recv"]["frames"] == 2
@@ -312,6 +323,12 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
         for p in procs:
             p.close()
         rx.close()
+
+
+def receiving(rx) -> bool:
+    """A receive of a staged frame is posted and not complete (read from the test's thread)."""
+    return any(i.staging is not None and any(not r[0].completed for r in list(i.staging.reqs))
+               for i in list(rx._in.values()))
 
 
 def test_ucx_tls_from_the_environment_counts_as_network_only(monkeypatch):
