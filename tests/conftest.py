@@ -20,7 +20,8 @@ SLOW_FILES = {"test_hetero_tp.py", "test_offload_tp.py", "test_request_faults.py
               "test_soak.py", "test_multihost.py", "test_hosts.py", "test_hostile_control.py", "test_hostile_data.py",
               "test_hostile_registry.py", "test_hostile_ucx.py", "test_rank_cli.py", "test_hf_demo.py", "test_fence.py",
               "test_ucx_guards.py", "test_recovery.py", "test_multihost_recovery.py", "test_zmq_hosts.py",
-              "test_zmq_connect.py", "test_ucx_disconnect.py", "test_ucx_runs.py"}
+              "test_zmq_connect.py", "test_ucx_disconnect.py", "test_ucx_runs.py", "test_ucx_staged.py",
+              "test_ucx_far_failure.py"}
 SLOW_TESTS = {"test_source_released_only_when_nothing_reads_it", "test_receiver_killed_mid_transfer",
               "test_sender_killed_mid_transfer", "test_close_frees_ucx_resources_without_the_garbage_collector",
               "test_a_replayed_hello_does_not_make_peers", "test_doctor_is_a_command_and_reports_this_machine",
