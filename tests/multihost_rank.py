@@ -290,6 +290,36 @@ class RankProc:
             self.proc.wait(5)
 
 
+# What the multi-host tests do with a cluster ``c`` ({"prefill": [RankProc], "decode": [RankProc], ...})
+
+def submit(c: dict, room: int, tokens: int, chunks: int = 1, send: bool = True) -> None:
+    """Grant ``room`` on every decode rank, bind it on every prefill rank and (``send``) send it
+    in ``chunks``."""
+    for d in c["decode"]:
+        d.call("receiver", room=room, tokens=tokens)
+    for p in c["prefill"]:
+        p.call("sender", room=room, tokens=tokens)
+    if send:
+        for p in c["prefill"]:
+            p.call("send", room=room, chunks=chunks)
+
+
+def ended(ranks, rooms, within: float) -> list[dict]:
+    """Every rank's status of ``rooms``, waiting until all ended or ``within`` s (shared)."""
+    end = time.monotonic() + within
+    return [r.call("wait", timeout=within + 30, rooms=rooms, within=max(0.0, end - time.monotonic())) for r in ranks]
+
+
+def byte_exact(c: dict, room: int) -> None:
+    """The digests of ``room``'s KV on the prefill ranks equal those on the decode ranks."""
+    sent, got = {}, {}
+    for p in c["prefill"]:
+        sent.update(p.call("digest", room=room, timeout=120))
+    for d in c["decode"]:
+        got.update(d.call("digest", room=room, timeout=120))
+    assert set(got) == set(sent) and all(sent[k] == got[k] for k in sent), f"room {room}: bytes differ"
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description="one kvxfer rank for the multi-host tests")
     ap.add_argument("--role", choices=["bootstrap", "prefill", "decode"], required=True)

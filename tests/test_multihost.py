@@ -15,7 +15,7 @@ import time
 
 import pytest
 from hosts import UCX_ENV, hosts_fixture, hosts_skip_reason
-from multihost_rank import RankProc
+from multihost_rank import RankProc, submit
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason())),
@@ -53,15 +53,6 @@ def start_cluster(hosts, transport: str, pool: dict, timeouts=(30, 60, 30, 60), 
 def stop_cluster(c: dict) -> None:
     for r in c["decode"] + c["prefill"] + [c["boot"]]:
         r.close()
-
-
-def submit(c: dict, room: int, tokens: int, chunks: int = 1) -> None:
-    for d in c["decode"]:
-        d.call("receiver", room=room, tokens=tokens)
-    for p in c["prefill"]:
-        p.call("sender", room=room, tokens=tokens)
-    for p in c["prefill"]:
-        p.call("send", room=room, chunks=chunks)
 
 
 def states(ranks, rooms, timeout: float) -> list[dict]:

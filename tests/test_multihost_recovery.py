@@ -14,7 +14,7 @@ import time
 
 import pytest
 from hosts import hosts_fixture, hosts_skip_reason
-from multihost_rank import RankProc
+from multihost_rank import RankProc, byte_exact, ended, submit
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason())),
@@ -51,32 +51,8 @@ def stop(c: dict) -> None:
         r.close()
 
 
-def request(c: dict, room: int, tokens: int = 40, send: bool = True) -> None:
-    for d in c["decode"]:
-        d.call("receiver", room=room, tokens=tokens)
-    for p in c["prefill"]:
-        p.call("sender", room=room, tokens=tokens)
-    if send:
-        for p in c["prefill"]:
-            p.call("send", room=room)
-
-
-def ended(ranks, rooms, within: float) -> list[dict]:
-    end = time.monotonic() + within
-    return [r.call("wait", timeout=within + 30, rooms=rooms, within=max(0.0, end - time.monotonic())) for r in ranks]
-
-
-def byte_exact(c: dict, room: int) -> None:
-    sent, got = {}, {}
-    for p in c["prefill"]:
-        sent.update(p.call("digest", room=room, timeout=120))
-    for d in c["decode"]:
-        got.update(d.call("digest", room=room, timeout=120))
-    assert set(got) == set(sent) and all(sent[k] == got[k] for k in sent), f"room {room}: bytes differ"
-
-
 def ok(c: dict, room: int) -> None:
-    request(c, room)
+    submit(c, room, 40)
     for st in ended(c["decode"] + c["prefill"], [room], 60):
         assert st[str(room)]["state"] == "Success", st
     byte_exact(c, room)
@@ -87,7 +63,7 @@ def test_prefill_killed_then_restarted_on_a_new_port(three):
     try:
         ok(c, 1)
         free = [d.call("stats")["free_pages"] for d in c["decode"]]   # room 1's slots stay (decoding)
-        request(c, 2, send=False)                          # every side bound, waiting for input
+        submit(c, 2, 40, send=False)                          # every side bound, waiting for input
         for st in ended(c["decode"], [2], 0.5):
             assert st["2"]["state"] == "WaitingForInput", st
         c["prefill"][0].proc.kill()                        # kill -9
@@ -110,7 +86,7 @@ def test_prefill_killed_then_restarted_on_a_new_port(three):
         end = time.monotonic() + 30
         room = 10
         while True:                                        # decode finds and greets it by itself
-            request(c, room)
+            submit(c, room, 40)
             sts = ended(c["decode"] + c["prefill"], [room], 20)
             if all(st[str(room)]["state"] == "Success" for st in sts):
                 break

@@ -20,7 +20,7 @@ import time
 
 import pytest
 from hosts import hosts_fixture, hosts_skip_reason
-from multihost_rank import RankProc
+from multihost_rank import RankProc, byte_exact, ended, submit
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason())),
@@ -61,29 +61,6 @@ def stop(c: dict) -> None:
         r.close()
 
 
-def request(c: dict, room: int, tokens: int, chunks: int = 1) -> None:
-    for d in c["decode"]:
-        d.call("receiver", room=room, tokens=tokens)
-    for p in c["prefill"]:
-        p.call("sender", room=room, tokens=tokens)
-    for p in c["prefill"]:
-        p.call("send", room=room, chunks=chunks)
-
-
-def ended(ranks, rooms, within: float) -> list[dict]:
-    end = time.monotonic() + within
-    return [r.call("wait", timeout=within + 30, rooms=rooms, within=max(0.0, end - time.monotonic())) for r in ranks]
-
-
-def byte_exact(c: dict, room: int) -> None:
-    sent, got = {}, {}
-    for p in c["prefill"]:
-        sent.update(p.call("digest", room=room, timeout=120))
-    for d in c["decode"]:
-        got.update(d.call("digest", room=room, timeout=120))
-    assert set(got) == set(sent) and all(sent[k] == got[k] for k in sent), f"room {room}: bytes differ"
-
-
 def canary_intact(c: dict, keep: list[int]) -> None:
     for d in c["decode"]:
         res = d.call("canary", keep=keep, timeout=120)
@@ -95,7 +72,7 @@ def test_prefill_killed_mid_transfer_over_ucx_without_settings(three, shape):
     c = start(three, *SHAPES[shape])
     report: dict = {}
     try:
-        request(c, 1, 64)                                  # the path works (and warms up) first
+        submit(c, 1, 64)                                  # the path works (and warms up) first
         for st in ended(c["decode"] + c["prefill"], [1], 60):
             assert st["1"]["state"] == "Success", st
         byte_exact(c, 1)
@@ -103,7 +80,7 @@ def test_prefill_killed_mid_transfer_over_ucx_without_settings(three, shape):
         three[1].tc("qdisc", "replace", "dev", "veth0", "root", "tbf", "rate", "800mbit", "burst", "256kb",
                     "latency", "100ms")
         for room in ROOMS:
-            request(c, room, TOKENS, chunks=4)
+            submit(c, room, TOKENS, chunks=4)
         time.sleep(1.0)
         report["before"] = c["decode"][0].call("poll", rooms=ROOMS)
         c["prefill"][0].proc.kill()                        # kill -9, mid-transfer
@@ -139,7 +116,7 @@ def test_prefill_killed_mid_transfer_over_ucx_without_settings(three, shape):
         assert c["prefill"][0].hello["info"] != old.hello["info"]
         end, room = time.monotonic() + 40, 20
         while True:                                        # decode finds and greets it by itself
-            request(c, room, 256, chunks=2)
+            submit(c, room, 256, chunks=2)
             sts = ended(c["decode"] + c["prefill"], [room], 20)
             if all(st[str(room)]["state"] == "Success" for st in sts):
                 break
