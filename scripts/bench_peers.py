@@ -11,6 +11,8 @@ Cases (pools of 1 GiB, 256 MiB with --quick, on both sides):
 
 Peers, each the way its users drive it:
   kvxfer zmq / ucx  one ``submit`` of a plan with the runs; done when the receiver acked
+  kvxfer ucx eager  the receiver pregrants the request (``eager_writes``): the sender puts at
+                    once and is done when its puts are flushed, as NIXL's is
   gloo              gather the pages (``index_select``), send in 1 MiB messages (gloo slows
                     on multi-MiB ones), receiver scatters, then acks with a 1-byte send
   NIXL              descriptor lists per transfer, one WRITE (``initialize_xfer`` + ``transfer``),
@@ -265,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(Path(args.spec).read_text())
         if args.worker.startswith("kvxfer"):
             spec["transport"] = args.worker.split()[1]
+            spec["options"] = {"eager_writes": True} if args.worker.endswith("eager") else {}
         # stdout carries only our lines; whatever a library prints goes to stderr (the log)
         proto = os.fdopen(os.dup(1), "w", buffering=1)
         os.dup2(2, 1)
@@ -291,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
                         results[peer] = {"error": "skipped: pass --peers"}
                         continue
                     python, why = ensure_venv(peer.split()[0])
-                if peer == "kvxfer ucx" and importlib.util.find_spec("ucxx") is None:
+                if peer.startswith("kvxfer ucx") and importlib.util.find_spec("ucxx") is None:
                     why = "ucxx not installed: pip install 'kvxfer[ucx]'"
                 try:
                     if why:

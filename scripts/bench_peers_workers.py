@@ -286,7 +286,7 @@ class KvxferPeer(Peer):
 
         from kvxfer.transport.registry import get_transport
         torch.set_num_threads(1)
-        self.t = get_transport(spec["transport"])
+        self.t = get_transport(spec["transport"], **spec.get("options", {}))
         self.t.register([torch.from_numpy(pool)])
 
     def info(self) -> dict:
@@ -327,7 +327,8 @@ class KvxferPeer(Peer):
         self.t.close()
 
 
-PEERS = {"tcp raw": TcpRaw, "kvxfer zmq": KvxferPeer, "kvxfer ucx": KvxferPeer, "gloo": GlooPeer,
+PEERS = {"tcp raw": TcpRaw, "kvxfer zmq": KvxferPeer, "kvxfer ucx": KvxferPeer, "kvxfer ucx eager": KvxferPeer,
+         "gloo": GlooPeer,
          "nixl ucx": NixlPeer, "mooncake tcp": MooncakePeer}
 
 

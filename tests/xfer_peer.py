@@ -252,6 +252,14 @@ class Peer:
             time.sleep(seconds)
         t._on_announce = hooked
 
+    def op_pregranted(self, peer: str):
+        """UCX: the request ids ``peer`` pregranted us (eager writes)."""
+        return {"rids": self.t._call(lambda: list(self.t._peers[peer].pregranted))}
+
+    def op_pregrant(self, peer: str, request_id: str):
+        """UCX: behave as if ``peer`` pregranted ``request_id`` (a buggy sender)."""
+        self.t._call(lambda: self.t._peers[peer].pregranted.__setitem__(request_id, None))
+
     def op_fencing(self):
         return {"fencing": self.t.fencing()}
 

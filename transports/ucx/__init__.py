@@ -80,8 +80,8 @@ import itertools
 import logging
 import os
 import queue
-import select
 import socket
+import threading
 import time
 import uuid
 import weakref
@@ -103,6 +103,7 @@ from kvxfer.transport.kit import Call, Close, CommandQueue, Crash, IOThread, Sta
 from . import bindings as ucp
 from .bindings import frame_iovs
 from .control import UCXControl, host_identity, process_start
+from .eager import UCXEager
 from .fencing import UCXFencing
 from .frames import STAGE_HOST, network_only
 from .lifecycle import UCXLifecycle
@@ -129,7 +130,7 @@ __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLIN
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
-class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver, Transport):
+class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UCXReceiver, Transport):
     """UCX data plane of one rank. Options (keyword only, via ``get_transport("ucx", ...)``):
 
     tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...), for every peer. None:
@@ -148,6 +149,11 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
                   UCX_TLS without shared memory; measured faster over TCP), "always", "never"
                   (UCX iovs read in place). A host receiver takes staged frames into its receive
                   ring, except with "never" (in place).
+    eager_writes  receiver: pregrant each expected request to the connected peers, which then put
+                  at once, without the ANNOUNCE/GO round trip, and succeed once their puts are
+                  flushed; the announce follows as DONE and is checked then (``eager``). Memory
+                  of a forgotten request waits for every pregranted peer's FENCED. Off: every
+                  transfer is checked before a byte is put.
     put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)
     put_below_many  the same for plans of more than ``few_runs`` runs (``PUT_BELOW_MANY``)
     few_runs      plans of at most this many runs are prepared with Python ints (``FEW_RUNS``).
@@ -182,13 +188,13 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, max_peers: int = 1024,
                  fence_grace: float = 1.0, quarantine_timeout: float | None = None,
                  connect_timeout: float = 10.0, ucx_config: dict | None = None, staging_frames: int = 8,
-                 stage_host: str = "network"):
+                 stage_host: str = "network", eager_writes: bool = False):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
         if not 1 <= int(staging_frames) <= 4096 or stage_host not in STAGE_HOST:
             raise TransportError(f"staging_frames {staging_frames} must be in 1..4096 and stage_host "
                                  f"{stage_host!r} one of {STAGE_HOST}")
-        self.stage_host = stage_host
+        self.stage_host, self.eager_writes = stage_host, bool(eager_writes)
         config = with_tcp_defaults(ucx_settings(tls, ucx_config, os.environ), os.environ)
         self._shm_settings = shared_memory_settings(config, os.environ)
         self.id = uuid.uuid4().hex
@@ -240,6 +246,12 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
         # Receiver: ended transfers whose posted frame receives may still land:
         # (peer, rid, frames, nbytes, since).
         self._draining: list = []
+        # Eager writes (``eager``): request id -> peers pregranted; forgotten -> (peers yet to say
+        # FENCED, since); forgotten, not yet fenced by the I/O thread (any thread adds).
+        self._pregrants: dict[str, set[str]] = {}
+        self._fences: dict[str, tuple[set[str], float]] = {}
+        self._fence_queued: set[str] = set()
+        self._fence_flushing: list[Peer] = []
         self._closing: list[Peer] = []   # disconnected, freed once nothing of them is held
         # Channel secret and epoch of disconnected peers (at most max_peers), for a later connect.
         self._retired: collections.OrderedDict[str, tuple[bytes, int]] = collections.OrderedDict()
@@ -249,6 +261,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
         self._xids, self._dtags = itertools.count(1), itertools.count(1)
         self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
+        self._later: list[Arrival] = []
         self._flush_param = ucp.RequestParam()
         self._staging = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-send")
         self._rx_ring = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-recv")
@@ -299,12 +312,6 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
     def _exit(self) -> None:   # IOThread.on_exit: the UCX objects, then the receive ring
         self._free()
         self._rx_ring.clear()
-
-    def memory_types(self) -> list[str]:
-        """What UCX registered each region as ("host", "cuda", ...; "" for an empty region), as
-        ``ucp_mem_query`` says (register() already refused a region of another type than asked)."""
-        return self._call(lambda: [ucp.memory_type_name(ucp.registered_memory_type(m)) if m else ""
-                                   for m in self._memh])
 
     def descriptor(self) -> dict:
         """Plain JSON-safe data a peer needs: worker address, region addresses, sizes, rkeys."""
@@ -383,8 +390,20 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
             fail_command(Submit(peer, request_id, None, handle), self.broken)
         return handle
 
+    def expect(self, request_id: str, ranges, capability: bytes = b"") -> None:
+        """Receiver: grant ``ranges`` to the request. With ``eager_writes`` it returns once the
+        PREGRANTs left, so a sender told of the grant afterwards (over any channel) puts at once."""
+        super().expect(request_id, ranges, capability)
+        if self.eager_writes and not self._closed and not self.broken:
+            if threading.current_thread() is self.io.thread:
+                self._pregrant(request_id)
+            else:
+                self._call(self._pregrant, request_id, True)
+
     def forget(self, request_id: str) -> bool:
         """Receiver: the request ended; its transfers in flight fail, later writes are dropped."""
+        if self.eager_writes:   # writes_pending until its pregranted peers said FENCED (``eager``)
+            self._fence_queued.add(request_id)
         live = self.grants.forget(request_id)
         if not self._closed and not self.broken:
             self.commands.put(Call(self._drop_request, (request_id,)))
@@ -407,55 +426,42 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXSender, UCXReceiver,
 
     # ---- I/O thread: start-up and shutdown ------------------------------------------------
 
-    def fencing(self) -> dict:
-        """Any thread: what is held because a failed or silent peer could still write it (receiver:
-        ``requests``, ``bytes``, ``transfers``) or read it (sender: ``sources``, ``source_bytes``);
-        ``fenced_peers``; ``released`` (peers proven dead and freed), ``expired`` (quarantines
-        given up by ``quarantine_timeout``). A snapshot; the I/O thread changes it."""
-        landing, draining, holding = list(self._landing.values()), list(self._draining), list(self._holding)
-        rids = {e[0] for e in landing} | {e[1] for e in draining}
-        return {"requests": len(rids), "bytes": sum(e[1] for e in landing) + sum(e[3] for e in draining),
-                "transfers": len(landing) + len(draining), "sources": len(holding),
-                "source_bytes": sum(o.handle.nbytes for o in holding),
-                "fenced_peers": sum(1 for p in list(self._peers.values()) if p.fenced),
-                "released": self._fence_released, "expired": self._fence_expired}
-
-
     # ---- I/O thread: the loop -------------------------------------------------------------
     def _loop(self) -> None:
         """Run commands, progress, read control and data, check deadlines; sleep when idle."""
         while not self._stop:
             self._acts = 0
+            for w in self._workers:
+                w.progress()
+            self._poll_ctrl()   # before submits: a PREGRANT that came lets them put at once
             self._run_commands()
             if self._stop:  # closed by a command: the endpoints are gone
                 break
-            for w in self._workers:
-                w.progress()
-            self._poll_ctrl()
             self._poll_data()
             self._flush_puts()
             self._advance()
+            if self._fence_flushing:
+                self._check_fence_flushes()
             now = time.monotonic()
             if now >= self._next_tick:
                 self._housekeeping(now)
                 self._next_tick = now + min(self.heartbeat, 0.1)
             self._flush_outboxes()
+            if self._later:   # after the outboxes: an ACK never waits for a woken reader's GIL
+                later, self._later = self._later, []
+                for a in later:
+                    super()._deliver(a)
             if self._closing:
                 self._retire_closing()
             if not self._acts:
                 self._sleeping = True
                 if self.commands.empty():
-                    busy = self._out or self._in or self._ctrl_recvs  # then wake at least every ms
+                    busy = self._out or self._in or self._ctrl_recvs or self._fence_flushing  # wake every ms
                     self._idle(1 if busy else max(1, int((self._next_tick - now) * 1000)))
                 self._sleeping = False
 
-    def _idle(self, ms: int) -> None:
-        """Sleep until a worker has an event (or a command signals the main one), at most ``ms``."""
-        if self._far_worker is None:
-            self._worker.progress_worker_event(ms)
-        elif self._worker.arm() and self._far_worker.arm():   # False: events pending, do not sleep
-            select.select([self._worker.epoll_file_descriptor, self._far_worker.epoll_file_descriptor], [], [],
-                          ms / 1000)
+    def _deliver(self, arrival: Arrival) -> None:
+        self._later.append(arrival)
 
     def _run_commands(self) -> None:
         for cmd in self.commands.take():

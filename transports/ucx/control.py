@@ -64,11 +64,14 @@ from .protocol import (
     Bye,
     Done,
     Fail,
+    Fence,
+    Fenced,
     Go,
     Hello,
     Malformed,
     Message,
     Ping,
+    Pregrant,
     kind_of,
     pack_batch,
     parse_batch,
@@ -178,6 +181,10 @@ class UCXControl:
     _expire_quarantine: Callable[[float], None]
     _drop_closed_peers: Callable[[float], None]
     _check_failed: Callable[[float], None]
+    _on_pregrant: Callable[[Peer, Pregrant], None]   # UCXEager
+    _on_fence: Callable[[Peer, Fence], None]
+    _on_fenced: Callable[[Peer, Fenced], None]
+    _refence: Callable[[Peer], None]
 
     def _send(self, p: Peer, msg: Message) -> None:
         """Queue a control message; each peer's queue leaves as one tagged message per turn."""
@@ -317,6 +324,12 @@ class UCXControl:
             else:
                 i.done = True
                 self._try_finish(i)
+        elif isinstance(m, Pregrant):
+            self._on_pregrant(p, m)
+        elif isinstance(m, Fence):
+            self._on_fence(p, m)
+        elif isinstance(m, Fenced):
+            self._on_fenced(p, m)
         elif isinstance(m, Bye):
             # Its transport closed after flushing (bounded) and sending ABORTs for what it held;
             # anything still held here was not proven flushed: it stays fenced.
@@ -327,12 +340,13 @@ class UCXControl:
         """A HELLO from a known peer (same channel secret). With a higher epoch it re-handshakes:
         it sent it only after a flush of its endpoint to us completed, so every put it issued
         before has landed. The fence lifts and its held transfers are released."""
-        p.host, p.pid, p.start = m.host, m.pid, m.start
+        p.host, p.pid, p.start, p.sends_eager = m.host, m.pid, m.start, m.eager
         if m.epoch <= p.epoch:
             return
         p.epoch, p.fenced, p.dead_since = m.epoch, False, None
         for key in [k for k in self._landing if k[0] == p.id]:
             self._landed(self._landing.pop(key)[0])
+        self._refence(p)   # eager: a FENCE it may have missed while silent goes again
 
     def _rehello(self, p: Peer) -> None:
         """Sender: flush our endpoint to ``p``, then (``_check_rehello``) HELLO with a new epoch.
@@ -345,6 +359,7 @@ class UCXControl:
         for o in self._out.values():
             if o.peer is p and o.state == "wait_go":
                 o.stale = True
+        p.pregranted.clear()   # maybe stale after silence: announced (GO) until pregranted again
         p.rehello = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param)))
 
     def _requeue(self, o: Outgoing) -> None:

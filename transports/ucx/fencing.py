@@ -60,14 +60,31 @@ class UCXFencing:
     _landing: dict
     _draining: list
     _landing_rids: collections.Counter
+    _fences: dict[str, tuple[set[str], float]]   # UCXEager
     _failed_eps: collections.deque
     _fail_out: Callable[..., None]            # UCXSender._fail_out(o, err, tell=True)
     _fail_in: Callable[..., None]             # UCXReceiver._fail_in(i, reason, tell=True, puts_left=True)
     _landed: Callable[[str], None]
+    _unfence_peer: Callable[[Peer], None]      # UCXEager
+    _expire_fences: Callable[[float, float], None]
+
+    def fencing(self) -> dict:
+        """Any thread: what is held because a failed or silent peer could still write it (receiver:
+        ``requests``, ``bytes``, ``transfers``) or read it (sender: ``sources``, ``source_bytes``);
+        ``fenced_peers``; ``released`` (peers proven dead and freed), ``expired`` (quarantines
+        given up by ``quarantine_timeout``). A snapshot; the I/O thread changes it."""
+        landing, draining, holding = list(self._landing.values()), list(self._draining), list(self._holding)
+        rids = {e[0] for e in landing} | {e[1] for e in draining}
+        return {"requests": len(rids), "bytes": sum(e[1] for e in landing) + sum(e[3] for e in draining),
+                "transfers": len(landing) + len(draining), "sources": len(holding),
+                "source_bytes": sum(o.handle.nbytes for o in holding),
+                "fenced_peers": sum(1 for p in list(self._peers.values()) if p.fenced),
+                "released": self._fence_released, "expired": self._fence_expired,
+                "eager_fences": len(self._fences)}   # forgotten requests waiting for FENCED (``eager``)
 
     def _holds(self, p: Peer) -> bool:
         return any(k[0] == p.id for k in self._landing) or any(e[0] == p.id for e in self._draining) or \
-            any(o.peer is p for o in self._holding)
+            any(o.peer is p for o in self._holding) or any(p.id in e[0] for e in self._fences.values())
 
     def _fence_check(self, p: Peer, now: float) -> None:
         """A silent, fenced or closed peer that holds memory here.
@@ -148,6 +165,7 @@ class UCXFencing:
             for w in self._workers:
                 w.progress()
         if writes_impossible:
+            self._unfence_peer(p)
             for key in [k for k in self._landing if k[0] == p.id]:
                 self._landed(self._landing.pop(key)[0])
             for entry in [e for e in self._draining if e[0] == p.id]:
@@ -179,6 +197,7 @@ class UCXFencing:
                 self._fence_expired += 1
                 log.warning("UCX transport %s: quarantine of request %s expired after %.0fs: releasing memory "
                             "its sender may still write", self.id[:8], rid, limit)
+        self._expire_fences(now, limit)
         for entry in [e for e in self._draining if now - e[4] > limit]:
             self._draining.remove(entry)
             self._zombies.append((entry[2], None))

@@ -20,6 +20,7 @@ import collections
 import ctypes
 import logging
 import os
+import select
 import time
 import weakref
 from collections.abc import Callable
@@ -122,6 +123,8 @@ class UCXLifecycle:
     _rkeys_packed: list[bytes]
     _peers: dict[str, Peer]
     _out: dict
+    _fenced_all: Callable[[], None]   # UCXEager
+    _call: Callable[..., Any]         # UCXTransport
     _in: dict
     _by_dtag: dict
     _unflushed: dict
@@ -308,7 +311,7 @@ class UCXLifecycle:
 
     def _hello(self, p: Peer) -> Hello:
         return Hello(self._far_address if p.far else self._address, p.secret, p.my_epoch, self._host_id, self._pid,
-                     self._start_ticks, p.err)
+                     self._start_ticks, p.err, eager=True)
 
     def _add_peer(self, peer_id: str, addr: bytes, secret: bytes, far: bool = False, err: bool = False) -> Peer:
         """An endpoint to ``addr`` (through the FAR_TLS worker when ``far``) and its ``Peer``.
@@ -323,6 +326,20 @@ class UCXLifecycle:
         if err:   # weak references: ucxx holds the callback in C++, where no collector sees a cycle
             ep.set_close_callback(_ep_closed, (weakref.ref(self), weakref.ref(p)))
         return p
+
+    def _idle(self, ms: int) -> None:
+        """Sleep until a worker has an event (or a command signals the main one), at most ``ms``."""
+        if self._far_worker is None:
+            self._worker.progress_worker_event(ms)
+        elif self._worker.arm() and self._far_worker.arm():   # False: events pending, do not sleep
+            select.select([self._worker.epoll_file_descriptor, self._far_worker.epoll_file_descriptor], [], [],
+                          ms / 1000)
+
+    def memory_types(self) -> list[str]:
+        """What UCX registered each region as ("host", "cuda", ...; "" for an empty region), as
+        ``ucp_mem_query`` says (register() already refused a region of another type than asked)."""
+        return self._call(lambda: [ucp.memory_type_name(ucp.registered_memory_type(m)) if m else ""
+                                   for m in self._memh])
 
     def _progress(self) -> None:
         for w in self._workers:
@@ -351,6 +368,8 @@ class UCXLifecycle:
             self._holding = [o for o in self._holding if not o.handle.source_released]
         for p in self._peers.values():
             p.outbox = [m for m in p.outbox if isinstance(m, (Abort, Fail))]
+        self._fenced_all()   # eager: nothing of ours in flight any more, if so
+        for p in self._peers.values():
             self._send(p, Bye())
         self._flush_outboxes()
         end = time.monotonic() + 0.2  # let BYE leave; a dead peer never takes it

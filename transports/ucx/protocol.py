@@ -31,7 +31,7 @@ import numpy as np
 CTRL_TAG, DATA_BIT, KIND_MASK = 1 << 63, 1 << 62, 3 << 62
 FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
 MAX_DTAG = 1 << (62 - FRAME_BITS)
-HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
+HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE, PREGRANT, FENCE, FENCED = range(12)
 MAX_ID = 1 << 63
 MAX_REQUEST_ID = 4096      # characters
 MAX_NOTIFY = 1 << 20       # bytes
@@ -41,6 +41,7 @@ MAX_TIMEOUT = 86400.0
 SECRET_BYTES = 16
 MAX_CAPABILITY = 64        # bytes of a grant capability (kvxfer.grant.MAX_CAPABILITY)
 MAX_HOST = 256             # characters of a host identity
+MAX_RIDS = 4096            # request ids in one PREGRANT, FENCE or FENCED
 RUN_BYTES = 24
 _I8 = np.dtype("<i8")
 
@@ -69,9 +70,11 @@ class Hello:
     pid: int = 0
     start: int = 0       # the process's start time (clock ticks since boot): pids are reused
     err: bool = False
+    eager: bool = False  # it takes PREGRANTs and answers FENCEs (``eager``)
 
     def wire(self) -> list:
-        return [HELLO, self.address, self.secret, self.epoch, self.host, self.pid, self.start, int(self.err)]
+        return [HELLO, self.address, self.secret, self.epoch, self.host, self.pid, self.start, int(self.err),
+                int(self.eager)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +90,13 @@ class Announce:
     inline: bytes
     cap: bytes = b""     # the grant's capability (decode's REQ): checked before anything else
     staged: bool = False  # packed frames cut by ``frames.cut`` (whole runs), else every frame_bytes
+    eager: bool = False   # its puts were issued without GO and are flushed: announce and DONE at once
 
     def wire(self) -> list:
         head = [ANNOUNCE, self.xid, self.request_id, self.timeout, self.notify, self.runs, self.nput,
                 self.frame_bytes, self.inline, self.cap]
+        if self.eager:
+            return head + [int(self.staged), 1]
         return head + [1] if self.staged else head   # unstaged: the older wire, which older peers read
 
     def run_array(self) -> np.ndarray:
@@ -141,6 +147,37 @@ class Abort:
 
 
 @dataclass(frozen=True, slots=True)
+class Pregrant:
+    """Receiver -> sender: it may put into these requests' grants without an ANNOUNCE/GO round
+    trip (``eager``). Sent only to a peer whose HELLO said ``eager``."""
+    rids: tuple[str, ...]
+
+    def wire(self) -> list:
+        return [PREGRANT, list(self.rids)]
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """Receiver -> sender: these requests ended: no eager put for them any more; answer FENCED
+    once every put issued so far is flushed."""
+    rids: tuple[str, ...]
+
+    def wire(self) -> list:
+        return [FENCE, list(self.rids)]
+
+
+@dataclass(frozen=True, slots=True)
+class Fenced:
+    """Sender -> receiver, after an endpoint flush: nothing of these requests is on its way and
+    none will be. ``all``: of any request (its transport is closing with nothing in flight)."""
+    rids: tuple[str, ...]
+    all: bool = False
+
+    def wire(self) -> list:
+        return [FENCED, list(self.rids), int(self.all)]
+
+
+@dataclass(frozen=True, slots=True)
 class Ping:
     def wire(self) -> list:
         return [PING]
@@ -152,7 +189,7 @@ class Bye:
         return [BYE]
 
 
-Message = Hello | Announce | Go | Done | Ack | Fail | Abort | Ping | Bye
+Message = Hello | Announce | Go | Done | Ack | Fail | Abort | Ping | Bye | Pregrant | Fence | Fenced
 
 
 def pack_batch(sender: str, secret: bytes, msgs: list[Message]) -> bytes:
@@ -197,8 +234,14 @@ def _str(v, limit: int, what: str) -> str:
 
 # Lengths a message may have: HELLO and ANNOUNCE without their newer fields are kvxfer's
 # older wire (epoch 0, no identity; no capability, which a grant with one refuses).
-_SIZES = {HELLO: (3, 7, 8), ANNOUNCE: (9, 10, 11), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,), PING: (1,),
-          BYE: (1,)}
+_SIZES = {HELLO: (3, 7, 8, 9), ANNOUNCE: (9, 10, 11, 12), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,),
+          PING: (1,), BYE: (1,), PREGRANT: (2,), FENCE: (2,), FENCED: (3,)}
+
+
+def _rids(v) -> tuple[str, ...]:
+    if type(v) is not list or len(v) > MAX_RIDS:
+        raise ValueError(f"request ids are not a list of at most {MAX_RIDS}")
+    return tuple(_str(r, MAX_REQUEST_ID, "request id") for r in v)
 
 
 def parse_message(m, limit: int) -> Message:
@@ -213,11 +256,18 @@ def parse_message(m, limit: int) -> Message:
                 return Hello(address, secret)
             return Hello(address, secret, _int(m[3], 0, MAX_ID, "epoch"), _str(m[4], MAX_HOST, "host"),
                          _int(m[5], 0, 1 << 31, "pid"), _int(m[6], 0, MAX_ID, "start time"),
-                         len(m) == 8 and _int(m[7], 0, 2, "error handling") == 1)
+                         len(m) >= 8 and _int(m[7], 0, 2, "error handling") == 1,
+                         len(m) == 9 and _int(m[8], 0, 2, "eager flag") == 1)
         if kind == PING:
             return Ping()
         if kind == BYE:
             return Bye()
+        if kind == PREGRANT:
+            return Pregrant(_rids(m[1]))
+        if kind == FENCE:
+            return Fence(_rids(m[1]))
+        if kind == FENCED:
+            return Fenced(_rids(m[1]), _int(m[2], 0, 2, "all flag") == 1)
         xid = _int(m[1], 0, MAX_ID, "transfer id")
         if kind == GO:
             return Go(xid, _int(m[2], 1, MAX_DTAG, "data tag"))
@@ -246,7 +296,10 @@ def parse_message(m, limit: int) -> Message:
         frame = _int(m[7], 4096, 1 << 32, "frame size")
         inline = _bytes(m[8], limit, "inline bytes")
         cap = _bytes(m[9], MAX_CAPABILITY, "capability") if len(m) >= 10 else b""
-        staged = _int(m[10], 0, 2, "staged flag") if len(m) == 11 else 0
+        staged = _int(m[10], 0, 2, "staged flag") if len(m) >= 11 else 0
+        eager = _int(m[11], 0, 2, "eager flag") if len(m) == 12 else 0
+        if eager and staged:
+            raise ValueError("an eager announce carries puts and inline bytes only, no frames")
     except ValueError as e:
         raise Malformed(f"malformed header: {e}", (xid, rid)) from None
-    return Announce(xid, rid, float(timeout), notify, runs, nput, frame, inline, cap, bool(staged))
+    return Announce(xid, rid, float(timeout), notify, runs, nput, frame, inline, cap, bool(staged), bool(eager))

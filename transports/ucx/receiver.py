@@ -2,10 +2,11 @@
 
 ``UCXReceiver`` is a mixin of ``UCXTransport``; its methods run on the I/O thread, except
 ``writes_pending`` (any thread). ``_on_announce`` checks every announced run against the grant
-and the regions before GO; ``_poll_data`` receives packed frames (in place for host memory;
-for CUDA, and staged host frames unless ``stage_host="never"``, into the receive ring, each
-frame scattered as it lands: ``_land_frames``); ``_try_finish`` acknowledges; ``_fail_in`` ends a transfer and
-keeps the grant's memory marked (``writes_pending``) while puts or posted receives may land.
+and the regions before GO (an eager one, after its puts: ``eager``); ``_poll_data`` receives
+packed frames (in place for host memory; for CUDA, and staged host frames unless
+``stage_host="never"``, into the receive ring, each frame scattered as it lands:
+``_land_frames``); ``_try_finish`` acknowledges; ``_fail_in`` ends a transfer and keeps the
+grant's memory marked (``writes_pending``) while puts or posted receives may land.
 
 No oracle: the FAIL a peer gets for a refusal because of the grant (unknown, ended or live
 request, runs outside it) reads the same; only the local counters and arrivals tell them apart.
@@ -76,6 +77,10 @@ class UCXReceiver:
     _acts: int
     _send: Callable[[Peer, Message], None]
     _deliver: Callable[[Arrival], None]
+    _pregrants: dict[str, set[str]]                # UCXEager
+    _fences: dict[str, tuple[set[str], float]]
+    _fence_queued: set[str]
+    _fence: Callable[[str], None]
 
     def _on_announce(self, p, m: Announce) -> None:
         xid, rid = m.xid, m.request_id
@@ -100,6 +105,9 @@ class UCXReceiver:
         total = int(packed[2].sum()) if reason is None else 0
         if reason is None and inline and len(inline) != total:
             reason = self.grants.reject(rid, f"malformed header: {len(inline)} inline bytes for {total} packed")
+        if reason is None and m.eager and (len(inline) != total or p.id not in self._pregrants.get(rid, ())):
+            reason = self.grants.reject(rid, "malformed header: an eager announce needs this receiver's pregrant "
+                                        "and every packed byte inline")
         host = self._all_host or bool(self._is_host[packed[0]].all())
         # The receive ring: for CUDA destinations, and for host ones the sender staged (it does for
         # peers over the network) unless stage_host is "never"; other host frames land in place
@@ -114,6 +122,11 @@ class UCXReceiver:
         if reason is not None:
             ok = len(n) and (n > 0).all() and (n < 1 << 40).all()
             return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason, quiet)
+        if m.eager:   # its puts are flushed (``eager``): checked above, now it is done
+            if inline:
+                self._land(tuple(packed), torch.frombuffer(bytearray(inline), dtype=torch.uint8))
+            self._deliver(Arrival(rid, int(n.sum()), True, "", m.notify))
+            return self._send(p, Ack(xid))
         staging = None
         if ring:   # frames through the receive ring: cut as the sender cut them (``frames``)
             bounds = cut(packed[2], m.frame_bytes) if m.staged else byte_cut(total, m.frame_bytes)
@@ -301,8 +314,10 @@ class UCXReceiver:
         grant's memory must not be reused. Transfers of the request still open here count too:
         ``forget`` fails them on the I/O thread a moment later."""
         return request_id in self._landing_rids or (request_id in self._open_rids
-                                                    and not self.grants.is_live(request_id))
+                                                    and not self.grants.is_live(request_id)) \
+            or request_id in self._fence_queued or request_id in self._fences   # eager: until FENCED
 
     def _drop_request(self, rid: str) -> None:
         for i in [i for i in self._in.values() if i.rid == rid]:
             self._fail_in(i, self.grants.reject(rid, "ended request: the receiver forgot it mid-transfer"))
+        self._fence(rid)

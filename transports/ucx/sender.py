@@ -90,6 +90,8 @@ class UCXSender:
     _xids: itertools.count[int]
     _staging: StagingPool
     _send: Callable[[Peer, Message], None]
+    _eager_ok: Callable[[Outgoing], bool]          # UCXEager
+    _start_eager: Callable[[Outgoing], None]
 
     def _prepare_transfer(self, p, handle: TransferHandle, plan: TransferPlan, notify: bytes,
                           cap: bytes = b"") -> Outgoing:
@@ -201,6 +203,8 @@ class UCXSender:
         self._out[o.xid] = o
         a = o.announce   # relative deadline: clocks differ across hosts
         o.announce = dataclasses.replace(a, timeout=max(o.handle.deadline - time.monotonic(), 0.0))
+        if self._eager_ok(o):   # pregranted: put now, announce after the flush (``eager``)
+            return self._start_eager(o)
         self._send(o.peer, o.announce)
         o.state = "wait_go"
 
@@ -298,7 +302,11 @@ class UCXSender:
             else:
                 o.handle.release_source()   # every put is remotely visible: the source is read
                 o.staging, o.state = None, "wait_ack"
-                self._send(o.peer, Done(o.xid))
+                self._send(o.peer, o.announce if o.eager else Done(o.xid))
+                if o.eager and not o.announce.inline:   # flushed: in the receiver's memory (``eager``)
+                    del self._out[o.xid]
+                    o.state = "done"
+                    o.handle.finish(release=True)
         self._flushing = waiting
 
     def _fail_out(self, o: Outgoing, err: Exception, tell: bool = True) -> None:
@@ -336,5 +344,5 @@ class UCXSender:
         """No put of failed ``o`` reads its source or lands any more: release it, and tell the
         receiver (ABORT: it may give the grant's memory back) only when the flush succeeded."""
         o.handle.release_source()
-        if o.flush is None or o.flush.poll() == 0:
+        if (o.flush is None or o.flush.poll() == 0) and not o.eager:   # an eager one was never announced
             self._send(o.peer, Abort(o.xid, o.abort))

@@ -56,6 +56,11 @@ class Peer:
     closing: bool = False            # disconnect(): freed once nothing of it is held (``_retire_closing``)
     close_flush: ucp.Flush | None = None   # the endpoint flush before it is closed
     closing_since: float = 0.0
+    # eager writes (``eager``)
+    sends_eager: bool = False        # receiver: its HELLO said it takes PREGRANTs and answers FENCEs
+    pregranted: dict = field(default_factory=dict)     # sender: request ids it may put to at once (ordered)
+    fence_flushes: list = field(default_factory=list)  # sender: (flush, request ids) to answer FENCED after
+    fence_answers: bool = False      # sender: it pregranted us once: tell it FENCED-all when we close
 
 
 @dataclass(eq=False)
@@ -95,3 +100,4 @@ class Outgoing:
     flush: ucp.Flush | None = None
     abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
     stale: bool = False              # announced before a re-handshake began: a GO for it is refused
+    eager: bool = False              # put without GO (pregranted); the announce follows the flush, as DONE

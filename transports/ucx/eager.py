@@ -1,0 +1,170 @@
+"""Eager writes: a sender puts into a request's grant without the ANNOUNCE/GO round trip, and its
+handle succeeds once those puts are flushed (remote completion), as NIXL's and Mooncake's do; the
+receiver checks what landed when the announce arrives, which then doubles as DONE.
+
+Opt-in on the receiving side (``UCXTransport(eager_writes=True)``); ``UCXEager`` is a mixin of
+``UCXTransport`` and every method here runs on the I/O thread.
+
+Who calls what, when:
+
+receiver
+  ``_pregrant(rid)``  after ``expect`` (a command): PREGRANT(rid) to every connected peer whose
+                      HELLO said ``eager`` (it answers FENCEs); ``_pregrants[rid]`` remembers them.
+  ``_fence(rid)``     after ``forget`` (``_drop_request``): FENCE(rid) to each of them.
+                      ``writes_pending(rid)`` stays True from ``forget`` until each answered
+                      FENCED (sent after its endpoint flush: nothing of the request is on its way
+                      and nothing more will be), or was proven dead (``_unfence_peer``), or
+                      ``quarantine_timeout`` passed. A silent one is asked again when it
+                      re-handshakes (``_refence``): silence is not death.
+sender
+  ``_on_pregrant``    remembers the ids (bounded: one it forgot only costs the round trip).
+  ``_eager_ok(o)``    at ``_start_out``: the request is pregranted, the transfer has puts and
+                      inline bytes only (no frames: they need GO's data tag), no re-handshake runs.
+  ``_on_fence``       forgets the ids, fails their eager transfers still flushing, flushes the
+                      endpoint, then FENCED (``_check_fence_flushes``).
+
+Why the receiver's answer is not waited for: the put's flush is remote completion (the bytes
+are in the receiver's memory); the receiver still refuses an announce outside the grant or of an
+ended request (counted), and its own arrival is what the decode side acts on. A peer holding
+rkeys can write any registered byte anyway: the check catches an honest sender's bug, it never
+stopped a hostile one.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from kvxfer.errors import RejectedWrite
+
+from . import bindings as ucp
+from .protocol import Fence, Fenced, Pregrant
+from .state import Outgoing, Peer
+
+if TYPE_CHECKING:
+    from .protocol import Message
+
+MAX_PREGRANTED = 1 << 16   # request ids a sender remembers per receiver (the oldest is forgotten first)
+
+
+class UCXEager:
+    """Eager-writes half of ``UCXTransport`` (see the module docstring)."""
+
+    # Declared for the type checker only (set in ``UCXTransport.__init__`` or by the other halves).
+    eager_writes: bool
+    _peers: dict[str, Peer]
+    _out: dict[int, Outgoing]
+    _holding: list
+    _pregrants: dict[str, set[str]]
+    _fences: dict[str, tuple[set[str], float]]
+    _fence_queued: set[str]
+    _fence_expired: int
+    _fence_flushing: list[Peer]     # sender: peers with FENCEs waiting for their flush
+    _flush_param: ucp.RequestParam
+    _send: Callable[[Peer, Message], None]
+    _fail_out: Callable[..., None]
+    _start_puts: Callable[[Outgoing, int], None]   # UCXSender's
+    _flush_outboxes: Callable[[], None]            # UCXControl's
+
+    # ---- receiver ------------------------------------------------------------------------
+    def _pregrant(self, rid: str, now: bool = False) -> None:
+        """PREGRANT ``rid`` to the eager peers (``now``: sent before returning, not at the turn's end)."""
+        ids = {p.id for p in self._peers.values()
+               if p.sends_eager and p.bye_at is None and not (p.closing or p.fenced or p.gone)}
+        if not ids:
+            return
+        self._pregrants.setdefault(rid, set()).update(ids)
+        for pid in ids:
+            self._send(self._peers[pid], Pregrant((rid,)))
+        if now:
+            self._flush_outboxes()
+
+    def _fence(self, rid: str) -> None:
+        """``rid`` was forgotten: each peer it was pregranted to must say FENCED before its memory goes."""
+        ids = self._pregrants.pop(rid, None)
+        if ids:
+            old = self._fences.get(rid)
+            self._fences[rid] = (ids | old[0] if old else ids, old[1] if old else time.monotonic())
+            for pid in ids:
+                if (p := self._peers.get(pid)) is not None:
+                    self._send(p, Fence((rid,)))
+        self._fence_queued.discard(rid)   # after the entry is made: writes_pending sees no gap
+
+    def _on_fenced(self, p: Peer, m: Fenced) -> None:
+        rids = list(self._fences) if m.all else m.rids
+        for rid in rids:
+            if (entry := self._fences.get(rid)) is not None:
+                entry[0].discard(p.id)
+                if not entry[0]:
+                    del self._fences[rid]
+        if m.all:   # its transport is closing: no more pregrants to it
+            p.sends_eager = False
+            for ids in self._pregrants.values():
+                ids.discard(p.id)
+
+    def _refence(self, p: Peer) -> None:
+        """``p`` re-handshook: a FENCE it may not have had goes again (it answers each once flushed)."""
+        rids = tuple(rid for rid, (ids, _) in self._fences.items() if p.id in ids)
+        for k in range(0, len(rids), 4096):
+            self._send(p, Fence(rids[k:k + 4096]))
+
+    def _unfence_peer(self, p: Peer) -> None:
+        """``p`` is proven dead: nothing more of it lands, whatever it was pregranted."""
+        self._on_fenced(p, Fenced((), True))
+
+    def _expire_fences(self, now: float, limit: float) -> None:
+        for rid in [rid for rid, (_, since) in self._fences.items() if now - since > limit]:
+            del self._fences[rid]
+            self._fence_expired += 1
+
+    # ---- sender --------------------------------------------------------------------------
+    def _on_pregrant(self, p: Peer, m: Pregrant) -> None:
+        for rid in m.rids:
+            p.pregranted[rid] = None
+        while len(p.pregranted) > MAX_PREGRANTED:
+            p.pregranted.pop(next(iter(p.pregranted)))
+        p.fence_answers = True
+
+    def _eager_ok(self, o: Outgoing) -> bool:
+        p = o.peer
+        return bool(o.puts) and o.iov is None and o.staging is None and p.rehello is None and not p.gone \
+            and o.handle.request_id in p.pregranted
+
+    def _start_eager(self, o: Outgoing) -> None:
+        """Put at once; ``_advance`` sends the announce (as DONE) once the flush completed."""
+        o.eager = True
+        o.announce = dataclasses.replace(o.announce, eager=True)
+        self._start_puts(o, 0)
+
+    def _on_fence(self, p: Peer, m: Fence) -> None:
+        rids = set(m.rids)
+        for rid in rids:
+            p.pregranted.pop(rid, None)
+        for o in [o for o in self._out.values() if o.peer is p and o.eager and o.state == "flushing"
+                  and o.handle.request_id in rids]:
+            self._fail_out(o, RejectedWrite(f"request {o.handle.request_id}: the receiver ended the request"))
+        p.fence_flushes.append((ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param))), m.rids))
+        if p not in self._fence_flushing:
+            self._fence_flushing.append(p)
+
+    def _check_fence_flushes(self) -> None:
+        """Every turn while FENCEs wait for their flush: answer FENCED for each one completed."""
+        for p in self._fence_flushing:
+            left = []
+            for f, rids in p.fence_flushes:
+                if (st := f.poll()) is None:
+                    left.append((f, rids))
+                elif st == 0:
+                    self._send(p, Fenced(rids))
+                # failed: so did the endpoint; the receiver holds the memory until it knows more
+            p.fence_flushes = left
+        self._fence_flushing = [p for p in self._fence_flushing if p.fence_flushes]
+
+    def _fenced_all(self) -> None:
+        """Closing, with no put of ours in flight: tell each receiver that pregranted us."""
+        if not self._holding:
+            for p in self._peers.values():
+                if p.fence_answers:
+                    self._send(p, Fenced((), True))
