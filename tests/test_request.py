@@ -149,6 +149,32 @@ def test_a_thousand_concurrent_requests(transport):
         c.close()
 
 
+def test_eager_writes_end_to_end():
+    """Decode's UCX transport pregrants its requests (``eager_writes``): the prefill rank puts
+    without the ANNOUNCE/GO round trip. Bytes, releases and the slots' return are as without:
+    every slot comes back once the prefill rank said FENCED for it."""
+    if why := rp.transport_skip_reason("ucx"):
+        pytest.skip(why)
+    c = Cluster("ucx", eager=True)
+    try:
+        t, eager = c.D.ep.transport, []
+        orig = t._on_announce
+        t._on_announce = lambda p, m: (eager.append(m.eager), orig(p, m))[1]
+        rooms = list(range(3000, 3200))
+        c.P.post("serve", rooms=rooms, tokens=4, timeout=60)
+        recvs = {room: c.D.receiver(room, 4) for room in rooms}
+        for room, (r, _) in recvs.items():
+            assert r.wait(30) == KVPoll.Success, (room, r.reason)
+        served = c.P.reply(60)
+        assert all(s["state"] == SUCCESS for s in served["status"].values())
+        _check(c, [(served["slots"][str(room)], recvs[room][1]) for room in rooms])
+        assert sum(eager) >= len(rooms) // 2, f"only {sum(eager)} of {len(eager)} transfers were eager"
+        _finish(c, rooms)
+        assert t.fencing()["eager_fences"] == 0, t.fencing()
+    finally:
+        c.close()
+
+
 def test_receiver_arguments_are_checked(cluster):
     r = cluster.D.ep.receiver(5)
     with pytest.raises(RequestError, match="prefix_len"):

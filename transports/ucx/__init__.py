@@ -81,7 +81,6 @@ import logging
 import os
 import queue
 import socket
-import threading
 import time
 import uuid
 import weakref
@@ -391,14 +390,13 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         return handle
 
     def expect(self, request_id: str, ranges, capability: bytes = b"") -> None:
-        """Receiver: grant ``ranges`` to the request. With ``eager_writes`` it returns once the
-        PREGRANTs left, so a sender told of the grant afterwards (over any channel) puts at once."""
+        """Receiver: grant ``ranges`` to the request; with ``eager_writes`` the I/O thread sends
+        its PREGRANTs next (never waited for here: decode calls this under its own lock, which
+        an arrival callback on the I/O thread may be waiting for). A sender that submits before
+        its PREGRANT came announces and waits for GO, as without."""
         super().expect(request_id, ranges, capability)
         if self.eager_writes and not self._closed and not self.broken:
-            if threading.current_thread() is self.io.thread:
-                self._pregrant(request_id)
-            else:
-                self._call(self._pregrant, request_id, True)
+            self.commands.put(Call(self._pregrant, (request_id,)))
 
     def forget(self, request_id: str) -> bool:
         """Receiver: the request ended; its transfers in flight fail, later writes are dropped."""

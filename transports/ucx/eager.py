@@ -66,11 +66,9 @@ class UCXEager:
     _send: Callable[[Peer, Message], None]
     _fail_out: Callable[..., None]
     _start_puts: Callable[[Outgoing, int], None]   # UCXSender's
-    _flush_outboxes: Callable[[], None]            # UCXControl's
 
     # ---- receiver ------------------------------------------------------------------------
-    def _pregrant(self, rid: str, now: bool = False) -> None:
-        """PREGRANT ``rid`` to the eager peers (``now``: sent before returning, not at the turn's end)."""
+    def _pregrant(self, rid: str) -> None:
         ids = {p.id for p in self._peers.values()
                if p.sends_eager and p.bye_at is None and not (p.closing or p.fenced or p.gone)}
         if not ids:
@@ -78,8 +76,6 @@ class UCXEager:
         self._pregrants.setdefault(rid, set()).update(ids)
         for pid in ids:
             self._send(self._peers[pid], Pregrant((rid,)))
-        if now:
-            self._flush_outboxes()
 
     def _fence(self, rid: str) -> None:
         """``rid`` was forgotten: each peer it was pregranted to must say FENCED before its memory goes."""

@@ -99,7 +99,10 @@ class UCXSender:
         TransportError when it cannot be sent)."""
         if not self._regions and plan.num_runs:
             raise TransportError("register(regions) must be called before submit")
-        puts, runs, nput, packed = (self._prepare_few if plan.num_runs <= self.few_runs else self._prepare)(p, plan)
+        if plan.num_runs <= self.few_runs:   # pregranted (``eager``): small runs are put too, no inline ACK wait
+            puts, runs, nput, packed = self._prepare_few(p, plan, handle.request_id in p.pregranted)
+        else:
+            puts, runs, nput, packed = self._prepare(p, plan)
         if len(runs) + len(notify) > self.max_control_bytes // 2:
             raise PlanError(f"a plan of {len(runs) // 24} runs does not fit one announce of at most "
                             f"{self.max_control_bytes // 2} bytes: send it in smaller chunks")
@@ -167,8 +170,10 @@ class UCXSender:
         puts = list(zip(src.tolist(), dst.tolist(), n_.tolist(), sreg.tolist(), dreg.tolist()))
         return puts, np.stack(announced).astype(_I8, copy=False).tobytes(), len(n) - npk, packed
 
-    def _prepare_few(self, p, plan: TransferPlan) -> tuple:
-        """``_prepare`` for a plan of at most ``few_runs`` runs, with Python ints."""
+    def _prepare_few(self, p, plan: TransferPlan, put_all: bool = False) -> tuple:
+        """``_prepare`` for a plan of at most ``few_runs`` runs, with Python ints (``put_all``:
+        none packed, whatever its size)."""
+        small = 0 if put_all else self.put_below
         put_runs: list[tuple[int, int, int, int, int]]
         packed_runs: list[tuple[int, int, int, int, int]]
         put_runs, packed_runs, puts, frame = [], [], [], self.frame_bytes
@@ -180,7 +185,7 @@ class UCXSender:
                                               ("destination", p.sizes_list, dr, do)):
                     if not runs_inside_few(((reg, off, n),), sizes):
                         raise PlanError(f"a {side} run leaves its region (the {side} has {len(sizes)} regions)")
-                (packed_runs if n < self.put_below or p.pack_all else put_runs).append((sr, so, dr, do, n))
+                (packed_runs if n < small or p.pack_all else put_runs).append((sr, so, dr, do, n))
         for sr, so, dr, do, n in put_runs:
             src, dst = self._base_list[sr] + so, p.base_list[dr] + do
             puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]
