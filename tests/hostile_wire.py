@@ -25,7 +25,9 @@ ucx control      (transports/ucx.py)
     one tagged message (tag 1 << 63) per batch: msgpack [sender id, [message, ...]];
     HELLO [0, worker address], ANNOUNCE [1, xid, rid, timeout, notify, runs, nput, frame_bytes,
     inline], GO [2, xid, dtag], DONE [3, xid], ACK [4, xid], FAIL [5, xid, why],
-    ABORT [6, xid, why], PING [7], BYE [8].
+    ABORT [6, xid, why], PING [7], BYE [8]; eager writes: HELLO's 9th field 1 (it answers FENCEs),
+    PREGRANT [9, [rid, ...]], FENCE [10, [rid, ...]], FENCED [11, [rid, ...], all 0/1], and an
+    ANNOUNCE with 12 fields whose last is 1 (eager: its puts are done).
 """
 from __future__ import annotations
 
@@ -213,7 +215,7 @@ class DataClient:
 # UCX control (raw ucxx: a worker of our own, never kvxfer's transport)
 # ------------------------------------------------------------------------------------
 CTRL_TAG, KIND_MASK = 1 << 63, 3 << 62
-HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE = range(9)
+HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE, PREGRANT, FENCE, FENCED = range(12)
 
 
 class UcxClient:
@@ -233,9 +235,10 @@ class UcxClient:
         self._keep: list = []
         self.secret = os.urandom(16)   # this client's channel secret: [sender, secret, [messages]]
 
-    def hello(self) -> list:
-        """[HELLO, our worker address, our channel secret]: binds the sender id to our secret."""
-        return [HELLO, self.address, self.secret]
+    def hello(self, eager: bool = False) -> list:
+        """[HELLO, our worker address, our channel secret]: binds the sender id to our secret
+        (``eager``: the 9-field form that says we answer FENCEs, so the victim pregrants to us)."""
+        return [HELLO, self.address, self.secret, 0, "", 0, 0, 0, 1] if eager else [HELLO, self.address, self.secret]
 
     def send(self, sender: str, msgs: list, timeout: float = 5.0, secret: bytes | None = None) -> None:
         import numpy as np

@@ -171,6 +171,56 @@ def test_a_spoofed_abort_keeps_writes_pending(victim):
         s.close()
 
 
+@pytest.fixture
+def eager_victim(victim):
+    victim.eager_writes = True   # pregrants to eager peers from the next expect on
+    return victim
+
+
+def test_malformed_eager_messages_are_refused(eager_victim):
+    """PREGRANT / FENCE / FENCED of the wrong shape, and an eager ANNOUNCE nobody pregranted:
+    counted and dropped (the ANNOUNCE refused), the victim's thread and memory intact."""
+    v = eager_victim
+    c = hw.UcxClient(v.descriptor()["address"])
+    try:
+        eager_put = announce_put(4) + [b"", 0, 1]    # 12 fields: puts done, flushed
+        c.send("mallory", [c.hello(eager=True)])
+        for m in ([hw.PREGRANT, "x"], [hw.FENCE, [1, 2]], [hw.FENCED, [], 5], [hw.FENCED, ["a" * 5000], 0],
+                  [hw.FENCE, ["r"] * 5000], [hw.FENCED], eager_put):
+            c.send("mallory", [m])   # one batch each: a 5000-character id fails the whole batch
+        assert until(lambda: sum(v.rejected.values()) >= 7, 3), dict(v.rejected)
+        assert v.rejected["malformed header"] >= 1, dict(v.rejected)   # the eager ANNOUNCE without a pregrant
+        after_attack(v)
+    finally:
+        c.close()
+
+
+def test_a_spoofed_fenced_keeps_a_forgotten_grant_held(eager_victim):
+    """Only the pregranted peer's own FENCED (its channel secret) ends the fence of a forgotten
+    request: a third party's, under its id, does not."""
+    v = eager_victim
+    s = hw.UcxClient(v.descriptor()["address"])
+    third = hw.UcxClient(v.descriptor()["address"])
+    try:
+        s.send("sender-s", [s.hello(eager=True)])
+        assert s.wait_for(hw.PING), "no answer to the HELLO"
+        rid = "pre.1"
+        v.expect(rid, ByteRanges(np.array([0]), np.array([128 << 10]), np.array([64 << 10])))
+        assert (m := s.wait_for(hw.PREGRANT)) and m[1] == [rid], m
+        v.forget(rid)
+        assert s.wait_for(hw.FENCE), "no FENCE after forget"
+        third.send("sender-s", [[hw.FENCED, [rid], 0]])
+        third.send("sender-s", [[hw.FENCED, [], 1]])
+        until(lambda: not v.writes_pending(rid), 1.0)
+        assert v.writes_pending(rid), "a third party's FENCED released memory the pregranted peer can still write"
+        s.send("sender-s", [[hw.FENCED, [rid], 0]])
+        assert until(lambda: not v.writes_pending(rid), 3.0), v.fencing()
+        after_attack(v)
+    finally:
+        third.close()
+        s.close()
+
+
 def test_close_frees_ucx_resources_without_the_garbage_collector():
     """Open and close a UCX decode endpoint 3 times with the collector off: bounds +4 fds, +32 MiB RSS
     (today: about +11 fds and +33 MiB per round, all back after gc.collect())."""
