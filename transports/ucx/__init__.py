@@ -76,6 +76,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import itertools
 import logging
 import os
@@ -84,7 +85,7 @@ import socket
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -260,7 +261,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self._xids, self._dtags = itertools.count(1), itertools.count(1)
         self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
-        self._later: list[Arrival] = []
+        self._later: list[Callable[[], object]] = []   # see _deliver
         self._flush_param = ucp.RequestParam()
         self._staging = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-send")
         self._rx_ring = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-recv")
@@ -445,10 +446,8 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
                 self._housekeeping(now)
                 self._next_tick = now + min(self.heartbeat, 0.1)
             self._flush_outboxes()
-            if self._later:   # after the outboxes: an ACK never waits for a woken reader's GIL
-                later, self._later = self._later, []
-                for a in later:
-                    super()._deliver(a)
+            if self._later:
+                self._run_later()
             if self._closing:
                 self._retire_closing()
             if not self._acts:
@@ -458,8 +457,13 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
                     self._idle(1 if busy else max(1, int((self._next_tick - now) * 1000)))
                 self._sleeping = False
 
-    def _deliver(self, arrival: Arrival) -> None:
-        self._later.append(arrival)
+    def _deliver(self, arrival: Arrival) -> None:   # after the turn's sends: a woken reader would take the GIL
+        self._later.append(functools.partial(super()._deliver, arrival))
+
+    def _run_later(self) -> None:
+        later, self._later = self._later, []
+        for fn in later:
+            fn()
 
     def _run_commands(self) -> None:
         for cmd in self.commands.take():

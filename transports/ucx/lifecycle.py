@@ -125,6 +125,7 @@ class UCXLifecycle:
     _out: dict
     _fenced_all: Callable[[], None]   # UCXEager
     _call: Callable[..., Any]         # UCXTransport
+    _run_later: Callable[[], None]
     _in: dict
     _by_dtag: dict
     _unflushed: dict
@@ -372,6 +373,7 @@ class UCXLifecycle:
         for p in self._peers.values():
             self._send(p, Bye())
         self._flush_outboxes()
+        self._run_later()   # the arrivals of what failed here
         end = time.monotonic() + 0.2  # let BYE leave; a dead peer never takes it
         while self._ctrl_sends and time.monotonic() < end:
             self._progress()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -92,6 +93,7 @@ class UCXSender:
     _send: Callable[[Peer, Message], None]
     _eager_ok: Callable[[Outgoing], bool]          # UCXEager
     _start_eager: Callable[[Outgoing], None]
+    _later: list[Callable[[], object]]              # UCXTransport: run after the turn's sends
 
     def _prepare_transfer(self, p, handle: TransferHandle, plan: TransferPlan, notify: bytes,
                           cap: bytes = b"") -> Outgoing:
@@ -311,7 +313,7 @@ class UCXSender:
                 if o.eager and not o.announce.inline:   # flushed: in the receiver's memory (``eager``)
                     del self._out[o.xid]
                     o.state = "done"
-                    o.handle.finish(release=True)
+                    self._later.append(functools.partial(o.handle.finish, release=True))   # after the sends
         self._flushing = waiting
 
     def _fail_out(self, o: Outgoing, err: Exception, tell: bool = True) -> None:
