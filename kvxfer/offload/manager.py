@@ -200,20 +200,30 @@ class DecodeOffloadManager:
         req = self._get(rid)
         if req.phase != "offloaded":
             raise RequestError(f"reload: request {rid} is {req.phase}, not offloaded")
-        s = np.asarray(slots, dtype=np.int64)
-        todo = []
-        for rec in req.records:
+        s, recs = np.asarray(slots, dtype=np.int64), req.records
+        # every record's positions at once, per space: one mapping and one check for the request
+        per_space: dict[str, list[np.ndarray]] = {}
+        for rec in recs:
+            for space, pos in rec.positions.items():
+                per_space.setdefault(space, []).append(pos)
+        mapped = {}
+        for space, parts in per_space.items():
+            pos = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if len(pos) and pos.max() >= len(s):
+                raise LayoutError(f"reload {rid}: {len(s)} slots given, the request holds position "
+                                  f"{int(pos.max())} in space {space!r}")
+            d = mapped[space] = np.asarray(self.pool.space_slots(space, s[pos]), np.int64)
+            if (d == 0).any():
+                raise LayoutError(f"reload {rid}: no {space!r} slot mapped for positions "
+                                  f"{pos[d == 0][:8].tolist()} (see positions(rid))")
+        todo, at = [], dict.fromkeys(mapped, 0)
+        for rec in recs:   # each record's share: views of the request's arrays
             dst = {}
             for space, pos in rec.positions.items():
-                if len(pos) and pos.max() >= len(s):
-                    raise LayoutError(f"reload {rid}: {len(s)} slots given, the request holds position "
-                                      f"{int(pos.max())} in space {space!r}")
-                dst[space] = np.asarray(self.pool.space_slots(space, s[pos]), np.int64)
-                if (dst[space] == 0).any():
-                    raise LayoutError(f"reload {rid}: no {space!r} slot mapped for positions "
-                                      f"{pos[dst[space] == 0][:8].tolist()} (see positions(rid))")
+                a = at[space]
+                dst[space], at[space] = mapped[space][a:a + len(pos)], a + len(pos)
             todo.append((rec, dst))
-        self._copier.load(todo, self._tp.bcast if self.replicated and self.size > 1 else None)
+        self._copier.load(todo, self._tp.bcast if self.replicated and self.size > 1 else None, whole=mapped)
         req.phase = "running"
 
     def forget(self, rid: str) -> None:
