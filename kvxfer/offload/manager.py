@@ -374,6 +374,9 @@ class DecodeOffloadManager:
     def _tail(self, req: _Request, token_ids, slots, snap=None) -> Record | None:
         """The last partial stride plus the snapshot spaces: at release, the slots mapped now
         (a window, a state slot); for a receive, ``snap``'s positions."""
+        if not self.snapshot and snap is None and req.streamed == len(token_ids):   # nothing left over
+            self._supersede_tail(req)
+            return None
         a, s_all, tok = req.streamed, np.asarray(slots, dtype=np.int64), np.asarray(token_ids, dtype=np.int64)
         positions = {s: np.arange(a, len(tok), dtype=np.int64) for s in self.stream}
         src = {s: np.asarray(self.pool.space_slots(s, s_all[a:len(tok)]), np.int64) for s in self.stream}
@@ -385,16 +388,19 @@ class DecodeOffloadManager:
                 positions[s] = np.flatnonzero(mapped != 0)
                 src[s] = mapped[positions[s]]
         positions = {s: p for s, p in positions.items() if len(p)}
-        if req.tail is not None:   # the previous release's tail is superseded
-            with self._cond:
-                req.tail.refs -= 1
-            req.tail = None
+        self._supersede_tail(req)
         if not positions:
             return None
         key = tail_key(req.chain[-1] if req.chain else self._seed, tok[a:], len(tok))
         with self._cond:
             req.tail = self._new(key, key, "tail", a, positions, (), {s: src[s] for s in positions}, snap is not None)
         return req.tail if req.tail.state == State.QUEUED else None
+
+    def _supersede_tail(self, req: _Request) -> None:
+        if req.tail is not None:   # the previous release's tail is superseded
+            with self._cond:
+                req.tail.refs -= 1
+            req.tail = None
 
     def _new(self, key, first, kind, start, positions, keys, src, receive) -> Record:
         storer = self._storer(first)
