@@ -73,7 +73,7 @@ class Copier:
                 rec.event = event
             with self._queue:
                 self._pending.extend(queued)
-                self._queue.notify()
+                self._queue.notify_all()   # drain() waits on this condition too: wake the worker for sure
         return len(queued)
 
     def drain(self, timeout: float | None = None) -> bool:
