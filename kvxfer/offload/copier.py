@@ -9,7 +9,6 @@ behind offloads, and every copy first waits for the readiness event of the KV it
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 from collections.abc import Callable, Iterable
 
@@ -53,7 +52,12 @@ class Copier:
         # offloads and reloads on separate streams: a blocking reload never queues behind offloads
         self._offload_stream = torch.cuda.Stream(pool.device) if self._cuda else None
         self._reload_stream = torch.cuda.Stream(pool.device) if self._cuda else None
-        self._queue: queue.Queue = queue.Queue()
+        # records waiting for the background thread, and how many it holds (taken, not finished),
+        # under a condition of their own: one notify per enqueue call, and the thread is woken by
+        # nothing else (the tiers' condition is notified on every record change)
+        self._queue = threading.Condition(threading.Lock())
+        self._pending: list[Record] = []
+        self._busy = 0
         self._worker = threading.Thread(target=self._run, name=f"kvxfer-offload-r{rank}", daemon=True)
         self._worker.start()
 
@@ -67,37 +71,43 @@ class Copier:
                 event = torch.cuda.current_stream(self.pool.device).record_event()
             for rec in queued:
                 rec.event = event
-                self._queue.put(rec)
+            with self._queue:
+                self._pending.extend(queued)
+                self._queue.notify_all()   # drain() waits on this condition too: wake the worker for sure
         return len(queued)
 
     def drain(self, timeout: float | None = None) -> bool:
         """Wait until no copy is queued or running."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._queue.unfinished_tasks == 0, timeout)
+        with self._queue:
+            return self._queue.wait_for(lambda: not self._pending and not self._busy, timeout)
 
     def close(self) -> None:
         """Stop the background thread (idempotent)."""
         if not self.closing:
-            self.closing = True
-            self._queue.put(None)
-            with self._cond:
+            with self._queue:
+                self.closing = True   # the worker copies what is queued, then ends
+                self._queue.notify_all()
+            with self._cond:          # a copy waiting for host room gives up
                 self._cond.notify_all()
             self._worker.join(timeout=30)
 
     # ---------------------------------------------------------------- device -> host
     def _run(self) -> None:
         """The background thread: device -> host copies in step order. Records queued together
-        (a burst of boundaries, a batch of releases) share one plan and one execution."""
+        (a burst of boundaries, a batch of releases) share one plan and one execution; it sleeps
+        on the condition until a record is queued (no polling)."""
         carry: list[Record] = []
         while True:
-            items = carry or [self._queue.get()]
+            with self._queue:
+                while not (carry or self._pending or self.closing):
+                    self._queue.wait()
+                if not (carry or self._pending):
+                    return   # closing, and nothing is left
+                take = max(0, MAX_BATCH - len(carry))
+                recs = carry + self._pending[:take]
+                del self._pending[:take]
+                self._busy = len(recs)
             carry = []
-            while items[-1] is not None and len(items) < MAX_BATCH:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            recs = [r for r in items if r is not None]
             try:
                 carry = self._offload(recs)
             except Exception as e:
@@ -110,12 +120,11 @@ class Copier:
                                 rec.host_slots = None
                             rec.state, rec.error = State.FAILED, f"{type(e).__name__}: {e}"
             finally:
-                with self._cond:
-                    for _ in range(len(items) - len(carry)):
-                        self._queue.task_done()
+                with self._queue:
+                    self._busy = len(carry)
+                    self._queue.notify_all()
+                with self._cond:   # forget() waits for records that stopped copying
                     self._cond.notify_all()
-            if items[-1] is None:
-                return
 
     def _offload(self, recs: list[Record]) -> list[Record]:
         """Copy ``recs`` (those still queued) to host in one plan, into one host allocation:
@@ -142,8 +151,9 @@ class Copier:
         with self._cond:
             for rec in todo:
                 rec.src = rec.event = None
-                self.tiers.hold_locked(rec)
+                self.tiers.hold_locked(rec, notify=False)
             self.stats.records_offloaded += len(todo)
+            self._cond.notify_all()
             self.stats.bytes_offloaded += plan.nbytes
         return carry
 
@@ -166,10 +176,12 @@ class Copier:
             execute_plan(plan, src, dst)
 
     # ---------------------------------------------------------------- host or file -> device
-    def load(self, todo: list[tuple[Record, dict[str, np.ndarray]]], bcast: Broadcast | None = None) -> None:
+    def load(self, todo: list[tuple[Record, dict[str, np.ndarray]]], bcast: Broadcast | None = None,
+             whole: dict[str, np.ndarray] | None = None) -> None:
         """Copy records to device slots: those in host memory with one plan; records on file,
         and (``bcast`` given: replicated KV over a group) records broadcast by their storing
-        rank, one by one."""
+        rank, one by one. ``whole``: every record's destination slots, concatenated in order
+        per space (the caller has them: saves concatenating them again)."""
         with self._cond:
             for rec, _ in todo:
                 if rec.state not in DONE:
@@ -177,16 +189,19 @@ class Copier:
             for rec, _ in todo:   # pinned: never evicted while we read it
                 rec.pins += 1
                 self.tiers.touch_locked(rec)
-            together = [(r, d) for r, d in todo if r.state == State.HOST and bcast is None]
+            together = [(r, d) for r, d in todo if r.state == State.HOST] if bcast is None else []
         try:
             event = torch.cuda.current_stream(self.pool.device).record_event() if self._cuda else None
             if together:
-                plan = self._h2d.plan(concat_slots(self.pool, together, lambda rd: rd[0].host_slots),
-                                      concat_slots(self.pool, together, lambda rd: rd[1]))
+                dst = ({sp.name: whole.get(sp.name, EMPTY) for sp in self.pool.layout.spaces}
+                       if whole is not None and len(together) == len(todo)
+                       else concat_slots(self.pool, together, lambda rd: rd[1]))
+                plan = self._h2d.plan(concat_slots(self.pool, together, lambda rd: rd[0].host_slots), dst)
                 self._copy(plan, self.host.regions(), self.pool.regions(), [event], self._reload_stream)
                 self.stats.bytes_reloaded += plan.nbytes
+            done = {id(r) for r, _ in together}
             for rec, dst in todo:
-                if any(rec is r for r, _ in together):
+                if id(rec) in done:
                     continue
                 compact, _, from_compact = self.tiers.compact(rec.tokens)
                 if bcast is not None:

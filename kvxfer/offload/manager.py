@@ -200,20 +200,30 @@ class DecodeOffloadManager:
         req = self._get(rid)
         if req.phase != "offloaded":
             raise RequestError(f"reload: request {rid} is {req.phase}, not offloaded")
-        s = np.asarray(slots, dtype=np.int64)
-        todo = []
-        for rec in req.records:
+        s, recs = np.asarray(slots, dtype=np.int64), req.records
+        # every record's positions at once, per space: one mapping and one check for the request
+        per_space: dict[str, list[np.ndarray]] = {}
+        for rec in recs:
+            for space, pos in rec.positions.items():
+                per_space.setdefault(space, []).append(pos)
+        mapped = {}
+        for space, parts in per_space.items():
+            pos = parts[0] if len(parts) == 1 else np.concatenate(parts)
+            if len(pos) and pos.max() >= len(s):
+                raise LayoutError(f"reload {rid}: {len(s)} slots given, the request holds position "
+                                  f"{int(pos.max())} in space {space!r}")
+            d = mapped[space] = np.asarray(self.pool.space_slots(space, s[pos]), np.int64)
+            if (d == 0).any():
+                raise LayoutError(f"reload {rid}: no {space!r} slot mapped for positions "
+                                  f"{pos[d == 0][:8].tolist()} (see positions(rid))")
+        todo, at = [], dict.fromkeys(mapped, 0)
+        for rec in recs:   # each record's share: views of the request's arrays
             dst = {}
             for space, pos in rec.positions.items():
-                if len(pos) and pos.max() >= len(s):
-                    raise LayoutError(f"reload {rid}: {len(s)} slots given, the request holds position "
-                                      f"{int(pos.max())} in space {space!r}")
-                dst[space] = np.asarray(self.pool.space_slots(space, s[pos]), np.int64)
-                if (dst[space] == 0).any():
-                    raise LayoutError(f"reload {rid}: no {space!r} slot mapped for positions "
-                                      f"{pos[dst[space] == 0][:8].tolist()} (see positions(rid))")
+                a = at[space]
+                dst[space], at[space] = mapped[space][a:a + len(pos)], a + len(pos)
             todo.append((rec, dst))
-        self._copier.load(todo, self._tp.bcast if self.replicated and self.size > 1 else None)
+        self._copier.load(todo, self._tp.bcast if self.replicated and self.size > 1 else None, whole=mapped)
         req.phase = "running"
 
     def forget(self, rid: str) -> None:
@@ -364,6 +374,9 @@ class DecodeOffloadManager:
     def _tail(self, req: _Request, token_ids, slots, snap=None) -> Record | None:
         """The last partial stride plus the snapshot spaces: at release, the slots mapped now
         (a window, a state slot); for a receive, ``snap``'s positions."""
+        if not self.snapshot and snap is None and req.streamed == len(token_ids):   # nothing left over
+            self._supersede_tail(req)
+            return None
         a, s_all, tok = req.streamed, np.asarray(slots, dtype=np.int64), np.asarray(token_ids, dtype=np.int64)
         positions = {s: np.arange(a, len(tok), dtype=np.int64) for s in self.stream}
         src = {s: np.asarray(self.pool.space_slots(s, s_all[a:len(tok)]), np.int64) for s in self.stream}
@@ -375,16 +388,19 @@ class DecodeOffloadManager:
                 positions[s] = np.flatnonzero(mapped != 0)
                 src[s] = mapped[positions[s]]
         positions = {s: p for s, p in positions.items() if len(p)}
-        if req.tail is not None:   # the previous release's tail is superseded
-            with self._cond:
-                req.tail.refs -= 1
-            req.tail = None
+        self._supersede_tail(req)
         if not positions:
             return None
         key = tail_key(req.chain[-1] if req.chain else self._seed, tok[a:], len(tok))
         with self._cond:
             req.tail = self._new(key, key, "tail", a, positions, (), {s: src[s] for s in positions}, snap is not None)
         return req.tail if req.tail.state == State.QUEUED else None
+
+    def _supersede_tail(self, req: _Request) -> None:
+        if req.tail is not None:   # the previous release's tail is superseded
+            with self._cond:
+                req.tail.refs -= 1
+            req.tail = None
 
     def _new(self, key, first, kind, start, positions, keys, src, receive) -> Record:
         storer = self._storer(first)

@@ -81,17 +81,19 @@ class Tiers:
         self.index.setdefault(rec.first, []).append(rec)
         return rec
 
-    def hold_locked(self, rec: Record) -> None:
-        """``rec`` is now in host memory: evictable, most recently used."""
+    def hold_locked(self, rec: Record, notify: bool = True) -> None:
+        """``rec`` is now in host memory: evictable, most recently used. ``notify`` False: the
+        caller notifies once for a batch of records."""
         rec.state = State.HOST
         self.lru[id(rec)] = rec
-        self.cond.notify_all()
+        if notify:
+            self.cond.notify_all()
 
     def touch_locked(self, rec: Record) -> None:
         if id(rec) in self.lru:
             self.lru.move_to_end(id(rec))
 
-    def drop_locked(self, rec: Record) -> None:
+    def drop_locked(self, rec: Record, notify: bool = True) -> None:
         if rec.host_slots is not None:
             self.host.free(rec.host_slots)
             rec.host_slots = None
@@ -100,7 +102,8 @@ class Tiers:
         same = self.index.get(rec.first, [])
         if rec in same:
             same.remove(rec)
-        self.cond.notify_all()
+        if notify:
+            self.cond.notify_all()
 
     # -- host memory ---------------------------------------------------------------------
     def alloc(self, tokens: Mapping[str, int], wait: bool, closing: Callable[[], bool]) -> dict[str, np.ndarray]:
@@ -114,11 +117,14 @@ class Tiers:
         """Host slots for the records of ``sizes`` copied together, in one allocation: evict
         (as ``alloc``) until all fit or nothing more can go, then take the leading records that
         fit. Returns at least one (waiting for room when ``wait``, else RequestError)."""
+        biggest: dict[str, int] = {}
         for tokens in sizes:
             for s, n in tokens.items():
-                if n > self.host.capacity(s):
-                    raise LayoutError(f"a record of {n} tokens in space {s!r} exceeds the host pool "
-                                      f"({self.host.capacity(s)} slots): raise HostPool size")
+                biggest[s] = max(n, biggest.get(s, 0))
+        for s, n in biggest.items():
+            if n > self.host.capacity(s):
+                raise LayoutError(f"a record of {n} tokens in space {s!r} exceeds the host pool "
+                                  f"({self.host.capacity(s)} slots): raise HostPool size")
         while True:
             with self.cond:
                 fit = self.host.fits(sizes)
@@ -185,7 +191,7 @@ class Tiers:
                         elif rec.refs == 0:
                             freed.append(rec.host_slots)
                             rec.host_slots = None
-                            self.drop_locked(rec)
+                            self.drop_locked(rec, notify=False)   # one notify below
                             self.stats.records_dropped += 1
                 if freed:
                     self.host.free({s: np.concatenate([f[s] for f in freed if s in f])
