@@ -11,15 +11,13 @@ neither gathers nor scatters. CUDA memory, and host memory to peers reached over
 (``stage_host``), is *staged* (``frames``): frames of whole runs, gathered one by one into a
 fixed ring of ``staging_frames`` slots. The receiver takes them into a ring of its own and
 scatters each frame as it lands (a host receiver with ``stage_host="never"`` posts them in
-place: iovs cut the same way).
-A transfer of any size takes at most the rings. Control
+place: iovs cut the same way). A transfer of any size takes at most the rings. Control
 messages (``protocol``) are batched per peer and loop turn into one tagged message.
 
 One transfer (S sender, R receiver, each on its own I/O thread)::
 
-    S -> R  ANNOUNCE  request id, deadline, every destination run (one int64 array; packed
-                      runs that continue each other at R as one), and
-                      the packed bytes inline when they are few (< INLINE_BELOW: no frames)
+    S -> R  ANNOUNCE  request id, deadline, every destination run (one int64 array; packed runs
+                      that continue each other at R as one), packed bytes inline when few
     R       GrantTable.check + region bounds; refused: FAIL to S, Arrival(ok=False);
             inline bytes land now; nothing else to come (no puts, no frames): ACK at once
     R -> S  GO        a data tag for the packed frames (host: R has posted their receives)
@@ -29,48 +27,50 @@ One transfer (S sender, R receiver, each on its own I/O thread)::
     R       every frame received (in place; staged: into a receive-ring slot as one is free,
             re-checked against the grant and scattered), Arrival(ok=True)
     R -> S  ACK       only now is the handle DONE
+With ``eager_writes`` R pregrants each request at ``expect`` (``eager``): S, pregranted, puts at
+once, then sends the ANNOUNCE as DONE once flushed (its handle DONE then); R checks it and ACKs.
 
 Files: ``bindings`` (ctypes over libucp), ``protocol`` (control messages, validated once),
 ``sender``, ``receiver``, ``frames`` (the staged frame cut), ``control`` (peers, control batches,
-heartbeats), ``fencing``, ``settings``
-(thresholds, UCX settings), ``lifecycle`` (start-up, connect, shutdown), ``state`` (records),
-and this module (options, the contract, the I/O loop).
+heartbeats), ``fencing``, ``eager`` (pregrants, FENCEs), ``settings`` (thresholds, UCX settings),
+``lifecycle`` (start-up, connect, shutdown), ``state`` (records), and this module (options, the
+contract, the I/O loop).
 
 Trust model: R checks every announced run before it answers GO, so an honest sender (even one
-with a wrong plan) never writes outside a grant. A *malicious* peer holding the rkeys of our
-``descriptor()`` can put anywhere inside the regions given to ``register()`` (nothing else)
-without announcing: give descriptors only to peers trusted with the whole pool, as with NIXL
-or any RDMA transport. Control batches carry a per-peer channel secret (``protocol``), so a
-third party cannot send DONE, ABORT or FAIL in another peer's name. Caps (options below)
-bound the control message size, incoming transfers per peer and in total, and peers.
+with a wrong plan) never writes outside a grant (``eager_writes``: caught once it landed). A
+*malicious* peer holding the rkeys of our ``descriptor()`` can put anywhere inside the regions
+given to ``register()`` (nothing else) without announcing: give descriptors only to peers
+trusted with the whole pool, as with NIXL or any RDMA transport. Control batches carry a
+per-peer channel secret (``protocol``), so a third party cannot send DONE, ABORT, FAIL or
+FENCED in another peer's name. Caps (options below) bound the control message size, incoming
+transfers per peer and in total, and peers.
 
-Liveness: endpoints have error handling OFF (on, it excludes shared memory: ~10x slower), so
-a dead peer raises nothing, except for a peer in another host or network namespace reached
-through ``FAR_TLS`` (no shared memory to lose): there both endpoints have it on (``Peer.err``;
-HELLO says so), a connection that fails (its process died: TCP reset) is reported, its
-transfers fail at once and what it held is released (``fencing``). Each side pings its peers
-every ``heartbeat`` s; a peer silent for
-``peer_timeout`` s fails its transfers; every transfer also fails at its deadline, on both
-sides. Silence is not death: memory a silent peer could still write or read stays held
-(``writes_pending``, ``source_released``) until it is proven flushed or impossible; see
-``control`` ("Fencing") and ``fencing()``. Without error handling UCX's single-copy
-shared-memory transport (cma) abort()s the process when it touches a dead peer: the UCS log
-hook in ``bindings`` turns that into a failed call.
+Liveness: endpoints have error handling OFF (on, it excludes shared memory: ~10x slower), so a
+dead peer raises nothing, except for a peer in another host or network namespace reached through
+``FAR_TLS`` (no shared memory to lose): there both endpoints have it on (``Peer.err``; HELLO
+says so), a connection that fails (its process died: TCP reset) is reported, its transfers fail
+at once and what it held is released (``fencing``). Each side pings its peers every
+``heartbeat`` s; a peer silent for ``peer_timeout`` s fails its transfers; every transfer also
+fails at its deadline, on both sides. Silence is not death: memory a silent peer could still
+write or read stays held (``writes_pending``, ``source_released``) until it is proven flushed or
+impossible; see ``control`` ("Fencing") and ``fencing()``. Without error handling UCX's
+single-copy shared-memory transport (cma) abort()s the process when it touches a dead peer: the
+UCS log hook in ``bindings`` turns that into a failed call.
 
 Peers: ``connect`` waits for a round trip over the new endpoint (``connect_timeout``), so an
 address that does not reach fails there, by name. A peer whose descriptor says it is on another
 host or in another network namespace is reached through a second worker without shared memory
-and cma (``settings.FAR_TLS``; the user's own TLS setting wins); each connection's transports are
-logged. ``disconnect`` ends one peer and frees it once fencing allows (``lifecycle``).
+and cma (``settings.FAR_TLS``; the user's own TLS setting wins); each connection's transports
+are logged. ``disconnect`` ends one peer and frees it once fencing allows (``lifecycle``).
 
 Threads: one I/O thread per transport (``kit.IOThread``) owns the worker and makes every UCX
 call. It loops while something happens and sleeps on the worker's event fd otherwise (busy
 polling was 3-40x slower on this 2-core machine whenever other processes ran). ``register``,
-``connect`` and ``close`` hand work to it and wait; ``submit`` plans and gathers in the
-caller's thread, enqueues, and never waits on the network; it signals the worker only when
-the I/O thread sleeps. A thread that dies of a bug fails every transfer it owned and marks the
-transport ``broken``. ``close()`` frees the worker, context, endpoints and shared memory
-itself: nothing waits for the garbage collector.
+``connect`` and ``close`` hand work to it and wait; ``submit`` plans and gathers in the caller's
+thread, enqueues, and never waits on the network; it signals the worker only when the I/O thread
+sleeps. A thread that dies of a bug fails every transfer it owned and marks the transport
+``broken``. ``close()`` frees the worker, context, endpoints and shared memory itself: nothing
+waits for the garbage collector.
 """
 from __future__ import annotations
 
