@@ -21,6 +21,17 @@ the open transfers of a peer that has neither answered nor taken data for
 ``heartbeat_timeout`` seconds; the receiver fails an incoming transfer at the deadline its
 header carried, or when its sender went silent for ``heartbeat_timeout``. An I/O thread that
 dies of a bug fails every transfer it owned, and the transport says so (``broken``).
+
+Where one transfer's time goes (issue 20; 2 vCPUs, loopback, next to gloo send/recv + ack):
+six thread wake-ups (caller -> I/O thread by the pipe, I/O thread -> zmq's I/O thread, and
+back, on each side, then I/O thread -> caller), each ~30-50 us here, and one copy more than a
+socket recv at the receiver (zmq owns the received buffer; every run is checked before it is
+copied). A bare pyzmq DEALER/ROUTER round trip of 1 MiB already takes about gloo's time, so
+one-run 1 MiB stays near 0.5x gloo. Measured without a gain, so not done: fixed SNDBUF/RCVBUF
+(128 KiB-4 MiB: 1 MiB up to 1.5x slower than the kernel's autotuning), a 1 MiB message copied
+into zmq instead of zero-copy, 1-2 MiB messages for one transfer alone (4 KiB x1000, 16 MiB),
+and ``submit`` handing a few-run plan's first message to zmq itself under a lock (one wake-up
+less: within the noise of a shared 2-core machine, 16 MiB possibly slower).
 """
 from __future__ import annotations
 
