@@ -430,12 +430,12 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         """Run commands, progress, read control and data, check deadlines; sleep when idle."""
         while not self._stop:
             self._acts = 0
-            for w in self._workers:
-                w.progress()
-            self._poll_ctrl()   # before submits: a PREGRANT that came lets them put at once
             self._run_commands()
             if self._stop:  # closed by a command: the endpoints are gone
                 break
+            for w in self._workers:
+                w.progress()
+            self._poll_ctrl()   # after the commands: before them, one run of 1 MiB took ~15% longer
             self._poll_data()
             self._flush_puts()
             self._advance()

@@ -72,7 +72,8 @@ class UCXFencing:
         """Any thread: what is held because a failed or silent peer could still write it (receiver:
         ``requests``, ``bytes``, ``transfers``) or read it (sender: ``sources``, ``source_bytes``);
         ``fenced_peers``; ``released`` (peers proven dead and freed), ``expired`` (quarantines
-        given up by ``quarantine_timeout``). A snapshot; the I/O thread changes it."""
+        given up by ``quarantine_timeout``); ``eager_fences`` (forgotten requests a pregranted
+        peer has not said FENCED for). A snapshot; the I/O thread changes it."""
         landing, draining, holding = list(self._landing.values()), list(self._draining), list(self._holding)
         rids = {e[0] for e in landing} | {e[1] for e in draining}
         return {"requests": len(rids), "bytes": sum(e[1] for e in landing) + sum(e[3] for e in draining),
