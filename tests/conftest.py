@@ -21,14 +21,14 @@ SLOW_FILES = {"test_hetero_tp.py", "test_offload_tp.py", "test_request_faults.py
               "test_hostile_registry.py", "test_hostile_ucx.py", "test_rank_cli.py", "test_hf_demo.py", "test_fence.py",
               "test_ucx_guards.py", "test_recovery.py", "test_multihost_recovery.py", "test_zmq_hosts.py",
               "test_zmq_connect.py", "test_ucx_disconnect.py", "test_ucx_runs.py", "test_ucx_staged.py",
-              "test_ucx_far_failure.py"}
+              "test_ucx_far_failure.py", "test_ucx_eager.py"}
 SLOW_TESTS = {"test_source_released_only_when_nothing_reads_it", "test_receiver_killed_mid_transfer",
               "test_sender_killed_mid_transfer", "test_close_frees_ucx_resources_without_the_garbage_collector",
               "test_a_replayed_hello_does_not_make_peers", "test_doctor_is_a_command_and_reports_this_machine",
               "test_doctor_works_without_ucxx", "test_gpu_check_dry_run_on_cpu_passes",
               "test_incoming_transfers_per_peer_are_capped", "test_a_restarted_decode_rank_leaves_one_data_peer",
               "test_registration_start_takes_over_well_before_the_ttl", "test_no_ucx_warning_noise_at_start_up",
-              "test_both_run_paths", "test_disconnect_frees_the_peer"}
+              "test_both_run_paths", "test_disconnect_frees_the_peer", "test_eager_writes_end_to_end"}
 
 
 def pytest_collection_modifyitems(config, items):
