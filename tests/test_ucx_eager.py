@@ -120,45 +120,42 @@ def test_pregranted_transfer_puts_without_go_and_lands_exact(rx, tx, inline):
     assert "Fence" in rx.sent and rx.fencing()["eager_fences"] == 0, rx.fencing()
 
 
-def test_without_a_pregrant_the_sender_announces_first(tx, tmp_path):
-    """A receiver without eager_writes pregrants nothing: the sender waits for GO as before."""
+@pytest.fixture
+def plain(tx):
+    """A second receiver, without eager_writes, the sender connected to it (``plain.peer``)."""
     t = get_transport("ucx", **{**RX_OPTS, "eager_writes": False})
-    region = torch.full((REGION,), CANARY, dtype=torch.uint8)
-    t.register([region])
-    try:
-        peer = tx.call("connect", descriptor=t.descriptor())["peer"]
-        offs, n = runs(0)
-        t.expect("n.1", grant(offs, n))
-        time.sleep(0.2)
-        assert tx.call("pregranted", peer=peer)["rids"] == []
-        tx.call("submit", peer=peer, request_id="n.1", plan=plan_json(offs, n), timeout=10.0)
-        assert tx.call("wait", request_ids=["n.1"], wait_s=10)["results"]["n.1"]["status"] == "DONE"
-        m = mask(offs, n)
-        assert np.array_equal(region.numpy()[m], src()[m])
-        t.forget("n.1")
-        assert not t.writes_pending("n.1"), "nothing was pregranted: nothing to fence"
-    finally:
-        t.close()
+    t.region = torch.full((REGION,), CANARY, dtype=torch.uint8)
+    t.register([t.region])
+    t.peer = tx.call("connect", descriptor=t.descriptor())["peer"]
+    yield t
+    t.close()
 
 
-def test_eager_announce_without_pregrant_is_refused(tx, tmp_path):
+def test_without_a_pregrant_the_sender_announces_first(tx, plain):
+    """A receiver without eager_writes pregrants nothing: the sender waits for GO as before."""
+    offs, n = runs(0)
+    plain.expect("n.1", grant(offs, n))
+    time.sleep(0.2)
+    assert tx.call("pregranted", peer=plain.peer)["rids"] == []
+    tx.call("submit", peer=plain.peer, request_id="n.1", plan=plan_json(offs, n), timeout=10.0)
+    assert tx.call("wait", request_ids=["n.1"], wait_s=10)["results"]["n.1"]["status"] == "DONE"
+    m = mask(offs, n)
+    assert np.array_equal(plain.region.numpy()[m], src()[m])
+    plain.forget("n.1")
+    assert not plain.writes_pending("n.1"), "nothing was pregranted: nothing to fence"
+
+
+def test_eager_announce_without_pregrant_is_refused(tx, plain):
     """A (buggy) sender that puts eagerly to a receiver that pregranted nothing: its announce is
     refused, counted, and the request fails there."""
-    t = get_transport("ucx", **{**RX_OPTS, "eager_writes": False})
-    region = torch.full((REGION,), CANARY, dtype=torch.uint8)
-    t.register([region])
-    try:
-        peer = tx.call("connect", descriptor=t.descriptor())["peer"]
-        offs, n = runs(0)
-        t.expect("b.1", grant(offs, n))
-        tx.call("pregrant", peer=peer, request_id="b.1")
-        tx.call("submit", peer=peer, request_id="b.1", plan=plan_json(offs, n), timeout=10.0)
-        a = arrival(t, "b.1")
-        assert not a.ok and "pregrant" in a.reason, a
-        assert t.rejected["malformed header"] == 1, t.rejected
-        assert (region.numpy()[~mask(offs, n)] == CANARY).all(), "a byte outside the grant changed"
-    finally:
-        t.close()
+    offs, n = runs(0)
+    plain.expect("b.1", grant(offs, n))
+    tx.call("pregrant", peer=plain.peer, request_id="b.1")
+    tx.call("submit", peer=plain.peer, request_id="b.1", plan=plan_json(offs, n), timeout=10.0)
+    a = arrival(plain, "b.1")
+    assert not a.ok and "pregrant" in a.reason, a
+    assert plain.rejected["malformed header"] == 1, plain.rejected
+    assert (plain.region.numpy()[~mask(offs, n)] == CANARY).all(), "a byte outside the grant changed"
 
 
 def test_eager_runs_outside_the_grant_are_refused_and_counted(rx, tx):
