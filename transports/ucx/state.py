@@ -95,7 +95,7 @@ class Outgoing:
     staging: StagedFrames | None     # packed frames gathered into the send ring (CUDA sources; host to far peers)
     frame_bytes: int
     iov: ucp.IovFrames | None = None  # or the packed runs' frames, read in place (host sources)
-    state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack
+    state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack; eager: queued -> flushing -> done
     dtag: int = 0                    # the data tag GO gave (staged frames)
     flush: ucp.Flush | None = None
     abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
