@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("ucxx")
 
-from waiting import until  # noqa: E402
+from waiting import arrivals_of, until  # noqa: E402
 
 from kvxfer.grant import ByteRanges  # noqa: E402
 from kvxfer.plan import RunGroup, TransferPlan  # noqa: E402
@@ -49,7 +49,7 @@ def transfer_lands(rx, tx, peer, src, dst, rid: str, n: int = 256 << 10) -> None
     rx.expect(rid, ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
     h = tx.submit(peer, rid, plan(n), timeout=10)
     assert h.wait(12), h.error
-    assert [a.ok for a in rx.arrivals(2.0) if a.request_id == rid] == [True]
+    assert [a.ok for a in arrivals_of(rx, rid)] == [True]
     assert torch.equal(dst[4096: 4096 + n], src[:n]), "bytes differ"
     assert bool((dst[:4096] == CANARY).all()) and bool((dst[4096 + n:] == CANARY).all())
 

@@ -21,7 +21,7 @@ except Exception as e:  # ImportError, or a missing libucx underneath
 pytestmark = pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX or "ucxx imports")
 
 import torch  # noqa: E402
-from waiting import until  # noqa: E402
+from waiting import arrivals_of, until  # noqa: E402
 from xfer_peer import CANARY, PeerProcess, pattern, plan_to_json, raw_plan, region_seed  # noqa: E402
 
 from kvxfer.grant import ByteRanges  # noqa: E402
@@ -87,15 +87,6 @@ def pregranted(tx, rx, rid: str) -> None:
     assert until(lambda: rid in tx.call("pregranted", peer=tx.peer)["rids"], 5.0), "no PREGRANT reached the sender"
 
 
-def arrival(rx, rid: str, wait_s: float = 10.0):
-    end = time.monotonic() + wait_s
-    while time.monotonic() < end:
-        for a in rx.arrivals(0.05):
-            if a.request_id == rid:
-                return a
-    raise AssertionError(f"no arrival for {rid} within {wait_s}s")
-
-
 @pytest.mark.parametrize("inline", [False, True], ids=["puts", "puts+inline"])
 def test_pregranted_transfer_puts_without_go_and_lands_exact(rx, tx, inline):
     offs, n = runs(0, inline)
@@ -104,7 +95,7 @@ def test_pregranted_transfer_puts_without_go_and_lands_exact(rx, tx, inline):
     tx.call("submit", peer=tx.peer, request_id="e.1", plan=plan_json(offs, n), timeout=10.0)
     res = tx.call("wait", request_ids=["e.1"], wait_s=10)["results"]["e.1"]
     assert res["status"] == "DONE", res
-    a = arrival(rx, "e.1")
+    (a,) = arrivals_of(rx, "e.1")
     assert a.ok and a.nbytes == int(n.sum()), a
     assert "Go" not in rx.sent and "Ack" in rx.sent, rx.sent   # no round trip before the puts
     m = mask(offs, n)
@@ -152,7 +143,7 @@ def test_eager_announce_without_pregrant_is_refused(tx, plain):
     plain.expect("b.1", grant(offs, n))
     tx.call("pregrant", peer=plain.peer, request_id="b.1")
     tx.call("submit", peer=plain.peer, request_id="b.1", plan=plan_json(offs, n), timeout=10.0)
-    a = arrival(plain, "b.1")
+    (a,) = arrivals_of(plain, "b.1")
     assert not a.ok and "pregrant" in a.reason, a
     assert plain.rejected["malformed header"] == 1, plain.rejected
     assert (plain.region.numpy()[~mask(offs, n)] == CANARY).all(), "a byte outside the grant changed"
@@ -164,7 +155,7 @@ def test_eager_runs_outside_the_grant_are_refused_and_counted(rx, tx):
     pregranted(tx, rx, "o.1")
     bad = offs + (2 << 20)   # the same run, outside the grant
     tx.call("submit", peer=tx.peer, request_id="o.1", plan=plan_json(bad, n), timeout=10.0)
-    a = arrival(rx, "o.1")
+    (a,) = arrivals_of(rx, "o.1")
     assert not a.ok and a.reason.startswith("outside grant"), a
     assert rx.rejected["outside grant"] == 1, rx.rejected
     untouched = ~(mask(offs, n) | mask(bad, n))

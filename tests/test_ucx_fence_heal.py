@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("ucxx")
 pytestmark = pytest.mark.slow   # stalls or stops a peer and waits (the full tier)
 
-from waiting import until  # noqa: E402
+from waiting import arrivals_of, until  # noqa: E402
 
 from kvxfer.grant import ByteRanges  # noqa: E402
 from kvxfer.plan import RunGroup, TransferPlan  # noqa: E402
@@ -62,7 +62,7 @@ def transfer_lands(rx, tx, peer, src, dst, rid: str) -> None:
     # sender's first turn after it, before the receiver's word that it fenced us can arrive.
     h = tx.submit(peer, rid, plan(N), timeout=10)
     assert h.wait(12), f"the first transfer after the fence failed: {h.error}"
-    arrived = [a for a in rx.arrivals(2.0) if a.request_id == rid]
+    arrived = arrivals_of(rx, rid)
     assert len(arrived) == 1 and arrived[0].ok, arrived
     assert torch.equal(dst[4096: 4096 + N], src[:N]), "bytes differ"
     assert bool((dst[:4096] == CANARY).all()) and bool((dst[4096 + N:] == CANARY).all())

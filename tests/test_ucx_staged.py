@@ -16,6 +16,7 @@ import torch
 
 pytest.importorskip("ucxx")
 
+from waiting import arrivals_of  # noqa: E402
 from xfer_peer import CANARY, PeerProcess, pattern, plan_to_json, raw_plan, region_seed  # noqa: E402
 
 from kvxfer.grant import ByteRanges  # noqa: E402
@@ -185,7 +186,7 @@ def test_a_frame_sent_twice_does_not_stand_in_for_another():
         tx._pump_frames = repeat
         h = tx.submit(peer, "dup.1", raw_plan(z, so, z, do, np.full(len(so), ROW)), timeout=20)
         assert not h.wait(20) and "malformed frame" in str(h.error), h.error
-        arr = [a for a in rx.arrivals(2.0) if a.request_id == "dup.1"]
+        arr = arrivals_of(rx, "dup.1")
         assert arr and not arr[0].ok and "malformed frame" in arr[0].reason, arr
     finally:
         tx.close()
