@@ -155,19 +155,34 @@ def copy_group(g: "RunGroup", src_regions: Sequence[torch.Tensor], dst_regions: 
     rows and only its bases differ, so a part costs a copy call on cached row views, not a
     planning pass (a token-major pool has two parts per layer). False when the group does not
     fit this (a head factor, runs of >= COPY_ONE_BY_ONE): ``copy_runs`` then does it."""
-    if g.heads != 1 or not len(g.row_len) or int(g.row_len.max()) >= COPY_ONE_BY_ONE:
+    if g.heads != 1 or not len(g.row_len):
+        return False
+    longest = int(g.row_len.max())
+    if longest >= COPY_ONE_BY_ONE:
         return False
     unit = unit_of(g.src_base, g.dst_base, g.row_src, g.row_dst, g.row_len)
-    moves = RowMoves(element_index(g.row_src, g.row_len, unit), element_index(g.row_dst, g.row_len, unit), unit)
+    if longest == unit and int(g.row_len.min()) == unit:   # every row is one unit: no index expansion
+        si, di = g.row_src // unit, g.row_dst // unit
+    else:
+        si, di = element_index(g.row_src, g.row_len, unit), element_index(g.row_dst, g.row_len, unit)
+    moves = RowMoves(si, di, unit)
+    # each region once (a host pool is one region for every part): its cached views and width
     sides = []
     for regions, ids in ((src_regions, g.src_region), (dst_regions, g.dst_region)):
-        ts = [regions[r] for r in ids.tolist()]
-        sides.append((ts, [_views_of(t) for t in ts]))
+        ids_list = ids.tolist()
+        seen = {r: regions[r] for r in dict.fromkeys(ids_list)}
+        sides.append((ids_list, {r: (t, _views_of(t)) for r, t in seen.items()}))
     # one element width for the whole group: source and destination rows must agree
-    size = min(_width(unit, t, v) for ts, vs in sides for t, v in zip(ts, vs))
-    rows = [[_region_rows(t, unit, size, v) for t, v in zip(ts, vs)] for ts, vs in sides]
-    voids = [[_region_void(t, unit, size, v) for t, v in zip(ts, vs)]   # numpy copies: scatter on CPU only
-             if not moves.gather and ts[0].device.type == "cpu" else None for ts, vs in sides]
+    size = min(_width(unit, t, v) for _, regs in sides for t, v in regs.values())
+    rows, voids = [], []
+    for ids_list, regs in sides:
+        by_id = {r: _region_rows(t, unit, size, v) for r, (t, v) in regs.items()}
+        rows.append([by_id[r] for r in ids_list])
+        if not moves.gather and next(iter(regs.values()))[0].device.type == "cpu":   # numpy copies: scatter on CPU
+            void = {r: _region_void(t, unit, size, v) for r, (t, v) in regs.items()}
+            voids.append([void[r] for r in ids_list])
+        else:
+            voids.append(None)
     moves.apply(rows[0], g.src_base // unit, rows[1], g.dst_base // unit, voids[0], voids[1])
     return True
 
