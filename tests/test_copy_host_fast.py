@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvxfer.copy import execute_plan
-from kvxfer.errors import PlanError
+from kvxfer.errors import LayoutError, PlanError
 from kvxfer.host import HostPool
 from kvxfer.plan import Planner, RunGroup, TransferPlan
 from kvxfer.pools import MHAPool
@@ -117,3 +117,37 @@ def test_zero_length_row_copies_nothing():
     want = torch.zeros(256, dtype=torch.uint8)
     want[:64], want[128:192] = src[:64], src[128:192]
     assert torch.equal(dst, want)
+
+
+def test_page_allocator_matches_a_plain_model():
+    """``take`` (first free block that fits, else the lowest free pages) and ``free`` (pages of
+    the slots, each once) against a model over a Python set, on random churn that reaches the
+    last page (the sentinel past it) and frees slots in any order, pages named several times."""
+    from kvxfer.allocator import PageAllocator
+    rng = np.random.default_rng(7)
+    for num_pages in (2, 3, 17, 64):
+        a, free, held = PageAllocator(num_pages, 4), set(range(1, num_pages)), []
+        for _ in range(300):
+            if held and rng.random() < 0.45:
+                slots = held.pop(int(rng.integers(len(held))))
+                a.free(rng.permutation(slots))
+                free |= set((slots // 4).tolist())
+            else:
+                need = int(rng.integers(0, 6))
+                got = a.take(need)
+                if need > len(free):
+                    assert got is None
+                    continue
+                order = sorted(free)
+                blocks = [b for b in np.split(np.array(order), np.flatnonzero(np.diff(order) != 1) + 1)
+                          if len(b) >= need] if need else []
+                want = blocks[0][:need].tolist() if blocks else order[:need]
+                assert got.tolist() == want
+                free -= set(want)
+                held.append(a.slots_of(got, need * 4))
+            assert a.free_pages == len(free)
+        nonempty = [h for h in held if len(h)]
+        if nonempty:
+            a.free(nonempty[0])
+            with pytest.raises(LayoutError, match="double free"):
+                a.free(nonempty[0])
