@@ -222,10 +222,13 @@ def _can_touch(page_size: int, page_stride: int, token_stride: int, length: int)
 
 def _token_offsets(slots: np.ndarray, page_size: int, page_stride: int, token_stride: int,
                    shift: int = 0) -> np.ndarray:
-    page, in_page = np.divmod(slots, page_size)
-    page *= page_stride
-    in_page *= token_stride
-    page += in_page
+    if page_stride == page_size * token_stride:   # pages back to back: one multiply
+        page = slots * token_stride
+    else:
+        page, in_page = np.divmod(slots, page_size)
+        page *= page_stride
+        in_page *= token_stride
+        page += in_page
     if shift:
         page += shift
     return page
@@ -407,7 +410,7 @@ class Planner:
                                     packed, heads, shs, dhs))
         for g in out:   # read-only: a plan changed after planning would void ``fits``
             for a in (g.src_region, g.src_base, g.dst_region, g.dst_base, g.row_src, g.row_dst, g.row_len):
-                a.flags.writeable = False
+                a.setflags(write=False)
         plan = TransferPlan(tuple(out))
         object.__setattr__(plan, "fits", self._fits)
         return plan
