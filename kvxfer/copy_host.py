@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .byte_rows import WIDE, element_index, unit_of
+from .byte_rows import WIDE, element_index_pair, unit_of
 from .plan import RunGroup
 
 # copy_runs (local copies) moves runs shorter than this as rows of one index_select / scatter.
@@ -76,7 +76,7 @@ class RowMoves:
             for rows_at, view in self.gathers:
                 idx = rows_at[None, :] + s_base[:, None]
                 for p, db in enumerate(d_base.tolist()):
-                    np.take(s_void[p], idx[p], out=d_void[p][view.start + db: view.stop + db], mode="wrap")
+                    s_void[p].take(idx[p], out=d_void[p][view.start + db: view.stop + db], mode="wrap")
             return
         if self.gather:
             for rows_at, view in self.gathers:
@@ -123,7 +123,8 @@ _ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _views_of(t: torch.Tensor) -> dict:
-    """The cache of region ``t``: ``{(unit,): width, (unit, size): rows, (unit, size, "void"): ...}``."""
+    """The cache of region ``t``: ``{unit: (width, {size: (rows, void)})}``, rebuilt when ``t``
+    is another tensor, or the same one over other memory (``data_ptr``, ``numel``)."""
     entry = _REGION_VIEWS.get(id(t))
     if entry is None or entry[0]() is not t or entry[1] != t.data_ptr() or entry[2] != t.numel():
         ident = id(t)
@@ -135,30 +136,26 @@ def _views_of(t: torch.Tensor) -> dict:
     return entry[3]
 
 
-def _width(unit: int, t: torch.Tensor, views: dict) -> int:
-    """Widest element (bytes) that rows of ``unit`` bytes of ``t`` allow (alignment)."""
-    size = views.get((unit,))
-    if size is None:
-        size = views[(unit,)] = next((s for s, _ in WIDE if unit % s == 0 and t.data_ptr() % s == 0
-                                      and t.storage_offset() % s == 0), 1)
-    return size
+def _unit_views(t: torch.Tensor, unit: int) -> tuple[int, dict]:
+    """``(width, {size: (rows, void)})`` of region ``t`` for rows of ``unit`` bytes: the widest
+    element (bytes) its alignment allows, and its row views made so far."""
+    views = _views_of(t)
+    got = views.get(unit)
+    if got is None:
+        got = views[unit] = (next((s for s, _ in WIDE if unit % s == 0 and t.data_ptr() % s == 0
+                                   and t.storage_offset() % s == 0), 1), {})
+    return got
 
 
-def _region_rows(t: torch.Tensor, unit: int, size: int, views: dict) -> torch.Tensor:
-    """Region ``t`` (1-D uint8) as ``[rows, unit // size]`` elements of ``size`` bytes."""
-    rows = views.get((unit, size))
-    if rows is None:
-        rows = views[(unit, size)] = torch.empty(0, dtype=_ELEMENT[size], device=t.device).set_(
+def _rows_void(t: torch.Tensor, unit: int, size: int, made: dict) -> tuple[torch.Tensor, np.ndarray | None]:
+    """Region ``t`` (1-D uint8) as ``[rows, unit // size]`` elements of ``size`` bytes, and on
+    the CPU the same rows as numpy void elements of ``unit`` bytes (else None)."""
+    got = made.get(size)
+    if got is None:
+        rows = torch.empty(0, dtype=_ELEMENT[size], device=t.device).set_(
             t.untyped_storage(), t.storage_offset() // size, (t.numel() // unit, unit // size), (unit // size, 1))
-    return rows
-
-
-def _region_void(t: torch.Tensor, unit: int, size: int, views: dict) -> np.ndarray:
-    """The same rows as numpy void elements of ``unit`` bytes (CPU)."""
-    void = views.get((unit, size, "void"))
-    if void is None:
-        void = views[(unit, size, "void")] = _void_rows(_region_rows(t, unit, size, views))
-    return void
+        got = made[size] = (rows, _void_rows(rows) if t.device.type == "cpu" else None)
+    return got
 
 
 def copy_group(g: "RunGroup", src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.Tensor]) -> bool:
@@ -175,25 +172,21 @@ def copy_group(g: "RunGroup", src_regions: Sequence[torch.Tensor], dst_regions: 
     if longest == unit and int(g.row_len.min()) == unit:   # every row is one unit: no index expansion
         si, di = g.row_src // unit, g.row_dst // unit
     else:
-        si, di = element_index(g.row_src, g.row_len, unit), element_index(g.row_dst, g.row_len, unit)
+        si, di = element_index_pair(g.row_src, g.row_dst, g.row_len, unit)
     moves = RowMoves(si, di, unit)
     # each region once (a host pool is one region for every part): its cached views and width
     sides = []
     for regions, ids in ((src_regions, g.src_region), (dst_regions, g.dst_region)):
         ids_list = ids.tolist()
-        seen = {r: regions[r] for r in dict.fromkeys(ids_list)}
-        sides.append((ids_list, {r: (t, _views_of(t)) for r, t in seen.items()}))
+        sides.append((ids_list, {r: (regions[r], _unit_views(regions[r], unit)) for r in dict.fromkeys(ids_list)}))
     # one element width for the whole group: source and destination rows must agree
-    size = min(_width(unit, t, v) for _, regs in sides for t, v in regs.values())
+    size = min(w for _, regs in sides for _, (w, _) in regs.values())
     rows, voids = [], []
     for ids_list, regs in sides:
-        by_id = {r: _region_rows(t, unit, size, v) for r, (t, v) in regs.items()}
-        rows.append([by_id[r] for r in ids_list])
-        if next(iter(regs.values()))[0].device.type == "cpu":   # numpy copies (on CPU)
-            void = {r: _region_void(t, unit, size, v) for r, (t, v) in regs.items()}
-            voids.append([void[r] for r in ids_list])
-        else:
-            voids.append(None)
+        got = {r: _rows_void(t, unit, size, made) for r, (t, (_, made)) in regs.items()}
+        rows.append([got[r][0] for r in ids_list])
+        cpu = got[ids_list[0]][1] is not None   # numpy copies (on CPU)
+        voids.append([got[r][1] for r in ids_list] if cpu else None)
     moves.apply(rows[0], g.src_base // unit, rows[1], g.dst_base // unit, voids[0], voids[1])
     return True
 

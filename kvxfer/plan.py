@@ -408,8 +408,9 @@ class Planner:
             for mask, packed in ((~small, False), (small, True)):
                 out.append(RunGroup(sreg, sbase, dreg, dbase, frs[mask], frd[mask], flens[mask],
                                     packed, heads, shs, dhs))
-        for g in out:   # read-only: a plan changed after planning would void ``fits``
-            for a in (g.src_region, g.src_base, g.dst_region, g.dst_base, g.row_src, g.row_dst, g.row_len):
+        for grp in out:   # read-only: a plan changed after planning would void ``fits``
+            for a in (grp.src_region, grp.src_base, grp.dst_region, grp.dst_base, grp.row_src, grp.row_dst,
+                      grp.row_len):
                 a.setflags(write=False)
         plan = TransferPlan(tuple(out))
         object.__setattr__(plan, "fits", self._fits)
