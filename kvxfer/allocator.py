@@ -56,12 +56,16 @@ class PageAllocator:
         if need == 0:
             return np.zeros(0, np.int64)
         f = self._free
-        edges = np.flatnonzero(f[1:] != f[:-1]) + 1
+        edges = (f[1:] != f[:-1]).nonzero()[0] + 1
         starts, ends = edges[0::2], edges[1::2]   # free blocks [start, end)
-        first = int(np.argmax(ends - starts >= need))
-        pages = (np.arange(starts[first], starts[first] + need) if ends[first] - starts[first] >= need
-                 else np.flatnonzero(f)[:need])
-        self._free[pages] = False
+        first = int((ends - starts >= need).argmax())
+        a = int(starts[first])
+        if int(ends[first]) - a >= need:   # one block: a slice, not an index
+            f[a:a + need] = False
+            pages = np.arange(a, a + need)
+        else:
+            pages = f.nonzero()[0][:need]
+            f[pages] = False
         self._num_free -= need
         return pages
 
@@ -80,7 +84,7 @@ class PageAllocator:
         if len(pages) > 1:   # distinct pages (np.unique without its fixed cost: one sort, one mask)
             pages = np.sort(pages)
             pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
-        if pages.min() < 1 or pages.max() >= self.num_pages:
+        if pages[0] < 1 or pages[-1] >= self.num_pages:   # sorted: the ends are the extremes
             raise LayoutError(f"free: page outside 1..{self.num_pages - 1}")
         if self._free[pages].any():
             raise LayoutError(f"free: page {int(pages[self._free[pages]][0])} is already free (double free)")
