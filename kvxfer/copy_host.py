@@ -48,7 +48,8 @@ class RowMoves:
         self.gathers: list[tuple[np.ndarray, slice]] = []   # (source rows, destination view)
         self.scatters: list[tuple[slice | np.ndarray, np.ndarray]] = []   # (source view or rows, destination rows)
         if pieces is not None:
-            self.gathers = [(si[order][a:b], view) for a, b, view in pieces]
+            src = si[order]
+            self.gathers = [(src[a:b], view) for a, b, view in pieces]
         else:
             order = np.argsort(si, kind="stable")
             s_pieces: Sequence[tuple[int, int, slice | None]] = _pieces(si[order], min_rows) or [(0, len(si), None)]
@@ -197,12 +198,12 @@ def _pieces(index: np.ndarray, min_rows: int) -> list[tuple[int, int, slice]] | 
     n = len(index)
     if n < 2:
         return [(0, n, slice(int(index[0]), int(index[0]) + 1))] if n else []
-    gaps = np.diff(index)
+    gaps = index[1:] - index[:-1]
     step = int(gaps.min())   # evenly spaced rows with a few holes: the smallest gap is the spacing
-    cuts = np.flatnonzero(gaps != step) + 1
+    cuts = (gaps != step).nonzero()[0]
     if step < 1 or len(cuts) + 1 > max(4, n // min_rows):
         return None
-    bounds = np.concatenate(([0], cuts, [n])).tolist()
+    bounds = [0, *(cuts + 1).tolist(), n]
     return [(a, b, slice(int(index[a]), int(index[b - 1]) + 1, step)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 

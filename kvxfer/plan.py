@@ -192,7 +192,7 @@ def merge_runs(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray) -> tuple[np.nda
     cont = (rs[1:] == ends_s) & (rd[1:] == ends_d)
     if not np.count_nonzero(cont):   # (count_nonzero: a quarter of .any()'s fixed cost)
         return rs, rd, lens
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    starts = np.concatenate(([0], (~cont).nonzero()[0] + 1))
     return rs[starts], rd[starts], np.add.reduceat(lens, starts)
 
 
