@@ -33,9 +33,12 @@ class RowMoves:
     (source, destination) row views: a plan group's parts share one row pattern.
 
     index_select moves whole rows (memcpy); advanced indexing (``rows[i] = ...``) goes element
-    by element, ~10x slower. Rows that are evenly spaced on one side (in any order: one part's
-    pages in a host pool, mostly consecutive host pages) are a few strided views there and need
-    no staging copy: gather straight into the destination, or scatter straight from the source.
+    by element, ~10x slower. On the CPU, numpy moves void rows (one memcpy each) with a
+    fixed cost of ~1 us a call against torch's several: scatters assign into void rows, and
+    gathers into a contiguous destination use ``ndarray.take``. Rows that are evenly spaced on
+    one side (in any order: one part's pages in a host pool, mostly consecutive host pages) are
+    a few strided views there and need no staging copy: gather straight into the destination,
+    or scatter straight from the source.
     """
     __slots__ = ("gather", "gathers", "scatters")
 
