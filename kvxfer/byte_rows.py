@@ -40,6 +40,15 @@ def element_index(offsets: np.ndarray, lens: np.ndarray, unit: int) -> np.ndarra
     return firsts + np.arange(total, dtype=np.int64)
 
 
+def element_index_pair(a: np.ndarray, b: np.ndarray, lens: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
+    """``element_index`` of two sides of the same runs (offsets ``a`` and ``b``, lengths
+    ``lens``), sharing the counting work."""
+    counts = lens // unit
+    ends = np.cumsum(counts)
+    step = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) - np.repeat(ends - counts, counts)
+    return np.repeat(a // unit, counts) + step, np.repeat(b // unit, counts) + step
+
+
 def unit_of(*arrays: np.ndarray) -> int:
     return int(np.gcd.reduce(np.concatenate([np.asarray(a, np.int64).ravel() for a in arrays]))) or 1
 
@@ -59,4 +68,4 @@ def on_host(*sides: Sequence[torch.Tensor]) -> bool:
     return all(t.device.type == "cpu" for side in sides for t in side[:1])
 
 
-__all__ = ["WIDE", "unit_views", "span_of", "element_index", "unit_of", "by_region", "on_host"]
+__all__ = ["WIDE", "unit_views", "span_of", "element_index", "element_index_pair", "unit_of", "by_region", "on_host"]

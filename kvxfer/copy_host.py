@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .byte_rows import WIDE, element_index, unit_of
+from .byte_rows import WIDE, element_index_pair, unit_of
 from .plan import RunGroup
 
 # copy_runs (local copies) moves runs shorter than this as rows of one index_select / scatter.
@@ -33,9 +33,12 @@ class RowMoves:
     (source, destination) row views: a plan group's parts share one row pattern.
 
     index_select moves whole rows (memcpy); advanced indexing (``rows[i] = ...``) goes element
-    by element, ~10x slower. Rows that are evenly spaced on one side (in any order: one part's
-    pages in a host pool, mostly consecutive host pages) are a few strided views there and need
-    no staging copy: gather straight into the destination, or scatter straight from the source.
+    by element, ~10x slower. On the CPU, numpy moves void rows (one memcpy each) with a
+    fixed cost of ~1 us a call against torch's several: scatters assign into void rows, and
+    gathers into a contiguous destination use ``ndarray.take``. Rows that are evenly spaced on
+    one side (in any order: one part's pages in a host pool, mostly consecutive host pages) are
+    a few strided views there and need no staging copy: gather straight into the destination,
+    or scatter straight from the source.
     """
     __slots__ = ("gather", "gathers", "scatters")
 
@@ -48,7 +51,8 @@ class RowMoves:
         self.gathers: list[tuple[np.ndarray, slice]] = []   # (source rows, destination view)
         self.scatters: list[tuple[slice | np.ndarray, np.ndarray]] = []   # (source view or rows, destination rows)
         if pieces is not None:
-            self.gathers = [(si[order][a:b], view) for a, b, view in pieces]
+            src = si[order]
+            self.gathers = [(src[a:b], view) for a, b, view in pieces]
         else:
             order = np.argsort(si, kind="stable")
             s_pieces: Sequence[tuple[int, int, slice | None]] = _pieces(si[order], min_rows) or [(0, len(si), None)]
@@ -67,6 +71,17 @@ class RowMoves:
         numpy expression per piece, so 160 parts are 160 copies, not 160 rounds of views
         and index conversions."""
         s_dev, d_dev = s_rows[0].device, d_rows[0].device
+        if self.gather and s_dev.type == "cpu" and d_dev.type == "cpu" and all(v.step == 1 for _, v in self.gathers):
+            # numpy take into a contiguous view: one memcpy per row, ~1 us a call where torch's
+            # index_select costs several; mode "wrap" never buffers (indices are in bounds:
+            # the plan was checked or vouched for), "raise" would stage the output first
+            s_void = [_void_rows(s) for s in s_rows] if s_void is None else s_void
+            d_void = [_void_rows(d) for d in d_rows] if d_void is None else d_void
+            for rows_at, view in self.gathers:
+                idx = rows_at[None, :] + s_base[:, None]
+                for p, db in enumerate(d_base.tolist()):
+                    s_void[p].take(idx[p], out=d_void[p][view.start + db: view.stop + db], mode="wrap")
+            return
         if self.gather:
             for rows_at, view in self.gathers:
                 idx = _shifted(rows_at, s_base, s_dev)
@@ -112,7 +127,8 @@ _ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _views_of(t: torch.Tensor) -> dict:
-    """The cache of region ``t``: ``{(unit,): width, (unit, size): rows, (unit, size, "void"): ...}``."""
+    """The cache of region ``t``: ``{unit: (width, {size: (rows, void)})}``, rebuilt when ``t``
+    is another tensor, or the same one over other memory (``data_ptr``, ``numel``)."""
     entry = _REGION_VIEWS.get(id(t))
     if entry is None or entry[0]() is not t or entry[1] != t.data_ptr() or entry[2] != t.numel():
         ident = id(t)
@@ -124,30 +140,26 @@ def _views_of(t: torch.Tensor) -> dict:
     return entry[3]
 
 
-def _width(unit: int, t: torch.Tensor, views: dict) -> int:
-    """Widest element (bytes) that rows of ``unit`` bytes of ``t`` allow (alignment)."""
-    size = views.get((unit,))
-    if size is None:
-        size = views[(unit,)] = next((s for s, _ in WIDE if unit % s == 0 and t.data_ptr() % s == 0
-                                      and t.storage_offset() % s == 0), 1)
-    return size
+def _unit_views(t: torch.Tensor, unit: int) -> tuple[int, dict]:
+    """``(width, {size: (rows, void)})`` of region ``t`` for rows of ``unit`` bytes: the widest
+    element (bytes) its alignment allows, and its row views made so far."""
+    views = _views_of(t)
+    got = views.get(unit)
+    if got is None:
+        got = views[unit] = (next((s for s, _ in WIDE if unit % s == 0 and t.data_ptr() % s == 0
+                                   and t.storage_offset() % s == 0), 1), {})
+    return got
 
 
-def _region_rows(t: torch.Tensor, unit: int, size: int, views: dict) -> torch.Tensor:
-    """Region ``t`` (1-D uint8) as ``[rows, unit // size]`` elements of ``size`` bytes."""
-    rows = views.get((unit, size))
-    if rows is None:
-        rows = views[(unit, size)] = torch.empty(0, dtype=_ELEMENT[size], device=t.device).set_(
+def _rows_void(t: torch.Tensor, unit: int, size: int, made: dict) -> tuple[torch.Tensor, np.ndarray | None]:
+    """Region ``t`` (1-D uint8) as ``[rows, unit // size]`` elements of ``size`` bytes, and on
+    the CPU the same rows as numpy void elements of ``unit`` bytes (else None)."""
+    got = made.get(size)
+    if got is None:
+        rows = torch.empty(0, dtype=_ELEMENT[size], device=t.device).set_(
             t.untyped_storage(), t.storage_offset() // size, (t.numel() // unit, unit // size), (unit // size, 1))
-    return rows
-
-
-def _region_void(t: torch.Tensor, unit: int, size: int, views: dict) -> np.ndarray:
-    """The same rows as numpy void elements of ``unit`` bytes (CPU)."""
-    void = views.get((unit, size, "void"))
-    if void is None:
-        void = views[(unit, size, "void")] = _void_rows(_region_rows(t, unit, size, views))
-    return void
+        got = made[size] = (rows, _void_rows(rows) if t.device.type == "cpu" else None)
+    return got
 
 
 def copy_group(g: "RunGroup", src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.Tensor]) -> bool:
@@ -155,19 +167,30 @@ def copy_group(g: "RunGroup", src_regions: Sequence[torch.Tensor], dst_regions: 
     rows and only its bases differ, so a part costs a copy call on cached row views, not a
     planning pass (a token-major pool has two parts per layer). False when the group does not
     fit this (a head factor, runs of >= COPY_ONE_BY_ONE): ``copy_runs`` then does it."""
-    if g.heads != 1 or not len(g.row_len) or int(g.row_len.max()) >= COPY_ONE_BY_ONE:
+    if g.heads != 1 or not len(g.row_len):
+        return False
+    longest = int(g.row_len.max())
+    if longest >= COPY_ONE_BY_ONE:
         return False
     unit = unit_of(g.src_base, g.dst_base, g.row_src, g.row_dst, g.row_len)
-    moves = RowMoves(element_index(g.row_src, g.row_len, unit), element_index(g.row_dst, g.row_len, unit), unit)
+    if longest == unit and int(g.row_len.min()) == unit:   # every row is one unit: no index expansion
+        si, di = g.row_src // unit, g.row_dst // unit
+    else:
+        si, di = element_index_pair(g.row_src, g.row_dst, g.row_len, unit)
+    moves = RowMoves(si, di, unit)
+    # each region once (a host pool is one region for every part): its cached views and width
     sides = []
     for regions, ids in ((src_regions, g.src_region), (dst_regions, g.dst_region)):
-        ts = [regions[r] for r in ids.tolist()]
-        sides.append((ts, [_views_of(t) for t in ts]))
+        ids_list = ids.tolist()
+        sides.append((ids_list, {r: (regions[r], _unit_views(regions[r], unit)) for r in dict.fromkeys(ids_list)}))
     # one element width for the whole group: source and destination rows must agree
-    size = min(_width(unit, t, v) for ts, vs in sides for t, v in zip(ts, vs))
-    rows = [[_region_rows(t, unit, size, v) for t, v in zip(ts, vs)] for ts, vs in sides]
-    voids = [[_region_void(t, unit, size, v) for t, v in zip(ts, vs)]   # numpy copies: scatter on CPU only
-             if not moves.gather and ts[0].device.type == "cpu" else None for ts, vs in sides]
+    size = min(w for _, regs in sides for _, (w, _) in regs.values())
+    rows, voids = [], []
+    for ids_list, regs in sides:
+        got = {r: _rows_void(t, unit, size, made) for r, (t, (_, made)) in regs.items()}
+        rows.append([got[r][0] for r in ids_list])
+        cpu = got[ids_list[0]][1] is not None   # numpy copies (on CPU)
+        voids.append([got[r][1] for r in ids_list] if cpu else None)
     moves.apply(rows[0], g.src_base // unit, rows[1], g.dst_base // unit, voids[0], voids[1])
     return True
 
@@ -178,12 +201,12 @@ def _pieces(index: np.ndarray, min_rows: int) -> list[tuple[int, int, slice]] | 
     n = len(index)
     if n < 2:
         return [(0, n, slice(int(index[0]), int(index[0]) + 1))] if n else []
-    gaps = np.diff(index)
+    gaps = index[1:] - index[:-1]
     step = int(gaps.min())   # evenly spaced rows with a few holes: the smallest gap is the spacing
-    cuts = np.flatnonzero(gaps != step) + 1
+    cuts = (gaps != step).nonzero()[0]
     if step < 1 or len(cuts) + 1 > max(4, n // min_rows):
         return None
-    bounds = np.concatenate(([0], cuts, [n])).tolist()
+    bounds = [0, *(cuts + 1).tolist(), n]
     return [(a, b, slice(int(index[a]), int(index[b - 1]) + 1, step)) for a, b in zip(bounds[:-1], bounds[1:])]
 
 

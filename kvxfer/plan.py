@@ -131,7 +131,15 @@ class RunGroup:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class TransferPlan:
+    """Groups of runs. ``fits``: set only by ``Planner.plan`` (never by the constructor): the
+    byte sizes of the source and destination layouts' regions, which every run of the plan is
+    known to stay inside (``Layout`` checks that each part fits its region, ``check_slots``
+    that each slot is in its space, merging only joins adjacent runs; the planner's arrays are
+    read-only). Executors skip ``check_plan_bounds`` for such a plan when every region given
+    is at least that size (``fits_regions``); any other plan, from a peer, a file or built by
+    hand, is checked run by run."""
     groups: tuple[RunGroup, ...]
+    fits: tuple[tuple[int, ...], tuple[int, ...]] | None = field(default=None, init=False)
 
     @property
     def num_runs(self) -> int:
@@ -158,7 +166,18 @@ class TransferPlan:
 
     @staticmethod
     def concat(plans: Sequence["TransferPlan"]) -> "TransferPlan":
-        return TransferPlan(tuple(g for p in plans for g in p.groups))
+        out = TransferPlan(tuple(g for p in plans for g in p.groups))
+        fits = {p.fits for p in plans}
+        if len(fits) == 1 and None not in fits:   # every plan fits the same regions: so does the whole
+            object.__setattr__(out, "fits", fits.pop())
+        return out
+
+    def fits_regions(self, src_sizes: Sequence[int], dst_sizes: Sequence[int]) -> bool:
+        """Whether the planner vouched for this plan (``fits``) and regions of these sizes hold
+        it: then ``check_plan_bounds`` cannot fail and may be skipped."""
+        f = self.fits
+        return (f is not None and len(src_sizes) >= len(f[0]) and len(dst_sizes) >= len(f[1])
+                and all(a >= b for a, b in zip(src_sizes, f[0])) and all(a >= b for a, b in zip(dst_sizes, f[1])))
 
 
 EMPTY_PLAN = TransferPlan(())
@@ -173,7 +192,7 @@ def merge_runs(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray) -> tuple[np.nda
     cont = (rs[1:] == ends_s) & (rd[1:] == ends_d)
     if not np.count_nonzero(cont):   # (count_nonzero: a quarter of .any()'s fixed cost)
         return rs, rd, lens
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    starts = np.concatenate(([0], (~cont).nonzero()[0] + 1))
     return rs[starts], rd[starts], np.add.reduceat(lens, starts)
 
 
@@ -203,10 +222,13 @@ def _can_touch(page_size: int, page_stride: int, token_stride: int, length: int)
 
 def _token_offsets(slots: np.ndarray, page_size: int, page_stride: int, token_stride: int,
                    shift: int = 0) -> np.ndarray:
-    page, in_page = np.divmod(slots, page_size)
-    page *= page_stride
-    in_page *= token_stride
-    page += in_page
+    if page_stride == page_size * token_stride:   # pages back to back: one multiply
+        page = slots * token_stride
+    else:
+        page, in_page = np.divmod(slots, page_size)
+        page *= page_stride
+        in_page *= token_stride
+        page += in_page
     if shift:
         page += shift
     return page
@@ -348,7 +370,9 @@ class Planner:
         self._geoms = []
         for key, members in groups.items():
             a = np.asarray(members, dtype=np.int64)
+            a.flags.writeable = False   # shared by every plan of this planner (see TransferPlan.fits)
             self._geoms.append(_Geometry(*key, a[:, 0], a[:, 1], a[:, 2], a[:, 3]))
+        self._fits = (tuple(r.nbytes for r in src.regions), tuple(r.nbytes for r in dst.regions))
         # Parts fuse only within one (source region, destination region) pair: a pool with a
         # region per part (token-major, HND) never fuses, and skips the search per request.
         pairs = [(m[0], m[2]) for members in groups.values() for m in members]
@@ -384,7 +408,13 @@ class Planner:
             for mask, packed in ((~small, False), (small, True)):
                 out.append(RunGroup(sreg, sbase, dreg, dbase, frs[mask], frd[mask], flens[mask],
                                     packed, heads, shs, dhs))
-        return TransferPlan(tuple(out))
+        for grp in out:   # read-only: a plan changed after planning would void ``fits``
+            for a in (grp.src_region, grp.src_base, grp.dst_region, grp.dst_base, grp.row_src, grp.row_dst,
+                      grp.row_len):
+                a.setflags(write=False)
+        plan = TransferPlan(tuple(out))
+        object.__setattr__(plan, "fits", self._fits)
+        return plan
 
 
 def _pick(slots, space: str, what: str):
