@@ -32,7 +32,6 @@ stopped a hostile one.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -129,9 +128,8 @@ class UCXEager:
             and o.handle.request_id in p.pregranted
 
     def _start_eager(self, o: Outgoing) -> None:
-        """Put at once; ``_advance`` sends the announce (as DONE) once the flush completed."""
+        """Put at once (``o.announce`` says eager); ``_advance`` sends it (as DONE) once the flush completed."""
         o.eager = True
-        o.announce = dataclasses.replace(o.announce, eager=True)
         self._start_puts(o, 0)
 
     def _on_fence(self, p: Peer, m: Fence) -> None:

@@ -25,7 +25,7 @@ from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from kvxfer.copy import copy_runs
-from kvxfer.plan import Runs
+from kvxfer.plan import FEW_RUNS, Runs
 from kvxfer.transport.base import Arrival
 from kvxfer.transport.kit import peer_reason
 
@@ -61,6 +61,7 @@ class UCXReceiver:
     _base: np.ndarray
     _region_sizes: np.ndarray
     _is_host: np.ndarray
+    _host_views: list   # numpy view of each host region (None: CUDA)
     _all_host: bool
     _cuda_devices: set[torch.device]
     _in: dict[tuple[str, int], Incoming]
@@ -124,7 +125,7 @@ class UCXReceiver:
             return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason, quiet)
         if m.eager:   # its puts are flushed (``eager``): checked above, now it is done
             if inline:
-                self._land(tuple(packed), torch.frombuffer(bytearray(inline), dtype=torch.uint8))
+                self._land_inline(tuple(packed), inline)
             self._deliver(Arrival(rid, int(n.sum()), True, "", m.notify))
             return self._send(p, Ack(xid))
         staging = None
@@ -138,7 +139,7 @@ class UCXReceiver:
         self._in[(p.id, xid)] = i
         p.open_in += 1
         if inline:  # checked a moment ago: lands now, with no re-check and no frames
-            self._land(i.packed, torch.frombuffer(bytearray(inline), dtype=torch.uint8))
+            self._land_inline(i.packed, inline)
             i.packed = None
         elif total and not ring:   # frames land in the runs themselves
             addr = self._base[packed[0]] + packed[1]
@@ -244,6 +245,20 @@ class UCXReceiver:
                                               nbytes, np.ones(len(nbytes), bool)))
         for dev in self._cuda_devices:  # "arrived" means in place, not queued on a stream
             torch.cuda.current_stream(dev).synchronize()
+
+    def _land_inline(self, packed: tuple, inline: bytes) -> None:
+        """``_land`` for inline bytes (checked against the grant): a few host runs are written
+        through numpy views (no torch call: ~10 us less per transfer), others by ``_land``."""
+        views = self._host_views
+        if len(packed[2]) <= FEW_RUNS:
+            runs = list(zip(*(a.tolist() for a in packed)))
+            if all(views[r] is not None for r, _, _ in runs):
+                src, pos = memoryview(inline), 0
+                for r, o, c in runs:
+                    views[r][o:o + c] = src[pos:pos + c]
+                    pos += c
+                return
+        self._land(packed, torch.frombuffer(bytearray(inline), dtype=torch.uint8))
 
     def _forget_in(self, i: Incoming) -> None:
         """End ``i`` here. Whatever may still land of it is marked (``_draining``) before it stops
