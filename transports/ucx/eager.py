@@ -10,7 +10,8 @@ Who calls what, when:
 receiver
   ``_pregrant(rid)``  after ``expect`` (a command): PREGRANT(rid) to every connected peer whose
                       HELLO said ``eager`` (it answers FENCEs); ``_pregrants[rid]`` remembers them.
-  ``_fence(rid)``     after ``forget`` (``_drop_request``): FENCE(rid) to each of them.
+  ``_fence(rid)``     after ``forget`` (``_drop_request``): FENCE(rid) to each of them (the
+                      FENCEs of one turn leave as one message: ``UCXControl._send``).
                       ``writes_pending(rid)`` stays True from ``forget`` until each answered
                       FENCED (sent after its endpoint flush: nothing of the request is on its way
                       and nothing more will be), or was proven dead (``_unfence_peer``), or
