@@ -32,7 +32,7 @@ def test_mid_size_runs_are_put_in_small_plans_and_packed_in_large_ones(pair):
         do = rng.choice(POOL // (16 * KiB), k, replace=False) * 16 * KiB
         plan = plan_of([(so, do, 16 * KiB, False)])
         prepare = t._prepare_few if k <= FEW_RUNS else t._prepare
-        _, _, nput, packed = prepare(t._peers[pid], plan)
+        _, _, nput, packed = prepare(t._peers[pid], plan)[:4]   # _prepare_few: and the inline bytes
         assert (nput, packed is None) == ((k, True) if k <= FEW_RUNS else (0, False))
         peer("expect", rid, whole(POOL))
         h = t.submit(pid, rid, plan, timeout=30)

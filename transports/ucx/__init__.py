@@ -221,7 +221,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
         self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)
-        self._is_host, self._host_list, self._all_host = np.zeros(0, bool), [], True
+        self._is_host, self._host_list, self._host_views, self._all_host = np.zeros(0, bool), [], [], True
         self._cuda_devices: set[torch.device] = set()
         self._memh: list[int | None] = []
         self._params: list[ucp.RequestParam] = []

@@ -88,6 +88,8 @@ log = logging.getLogger("kvxfer.transport.ucx")
 
 _REFUSALS = ("outside", "unknown", "ended", "malformed", "refused")  # GrantTable reasons: RejectedWrite
 FENCED = "peer fenced"   # the FAIL a fenced peer's ANNOUNCE gets: flush, then HELLO with a higher epoch
+_MERGED = (Pregrant, Fence, Fenced)   # consecutive ones to a peer in a turn go as one (``_send``)
+MERGE_RIDS = 512   # ids per merged message (joining copies the tuple: bounded, and below MAX_RIDS)
 
 
 def host_identity() -> str:
@@ -187,9 +189,18 @@ class UCXControl:
     _refence: Callable[[Peer], None]
 
     def _send(self, p: Peer, msg: Message) -> None:
-        """Queue a control message; each peer's queue leaves as one tagged message per turn."""
+        """Queue a control message; each peer's queue leaves as one tagged message per turn. A
+        PREGRANT, FENCE or FENCED (not "all") right after one of its kind joins it, up to
+        ``MERGE_RIDS`` ids: the sender answers each FENCE with an endpoint flush and a FENCED, and
+        the receiver sends one per forgotten request (a turn of forgets: one flush, not one each)."""
         if not p.outbox:
             self._acts += 1
+        elif isinstance(msg, _MERGED) and not (isinstance(msg, Fenced) and msg.all):
+            last = p.outbox[-1]
+            same = type(last) is type(msg) and not (isinstance(last, Fenced) and last.all)
+            if same and len(last.rids) + len(msg.rids) <= MERGE_RIDS:
+                p.outbox[-1] = type(msg)(last.rids + msg.rids)
+                return
         p.outbox.append(msg)
 
     def _flush_outboxes(self) -> None:

@@ -10,7 +10,8 @@ Who calls what, when:
 receiver
   ``_pregrant(rid)``  after ``expect`` (a command): PREGRANT(rid) to every connected peer whose
                       HELLO said ``eager`` (it answers FENCEs); ``_pregrants[rid]`` remembers them.
-  ``_fence(rid)``     after ``forget`` (``_drop_request``): FENCE(rid) to each of them.
+  ``_fence(rid)``     after ``forget`` (``_drop_request``): FENCE(rid) to each of them (the
+                      FENCEs of one turn leave as one message: ``UCXControl._send``).
                       ``writes_pending(rid)`` stays True from ``forget`` until each answered
                       FENCED (sent after its endpoint flush: nothing of the request is on its way
                       and nothing more will be), or was proven dead (``_unfence_peer``), or
@@ -32,7 +33,6 @@ stopped a hostile one.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -129,9 +129,8 @@ class UCXEager:
             and o.handle.request_id in p.pregranted
 
     def _start_eager(self, o: Outgoing) -> None:
-        """Put at once; ``_advance`` sends the announce (as DONE) once the flush completed."""
+        """Put at once (``o.announce`` says eager); ``_advance`` sends it (as DONE) once the flush completed."""
         o.eager = True
-        o.announce = dataclasses.replace(o.announce, eager=True)
         self._start_puts(o, 0)
 
     def _on_fence(self, p: Peer, m: Fence) -> None:

@@ -115,6 +115,7 @@ class UCXLifecycle:
     _region_sizes: np.ndarray
     _is_host: np.ndarray
     _host_list: list[bool]
+    _host_views: list
     _all_host: bool
     _cuda_devices: set[torch.device]
     _memh: list[int | None]
@@ -192,6 +193,8 @@ class UCXLifecycle:
         self._cuda_devices = {t.device for t in regions if t.is_cuda}
         self._is_host = np.array([not t.is_cuda for t in regions], bool)
         self._host_list, self._all_host = self._is_host.tolist(), bool(self._is_host.all())
+        # numpy views of host regions (None: CUDA): a few packed runs are read and written through them
+        self._host_views = [None if t.is_cuda else t.numpy() for t in regions]
         self.grants.region_sizes = [t.numel() for t in regions]
 
     def _unmap_all(self) -> None:
@@ -388,7 +391,7 @@ class UCXLifecycle:
         for m in self._memh:
             if m:
                 ucp.mem_unmap(self._ctx.handle, m)
-        self._memh, self._params, self._param_refs, self._regions = [], [], [], []
+        self._memh, self._params, self._param_refs, self._regions, self._host_views = [], [], [], [], []
         # Close endpoints now, without a flush: ucxx's destructor would flush-close them and
         # spin forever on a dead peer (error handling is off).
         for p in self._peers.values():

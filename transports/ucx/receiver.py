@@ -25,7 +25,7 @@ from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from kvxfer.copy import copy_runs
-from kvxfer.plan import Runs
+from kvxfer.plan import FEW_RUNS, Runs
 from kvxfer.transport.base import Arrival
 from kvxfer.transport.kit import peer_reason
 
@@ -61,6 +61,7 @@ class UCXReceiver:
     _base: np.ndarray
     _region_sizes: np.ndarray
     _is_host: np.ndarray
+    _host_views: list   # numpy view of each host region (None: CUDA)
     _all_host: bool
     _cuda_devices: set[torch.device]
     _in: dict[tuple[str, int], Incoming]
@@ -96,13 +97,18 @@ class UCXReceiver:
         # An empty transfer writes nothing: acknowledged whatever its request id (no oracle)
         reason = self.grants.check(rid, reg, off, n, m.cap) if len(n) else None
         # A granted run lies inside the grant: non-negative and below 2**62, so the sums below hold.
-        if reason is None and len(n) and (off + n > self._region_sizes[reg]).any():
+        # A few runs are summed as Python ints (a numpy reduction of one run costs ~1.5 us; 3 here).
+        nl = n.tolist() if reason is None and len(n) <= FEW_RUNS else None
+        if reason is None and len(n) and (
+                any(o + c > self.grants.region_sizes[r] for r, o, c in zip(reg.tolist(), off.tolist(), nl))
+                if nl is not None else (off + n > self._region_sizes[reg]).any()):
             # GrantTable trusts the grant to lie inside the regions; a grant past the end is ours to catch.
             reason = self.grants.reject(rid, "outside region: a granted run ends past its region")
         if reason is None and (p.id, xid) in self._in:
             reason = self.grants.reject(rid, f"malformed header: transfer {xid} announced twice")
         packed = runs[:, nput:]
-        total = int(packed[2].sum()) if reason is None else 0
+        total = 0 if reason is not None else sum(nl[nput:]) if nl is not None else int(packed[2].sum())
+        nbytes = sum(nl) if nl is not None else int(n.sum()) if reason is None else 0
         if reason is None and inline and len(inline) != total:
             reason = self.grants.reject(rid, f"malformed header: {len(inline)} inline bytes for {total} packed")
         if reason is None and m.eager and (len(inline) != total or p.id not in self._pregrants.get(rid, ())):
@@ -124,21 +130,21 @@ class UCXReceiver:
             return self._refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason, quiet)
         if m.eager:   # its puts are flushed (``eager``): checked above, now it is done
             if inline:
-                self._land(tuple(packed), torch.frombuffer(bytearray(inline), dtype=torch.uint8))
-            self._deliver(Arrival(rid, int(n.sum()), True, "", m.notify))
+                self._land_inline(tuple(packed), inline)
+            self._deliver(Arrival(rid, nbytes, True, "", m.notify))
             return self._send(p, Ack(xid))
         staging = None
         if ring:   # frames through the receive ring: cut as the sender cut them (``frames``)
             bounds = cut(packed[2], m.frame_bytes) if m.staged else byte_cut(total, m.frame_bytes)
             staging = StagedFrames(Stream(*packed), bounds, self._rx_ring.device)
-        i = Incoming(p, xid, rid, time.monotonic() + m.timeout, int(n.sum()), m.notify, tuple(packed), staging,
+        i = Incoming(p, xid, rid, time.monotonic() + m.timeout, nbytes, m.notify, tuple(packed), staging,
                      m.frame_bytes, 0 if inline else staging.count if staging else -(-total // m.frame_bytes),
                      puts=nput, cap=m.cap)
         self._open_rids[rid] += 1   # writes_pending until _forget_in (forget() fails it asynchronously)
         self._in[(p.id, xid)] = i
         p.open_in += 1
         if inline:  # checked a moment ago: lands now, with no re-check and no frames
-            self._land(i.packed, torch.frombuffer(bytearray(inline), dtype=torch.uint8))
+            self._land_inline(i.packed, inline)
             i.packed = None
         elif total and not ring:   # frames land in the runs themselves
             addr = self._base[packed[0]] + packed[1]
@@ -244,6 +250,20 @@ class UCXReceiver:
                                               nbytes, np.ones(len(nbytes), bool)))
         for dev in self._cuda_devices:  # "arrived" means in place, not queued on a stream
             torch.cuda.current_stream(dev).synchronize()
+
+    def _land_inline(self, packed: tuple, inline: bytes) -> None:
+        """``_land`` for inline bytes (checked against the grant): a few host runs are written
+        through numpy views (no torch call: ~10 us less per transfer), others by ``_land``."""
+        views = self._host_views
+        if len(packed[2]) <= FEW_RUNS:
+            runs = list(zip(*(a.tolist() for a in packed)))
+            if all(views[r] is not None for r, _, _ in runs):
+                src, pos = memoryview(inline), 0
+                for r, o, c in runs:
+                    views[r][o:o + c] = src[pos:pos + c]
+                    pos += c
+                return
+        self._land(packed, torch.frombuffer(bytearray(inline), dtype=torch.uint8))
 
     def _forget_in(self, i: Incoming) -> None:
         """End ``i`` here. Whatever may still land of it is marked (``_draining``) before it stops

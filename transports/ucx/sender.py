@@ -11,9 +11,9 @@ no put of it is in flight; its frames in flight keep their slots until their sen
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 import functools
 import itertools
+import struct
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -80,6 +80,7 @@ class UCXSender:
     _region_sizes: np.ndarray
     _is_host: np.ndarray
     _host_list: list[bool]
+    _host_views: list   # numpy view of each host region (None: CUDA)
     _all_host: bool
     _param_refs: list
     _flush_param: ucp.RequestParam
@@ -101,15 +102,15 @@ class UCXSender:
         TransportError when it cannot be sent)."""
         if not self._regions and plan.num_runs:
             raise TransportError("register(regions) must be called before submit")
+        inline = b""
         if plan.num_runs <= self.few_runs:   # pregranted (``eager``): small runs are put too, no inline ACK wait
-            puts, runs, nput, packed = self._prepare_few(p, plan, handle.request_id in p.pregranted)
+            puts, runs, nput, packed, inline = self._prepare_few(p, plan, handle.request_id in p.pregranted)
         else:
             puts, runs, nput, packed = self._prepare(p, plan)
         if len(runs) + len(notify) > self.max_control_bytes // 2:
             raise PlanError(f"a plan of {len(runs) // 24} runs does not fit one announce of at most "
                             f"{self.max_control_bytes // 2} bytes: send it in smaller chunks")
         staging = iov = None
-        inline = b""
         if packed is not None:
             sr, so, n = packed
             total = int(n.sum())
@@ -174,30 +175,36 @@ class UCXSender:
 
     def _prepare_few(self, p, plan: TransferPlan, put_all: bool = False) -> tuple:
         """``_prepare`` for a plan of at most ``few_runs`` runs, with Python ints (``put_all``:
-        none packed, whatever its size)."""
+        none packed, whatever its size), and the packed bytes when they go inline from host
+        memory (read through numpy views: no torch call, ~7 us less per transfer)."""
         small = 0 if put_all else self.put_below
         put_runs: list[tuple[int, int, int, int, int]]
         packed_runs: list[tuple[int, int, int, int, int]]
         put_runs, packed_runs, puts, frame = [], [], [], self.frame_bytes
+        ssz, dsz = self.grants.region_sizes, p.sizes_list
         for g in plan.groups:
             for sr, so, dr, do, n in g.run_tuples():
                 if n <= 0:
                     raise PlanError("a run of the plan is empty or negative")
-                for side, sizes, reg, off in (("source", self.grants.region_sizes, sr, so),
-                                              ("destination", p.sizes_list, dr, do)):
-                    if not runs_inside_few(((reg, off, n),), sizes):
-                        raise PlanError(f"a {side} run leaves its region (the {side} has {len(sizes)} regions)")
+                if not runs_inside_few(((sr, so, n),), ssz):
+                    raise PlanError(f"a source run leaves its region (the source has {len(ssz)} regions)")
+                if not runs_inside_few(((dr, do, n),), dsz):
+                    raise PlanError(f"a destination run leaves its region (the destination has {len(dsz)} regions)")
                 (packed_runs if n < small or p.pack_all else put_runs).append((sr, so, dr, do, n))
         for sr, so, dr, do, n in put_runs:
             src, dst = self._base_list[sr] + so, p.base_list[dr] + do
             puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]
-        packed = None
+        packed, inline = None, b""
         if packed_runs:
-            psr, pso, _, _, pn = (np.array(c, np.int64) for c in zip(*packed_runs))
-            packed = (psr, pso, pn)
+            views = self._host_views
+            if sum(r[4] for r in packed_runs) < INLINE_BELOW and all(views[r[0]] is not None for r in packed_runs):
+                inline = b"".join([views[sr][so:so + n] for sr, so, _, _, n in packed_runs])
+            else:
+                psr, pso, _, _, pn = (np.array(c, np.int64) for c in zip(*packed_runs))
+                packed = (psr, pso, pn)
         runs = put_runs + packed_runs
-        return puts, np.array([[r[2] for r in runs], [r[3] for r in runs], [r[4] for r in runs]], _I8).tobytes(), \
-            len(put_runs), packed
+        rows = struct.pack(f"<{3 * len(runs)}q", *[r[2] for r in runs], *[r[3] for r in runs], *[r[4] for r in runs])
+        return puts, rows, len(put_runs), packed, inline
 
     # ---- I/O thread ---------------------------------------------------------------------
     def _start_out(self, o: Outgoing) -> None:
@@ -208,9 +215,10 @@ class UCXSender:
             o.peer.waiting.append(o)
             return
         self._out[o.xid] = o
-        a = o.announce   # relative deadline: clocks differ across hosts
-        o.announce = dataclasses.replace(a, timeout=max(o.handle.deadline - time.monotonic(), 0.0))
-        if self._eager_ok(o):   # pregranted: put now, announce after the flush (``eager``)
+        a, eager = o.announce, self._eager_ok(o)   # relative deadline: clocks differ across hosts
+        o.announce = Announce(a.xid, a.request_id, max(o.handle.deadline - time.monotonic(), 0.0), a.notify, a.runs,
+                              a.nput, a.frame_bytes, a.inline, a.cap, a.staged, eager)   # not replace(): ~3x dearer
+        if eager:   # pregranted: put now, announce after the flush (``eager``)
             return self._start_eager(o)
         self._send(o.peer, o.announce)
         o.state = "wait_go"
