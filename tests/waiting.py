@@ -15,12 +15,20 @@ def until(cond: Callable[[], object], timeout: float, step: float = 0.01) -> boo
     return bool(cond())
 
 
-def arrivals_of(t, rid: str, timeout: float = 10.0) -> list:
-    """The arrivals of request ``rid`` on transport ``t`` (others are drained and dropped), waiting
-    up to ``timeout`` seconds for the first: an arrival is handed over after the turn's control
-    sends, so a sender's handle may succeed a moment before its receiver's arrival is queued."""
-    end = time.monotonic() + timeout
+
+def collect_arrivals(t, enough: Callable[[list], object], timeout: float = 10.0) -> list:
+    """Arrivals on transport ``t``, gathered until ``enough(gathered)`` or ``timeout`` seconds:
+    an arrival is handed over after its turn's control sends, so a sender's handle (or the
+    receiver's own state) may show the end a moment before the arrival is queued."""
+    end, got = time.monotonic() + timeout, []
     while True:
-        got = [a for a in t.arrivals(0.05) if a.request_id == rid]
-        if got or time.monotonic() >= end:
-            return got + [a for a in t.arrivals() if a.request_id == rid]
+        got += t.arrivals(0.05)
+        if enough(got) or time.monotonic() >= end:
+            return got + t.arrivals()
+
+
+def arrivals_of(t, rid: str, timeout: float = 10.0) -> list:
+    """The arrivals of request ``rid`` on transport ``t`` (others are drained and dropped),
+    waiting up to ``timeout`` seconds for the first (see ``collect_arrivals``)."""
+    got = collect_arrivals(t, lambda got: any(a.request_id == rid for a in got), timeout)
+    return [a for a in got if a.request_id == rid]
