@@ -72,6 +72,31 @@ class ByteRanges:
         r = TransferPlan.concat(pieces).runs()
         return cls(r.dst_region, r.dst_offset, r.nbytes)
 
+    def __len__(self) -> int:
+        """How many merged intervals."""
+        return len(self._starts)
+
+    def packed(self) -> bytes:
+        """The merged intervals as little-endian int64 ``(start, end)`` pairs on the one axis of
+        all regions (what a PREGRANT carries; ``from_packed`` reads it back)."""
+        return np.stack([self._starts, self._ends], 1).astype("<i8", copy=False).tobytes()
+
+    @classmethod
+    def from_packed(cls, buf: bytes) -> "ByteRanges":
+        """``packed()`` bytes from a peer: ValueError unless they are ``(start, end)`` pairs with
+        ``0 <= start < end``, each interval in one region, starts increasing (as ``packed`` makes)."""
+        if type(buf) is not bytes or len(buf) % 16:
+            raise ValueError("byte ranges are not int64 (start, end) pairs")
+        pairs = np.frombuffer(buf, "<i8").reshape(-1, 2).astype(np.int64)
+        s, e = pairs[:, 0], pairs[:, 1]
+        if len(s) and not ((s >= 0).all() and (e > s).all() and (e <= MAX_OFFSET).all()
+                           and ((s >> _REGION_BITS) == ((e - 1) >> _REGION_BITS)).all() and (s[1:] > s[:-1]).all()):
+            raise ValueError("byte ranges are not sorted, each inside one region")
+        out = cls.__new__(cls)
+        out._starts, out._ends, out._lists = s, e, None
+        out.nbytes = int((e - s).sum())
+        return out
+
     def intervals(self, region: int) -> tuple[np.ndarray, np.ndarray]:
         """``(starts, ends)`` of the merged intervals in ``region``."""
         lo, hi = np.searchsorted(self._starts, [region << _REGION_BITS, (region + 1) << _REGION_BITS])
@@ -236,6 +261,11 @@ class GrantTable:
         with self._lock:
             self.bad_capability += 1
         return False
+
+    def ranges_of(self, request_id: str) -> ByteRanges | None:
+        """The live grant of ``request_id`` (None: none), to tell its sender what it may write."""
+        with self._lock:
+            return self._grants.get(request_id)
 
     def live(self) -> int:
         with self._lock:

@@ -26,8 +26,9 @@ ucx control      (transports/ucx.py)
     HELLO [0, worker address], ANNOUNCE [1, xid, rid, timeout, notify, runs, nput, frame_bytes,
     inline], GO [2, xid, dtag], DONE [3, xid], ACK [4, xid], FAIL [5, xid, why],
     ABORT [6, xid, why], PING [7], BYE [8]; eager writes: HELLO's 9th field 1 (it answers FENCEs),
-    PREGRANT [9, [rid, ...]], FENCE [10, [rid, ...]], FENCED [11, [rid, ...], all 0/1], and an
-    ANNOUNCE with 12 fields whose last is 1 (eager: its puts are done).
+    PREGRANT [9, [rid, ...], [packed ranges, ...]], FENCE [10, [rid, ...]],
+    FENCED [11, [rid, ...], all 0/1], and an ANNOUNCE with 12 fields whose last is 1 (eager: its
+    puts are done).
 """
 from __future__ import annotations
 

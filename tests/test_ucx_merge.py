@@ -44,7 +44,8 @@ def test_consecutive_id_messages_join(pair):
         p = tx._peers[pid]
         p.outbox = []
         for m in (Fence(("a",)), Fence(("b",)), Ping(), Fence(("c",)), Fenced((), True), Fenced(("x",)),
-                  Fenced(("y",)), Fenced((), True), Pregrant(tuple(map(str, range(MERGE_RIDS)))), Pregrant(("z",))):
+                  Fenced(("y",)), Fenced((), True), Pregrant(tuple(map(str, range(MERGE_RIDS))), (b"",) * MERGE_RIDS),
+                  Pregrant(("z",), (b"",))):
             tx._send(p, m)
         out, p.outbox = p.outbox, []
         return out

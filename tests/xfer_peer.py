@@ -257,8 +257,12 @@ class Peer:
         return {"rids": self.t._call(lambda: list(self.t._peers[peer].pregranted))}
 
     def op_pregrant(self, peer: str, request_id: str):
-        """UCX: behave as if ``peer`` pregranted ``request_id`` (a buggy sender)."""
-        self.t._call(lambda: self.t._peers[peer].pregranted.__setitem__(request_id, None))
+        """UCX: behave as if ``peer`` pregranted ``request_id``, all of its memory (a buggy sender)."""
+        from kvxfer.grant import ByteRanges
+        p = self.t._peers[peer]
+        sizes = np.asarray(p.sizes, np.int64)
+        everything = ByteRanges(np.arange(len(sizes)), np.zeros(len(sizes), np.int64), sizes)
+        self.t._call(lambda: p.pregranted.__setitem__(request_id, everything))
 
     def op_fencing(self):
         return {"fencing": self.t.fencing()}

@@ -37,7 +37,7 @@ heartbeats), ``fencing``, ``eager`` (pregrants, FENCEs), ``settings`` (threshold
 contract, the I/O loop).
 
 Trust model: R checks every announced run before it answers GO, so an honest sender (even one
-with a wrong plan) never writes outside a grant (``eager_writes``: caught once it landed). A
+with a wrong plan) never writes outside a grant (``eager_writes``: S checks its PREGRANT's ranges). A
 *malicious* peer holding the rkeys of our ``descriptor()`` can put anywhere inside the regions
 given to ``register()`` (nothing else) without announcing: give descriptors only to peers
 trusted with the whole pool, as with NIXL or any RDMA transport. Control batches carry a
@@ -149,9 +149,9 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
                   UCX_TLS without shared memory; measured faster over TCP), "always", "never"
                   (UCX iovs read in place). A host receiver takes staged frames into its receive
                   ring, except with "never" (in place).
-    eager_writes  receiver: pregrant each expected request to the connected peers, which then put
-                  at once, without the ANNOUNCE/GO round trip, and succeed once their puts are
-                  flushed; the announce follows as DONE and is checked then (``eager``). Memory
+    eager_writes  receiver: pregrant each expected request (and its ranges) to the connected peers,
+                  which then put inside them at once, without the ANNOUNCE/GO round trip, and succeed
+                  once their puts are flushed; the announce follows as DONE and is checked then (``eager``). Memory
                   of a forgotten request waits for every pregranted peer's FENCED. Off: every
                   transfer is checked before a byte is put.
     put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)

@@ -90,6 +90,7 @@ _REFUSALS = ("outside", "unknown", "ended", "malformed", "refused")  # GrantTabl
 FENCED = "peer fenced"   # the FAIL a fenced peer's ANNOUNCE gets: flush, then HELLO with a higher epoch
 _MERGED = (Pregrant, Fence, Fenced)   # consecutive ones to a peer in a turn go as one (``_send``)
 MERGE_RIDS = 512   # ids per merged message (joining copies the tuple: bounded, and below MAX_RIDS)
+MERGE_GRANT_BYTES = 1 << 20   # PREGRANTs join while their grants stay this small (one may be MAX_PREGRANT_BYTES)
 
 
 def host_identity() -> str:
@@ -199,8 +200,12 @@ class UCXControl:
             last = p.outbox[-1]
             same = type(last) is type(msg) and not (isinstance(last, Fenced) and last.all)
             if same and len(last.rids) + len(msg.rids) <= MERGE_RIDS:
-                p.outbox[-1] = type(msg)(last.rids + msg.rids)
-                return
+                if not isinstance(msg, Pregrant):
+                    p.outbox[-1] = type(msg)(last.rids + msg.rids)
+                    return
+                if sum(map(len, last.grants)) + sum(map(len, msg.grants)) <= MERGE_GRANT_BYTES:
+                    p.outbox[-1] = Pregrant(last.rids + msg.rids, last.grants + msg.grants)
+                    return
         p.outbox.append(msg)
 
     def _flush_outboxes(self) -> None:

@@ -8,8 +8,10 @@ Opt-in on the receiving side (``UCXTransport(eager_writes=True)``); ``UCXEager``
 Who calls what, when:
 
 receiver
-  ``_pregrant(rid)``  after ``expect`` (a command): PREGRANT(rid) to every connected peer whose
-                      HELLO said ``eager`` (it answers FENCEs); ``_pregrants[rid]`` remembers them.
+  ``_pregrant(rid)``  after ``expect`` (a command): PREGRANT(rid, its granted ranges) to every
+                      connected peer whose HELLO said ``eager`` (it answers FENCEs);
+                      ``_pregrants[rid]`` remembers them. A grant of more than
+                      ``MAX_PREGRANT_BYTES // 16`` intervals is not pregranted (announced, GO).
   ``_fence(rid)``     after ``forget`` (``_drop_request``): FENCE(rid) to each of them (the
                       FENCEs of one turn leave as one message: ``UCXControl._send``).
                       ``writes_pending(rid)`` stays True from ``forget`` until each answered
@@ -18,35 +20,46 @@ receiver
                       ``quarantine_timeout`` passed. A silent one is asked again when it
                       re-handshakes (``_refence``): silence is not death.
 sender
-  ``_on_pregrant``    remembers the ids (bounded: one it forgot only costs the round trip).
-  ``_eager_ok(o)``    at ``_start_out``: the request is pregranted, the transfer has puts and
-                      inline bytes only (no frames: they need GO's data tag), no re-handshake runs.
+  ``_on_pregrant``    remembers the ids and their ranges (bounded: ``MAX_PREGRANTED`` ids and
+                      ``MAX_PREGRANTED_BYTES``; one it forgot only costs the round trip).
+  ``_eager_ok(o)``    at ``_start_out``: the request is pregranted, every run of the transfer lies
+                      in its pregranted ranges, it has puts and inline bytes only (no frames: they
+                      need GO's data tag), no re-handshake runs. A transfer with a run outside is
+                      announced and waits for GO, as without: the receiver refuses it before a
+                      byte is put.
   ``_on_fence``       forgets the ids, fails their eager transfers still flushing, flushes the
                       endpoint, then FENCED (``_check_fence_flushes``).
 
 Why the receiver's answer is not waited for: the put's flush is remote completion (the bytes
-are in the receiver's memory); the receiver still refuses an announce outside the grant or of an
-ended request (counted), and its own arrival is what the decode side acts on. A peer holding
-rkeys can write any registered byte anyway: the check catches an honest sender's bug, it never
-stopped a hostile one.
+are in the receiver's memory); the sender put only inside the grant the receiver sent it, and
+the receiver still refuses an announce outside the grant or of an ended request (counted); its
+own arrival is what the decode side acts on. So an honest sender with a wrong plan never writes
+outside a grant here either. A peer holding rkeys can write any registered byte anyway: the
+checks catch an honest sender's bug, they never stopped a hostile one.
 """
 from __future__ import annotations
 
 import ctypes
+import struct
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from kvxfer.errors import RejectedWrite
+from kvxfer.grant import ByteRanges, GrantTable
 
 from . import bindings as ucp
-from .protocol import Fence, Fenced, Pregrant
+from .protocol import MAX_PREGRANT_BYTES, Fence, Fenced, Pregrant
 from .state import Outgoing, Peer
 
 if TYPE_CHECKING:
     from .protocol import Message
 
 MAX_PREGRANTED = 1 << 16   # request ids a sender remembers per receiver (the oldest is forgotten first)
+MAX_PREGRANTED_BYTES = 64 << 20   # and the memory their ranges may take, per receiver
+INTERVAL_COST = 96   # bytes an interval of a remembered grant may take (arrays, and Python ints once checked)
 
 
 class UCXEager:
@@ -54,6 +67,8 @@ class UCXEager:
 
     # Declared for the type checker only (set in ``UCXTransport.__init__`` or by the other halves).
     eager_writes: bool
+    grants: GrantTable
+    few_runs: int
     _peers: dict[str, Peer]
     _out: dict[int, Outgoing]
     _holding: list
@@ -71,11 +86,13 @@ class UCXEager:
     def _pregrant(self, rid: str) -> None:
         ids = {p.id for p in self._peers.values()
                if p.sends_eager and p.bye_at is None and not (p.closing or p.fenced or p.gone)}
-        if not ids:
-            return
+        ranges = self.grants.ranges_of(rid)
+        if not ids or ranges is None or len(ranges) * 16 > MAX_PREGRANT_BYTES:
+            return   # forgotten meanwhile, or too large a grant to send: announced, GO
         self._pregrants.setdefault(rid, set()).update(ids)
+        msg = Pregrant((rid,), (ranges.packed(),))
         for pid in ids:
-            self._send(self._peers[pid], Pregrant((rid,)))
+            self._send(self._peers[pid], msg)
 
     def _fence(self, rid: str) -> None:
         """``rid`` was forgotten: each peer it was pregranted to must say FENCED before its memory goes."""
@@ -117,16 +134,34 @@ class UCXEager:
 
     # ---- sender --------------------------------------------------------------------------
     def _on_pregrant(self, p: Peer, m: Pregrant) -> None:
-        for rid in m.rids:
-            p.pregranted[rid] = None
-        while len(p.pregranted) > MAX_PREGRANTED:
-            p.pregranted.pop(next(iter(p.pregranted)))
+        for rid, packed in zip(m.rids, m.grants):
+            try:
+                ranges = ByteRanges.from_packed(packed)
+            except ValueError as e:
+                self.grants.reject(rid, f"malformed message: a PREGRANT's grant: {e}")
+                continue
+            if (old := p.pregranted.pop(rid, None)) is not None:
+                p.pregranted_bytes -= len(old) * INTERVAL_COST
+            p.pregranted[rid] = ranges
+            p.pregranted_bytes += len(ranges) * INTERVAL_COST
+        while len(p.pregranted) > MAX_PREGRANTED or p.pregranted_bytes > MAX_PREGRANTED_BYTES:
+            p.pregranted_bytes -= len(p.pregranted.pop(next(iter(p.pregranted)))) * INTERVAL_COST
         p.fence_answers = True
 
     def _eager_ok(self, o: Outgoing) -> bool:
+        """Put ``o`` at once? Only inside the grant its receiver pregranted (see the docstring)."""
         p = o.peer
-        return bool(o.puts) and o.iov is None and o.staging is None and p.rehello is None and not p.gone \
-            and o.handle.request_id in p.pregranted
+        if not (o.puts and o.iov is None and o.staging is None and p.rehello is None and not p.gone):
+            return False
+        if (ranges := p.pregranted.get(o.handle.request_id)) is None:
+            return False
+        a = o.announce
+        n = len(a.runs) // 24
+        if n <= self.few_runs:   # Python ints: a few bisects instead of ~20 numpy calls
+            rows = struct.unpack(f"<{3 * n}q", a.runs)
+            return all(ranges.covers_run(rows[i], rows[n + i], rows[2 * n + i]) for i in range(n))
+        region, offset, nbytes = np.frombuffer(a.runs, "<i8").reshape(3, n)
+        return bool(ranges.covers(region, offset, nbytes).all())
 
     def _start_eager(self, o: Outgoing) -> None:
         """Put at once (``o.announce`` says eager); ``_advance`` sends it (as DONE) once the flush completed."""
@@ -136,7 +171,8 @@ class UCXEager:
     def _on_fence(self, p: Peer, m: Fence) -> None:
         rids = set(m.rids)
         for rid in rids:
-            p.pregranted.pop(rid, None)
+            if (old := p.pregranted.pop(rid, None)) is not None:
+                p.pregranted_bytes -= len(old) * INTERVAL_COST
         for o in [o for o in self._out.values() if o.peer is p and o.eager and o.state == "flushing"
                   and o.handle.request_id in rids]:
             self._fail_out(o, RejectedWrite(f"request {o.handle.request_id}: the receiver ended the request"))

@@ -42,6 +42,7 @@ SECRET_BYTES = 16
 MAX_CAPABILITY = 64        # bytes of a grant capability (kvxfer.grant.MAX_CAPABILITY)
 MAX_HOST = 256             # characters of a host identity
 MAX_RIDS = 4096            # request ids in one PREGRANT, FENCE or FENCED
+MAX_PREGRANT_BYTES = 1 << 20   # of one request's granted ranges in a PREGRANT (65,536 intervals)
 RUN_BYTES = 24
 _I8 = np.dtype("<i8")
 
@@ -149,11 +150,18 @@ class Abort:
 @dataclass(frozen=True, slots=True)
 class Pregrant:
     """Receiver -> sender: it may put into these requests' grants without an ANNOUNCE/GO round
-    trip (``eager``). Sent only to a peer whose HELLO said ``eager``."""
+    trip (``eager``), and what each grant is: ``grants[i]``, ``ByteRanges.packed()`` of
+    ``rids[i]``, which the sender checks its runs against before it puts. Sent only to a peer
+    whose HELLO said ``eager``."""
     rids: tuple[str, ...]
+    grants: tuple[bytes, ...]
+
+    def __post_init__(self):
+        if len(self.rids) != len(self.grants):
+            raise ValueError("a PREGRANT carries one grant per request id")
 
     def wire(self) -> list:
-        return [PREGRANT, list(self.rids)]
+        return [PREGRANT, list(self.rids), list(self.grants)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,7 +243,7 @@ def _str(v, limit: int, what: str) -> str:
 # Lengths a message may have: HELLO and ANNOUNCE without their newer fields are kvxfer's
 # older wire (epoch 0, no identity; no capability, which a grant with one refuses).
 _SIZES = {HELLO: (3, 7, 8, 9), ANNOUNCE: (9, 10, 11, 12), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,),
-          PING: (1,), BYE: (1,), PREGRANT: (2,), FENCE: (2,), FENCED: (3,)}
+          PING: (1,), BYE: (1,), PREGRANT: (3,), FENCE: (2,), FENCED: (3,)}
 
 
 def _rids(v) -> tuple[str, ...]:
@@ -263,7 +271,13 @@ def parse_message(m, limit: int) -> Message:
         if kind == BYE:
             return Bye()
         if kind == PREGRANT:
-            return Pregrant(_rids(m[1]))
+            rids, grants = _rids(m[1]), m[2]
+            if type(grants) is not list or len(grants) != len(rids):
+                raise ValueError("grants are not a list of one per request id")
+            grants = tuple(_bytes(g, MAX_PREGRANT_BYTES, "grant") for g in grants)
+            if any(len(g) % 16 for g in grants):
+                raise ValueError("a grant is not int64 (start, end) pairs")
+            return Pregrant(rids, grants)
         if kind == FENCE:
             return Fence(_rids(m[1]))
         if kind == FENCED:

@@ -58,7 +58,8 @@ class Peer:
     closing_since: float = 0.0
     # eager writes (``eager``)
     sends_eager: bool = False        # receiver: its HELLO said it takes PREGRANTs and answers FENCEs
-    pregranted: dict = field(default_factory=dict)     # sender: request ids it may put to at once (ordered)
+    pregranted: dict = field(default_factory=dict)     # sender: request id -> ByteRanges it may put to now (ordered)
+    pregranted_bytes: int = 0        # sender: what those take (``eager.INTERVAL_COST`` an interval)
     fence_flushes: list = field(default_factory=list)  # sender: (flush, request ids) to answer FENCED after
     fence_answers: bool = False      # sender: it pregranted us once: tell it FENCED-all when we close
 

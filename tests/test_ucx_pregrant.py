@@ -1,0 +1,199 @@
+"""A PREGRANT carries the request's granted ranges, and a UCX sender puts eagerly only inside
+them (``transports/ucx/eager.py``): a transfer with a run outside is announced and refused
+before a byte is put, as without eager writes. Also: the ranges' wire form and its checks, the
+sender's memory bound for what it was pregranted, grants too large to send, and PREGRANTs that
+join. On an in-process pair of real UCX transports; every transfer's bytes are checked, and
+every byte outside what it may write keeps the canary."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ucxx")
+
+from waiting import arrivals_of, until  # noqa: E402
+
+from kvxfer.grant import ByteRanges  # noqa: E402
+from kvxfer.plan import RunGroup, TransferPlan  # noqa: E402
+from kvxfer.transport.registry import get_transport  # noqa: E402
+
+KiB, MiB = 1 << 10, 1 << 20
+POOL = 4 * MiB
+CANARY = 0xA5
+OPTS = {"heartbeat": 0.2, "peer_timeout": 30.0, "eager_writes": True}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    rx, tx = get_transport("ucx", **OPTS), get_transport("ucx", **OPTS)
+    src = torch.randint(0, 256, (POOL,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    dst = torch.full((POOL,), CANARY, dtype=torch.uint8)
+    rx.register([dst])
+    tx.register([src])
+    pid = tx.connect(rx.descriptor())
+    sent: list[str] = []
+    orig = rx._send
+    rx._send = lambda p, m: (sent.append(type(m).__name__), orig(p, m))[1]   # what the receiver sends
+    yield rx, tx, pid, src, dst, sent
+    tx.close()
+    rx.close()
+
+
+def grant(offs, n) -> ByteRanges:
+    offs, n = np.asarray(offs, np.int64), np.asarray(n, np.int64)
+    return ByteRanges(np.zeros(len(offs), np.int64), offs, n)
+
+
+def plan(src_offs, dst_offs, n) -> TransferPlan:
+    s, d, k = (np.asarray(x, np.int64) for x in (src_offs, dst_offs, n))
+    z = np.zeros(len(k), np.int64)
+    return TransferPlan((RunGroup(z, z, z, z, s, d, k, False),))
+
+
+def pregranted(tx, pid, rid) -> None:
+    assert until(lambda: rid in tx._peers[pid].pregranted, 10.0), "no PREGRANT reached the sender"
+
+
+def reset(dst) -> None:
+    dst.fill_(CANARY)
+
+
+def test_ranges_round_trip_and_refuse_what_packed_never_makes():
+    r = ByteRanges(np.array([0, 0, 1, 0]), np.array([4096, 0, 64, 8192]), np.array([4096, 100, 16, 1]))
+    back = ByteRanges.from_packed(r.packed())
+    assert len(back) == len(r) == 3 and back.nbytes == r.nbytes   # [0, 100) and [4096, 8193) in 0, one in 1
+    for run in ((0, 0, 100), (0, 4096, 4097), (1, 64, 16), (0, 100, 1), (1, 60, 8), (2, 0, 1)):
+        assert back.covers_run(*run) == r.covers_run(*run), run
+    one = np.array([[0, 10]], "<i8")
+    for bad in (b"x" * 15, np.array([[10, 10]], "<i8").tobytes(), np.array([[-1, 10]], "<i8").tobytes(),
+                np.array([[20, 30], [0, 10]], "<i8").tobytes(),                   # not sorted
+                np.array([[(1 << 40) - 1, (1 << 40) + 1]], "<i8").tobytes(),        # crosses into region 1
+                np.array([[0, (1 << 62) + 1]], "<i8").tobytes()):
+        with pytest.raises(ValueError):
+            ByteRanges.from_packed(bad)
+    assert ByteRanges.from_packed(one.tobytes()).covers_run(0, 0, 10)
+    assert len(ByteRanges.from_packed(b"")) == 0
+
+
+def test_pregrant_wire_is_checked():
+    from kvxfer_transports.ucx.protocol import MAX_PREGRANT_BYTES, PREGRANT, Malformed, Pregrant, parse_message
+    ok = parse_message([PREGRANT, ["a", "b"], [b"", b"\0" * 16]], 1 << 20)
+    assert ok == Pregrant(("a", "b"), (b"", b"\0" * 16))
+    for bad in ([PREGRANT, ["a"]], [PREGRANT, ["a"], []], [PREGRANT, ["a"], ["x" * 16]], [PREGRANT, ["a"], b""],
+                [PREGRANT, ["a"], [b"\0" * 15]], [PREGRANT, ["a"], [b"\0" * (MAX_PREGRANT_BYTES + 16)]]):
+        with pytest.raises(Malformed):
+            parse_message(bad, 1 << 30)
+    with pytest.raises(ValueError):
+        Pregrant(("a",), ())
+
+
+@pytest.mark.parametrize("runs", [2, 40], ids=["few runs", "many runs"])
+def test_eager_puts_stay_inside_the_pregranted_ranges(pair, runs):
+    """A sender whose plan has a run outside the grant does not put it eagerly: it announces,
+    the receiver refuses before GO, and no byte anywhere changes (the in-grant runs neither).
+    Plans of up to ``few_runs`` runs are checked with Python ints, longer ones with arrays."""
+    rx, tx, pid, src, dst, sent = pair
+    reset(dst)
+    rid = f"out.{runs}"
+    offs = np.arange(runs) * 64 * KiB
+    rx.expect(rid, grant(offs[:-1], np.full(runs - 1, 32 * KiB)))   # the last run is not granted
+    pregranted(tx, pid, rid)
+    del sent[:]
+    h = tx.submit(pid, rid, plan(offs, offs, np.full(runs, 32 * KiB)), timeout=10)
+    assert not h.wait(10) and "refused" in str(h.error), h.error   # in no-oracle words
+    (a,) = arrivals_of(rx, rid)
+    assert not a.ok and a.reason.startswith("outside grant"), a
+    assert (dst.numpy() == CANARY).all(), "an eager put landed outside (or before the check of) its grant"
+    assert "Go" not in sent
+    rx.forget(rid)
+
+
+def test_eager_transfer_inside_the_ranges_needs_no_go_and_is_exact(pair):
+    rx, tx, pid, src, dst, sent = pair
+    reset(dst)
+    offs = np.arange(8) * 256 * KiB + 4 * KiB   # 8 granted runs, apart
+    rx.expect("in.1", grant(offs, np.full(8, 64 * KiB)))
+    pregranted(tx, pid, "in.1")
+    del sent[:]
+    so = offs[::-1] + 128 * KiB
+    h = tx.submit(pid, "in.1", plan(so, offs, np.full(8, 64 * KiB)), timeout=10)
+    assert h.wait(10), h.error
+    (a,) = arrivals_of(rx, "in.1")
+    assert a.ok, a
+    assert "Go" not in sent, sent   # it went eager: no ANNOUNCE/GO round trip
+    want = np.full(POOL, CANARY, np.uint8)
+    for s, d in zip(so.tolist(), offs.tolist()):
+        want[d:d + 64 * KiB] = src.numpy()[s:s + 64 * KiB]
+    assert np.array_equal(dst.numpy(), want)
+    rx.forget("in.1")
+
+
+def test_grant_too_large_to_send_is_announced_and_exact(pair, monkeypatch):
+    """A grant of more intervals than a PREGRANT carries is not pregranted: its transfer goes
+    through ANNOUNCE/GO and lands exactly."""
+    from kvxfer_transports.ucx import eager
+    rx, tx, pid, src, dst, sent = pair
+    reset(dst)
+    monkeypatch.setattr(eager, "MAX_PREGRANT_BYTES", 16 * 16)   # 16 intervals at most
+    offs = np.arange(17) * 8 * KiB
+    rx.expect("big.1", grant(offs, np.full(17, 4 * KiB)))
+    rx.expect("small.1", grant([1 * MiB], [4 * KiB]))   # after it: its PREGRANT shows big.1's was handled
+    pregranted(tx, pid, "small.1")
+    assert "big.1" not in tx._peers[pid].pregranted
+    del sent[:]
+    h = tx.submit(pid, "big.1", plan(offs + 2 * MiB, offs, np.full(17, 4 * KiB)), timeout=10)
+    assert h.wait(10), h.error
+    assert arrivals_of(rx, "big.1")[0].ok
+    assert "Go" in sent, sent
+    want = np.full(POOL, CANARY, np.uint8)
+    for o in offs.tolist():
+        want[o:o + 4 * KiB] = src.numpy()[o + 2 * MiB:o + 2 * MiB + 4 * KiB]
+    assert np.array_equal(dst.numpy(), want)
+    rx.forget("big.1")
+    rx.forget("small.1")
+
+
+def test_sender_bounds_what_it_remembers_and_refuses_bad_ranges(pair, monkeypatch):
+    from kvxfer_transports.ucx import eager
+    from kvxfer_transports.ucx.protocol import Pregrant
+    rx, tx, pid, *_ = pair
+    monkeypatch.setattr(eager, "MAX_PREGRANTED_BYTES", 100 * eager.INTERVAL_COST)
+    ten = np.stack([np.arange(10) * 100, np.arange(10) * 100 + 10], 1).astype("<i8").tobytes()
+    bad = np.array([[50, 60], [0, 10]], "<i8").tobytes()
+    before = tx.grants.rejected["malformed message"]
+
+    def feed():
+        p = tx._peers[pid]
+        for k in range(30):
+            tx._on_pregrant(p, Pregrant((f"b{k}",), (ten,)))
+        tx._on_pregrant(p, Pregrant(("bad",), (bad,)))
+        return list(p.pregranted), p.pregranted_bytes
+
+    ids, used = tx._call(feed)
+    assert used <= 100 * eager.INTERVAL_COST and used == sum(len(tx._peers[pid].pregranted[r]) for r in ids) * 96
+    assert [r for r in ids if r.startswith("b")][-10:] == [f"b{k}" for k in range(20, 30)]   # the newest kept
+    assert "bad" not in ids and tx.grants.rejected["malformed message"] == before + 1
+    tx._call(lambda: tx._on_fence(tx._peers[pid], __import__("kvxfer_transports.ucx.protocol",
+                                                                  fromlist=["Fence"]).Fence(tuple(ids))))
+    assert tx._call(lambda: tx._peers[pid].pregranted_bytes) == 0
+
+
+def test_pregrants_join_within_the_byte_bound(pair):
+    from kvxfer_transports.ucx.control import MERGE_GRANT_BYTES
+    from kvxfer_transports.ucx.protocol import Ping, Pregrant
+    rx, tx, pid, *_ = pair
+    half = b"\0" * (MERGE_GRANT_BYTES // 2)
+
+    def sends():   # on the I/O thread, inside one turn; the outbox is read and emptied before it leaves
+        p = tx._peers[pid]
+        p.outbox = []
+        for m in (Pregrant(("a",), (half,)), Pregrant(("b",), (half,)), Pregrant(("c",), (b"\0" * 16,)), Ping(),
+                  Pregrant(("d",), (b"",)), Pregrant(("e",), (b"\0" * 32,))):
+            tx._send(p, m)
+        out, p.outbox = p.outbox, []
+        return out
+
+    out = tx._call(sends)
+    assert [m.rids for m in out[:2]] == [("a", "b"), ("c",)] and out[0].grants == (half, half)
+    assert out[3].rids == ("d", "e") and out[3].grants == (b"", b"\0" * 32)
