@@ -11,6 +11,7 @@ import bisect
 import enum
 import hmac
 import logging
+import struct
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -36,6 +37,9 @@ _FEW_INTERVALS = 4096   # grants up to this many intervals also keep them as Pyt
 
 
 _SORT_KEYS_ABOVE = 4096  # covers() sorts more runs than this before searching
+
+
+_FEW_PACKED = 32         # packed() / from_packed() of at most this many intervals use Python ints
 
 
 _SPAN_GROUP = 16          # covers() first checks groups of this many neighbouring runs as one span
@@ -79,6 +83,11 @@ class ByteRanges:
     def packed(self) -> bytes:
         """The merged intervals as little-endian int64 ``(start, end)`` pairs on the one axis of
         all regions (what a PREGRANT carries; ``from_packed`` reads it back)."""
+        n = len(self._starts)
+        if n <= _FEW_PACKED:   # struct on ints: ~1 us instead of ~8 for one interval
+            pairs = [0] * (2 * n)
+            pairs[0::2], pairs[1::2] = self._starts.tolist(), self._ends.tolist()
+            return struct.pack(f"<{2 * n}q", *pairs)
         return np.stack([self._starts, self._ends], 1).astype("<i8", copy=False).tobytes()
 
     @classmethod
@@ -87,14 +96,23 @@ class ByteRanges:
         ``0 <= start < end``, each interval in one region, starts increasing (as ``packed`` makes)."""
         if type(buf) is not bytes or len(buf) % 16:
             raise ValueError("byte ranges are not int64 (start, end) pairs")
-        pairs = np.frombuffer(buf, "<i8").reshape(-1, 2).astype(np.int64)
-        s, e = pairs[:, 0], pairs[:, 1]
-        if len(s) and not ((s >= 0).all() and (e > s).all() and (e <= MAX_OFFSET).all()
-                           and ((s >> _REGION_BITS) == ((e - 1) >> _REGION_BITS)).all() and (s[1:] > s[:-1]).all()):
-            raise ValueError("byte ranges are not sorted, each inside one region")
         out = cls.__new__(cls)
-        out._starts, out._ends, out._lists = s, e, None
-        out.nbytes = int((e - s).sum())
+        if len(buf) <= 16 * _FEW_PACKED:   # a few: checked as Python ints (~4 us instead of ~35 for one)
+            v = struct.unpack(f"<{len(buf) // 8}q", buf)
+            s, e = v[0::2], v[1::2]
+            if not (all(0 <= a < b <= MAX_OFFSET and a >> _REGION_BITS == (b - 1) >> _REGION_BITS
+                        for a, b in zip(s, e)) and all(a < b for a, b in zip(s, s[1:]))):
+                raise ValueError("byte ranges are not sorted, each inside one region")
+            out._starts, out._ends = np.array(s, np.int64), np.array(e, np.int64)
+            out._lists, out.nbytes = (list(s), list(e)), sum(e) - sum(s)
+            return out
+        pairs = np.frombuffer(buf, "<i8").reshape(-1, 2).astype(np.int64)
+        lo, hi = pairs[:, 0], pairs[:, 1]
+        if not ((lo >= 0).all() and (hi > lo).all() and (hi <= MAX_OFFSET).all()
+                and ((lo >> _REGION_BITS) == ((hi - 1) >> _REGION_BITS)).all() and (lo[1:] > lo[:-1]).all()):
+            raise ValueError("byte ranges are not sorted, each inside one region")
+        out._starts, out._ends, out._lists = lo, hi, None
+        out.nbytes = int((hi - lo).sum())
         return out
 
     def intervals(self, region: int) -> tuple[np.ndarray, np.ndarray]:

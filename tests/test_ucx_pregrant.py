@@ -76,6 +76,27 @@ def test_ranges_round_trip_and_refuse_what_packed_never_makes():
     assert len(ByteRanges.from_packed(b"")) == 0
 
 
+def test_many_ranges_take_the_array_path_with_the_same_checks():
+    starts = np.arange(40, dtype=np.int64) * 1000
+    good = np.stack([starts, starts + 100], 1).astype("<i8")
+    back = ByteRanges.from_packed(good.tobytes())
+    assert len(back) == 40 and back.nbytes == 4000 and back.packed() == good.tobytes()
+    assert back.covers(np.zeros(3, np.int64), np.array([0, 1000, 150]), np.array([100, 50, 10])).tolist() == \
+        [True, True, False]
+    for defect in ("swap", "empty", "negative", "crosses"):
+        bad = good.copy()
+        if defect == "swap":
+            bad[[3, 4]] = bad[[4, 3]]
+        elif defect == "empty":
+            bad[7, 1] = bad[7, 0]
+        elif defect == "negative":
+            bad[0, 0] = -1
+        else:
+            bad[-1] = [(1 << 40) - 10, (1 << 40) + 10]
+        with pytest.raises(ValueError):
+            ByteRanges.from_packed(bad.tobytes())
+
+
 def test_pregrant_wire_is_checked():
     from kvxfer_transports.ucx.protocol import MAX_PREGRANT_BYTES, PREGRANT, Malformed, Pregrant, parse_message
     ok = parse_message([PREGRANT, ["a", "b"], [b"", b"\0" * 16]], 1 << 20)
