@@ -46,6 +46,7 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 TOKEN, SWA, STATE = "token", "swa", "state"
+_INT64, _MIN, _MAX = np.dtype(np.int64), np.minimum.reduce, np.maximum.reduce   # check_slots, per request
 
 
 def dtype_size(dtype: str) -> int:
@@ -193,15 +194,16 @@ class Layout:
         """Return ``slots`` as int64, or raise naming the first bad value. ``distinct``: also
         refuse a slot named twice (two tokens written into one slot: one of them is lost)."""
         sp = self.space(space)
-        arr = np.asarray(slots)
+        arr = slots if type(slots) is np.ndarray else np.asarray(slots)
         if arr.ndim != 1:   # messages are formatted only on failure: this runs per request
             raise LayoutError(f"{what} for space {space!r} must be 1-D, got shape {arr.shape}")
         if arr.size == 0:
             return arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise LayoutError(f"{what} must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
-        if arr.min() < sp.page_size or arr.max() >= sp.num_slots:
+        if arr.dtype != _INT64:   # (int64, the planner's slots: no conversion, no copy)
+            if arr.dtype.kind not in "iu":
+                raise LayoutError(f"{what} must be integers, got dtype {arr.dtype}")
+            arr = arr.astype(np.int64, copy=False)
+        if _MIN(arr) < sp.page_size or _MAX(arr) >= sp.num_slots:   # (ndarray.min: a Python frame more)
             bad = (arr < sp.page_size) | (arr >= sp.num_slots)
             i = int(np.argmax(bad))
             where = "in the padding page" if 0 <= arr[i] < sp.page_size else "out of range"
