@@ -46,7 +46,6 @@ DTYPE_SIZES: dict[str, int] = {
 }
 
 TOKEN, SWA, STATE = "token", "swa", "state"
-_INT64, _MIN, _MAX = np.dtype(np.int64), np.minimum.reduce, np.maximum.reduce   # check_slots, per request
 
 
 def dtype_size(dtype: str) -> int:
@@ -199,11 +198,10 @@ class Layout:
             raise LayoutError(f"{what} for space {space!r} must be 1-D, got shape {arr.shape}")
         if arr.size == 0:
             return arr.astype(np.int64)
-        if arr.dtype != _INT64:   # (int64, the planner's slots: no conversion, no copy)
-            if arr.dtype.kind not in "iu":
-                raise LayoutError(f"{what} must be integers, got dtype {arr.dtype}")
-            arr = arr.astype(np.int64, copy=False)
-        if _MIN(arr) < sp.page_size or _MAX(arr) >= sp.num_slots:   # (ndarray.min: a Python frame more)
+        if arr.dtype.kind not in "iu":
+            raise LayoutError(f"{what} must be integers, got dtype {arr.dtype}")
+        arr = arr.astype(np.int64, copy=False)
+        if np.minimum.reduce(arr) < sp.page_size or np.maximum.reduce(arr) >= sp.num_slots:   # (arr.min(): +1 frame)
             bad = (arr < sp.page_size) | (arr >= sp.num_slots)
             i = int(np.argmax(bad))
             where = "in the padding page" if 0 <= arr[i] < sp.page_size else "out of range"
