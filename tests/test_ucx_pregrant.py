@@ -198,6 +198,11 @@ def test_sender_bounds_what_it_remembers_and_refuses_bad_ranges(pair, monkeypatc
     tx._call(lambda: tx._on_fence(tx._peers[pid], __import__("kvxfer_transports.ucx.protocol",
                                                                   fromlist=["Fence"]).Fence(tuple(ids))))
     assert tx._call(lambda: tx._peers[pid].pregranted_bytes) == 0
+    # a re-handshake forgets every pregrant, and what they took
+    tx._call(lambda: [tx._on_pregrant(tx._peers[pid], Pregrant((f"c{k}",), (ten,))) for k in range(3)])
+    tx._call(lambda: tx._rehello(tx._peers[pid]))
+    assert tx._call(lambda: (dict(tx._peers[pid].pregranted), tx._peers[pid].pregranted_bytes)) == ({}, 0)
+    assert until(lambda: tx._call(lambda: tx._peers[pid].rehello is None), 10.0), "the re-handshake never ended"
 
 
 def test_pregrants_join_within_the_byte_bound(pair):

@@ -376,6 +376,7 @@ class UCXControl:
             if o.peer is p and o.state == "wait_go":
                 o.stale = True
         p.pregranted.clear()   # maybe stale after silence: announced (GO) until pregranted again
+        p.pregranted_bytes = 0
         p.rehello = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param)))
 
     def _requeue(self, o: Outgoing) -> None:

@@ -144,7 +144,7 @@ class UCXEager:
                 p.pregranted_bytes -= len(old) * INTERVAL_COST
             p.pregranted[rid] = ranges
             p.pregranted_bytes += len(ranges) * INTERVAL_COST
-        while len(p.pregranted) > MAX_PREGRANTED or p.pregranted_bytes > MAX_PREGRANTED_BYTES:
+        while p.pregranted and (len(p.pregranted) > MAX_PREGRANTED or p.pregranted_bytes > MAX_PREGRANTED_BYTES):
             p.pregranted_bytes -= len(p.pregranted.pop(next(iter(p.pregranted)))) * INTERVAL_COST
         p.fence_answers = True
 
