@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import struct
 import threading
 import time
 
@@ -185,10 +186,13 @@ def test_malformed_eager_messages_are_refused(eager_victim):
     try:
         eager_put = announce_put(4) + [b"", 0, 1]    # 12 fields: puts done, flushed
         c.send("mallory", [c.hello(eager=True)])
+        unsorted = struct.pack("<4q", 100, 200, 0, 10)   # ranges: (start, end) pairs out of order
         for m in ([hw.PREGRANT, "x"], [hw.FENCE, [1, 2]], [hw.FENCED, [], 5], [hw.FENCED, ["a" * 5000], 0],
-                  [hw.FENCE, ["r"] * 5000], [hw.FENCED], eager_put):
+                  [hw.FENCE, ["r"] * 5000], [hw.FENCED], eager_put, [hw.PREGRANT, ["p"]],
+                  [hw.PREGRANT, ["p"], [b"\0" * 15]], [hw.PREGRANT, ["p", "q"], [b""]],
+                  [hw.PREGRANT, ["p"], [unsorted]]):
             c.send("mallory", [m])   # one batch each: a 5000-character id fails the whole batch
-        assert until(lambda: sum(v.rejected.values()) >= 7, 3), dict(v.rejected)
+        assert until(lambda: sum(v.rejected.values()) >= 11, 3), dict(v.rejected)
         assert v.rejected["malformed header"] >= 1, dict(v.rejected)   # the eager ANNOUNCE without a pregrant
         after_attack(v)
     finally:
