@@ -7,7 +7,11 @@ Tiers: ``scripts/test --fast`` runs ``-m "not slow"``, the in-process tier (unde
 cores); ``scripts/test`` runs everything. A test is slow when it carries ``@pytest.mark.slow``,
 lives in one of ``SLOW_FILES`` (torchrun launches, killed processes, the demo and bench
 subprocesses, test hosts in network namespaces) or is one of ``SLOW_TESTS`` (each takes
-seconds: it kills or stops a peer mid-transfer and waits for the deadline).
+seconds: it kills or stops a peer mid-transfer and waits for the deadline), or runs in other
+processes: a subprocess started for it (``SUBPROCESS_TESTS``) or the ``pair`` of a network
+transport in ``test_transport_conformance.py`` (each end a ``PeerProcess``; the in-process
+``local`` and ``faulty`` pairs stay fast, and zmq and ucx stay in the fast tier through the
+in-process endpoints of ``test_request.py`` and ``test_ucx.py``).
 """
 import sys
 from pathlib import Path
@@ -30,10 +34,23 @@ SLOW_TESTS = {"test_source_released_only_when_nothing_reads_it", "test_receiver_
               "test_registration_start_takes_over_well_before_the_ttl", "test_no_ucx_warning_noise_at_start_up",
               "test_both_run_paths", "test_disconnect_frees_the_peer", "test_eager_writes_end_to_end"}
 
+SUBPROCESS_TESTS = {"test_import_kvxfer_loads_no_transport",
+                    "test_the_integration_example_runs_and_moves_the_kv_byte_exact", "test_cli_serves_until_sigterm",
+                    "test_gpu_check_skips_cleanly_without_cuda"}
+IN_PROCESS_PAIRS = {"local", "faulty"}   # test_transport_conformance.IN_PROCESS
+
+
+def _multi_process(item) -> bool:
+    if item.originalname in SUBPROCESS_TESTS:
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return Path(str(item.fspath)).name == "test_transport_conformance.py" and \
+        params.get("pair", "local") not in IN_PROCESS_PAIRS
+
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if Path(str(item.fspath)).name in SLOW_FILES or item.originalname in SLOW_TESTS:
+        if Path(str(item.fspath)).name in SLOW_FILES or item.originalname in SLOW_TESTS or _multi_process(item):
             item.add_marker(pytest.mark.slow)
 
 

@@ -1,14 +1,18 @@
 """A torchrun program: one prefill group and one decode group move real KV over real transports.
 
-``torchrun --nproc_per_node=P_TP*P_PP+D_TP tests/hetero_tp_worker.py --config JSON``
+``torchrun --nproc_per_node=N tests/hetero_tp_worker.py --config JSON``
 
-World ranks ``[0, P_TP*P_PP)`` are prefill ranks (``pp = r // P_TP``, ``tp = r % P_TP``),
-the rest decode ranks. Rank 0 embeds the bootstrap server. For each sub-configuration
+The config holds several launches (``launches``: name -> P_TP, P_PP, D_TP and sub-configurations),
+run one after the other in one world of N = the largest P_TP*P_PP+D_TP ranks (one interpreter
+and torch start-up per rank for the whole matrix, not one per launch). In a launch, world ranks
+``[0, P_TP*P_PP)`` are prefill ranks (``pp = r // P_TP``, ``tp = r % P_TP``), the next D_TP decode
+ranks, the rest wait at the barriers. Rank 0 embeds the bootstrap server. For each sub-configuration
 (model x layouts x page sizes x transport) every prefill rank fills its pool with the
 full-model KV values of the heads and layers it holds, registers, and streams three
 requests in chunks; every decode rank grants slots, waits for its whole TP group
 (``reduce_poll``), then checks every byte of its heads against the full-model KV and
-that every byte outside the grant still holds the canary. Writes ``out_dir/rank<r>.json``.
+that every byte outside the grant still holds the canary. Writes ``out_dir/rank<r>.json``: per
+sub-configuration a rank took part in, its launch, role and result.
 """
 from __future__ import annotations
 
@@ -147,33 +151,40 @@ def run_decode(sub: dict, cfg: dict, rank: int, url: str, instance: str, group) 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", required=True)
-    cfg = json.loads(ap.parse_args().config)
+    cfg_all = json.loads(ap.parse_args().config)
+    launches = cfg_all["launches"]
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    n_p = cfg["p_tp"] * cfg.get("p_pp", 1)
-    assert world == n_p + cfg["d_tp"], f"world {world} != {n_p} prefill + {cfg['d_tp']} decode ranks"
-    d_group = dist.new_group(list(range(n_p, world)), backend="gloo")
-    server = BootstrapServer(BootstrapConfig(port=cfg["bootstrap_port"])).start() if rank == 0 else None
+    sizes = {name: cfg["p_tp"] * cfg.get("p_pp", 1) + cfg["d_tp"] for name, cfg in launches.items()}
+    assert world == max(sizes.values()), f"world {world} != the largest launch, {max(sizes.values())} ranks"
+    server = BootstrapServer(BootstrapConfig(port=cfg_all["bootstrap_port"])).start() if rank == 0 else None
     dist.barrier()
-    url = f"http://127.0.0.1:{cfg['bootstrap_port']}"
+    url = f"http://127.0.0.1:{cfg_all['bootstrap_port']}"
     results = []
-    for i, sub in enumerate(cfg["subs"]):
-        t0 = time.monotonic()
-        try:
-            out = run_prefill(sub, cfg, rank, url, f"c{i}") if rank < n_p else \
-                run_decode(sub, cfg, rank, url, f"c{i}", d_group)
-        except Exception as e:
-            out = {"ep": None, "ok": False, "why": f"{type(e).__name__}: {e} {traceback.format_exc()[-800:]}"}
-        dist.barrier()        # every rank finished this sub-configuration before endpoints close
-        if out["ep"] is not None:
-            out["ep"].close()
-        results.append({"name": sub["name"], "ok": out["ok"], "why": out["why"],
-                        "seconds": round(time.monotonic() - t0, 2)})
+    for j, (name, cfg) in enumerate(launches.items()):
+        n_p, n = cfg["p_tp"] * cfg.get("p_pp", 1), sizes[name]
+        d_group = dist.new_group(list(range(n_p, n)), backend="gloo")   # every world rank calls new_group
+        for i, sub in enumerate(cfg["subs"]):
+            t0 = time.monotonic()
+            out = None
+            if rank < n:
+                try:
+                    out = run_prefill(sub, cfg, rank, url, f"l{j}c{i}") if rank < n_p else \
+                        run_decode(sub, cfg, rank, url, f"l{j}c{i}", d_group)
+                except Exception as e:
+                    out = {"ep": None, "ok": False, "why": f"{type(e).__name__}: {e} {traceback.format_exc()[-800:]}"}
+            dist.barrier()        # every rank finished this sub-configuration before endpoints close
+            if out is None:
+                continue
+            if out["ep"] is not None:
+                out["ep"].close()
+            results.append({"launch": name, "name": sub["name"], "role": "prefill" if rank < n_p else "decode",
+                            "ok": out["ok"], "why": out["why"], "seconds": round(time.monotonic() - t0, 2)})
     dist.barrier()
     if server is not None:
         server.stop()
-    with open(os.path.join(cfg["out_dir"], f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "role": "prefill" if rank < n_p else "decode", "results": results}, f)
+    with open(os.path.join(cfg_all["out_dir"], f"rank{rank}.json"), "w") as f:
+        json.dump({"rank": rank, "results": results}, f)
     dist.destroy_process_group()
     return 0
 

@@ -310,6 +310,26 @@ def ended(ranks, rooms, within: float) -> list[dict]:
     return [r.call("wait", timeout=within + 30, rooms=rooms, within=max(0.0, end - time.monotonic())) for r in ranks]
 
 
+def attempt(c: dict, room: int, tokens: int, within: float, chunks: int = 1) -> list[dict]:
+    """``submit`` then ``ended(decode + prefill, [room], within)``, for a loop that retries until
+    a request lands: but decode's receivers come first, and when a decode rank fails the request
+    at once (it still counts a peer lost) the attempt ends there, before any prefill sender exists.
+    A prefill sender made for it would wait for decode's request, never sent, until its bootstrap
+    deadline, holding its slots: the loop would wait ``within`` for nothing, or, retrying sooner,
+    fill prefill's pool with such senders. Returns decode's statuses only when it ended there."""
+    for d in c["decode"]:
+        d.call("receiver", room=room, tokens=tokens)
+    first = ended(c["decode"], [room], 0.5)
+    if any(st[str(room)]["state"] == "Failed" for st in first):
+        time.sleep(0.2)
+        return first
+    for p in c["prefill"]:
+        p.call("sender", room=room, tokens=tokens)
+    for p in c["prefill"]:
+        p.call("send", room=room, chunks=chunks)
+    return ended(c["decode"] + c["prefill"], [room], within)
+
+
 def byte_exact(c: dict, room: int) -> None:
     """The digests of ``room``'s KV on the prefill ranks equal those on the decode ranks."""
     sent, got = {}, {}

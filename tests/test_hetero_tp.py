@@ -1,8 +1,10 @@
 """The heterogeneous-TP matrix under torchrun, over real ZMQ and UCX transports.
 
-One torchrun launch per (P TP, D TP) pair runs every sub-configuration of that pair
-(models x layouts x transports) in one world, so the matrix fits in minutes on 2 cores;
-each sub-configuration is still its own pytest test, checked on every rank."""
+Each launch, one per (P TP, D TP) pair, runs every sub-configuration of that pair (models x
+layouts x transports); all launches run one after the other in one torchrun world (as many
+ranks as the largest launch), so interpreters and torch start once for the whole matrix, which
+fits in a minute or two on 2 cores; each sub-configuration is still its own pytest test, checked
+on every rank of its launch."""
 from __future__ import annotations
 
 import functools
@@ -56,33 +58,43 @@ LAUNCHES["pages"] = {"p_tp": 2, "d_tp": 4, "subs": _subs(["mha8"], ["page16to64"
 
 
 @functools.cache
-def launch(name: str) -> dict[str, list[dict]]:
-    """Run one torchrun world; per sub-configuration name, every rank's result."""
-    cfg = dict(LAUNCHES[name])
-    cfg["subs"] = [s for s in cfg["subs"] if s["transport"] in transports()]
-    cfg["bootstrap_port"] = _port()
-    n = cfg["p_tp"] * cfg.get("p_pp", 1) + cfg["d_tp"]
+def _launch_all() -> dict[tuple[str, str], list[dict]] | AssertionError:
+    """Run every launch in one torchrun world (as many ranks as the largest launch; see the
+    worker's docstring); per (launch, sub-configuration), every taking-part rank's result. A
+    failed run is returned (cached) as the error, so it is not run again for every test."""
+    launches = {name: {**cfg, "subs": [s for s in cfg["subs"] if s["transport"] in transports()]}
+                for name, cfg in LAUNCHES.items()}
+    n = max(cfg["p_tp"] * cfg.get("p_pp", 1) + cfg["d_tp"] for cfg in launches.values())
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as out_dir:
-        cfg["out_dir"] = out_dir
+        cfg = {"launches": launches, "bootstrap_port": _port(), "out_dir": out_dir}
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
                                f"--master_port={_port()}", str(WORKER), "--config", json.dumps(cfg)],
-                              capture_output=True, text=True, timeout=600, env=env)
+                              capture_output=True, text=True, timeout=900, env=env)
         lines = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
     if proc.returncode != 0 or len(lines) != n:
-        raise AssertionError(f"torchrun {name} exited {proc.returncode} with {len(lines)}/{n} rank reports:\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    out: dict[str, list[dict]] = {}
+        return AssertionError(f"torchrun exited {proc.returncode} with {len(lines)}/{n} rank reports:\n"
+                              f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    out: dict[tuple[str, str], list[dict]] = {}
     for line in lines:
         for r in line["results"]:
-            out.setdefault(r["name"], []).append({**r, "rank": line["rank"], "role": line["role"]})
+            out.setdefault((r["launch"], r["name"]), []).append({**r, "rank": line["rank"]})
     return out
+
+
+def launch(name: str) -> dict[str, list[dict]]:
+    """One launch's results: per sub-configuration name, every rank's result."""
+    got = _launch_all()
+    if isinstance(got, AssertionError):
+        raise got
+    return {sub: ranks for (launch_name, sub), ranks in got.items() if launch_name == name}
 
 
 CASES = [(launch_name, sub["name"], sub["transport"]) for launch_name, cfg in LAUNCHES.items()
          for sub in cfg["subs"]]
 
 
+@pytest.mark.timeout(900)   # the first test runs the whole matrix (one torchrun world)
 @pytest.mark.parametrize("launch_name,sub,transport", CASES, ids=[f"{a}-{b}" for a, b, _ in CASES])
 def test_hetero_tp(launch_name, sub, transport):
     if transport not in transports():

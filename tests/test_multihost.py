@@ -127,13 +127,33 @@ BIG = dict(heads=8, layers=2, head_dim=128, page_size=16, num_pages=4 * 8192 // 
 BIG_ROOMS, BIG_TOKENS = [11, 12, 13, 14], 8192
 CUT_TIMEOUTS, CUT_HB = (30, 60, 5, 20), (0.5, 3.0)   # transfer 5 s without progress; peer silent 3 s
 END_WITHIN = 30.0        # after the cut, every request must have ended within this
-HEAL_WAIT = 30.0         # after link-up, freed slots must still hold the canary this much later
+# After link-up, freed slots must still hold the canary once everything that could still be in
+# flight from before the heal has landed. What can: (a) bytes a TCP socket (zmq's, or UCX's tcp
+# transport) kept queued or unacknowledged through the cut. Linux retransmits with exponential
+# backoff from one RTO (>= 200 ms; the tbf latency adds at most 100 ms), so the first
+# retransmission after link-up comes at most (cut duration + one RTO) after it, and from then the
+# socket drains at the shaped rate: at most the 4 requests' 256 MiB = 2.7 s at 800 mbit (a zmq
+# data socket holds far less: ``window`` frames). (b) zmq reconnects (100 ms default interval) and
+# sends what its DEALER queued: the same drain bound. (c) sender-side work keeps going at most
+# one transfer no-progress deadline (CUT_TIMEOUTS[2] = 5 s); prefill has ended before we wait.
+# So the wait is the cut's length plus that 5 s horizon (which covers RTO + drain), never under
+# HEAL_FLOOR. The cut lasts ~END_WITHIN at most (+ ``hold``): the zmq and ucx cuts end within a few
+# seconds (heartbeat 3 s, transfer 5 s), the far-worker one is held 30 s.
+HEAL_FLOOR = 10.0
+HEAL_HORIZON = float(CUT_TIMEOUTS[2])
+
+
+def heal_wait(cut_s: float) -> float:
+    """Seconds after link-up the canary must still hold, for a cut that lasted ``cut_s``."""
+    return max(HEAL_FLOOR, cut_s + HEAL_HORIZON)
+
+
 NEXT_ROOM = 21           # the request after link-up
 
 
 def cut_mid_transfer(three, transport: str, ucx_env: dict | None = UCX_ENV, hold: float = 0.0) -> dict:
     """Submit 256 MiB, cut host C (decode) off 1 s in, wait for every request to end (and
-    ``hold`` s more), heal the link, wait HEAL_WAIT s, check successful requests byte-exact and
+    ``hold`` s more), heal the link, wait ``heal_wait`` s from link-up, check successful requests byte-exact and
     the canary everywhere else. Returns what happened (printed, for the issue note)."""
     c = start_cluster(three, transport, BIG, CUT_TIMEOUTS, CUT_HB, ucx_env=ucx_env)
     report = {}
@@ -153,6 +173,8 @@ def cut_mid_transfer(three, transport: str, ucx_env: dict | None = UCX_ENV, hold
             report["held"] = [d.call("stats") for d in c["decode"]]
         finally:
             three[2].link_up()
+            healed = time.monotonic()
+            report["cut_s"] = round(healed - cut, 2)
         p_end = states(c["prefill"], BIG_ROOMS, END_WITHIN)
         report.update(before=before, decode=d_end, prefill=p_end)
         for st in d_end + p_end:
@@ -162,7 +184,8 @@ def cut_mid_transfer(three, transport: str, ucx_env: dict | None = UCX_ENV, hold
         ok = [room for room in BIG_ROOMS if all(st[str(room)]["state"] == "Success" for st in d_end)]
         report["succeeded"] = ok
         assert len(ok) < len(BIG_ROOMS), f"the cut came after the transfers: {report}"
-        time.sleep(HEAL_WAIT)
+        report["heal_wait_s"] = wait = round(heal_wait(healed - cut), 2)
+        time.sleep(max(0.0, healed + wait - time.monotonic()))
         report["after_heal"] = [r.call("poll", rooms=BIG_ROOMS) for r in c["decode"] + c["prefill"]]
         for room in ok:
             check_bytes(c, room)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 from hosts import hosts_fixture, hosts_skip_reason
-from multihost_rank import RankProc, byte_exact, ended, submit
+from multihost_rank import RankProc, attempt, byte_exact, ended, submit
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason())),
@@ -86,8 +86,7 @@ def test_prefill_killed_then_restarted_on_a_new_port(three):
         end = time.monotonic() + 30
         room = 10
         while True:                                        # decode finds and greets it by itself
-            submit(c, room, 40)
-            sts = ended(c["decode"] + c["prefill"], [room], 20)
+            sts = attempt(c, room, 40, 20)
             if all(st[str(room)]["state"] == "Success" for st in sts):
                 break
             assert time.monotonic() < end, sts

@@ -20,7 +20,7 @@ import time
 
 import pytest
 from hosts import hosts_fixture, hosts_skip_reason
-from multihost_rank import RankProc, byte_exact, ended, submit
+from multihost_rank import RankProc, attempt, byte_exact, ended, submit
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason())),
@@ -116,8 +116,7 @@ def test_prefill_killed_mid_transfer_over_ucx_without_settings(three, shape):
         assert c["prefill"][0].hello["info"] != old.hello["info"]
         end, room = time.monotonic() + 40, 20
         while True:                                        # decode finds and greets it by itself
-            submit(c, room, 256, chunks=2)
-            sts = ended(c["decode"] + c["prefill"], [room], 20)
+            sts = attempt(c, room, 256, 20, chunks=2)
             if all(st[str(room)]["state"] == "Success" for st in sts):
                 break
             assert time.monotonic() < end, sts
