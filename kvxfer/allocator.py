@@ -5,8 +5,6 @@ and ``HostPool`` keeps one per host space for the offload manager's background t
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from .errors import LayoutError
@@ -79,32 +77,13 @@ class PageAllocator:
         pages = self.take(self.pages_for(num_tokens))
         return None if pages is None else self.slots_of(pages, int(num_tokens))
 
-    def alloc_many(self, counts: Sequence[int]) -> list[np.ndarray] | None:
-        """Slots for several allocations of ``counts[i]`` tokens, each whole pages of its own,
-        taken together (one block when there is one, so they sit back to back); None when
-        they do not all fit (nothing taken). A few allocations (a batch of offload records):
-        plain ints, not arrays."""
-        ps = self.page_size
-        need = [-(-int(n) // ps) for n in counts]
-        pages = self.take(sum(need))
-        if pages is None:
-            return None
-        slots = self.slots_of(pages, len(pages) * ps)   # every slot of those pages, in order
-        out, first = [], 0
-        for n, k in zip(counts, need):
-            out.append(slots[first: first + int(n)])
-            first += k * ps
-        return out
-
     def free(self, slots) -> None:
         pages = np.asarray(slots, dtype=np.int64) // self.page_size
         if len(pages) == 0:
             return
-        if len(pages) > 1:   # distinct pages: a page's slots are consecutive entries, merged first
+        if len(pages) > 1:   # distinct pages (np.unique without its fixed cost: one sort, one mask)
+            pages = np.sort(pages)
             pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
-            if not (pages[1:] > pages[:-1]).all():   # not increasing: one sort, one mask (np.unique)
-                pages = np.sort(pages)
-                pages = pages[np.concatenate(([True], pages[1:] != pages[:-1]))]
         if pages[0] < 1 or pages[-1] >= self.num_pages:   # sorted: the ends are the extremes
             raise LayoutError(f"free: page outside 1..{self.num_pages - 1}")
         if self._free[pages].any():

@@ -193,7 +193,7 @@ class Layout:
         """Return ``slots`` as int64, or raise naming the first bad value. ``distinct``: also
         refuse a slot named twice (two tokens written into one slot: one of them is lost)."""
         sp = self.space(space)
-        arr = slots if type(slots) is np.ndarray else np.asarray(slots)
+        arr = np.asarray(slots)
         if arr.ndim != 1:   # messages are formatted only on failure: this runs per request
             raise LayoutError(f"{what} for space {space!r} must be 1-D, got shape {arr.shape}")
         if arr.size == 0:
@@ -201,7 +201,7 @@ class Layout:
         if arr.dtype.kind not in "iu":
             raise LayoutError(f"{what} must be integers, got dtype {arr.dtype}")
         arr = arr.astype(np.int64, copy=False)
-        if np.minimum.reduce(arr) < sp.page_size or np.maximum.reduce(arr) >= sp.num_slots:   # (arr.min(): +1 frame)
+        if arr.min() < sp.page_size or arr.max() >= sp.num_slots:
             bad = (arr < sp.page_size) | (arr >= sp.num_slots)
             i = int(np.argmax(bad))
             where = "in the padding page" if 0 <= arr[i] < sp.page_size else "out of range"

@@ -32,11 +32,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 import numpy as np
 import torch
@@ -50,7 +48,6 @@ from .records import DONE, Record, State, compact_layout, compact_slots
 from .store import FileStore
 
 log = logging.getLogger("kvxfer.offload")
-EMPTY = np.zeros(0, np.int64)
 
 
 @dataclass(slots=True)
@@ -119,31 +116,25 @@ class Tiers:
                    closing: Callable[[], bool]) -> list[dict[str, np.ndarray]]:
         """Host slots for the records of ``sizes`` copied together, in one allocation: evict
         (as ``alloc``) until all fit or nothing more can go, then take the leading records that
-        fit. Returns at least one (waiting for room when ``wait``, else RequestError).
-
-        Sizes are worked out once per space (tokens, cumulative pages): how many fit is a
-        bisection against the free pages, not a pass over the records per try (a batch is at
-        most ``MAX_BATCH`` records: C-level list operations beat numpy's fixed costs here)."""
-        tokens = {s: [t.get(s, 0) for t in sizes] for s in dict.fromkeys(s for t in sizes for s in t)}
-        for s, n in tokens.items():
-            if max(n) > self.host.capacity(s):
-                raise LayoutError(f"a record of {max(n)} tokens in space {s!r} exceeds the host pool "
+        fit. Returns at least one (waiting for room when ``wait``, else RequestError)."""
+        biggest: dict[str, int] = {}
+        for tokens in sizes:
+            for s, n in tokens.items():
+                biggest[s] = max(n, biggest.get(s, 0))
+        for s, n in biggest.items():
+            if n > self.host.capacity(s):
+                raise LayoutError(f"a record of {n} tokens in space {s!r} exceeds the host pool "
                                   f"({self.host.capacity(s)} slots): raise HostPool size")
-        upto = {s: list(accumulate(-(-k // self.host.allocators[s].page_size) for k in n))   # pages of records 0..i
-                for s, n in tokens.items()}
-        total = {s: u[-1] for s, u in upto.items()}
         while True:
             with self.cond:
-                fit = self._fit_locked(upto, len(sizes))
-                victims = self._victims_locked(total) if fit < len(sizes) else []
+                fit = self.host.fits(sizes)
+                victims = self._victims_locked(sizes) if fit < len(sizes) else []
                 if not victims:
                     if fit:
-                        got = self._take_locked(sizes, tokens, fit)
-                        if got is not None:
-                            return got
-                        continue   # a space was short after all (taken outside this lock): nothing taken, again
+                        return self.host.alloc_many(sizes[:fit])
                     if not wait or closing():
-                        short = sorted(s for s, n in total.items() if n > self.host.allocators[s].free_pages)
+                        short = sorted(s for s, n in self._pages_needed(sizes).items()
+                                       if n > self.host.allocators[s].free_pages)
                         raise RequestError(f"host pool is full (spaces {short}) and nothing can be "
                                            f"evicted" + ("" if self.store else ": set OffloadConfig.storage_dir"))
                     self.cond.wait(0.05)
@@ -152,50 +143,28 @@ class Tiers:
                     v.pins += 1
             self._evict(victims)
 
-    def _fit_locked(self, upto: Mapping[str, list[int]], count: int) -> int:
-        """How many leading records fit in the free pages now (``upto``: cumulative pages)."""
-        fit = count
-        for s, u in upto.items():
-            fit = min(fit, bisect_right(u, self.host.allocators[s].free_pages))
-        return fit
+    def _pages_needed(self, sizes: Sequence[Mapping[str, int]]) -> dict[str, int]:
+        need: dict[str, int] = {}
+        for tokens in sizes:
+            for s, n in tokens.items():
+                need[s] = need.get(s, 0) + self.host.allocators[s].pages_for(n)
+        return need
 
-    def _take_locked(self, sizes: Sequence[Mapping[str, int]], tokens: Mapping[str, list[int]],
-                     fit: int) -> list[dict[str, np.ndarray]] | None:
-        """Slots for the first ``fit`` records (one block per space when there is one), or None
-        with nothing taken when a space is short."""
-        per_space: dict[str, list[np.ndarray]] = {}
-        for s, n in tokens.items():
-            got = self.host.allocators[s].alloc_many(n[:fit])
-            if got is None:   # give back what the other spaces took
-                for t, slots in per_space.items():
-                    self.host.allocators[t].free(np.concatenate(slots) if slots else EMPTY)
-                return None
-            per_space[s] = got
-        return [{s: per_space[s][i] for s in t} for i, t in enumerate(sizes[:fit])]
-
-    def _victims_locked(self, total: Mapping[str, int]) -> list[Record]:
-        """Least recently used evictable records, enough to make room for ``total`` pages per
-        space (or every one there is): evicted in one go rather than one per allocation attempt."""
-        alloc = self.host.allocators
-        short = {s: n - alloc[s].free_pages for s, n in total.items()}   # pages still to free, per space
-        size = {s: alloc[s].page_size for s in short}
-        left = sum(v > 0 for v in short.values())
-        victims: list[Record] = []
-        anyway = self.store is not None   # with a file tier, referenced records may go too
+    def _victims_locked(self, sizes: Sequence[Mapping[str, int]]) -> list[Record]:
+        """Least recently used evictable records, enough to make room for all of ``sizes`` (or
+        every one there is): evicted in one go rather than one per allocation attempt."""
+        need, victims = self._pages_needed(sizes), []
+        free = {s: self.host.allocators[s].free_pages for s in need}
         for r in self.lru.values():
-            if not left:
+            short = {s for s in need if need[s] > free[s]}
+            if not short:
                 break
-            if r.pins or r.state != State.HOST or not (anyway or r.refs == 0):
-                continue
-            hs = r.host_slots
-            if not any(short.get(s, 0) > 0 for s in hs):
-                continue
-            victims.append(r)
-            for s, slots in hs.items():
-                was = short.get(s)
-                if was is not None:
-                    short[s] = now = was + (-len(slots) // size[s])   # minus its pages
-                    left -= was > 0 >= now
+            if r.pins == 0 and r.state == State.HOST and (self.store is not None or r.refs == 0) \
+                    and short & set(r.positions):
+                victims.append(r)
+                for s, slots in r.host_slots.items():
+                    if s in free:
+                        free[s] += self.host.allocators[s].pages_for(len(slots))
         return victims
 
     def _evict(self, recs: list[Record]) -> None:
@@ -224,9 +193,8 @@ class Tiers:
                             rec.host_slots = None
                             self.drop_locked(rec, notify=False)   # one notify below
                             self.stats.records_dropped += 1
-                if freed:   # in slot order (records' pages are disjoint): the allocator needs no sort
-                    self.host.free({s: np.concatenate(sorted((f[s] for f in freed if s in f and len(f[s])),
-                                                             key=lambda a: int(a[0])) or [EMPTY])
+                if freed:
+                    self.host.free({s: np.concatenate([f[s] for f in freed if s in f])
                                     for s in {s for f in freed for s in f}})
                 self.cond.notify_all()
 
