@@ -45,8 +45,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from kvxfer.errors import RejectedWrite
 from kvxfer.grant import ByteRanges, GrantTable
 
@@ -160,7 +158,7 @@ class UCXEager:
         if n <= self.few_runs:   # Python ints: a few bisects instead of ~20 numpy calls
             rows = struct.unpack(f"<{3 * n}q", a.runs)
             return all(ranges.covers_run(rows[i], rows[n + i], rows[2 * n + i]) for i in range(n))
-        region, offset, nbytes = np.frombuffer(a.runs, "<i8").reshape(3, n)
+        region, offset, nbytes = a.run_array()
         return bool(ranges.covers(region, offset, nbytes).all())
 
     def _start_eager(self, o: Outgoing) -> None:
