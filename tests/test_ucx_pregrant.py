@@ -3,7 +3,8 @@ them (``transports/ucx/eager.py``): a transfer with a run outside is announced a
 before a byte is put, as without eager writes. Also: the ranges' wire form and its checks, the
 sender's memory bound for what it was pregranted, grants too large to send, and PREGRANTs that
 join. On an in-process pair of real UCX transports; every transfer's bytes are checked, and
-every byte outside what it may write keeps the canary."""
+every byte outside what it may write keeps the canary. A submit that comes before its
+PREGRANT waits for it (bounded), then goes eager."""
 from __future__ import annotations
 
 import numpy as np
@@ -151,8 +152,9 @@ def test_eager_transfer_inside_the_ranges_needs_no_go_and_is_exact(pair):
 
 
 def test_grant_too_large_to_send_is_announced_and_exact(pair, monkeypatch):
-    """A grant of more intervals than a PREGRANT carries is not pregranted: its transfer goes
-    through ANNOUNCE/GO and lands exactly."""
+    """A grant of more intervals than a PREGRANT carries is not pregranted (its PREGRANT has no
+    ranges, so the sender does not wait for one): its transfer goes through ANNOUNCE/GO and
+    lands exactly."""
     from kvxfer_transports.ucx import eager
     rx, tx, pid, src, dst, sent = pair
     reset(dst)
@@ -161,7 +163,8 @@ def test_grant_too_large_to_send_is_announced_and_exact(pair, monkeypatch):
     rx.expect("big.1", grant(offs, np.full(17, 4 * KiB)))
     rx.expect("small.1", grant([1 * MiB], [4 * KiB]))   # after it: its PREGRANT shows big.1's was handled
     pregranted(tx, pid, "small.1")
-    assert "big.1" not in tx._peers[pid].pregranted
+    assert len(tx._peers[pid].pregranted["big.1"]) == 0   # a PREGRANT without ranges: announce
+    monkeypatch.setattr(tx, "pregrant_wait", 60.0)   # so it must not wait for another one
     del sent[:]
     h = tx.submit(pid, "big.1", plan(offs + 2 * MiB, offs, np.full(17, 4 * KiB)), timeout=10)
     assert h.wait(10), h.error
@@ -223,3 +226,85 @@ def test_pregrants_join_within_the_byte_bound(pair):
     out = tx._call(sends)
     assert [m.rids for m in out[:2]] == [("a", "b"), ("c",)] and out[0].grants == (half, half)
     assert out[3].rids == ("d", "e") and out[3].grants == (b"", b"\0" * 32)
+
+
+def warm(rx, tx, pid) -> None:
+    """The receiver has pregranted the sender once: the sender now waits for PREGRANTs (``_park``)."""
+    rx.expect("warm", grant([3 * MiB], [4 * KiB]))
+    pregranted(tx, pid, "warm")
+    rx.forget("warm")
+
+
+def parked(tx) -> int:
+    return tx._call(lambda: sum(map(len, tx._parked.values())) + len(tx._park_order))
+
+
+def test_submit_before_its_pregrant_waits_for_it_and_goes_eager(pair, monkeypatch):
+    """The request reached the sender before the receiver's PREGRANT did (it was expected after
+    the submit here): the transfer waits for the PREGRANT, then puts eagerly, exactly, no GO.
+    Announced at once instead, it would be refused (the request was not granted yet)."""
+    rx, tx, pid, src, dst, sent = pair
+    warm(rx, tx, pid)
+    reset(dst)
+    monkeypatch.setattr(tx, "pregrant_wait", 60.0)
+    offs = np.array([0, 512 * KiB, 2 * MiB])
+    h = tx.submit(pid, "race.1", plan(offs + 64 * KiB, offs, np.full(3, 96 * KiB)), timeout=30)
+    assert until(lambda: tx._call(lambda: (pid, "race.1") in tx._parked), 10.0), "the transfer did not wait"
+    del sent[:]
+    rx.expect("race.1", grant(offs, np.full(3, 96 * KiB)))
+    assert h.wait(10), h.error
+    (a,) = arrivals_of(rx, "race.1")
+    assert a.ok, a
+    assert "Go" not in sent, sent
+    want = np.full(POOL, CANARY, np.uint8)
+    for o in offs.tolist():
+        want[o:o + 96 * KiB] = src.numpy()[o + 64 * KiB:o + 160 * KiB]
+    assert np.array_equal(dst.numpy(), want)
+    assert parked(tx) == 0
+    rx.forget("race.1")
+
+
+def test_wait_for_a_pregrant_is_bounded(pair, monkeypatch):
+    """No PREGRANT comes (the request was never expected): the transfer is announced once
+    ``pregrant_wait`` ran out and refused by the receiver, long before its deadline."""
+    rx, tx, pid, src, dst, sent = pair
+    warm(rx, tx, pid)
+    reset(dst)
+    monkeypatch.setattr(tx, "pregrant_wait", 0.2)
+    h = tx.submit(pid, "never.1", plan([0], [0], [64 * KiB]), timeout=60)
+    assert not h.wait(20) and "refused" in str(h.error), h.error
+    assert (dst.numpy() == CANARY).all()
+    assert until(lambda: parked(tx) == 0, 5.0)
+
+
+def test_transfer_failing_while_it_waits_sends_no_abort(pair, monkeypatch):
+    """A parked transfer that passes its deadline fails there; it was never announced, so no
+    ABORT goes, and nothing of it stays parked."""
+    rx, tx, pid, src, dst, _ = pair
+    warm(rx, tx, pid)
+    reset(dst)
+    monkeypatch.setattr(tx, "pregrant_wait", 60.0)
+    from kvxfer.errors import TransferTimeout
+    tx_sent: list[str] = []
+    orig = tx._send
+    monkeypatch.setattr(tx, "_send", lambda p, m: (tx_sent.append(type(m).__name__), orig(p, m))[1])
+    h = tx.submit(pid, "late.1", plan([0], [0], [64 * KiB]), timeout=0.5)
+    assert not h.wait(20) and isinstance(h.error, TransferTimeout), h.error
+    assert until(lambda: parked(tx) == 0, 5.0), "a failed transfer stayed parked"
+    assert "Abort" not in tx_sent and "Announce" not in tx_sent, tx_sent
+    assert (dst.numpy() == CANARY).all()
+
+
+def test_fence_ends_the_wait(pair, monkeypatch):
+    """A FENCE of the request (the receiver ended it) ends a parked transfer's wait at once:
+    it is announced, refused, and nothing lands."""
+    from kvxfer_transports.ucx.protocol import Fence
+    rx, tx, pid, src, dst, _ = pair
+    warm(rx, tx, pid)
+    reset(dst)
+    monkeypatch.setattr(tx, "pregrant_wait", 60.0)
+    h = tx.submit(pid, "fenced.1", plan([0], [0], [64 * KiB]), timeout=30)
+    assert until(lambda: tx._call(lambda: (pid, "fenced.1") in tx._parked), 10.0)
+    tx._call(lambda: tx._on_fence(tx._peers[pid], Fence(("fenced.1",))))
+    assert not h.wait(10) and "refused" in str(h.error), h.error
+    assert (dst.numpy() == CANARY).all() and parked(tx) == 0

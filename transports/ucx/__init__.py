@@ -125,8 +125,7 @@ from .settings import (
 from .state import Incoming, Outgoing, Peer
 
 __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLINE_BELOW", "ucx_settings",
-           "CTRL_TAG", "DATA_BIT", "FRAME_BITS", "HELLO", "ANNOUNCE", "DONE", "ABORT", "Array", "ucx_api",
-           "frame_iovs"]
+           "CTRL_TAG", "DATA_BIT", "FRAME_BITS", "HELLO", "ANNOUNCE", "DONE", "ABORT", "Array", "ucx_api", "frame_iovs"]
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
@@ -252,6 +251,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self._fences: dict[str, tuple[set[str], float]] = {}
         self._fence_queued: set[str] = set()
         self._fence_flushing: list[Peer] = []
+        self._parked, self._park_order = {}, collections.deque()   # waiting for a PREGRANT (``eager._park``)
         self._closing: list[Peer] = []   # disconnected, freed once nothing of them is held
         # Channel secret and epoch of disconnected peers (at most max_peers), for a later connect.
         self._retired: collections.OrderedDict[str, tuple[bytes, int]] = collections.OrderedDict()
@@ -423,8 +423,6 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         if not getattr(self, "_closed", True):
             log.warning("UCXTransport %s was garbage-collected without close()", self.id[:8])
 
-    # ---- I/O thread: start-up and shutdown ------------------------------------------------
-
     # ---- I/O thread: the loop -------------------------------------------------------------
     def _loop(self) -> None:
         """Run commands, progress, read control and data, check deadlines; sleep when idle."""
@@ -445,6 +443,8 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
             if now >= self._next_tick:
                 self._housekeeping(now)
                 self._next_tick = now + min(self.heartbeat, 0.1)
+            if self._park_order:
+                self._unpark_due(now)
             self._flush_outboxes()
             if self._later:
                 self._run_later()

@@ -11,7 +11,8 @@ receiver
   ``_pregrant(rid)``  after ``expect`` (a command): PREGRANT(rid, its granted ranges) to every
                       connected peer whose HELLO said ``eager`` (it answers FENCEs);
                       ``_pregrants[rid]`` remembers them. A grant of more than
-                      ``MAX_PREGRANT_BYTES // 16`` intervals is not pregranted (announced, GO).
+                      ``MAX_PREGRANT_BYTES // 16`` intervals is not pregranted: its PREGRANT
+                      carries no ranges (announced, GO), so the sender does not wait for one.
   ``_fence(rid)``     after ``forget`` (``_drop_request``): FENCE(rid) to each of them (the
                       FENCEs of one turn leave as one message: ``UCXControl._send``).
                       ``writes_pending(rid)`` stays True from ``forget`` until each answered
@@ -27,6 +28,13 @@ sender
                       need GO's data tag), no re-handshake runs. A transfer with a run outside is
                       announced and waits for GO, as without: the receiver refuses it before a
                       byte is put.
+  ``_park(o)``        at ``_start_out``, when only the PREGRANT is missing and the receiver
+                      pregranted us before: ``o`` waits for it (``wait_pregrant``), at most
+                      ``pregrant_wait`` s, then is announced. The submit raced its PREGRANT (the
+                      request reached the prefill side by another path before our I/O thread had
+                      it): without the wait it would pay the ANNOUNCE/GO round trip. The PREGRANT
+                      (``_on_pregrant``) or a FENCE of the request ends the wait at once; a
+                      parked transfer was never announced, so failing it sends no ABORT.
   ``_on_fence``       forgets the ids, fails their eager transfers still flushing, flushes the
                       endpoint, then FENCED (``_check_fence_flushes``).
 
@@ -39,6 +47,7 @@ checks catch an honest sender's bug, they never stopped a hostile one.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import struct
 import time
@@ -58,6 +67,11 @@ if TYPE_CHECKING:
 MAX_PREGRANTED = 1 << 16   # request ids a sender remembers per receiver (the oldest is forgotten first)
 MAX_PREGRANTED_BYTES = 64 << 20   # and the memory their ranges may take, per receiver
 INTERVAL_COST = 96   # bytes an interval of a remembered grant may take (arrays, and Python ints once checked)
+# Seconds a transfer waits for its PREGRANT (``_park``). The PREGRANT is one control message, sent
+# when the receiver's ``expect`` ran: ~0.1-0.5 ms here, 2-core box, loaded. A wait that ends with
+# no PREGRANT costs this much, and happens only when a receiver that pregranted us before
+# pregrants no longer (a FENCE or a re-handshake ended it, or we dropped it: ``MAX_PREGRANTED``).
+PREGRANT_WAIT = 0.002
 
 
 class UCXEager:
@@ -79,16 +93,21 @@ class UCXEager:
     _send: Callable[[Peer, Message], None]
     _fail_out: Callable[..., None]
     _start_puts: Callable[[Outgoing, int], None]   # UCXSender's
+    _start_out: Callable[[Outgoing], None]
+    pregrant_wait: float = PREGRANT_WAIT
+    _parked: dict[tuple[str, str], list[Outgoing]]   # (peer id, request id) -> transfers waiting for its PREGRANT
+    _park_order: collections.deque                   # (until, transfer), in the order they were parked
 
     # ---- receiver ------------------------------------------------------------------------
     def _pregrant(self, rid: str) -> None:
         ids = {p.id for p in self._peers.values()
                if p.sends_eager and p.bye_at is None and not (p.closing or p.fenced or p.gone)}
         ranges = self.grants.ranges_of(rid)
-        if not ids or ranges is None or len(ranges) * 16 > MAX_PREGRANT_BYTES:
-            return   # forgotten meanwhile, or too large a grant to send: announced, GO
+        if not ids or ranges is None:
+            return   # forgotten meanwhile
         self._pregrants.setdefault(rid, set()).update(ids)
-        msg = Pregrant((rid,), (ranges.packed(),))
+        # too large a grant to send: no ranges (its sender announces at once, GO), fenced as any
+        msg = Pregrant((rid,), (ranges.packed() if len(ranges) * 16 <= MAX_PREGRANT_BYTES else b"",))
         for pid in ids:
             self._send(self._peers[pid], msg)
 
@@ -145,6 +164,41 @@ class UCXEager:
         while p.pregranted and (len(p.pregranted) > MAX_PREGRANTED or p.pregranted_bytes > MAX_PREGRANTED_BYTES):
             p.pregranted_bytes -= len(p.pregranted.pop(next(iter(p.pregranted)))) * INTERVAL_COST
         p.fence_answers = True
+        if self._parked:
+            for rid in m.rids:
+                self._unpark((p.id, rid))
+
+    def _park(self, o: Outgoing) -> bool:
+        """``o`` was not put eagerly: wait for its PREGRANT instead of announcing now? (see the docstring)"""
+        p, rid = o.peer, o.handle.request_id
+        if o.parked or not p.fence_answers or rid in p.pregranted or p.gone or not o.puts or o.iov is not None \
+                or o.staging is not None:
+            return False
+        o.parked, o.state = True, "wait_pregrant"
+        self._parked.setdefault((p.id, rid), []).append(o)
+        self._park_order.append((time.monotonic() + self.pregrant_wait, o))
+        return True
+
+    def _unpark(self, key: tuple[str, str]) -> None:
+        """Start the transfers parked under ``key`` again: eager if their PREGRANT allows, else announced."""
+        for o in self._parked.pop(key, ()):
+            if o.state == "wait_pregrant":   # not failed meanwhile
+                del self._out[o.xid]
+                o.state = "queued"
+                self._start_out(o)
+
+    def _unpark_due(self, now: float) -> None:
+        """Each loop turn while transfers are parked: announce those whose wait ran out."""
+        q = self._park_order
+        while q and (q[0][0] <= now or q[0][1].state != "wait_pregrant"):
+            o = q.popleft()[1]
+            key = (o.peer.id, o.handle.request_id)
+            if o.state == "wait_pregrant":
+                self._unpark(key)
+            elif (parked := self._parked.get(key)) is not None and o in parked:   # failed while parked
+                parked.remove(o)
+                if not parked:
+                    del self._parked[key]
 
     def _eager_ok(self, o: Outgoing) -> bool:
         """Put ``o`` at once? Only inside the grant its receiver pregranted (see the docstring)."""
@@ -171,6 +225,8 @@ class UCXEager:
         for rid in rids:
             if (old := p.pregranted.pop(rid, None)) is not None:
                 p.pregranted_bytes -= len(old) * INTERVAL_COST
+            if self._parked:   # announced now: the receiver refuses it (the request ended)
+                self._unpark((p.id, rid))
         for o in [o for o in self._out.values() if o.peer is p and o.eager and o.state == "flushing"
                   and o.handle.request_id in rids]:
             self._fail_out(o, RejectedWrite(f"request {o.handle.request_id}: the receiver ended the request"))

@@ -94,6 +94,7 @@ class UCXSender:
     _send: Callable[[Peer, Message], None]
     _eager_ok: Callable[[Outgoing], bool]          # UCXEager
     _start_eager: Callable[[Outgoing], None]
+    _park: Callable[[Outgoing], bool]
     _later: list[Callable[[], object]]              # UCXTransport: run after the turn's sends
 
     def _prepare_transfer(self, p, handle: TransferHandle, plan: TransferPlan, notify: bytes,
@@ -220,6 +221,8 @@ class UCXSender:
                               a.nput, a.frame_bytes, a.inline, a.cap, a.staged, eager)   # not replace(): ~3x dearer
         if eager:   # pregranted: put now, announce after the flush (``eager``)
             return self._start_eager(o)
+        if self._park(o):   # its PREGRANT is on its way (``eager``)
+            return
         self._send(o.peer, o.announce)
         o.state = "wait_go"
 
@@ -337,7 +340,7 @@ class UCXSender:
                 self._holding.append(o)   # puts issued, not flushed: they still read the source
         else:
             o.handle.release_source()
-            if tell:
+            if tell and o.state != "wait_pregrant":   # parked: never announced
                 self._send(o.peer, Abort(o.xid, str(err)))
         o.state = "failed"
         if o.staging is not None:   # frames still being sent keep their ring slots (``Completes``)

@@ -96,9 +96,11 @@ class Outgoing:
     staging: StagedFrames | None     # packed frames gathered into the send ring (CUDA sources; host to far peers)
     frame_bytes: int
     iov: ucp.IovFrames | None = None  # or the packed runs' frames, read in place (host sources)
-    state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack; eager: queued -> flushing -> done
+    state: str = "queued"            # queued -> wait_go -> flushing -> wait_ack; eager: queued -> flushing -> done;
+                                     # queued -> wait_pregrant -> queued -> (either) while it waits for a PREGRANT
     dtag: int = 0                    # the data tag GO gave (staged frames)
     flush: ucp.Flush | None = None
     abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
     stale: bool = False              # announced before a re-handshake began: a GO for it is refused
     eager: bool = False              # put without GO (pregranted); the announce follows the flush, as DONE
+    parked: bool = False             # it waited for its PREGRANT once (``eager._park``): never again
