@@ -239,29 +239,32 @@ def parked(tx) -> int:
     return tx._call(lambda: sum(map(len, tx._parked.values())) + len(tx._park_order))
 
 
-def test_submit_before_its_pregrant_waits_for_it_and_goes_eager(pair, monkeypatch):
+@pytest.mark.parametrize("size,runs", [(96 * KiB, 3), (4 * KiB, 1)], ids=["3 runs of 96 KiB", "one 4 KiB run"])
+def test_submit_before_its_pregrant_waits_for_it_and_goes_eager(pair, monkeypatch, size, runs):
     """The request reached the sender before the receiver's PREGRANT did (it was expected after
     the submit here): the transfer waits for the PREGRANT, then puts eagerly, exactly, no GO.
-    Announced at once instead, it would be refused (the request was not granted yet)."""
+    Announced at once instead, it would be refused (the request was not granted yet). A small
+    run is put too (not packed inline), or it could not go eager."""
     rx, tx, pid, src, dst, sent = pair
     warm(rx, tx, pid)
     reset(dst)
     monkeypatch.setattr(tx, "pregrant_wait", 60.0)
-    offs = np.array([0, 512 * KiB, 2 * MiB])
-    h = tx.submit(pid, "race.1", plan(offs + 64 * KiB, offs, np.full(3, 96 * KiB)), timeout=30)
-    assert until(lambda: tx._call(lambda: (pid, "race.1") in tx._parked), 10.0), "the transfer did not wait"
+    rid = f"race.{size}"
+    offs = np.array([0, 512 * KiB, 2 * MiB])[:runs]
+    h = tx.submit(pid, rid, plan(offs + 64 * KiB, offs, np.full(runs, size)), timeout=30)
+    assert until(lambda: tx._call(lambda: (pid, rid) in tx._parked), 10.0), "the transfer did not wait"
     del sent[:]
-    rx.expect("race.1", grant(offs, np.full(3, 96 * KiB)))
+    rx.expect(rid, grant(offs, np.full(runs, size)))
     assert h.wait(10), h.error
-    (a,) = arrivals_of(rx, "race.1")
+    (a,) = arrivals_of(rx, rid)
     assert a.ok, a
     assert "Go" not in sent, sent
     want = np.full(POOL, CANARY, np.uint8)
     for o in offs.tolist():
-        want[o:o + 96 * KiB] = src.numpy()[o + 64 * KiB:o + 160 * KiB]
+        want[o:o + size] = src.numpy()[o + 64 * KiB:o + 64 * KiB + size]
     assert np.array_equal(dst.numpy(), want)
     assert parked(tx) == 0
-    rx.forget("race.1")
+    rx.forget(rid)
 
 
 def test_wait_for_a_pregrant_is_bounded(pair, monkeypatch):

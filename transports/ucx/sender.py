@@ -104,8 +104,10 @@ class UCXSender:
         if not self._regions and plan.num_runs:
             raise TransportError("register(regions) must be called before submit")
         inline = b""
-        if plan.num_runs <= self.few_runs:   # pregranted (``eager``): small runs are put too, no inline ACK wait
-            puts, runs, nput, packed, inline = self._prepare_few(p, plan, handle.request_id in p.pregranted)
+        if plan.num_runs <= self.few_runs:
+            # pregranted, or its PREGRANT may still come (``eager._park``): small runs are put too
+            puts, runs, nput, packed, inline = self._prepare_few(p, plan, p.fence_answers or
+                                                                 handle.request_id in p.pregranted)
         else:
             puts, runs, nput, packed = self._prepare(p, plan)
         if len(runs) + len(notify) > self.max_control_bytes // 2:
