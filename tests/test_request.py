@@ -152,16 +152,18 @@ def test_a_thousand_concurrent_requests(transport):
 
 
 def test_eager_writes_end_to_end():
-    """Decode's UCX transport pregrants its requests (``eager_writes``): the prefill rank puts
-    without the ANNOUNCE/GO round trip. Bytes, releases and the slots' return are as without:
-    every slot comes back once the prefill rank said FENCED for it."""
+    """Decode's UCX transport pregrants its requests (``eager_writes``), to the request's prefill
+    rank only: it puts without the ANNOUNCE/GO round trip. Bytes, releases and the slots' return
+    are as without: every slot comes back once the prefill rank said FENCED for it."""
     if why := rp.transport_skip_reason("ucx"):
         pytest.skip(why)
     c = Cluster("ucx", eager=True)
     try:
-        t, eager = c.D.ep.transport, []
+        t, eager, told = c.D.ep.transport, [], []
         orig = t._on_announce
         t._on_announce = lambda p, m: (eager.append(m.eager), orig(p, m))[1]
+        pregrant = t._pregrant
+        t._pregrant = lambda rid, senders=None: (told.append(senders), pregrant(rid, senders))[1]
         rooms = list(range(3000, 3200))
         c.P.post("serve", rooms=rooms, tokens=4, timeout=60)
         recvs = {room: c.D.receiver(room, 4) for room in rooms}
@@ -171,6 +173,10 @@ def test_eager_writes_end_to_end():
         assert all(s["state"] == SUCCESS for s in served["status"].values())
         _check(c, [(served["slots"][str(room)], recvs[room][1]) for room in rooms])
         assert sum(eager) >= len(rooms) // 2, f"only {sum(eager)} of {len(eager)} transfers were eager"
+        # decode named the request's prefill rank: only it was told (its transport id, a peer here)
+        (prefill_id,) = {d["ucx"]["id"] for d in (i.data for i in c.D.ep.known_peers().values())}
+        assert len(told) == len(rooms) and set(told) == {frozenset({prefill_id})}, set(told)
+        assert prefill_id in t._peers
         _finish(c, rooms)
         assert t.fencing()["eager_fences"] == 0, t.fencing()
     finally:

@@ -311,3 +311,32 @@ def test_fence_ends_the_wait(pair, monkeypatch):
     tx._call(lambda: tx._on_fence(tx._peers[pid], Fence(("fenced.1",))))
     assert not h.wait(10) and "refused" in str(h.error), h.error
     assert (dst.numpy() == CANARY).all() and parked(tx) == 0
+
+
+def test_pregrants_go_only_to_the_named_senders(pair):
+    """``expect(..., senders=)``: only the named peers are told of the grant (PREGRANT, and the
+    FENCE at ``forget``); with none named, every eager peer is. Another peer may still write it,
+    announced (GO), and lands exactly."""
+    rx, tx, pid, src, dst, sent = pair
+    other = get_transport("ucx", **OPTS)
+    try:
+        other.register([src])
+        opid = other.connect(rx.descriptor())
+        reset(dst)
+        rx.expect("named.1", grant([0], [64 * KiB]), senders=frozenset({tx.id}))
+        rx.expect("all.1", grant([1 * MiB], [4 * KiB]))
+        pregranted(other, opid, "all.1")   # PREGRANTs to one peer go in order: named.1's came first, if any
+        pregranted(tx, pid, "named.1")
+        assert "named.1" not in other._peers[opid].pregranted
+        assert rx._call(lambda: dict(rx._pregrants)) == {"named.1": {tx.id}, "all.1": {tx.id, other.id}}
+        h = other.submit(opid, "named.1", plan([128 * KiB], [0], [64 * KiB]), timeout=10)
+        assert h.wait(10), h.error
+        assert arrivals_of(rx, "named.1")[0].ok
+        want = np.full(POOL, CANARY, np.uint8)
+        want[:64 * KiB] = src.numpy()[128 * KiB:192 * KiB]
+        assert np.array_equal(dst.numpy(), want)
+        for rid in ("named.1", "all.1"):
+            rx.forget(rid)
+        assert until(lambda: not rx.writes_pending("named.1") and not rx.writes_pending("all.1"), 10.0)
+    finally:
+        other.close()

@@ -74,8 +74,9 @@ class FaultyTransport(Transport):
     def disconnect(self, peer: str) -> None:
         self.inner.disconnect(peer)
 
-    def expect(self, request_id: str, ranges: ByteRanges, capability: bytes = b"") -> None:
-        self.inner.expect(request_id, ranges, capability)
+    def expect(self, request_id: str, ranges: ByteRanges, capability: bytes = b"",
+               senders: frozenset[str] | None = None) -> None:
+        self.inner.expect(request_id, ranges, capability, senders)
 
     def fencing(self) -> dict:
         return self.inner.fencing()

@@ -227,6 +227,14 @@ class DecodeEndpoint(ReceiverHost):
             self._recvs[r.request_id] = r
             return r
 
+    def _senders(self, r: KVReceiver) -> frozenset[str] | None:
+        """Under the lock: the transport ids of the prefill ranks ``r`` asks (their registry
+        records' descriptors), so the transport tells only them of the grant; None when one is
+        not known (every peer is told)."""
+        ids = [(self._known[k].data.get(self.transport.name) or {}).get("id") if k in self._known else None
+               for k in r.contacts]
+        return frozenset(ids) if all(type(i) is str for i in ids) else None
+
     def _grant(self, r: KVReceiver, kv: np.ndarray, st: np.ndarray,
                swa: np.ndarray) -> tuple[ByteRanges, dict[tuple[int, int], int]]:
         """Exactly the bytes r's sources will write: each source's heads and layers at the slots
@@ -290,7 +298,7 @@ class DecodeEndpoint(ReceiverHost):
                 self.aux_buffer.clear(aux_slot)
             cap = secrets.token_bytes(CAP_BYTES)   # only the prefill ranks this request asks can complete it
             with self._xport_lock:
-                self.transport.expect(r.request_id, ranges, capability=cap)
+                self.transport.expect(r.request_id, ranges, capability=cap, senders=self._senders(r))
             r.granted, r.aux_slot = True, aux_slot
             kv_raw, st_raw = kv.astype("<i8").tobytes(), st.astype("<i8").tobytes()
             swa_raw = swa.astype("<i8").tobytes()

@@ -23,14 +23,19 @@ Prefill, per chunk of a request (never blocks on the network):
     once ``handle.source_released``: after a failure a transport may still hold them
     for a while (queued zero-copy frames, puts in flight).
 Decode (receiver), per request:
-    ``expect(request_id, ranges, capability=b"")``  before the sender may write: the byte
-                                    ranges the request's slot grant covers. Runs outside are
-                                    rejected whole, counted and logged. ``capability``
+    ``expect(request_id, ranges, capability=b"", senders=None)``  before the sender may write:
+                                    the byte ranges the request's slot grant covers. Runs
+                                    outside are rejected whole, counted and logged. ``capability``
                                     (``secrets.token_bytes(16)`` per grant, sent to the granted
                                     prefill rank in the REQ): data and completions without it
                                     are dropped without touching the request, counted, and
                                     answered as for an unknown id; a zero-byte completion
-                                    without it completes nothing.
+                                    without it completes nothing. ``senders``: the transport ids
+                                    (``descriptor()["id"]``) of the peers that will write the
+                                    request, when decode knows them; a transport that tells its
+                                    senders of a grant ahead (UCX ``eager_writes``) tells only
+                                    these. None: every connected peer. It never changes who may
+                                    write: a peer not named is checked and admitted as before.
     ``arrivals()``                  completed (or rejected) incoming transfers; the
                                     control plane polls it. Never blocks for long.
     ``set_arrival_callback(fn)``    instead, once at start-up: the transport calls ``fn``
@@ -223,8 +228,9 @@ class Transport(ABC):
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"", capability: bytes = b"") -> TransferHandle: ...
 
-    def expect(self, request_id: str, ranges: ByteRanges, capability: bytes = b"") -> None:
-        self.grants.expect(request_id, ranges, capability)
+    def expect(self, request_id: str, ranges: ByteRanges, capability: bytes = b"",
+               senders: frozenset[str] | None = None) -> None:
+        self.grants.expect(request_id, ranges, capability)   # ``senders``: nobody is told ahead here
 
     def fencing(self) -> dict:
         """Memory held back because a failed or silent peer could still write it (receiver:

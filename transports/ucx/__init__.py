@@ -390,14 +390,13 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
             fail_command(Submit(peer, request_id, None, handle), self.broken)
         return handle
 
-    def expect(self, request_id: str, ranges, capability: bytes = b"") -> None:
+    def expect(self, request_id: str, ranges, capability: bytes = b"", senders: frozenset[str] | None = None) -> None:
         """Receiver: grant ``ranges`` to the request; with ``eager_writes`` the I/O thread sends
-        its PREGRANTs next (never waited for here: decode calls this under its own lock, which
-        an arrival callback on the I/O thread may be waiting for). A sender that submits before
-        its PREGRANT came announces and waits for GO, as without."""
+        its PREGRANTs next, to ``senders`` only when given (never waited for here: decode calls
+        this under its own lock, which an arrival callback on the I/O thread may be waiting for)."""
         super().expect(request_id, ranges, capability)
         if self.eager_writes and not self._closed and not self.broken:
-            self.commands.put(Call(self._pregrant, (request_id,)))
+            self.commands.put(Call(self._pregrant, (request_id, None if senders is None else frozenset(senders))))
 
     def forget(self, request_id: str) -> bool:
         """Receiver: the request ended; its transfers in flight fail, later writes are dropped."""

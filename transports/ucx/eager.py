@@ -9,7 +9,8 @@ Who calls what, when:
 
 receiver
   ``_pregrant(rid)``  after ``expect`` (a command): PREGRANT(rid, its granted ranges) to every
-                      connected peer whose HELLO said ``eager`` (it answers FENCEs);
+                      connected peer whose HELLO said ``eager`` (it answers FENCEs), and that
+                      ``expect``'s ``senders`` names, when given;
                       ``_pregrants[rid]`` remembers them. A grant of more than
                       ``MAX_PREGRANT_BYTES // 16`` intervals is not pregranted: its PREGRANT
                       carries no ranges (announced, GO), so the sender does not wait for one.
@@ -70,7 +71,8 @@ INTERVAL_COST = 96   # bytes an interval of a remembered grant may take (arrays,
 # Seconds a transfer waits for its PREGRANT (``_park``). The PREGRANT is one control message, sent
 # when the receiver's ``expect`` ran: ~0.1-0.5 ms here, 2-core box, loaded. A wait that ends with
 # no PREGRANT costs this much, and happens only when a receiver that pregranted us before
-# pregrants no longer (a FENCE or a re-handshake ended it, or we dropped it: ``MAX_PREGRANTED``).
+# pregrants no longer (a FENCE or a re-handshake ended it, or we dropped it: ``MAX_PREGRANTED``),
+# or did not name us among the request's senders (``expect(senders=)``: a misrouted transfer).
 PREGRANT_WAIT = 0.002
 
 
@@ -99,9 +101,9 @@ class UCXEager:
     _park_order: collections.deque                   # (until, transfer), in the order they were parked
 
     # ---- receiver ------------------------------------------------------------------------
-    def _pregrant(self, rid: str) -> None:
-        ids = {p.id for p in self._peers.values()
-               if p.sends_eager and p.bye_at is None and not (p.closing or p.fenced or p.gone)}
+    def _pregrant(self, rid: str, senders: frozenset[str] | None = None) -> None:
+        ids = {p.id for p in self._peers.values() if p.sends_eager and p.bye_at is None
+               and not (p.closing or p.fenced or p.gone) and (senders is None or p.id in senders)}
         ranges = self.grants.ranges_of(rid)
         if not ids or ranges is None:
             return   # forgotten meanwhile
