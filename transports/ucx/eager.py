@@ -173,8 +173,7 @@ class UCXEager:
     def _park(self, o: Outgoing) -> bool:
         """``o`` was not put eagerly: wait for its PREGRANT instead of announcing now? (see the docstring)"""
         p, rid = o.peer, o.handle.request_id
-        if o.parked or not p.fence_answers or rid in p.pregranted or p.gone or not o.puts or o.iov is not None \
-                or o.staging is not None:
+        if o.parked or not p.fence_answers or rid in p.pregranted or not self._eager_shape(o):
             return False
         o.parked, o.state = True, "wait_pregrant"
         self._parked.setdefault((p.id, rid), []).append(o)
@@ -202,10 +201,17 @@ class UCXEager:
                 if not parked:
                     del self._parked[key]
 
+    @staticmethod
+    def _eager_shape(o: Outgoing) -> bool:
+        """Could ``o`` go eager once pregranted: puts and inline bytes only (frames need GO's data
+        tag), its peer neither re-handshaking nor silent."""
+        p = o.peer
+        return bool(o.puts) and o.iov is None and o.staging is None and p.rehello is None and not p.gone
+
     def _eager_ok(self, o: Outgoing) -> bool:
         """Put ``o`` at once? Only inside the grant its receiver pregranted (see the docstring)."""
         p = o.peer
-        if not (o.puts and o.iov is None and o.staging is None and p.rehello is None and not p.gone):
+        if not self._eager_shape(o):
             return False
         if (ranges := p.pregranted.get(o.handle.request_id)) is None:
             return False
