@@ -30,8 +30,10 @@ def plan(n: int, dst: int = 4096) -> TransferPlan:
 
 
 @pytest.fixture
-def pair():
-    rx = get_transport("ucx", heartbeat=0.1, peer_timeout=3.0)
+def pair(request):
+    """(receiver, sender, source, destination); the receiver pregrants (``eager_writes``) when the
+    test passes ``pair`` the parameter True."""
+    rx = get_transport("ucx", heartbeat=0.1, peer_timeout=3.0, eager_writes=getattr(request, "param", False))
     tx = get_transport("ucx", heartbeat=0.1, peer_timeout=3.0)
     dst = torch.full((POOL,), CANARY, dtype=torch.uint8)
     src = torch.randint(0, 256, (POOL,), dtype=torch.uint8, generator=torch.Generator().manual_seed(9))
@@ -76,7 +78,11 @@ def test_connect_disconnect_200_times_leaks_nothing(pair):
     assert sum(rx.grants.rejected.values()) == 0, rx.grants.rejected   # no HELLO refused on the way
 
 
+@pytest.mark.parametrize("pair", [False, True], ids=["checked", "eager"], indirect=True)
 def test_disconnect_fails_in_flight_transfers_and_frees_after_the_flush(pair):
+    """The transfer in flight fails; the receiver holds its memory until the sender says that no
+    put of it is left: ABORT after the flush (checked), FENCED-all once every flush to it ended
+    (eager: the transfer was never announced)."""
     rx, tx, src, dst = pair
     peer = tx.connect(rx.descriptor())
     rx.expect("x.1", ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
@@ -87,7 +93,7 @@ def test_disconnect_fails_in_flight_transfers_and_frees_after_the_flush(pair):
         assert "disconnected" in str(h.error), h.error
         assert until(lambda: h.source_released, 5.0), tx.fencing()
         rx.forget("x.1")
-        assert until(lambda: not rx.writes_pending("x.1"), 5.0), f"the ABORT never came: {rx.fencing()}"
+        assert until(lambda: not rx.writes_pending("x.1"), 5.0), f"no ABORT or FENCED came: {rx.fencing()}"
     assert until(lambda: peer not in tx._peers, 5.0), "never freed"
     assert tx.fencing()["sources"] == 0
     # Submitting to a disconnected peer fails at once; connect() brings it back.
@@ -95,6 +101,27 @@ def test_disconnect_fails_in_flight_transfers_and_frees_after_the_flush(pair):
     assert h2.wait(1) is False and "not connected" in str(h2.error), h2.error
     peer = tx.connect(rx.descriptor())
     transfer_lands(rx, tx, peer, src, dst, "x.3")
+
+
+@pytest.mark.parametrize("pair", [True], ids=["eager"], indirect=True)
+def test_after_a_failed_flush_the_receiver_keeps_the_memory(pair, monkeypatch):
+    """A flush of our eager puts failed: what it covered may still land, so neither the FENCE of
+    its request nor the disconnect tells the receiver FENCED; its memory stays held."""
+    from kvxfer_transports.ucx import bindings
+    rx, tx, src, dst = pair
+    peer = tx.connect(rx.descriptor())
+    transfer_lands(rx, tx, peer, src, dst, "f.0")   # pregranted, eager: the receiver expects FENCEDs of us
+    ep, real = tx._peers[peer].ep.handle, bindings.ep_flush
+    monkeypatch.setattr(bindings, "ep_flush", lambda e, param: 2**64 - 3 if e == ep else real(e, param))
+    rx.expect("f.1", ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
+    h = tx.submit(peer, "f.1", plan(64 << 10), timeout=5)
+    assert h.wait(5) is False and "flush failed" in str(h.error), h.error
+    rx.forget("f.1")
+    tx.disconnect(peer)
+    assert until(lambda: peer not in tx._peers, 5.0), "never freed"
+    time.sleep(0.5)
+    assert rx.writes_pending("f.1"), f"FENCED after a failed flush: {rx.fencing()}"
+    monkeypatch.undo()
 
 
 def test_disconnect_is_idempotent_unknown_is_a_noop_and_connect_may_come_at_once(pair):

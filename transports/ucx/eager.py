@@ -255,9 +255,19 @@ class UCXEager:
             p.fence_flushes = left
         self._fence_flushing = [p for p in self._fence_flushing if p.fence_flushes]
 
+    def _say_fenced_all(self, p: Peer) -> bool:
+        """Nothing of ours is on its way to ``p`` any more (we close, or ``disconnect`` it): if it
+        pregranted us, tell it FENCED-all, once, so the memory of the requests it forgot can go.
+        Not after a failed flush to it: what that flush covered may still land (the memory stays
+        held until it knows more). True when it was told."""
+        if not p.fence_answers or p.flush_failed:
+            return False
+        self._send(p, Fenced((), True))
+        p.fence_answers = False
+        return True
+
     def _fenced_all(self) -> None:
         """Closing, with no put of ours in flight: tell each receiver that pregranted us."""
         if not self._holding:
             for p in self._peers.values():
-                if p.fence_answers:
-                    self._send(p, Fenced((), True))
+                self._say_fenced_all(p)

@@ -7,7 +7,8 @@ resource, ``_free`` drops the objects themselves.
 
 Disconnect (one peer; the transport lives on). Its transfers fail at once, with a reason, and
 the peer hears BYE. Its resources go only once the fencing rules allow: sources of ours that a
-put of it may still read stay held until their flush completes (then ABORT); memory of ours it
+put of it may still read stay held until their flush completes (then ABORT; to a receiver that
+pregranted us, FENCED-all once none is left: its eager writes of ours are over); memory of ours it
 may still write (it was a sender to us) stays held until its DONE, ABORT, re-handshake or proven
 death. Then our endpoint to it is flushed (bounded by ``peer_timeout``, so the ABORTs and BYE
 leave), closed, its rkeys destroyed and the ``Peer`` dropped; only its channel secret and epoch
@@ -125,6 +126,7 @@ class UCXLifecycle:
     _peers: dict[str, Peer]
     _out: dict
     _fenced_all: Callable[[], None]   # UCXEager
+    _say_fenced_all: Callable[[Peer], bool]
     _call: Callable[..., Any]         # UCXTransport
     _run_later: Callable[[], None]
     _in: dict
@@ -266,6 +268,9 @@ class UCXLifecycle:
                     or any(k[0] == p.id for k in (*self._in, *self._landing)) \
                     or any(e[0] == p.id for e in self._draining):
                 left.append(p)   # a put may still read our source, or one of its may still land here
+                continue
+            if p.close_flush is None and self._say_fenced_all(p):   # eager: nothing of ours is on its way
+                left.append(p)   # the close flush next turn, once the FENCED left with the outbox
                 continue
             if p.close_flush is None:   # nothing of ours reads a source: flush so ABORTs and BYE leave
                 p.close_flush = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param)))

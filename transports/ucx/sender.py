@@ -366,5 +366,7 @@ class UCXSender:
         """No put of failed ``o`` reads its source or lands any more: release it, and tell the
         receiver (ABORT: it may give the grant's memory back) only when the flush succeeded."""
         o.handle.release_source()
-        if (o.flush is None or o.flush.poll() == 0) and not o.eager:   # an eager one was never announced
+        if o.flush is not None and o.flush.poll() != 0:   # what it covered may still land: no ABORT, no FENCED
+            o.peer.flush_failed = True
+        elif not o.eager:   # an eager one was never announced
             self._send(o.peer, Abort(o.xid, o.abort))
