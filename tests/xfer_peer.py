@@ -390,13 +390,16 @@ def digest_of(region: torch.Tensor) -> str:
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(1)
+    # stdout carries only replies: what a library prints there (UCX logs its errors to stdout) goes to stderr
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     peer = Peer()
     for line in sys.stdin:
         cmd = json.loads(line)
         op = cmd.get("op")
         reply = peer.call(cmd)
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
         if op == "close":
             break
 
