@@ -49,10 +49,22 @@ def config(*flags: str, env: dict | None = None) -> cli.RankConfig:
     (["--role", "decode", "--tp-size", "2"], {"WORLD_SIZE": "4", "RANK": "3"}, "drop --tp-size"),
     (["--role", "decode", "--selftest", "4", "--tokens", "512", "--pages", "64"], {}, "raise --pages"),
     (["--role", "decode", "--ucx-tls", "tcp"], {}, "--transport ucx"),
+    (["--role", "decode", "--ucx-eager-writes"], {}, "decode ranks started with --transport ucx"),
+    (["--role", "prefill", "--transport", "ucx", "--ucx-eager-writes"], {}, "pass it to decode ranks"),
 ])
 def test_bad_flags_are_named_with_the_fix(flags, env, words):
     with pytest.raises(cli.UsageError, match=words.replace("+", r"\+").replace(".", r"\.")):
         config(*flags, env=env)
+
+
+def test_ucx_eager_writes_reach_the_decode_transport():
+    """--ucx-eager-writes becomes the decode transport's ``eager_writes``; without it nothing changes."""
+    hb = serve.timeouts_of((30.0, 300.0, 30.0, 30.0), (1.0, 5.0)).heartbeat
+    on = config("--role", "decode", "--transport", "ucx", "--ucx-eager-writes")
+    off = config("--role", "decode", "--transport", "ucx")
+    assert serve.transport_options_of(on, hb) == {**serve.transport_options_of(off, hb), "eager_writes": True}
+    assert "eager_writes" not in serve.transport_options_of(off, hb)
+    assert "eager_writes" not in serve.transport_options_of(config("--role", "prefill", "--transport", "ucx"), hb)
 
 
 def test_main_says_what_is_wrong(capsys):
@@ -266,6 +278,32 @@ def test_selftest_prefill_to_decode_byte_exact_then_sigterm_deregisters(procs, t
     assert p.end() == 0, p.err
     assert registered(url) == 0, "SIGTERM did not deregister the prefill rank"
     assert not (tmp_path / "p.sock").exists()
+
+
+@pytest.mark.slow
+def test_selftest_over_ucx_with_eager_writes_is_byte_exact(procs):
+    """Decode ranks started with --ucx-eager-writes pregrant their requests; the self-test's KV
+    lands byte-exact and every slot comes back."""
+    from kvxfer.transport.registry import available_transports
+    if "ucx" not in available_transports():
+        pytest.skip("ucx is not installed (KVXFER_NO_UCX)")
+    b, url = start_bootstrap()
+    procs.append(b)
+    p = Proc([*RANK, "--role", "prefill", "--bootstrap", url, "--transport", "ucx", "--seed", "5", *SMALL])
+    procs.append(p)
+    assert "ready" in p.line_with("ready"), p.err
+    d = Proc([*RANK, "--role", "decode", "--bootstrap", url, "--transport", "ucx", "--ucx-eager-writes", "--seed", "5",
+              "--serve", *SMALL], stdin=subprocess.PIPE)
+    procs.append(d)
+    assert json.loads(d.line())["ready"]
+    res = d.call({"op": "selftest", "requests": 3, "tokens": 100, "room": 21})
+    assert res["ok"] and all(v["verified"] and v["tokens"] == 100 for v in res["requests"].values()), res
+    end = time.monotonic() + 10   # a forgotten request's slots wait for the prefill rank's FENCED
+    while (st := d.call({"op": "stats"}))["free_pages"] != 63 and time.monotonic() < end:
+        time.sleep(0.1)
+    assert st["free_pages"] == 63, st
+    assert d.call({"op": "exit"}) == {"ok": True}
+    assert d.end() == 0
 
 
 @pytest.mark.slow

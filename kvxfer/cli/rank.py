@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     net = ap.add_argument_group("network")
     net.add_argument("--transport", choices=["zmq", "ucx"], default="zmq")
     net.add_argument("--ucx-tls", default=None, help="UCX_TLS for this rank, e.g. tcp between containers")
+    net.add_argument("--ucx-eager-writes", action="store_true",
+                     help="decode: pregrant each request to its prefill ranks, which then put at once, without the "
+                          "ANNOUNCE/GO round trip, and succeed at their flush (UCX eager_writes; README)")
     net.add_argument("--bind", default=None, help="address or interface the sockets bind (0.0.0.0: all)")
     net.add_argument("--advertise", default=None, help="address, hostname or interface peers are told")
     net.add_argument("--port", type=int, default=0, help="prefill control port (0: any; torchrun: + LOCAL_RANK)")
@@ -241,6 +244,10 @@ def resolve(args, env: Mapping[str, str] | None = None) -> RankConfig:
         raise UsageError(f"--serve {args.serve}: use --serve (stdin) or --serve unix:/path/to.sock")
     if args.transport != "ucx" and args.ucx_tls:
         raise UsageError("--ucx-tls given with --transport zmq: drop it or pass --transport ucx")
+    if args.ucx_eager_writes and (args.transport != "ucx" or args.role != "decode"):
+        raise UsageError(f"--ucx-eager-writes given to a {args.role} rank with --transport {args.transport}: it is a "
+                         "decode rank's choice over UCX (its prefill ranks follow it): pass it to decode ranks "
+                         "started with --transport ucx")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         raise UsageError(f"--device {args.device}: use cpu, cuda (cuda:LOCAL_RANK) or cuda:N")
     device = f"cuda:{place['local_rank']}" if args.device == "cuda" else args.device
@@ -254,7 +261,8 @@ def resolve(args, env: Mapping[str, str] | None = None) -> RankConfig:
     return RankConfig(role=args.role, bootstrap=args.bootstrap, secret=_secret(args), instance=args.instance,
                       **place, layout=args.layout, layers=args.layers, **shape, kv_lora_rank=args.kv_lora_rank,
                       rope_dim=args.rope_dim, dtype=args.dtype, pages=args.pages, page_size=args.page_size,
-                      device=device, transport=args.transport, ucx_tls=args.ucx_tls, bind=bind, advertise=advertise,
+                      device=device, transport=args.transport, ucx_tls=args.ucx_tls,
+                      ucx_eager_writes=args.ucx_eager_writes, bind=bind, advertise=advertise,
                       port=bump(args.port), data_port=bump(args.data_port),
                       metrics_port=None if args.metrics_port is None else bump(args.metrics_port),
                       timeouts=tuple(args.timeouts), heartbeat=tuple(args.heartbeat), seed=args.seed,

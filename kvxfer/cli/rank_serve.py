@@ -77,11 +77,22 @@ class RankConfig:
     serve: str | None
     connect_timeout: float
     head_map: tuple[tuple[int, ...], ...] | None = None   # RankSpec.head_map (--head-map); None: contiguous
+    ucx_eager_writes: bool = False   # decode over UCX: pregrant (--ucx-eager-writes)
 
     @property
     def mla(self) -> bool:
         return self.layout.startswith("mla")
 
+
+
+def transport_options_of(cfg: RankConfig, hb) -> dict:
+    """The transport's options for rank ``cfg``; ``hb``: its ``Heartbeat``."""
+    if cfg.transport == "zmq":
+        # The data socket binds --bind and tells peers --advertise (checked in rank.addresses).
+        return {"endpoint": f"tcp://{cfg.bind}:{cfg.data_port}", "advertise": cfg.advertise or None,
+                "heartbeat_ivl": hb.interval, "heartbeat_timeout": hb.timeout}
+    return {"tls": cfg.ucx_tls, "heartbeat": hb.interval, "peer_timeout": hb.timeout,
+            **({"eager_writes": True} if cfg.ucx_eager_writes else {})}
 
 
 def timeouts_of(phases: Sequence[float], heartbeat: Sequence[float]):
@@ -174,17 +185,10 @@ class Rank:
         self.reqs: dict[int, Any] = {}              # decode: room -> live receiver
         self.live: dict[int, Any] = {}              # prefill: room -> sender being answered
         timeouts = timeouts_of(cfg.timeouts, cfg.heartbeat)
-        hb = timeouts.heartbeat
-        if cfg.transport == "zmq":
-            # The data socket binds --bind and tells peers --advertise (checked in rank.addresses).
-            opts = {"endpoint": f"tcp://{cfg.bind}:{cfg.data_port}", "advertise": cfg.advertise or None,
-                    "heartbeat_ivl": hb.interval,
-                    "heartbeat_timeout": hb.timeout}
-        else:
-            opts = {"tls": cfg.ucx_tls, "heartbeat": hb.interval, "peer_timeout": hb.timeout}
         from ..endpoint.decode import DecodeEndpoint
         from ..endpoint.prefill import PrefillEndpoint
-        common = dict(transport=cfg.transport, transport_options=opts, timeouts=timeouts, secret=cfg.secret)
+        common = dict(transport=cfg.transport, transport_options=transport_options_of(cfg, timeouts.heartbeat),
+                      timeouts=timeouts, secret=cfg.secret)
         self.ep: PrefillEndpoint | DecodeEndpoint
         if cfg.role == "prefill":
             self._todo: queue.Queue = queue.Queue(MAX_LIVE)
