@@ -2,7 +2,7 @@
 """kvxfer next to what a user would otherwise pick, moving the same bytes between two processes
 on 127.0.0.1: torch.distributed gloo, NIXL (UCX backend) and Mooncake Transfer Engine (TCP).
 
-    .venv/bin/python scripts/bench_peers.py [--quick] [--json PATH] [--peers]
+    .venv/bin/python scripts/bench_peers.py [--quick] [--json PATH] [--peers] [--busy-caller]
 
 Cases (pools of 1 GiB, 256 MiB with --quick, on both sides):
   scattered    1000 pages of 64 KiB, and 1000 of 4 KiB, at random places of the source pool ->
@@ -33,6 +33,9 @@ Ceilings measured in the same run (single thread):
   memcpy     one ``copy_`` of the case's bytes              (shared-memory peers, one run)
   gather     ``index_select`` of the same pages, one process (shared-memory peers, scattered)
   tcp raw    the case's bytes over one loopback TCP socket, 1 MiB messages (TCP peers)
+--busy-caller: every initiator process also runs a thread busy in Python, as a serving engine's
+scheduler is; a peer whose transfers need its own threads to take the GIL (kvxfer's I/O thread)
+waits for it (``sys.getswitchinterval()``, 5 ms) while that thread runs.
 Run with ``--worker`` only by this script itself (one side of one peer).
 """
 from __future__ import annotations
@@ -259,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int)
     ap.add_argument("--timeout", type=float, default=300, help="seconds per peer")
     ap.add_argument("--only", help=f"comma-separated subset of: {','.join(PEERS)}")
+    ap.add_argument("--busy-caller", action="store_true", help="a thread busy in Python beside each initiator")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--role", help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
@@ -277,9 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or (3 if args.quick else 5)
     cases = make_cases(pool_bytes, args.pages, [int(k) * KiB for k in args.page_kib.split(",")],
                        [int(m) * MiB for m in args.run_mib.split(",")], seed=0)
-    spec = {"pool_bytes": pool_bytes, "cases": cases}
+    spec = {"pool_bytes": pool_bytes, "cases": cases, "busy_caller": args.busy_caller}
     print(f"pools {pool_bytes // MiB} MiB on both sides; cases: {', '.join(c['name'] for c in cases)}; "
-          f"best of {reps}+ rounds after a checked warm-up; peers interleaved within each round", flush=True)
+          f"best of {reps}+ rounds after a checked warm-up; peers interleaved within each round"
+          + ("; each initiator beside a thread busy in Python (--busy-caller)" if args.busy_caller else ""), flush=True)
     order = [p for p in PEERS if not args.only or p in args.only.split(",")]
     results: dict[str, dict] = {}
     pairs: dict[str, PeerPair] = {}

@@ -10,6 +10,7 @@ import os
 import select
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 
@@ -332,6 +333,11 @@ PEERS = {"tcp raw": TcpRaw, "kvxfer zmq": KvxferPeer, "kvxfer ucx": KvxferPeer, 
          "nixl ucx": NixlPeer, "mooncake tcp": MooncakePeer}
 
 
+def _busy() -> None:
+    while True:
+        sum(range(1000))
+
+
 def worker(peer: str, role: str, spec: dict, say: Callable[[str, dict], None]) -> None:
     """One side of one peer. The target serves the initiator over a control connection; the
     initiator does one transfer per command line on stdin (the orchestrator interleaves the
@@ -339,6 +345,8 @@ def worker(peer: str, role: str, spec: dict, say: Callable[[str, dict], None]) -
     pool = source_pool(spec["pool_bytes"], spec["cases"]) if role == "initiator" else \
         np.zeros(spec["pool_bytes"], np.uint8)
     p = PEERS[peer](role, pool, spec)
+    if role == "initiator" and spec.get("busy_caller"):   # an engine's scheduler, busy in Python
+        threading.Thread(target=_busy, daemon=True).start()
     try:
         if role == "target":
             ls = socket.create_server(("127.0.0.1", 0))
