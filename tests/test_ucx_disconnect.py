@@ -104,6 +104,24 @@ def test_disconnect_fails_in_flight_transfers_and_frees_after_the_flush(pair):
 
 
 @pytest.mark.parametrize("pair", [True], ids=["eager"], indirect=True)
+def test_a_pregrant_still_on_its_way_at_disconnect_holds_nothing(pair, monkeypatch):
+    """The receiver pregranted the sender, which disconnects before it read that PREGRANT (here:
+    never reads it): its FENCED-all (nothing of ours is on its way) still frees the request's
+    memory once forgotten. Without it the receiver waits for a FENCED no one sends (forever: no
+    quarantine_timeout). Seen under load: the in-flight test above, 5 failures in 14 runs."""
+    rx, tx, src, dst = pair
+    monkeypatch.setattr(tx, "_on_pregrant", lambda p, m: None)
+    peer = tx.connect(rx.descriptor())
+    assert until(lambda: any(p.sends_eager for p in rx._peers.values()), 5.0), "no HELLO"   # it may pregrant us
+    rx.expect("p.1", ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
+    assert until(lambda: rx._pregrants.get("p.1"), 1.0), "no PREGRANT sent"
+    tx.disconnect(peer)
+    assert until(lambda: peer not in tx._peers, 5.0), "never freed"
+    rx.forget("p.1")
+    assert until(lambda: not rx.writes_pending("p.1"), 5.0), f"the memory stays held: {rx.fencing()}"
+
+
+@pytest.mark.parametrize("pair", [True], ids=["eager"], indirect=True)
 def test_after_a_failed_flush_the_receiver_keeps_the_memory(pair, monkeypatch):
     """A flush of our eager puts failed: what it covered may still land, so neither the FENCE of
     its request nor the disconnect tells the receiver FENCED; its memory stays held."""

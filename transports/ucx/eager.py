@@ -256,14 +256,16 @@ class UCXEager:
         self._fence_flushing = [p for p in self._fence_flushing if p.fence_flushes]
 
     def _say_fenced_all(self, p: Peer) -> bool:
-        """Nothing of ours is on its way to ``p`` any more (we close, or ``disconnect`` it): if it
-        pregranted us, tell it FENCED-all, once, so the memory of the requests it forgot can go.
-        Not after a failed flush to it: what that flush covered may still land (the memory stays
-        held until it knows more). True when it was told."""
-        if not p.fence_answers or p.flush_failed:
+        """Nothing of ours is on its way to ``p`` any more (we close, or ``disconnect`` it): tell it
+        FENCED-all, once, so the memory of the requests it forgot can go. Whether or not it
+        pregranted us yet: a PREGRANT still on its way here would otherwise hold that memory until
+        ``quarantine_timeout`` (our FENCED-all clears it there in any order). Not after a failed
+        flush to it: what that flush covered may still land (the memory stays held until it knows
+        more). True when it was told."""
+        if p.fenced_all_said or p.flush_failed:
             return False
         self._send(p, Fenced((), True))
-        p.fence_answers = False
+        p.fence_answers, p.fenced_all_said = False, True
         return True
 
     def _fenced_all(self) -> None:

@@ -209,7 +209,7 @@ class UCXLifecycle:
     def _do_connect(self, peer_id, addr, base, sizes, rkeys, where: str = "unknown") -> str:
         p = self._peers.get(peer_id)
         if p is not None and p.closing:   # connected again while its disconnect was pending
-            p.closing = False
+            p.closing = p.fenced_all_said = False
             self._closing.remove(p)
             if p.close_flush is not None:
                 self._zombies.append((p.close_flush, None))

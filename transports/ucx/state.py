@@ -61,7 +61,8 @@ class Peer:
     pregranted: dict = field(default_factory=dict)     # sender: request id -> ByteRanges it may put to now (ordered)
     pregranted_bytes: int = 0        # sender: what those take (``eager.INTERVAL_COST`` an interval)
     fence_flushes: list = field(default_factory=list)  # sender: (flush, request ids) to answer FENCED after
-    fence_answers: bool = False      # sender: it pregranted us once: tell it FENCED-all when we close or disconnect
+    fence_answers: bool = False      # sender: it pregranted us once (``_park`` waits for its PREGRANTs)
+    fenced_all_said: bool = False    # sender: we told it FENCED-all (closing, or disconnecting it)
     flush_failed: bool = False       # sender: a flush of our puts to it failed (never FENCED-all then)
 
 
