@@ -12,7 +12,8 @@ run-aligned places of the source pool -> distinct random places of the destinati
 Peers, the same descriptors for each (``make_plan``):
   kvxfer ucx        one ``submit`` of one ``TransferPlan`` (runs this small travel packed: iov
                     tag frames straight from the runs, no gather); done when the receiver acked
-  kvxfer ucx puts   the same with ``put_below=1, put_below_many=1``: one ``ucp_put_nbi`` per run
+  kvxfer ucx puts   the same with ``put_below=1, put_below_many=1``: one ``ucp_put_nbx`` per run,
+                    all posted by one call of the compiled helper (``post_puts``)
   nixl ucx          ``prep_xfer_dlist`` of both sides once (one descriptor per run), then per
                     transfer ``make_prepped_xfer`` (all indices) + ``transfer`` + polling
                     ``check_xfer_state`` until DONE (no progress thread, as in bench_peers.py)

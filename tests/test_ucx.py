@@ -414,7 +414,8 @@ def test_adjacent_runs_go_as_one_put(pair):
     plan = plan_of([(so, do, 64 * KiB, False)])
     puts, runs, nput, _ = t._prepare(t._peers[pid], plan)
     # two merged runs of 1.25 MiB, each cut at frame_bytes (1 MiB here)
-    assert [n for _, _, n, _, _ in puts] == [MiB, 256 * KiB] * 2 and nput == k == len(runs) // 24
+    sizes = np.frombuffer(puts, "<i8").reshape(-1, 5)[:, 2].tolist()   # rows of (src, dst, nbytes, sreg, dreg)
+    assert sizes == [MiB, 256 * KiB] * 2 and nput == k == len(runs) // 24
     peer("expect", "r-merge", whole(POOL))
     assert t.submit(pid, "r-merge", plan, timeout=30).wait(30)
     assert peer("arrivals", 10, 1)[0][2]

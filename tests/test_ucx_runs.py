@@ -61,7 +61,7 @@ def test_head_slice_rows_announce_whole_pages(pair, strided):
     plan = plan_of([(so, do, n, False), big])
     puts, announced, nput, packed = t._prepare(t._peers[pid], plan)
     runs = np.frombuffer(announced, "<i8").reshape(3, -1)
-    assert nput == 1 and len(puts) == 1
+    assert nput == 1 and len(puts) == 40   # one put: a row of 5 int64
     assert runs.shape[1] == 1 + (40 if strided == "source" else 640)   # the put, then the packed runs
     assert len(packed[2]) == (640 if strided == "source" else 40)
     peer("expect", "r-rows", whole(POOL))

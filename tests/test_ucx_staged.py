@@ -374,7 +374,7 @@ def test_runs_to_a_far_peer_over_tcp_travel_packed():
         rx.expect("far.1", ByteRanges(zz, zz, np.full(1, dst.numel(), np.int64)))
         plan = raw_plan(z, so, z, do, np.full(4, n))
         puts, _, nput, packed = tx._prepare(tx._peers[peer], plan)
-        assert (puts, nput) == ([], 0) and packed is not None and len(packed[2]) == 4, (puts, nput)
+        assert (puts, nput) == (b"", 0) and packed is not None and len(packed[2]) == 4, (puts, nput)
         h = tx.submit(peer, "far.1", plan, timeout=30)
         assert h.wait(30), h.error
         got, want = dst.numpy(), src.numpy()

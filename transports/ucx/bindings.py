@@ -1,4 +1,6 @@
-"""libucp through ctypes: what ``ucxx`` does not expose (RMA, iov tag messages, raw requests).
+"""libucp through ctypes: what ``ucxx`` does not expose (RMA, iov tag messages, raw requests);
+a transfer's puts go through the compiled helper (``hotpath.c``: ``post_puts``), which also
+holds the UCS log handler.
 
 ``ucxx`` loads the bundled ``libucx``; this module binds the same ``libucp.so.0`` /
 ``libucs.so.0`` it loaded, with structs as in UCX 1.21's ``ucp.h``. Only the UCX transport's
@@ -19,16 +21,19 @@ import ucxx  # noqa: F401  (loads the bundled libucx / libucxx)
 
 from kvxfer.errors import ConnectError, TransportError
 
+try:
+    from . import hotpath
+except ImportError as e:   # an install that did not build it
+    raise ImportError(f"the UCX transport's compiled helper (transports/ucx/hotpath.c) is not built: {e}. "
+                      "Run scripts/setup, or pip install -e . (needs a C compiler and the Python headers)") from e
+
 log = logging.getLogger("kvxfer.transport.ucx")
 
 _ucp, _ucs = ctypes.CDLL("libucp.so.0"), ctypes.CDLL("libucs.so.0")  # the copies ucxx loaded
-# The same library, for calls that keep the GIL (ctypes.PyDLL): only those that take no UCX lock
-# (worker_signal writes the wakeup fd; the request tests read a flag). A call that may wait for a UCX
-# lock must release the GIL: UCX's async thread can hold that lock while it logs, and the log hook
-# below needs the GIL. Releasing it costs a thread switch whenever another thread wants the GIL
-# (submit's wake-up of a sleeping I/O thread did, per transfer). Keeping it for puts, flushes and
-# frees too measured ~6 us less sender CPU per 4 KiB transfer (46 vs 52, medians of 3, 2000 in
-# flight): not taken, for that deadlock.
+# The same library, for short calls that keep the GIL (ctypes.PyDLL): releasing it costs a thread
+# switch whenever another thread wants it, up to sys.getswitchinterval() (5 ms) while a caller's
+# thread is busy in Python. Safe since the log handler is C (``hotpath``): UCX's async thread may log
+# while it holds a lock such a call waits for, and a handler that needed the GIL would deadlock.
 _ucp_held = ctypes.PyDLL("libucp.so.0")
 _vp, _sz, _u64, _int = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_int
 _status_t = ctypes.c_int8  # ucs_status_t is a packed (one-byte) enum
@@ -91,10 +96,9 @@ rkey_release = _fn(_ucp, "ucp_rkey_buffer_release", None, _vp)
 rkey_unpack = _fn(_ucp, "ucp_ep_rkey_unpack", _status_t, _vp, ctypes.c_char_p, _P(_vp))
 rkey_destroy = _fn(_ucp, "ucp_rkey_destroy", None, _vp)
 put_nbx = _fn(_ucp, "ucp_put_nbx", _vp, _vp, _vp, _sz, _u64, _vp, _P(RequestParam))
-put_nbi = _fn(_ucp, "ucp_put_nbi", _status_t, _vp, _vp, _sz, _u64, _vp)
-ep_flush = _fn(_ucp, "ucp_ep_flush_nbx", _vp, _vp, _P(RequestParam))
+ep_flush = _fn(_ucp_held, "ucp_ep_flush_nbx", _vp, _vp, _P(RequestParam))
 request_status = _fn(_ucp_held, "ucp_request_check_status", _status_t, _vp)
-request_free = _fn(_ucp, "ucp_request_free", None, _vp)
+request_free = _fn(_ucp_held, "ucp_request_free", None, _vp)
 request_cancel = _fn(_ucp, "ucp_request_cancel", None, _vp, _vp)
 tag_send = _fn(_ucp, "ucp_tag_send_nbx", _vp, _vp, _vp, _sz, _u64, _P(RequestParam))
 tag_recv = _fn(_ucp, "ucp_tag_recv_nbx", _vp, _vp, _vp, _sz, _u64, _u64, _P(RequestParam))
@@ -102,7 +106,7 @@ worker_signal = _fn(_ucp_held, "ucp_worker_signal", _status_t, _vp)
 mem_query = _fn(_ucp, "ucp_mem_query", _status_t, _vp, _P(MemAttr))
 ep_query = _fn(_ucp, "ucp_ep_query", _status_t, _vp, ctypes.POINTER(EpAttr))
 _status_str = _fn(_ucs, "ucs_status_string", ctypes.c_char_p, _int)
-MEMMAP_ADDR_LEN, OP_ATTR_MEMH, INPROGRESS = 0b11, 1 << 8, 1
+MEMMAP_ADDR_LEN, OP_ATTR_MEMH, OP_ATTR_MULTI_SEND, INPROGRESS = 0b11, 1 << 8, 1 << 19, 1
 MEMMAP_MEMORY_TYPE, MEM_ATTR_MEM_TYPE = 1 << 4, 1 << 2
 # ucs_memory_type_t
 MEMORY_TYPES = ("host", "cuda", "cuda-managed", "rocm", "rocm-managed", "rdma", "ze-host", "ze-device", "ze-managed")
@@ -117,26 +121,34 @@ class TagRecvInfo(ctypes.Structure):  # ucp_tag_recv_info_t
 
 tag_recv_test = _fn(_ucp_held, "ucp_tag_recv_request_test", _status_t, _vp, _P(TagRecvInfo))
 PTR_ERR_MIN = 2**64 - 100  # UCS_PTR_IS_ERR: status pointers -100..-1
-_LOG_HANDLER_T = ctypes.CFUNCTYPE(_int, ctypes.c_char_p, ctypes.c_uint, ctypes.c_char_p, _int, _vp,
-                                  ctypes.c_char_p, _vp)
 
 
-
-@_LOG_HANDLER_T
-def _ucs_log_hook(file, line, function, level, comp, fmt, ap) -> int:
-    """UCS log handler, called before UCX's default one (which abort()s on FATAL lines).
-
-    cma logs a failed ``process_vm_writev/readv`` to a dead pid as FATAL when the endpoint has
-    no error handler; the same call returns UCS_ERR_IO_ERROR when the line does not abort.
-    """
-    if level == 0 and file and file.rsplit(b"/", 1)[-1] == b"cma_ep.c":
-        log.error("UCX shared-memory copy failed at cma_ep.c:%d (peer gone?): failing the operation "
-                  "instead of aborting", line)
-        return 0  # UCS_LOG_FUNC_RC_STOP
-    return 1      # UCS_LOG_FUNC_RC_CONTINUE
+def _address(lib, name: str) -> int:
+    return ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
 
 
-_fn(_ucs, "ucs_log_push_handler", None, _LOG_HANDLER_T)(_ucs_log_hook)
+# The compiled helper calls these itself, and installs a UCS log handler that needs no GIL:
+# before UCX's default one (which abort()s on FATAL lines), it stops the FATAL line cma logs for a
+# failed process_vm_writev/readv to a dead pid (the call then returns UCS_ERR_IO_ERROR instead).
+hotpath.set_calls(_address(_ucp, "ucp_put_nbx"), _address(_ucp, "ucp_request_free"),
+                  _address(_ucs, "ucs_log_push_handler"))
+post_puts = hotpath.post_puts
+EMPTY_TABLE: np.ndarray = np.zeros(0, np.uint64)   # rkeys / put parameter blocks of none (``post_puts``)
+
+
+def destroy_rkeys(handles: np.ndarray) -> None:
+    """Destroy unpacked rkeys (0: an empty region had none); nothing may put with them after."""
+    for h in handles.tolist():
+        if h:
+            rkey_destroy(h)
+
+
+def log_cma_failures() -> None:
+    """Log the cma copy failures the log handler stopped since the last call (I/O thread, each tick)."""
+    count, line = hotpath.take_cma_failures()
+    if count:
+        log.error("UCX shared-memory copy failed %d time(s) (last at cma_ep.c:%d; peer gone?): failed the "
+                  "operations instead of aborting", count, line)
 
 
 def why(status: int) -> str:

@@ -406,6 +406,7 @@ class UCXControl:
 
     # ---- deadlines and heartbeats ---------------------------------------------------------
     def _housekeeping(self, now: float) -> None:
+        ucp.log_cma_failures()
         self._check_failed(now)
         for o in self._holding:
             if self._puts_settled(o):

@@ -180,10 +180,8 @@ class UCXFencing:
         self._unflushed.pop(p.id, None)
         for o in p.waiting:
             o.handle.finish(PeerError(f"request {o.handle.request_id}: peer {why}"), release=True)
-        for h in p.rkeys:
-            if h:
-                ucp.rkey_destroy(h)
-        p.rkeys, p.outbox, p.waiting, p.rehello = [], [], [], None
+        ucp.destroy_rkeys(p.rkeys)
+        p.rkeys, p.outbox, p.waiting, p.rehello = ucp.EMPTY_TABLE, [], [], None
         self._peers.pop(p.id, None)
         self._fence_released += 1
 
@@ -213,10 +211,8 @@ class UCXFencing:
         for p in [p for p in self._peers.values() if p.bye_at is not None and now - p.bye_at > self.peer_timeout
                   and p.id not in busy and p.clock.heard <= p.bye_at]:
             del self._peers[p.id]
-            for h in p.rkeys:
-                if h:
-                    ucp.rkey_destroy(h)
-            p.rkeys, p.outbox = [], []
+            ucp.destroy_rkeys(p.rkeys)
+            p.rkeys, p.outbox = ucp.EMPTY_TABLE, []
             close_endpoint(p)   # no flush: the peer is gone
 
     def _peer_gone(self, p: Peer, why: str) -> None:

@@ -121,7 +121,8 @@ class UCXLifecycle:
     _cuda_devices: set[torch.device]
     _memh: list[int | None]
     _params: list[ucp.RequestParam]
-    _param_refs: list
+    _put_params: np.ndarray
+    _put_params_far: np.ndarray
     _rkeys_packed: list[bytes]
     _peers: dict[str, Peer]
     _out: dict
@@ -141,6 +142,7 @@ class UCXLifecycle:
     _open_rids: Any
     _staging: StagingPool
     _flush_param: ucp.RequestParam
+    _far_put_param: ucp.RequestParam
     _closing: list[Peer]
     _retired: collections.OrderedDict[str, tuple[bytes, int]]
     _landing: dict
@@ -184,11 +186,15 @@ class UCXLifecycle:
             else:
                 self._rkeys_packed.append(b"")
             self._memh.append(memh.value)
-            # One put parameter block per source region: its memh spares UCX a registration lookup.
-            self._params.append(ucp.RequestParam(op_attr_mask=ucp.OP_ATTR_MEMH if memh.value else 0,
-                                                 memh=memh.value))
-            self._param_refs.append(ctypes.byref(self._params[-1]))
+            # One put parameter block per source region: its memh spares UCX a registration lookup;
+            # MULTI_SEND: a transfer's puts are all in flight at once (bandwidth over latency), as NIXL asks.
+            self._params.append(ucp.RequestParam(op_attr_mask=(ucp.OP_ATTR_MEMH if memh.value else 0) |
+                                                 ucp.OP_ATTR_MULTI_SEND, memh=memh.value))
         self._regions = regions
+        # post_puts' parameter block per source region: its own (near peers), or one without a memh
+        # (far peers: another context, our handles are not its own)
+        self._put_params = np.array([ctypes.addressof(m) for m in self._params], np.uint64)
+        self._put_params_far = np.full(len(regions), ctypes.addressof(self._far_put_param), np.uint64)
         self._base_list = [t.data_ptr() for t in regions]
         self._base = np.asarray(self._base_list, np.int64)
         self._region_sizes = np.asarray([t.numel() for t in regions], np.int64)
@@ -204,7 +210,7 @@ class UCXLifecycle:
         for m in self._memh:
             if m:
                 ucp.mem_unmap(self._ctx.handle, m)
-        self._memh, self._params, self._param_refs, self._rkeys_packed = [], [], [], []
+        self._memh, self._params, self._rkeys_packed = [], [], []
 
     def _do_connect(self, peer_id, addr, base, sizes, rkeys, where: str = "unknown") -> str:
         p = self._peers.get(peer_id)
@@ -231,8 +237,8 @@ class UCXLifecycle:
                 h = ctypes.c_void_p()
                 if k:
                     ucp.check(ucp.rkey_unpack(p.ep.handle, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
-                handles.append(h.value)
-            p.base, p.sizes, p.rkeys = base, sizes, handles
+                handles.append(h.value or 0)
+            p.base, p.sizes, p.rkeys = base, sizes, np.array(handles, np.uint64)
             p.base_list, p.sizes_list = base.tolist(), sizes.tolist()
             self._send(p, self._hello(p))
         return peer_id
@@ -280,10 +286,8 @@ class UCXLifecycle:
             if p.close_flush.ptr is not None:
                 self._zombies.append((p.close_flush, None))
             del self._peers[p.id]
-            for h in p.rkeys:
-                if h:
-                    ucp.rkey_destroy(h)
-            p.rkeys, p.close_flush = [], None
+            ucp.destroy_rkeys(p.rkeys)
+            p.rkeys, p.close_flush = ucp.EMPTY_TABLE, None
             close_endpoint(p)   # flushed, or the peer is silent: no put of ours is in flight to it
             self._retired[p.id] = (p.secret, p.my_epoch)
             self._retired.move_to_end(p.id)
@@ -389,14 +393,13 @@ class UCXLifecycle:
         for w in self._workers:
             w.cancel_inflight_requests()
         for p in self._peers.values():
-            for h in p.rkeys:
-                if h:
-                    ucp.rkey_destroy(h)
-            p.rkeys = []
+            ucp.destroy_rkeys(p.rkeys)
+            p.rkeys = ucp.EMPTY_TABLE
         for m in self._memh:
             if m:
                 ucp.mem_unmap(self._ctx.handle, m)
-        self._memh, self._params, self._param_refs, self._regions, self._host_views = [], [], [], [], []
+        self._memh, self._params, self._regions, self._host_views = [], [], [], []
+        self._put_params = self._put_params_far = ucp.EMPTY_TABLE
         # Close endpoints now, without a flush: ucxx's destructor would flush-close them and
         # spin forever on a dead peer (error handling is off).
         for p in self._peers.values():

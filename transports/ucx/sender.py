@@ -81,7 +81,8 @@ class UCXSender:
     _host_list: list[bool]
     _host_views: list   # numpy view of each host region (None: CUDA)
     _all_host: bool
-    _param_refs: list
+    _put_params: np.ndarray
+    _put_params_far: np.ndarray
     _flush_param: ucp.RequestParam
     _out: dict[int, Outgoing]
     _unflushed: dict[str, list]
@@ -171,7 +172,7 @@ class UCXSender:
             (ps, pso), (pd, pdo) = region_unkey(ks), region_unkey(kd)
         n_, (src, dst), (sreg, dreg) = split_long_runs(self.frame_bytes, pn, (self._base[ps] + pso, p.base[pd] + pdo),
                                                       (ps, pd))
-        puts = list(zip(src.tolist(), dst.tolist(), n_.tolist(), sreg.tolist(), dreg.tolist()))
+        puts = np.stack((src, dst, n_, sreg, dreg), axis=1).astype(_I8, copy=False).tobytes()
         return puts, np.stack(announced).astype(_I8, copy=False).tobytes(), len(n) - npk, packed
 
     def _prepare_few(self, p, plan: TransferPlan, put_all: bool = False) -> tuple:
@@ -181,7 +182,8 @@ class UCXSender:
         small = 0 if put_all else self.put_below
         put_runs: list[tuple[int, int, int, int, int]]
         packed_runs: list[tuple[int, int, int, int, int]]
-        put_runs, packed_runs, puts, frame = [], [], [], self.frame_bytes
+        put_runs, packed_runs, frame = [], [], self.frame_bytes
+        puts: list[int] = []
         ssz, dsz = self.grants.region_sizes, p.sizes_list
         for g in plan.groups:
             for sr, so, dr, do, n in g.run_tuples():
@@ -194,7 +196,8 @@ class UCXSender:
                 (packed_runs if n < small or p.pack_all else put_runs).append((sr, so, dr, do, n))
         for sr, so, dr, do, n in put_runs:
             src, dst = self._base_list[sr] + so, p.base_list[dr] + do
-            puts += [(src + k, dst + k, min(frame, n - k), sr, dr) for k in range(0, n, frame)]
+            for k in range(0, n, frame):
+                puts += (src + k, dst + k, min(frame, n - k), sr, dr)
         packed, inline = None, b""
         if packed_runs:
             views = self._host_views
@@ -205,7 +208,7 @@ class UCXSender:
                 packed = (psr, pso, pn)
         runs = put_runs + packed_runs
         rows = struct.pack(f"<{3 * len(runs)}q", *[r[2] for r in runs], *[r[3] for r in runs], *[r[4] for r in runs])
-        return puts, rows, len(put_runs), packed, inline
+        return struct.pack(f"<{len(puts)}q", *puts), rows, len(put_runs), packed, inline
 
     # ---- I/O thread ---------------------------------------------------------------------
     def _start_out(self, o: Outgoing) -> None:
@@ -228,22 +231,15 @@ class UCXSender:
 
     def _start_puts(self, o: Outgoing, dtag: int) -> None:
         """GO came: issue every put and packed frame at once (all in flight); the turn flushes."""
-        ep, rkeys, params, host = o.peer.ep.handle, o.peer.rkeys, self._param_refs, self._host_list
-        if o.peer.far:   # another context: our memory handles are not its own
-            params = [ctypes.byref(self._flush_param)] * len(params)
-        # One ctypes call per put: a Python loop, bounded by bytes / put_below (see _prepare).
-        for s, d, n, sr, dr in o.puts:
-            if host[sr]:   # frees its request in C: one call per put instead of two (64 KiB: 22 vs 25 us)
-                if (status := ucp.put_nbi(ep, s, n, d, rkeys[dr])) >= 0:
-                    continue
-            else:          # the memh spares UCX a registration lookup of device memory
-                st = ucp.put_nbx(ep, s, n, d, rkeys[dr], params[sr])  # no callback: NULL (done) or a request
-                if not st or st < ucp.PTR_ERR_MIN:
-                    if st:
-                        ucp.request_free(st)  # its completion is covered by the flush
-                    continue
-                status = st - 2**64
-            return self._fail_issued(o, f"put failed: {ucp.why(status)}")
+        ep = o.peer.ep.handle
+        if o.puts:   # every put in one call (the compiled helper): the puts it posted before a failure are in flight
+            try:
+                _, status = ucp.post_puts(ep, o.puts, o.peer.rkeys, self._put_params_far if o.peer.far
+                                          else self._put_params)
+            except ValueError as e:   # checked before any was posted (the peer's rkeys gone, say): none in flight
+                return self._fail_out(o, PeerError(f"request {o.handle.request_id}: {e}"), tell=not o.eager)
+            if status:
+                return self._fail_issued(o, f"put failed: {ucp.why(status)}")
         if o.iov is not None:
             o.iov.send(ep, DATA_BIT | dtag << FRAME_BITS)
             if o.iov.error:

@@ -29,7 +29,7 @@ class Peer:
     sizes: np.ndarray | None = None
     base_list: list = field(default_factory=list)   # the same as Python ints (few-runs path)
     sizes_list: list = field(default_factory=list)
-    rkeys: list = field(default_factory=list)
+    rkeys: np.ndarray = field(default_factory=lambda: ucp.EMPTY_TABLE)   # uint64 per region (0: empty region)
     gone: bool = False               # silent past peer_timeout; cleared when it speaks again
     far: bool = False                # reached through the FAR_TLS worker (another host or network namespace)
     err: bool = False                # endpoint error handling on (a peer in another host or network namespace
@@ -94,7 +94,7 @@ class Outgoing:
     peer: Peer                       # the transport's Peer
     handle: TransferHandle
     announce: Announce
-    puts: list                       # (src addr, dst addr, nbytes, src region, dst region) per put
+    puts: bytes                      # int64 rows (src addr, dst addr, nbytes, src region, dst region): ``post_puts``
     staging: StagedFrames | None     # packed frames gathered into the send ring (CUDA sources; host to far peers)
     frame_bytes: int
     iov: ucp.IovFrames | None = None  # or the packed runs' frames, read in place (host sources)

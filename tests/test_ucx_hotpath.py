@@ -1,0 +1,109 @@
+"""The UCX transport's compiled helper (``transports/ucx/hotpath.c``): ``post_puts`` checks every
+row before it posts any, and moves exactly the bytes of its rows, with the source region's
+parameter block (its memh: near peers) or one without (far peers); its UCS log handler stops
+cma's FATAL line (UCX's own handler would abort) and counts it."""
+from __future__ import annotations
+
+import ctypes
+import logging
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ucxx")
+
+from kvxfer.transport.registry import get_transport  # noqa: E402
+from kvxfer_transports.ucx import bindings as ucp  # noqa: E402
+from kvxfer_transports.ucx import hotpath  # noqa: E402
+
+KiB = 1 << 10
+REGION = 256 * KiB
+CANARY = 0xA5
+
+
+def _rows(*rows) -> bytes:
+    return np.array(rows, "<i8").reshape(-1, 5).tobytes()
+
+
+@pytest.mark.parametrize("row, why", [
+    ((0, 0, 4096, 2, 0), "source region 2 of 2"),     # no such source region
+    ((0, 0, 4096, 0, 2), "destination region 2 of 2"),
+    ((0, 0, 4096, -1, 0), "source region -1"),
+    ((0, 0, 0, 0, 0), "has 0 bytes"),
+    ((0, 0, 4096, 0, 1), "no rkey"),                    # region 1 had none (empty)
+    ((0, 0, 4096, 1, 0), "no parameter block"),        # source region 1 has none
+])
+def test_a_bad_row_posts_nothing(row, why):
+    """ep 0 would crash UCX if anything were posted: the check comes first, for every row."""
+    good = (0, 0, 4096, 0, 0)
+    with pytest.raises(ValueError, match="put 1 has") as e:
+        hotpath.post_puts(0, _rows(good, row), np.array([7, 0], np.uint64), np.array([9, 0], np.uint64))
+    assert why in str(e.value)
+
+
+def test_tables_of_the_wrong_size_are_refused():
+    with pytest.raises(ValueError, match="not rows of 5"):
+        hotpath.post_puts(0, b"\0" * 48, np.array([7], np.uint64), np.array([9], np.uint64))
+    with pytest.raises(ValueError, match="rkeys has 12 bytes"):
+        hotpath.post_puts(0, b"", b"\0" * 12, np.array([9], np.uint64))
+    assert hotpath.post_puts(0, b"", ucp.EMPTY_TABLE, ucp.EMPTY_TABLE) == (0, 0)   # nothing to post
+
+
+@pytest.mark.parametrize("memh", [True, False], ids=["memh", "no memh"])
+def test_posted_puts_land_exactly(memh):
+    """Rows of both sizes (below and above the GIL-holding threshold) land byte-exact, nothing else moves."""
+    rx, tx = get_transport("ucx", heartbeat=0.2), get_transport("ucx", heartbeat=0.2)
+    try:
+        src = torch.randint(0, 256, (REGION,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+        dst = torch.full((REGION,), CANARY, dtype=torch.uint8)
+        rx.register([dst])
+        tx.register([src])
+        pid = tx.connect(rx.descriptor())
+        p = tx._peers[pid]
+        param = tx._params[0] if memh else ucp.RequestParam()   # the region's own, or as far peers have
+        params = np.array([ctypes.addressof(param)], np.uint64)
+        rows = [(src.data_ptr() + s, int(p.base[0]) + d, n, 0, 0)
+                for s, d, n in [(0, 4096, 100), (8192, 16384, 4096), (64 * KiB, 128 * KiB, 96 * KiB)]]
+
+        def post():
+            posted, status = hotpath.post_puts(p.ep.handle, _rows(*rows), p.rkeys, params)
+            f = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(param)))
+            while f.poll() is None:
+                tx._progress()
+            return posted, status, f.status
+
+        assert tx._call(post) == (3, 0, 0)
+        want = np.full(REGION, CANARY, np.uint8)
+        for s, d, n, _, _ in rows:
+            want[d - int(p.base[0]): d - int(p.base[0]) + n] = src.numpy()[s - src.data_ptr(): s - src.data_ptr() + n]
+        assert np.array_equal(dst.numpy(), want)
+    finally:
+        tx.close()
+        rx.close()
+
+
+_CMA_LINE = """
+import ctypes
+from kvxfer_transports.ucx import bindings, hotpath
+comp = ctypes.create_string_buffer(256)
+ctypes.CDLL("libucs.so.0").ucs_log_dispatch(b"/src/uct/sm/scopy/cma/cma_ep.c", 123, b"uct_cma_ep_tx", 0, comp,
+                                             b"process_vm_writev(pid=1) failed")
+print(hotpath.take_cma_failures(), hotpath.take_cma_failures())
+"""
+
+
+def test_cma_fatal_line_is_stopped_and_counted():
+    """Without the handler, UCX's own one aborts the process on this FATAL line."""
+    out = subprocess.run([sys.executable, "-c", _CMA_LINE], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "(1, 123) (0, 123)", out.stdout
+
+
+def test_cma_failures_are_logged(caplog, monkeypatch):
+    monkeypatch.setattr(hotpath, "take_cma_failures", lambda: (2, 77))
+    with caplog.at_level(logging.ERROR, "kvxfer.transport.ucx"):
+        ucp.log_cma_failures()
+    assert "failed 2 time(s) (last at cma_ep.c:77" in caplog.text
