@@ -107,3 +107,33 @@ def test_cma_failures_are_logged(caplog, monkeypatch):
     with caplog.at_level(logging.ERROR, "kvxfer.transport.ucx"):
         ucp.log_cma_failures()
     assert "failed 2 time(s) (last at cma_ep.c:77" in caplog.text
+
+
+def test_a_transfer_whose_puts_cannot_be_posted_fails_whole():
+    """The peer's rkeys are gone (as once it is released): the transfer fails with the reason,
+    its source is released, the receiver is told (ABORT) and not a byte lands."""
+    from kvxfer.grant import ByteRanges
+    from kvxfer.plan import RunGroup, TransferPlan
+    rx, tx = get_transport("ucx", heartbeat=0.2), get_transport("ucx", heartbeat=0.2)
+    try:
+        src = torch.randint(0, 256, (REGION,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+        dst = torch.full((REGION,), CANARY, dtype=torch.uint8)
+        rx.register([dst])
+        tx.register([src])
+        pid = tx.connect(rx.descriptor())
+        p = tx._peers[pid]
+        keys = tx._call(lambda: p.rkeys)
+        tx._call(setattr, p, "rkeys", ucp.EMPTY_TABLE)
+        z = np.zeros(1, np.int64)
+        plan = TransferPlan((RunGroup(z, z, z, z, np.array([0]), np.array([0]), np.array([64 * KiB]), False),))
+        rx.expect("r.1", ByteRanges(z, z, np.full(1, REGION, np.int64)))
+        h = tx.submit(pid, "r.1", plan, timeout=10)
+        assert h.wait(10) is False and "no parameter block, or no rkey" in str(h.error), h.error
+        assert h.source_released
+        (arr,) = rx.arrivals(timeout=10)
+        assert not arr.ok and arr.request_id == "r.1", arr
+        assert bool((dst == CANARY).all())
+        tx._call(setattr, p, "rkeys", keys)
+    finally:
+        tx.close()
+        rx.close()
