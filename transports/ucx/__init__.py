@@ -1,10 +1,9 @@
 """UCX transport: one-sided put for runs, tagged iov frames for packed runs, tagged control.
 
 Mechanism, by measurement (scripts/bench_transport.py, scripts/bench_ucx.py): runs are written
-with ``ucp_put_nbx`` through the ``libucp`` bundled with ``ucxx`` (on the worker and endpoint
-handles ucxx creates): every put of a transfer in one call of the compiled helper
-(``hotpath.c``, ``post_puts``) on the sender, nothing posted by the receiver. Runs
-shorter than ``PUT_BELOW`` are packed instead: their bytes, back to back, travel as tagged
+with ``ucp_put_nbx`` through the ``libucp`` bundled with ``ucxx`` (on the handles ucxx creates),
+a transfer's puts in one call (``hotpath.c``); nothing is posted by the receiver. Runs shorter
+than ``PUT_BELOW`` are packed instead: their bytes, back to back, travel as tagged
 frames of at most ``frame_bytes``. Near peers in host memory: a frame is a UCX iov on both
 sides (``ucp_tag_send_nbx`` / ``ucp_tag_recv_nbx`` with ``ucp_dt_make_iov``): the sender sends
 from the source runs and the receiver posts its receive into the granted destination runs, so
@@ -264,7 +263,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._later: list[Callable[[], object]] = []   # see _deliver
         self._flush_param = ucp.RequestParam()
-        self._far_put_param = ucp.RequestParam(op_attr_mask=ucp.OP_ATTR_MULTI_SEND)
+        self._far_put_param = ucp.RequestParam(op_attr_mask=ucp.OP_ATTR_MULTI_SEND)   # see register()
         self._staging = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-send")
         self._rx_ring = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-recv")
         # UCX_TLS in the environment counts too: UCX reads it where the config sets none
