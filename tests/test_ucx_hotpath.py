@@ -15,6 +15,8 @@ import torch
 
 pytest.importorskip("ucxx")
 
+from kvxfer.grant import ByteRanges  # noqa: E402
+from kvxfer.plan import RunGroup, TransferPlan  # noqa: E402
 from kvxfer.transport.registry import get_transport  # noqa: E402
 from kvxfer_transports.ucx import bindings as ucp  # noqa: E402
 from kvxfer_transports.ucx import hotpath  # noqa: E402
@@ -26,6 +28,21 @@ CANARY = 0xA5
 
 def _rows(*rows) -> bytes:
     return np.array(rows, "<i8").reshape(-1, 5).tobytes()
+
+
+@pytest.fixture
+def pair():
+    """(receiver, sender, peer id, source, destination): one region each, connected in-process."""
+    rx, tx = get_transport("ucx", heartbeat=0.2), get_transport("ucx", heartbeat=0.2)
+    try:
+        src = torch.randint(0, 256, (REGION,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+        dst = torch.full((REGION,), CANARY, dtype=torch.uint8)
+        rx.register([dst])
+        tx.register([src])
+        yield rx, tx, tx.connect(rx.descriptor()), src, dst
+    finally:
+        tx.close()
+        rx.close()
 
 
 @pytest.mark.parametrize("row, why", [
@@ -53,36 +70,27 @@ def test_tables_of_the_wrong_size_are_refused():
 
 
 @pytest.mark.parametrize("memh", [True, False], ids=["memh", "no memh"])
-def test_posted_puts_land_exactly(memh):
+def test_posted_puts_land_exactly(pair, memh):
     """Rows of both sizes (below and above the GIL-holding threshold) land byte-exact, nothing else moves."""
-    rx, tx = get_transport("ucx", heartbeat=0.2), get_transport("ucx", heartbeat=0.2)
-    try:
-        src = torch.randint(0, 256, (REGION,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-        dst = torch.full((REGION,), CANARY, dtype=torch.uint8)
-        rx.register([dst])
-        tx.register([src])
-        pid = tx.connect(rx.descriptor())
-        p = tx._peers[pid]
-        param = tx._params[0] if memh else ucp.RequestParam()   # the region's own, or as far peers have
-        params = np.array([ctypes.addressof(param)], np.uint64)
-        rows = [(src.data_ptr() + s, int(p.base[0]) + d, n, 0, 0)
-                for s, d, n in [(0, 4096, 100), (8192, 16384, 4096), (64 * KiB, 128 * KiB, 96 * KiB)]]
+    rx, tx, pid, src, dst = pair
+    p = tx._peers[pid]
+    param = tx._params[0] if memh else ucp.RequestParam()   # the region's own, or as far peers have
+    params = np.array([ctypes.addressof(param)], np.uint64)
+    rows = [(src.data_ptr() + s, int(p.base[0]) + d, n, 0, 0)
+            for s, d, n in [(0, 4096, 100), (8192, 16384, 4096), (64 * KiB, 128 * KiB, 96 * KiB)]]
 
-        def post():
-            posted, status = hotpath.post_puts(p.ep.handle, _rows(*rows), p.rkeys, params)
-            f = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(param)))
-            while f.poll() is None:
-                tx._progress()
-            return posted, status, f.status
+    def post():
+        posted, status = hotpath.post_puts(p.ep.handle, _rows(*rows), p.rkeys, params)
+        f = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(param)))
+        while f.poll() is None:
+            tx._progress()
+        return posted, status, f.status
 
-        assert tx._call(post) == (3, 0, 0)
-        want = np.full(REGION, CANARY, np.uint8)
-        for s, d, n, _, _ in rows:
-            want[d - int(p.base[0]): d - int(p.base[0]) + n] = src.numpy()[s - src.data_ptr(): s - src.data_ptr() + n]
-        assert np.array_equal(dst.numpy(), want)
-    finally:
-        tx.close()
-        rx.close()
+    assert tx._call(post) == (3, 0, 0)
+    want = np.full(REGION, CANARY, np.uint8)
+    for s, d, n, _, _ in rows:
+        want[d - int(p.base[0]): d - int(p.base[0]) + n] = src.numpy()[s - src.data_ptr(): s - src.data_ptr() + n]
+    assert np.array_equal(dst.numpy(), want)
 
 
 _CMA_LINE = """
@@ -109,31 +117,20 @@ def test_cma_failures_are_logged(caplog, monkeypatch):
     assert "failed 2 time(s) (last at cma_ep.c:77" in caplog.text
 
 
-def test_a_transfer_whose_puts_cannot_be_posted_fails_whole():
+def test_a_transfer_whose_puts_cannot_be_posted_fails_whole(pair):
     """The peer's rkeys are gone (as once it is released): the transfer fails with the reason,
     its source is released, the receiver is told (ABORT) and not a byte lands."""
-    from kvxfer.grant import ByteRanges
-    from kvxfer.plan import RunGroup, TransferPlan
-    rx, tx = get_transport("ucx", heartbeat=0.2), get_transport("ucx", heartbeat=0.2)
-    try:
-        src = torch.randint(0, 256, (REGION,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
-        dst = torch.full((REGION,), CANARY, dtype=torch.uint8)
-        rx.register([dst])
-        tx.register([src])
-        pid = tx.connect(rx.descriptor())
-        p = tx._peers[pid]
-        keys = tx._call(lambda: p.rkeys)
-        tx._call(setattr, p, "rkeys", ucp.EMPTY_TABLE)
-        z = np.zeros(1, np.int64)
-        plan = TransferPlan((RunGroup(z, z, z, z, np.array([0]), np.array([0]), np.array([64 * KiB]), False),))
-        rx.expect("r.1", ByteRanges(z, z, np.full(1, REGION, np.int64)))
-        h = tx.submit(pid, "r.1", plan, timeout=10)
-        assert h.wait(10) is False and "no parameter block, or no rkey" in str(h.error), h.error
-        assert h.source_released
-        (arr,) = rx.arrivals(timeout=10)
-        assert not arr.ok and arr.request_id == "r.1", arr
-        assert bool((dst == CANARY).all())
-        tx._call(setattr, p, "rkeys", keys)
-    finally:
-        tx.close()
-        rx.close()
+    rx, tx, pid, src, dst = pair
+    p = tx._peers[pid]
+    keys = tx._call(lambda: p.rkeys)
+    tx._call(setattr, p, "rkeys", ucp.EMPTY_TABLE)
+    z = np.zeros(1, np.int64)
+    plan = TransferPlan((RunGroup(z, z, z, z, np.array([0]), np.array([0]), np.array([64 * KiB]), False),))
+    rx.expect("r.1", ByteRanges(z, z, np.full(1, REGION, np.int64)))
+    h = tx.submit(pid, "r.1", plan, timeout=10)
+    assert h.wait(10) is False and "no parameter block, or no rkey" in str(h.error), h.error
+    assert h.source_released
+    (arr,) = rx.arrivals(timeout=10)
+    assert not arr.ok and arr.request_id == "r.1", arr
+    assert bool((dst == CANARY).all())
+    tx._call(setattr, p, "rkeys", keys)
