@@ -130,10 +130,11 @@ static PyObject *post_puts(PyObject *self, PyObject *args)
     PyThreadState *ts = NULL;
     for (k = 0; k < count; k++) {
         const int64_t *r = p + 5 * k;
-        if (r[2] <= 0 || r[3] < 0 || r[3] >= nparams || !params[r[3]] || r[4] < 0 || r[4] >= nkeys || !rkeys[r[4]]) {
+        if (r[2] <= 0 || r[3] < 0 || r[3] >= nparams || !params[r[3]] || r[4] < 0 || r[4] >= nkeys
+            || !rkeys[r[4]]) {
             PyErr_Format(PyExc_ValueError, "post_puts: put %zd has %lld bytes, source region %lld of %zd, "
-                         "destination region %lld of %zd (or no parameter block, or no rkey)", k, (long long)r[2], (long long)r[3],
-                         nparams, (long long)r[4], nkeys);
+                         "destination region %lld of %zd (or no parameter block, or no rkey)", k,
+                         (long long)r[2], (long long)r[3], nparams, (long long)r[4], nkeys);
             goto out;
         }
         total += r[2];
