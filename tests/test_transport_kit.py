@@ -1,7 +1,9 @@
 """The shared transport kit: run helpers against plain loops, bounds without overflow, staging
-reuse, the command queue's drain, the I/O thread's crash path, and the fixed counter keys."""
+reuse, the command queue's drain, the I/O thread's crash path, the fixed counter keys, and a
+handle's completion: one winner whatever the threads."""
 from __future__ import annotations
 
+import sys
 import threading
 from concurrent.futures import Future
 
@@ -91,6 +93,52 @@ def test_command_queue_fails_what_is_left():
     assert h.poll() == TransferStatus.FAILED and h.source_released and "transport closed" in str(h.error)
     assert isinstance(fut.exception(), TransportError)
     assert q.empty()
+
+
+def test_a_handle_has_one_finisher_whatever_the_threads():
+    """The I/O thread finishing a transfer DONE and a caller's poll() timing it out at once:
+    exactly one finish() completes it, and what it said stays. With a check-then-set on a
+    threading.Event, this failed 6 runs of 6 (a handle with two winners, its status overwritten)."""
+    handles = [TransferHandle("r", 10, 5.0) for _ in range(5000)]
+    wins: list[list[int]] = [[] for _ in handles]
+    barrier = threading.Barrier(6)
+
+    def finisher(i: int) -> None:   # every thread finishes every handle, all at once
+        for h, won in zip(handles, wins):
+            barrier.wait()
+            if h.finish(None if i % 2 else RuntimeError(f"finisher {i}")):
+                won.append(i)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)   # threads switch as often as they can
+    try:
+        threads = [threading.Thread(target=finisher, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        sys.setswitchinterval(old)
+    for h, won in zip(handles, wins):
+        assert len(won) == 1
+        done = won[0] % 2 == 1
+        assert h.poll() == (TransferStatus.DONE if done else TransferStatus.FAILED)
+        assert h.wait(0) == done and (h.error is None) == done
+
+
+def test_a_handle_wakes_every_waiter_and_times_out_alone():
+    h = TransferHandle("r", 10, 5.0)
+    assert not h.wait(0.01) and h.poll() == TransferStatus.PENDING   # not done: the wait ends at its timeout
+    woke: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woke.append(h.wait(5.0))) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    h.finish()
+    for t in waiters:
+        t.join(5.0)
+    assert woke == [True, True, True] and h.wait(0) and h.wait(0)
+    late = TransferHandle("r", 10, 0.05)
+    assert not late.wait() and late.poll() == TransferStatus.FAILED   # its deadline failed it
+    assert "deadline" in str(late.error)
 
 
 def test_io_thread_crash_reports_and_cleans_up():
