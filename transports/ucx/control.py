@@ -377,7 +377,7 @@ class UCXControl:
                 o.stale = True
         p.pregranted.clear()   # maybe stale after silence: announced (GO) until pregranted again
         p.pregranted_bytes = 0
-        p.rehello = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param)))
+        p.rehello = ucp.Flush(ucp.ep_flush(p.eph, ctypes.byref(self._flush_param)))
 
     def _requeue(self, o: Outgoing) -> None:
         """Sender: ``o``'s announce was refused because the receiver fenced us. Nothing of it

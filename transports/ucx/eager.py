@@ -238,7 +238,7 @@ class UCXEager:
         for o in [o for o in self._out.values() if o.peer is p and o.eager and o.state == "flushing"
                   and o.handle.request_id in rids]:
             self._fail_out(o, RejectedWrite(f"request {o.handle.request_id}: the receiver ended the request"))
-        p.fence_flushes.append((ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param))), m.rids))
+        p.fence_flushes.append((ucp.Flush(ucp.ep_flush(p.eph, ctypes.byref(self._flush_param))), m.rids))
         if p not in self._fence_flushing:
             self._fence_flushing.append(p)
 

@@ -54,8 +54,10 @@ def close_endpoint(p: Peer) -> None:
     Error handling on (``Peer.err``): ucxx closes in force mode (no flush); off: a flush-close
     that does not wait for a dead peer here, as ucxx runs it."""
     if p.err and not p.ep.alive:
+        p.eph = 0
         return
     p.ep.close()
+    p.eph = 0   # as ucxx's handle reads once closed
 
 
 def failure_of(ep) -> str:
@@ -78,6 +80,8 @@ def _ep_closed(transport_ref: weakref.ref, peer_ref: weakref.ref) -> None:
     endpoint ourselves; the handler skips a peer already forgotten. Never raises into UCX."""
     try:
         t, p = transport_ref(), peer_ref()
+        if p is not None:
+            p.eph = 0   # ucxx closed it: as its handle reads from now on
         if t is not None and p is not None:
             t._failed_eps.append(p)
     except Exception:   # pragma: no cover - nothing here raises; UCX must never see it
@@ -236,7 +240,7 @@ class UCXLifecycle:
             for k in rkeys:
                 h = ctypes.c_void_p()
                 if k:
-                    ucp.check(ucp.rkey_unpack(p.ep.handle, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
+                    ucp.check(ucp.rkey_unpack(p.eph, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
                 handles.append(h.value or 0)
             p.base, p.sizes, p.rkeys = base, sizes, np.array(handles, np.uint64)
             p.base_list, p.sizes_list = base.tolist(), sizes.tolist()
@@ -279,7 +283,7 @@ class UCXLifecycle:
                 left.append(p)   # the close flush next turn, once the FENCED left with the outbox
                 continue
             if p.close_flush is None:   # nothing of ours reads a source: flush so ABORTs and BYE leave
-                p.close_flush = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(self._flush_param)))
+                p.close_flush = ucp.Flush(ucp.ep_flush(p.eph, ctypes.byref(self._flush_param)))
             if p.close_flush.poll() is None and now - p.closing_since < self.peer_timeout:
                 left.append(p)
                 continue
@@ -310,7 +314,7 @@ class UCXLifecycle:
     def _log_path(self, p: Peer, where: str) -> list[tuple[str, str]]:
         """Say which transports reach ``p`` (INFO), and warn when another host is reached by TCP;
         returns them ((transport, device) per lane)."""
-        lanes = ucp.ep_transports(p.ep.handle)
+        lanes = ucp.ep_transports(p.eph)
         said = ", ".join(f"{t}/{d}" for t, d in lanes) or "unknown transports"
         place = {"same": "this host", "netns": "this host, another network namespace", "host": "another host"}.get(
             where, "a place it did not say")
@@ -335,7 +339,7 @@ class UCXLifecycle:
         ``UCXFencing._check_failed`` on the I/O loop's next tick (nothing runs inside UCX's call)."""
         worker = self._far() if far else self._worker
         ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), err)
-        p = self._peers[peer_id] = Peer(peer_id, ep, secret, far=far, err=err)
+        p = self._peers[peer_id] = Peer(peer_id, ep, secret, far=far, err=err, eph=ep.handle)
         if err:   # weak references: ucxx holds the callback in C++, where no collector sees a cycle
             ep.set_close_callback(_ep_closed, (weakref.ref(self), weakref.ref(p)))
         return p

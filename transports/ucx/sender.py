@@ -231,7 +231,7 @@ class UCXSender:
 
     def _start_puts(self, o: Outgoing, dtag: int) -> None:
         """GO came: issue every put and packed frame at once (all in flight); the turn flushes."""
-        ep = o.peer.ep.handle
+        ep = o.peer.eph
         if o.puts:   # every put in one call (the compiled helper): the puts it posted before a failure are in flight
             try:
                 _, status = ucp.post_puts(ep, o.puts, o.peer.rkeys, self._put_params_far if o.peer.far
@@ -258,7 +258,7 @@ class UCXSender:
     def _flush_puts(self) -> None:
         """One ep flush per peer covers every put issued to it this turn."""
         for outs in self._unflushed.values():
-            f = ucp.Flush(ucp.ep_flush(outs[0].peer.ep.handle, ctypes.byref(self._flush_param)))
+            f = ucp.Flush(ucp.ep_flush(outs[0].peer.eph, ctypes.byref(self._flush_param)))
             for o in outs:
                 o.flush = f
             self._flushing += outs

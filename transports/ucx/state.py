@@ -24,6 +24,7 @@ class Peer:
     id: str
     ep: ucx_api.UCXEndpoint          # error handling off, except for ``err`` peers
     secret: bytes                    # the channel secret every batch to or from it carries
+    eph: int = 0                     # ep's ucp_ep_h, 0 once closed (ucxx's ``ep.handle`` drops the GIL at each read)
     clock: PeerClock = field(default_factory=PeerClock)
     base: np.ndarray | None = None   # remote region addresses, sizes, rkeys: set by connect()
     sizes: np.ndarray | None = None
