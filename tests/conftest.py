@@ -36,7 +36,7 @@ SLOW_TESTS = {"test_source_released_only_when_nothing_reads_it", "test_receiver_
 
 SUBPROCESS_TESTS = {"test_import_kvxfer_loads_no_transport",
                     "test_the_integration_example_runs_and_moves_the_kv_byte_exact", "test_cli_serves_until_sigterm",
-                    "test_gpu_check_skips_cleanly_without_cuda"}
+                    "test_gpu_check_skips_cleanly_without_cuda", "test_cma_fatal_line_is_stopped_and_counted"}
 IN_PROCESS_PAIRS = {"local", "faulty"}   # test_transport_conformance.IN_PROCESS
 
 
