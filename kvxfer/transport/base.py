@@ -61,7 +61,6 @@ Transports are found through the ``kvxfer.transports`` entry-point group:
 """
 from __future__ import annotations
 
-import _thread
 import enum
 import logging
 import queue
@@ -110,7 +109,7 @@ class TransferHandle:
         # Two bare locks, not a threading.Event (~6x dearer to make and set, one per transfer):
         # ``_claim`` is taken by the one finish() that completes the handle, ``_done`` is held
         # until then (waiters take it and give it back at once).
-        self._claim, self._done = _thread.allocate_lock(), _thread.allocate_lock()
+        self._claim, self._done = threading.Lock(), threading.Lock()
         self._done.acquire()
         self._status, self._error = TransferStatus.PENDING, None
         self._released = None if holds_source else True   # None: the transport says when
