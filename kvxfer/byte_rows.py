@@ -1,11 +1,8 @@
-"""Byte regions as rows: the index arithmetic every executor shares (``kvxfer.copy``,
-``kvxfer.copy_device``, ``kvxfer.copy_host``). Regions are 1-D uint8 tensors; a run is
-``nbytes`` bytes at ``offset`` of a region. Index arrays are built with numpy, with no
-Python loop per run.
+"""Byte regions as rows: the index arithmetic of the device executor (``kvxfer.copy_device``).
+Regions are 1-D uint8 tensors; a run is ``nbytes`` bytes at ``offset`` of a region. Index
+arrays are built with numpy, with no Python loop per run.
 """
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -40,15 +37,6 @@ def element_index(offsets: np.ndarray, lens: np.ndarray, unit: int) -> np.ndarra
     return firsts + np.arange(total, dtype=np.int64)
 
 
-def element_index_pair(a: np.ndarray, b: np.ndarray, lens: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
-    """``element_index`` of two sides of the same runs (offsets ``a`` and ``b``, lengths
-    ``lens``), sharing the counting work."""
-    counts = lens // unit
-    ends = np.cumsum(counts)
-    step = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) - np.repeat(ends - counts, counts)
-    return np.repeat(a // unit, counts) + step, np.repeat(b // unit, counts) + step
-
-
 def unit_of(*arrays: np.ndarray) -> int:
     return int(np.gcd.reduce(np.concatenate([np.asarray(a, np.int64).ravel() for a in arrays]))) or 1
 
@@ -64,8 +52,4 @@ def by_region(region: np.ndarray):
         yield int(region[idx[0]]), idx
 
 
-def on_host(*sides: Sequence[torch.Tensor]) -> bool:
-    return all(t.device.type == "cpu" for side in sides for t in side[:1])
-
-
-__all__ = ["WIDE", "unit_views", "span_of", "element_index", "element_index_pair", "unit_of", "by_region", "on_host"]
+__all__ = ["WIDE", "unit_views", "span_of", "element_index", "unit_of", "by_region"]

@@ -22,10 +22,17 @@ What is measured
   reload           DecodeOffloadManager.reload of each request into freshly allocated,
                    scattered slots; then checked byte for byte against the bytes offloaded
                    (outside the timed region).
+  copies alone     the part of offload and reload spent in the manager's copies
+                   (``OffloadStats.offload_copy_s`` / ``reload_copy_s``), as the same ratio:
+                   what is left between it and the figure above is the manager's own work.
   executor alone   execute_plan of one plan for the same bytes, without the manager: what
                    the planner + copy engine reach. Next to it, libc memcpy once per run of
-                   that plan: pages scattered over a pool cost even a plain memcpy (TLB,
-                   prefetch), so this is the ceiling that page-scattered KV can approach.
+                   the same plans in a C loop (compiled here with gcc): pages scattered over a
+                   pool cost even a plain memcpy (TLB, prefetch), so this is the ceiling that
+                   page-scattered KV can approach, measured in the same run. Before each copy
+                   of these two lines, 256 MiB of other bytes are written: caches hold none of
+                   the copy's bytes, as for the manager's copies (a reload reads host memory
+                   written at offload, long before).
   decode step      a few matmuls per step (torch on 1 thread: the engine's compute) with
                    the batch decoding one token per request per step; offload on (step() every
                    step, copies running behind) vs off, interleaved trials, median.
@@ -45,6 +52,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import os
 import statistics
 import sys
 import time
@@ -60,6 +68,7 @@ from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig  # noqa: 
 
 GOAL_BANDWIDTH_X = 0.7    # offload, reload >= this x the ceiling
 GOAL_STEP_X = 1.05        # decode step with offload on <= this x off
+EVICT_BYTES = 256 << 20   # written before each copy of the executor lines: caches hold other bytes
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -144,18 +153,51 @@ def scribble(pool, slots: np.ndarray) -> None:
         rows[idx] = 0
 
 
-def scattered_memcpy(plan, src, dst) -> float:
-    """libc memcpy once per run of ``plan`` (a Python loop: a bench, not a path): the ceiling for
-    bytes that sit in scattered pages, which a contiguous memcpy does not see (TLB, prefetch)."""
-    libc = ctypes.CDLL(None)
-    libc.memcpy.argtypes, libc.memcpy.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
+MEMCPY_RUNS_C = r"""
+#include <stdint.h>
+#include <string.h>
+void memcpy_runs(const int64_t *dst, const int64_t *src, const int64_t *n, int64_t count) {
+    for (int64_t i = 0; i < count; i++) memcpy((void *)dst[i], (const void *)src[i], (size_t)n[i]);
+}
+"""
+
+
+def memcpy_runs_lib():
+    """``memcpy_runs(dst, src, nbytes, count)``: libc memcpy once per run in a C loop, compiled
+    here once per source text (gcc is on every machine kvxfer builds on); None without gcc."""
+    import hashlib
+    import subprocess
+    import tempfile
+    so = Path(tempfile.gettempdir()) / f"kvxfer-bench-memcpy-{hashlib.sha1(MEMCPY_RUNS_C.encode()).hexdigest()[:12]}.so"
+    if not so.exists():
+        c = so.with_suffix(f".{os.getpid()}.c")
+        c.write_text(MEMCPY_RUNS_C)
+        try:
+            subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", f"{so}.{os.getpid()}", str(c)], check=True,
+                           capture_output=True)
+            os.replace(f"{so}.{os.getpid()}", so)
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"(no C memcpy ceiling: gcc failed: {e})")
+            return None
+        finally:
+            c.unlink(missing_ok=True)
+    lib = ctypes.CDLL(str(so))
+    lib.memcpy_runs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+    lib.memcpy_runs.restype = None
+    return lib
+
+
+def scattered_memcpy(lib, plan, src, dst) -> float:
+    """The ceiling for bytes that sit in scattered pages, which a contiguous memcpy does not
+    see (TLB, prefetch): libc memcpy once per run of ``plan``, in C with nothing between runs
+    (addresses worked out before the clock starts). GB/s."""
     r = plan.runs()
-    sp = np.array([t.data_ptr() for t in src], np.int64)[r.src_region] + r.src_offset
-    dp = np.array([t.data_ptr() for t in dst], np.int64)[r.dst_region] + r.dst_offset
+    sp = np.ascontiguousarray(np.array([t.data_ptr() for t in src], np.int64)[r.src_region] + r.src_offset)
+    dp = np.ascontiguousarray(np.array([t.data_ptr() for t in dst], np.int64)[r.dst_region] + r.dst_offset)
+    n = np.ascontiguousarray(r.nbytes, np.int64)
     t = time.perf_counter()
-    for a, b, n in zip(dp.tolist(), sp.tolist(), r.nbytes.tolist()):
-        libc.memcpy(a, b, n)
-    return gbps(int(r.nbytes.sum()), time.perf_counter() - t)
+    lib.memcpy_runs(dp.ctypes.data, sp.ctypes.data, n.ctypes.data, len(n))
+    return gbps(int(n.sum()), time.perf_counter() - t)
 
 
 def bench_executor(args, pool, host_style: str) -> dict:
@@ -169,13 +211,22 @@ def bench_executor(args, pool, host_style: str) -> dict:
     h2d = Planner(host.layout, pool.layout).plan(hs, {"token": back})
     ceiling = Ceiling(d2h.nbytes, pool.device.type)
     execute_plan(d2h, pool.regions(), host.regions())   # warm-up, as for the manager
-    out = {"ceiling": [], "d2h": [], "h2d": [], "scattered": []}
+    out: dict[str, list[float]] = {"ceiling": [], "d2h": [], "h2d": [], "scattered_d2h": [], "scattered_h2d": []}
+    lib = memcpy_runs_lib() if pool.device.type == "cpu" else None
+    # the manager's copies read KV written long before (a reload reads host memory written at
+    # offload): each copy here starts with caches holding other bytes, as they do there
+    evict = np.ones(EVICT_BYTES, np.uint8) if pool.device.type == "cpu" else None
     for _ in range(args.reps):
         out["ceiling"].append(ceiling.measure()["torch"])
-        if pool.device.type == "cpu":
-            out["scattered"].append(scattered_memcpy(d2h, pool.regions(), host.regions()))
+        if lib is not None:
+            for name, plan, src, dst in (("scattered_d2h", d2h, pool.regions(), host.regions()),
+                                         ("scattered_h2d", h2d, host.regions(), pool.regions())):
+                evict += 1
+                out[name].append(scattered_memcpy(lib, plan, src, dst))
         for name, plan, src, dst in (("d2h", d2h, pool.regions(), host.regions()),
                                      ("h2d", h2d, host.regions(), pool.regions())):
+            if evict is not None:
+                evict += 1
             t = time.perf_counter()
             execute_plan(plan, src, dst)
             if pool.device.type == "cuda":
@@ -199,21 +250,21 @@ def bench_bandwidth(args, pool, host_style: str) -> dict:
                     for i in range(args.requests)}
             want = {rid: token_bytes(pool, slots) for rid, (_, slots) in reqs.items()}
             c = ceiling.measure()   # the same moment
-            before = mgr.stats.bytes_offloaded
+            before, copy_s = mgr.stats.bytes_offloaded, mgr.stats.offload_copy_s
             t = time.perf_counter()
             for rid, (toks, slots) in reqs.items():
                 mgr.release(rid, toks, slots)
             mgr.drain()
             released = mgr.poll().released
             t_off = time.perf_counter() - t
-            moved_off = mgr.stats.bytes_offloaded - before
+            moved_off, copy_off = mgr.stats.bytes_offloaded - before, mgr.stats.offload_copy_s - copy_s
             assert len(released) == len(reqs) and moved_off == nbytes, (released, moved_off, nbytes)
             for _toks, slots in reqs.values():
                 pages.release(slots)
             news = {rid: pages.alloc(args.tokens) for rid in reqs}
             for rid in reqs:
                 scribble(pool, news[rid])
-            before = mgr.stats.bytes_reloaded
+            before, copy_s = mgr.stats.bytes_reloaded, mgr.stats.reload_copy_s
             if pool.device.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
@@ -222,7 +273,7 @@ def bench_bandwidth(args, pool, host_style: str) -> dict:
             if pool.device.type == "cuda":
                 torch.cuda.synchronize()
             t_rel = time.perf_counter() - t
-            moved_rel = mgr.stats.bytes_reloaded - before
+            moved_rel, copy_rel = mgr.stats.bytes_reloaded - before, mgr.stats.reload_copy_s - copy_s
             assert moved_rel == nbytes, (moved_rel, nbytes)
             for rid in reqs:   # byte-exact, outside the timed region
                 if not all(torch.equal(a, b) for a, b in zip(token_bytes(pool, news[rid]), want[rid])):
@@ -233,9 +284,12 @@ def bench_bandwidth(args, pool, host_style: str) -> dict:
             if trial < 0:
                 continue
             for k, v in (("ceiling", c["torch"]), ("ceiling_glibc", c["glibc"]),
-                         ("offload", gbps(moved_off, t_off)), ("reload", gbps(moved_rel, t_rel))):
+                         ("offload", gbps(moved_off, t_off)), ("reload", gbps(moved_rel, t_rel)),
+                         ("offload_copy", gbps(moved_off, copy_off)), ("reload_copy", gbps(moved_rel, copy_rel))):
                 out.setdefault(k, []).append(v)
     res = {k: statistics.median(v) for k, v in out.items()}
+    for k in ("offload_copy", "reload_copy"):
+        res[f"{k}_x"] = float(np.median(np.array(out[k]) / np.array(out["ceiling"])))
     for k in ("offload", "reload"):
         x = np.array(out[k]) / np.array(out["ceiling"])
         # best-of-N on both sides: each at the machine's best moment (a best per-trial ratio
@@ -373,9 +427,14 @@ def main(argv=None) -> int:
               f"[best {r['offload_x_best']:4.2f}x / {r['reload_x_best']:4.2f}x]")
         print(f"{'':17s}vs glibc memcpy {r['ceiling_glibc']:6.2f} GB/s (streaming stores above its threshold): "
               f"offload {r['offload_x_glibc']:4.2f}x   reload {r['reload_x_glibc']:4.2f}x")
+        print(f"{'':17s}the manager's copies alone (OffloadStats.*_copy_s):   offload {r['offload_copy_x']:4.2f}x   "
+              f"reload {r['reload_copy_x']:4.2f}x   (the rest is planning, allocation and bookkeeping)")
         e = ex[style] = bench_executor(args, pool, style)
         print(f"{'':17s}executor alone (execute_plan, one plan):   device->host {e['d2h']:4.2f}x   "
-              f"host->device {e['h2d']:4.2f}x   (memcpy per page run: {e.get('scattered', 0):4.2f}x)")
+              f"host->device {e['h2d']:4.2f}x")
+        if "scattered_d2h" in e:
+            print(f"{'':17s}C memcpy per run of the same plans (ceiling for scattered pages):   "
+                  f"device->host {e['scattered_d2h']:4.2f}x   host->device {e['scattered_h2d']:4.2f}x")
     s = bench_step(args, pool)
     print(f"decode step ({args.requests} requests, {args.matmuls} matmuls of {args.hidden}^2): "
           f"off {s['step_off_ms']:.2f} ms, on {s['step_on_ms']:.2f} ms ({s['slowdown'] * 100:+.1f}%); "
@@ -388,6 +447,7 @@ def main(argv=None) -> int:
                                          "offload_x": r["offload_x"], "reload_x": r["reload_x"],
                                          "offload_x_best": r["offload_x_best"], "reload_x_best": r["reload_x_best"],
                                          "offload_x_glibc": r["offload_x_glibc"],
+                                         "offload_copy_x": r["offload_copy_x"], "reload_copy_x": r["reload_copy_x"],
                                          "reload_x_glibc": r["reload_x_glibc"]} for style, r in bw.items()},
                    "executor_alone_x": ex,
                    "step": {**s, "step_x": s["step_on_ms"] / s["step_off_ms"]},

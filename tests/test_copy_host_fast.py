@@ -4,9 +4,8 @@
   and only when every region given is at least the size the planner planned for; a plan built
   by hand, or a planner's plan run against smaller regions, is still refused before a byte
   moves. A planner's arrays are read-only, so the plan cannot change after it was vouched for.
-- region views are cached per region and rebuilt when the tensor's storage changes.
-- rows of exactly one unit skip the index expansion; a zero-length row (a plan from outside)
-  still copies nothing.
+- a region is read where its tensor's storage is now (``set_`` to new memory).
+- a zero-length row (a plan from outside) copies nothing.
 """
 from __future__ import annotations
 

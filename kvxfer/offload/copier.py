@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -147,8 +148,10 @@ class Copier:
             return carry
         plan = self._d2h.plan(concat_slots(self.pool, todo, lambda r: r.src),
                               concat_slots(self.pool, todo, lambda r: r.host_slots))
-        self._copy(plan, self.pool.regions(), self.host.regions(), [r.event for r in todo], self._offload_stream)
+        took = self._copy(plan, self.pool.regions(), self.host.regions(), [r.event for r in todo],
+                          self._offload_stream)
         with self._cond:
+            self.stats.offload_copy_s += took
             for rec in todo:
                 rec.src = rec.event = None
                 self.tiers.hold_locked(rec, notify=False)
@@ -157,14 +160,16 @@ class Copier:
             self.stats.bytes_offloaded += plan.nbytes
         return carry
 
-    def _copy(self, plan, src, dst, events=(), stream=None) -> None:
+    def _copy(self, plan, src, dst, events=(), stream=None) -> float:
         """Execute ``plan`` once every event of ``events`` completed (the readiness contract):
         CUDA events are waited for on ``stream`` (the GPU orders the copy after the writes),
-        any other ready object is synchronized here, on the calling thread, first."""
+        any other ready object is synchronized here, on the calling thread, first. Returns the
+        seconds the copy took, the waits for host-side events not counted."""
         events = list({id(e): e for e in events if e is not None}.values())
         for event in events:
             if not (self._cuda and isinstance(event, torch.cuda.Event)):
                 event.synchronize()
+        t = time.perf_counter()
         if self._cuda:  # on its own stream, after the steps (or reload) that own the slots
             with torch.cuda.stream(stream):
                 for event in events:
@@ -174,6 +179,7 @@ class Copier:
             stream.synchronize()
         else:
             execute_plan(plan, src, dst)
+        return time.perf_counter() - t
 
     # ---------------------------------------------------------------- host or file -> device
     def load(self, todo: list[tuple[Record, dict[str, np.ndarray]]], bcast: Broadcast | None = None,
@@ -197,7 +203,8 @@ class Copier:
                        if whole is not None and len(together) == len(todo)
                        else concat_slots(self.pool, together, lambda rd: rd[1]))
                 plan = self._h2d.plan(concat_slots(self.pool, together, lambda rd: rd[0].host_slots), dst)
-                self._copy(plan, self.host.regions(), self.pool.regions(), [event], self._reload_stream)
+                self.stats.reload_copy_s += self._copy(plan, self.host.regions(), self.pool.regions(), [event],
+                                                       self._reload_stream)
                 self.stats.bytes_reloaded += plan.nbytes
             done = {id(r) for r, _ in together}
             for rec, dst in todo:
@@ -212,7 +219,8 @@ class Copier:
                 else:
                     regions = self.tiers.materialize(rec)
                 plan = from_compact.plan(compact_slots(compact, rec.tokens), dst)
-                self._copy(plan, regions, self.pool.regions(), [event], self._reload_stream)
+                self.stats.reload_copy_s += self._copy(plan, regions, self.pool.regions(), [event],
+                                                       self._reload_stream)
                 self.stats.bytes_reloaded += plan.nbytes
             self.stats.records_reloaded += len(todo)
         finally:

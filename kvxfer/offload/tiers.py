@@ -60,6 +60,8 @@ class OffloadStats:
     records_reloaded: int = 0
     bytes_reloaded: int = 0
     file_reads: int = 0
+    offload_copy_s: float = 0.0   # seconds spent copying (after the readiness waits), offload
+    reload_copy_s: float = 0.0    # ... and reload: what the planning and bookkeeping add is the rest
 
 
 class Tiers:

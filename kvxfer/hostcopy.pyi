@@ -1,0 +1,6 @@
+"""Types of the compiled helper ``hostcopy.c`` (see its top comment)."""
+import numpy as np
+
+def copy_runs(src_addr: np.ndarray, src_size: np.ndarray, dst_addr: np.ndarray, dst_size: np.ndarray,
+              src_region: np.ndarray, src_offset: np.ndarray, dst_region: np.ndarray, dst_offset: np.ndarray,
+              nbytes: np.ndarray, release_gil_from: int) -> None: ...

@@ -1,0 +1,147 @@
+"""The compiled host copy (``kvxfer/hostcopy.c``, through ``kvxfer.copy``): every run is checked
+against its region before a byte moves, whatever its caller checked; bad arrays are refused in
+words; large copies let other threads run.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from kvxfer import hostcopy
+from kvxfer.copy import RELEASE_GIL_FROM, copy_runs, execute_plan, gather_runs, scatter_runs
+from kvxfer.errors import PlanError, TransportError
+from kvxfer.plan import FEW_RUNS, RunGroup, Runs, TransferPlan
+
+
+def _runs(rows: list[tuple[int, int, int, int, int]]) -> Runs:
+    a = np.array(rows, np.int64).reshape(-1, 5)
+    return Runs(a[:, 0], a[:, 1], a[:, 2], a[:, 3], a[:, 4], np.zeros(len(a), bool))
+
+
+def _regions(n: int, size: int, fill: int) -> list[torch.Tensor]:
+    return [torch.full((size,), fill + i, dtype=torch.uint8) for i in range(n)]
+
+
+def _good_rows(count: int) -> list[tuple[int, int, int, int, int]]:
+    return [(i % 2, 16 * i, (i + 1) % 2, 16 * i, 16) for i in range(count)]   # more than FEW_RUNS
+
+
+@pytest.mark.parametrize("bad, match", [
+    ((0, 4000, 0, 0, 200), "outside its regions"),                  # source past the end
+    ((0, 0, 1, 4090, 16), "outside its regions"),                   # destination past the end
+    ((0, -16, 0, 0, 16), "outside its regions"),                    # negative offset
+    ((0, 0, 0, 0, -1), "outside its regions"),                      # negative length
+    ((0, 2**63 - 8, 0, 0, 16), "outside its regions"),              # offset + n overflows int64
+    ((0, 16, 0, 16, 2**63 - 1), "outside its regions"),
+    ((2, 0, 0, 0, 16), "names region"),                             # region id past the list
+    ((0, 0, -1, 0, 16), "names region"),
+])
+def test_a_bad_run_is_refused_and_nothing_moves(bad, match):
+    """The last run is bad: the good ones before it must not have been copied either."""
+    src, dst = _regions(2, 4096, 1), _regions(2, 4096, 100)
+    before = [t.clone() for t in dst]
+    with pytest.raises(PlanError, match=match):
+        copy_runs(src, dst, _runs(_good_rows(FEW_RUNS + 4) + [bad]))
+    assert all(torch.equal(a, b) for a, b in zip(before, dst))
+
+
+def test_gather_and_scatter_check_their_runs_too():
+    regions = _regions(2, 4096, 1)
+    k = FEW_RUNS + 4
+    region, offset, n = np.array([0] * (k - 1) + [1]), np.arange(k, dtype=np.int64) * 64, np.full(k, 64)
+    offset[-1] = 4096 - 32   # 32 bytes past the end of region 1
+    out = torch.zeros(int(n.sum()), dtype=torch.uint8)
+    with pytest.raises(PlanError, match="outside its regions"):
+        gather_runs(regions, region, offset, n, out)
+    assert int(out.count_nonzero()) == 0
+    before = [t.clone() for t in regions]
+    with pytest.raises(PlanError, match="outside its regions"):
+        scatter_runs(regions, region, offset, n, torch.full((int(n.sum()),), 9, dtype=torch.uint8))
+    assert all(torch.equal(a, b) for a, b in zip(before, regions))
+
+
+def test_runs_between_host_regions_land_byte_exact():
+    rng = np.random.default_rng(3)
+    src = [torch.from_numpy(rng.integers(0, 256, 1 << 16, dtype=np.uint8)) for _ in range(3)]
+    dst = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(2)]
+    rows = [(int(rng.integers(3)), int(rng.integers(0, 1 << 15)), i % 2, 512 * i, int(rng.integers(1, 512)))
+            for i in range(100)]
+    copy_runs(src, dst, _runs(rows))
+    want = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(2)]
+    for sr, so, dr, do, n in rows:
+        want[dr][do: do + n] = src[sr][so: so + n]
+    assert all(torch.equal(a, b) for a, b in zip(dst, want))
+    staged = gather_runs(src, np.array([r[0] for r in rows]), np.array([r[1] for r in rows]),
+                         np.array([r[4] for r in rows]))
+    assert torch.equal(staged, torch.cat([src[sr][so: so + n] for sr, so, _, _, n in rows]))
+
+
+def test_bad_arrays_are_refused_in_words():
+    a8, z = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    with pytest.raises(TypeError, match="src_offset must be a 1-D int64 array"):
+        hostcopy.copy_runs(a8, a8, a8, a8, z, np.zeros(1, np.int32), z, z, z, 0)
+    with pytest.raises(ValueError, match="dst_region has 2 entries"):
+        hostcopy.copy_runs(a8, a8, a8, a8, z, z, np.zeros(2, np.int64), z, z, 0)
+    with pytest.raises(ValueError, match="one address and one size"):
+        hostcopy.copy_runs(a8, np.zeros(2, np.int64), a8, a8, z, z, z, z, z, 0)
+    with pytest.raises(ValueError, match="address 0"):   # a region at NULL with a run of bytes in it
+        hostcopy.copy_runs(a8, np.full(1, 64), a8, np.full(1, 64), z, z, z, z, np.full(1, 8), 0)
+    with pytest.raises(TypeError):
+        hostcopy.copy_runs(a8, a8, a8, a8, z, z, z, z, [0], 0)
+
+
+def test_a_region_that_is_not_contiguous_is_refused():
+    src = [torch.zeros(8192, dtype=torch.uint8)[::2]]
+    dst = [torch.zeros(4096, dtype=torch.uint8)]
+    with pytest.raises(TransportError, match="not contiguous"):
+        copy_runs(src, dst, _runs(_good_rows(FEW_RUNS + 1)))
+
+
+def test_a_device_region_in_the_list_takes_the_device_path():
+    """One region off the host (``meta`` here): the compiled copy must never see its address."""
+    src = [torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8, device="meta")]
+    dst = [torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)]
+    g = RunGroup(np.array([1], np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64),
+                 np.arange(0, 64 * (FEW_RUNS + 2), 64), np.arange(0, 64 * (FEW_RUNS + 2), 64),
+                 np.full(FEW_RUNS + 2, 32), False)
+    with pytest.raises((NotImplementedError, RuntimeError)):   # torch: meta -> cpu has no data to copy
+        execute_plan(TransferPlan((g,)), src, dst)
+
+
+def test_a_large_copy_lets_other_threads_run():
+    """At RELEASE_GIL_FROM bytes and above the copy runs without the GIL: a thread busy in
+    Python moves on while it copies (with the GIL held it could not: the switch interval is
+    longer than the copy)."""
+    n = max(32 << 20, RELEASE_GIL_FROM)
+    src, dst = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    dst.fill_(2)
+    tables = [np.array([t.data_ptr()], np.int64) for t in (src,)] + [np.array([n], np.int64)]
+    dtab = [np.array([dst.data_ptr()], np.int64), np.array([n], np.int64)]
+    z, size = np.zeros(1, np.int64), np.array([n], np.int64)
+    count, stop, started = [0], [False], threading.Event()
+
+    def spin():
+        started.set()
+        while not stop[0]:
+            count[0] += 1
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(0.1)
+    t = threading.Thread(target=spin)
+    try:
+        t.start()
+        started.wait(5)
+        moved = []
+        for _ in range(3):
+            before = count[0]
+            hostcopy.copy_runs(tables[0], tables[1], dtab[0], dtab[1], z, z, z, z, size, RELEASE_GIL_FROM)
+            moved.append(count[0] - before)
+    finally:
+        stop[0] = True
+        t.join()
+        sys.setswitchinterval(old)
+    assert bool((dst == 1).all())
+    assert max(moved) > 0, moved
