@@ -61,7 +61,7 @@ def _i64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, np.int64)
 
 
-def host_copy(src: tuple[np.ndarray, np.ndarray], dst: tuple[np.ndarray, np.ndarray], runs: Runs) -> None:
+def _host_copy(src: tuple[np.ndarray, np.ndarray], dst: tuple[np.ndarray, np.ndarray], runs: Runs) -> None:
     """Copy ``runs`` between host regions (``_host_table`` of each side) in one compiled call.
     Every run is checked against its region first: a bad one raises PlanError naming it, and
     nothing is copied."""
@@ -97,7 +97,7 @@ def gather_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.
         return out
     src, dst = _host_table(regions), _host_table([out])
     if src is not None and dst is not None:
-        host_copy(src, dst, _staged_runs(region, offset, nbytes, True))
+        _host_copy(src, dst, _staged_runs(region, offset, nbytes, True))
         return out
     moves, _ = cached_moves(key, "gather", lambda: pair_moves(_staged_runs(region, offset, nbytes, True),
                                                                 regions, [out]), regions, [out])
@@ -117,7 +117,7 @@ def scatter_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np
         return
     src, dst = _host_table([data]), _host_table(regions)
     if src is not None and dst is not None:
-        host_copy(src, dst, _staged_runs(region, offset, nbytes, False))
+        _host_copy(src, dst, _staged_runs(region, offset, nbytes, False))
         return
     moves, _ = cached_moves(key, "scatter", lambda: pair_moves(_staged_runs(region, offset, nbytes, False),
                                                                  [data], regions), [data], regions)
@@ -136,7 +136,7 @@ def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.T
         return
     src, dst = _host_table(src_regions), _host_table(dst_regions)
     if src is not None and dst is not None:
-        host_copy(src, dst, runs)
+        _host_copy(src, dst, runs)
         return
     moves, _ = cached_moves(key, "runs", lambda: pair_moves(runs, src_regions, dst_regions), src_regions, dst_regions)
     for m in moves:
@@ -146,7 +146,7 @@ def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.T
 def execute_plan(plan: TransferPlan, src_regions: Sequence[torch.Tensor],
                  dst_regions: Sequence[torch.Tensor]) -> None:
     """The reference executor: apply ``plan`` between two local pools' byte regions. Host
-    regions take one compiled call (``host_copy``); a device side takes ``execute_plan_batched``.
+    regions take one compiled call (``_host_copy``); a device side takes ``execute_plan_batched``.
 
     Every run is checked against its region before a byte moves (``check_plan_bounds``; the
     compiled helper checks each run again), except for a plan ``Planner.plan`` made
@@ -159,7 +159,7 @@ def execute_plan(plan: TransferPlan, src_regions: Sequence[torch.Tensor],
     if not plan.fits_regions(src_sizes, dst_sizes):   # a plan the planner made for such regions is in bounds
         check_plan_bounds(plan, src_sizes, dst_sizes)
     if plan.groups:
-        host_copy(src, dst, plan.runs())
+        _host_copy(src, dst, plan.runs())
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -169,5 +169,5 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-__all__ = ["execute_plan", "execute_plan_batched", "gather_runs", "scatter_runs", "copy_runs", "host_copy",
-           "byte_view", "check_plan_bounds", "STATS", "RELEASE_GIL_FROM"]
+__all__ = ["execute_plan", "execute_plan_batched", "gather_runs", "scatter_runs", "copy_runs", "byte_view",
+           "check_plan_bounds", "STATS", "RELEASE_GIL_FROM"]
