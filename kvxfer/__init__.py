@@ -61,7 +61,7 @@ _LAZY = {
     "RankSpec": "ranks", "BootstrapServer": "control.bootstrap", "BootstrapClient": "control.client",
     "KVPoll": "endpoint", "Timeouts": "endpoint", "AuxRecord": "endpoint", "AuxBuffer": "endpoint",
     "reduce_poll": "endpoint", "Outcome": "endpoint", "LocalGroup": "endpoint", "PrefillEndpoint": "endpoint",
-    "KVSender": "endpoint", "BootstrapConfig": "control.bootstrap", "RankInfo": "ranks",
+    "KVSender": "endpoint", "BootstrapConfig": "control.bootstrap", "RankInfo": "control.records",
     "DecodeEndpoint": "endpoint", "KVReceiver": "endpoint", "HostPool": "host", "DecodeOffloadManager": "offload",
 }
 

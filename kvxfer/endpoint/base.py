@@ -102,14 +102,16 @@ from ..control.addresses import interfaces, is_loopback
 from ..control.auth import as_secret
 from ..control.channel import ControlChannel, Heartbeat
 from ..control.compat import layout_record
+from ..control.messages import Room, check_room
+from ..control.records import RankInfo
 from ..errors import LayoutError, PlanError, RequestError
 from ..layout import SWA, Layout, combine_layouts
 from ..plan import Planner
 from ..pools import KVPool
-from ..ranks import WILDCARDS, RankInfo, RankSpec, split_address
+from ..ranks import WILDCARDS, RankSpec, split_address
 from ..transport.base import Transport
 from ..transport.registry import get_transport
-from .aux import AUX_MIN_BYTES
+from .aux import AUX_MIN_BYTES, AuxRows
 
 log = logging.getLogger("kvxfer.request")
 
@@ -177,10 +179,9 @@ class RequestBase:
     __slots__ = ("room", "state", "outcome", "reason", "deadline", "created", "ended_at", "endpoint", "_ended",
                  "_on_release", "_release_state", "__weakref__")
 
-    def __init__(self, endpoint: "EndpointBase", room: int, deadline: float,
+    def __init__(self, endpoint: "EndpointBase", room: Room, deadline: float,
                  on_release: Callable[[Outcome], None] | None):
-        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 63:
-            raise ValueError(f"room must be an int in 0..2**63-1, got {room!r}")
+        check_room(room)
         self.endpoint, self.room, self.deadline = endpoint, room, deadline
         self.state, self.reason = KVPoll.Bootstrapping, ""
         self.outcome: Outcome | None = None            # set once, at the end
@@ -341,20 +342,25 @@ class EndpointBase(abc.ABC):
     channel: ControlChannel   # made by each side's __init__ (a ROUTER on prefill, DEALERs on decode)
 
     def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None, transport: str | Transport,
-                 transport_options: Mapping | None, timeouts: Timeouts, secret, aux_bytes: int,
-                 clock: Clock = time.monotonic):
+                 transport_options: Mapping | None, timeouts: Timeouts, secret, aux: AuxRows | None,
+                 aux_bytes: int, clock: Clock = time.monotonic):
         spaces = [s.name for s in kv.layout.spaces]
         token_spaces = [name for name in spaces if name != SWA]
         if len(token_spaces) != 1:
             raise LayoutError(f"the KV pool must have one token slot space (plus {SWA!r} for a hybrid "
                               f"sliding-window pool), it has {spaces}")
-        if aux_bytes != 0 and aux_bytes < AUX_MIN_BYTES:
+        if aux is not None and not isinstance(aux, AuxRows):
+            raise TypeError(f"aux must be an AuxRows (the engine's aux buffers) or None, got {type(aux).__name__}")
+        if aux is None and aux_bytes != 0 and aux_bytes < AUX_MIN_BYTES:
             raise ValueError(f"aux_bytes must be 0 (no aux record) or >= {AUX_MIN_BYTES}, got {aux_bytes}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {clock!r}")
         _check_heads(spec, kv)
         self.spec, self.timeouts, self.secret, self.clock = spec, timeouts, as_secret(secret), clock
-        self.aux_bytes = int(aux_bytes)
+        # aux rows: the engine's buffers (their row sizes), or AuxRecords of ``aux_bytes`` (no buffer)
+        self.aux_rows = aux
+        self.aux_bytes = aux.record_bytes if aux is not None else int(aux_bytes)
+        self.aux_format = aux.row_bytes if aux is not None else (self.aux_bytes,) if self.aux_bytes else ()
         self.layout = combine_layouts(kv.layout, None if state is None else state.layout)
         self.token_space = token_spaces[0]
         self.swa_window = _swa_window(kv)            # 0: no sliding-window layers
@@ -390,7 +396,8 @@ class EndpointBase(abc.ABC):
         channel = getattr(self, "channel", None)
         return RankInfo(spec=self.spec, control=channel.address if channel else "",
                         data={self.transport.name: self.transport.descriptor()},
-                        layout=layout_record(self.layout, self.swa_window), aux_bytes=self.aux_bytes)
+                        layout=layout_record(self.layout, self.swa_window), aux_bytes=self.aux_bytes,
+                        aux_rows=self.aux_format)
 
     def _planner(self, src: Layout, dst: Layout, src_heads, dst_heads, layers, kinds) -> Planner | None:
         """A planner for ``kinds`` of ``layers``; None when no part matches (e.g. no state here)."""

@@ -2,22 +2,27 @@
 record and the checks a chunk passes live in ``kvxfer.endpoint.receiver``).
 
 Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
-    start-up, once, blocking: ``DecodeEndpoint(spec, kv_pool, aux=...)``; ``connect(bootstrap=url,
-        instance=..., timeout=...)`` (the HELLO handshake with every prefill rank this rank pulls
-        from; ``timeout`` bounds the whole call, registry wait and HELLOs together).
-    scheduler, per request, never blocks: ``receiver(room, on_release=cb)``; ``init(kv_slots, ...)``
-        clears the aux row, grants the slots (``transport.expect``; a hybrid SWA pool: also
-        ``swa_slots=``, the window it keeps) and sends the request; then ``poll()`` / ``wait(t)``;
-        ``cb(outcome)`` runs once, after the grant ended, whatever the outcome.
+    start-up, once: ``DecodeEndpoint(spec, kv_pool, aux=..., bootstrap=url)``; optionally
+        ``connect(instance=..., timeout=...)`` (blocking: handshake with one prefill instance now,
+        and make it the default for requests that name none).
+    scheduler, per request, never blocks: ``receiver(room, instance=..., bootstrap=..., on_release=cb)``
+        names the request's prefill instance; the first request that names one starts its handshake
+        on a connect thread (``kvxfer.endpoint.instances``; the request waits, Bootstrapping).
+        ``init(kv_slots, ...)`` clears the aux row, grants the slots (``transport.expect``; a hybrid
+        SWA pool: also ``swa_slots=``) and sends the request, at once or once the instance answered;
+        then ``poll()`` / ``wait(t)``; ``cb(outcome)`` runs once, after the grant ended, whatever the
+        outcome.
     channel thread: ``on_message`` (ack / nack / abort / fin), ``on_peer_lost``, ``on_tick``
         (phase deadlines, every 50 ms), ``on_dead`` (the thread died of a bug: the endpoint breaks).
-    recovery thread (``kvxfer.endpoint.recovery``, started by ``connect``): ``known_peers``,
-        ``lost_peers``, ``rejoin`` (a lost or replaced prefill rank: fresh HELLO, new address).
-Lost prefill ranks: a rank that went silent (heartbeats) is lost: its requests fail, and new
-requests to it fail at ``init`` at once, with the reason, until the recovery thread handshook
-with it again (it came back, or its replacement registered, possibly on a new port).
+    connect threads: one instance's handshake (registry wait, then a HELLO to each of its ranks
+        this rank pulls from, in parallel), then the requests that waited for it go on.
+    recovery thread (``kvxfer.endpoint.recovery``): ``registries``, ``known_peers``, ``lost_peers``,
+        ``rejoin`` (a lost or replaced prefill rank: fresh HELLO, new address).
     transport thread (``set_arrival_callback``), or an arrivals thread owned here polling
         ``transport.arrivals()`` where the transport cannot call back: chunk bookkeeping -> Success.
+Lost prefill ranks: a rank that went silent (heartbeats) is lost: its requests fail. A new request
+that names a lost rank waits while the recovery thread looks at the registry and handshakes again
+(a restarted rank on a new port, a healed link); it fails, with the reason, only if that fails.
 Ending a request (``end_request``, once) forgets the grant, tells the prefill ranks ("done" or
 "abort"), counts it in ``kvxfer.metrics`` and queues ``on_release``, or, while the transport
 says writes of it may still land (``writes_pending``: one-sided puts in flight), holds the
@@ -25,6 +30,7 @@ slots and releases them on the tick after that ends.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import secrets
@@ -34,13 +40,13 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
-import torch
 
 from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient
-from ..control.compat import check_group, require_compatible
+from ..control.compat import aux_format, aux_mismatch, require_compatible
 from ..control.handshake import hello
-from ..control.messages import CAP_BYTES
+from ..control.messages import CAP_BYTES, Abort, Ack, Done, Fin, Message, Nack, Req, Room, cut
+from ..control.records import RankInfo
 from ..control.wire import ChunkMeta
 from ..errors import CompatibilityError, ConnectError, RequestError
 from ..grant import ByteRanges
@@ -48,41 +54,53 @@ from ..layout import STATE, SWA
 from ..metrics import record_request_end
 from ..plan import Planner
 from ..pools import KVPool
-from ..ranks import RankInfo, RankSpec
-from ..topology import peers_needed
+from ..ranks import RankSpec
 from ..transport.base import Arrival, Transport
-from .aux import AUX_BYTES, AuxBuffer
+from .aux import AUX_BYTES, AuxRows
 from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
-from .receiver import KVReceiver, ReceiverHost, check_one_instance, chunk_problem
+from .instances import Groups, Phase, PrefillInstance, check_one_instance, find_ranks, plan_groups
+from .receiver import KVReceiver, Pending, ReceiverHost, chunk_problem
 from .recovery import REJOIN_HELLO, PeerRecovery
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
+MAX_INSTANCES = 1024     # setting: prefill instances one decode endpoint keeps
+HELLO_FANOUT = 16        # HELLOs one instance's handshake has in flight at once
+RETRY_FAILED = 1.0       # seconds before a request may try an instance whose handshake failed again
+
 
 class DecodeEndpoint(ReceiverHost):
-    """A decode rank: its receivers, a DEALER per prefill rank, and the arrival handler
-    (called on the transport's thread, or by an arrivals thread of its own)."""
+    """A decode rank: its receivers, the prefill instances it pulls from, a DEALER per prefill
+    rank, and the arrival handler (called on the transport's thread, or by an arrivals thread of
+    its own)."""
     role = "decode"
 
-    def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None = None, aux: AuxBuffer | None = None,
+    def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None = None, aux: AuxRows | None = None,
                  transport: str | Transport = "zmq", transport_options: Mapping | None = None,
                  timeouts: Timeouts = Timeouts(), secret: str | bytes | None = None, aux_bytes: int = AUX_BYTES,
-                 clock: Clock = time.monotonic):
-        """``clock``: seconds, for deadlines (``time.monotonic``; tests pass a manual one)."""
+                 bootstrap: str | None = None, clock: Clock = time.monotonic):
+        """``aux``: the engine's aux buffers (``AuxRows``; ``AuxBuffer`` for ``AuxRecord`` rows);
+        ``bootstrap``: the registry URL of the prefill instances requests name by ``instance`` alone;
+        ``clock``: seconds, for deadlines (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "decode":
             raise ValueError(f"DecodeEndpoint needs a decode RankSpec, got role {spec.role!r}")
-        if aux is not None and aux.record_bytes != aux_bytes:
+        if aux is not None and isinstance(aux, AuxRows) and aux_bytes != AUX_BYTES and aux.record_bytes != aux_bytes:
             raise ValueError(f"aux buffer rows are {aux.record_bytes} bytes but aux_bytes is {aux_bytes}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
-                         timeouts=timeouts, secret=secret, aux_bytes=aux_bytes, clock=clock)
-        self.aux_buffer = aux
-        self._gens = itertools.count(1)
+                         timeouts=timeouts, secret=secret, aux=aux, aux_bytes=aux_bytes, clock=clock)
+        self.bootstrap = bootstrap
+        # generations start at a random point: a peer cannot guess the next request id
+        self._gens = itertools.count(secrets.randbelow(1 << 30))
         self._recvs: dict[str, KVReceiver] = {}            # request_id -> live receiver
         self._landing: list[KVReceiver] = []               # ended; puts may still land in their slots
-        self._groups: dict[int, dict[str, list]] = {}     # prefill dp rank -> peer key -> sources
+        self._instances: dict[tuple[str, str], PrefillInstance] = {}   # (registry, name as asked) -> instance
+        self._named: dict[str, PrefillInstance] = {}       # instance name -> instance
+        self._default: PrefillInstance | None = None
         self._grant_planners: dict[str, list[tuple[tuple[int, int], Planner]]] = {}   # key -> (source, planner)
         self._known: dict[str, RankInfo] = {}              # prefill key -> the record we handshook with
         self._lost: dict[str, str] = {}                    # prefill key -> why it is lost (no HELLO since)
+        self._connects = concurrent.futures.ThreadPoolExecutor(max_workers=4,
+                                                               thread_name_prefix="kvxfer-decode-connect")
         self.recovery: PeerRecovery | None = None
         self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="decode-ctl",
                                       identity=f"{spec.key}/{uuid.uuid4().hex[:12]}", on_dead=self.on_dead)
@@ -91,72 +109,172 @@ class DecodeEndpoint(ReceiverHost):
             self._arrivals = threading.Thread(target=self._arrivals_loop, name="kvxfer-decode-arrivals", daemon=True)
             self._arrivals.start()
 
-    # -- start-up ---------------------------------------------------------------------------
+    # -- prefill instances ---------------------------------------------------------------------
     def connect(self, *, bootstrap: str | None = None, peers: Sequence[RankInfo] | None = None,
                 instance: str | None = None, timeout: float = 60.0) -> None:
-        """Start-up, once: handshake with every prefill rank this rank needs, in every prefill DP
-        group of one prefill instance. Blocking, at most ``timeout`` real seconds in all (waiting for
-        the registry, then one HELLO per rank, each also capped by ``Timeouts.handshake``).
-        ``instance``: which prefill instance to pull from; required when several are registered
-        (ConnectError lists them). Raises CompatibilityError (every mismatch, in words) or
-        ConnectError."""
+        """Optional, blocking, at most ``timeout`` real seconds: handshake now with every prefill rank
+        this rank needs in one prefill instance (the registry at ``bootstrap``, else the endpoint's;
+        or the records ``peers``), and make it the default of requests that name none. ``instance``:
+        its name; required when several are registered (ConnectError lists them). Raises
+        CompatibilityError (every mismatch, in words) or ConnectError."""
         if not timeout > 0:
             raise ValueError(f"connect timeout must be > 0 seconds, got {timeout}")
         self.check_usable()
         deadline = time.monotonic() + timeout
-        client = None
+        url = bootstrap or self.bootstrap
+        if peers is None and url is None:
+            raise ValueError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
         if peers is None:
-            if bootstrap is None:
-                raise ValueError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
-            check_reachable(self.info, bootstrap)
-            client = BootstrapClient(bootstrap, self.secret, timeout=min(5.0, timeout))
-            if instance is None:   # several instances: say so now, not after waiting for all of them
-                try:
-                    early = client.topology()[1]
-                except ConnectError:   # not up yet: wait_ready below says so if it stays down
-                    early = []
-                check_one_instance(early)
-            peers = client.wait_ready(max(deadline - time.monotonic(), 0.0), instance)
-        peers = [p for p in peers if p.spec.role == "prefill" and (instance is None or p.spec.instance == instance)]
-        if instance is None:
-            check_one_instance(peers)
-        me = self.info
-        by_key = {p.spec.key: p for p in peers}
-        if not by_key:
-            raise ConnectError("no prefill rank to connect to" + (f" in instance {instance!r}" if instance else ""))
-        conflicts = check_group(list(by_key.values()))   # sources by head id: one head map per group
-        if conflicts:
-            raise CompatibilityError(conflicts)
-        groups: dict[int, dict[str, list]] = {}
-        for p in by_key.values():
-            if p.spec.dp_rank not in groups:
-                groups[p.spec.dp_rank] = {f"{p.spec.instance}/dp{p.spec.dp_rank}/pp{pp}/tp{tp}": ss
-                                          for (tp, pp), ss in peers_needed(p.spec, self.spec).items()}
-        missing = [k for g in groups.values() for k in g if k not in by_key]
-        if missing:
-            raise ConnectError(f"prefill rank(s) {', '.join(missing)} needed but not registered")
-        require_compatible([(by_key[k], me) for g in groups.values() for k in g], self.transport.name)
-        dl = self.layout
-        for dp, group in groups.items():
-            for key, sources in group.items():
-                self.channel.connect(key, by_key[key].control)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ConnectError(f"connect timed out after {timeout}s before the handshake with {key}")
-                hello(self.channel, key, me, min(self.timeouts.handshake, left))   # the prefill rank checks too
-                planners = [((s.p_tp_rank, s.p_pp_rank), self._planner(dl, dl, s.dst_heads, s.dst_heads, s.layers,
-                                                                         kinds))
-                            for s in sources for kinds in (self.kv_kinds, self.state_kinds)]
-                with self._lock:
-                    self._grant_planners[key] = [(src, p) for src, p in planners if p is not None]
-                    self._known[key] = by_key[key]
+            check_reachable(self.info, url)
+        else:   # records: the instance is named by them
+            instance = instance or check_one_instance([p for p in peers if p.spec.role == "prefill"])
+        with self._lock:
+            inst = self._instance(url if peers is None else "", instance, connect=False)
+            ready = inst.phase == Phase.READY
+        if not ready:
+            self._connect_instance(inst, deadline, peers)
+        with self._lock:
+            self._default = inst
+
+    @property
+    def instances(self) -> dict[str, str]:
+        """Any thread: every prefill instance requests named, and where its handshake stands."""
+        with self._lock:
+            return {inst.name or f"? at {inst.ref[0]}": inst.phase.value for inst in self._instances.values()}
+
+    def _instance(self, url: str | None, name: str | None, connect: bool = True) -> PrefillInstance:
+        """Under the lock: the instance a request names (made, and its handshake started, the first
+        time; a failed one is tried again after ``RETRY_FAILED`` s)."""
+        if url is None and name is not None and name in self._named:
+            return self._retry(self._named[name]) if connect else self._named[name]
+        if url is None and name is None:
+            if self._default is None:
+                raise ConnectError("the request names no prefill instance: pass instance= / bootstrap=, or call "
+                                   "connect() first to set a default")
+            return self._retry(self._default) if connect else self._default
+        url = url if url is not None else self.bootstrap
+        if url is None:
+            raise ConnectError(f"prefill instance {name!r} is unknown here and the endpoint has no registry: pass "
+                               f"bootstrap= (its registry URL)")
+        ref = (url, name or "")
+        inst = self._instances.get(ref)
+        if inst is None:
+            if len(self._instances) >= MAX_INSTANCES:
+                raise ConnectError(f"this decode endpoint already knows {MAX_INSTANCES} prefill instances")
+            inst = PrefillInstance(ref, BootstrapClient(url, self.secret, timeout=5.0) if url else None)
+            self._instances[ref] = inst
+            if connect:
+                self._start_connect(inst)
+            return inst
+        return self._retry(inst) if connect else inst
+
+    def _retry(self, inst: PrefillInstance) -> PrefillInstance:
+        if inst.phase == Phase.FAILED and time.monotonic() - inst.failed_at > RETRY_FAILED and inst.client:
+            inst.phase, inst.error = Phase.CONNECTING, ""
+            self._start_connect(inst)
+        return inst
+
+    def _start_connect(self, inst: PrefillInstance) -> None:
+        if self._closed:
+            return
+        deadline = time.monotonic() + min(self.timeouts.bootstrap, 60.0)
+        self._connects.submit(self._connect_job, inst, deadline)
+
+    def _connect_job(self, inst: PrefillInstance, deadline: float) -> None:
+        """Connect thread: one instance's handshake; the requests that waited for it go on or fail."""
+        try:
+            self._connect_instance(inst, deadline, None)
+        except (ConnectError, CompatibilityError, ValueError) as e:
+            log.info("prefill instance %s: handshake failed: %s", inst, e)
+        except Exception as e:   # a bug: the waiting requests fail loudly, the thread lives
+            log.exception("prefill instance %s: handshake failed", inst)
+            self._instance_failed(inst, f"handshake failed: {e!r}")
+
+    def _connect_instance(self, inst: PrefillInstance, deadline: float, peers: Sequence[RankInfo] | None) -> None:
+        """Blocking: read the registry (or ``peers``), check the pair, HELLO every rank this rank needs
+        (in parallel), then mark the instance READY and resume its waiting requests. Raises
+        (ConnectError, CompatibilityError) after failing the instance with the reason."""
+        try:
+            if peers is not None:
+                ranks = [p for p in peers if p.spec.role == "prefill" and inst.name in (None, p.spec.instance)]
+                name = inst.name or check_one_instance(ranks)
+            else:
+                name, ranks = find_ranks(inst.client, inst.name, deadline)
             with self._lock:
-                self._groups[dp] = group
+                other = self._named.get(name)
+                if other is not None and other is not inst:
+                    raise ConnectError(f"prefill instance {name!r} at {inst.ref[0] or 'records'} has the name of the "
+                                       f"instance at {other.ref[0] or 'records'}: give each prefill instance its own "
+                                       f"name (RankSpec.instance)")
+                inst.name = name
+                self._named[name] = inst
+            me = self.info
+            groups, records = plan_groups(ranks, me, self.transport.name)
+            self._hello_all(groups, records, me, deadline)
+        except (ConnectError, CompatibilityError, ValueError) as e:
+            self._instance_failed(inst, str(e))
+            raise
+        with self.guard() as later:
+            inst.groups, inst.phase, inst.error = groups, Phase.READY, ""
+            waiting, inst.waiting = inst.waiting, []
+            for r, dp in waiting:
+                self._resume(r, dp, later)
         if self.recovery is None:
             retry = max(1.0, 2 * self.timeouts.heartbeat.interval)
-            self.recovery = PeerRecovery(self, client, instance, self.timeouts.registry, retry).start()
+            self.recovery = PeerRecovery(self, self.timeouts.registry, retry).start()
+
+    def _hello_all(self, groups: Groups, records: dict[str, RankInfo], me: RankInfo, deadline: float) -> None:
+        """HELLO every rank of ``records`` at once (at most ``HELLO_FANOUT`` in flight), then keep what
+        each answered. The first refusal raises (CompatibilityError before ConnectError)."""
+        dl = self.layout
+
+        def one(key: str) -> None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConnectError(f"connect timed out before the handshake with {key}")
+            self.channel.connect(key, records[key].control)
+            hello(self.channel, key, me, min(self.timeouts.handshake, left), self._tokens(records[key]))
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(HELLO_FANOUT, max(len(records), 1)),
+                                                   thread_name_prefix="kvxfer-decode-hello") as pool:
+            done = {key: pool.submit(one, key) for key in records}
+        errors = [f.exception() for f in done.values() if f.exception() is not None]
+        if errors:
+            raise next((e for e in errors if isinstance(e, CompatibilityError)), errors[0])
+        with self._lock:
+            for group in groups.values():
+                for key, sources in group.items():
+                    planners = [((s.p_tp_rank, s.p_pp_rank),
+                                 self._planner(dl, dl, s.dst_heads, s.dst_heads, s.layers, kinds))
+                                for s in sources for kinds in (self.kv_kinds, self.state_kinds)]
+                    self._grant_planners[key] = [(src, p) for src, p in planners if p is not None]
+                    self._known[key] = records[key]
+                    self._lost.pop(key, None)
+
+    def _tokens(self, info: RankInfo) -> dict[str, bytes]:
+        """The admission token our transport gives the prefill rank of ``info`` (``Transport.admit``)."""
+        desc = info.data.get(self.transport.name)
+        if desc is None:
+            return {}
+        with self._xport_lock:
+            token = self.transport.admit(dict(desc))
+        return {self.transport.name: token} if token else {}
+
+    def _instance_failed(self, inst: PrefillInstance, why: str) -> None:
+        with self.guard() as later:
+            inst.phase, inst.error, inst.failed_at = Phase.FAILED, why, time.monotonic()
+            waiting, inst.waiting = inst.waiting, []
+            for r, _ in waiting:
+                self.end_request(r, Outcome.Failed, f"prefill instance {inst.name or inst.ref[0]}: {why}", later,
+                                 tell=())
 
     # -- lost and replaced prefill ranks (recovery thread) -------------------------------------
+    def registries(self) -> dict[str, BootstrapClient | None]:
+        """Recovery thread: every ready instance and its registry (None: connected from records)."""
+        with self._lock:
+            return {inst.name: inst.client for inst in self._instances.values()
+                    if inst.phase == Phase.READY and inst.name}
+
     def known_peers(self) -> dict[str, RankInfo]:
         """Recovery thread: the prefill ranks handshook with, and the record each HELLO went to."""
         with self._lock:
@@ -171,7 +289,7 @@ class DecodeEndpoint(ReceiverHost):
     def _mark_lost(self, key: str, why: str, later) -> None:
         """Under the lock: ``key`` is lost; its running requests fail; the recovery thread looks."""
         self._lost[key] = why
-        for r in [r for r in self._recvs.values() if key in r.contacts]:
+        for r in [r for r in self._recvs.values() if key in r.contacts and r.granted]:
             self.end_request(r, Outcome.Failed, f"prefill rank {key} lost: {why}", later, tell=set(r.contacts) - {key})
         if self.recovery is not None:
             later.append(self.recovery.poke)
@@ -180,7 +298,8 @@ class DecodeEndpoint(ReceiverHost):
         """Recovery thread, blocking (one HELLO, at most ``REJOIN_HELLO`` s): handshake again with
         prefill rank ``key`` at ``info.control``. ``replaced``: the registry holds a new record for
         it (a restarted rank), so what ran with the old one fails now. True once it answered;
-        False (it stays lost, with the reason) otherwise. Never raises."""
+        False (it stays lost, with the reason) otherwise. Requests that waited for it go on, or
+        fail with the reason. Never raises."""
         with self.guard() as later:
             old = self._known.get(key)
             if old is None or self._closed or self.broken is not None:
@@ -195,37 +314,68 @@ class DecodeEndpoint(ReceiverHost):
                 require_compatible([(info, self.info)], self.transport.name)
                 self.channel.forget(key)            # a new connection: its replay state, a fresh HELLO
                 self.channel.connect(key, info.control)
-                hello(self.channel, key, self.info, min(self.timeouts.handshake, REJOIN_HELLO))
+                hello(self.channel, key, self.info, min(self.timeouts.handshake, REJOIN_HELLO), self._tokens(info))
                 why = ""
             except (ConnectError, CompatibilityError, ValueError) as e:
                 why = f"a new handshake with {info.control} failed: {e}"
         with self.guard() as later:
+            waiting = [r for r in self._recvs.values() if r.pending is not None and key in r.contacts]
             if not why:
                 self._known[key] = info
                 if self._lost.pop(key, None) is not None:
                     log.info("prefill rank %s is back at %s: handshake done", key, info.control)
+                for r in waiting:
+                    if not set(r.contacts) & set(self._lost):
+                        self._grant_pending(r, later)
                 return True
             if key not in self._lost:
                 self._mark_lost(key, why, later)
             else:
                 self._lost[key] = why
+            for r in waiting:
+                self.end_request(r, Outcome.Failed, f"prefill rank {key} is lost: {why}", later,
+                                 tell=set(r.contacts) - set(self._lost))
             log.info("prefill rank %s is lost: %s", key, why)
             return False
 
     # -- per request ------------------------------------------------------------------------
-    def receiver(self, room: int, *, p_dp_rank: int = 0,
+    def receiver(self, room: Room, *, instance: str | None = None, bootstrap: str | None = None, p_dp_rank: int = 0,
                  on_release: Callable[[Outcome], None] | None = None) -> KVReceiver:
-        """Scheduler: a new request, Bootstrapping, with a fresh generation. ``on_release(outcome)``
-        runs exactly once, outside the endpoint lock, after the grant ended and no write of it can
-        land any more: on ``Outcome.Success`` the slots hold the KV (keep them for decoding), on
-        any other outcome free them there."""
+        """Scheduler: a new request, Bootstrapping, with a fresh generation, pulling from prefill
+        instance ``instance`` (at the registry ``bootstrap``; by default the endpoint's registry, or
+        the instance ``connect()`` made the default), DP group ``p_dp_rank``. Never blocks: an
+        instance not handshaken yet is handshaken on a connect thread, and the request waits for it.
+        ``on_release(outcome)`` runs exactly once, outside the endpoint lock, after the grant ended
+        and no write of it can land any more: on ``Outcome.Success`` the slots hold the KV (keep
+        them for decoding), on any other outcome free them there."""
         self.check_usable()
-        with self._lock:
-            if p_dp_rank not in self._groups:
-                raise ConnectError(f"not connected to prefill DP group {p_dp_rank}: call connect() first")
-            r = KVReceiver(self, room, next(self._gens) % (1 << 31), self._groups[p_dp_rank], on_release)
+        with self.guard() as later:
+            inst = self._instance(bootstrap, instance)
+            if inst.phase == Phase.READY and p_dp_rank not in inst.groups:
+                raise ConnectError(f"prefill instance {inst.name} has no DP group {p_dp_rank} "
+                                   f"(it has {sorted(inst.groups)})")
+            r = KVReceiver(self, room, next(self._gens) % (1 << 31), inst, on_release)
             self._recvs[r.request_id] = r
+            if inst.phase == Phase.READY:
+                r.bind(inst.groups[p_dp_rank])
+            elif inst.phase == Phase.FAILED:
+                self.end_request(r, Outcome.Failed, f"prefill instance {inst.name or inst.ref[0]}: {inst.error}",
+                                 later, tell=())
+            else:
+                inst.waiting.append((r, p_dp_rank))
             return r
+
+    def _resume(self, r: KVReceiver, p_dp_rank: int, later) -> None:
+        """Under the lock: ``r``'s instance is READY: bind it, and grant what ``init`` asked for."""
+        if r.state in END_STATES:
+            return
+        if p_dp_rank not in r.instance.groups:
+            self.end_request(r, Outcome.Failed, f"prefill instance {r.instance.name} has no DP group {p_dp_rank}",
+                             later, tell=())
+            return
+        r.bind(r.instance.groups[p_dp_rank])
+        if r.pending is not None:
+            self._grant_pending(r, later)
 
     def _senders(self, r: KVReceiver) -> frozenset[str] | None:
         """Under the lock: the transport ids of the prefill ranks ``r`` asks (their registry
@@ -269,77 +419,94 @@ class DecodeEndpoint(ReceiverHost):
         return swa
 
     def init_request(self, r: KVReceiver, kv_slots, prefix_len: int, state_slots, aux_slot, swa_slots=None) -> None:
-        """The body of ``KVReceiver.init`` (call that): check, clear the aux row, grant, ask prefill."""
+        """The body of ``KVReceiver.init`` (call that): check, then grant and ask prefill now, or once
+        the request's instance (or a lost rank of it) answered a handshake."""
         kv = self.layout.check_slots(self.token_space, np.asarray(kv_slots), "kv_slots", distinct=True)
         swa = self._window_slots(kv, swa_slots)
         st = np.zeros(0, np.int64) if state_slots is None else \
             self.layout.check_slots(STATE, np.asarray(state_slots), "state_slots", distinct=True)
         if not 0 <= prefix_len < len(kv):
             raise RequestError(f"prefix_len {prefix_len} must be in 0..{len(kv) - 1}: at least one token moves")
-        if aux_slot is not None and (self.aux_buffer is None or not 0 <= aux_slot < len(self.aux_buffer.tensor)):
-            raise RequestError(f"aux_slot {aux_slot} is not a row of this endpoint's aux buffer")
+        if aux_slot is not None:
+            if self.aux_rows is None:
+                raise RequestError("aux_slot given, but this endpoint has no aux rows: "
+                                   "DecodeEndpoint(aux=AuxRows(...))")
+            self.aux_rows.check_row(aux_slot)
         with self.guard() as later:
-            if r.state in END_STATES or r.granted:
-                raise RequestError(f"room {r.room}: init() on a request that is {r.state.name}"
-                                   f"{' and already initialised' if r.granted else ''}")
-            lost = [(k, self._lost[k]) for k in r.contacts if k in self._lost]
-            if lost:   # fail at once, not at the bootstrap deadline; nothing granted, nothing sent
-                why = "; ".join(f"prefill rank {k} is lost: {w}" for k, w in lost)
-                self.end_request(r, Outcome.Failed, why, later, tell=())
-                if self.recovery is not None:
-                    later.append(self.recovery.poke)
+            if r.state in END_STATES:   # its instance failed meanwhile: it says why (failure_exception)
                 return
-            # window token i is request token len(kv) - len(swa) + i; those in the prefix stay as they are
-            ranges, expected = self._grant(r, kv[prefix_len:], st, swa[max(prefix_len - (len(kv) - len(swa)), 0):])
-            for src, p in r.progress.items():   # complete only when exactly these bytes landed
-                p.expected = expected.get(src, 0)
-            # before the grant: a stale record from an earlier request never shows
-            if aux_slot is not None and self.aux_buffer is not None:
-                self.aux_buffer.clear(aux_slot)
-            cap = secrets.token_bytes(CAP_BYTES)   # only the prefill ranks this request asks can complete it
-            with self._xport_lock:
-                self.transport.expect(r.request_id, ranges, capability=cap, senders=self._senders(r))
-            r.granted, r.aux_slot = True, aux_slot
-            kv_raw, st_raw = kv.astype("<i8").tobytes(), st.astype("<i8").tobytes()
-            swa_raw = swa.astype("<i8").tobytes()
-            for key, sources in r.contacts.items():
-                dummy = not sources
-                msg = {"t": "req", "room": r.room, "gen": r.gen, "kv": b"" if dummy else kv_raw,
-                       "prefix": prefix_len, "state": b"" if dummy else st_raw, "dummy": dummy,
-                       "aux": aux_slot is not None and r.aux_from is not None and r.peer_of.get(r.aux_from) == key,
-                       "cap": cap}
-                if self.swa_window:   # only hybrid pairs carry the window: other requests keep their shape
-                    msg["swa"], msg["swa_n"] = (b"", 0) if dummy else (swa_raw, len(swa))
-                self.channel.send(key, msg)
+            if r.granted or r.pending is not None:
+                raise RequestError(f"room {r.room}: init() on a request that is already initialised")
+            r.pending = Pending(kv, prefix_len, st, aux_slot, swa)
+            lost = [k for k in r.contacts if k in self._lost]
+            if not r.bound or lost:   # its instance is handshaking, or a rank of it lost: wait
+                if lost and self.recovery is not None:
+                    later.append(self.recovery.poke)   # the recovery thread looks now (rate-bounded)
+                return
+            self._grant_pending(r, later)
+
+    def _grant_pending(self, r: KVReceiver, later) -> None:
+        """Under the lock: clear the aux row, grant ``r``'s slots, send the REQs."""
+        p, r.pending = r.pending, None
+        if p is None or r.state in END_STATES:
+            return
+        kv, prefix_len, st, aux_slot, swa = p.kv, p.prefix, p.state, p.aux_slot, p.swa_slots
+        if aux_slot is not None and r.aux_from is not None:
+            key = r.peer_of[r.aux_from]
+            why = aux_mismatch(key, aux_format(self._known[key]), self.spec.key, self.aux_format)
+            if why:
+                self.end_request(r, Outcome.Failed, why, later, tell=())
+                return
+        # window token i is request token len(kv) - len(swa) + i; those in the prefix stay as they are
+        ranges, expected = self._grant(r, kv[prefix_len:], st, swa[max(prefix_len - (len(kv) - len(swa)), 0):])
+        for src, prog in r.progress.items():   # complete only when exactly these bytes landed
+            prog.expected = expected.get(src, 0)
+        # before the grant: a stale row from an earlier request never shows
+        if aux_slot is not None and self.aux_rows is not None:
+            self.aux_rows.clear(aux_slot)
+        cap = secrets.token_bytes(CAP_BYTES)   # only the prefill ranks this request asks can complete it
+        with self._xport_lock:
+            self.transport.expect(r.request_id, ranges, capability=cap, senders=self._senders(r))
+        r.granted, r.aux_slot = True, aux_slot
+        kv_raw, st_raw = kv.astype("<i8").tobytes(), st.astype("<i8").tobytes()
+        swa_raw = swa.astype("<i8").tobytes()
+        for key, sources in r.contacts.items():
+            dummy = not sources
+            hybrid = bool(self.swa_window)   # only hybrid pairs carry the window
+            self.channel.send(key, Req(room=r.room, gen=r.gen, kv=b"" if dummy else kv_raw, prefix=prefix_len,
+                                       state=b"" if dummy else st_raw, dummy=dummy, cap=cap,
+                                       aux=aux_slot is not None and r.aux_from is not None and
+                                       r.peer_of.get(r.aux_from) == key,
+                                       swa=(b"" if dummy else swa_raw) if hybrid else None,
+                                       swa_n=(0 if dummy else len(swa)) if hybrid else None))
 
     # -- events (channel thread, transport thread or arrivals thread) ------------------------
-    def on_message(self, peer: str, msg: dict) -> None:
-        t = msg["t"]
+    def on_message(self, peer: str, msg: Message) -> None:
         with self.guard() as later:
-            if t == "fin":   # a last chunk that moved no bytes
-                try:
-                    meta = ChunkMeta.unpack(msg["meta"])
-                except ValueError as e:
-                    log.warning("bad FIN from %s: %s", peer, e)
-                    return
-                r = self._recvs.get(f"{meta.room}.{meta.gen}")
-                if r is not None and r.peer_of.get(meta.source) == peer:
-                    self._on_chunk(r, meta, 0, later, fin=True)
-                return
-            if t not in ("ack", "nack", "abort"):
-                return
-            r = self._recvs.get(f"{msg['room']}.{msg['gen']}")
-            if r is None or peer not in r.contacts:     # ended already, or not this peer's request
-                return
-            if t == "ack":
-                if self._late(r, f"the acknowledgement from {peer}", later):
-                    return
-                r.acked.add(peer)
-                if len(r.acked) == len(r.contacts):
-                    r.advance(KVPoll.WaitingForInput, self.clock() + self.timeouts.waiting)
-            else:
-                self.end_request(r, Outcome.Aborted if t == "abort" else Outcome.Failed,
-                                 f"prefill rank {peer}: {msg['why'][:512]}", later, tell=set(r.contacts) - {peer})
+            match msg:
+                case Fin(meta=raw):   # a last chunk that moved no bytes
+                    try:
+                        meta = ChunkMeta.unpack(raw)
+                    except ValueError as e:
+                        log.warning("bad FIN from %s: %s", peer, e)
+                        return
+                    r = self._recvs.get(f"{meta.room}.{meta.gen}")
+                    if r is not None and r.peer_of.get(meta.source) == peer:
+                        self._on_chunk(r, meta, 0, later, fin=True)
+                case Ack(room=room, gen=gen):
+                    r = self._recvs.get(f"{room}.{gen}")
+                    if r is None or peer not in r.contacts or self._late(r, f"the acknowledgement from {peer}",
+                                                                         later):
+                        return
+                    r.acked.add(peer)
+                    if len(r.acked) == len(r.contacts):
+                        r.advance(KVPoll.WaitingForInput, self.clock() + self.timeouts.waiting)
+                case Nack(room=room, gen=gen, why=why) | Abort(room=room, gen=gen, why=why):
+                    r = self._recvs.get(f"{room}.{gen}")
+                    if r is None or peer not in r.contacts:     # ended already, or not this peer's request
+                        return
+                    self.end_request(r, Outcome.Aborted if isinstance(msg, Abort) else Outcome.Failed,
+                                     f"prefill rank {peer}: {why[:512]}", later, tell=set(r.contacts) - {peer})
 
     def _arrivals_loop(self) -> None:
         try:
@@ -393,8 +560,8 @@ class DecodeEndpoint(ReceiverHost):
             src.nbytes += nbytes
         if meta.total >= 0:
             src.total, src.total_bytes = meta.total, meta.nbytes
-        if meta.aux is not None and self.aux_buffer is not None and r.aux_slot is not None:
-            self.aux_buffer.tensor[r.aux_slot] = torch.frombuffer(bytearray(meta.aux), dtype=torch.uint8)
+        if meta.aux is not None and self.aux_rows is not None and r.aux_slot is not None:
+            self.aux_rows.write(r.aux_slot, meta.aux)
         r.acked.add(peer)   # data can overtake the ACK; it proves that prefill rank bound the request
         now = self.clock()
         r.advance(KVPoll.Transferring, now)
@@ -404,7 +571,7 @@ class DecodeEndpoint(ReceiverHost):
                              later)
         elif all(p.complete() for p in r.progress.values()):
             if r.aux_slot is not None and r.aux_from is not None and r.aux is None:
-                self.end_request(r, Outcome.Failed, "the last chunk came without the aux record", later)
+                self.end_request(r, Outcome.Failed, "the last chunk came without the aux row", later)
             else:
                 self.end_request(r, Outcome.Success, "", later)
 
@@ -433,14 +600,24 @@ class DecodeEndpoint(ReceiverHost):
                     later.append(r.run_release)
             self._landing = held
         for r in [r for r in self._recvs.values() if now > r.deadline]:
-            what = {KVPoll.Bootstrapping: ("no acknowledgement from " + ", ".join(sorted(set(r.contacts) - r.acked))
-                                           if r.granted else "init() was not called"),
-                    KVPoll.WaitingForInput: "no chunk arrived",
-                    KVPoll.Transferring: "the transfer made no progress"}[r.state]
-            limit = {KVPoll.Bootstrapping: self.timeouts.bootstrap, KVPoll.WaitingForInput: self.timeouts.waiting,
-                     KVPoll.Transferring: self.timeouts.transfer}[r.state]
-            self.end_request(r, Outcome.TimedOut, f"timed out in {r.state.name}: {what} within {limit}s", later)
+            self.end_request(r, Outcome.TimedOut, f"timed out in {r.state.name}: {self._waited_for(r)}", later)
         return 0.05
+
+    def _waited_for(self, r: KVReceiver) -> str:
+        """What a request past its deadline waited for, in words (under the lock)."""
+        if r.state == KVPoll.Bootstrapping:
+            if not r.bound:
+                what = f"prefill instance {r.instance.name or r.instance.ref[0]} did not answer its handshake"
+            elif r.pending is not None:
+                what = "lost prefill rank(s) " + ", ".join(k for k in r.contacts if k in self._lost) + " did not return"
+            elif not r.granted:
+                what = "init() was not called"
+            else:
+                what = "no acknowledgement from " + ", ".join(sorted(set(r.contacts) - r.acked))
+            return f"{what} within {self.timeouts.bootstrap}s"
+        if r.state == KVPoll.WaitingForInput:
+            return f"no chunk arrived within {self.timeouts.waiting}s"
+        return f"the transfer made no progress within {self.timeouts.transfer}s"
 
     def _live(self) -> list[KVReceiver]:
         return list(self._recvs.values())
@@ -451,15 +628,17 @@ class DecodeEndpoint(ReceiverHost):
         if r.state in END_STATES:
             return
         self._recvs.pop(r.request_id, None)
+        r.pending = None
         if r.granted:
             with self._xport_lock:
                 self.transport.forget(r.request_id)
         r.mark_ended(outcome, reason)   # after forget: once the scheduler sees the end, nothing more lands
+        msg: Message
         if outcome == Outcome.Success:   # only releases prefill's lease early: no need to wake the channel
-            msg, urgent = {"t": "done", "room": r.room, "gen": r.gen}, False
+            msg, urgent = Done(room=r.room, gen=r.gen), False
             tell = [k for k, ss in r.contacts.items() if ss]
         else:
-            msg, urgent = {"t": "abort", "room": r.room, "gen": r.gen, "why": reason[:1024]}, True
+            msg, urgent = Abort(room=r.room, gen=r.gen, why=cut(reason[:1024])), True
             tell = r.contacts if tell is None else tell
         for key in tell:
             self.channel.send(key, msg, urgent=urgent)
@@ -480,6 +659,7 @@ class DecodeEndpoint(ReceiverHost):
     def close(self) -> None:
         if self.recovery is not None:   # first: it uses the channel
             self.recovery.stop()
+        self._connects.shutdown(wait=False, cancel_futures=True)
         super().close()
         if self._arrivals is not None:
             self._arrivals.join(1.0)

@@ -12,7 +12,7 @@ rank plus the restarts of one heartbeat timeout.
 """
 from __future__ import annotations
 
-from ..ranks import RankInfo
+from ..control.records import RankInfo
 from .chunks import DecodePeer
 
 

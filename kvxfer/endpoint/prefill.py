@@ -32,8 +32,9 @@ import numpy as np
 
 from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient, Registration
+from ..control.compat import aux_format, aux_mismatch
 from ..control.handshake import DATA_PATH, answer_hello, describe
-from ..control.messages import MAX_WHY
+from ..control.messages import Abort, Ack, Done, Fin, Hello, Message, Nack, Refuse, Req, Room, cut
 from ..control.wire import ChunkMeta
 from ..errors import ConnectError, LayoutError, PlanError, RequestError
 from ..layout import STATE, SWA, Layout
@@ -43,7 +44,7 @@ from ..pools import KVPool
 from ..ranks import RankSpec
 from ..topology import expected_decode_ranks, peer_sources
 from ..transport.base import TransferStatus, Transport
-from .aux import AUX_BYTES, AuxRecord
+from .aux import AUX_BYTES, AuxRecord, AuxRows
 from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
 from .chunks import Chunk, DecodePeer, Target, plan_chunk, request_slots
 from .peers import PeerTable
@@ -60,8 +61,8 @@ class PrefillEndpoint(SenderHost):
                  transport: str | Transport = "zmq", transport_options: Mapping | None = None,
                  timeouts: Timeouts = Timeouts(), secret: str | bytes | None = None, host: str = "127.0.0.1",
                  port: int = 0, bind: str | None = None, advertise: str | None = None,
-                 on_request: Callable[[int, int], None] | None = None, aux_bytes: int = AUX_BYTES,
-                 clock: Clock = time.monotonic):
+                 on_request: Callable[[Room, int], None] | None = None, aux: AuxRows | None = None,
+                 aux_bytes: int = AUX_BYTES, clock: Clock = time.monotonic):
         """``bind``: where the control ROUTER listens (``tcp://0.0.0.0:5555``: every interface; default
         ``tcp://{host}:{port}``); ``advertise``: the address, host name or interface name (``eth0``)
         decode ranks are told (``info.control``, what ``register`` publishes); default: the bind
@@ -71,24 +72,26 @@ class PrefillEndpoint(SenderHost):
         asks for, 0 for a silent replica's dummy request); once per decode rank that asks. It must
         not block; it typically queues the room for the scheduler, which then calls ``sender(room)``
         (the request waits ``Timeouts.bootstrap`` for it).
+        ``aux``: the engine's aux buffers (``AuxRows``), whose row ``send(..., aux_row=i)`` sends; without
+        them ``send(..., aux=...)`` takes the bytes (or an ``AuxRecord`` of ``aux_bytes``).
         ``clock``: seconds, for deadlines and leases (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "prefill":
             raise ValueError(f"PrefillEndpoint needs a prefill RankSpec, got role {spec.role!r}")
         if on_request is not None and not callable(on_request):
             raise TypeError(f"on_request must be a callable (room, tokens), got {on_request!r}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
-                         timeouts=timeouts, secret=secret, aux_bytes=aux_bytes, clock=clock)
+                         timeouts=timeouts, secret=secret, aux=aux, aux_bytes=aux_bytes, clock=clock)
         self.source = (spec.tp_rank, spec.pp_rank)
         self.on_request = on_request
         self._advertise = advertise
         self._peers = PeerTable()                             # decode peers (kvxfer.endpoint.peers)
-        self._senders: dict[int, KVSender] = {}               # room -> live sender
+        self._senders: dict[Room, KVSender] = {}              # room -> live sender
         self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
-        self._pending: dict[int, dict[str, tuple[Target, float]]] = {}   # REQs that came before the sender
+        self._pending: dict[Room, dict[str, tuple[Target, float]]] = {}  # REQs that came before the sender
         self._busy: set[KVSender] = set()                     # senders with transfers in flight
         self._unready: set[KVSender] = set()                  # senders whose next chunk waits for its event
         self._held: set[KVSender] = set()                     # ended, KV not yet released
-        self._aborted: dict[int, tuple[str, float]] = {}      # rooms decode aborted before the sender existed
+        self._aborted: dict[Room, tuple[str, float]] = {}     # rooms decode aborted before the sender existed
         self._next_scan = 0.0
         self._registration: Registration | None = None
         try:
@@ -115,7 +118,7 @@ class PrefillEndpoint(SenderHost):
         if reg is not None:   # no zombie rank: decode ranks stop being sent here
             reg.stop()
 
-    def sender(self, room: int, *, on_release: Callable[[Outcome], None] | None = None) -> KVSender:
+    def sender(self, room: Room, *, on_release: Callable[[Outcome], None] | None = None) -> KVSender:
         """Scheduler: a new request (Bootstrapping until every decode rank's grant arrived).
         ``on_release(outcome)`` runs exactly once, outside the endpoint lock, when prefill may
         reuse the request's KV; ``kv_releasable`` turns True after it returned."""
@@ -133,26 +136,26 @@ class PrefillEndpoint(SenderHost):
             return s
 
     # -- handshake and requests (channel thread) -----------------------------------------------
-    def on_message(self, peer: str, msg: dict) -> None:
-        t = msg["t"]
-        if t == "hello":
+    def on_message(self, peer: str, msg: Message) -> None:
+        if isinstance(msg, Hello):
             self._on_hello(peer, msg)
             return
         with self.guard() as later:
-            if t == "req":
-                self._on_req(peer, msg, later)
-            elif t == "done":
-                s = self._grants.get((peer, f"{msg['room']}.{msg['gen']}"))
-                if s is not None:
-                    for tg in s.targets.values():
-                        tg.confirmed |= tg.peer == peer and tg.gen == msg["gen"]
-                    self._settle(s, self.clock(), later)
-            elif t == "abort":
-                self._on_abort(peer, msg, later)
+            match msg:
+                case Req():
+                    self._on_req(peer, msg, later)
+                case Done(room=room, gen=gen):
+                    s = self._grants.get((peer, f"{room}.{gen}"))
+                    if s is not None:
+                        for tg in s.targets.values():
+                            tg.confirmed |= tg.peer == peer and tg.gen == gen
+                        self._settle(s, self.clock(), later)
+                case Abort():
+                    self._on_abort(peer, msg, later)
 
-    def _on_abort(self, peer: str, msg: dict, later) -> None:
-        room, why = msg["room"], f"decode rank {peer}: {msg['why'][:512]}"
-        s = self._grants.get((peer, f"{room}.{msg['gen']}"))
+    def _on_abort(self, peer: str, msg: Abort, later) -> None:
+        room, why = msg.room, f"decode rank {peer}: {msg.why[:512]}"
+        s = self._grants.get((peer, f"{room}.{msg.gen}"))
         if s is None:   # not bound: the REQ is queued, or never came (decode ended before init)
             # Once a decode rank asked for the room, only a peer that asked for this very request
             # (room and generation) may abort it: a third party's ABORT, or one for another
@@ -161,7 +164,7 @@ class PrefillEndpoint(SenderHost):
             pending = self._pending.get(room, {})
             queued = pending.get(peer)
             s, dp = self._senders.get(room), self._peers.get(peer)
-            if queued is not None and queued[0].gen == msg["gen"]:
+            if queued is not None and queued[0].gen == msg.gen:
                 del pending[peer]
             elif pending or s is None or dp is None or s.group not in (None, dp.group):
                 return
@@ -170,7 +173,7 @@ class PrefillEndpoint(SenderHost):
                 return
         self.end_request(s, Outcome.Aborted, why, later)
 
-    def _on_hello(self, peer: str, msg: dict) -> None:
+    def _on_hello(self, peer: str, msg: Hello) -> None:
         with self._lock:   # a silent peer (a restarted group's earlier rank) does not hold the group's map
             others = self._peers.group_records(peer)
         d_info, reply = answer_hello(self.info, msg, self.transport.name, others)
@@ -184,9 +187,10 @@ class PrefillEndpoint(SenderHost):
                 dl = Layout.from_dict(d_info.layout)
                 sources = peer_sources(self.spec, d_info.spec)
                 desc = d_info.data[self.transport.name]
+                token = (msg.tokens or {}).get(self.transport.name, b"")
                 try:
-                    with self._xport_lock:
-                        xpeer = self.transport.connect(dict(desc))
+                    with self._xport_lock:   # a token binds our data path to the decode rank that admitted us
+                        xpeer = self.transport.connect(dict(desc), token)
                 except (ConnectError, ValueError) as e:   # the data path: refused now, with the reason
                     raise ConnectError(f"{DATA_PATH}: prefill {self.spec.key} cannot reach decode {d_info.spec.key} "
                                        f"at its {self.transport.name} data address {describe(desc)}: {e}") from None
@@ -196,12 +200,12 @@ class PrefillEndpoint(SenderHost):
                 self.channel.watch(peer)
                 log.info("decode rank %s connected (%d source(s) from here)", peer, len(sources))
             except KeyError:
-                reply = {"t": "refuse", "re": msg["i"],
-                         "why": [f"transport: P uses {self.transport.name!r}, D offers {sorted(d_info.data)}"]}
+                reply = Refuse(re=msg.i, why=[f"transport: P uses {self.transport.name!r}, "
+                                              f"D offers {sorted(d_info.data)}"])
             except ConnectError as e:
-                reply = {"t": "refuse", "re": msg["i"], "why": [str(e)[:MAX_WHY]]}
+                reply = Refuse(re=msg.i, why=[cut(str(e))])
             except (LayoutError, PlanError) as e:
-                reply = {"t": "refuse", "re": msg["i"], "why": [f"prefill {self.spec.key}: {e}"[:MAX_WHY]]}
+                reply = Refuse(re=msg.i, why=[cut(f"prefill {self.spec.key}: {e}")])
         self.channel.send(peer, reply)
 
     def _retire(self, old: str, why: str, forget: bool = True) -> None:
@@ -226,9 +230,8 @@ class PrefillEndpoint(SenderHost):
         if forget:
             self.channel.forget(old)
 
-    def _on_req(self, peer: str, msg: dict, later) -> None:
-        nack = lambda why: self.channel.send(peer, {"t": "nack", "room": msg["room"], "gen": msg["gen"],  # noqa: E731
-                                                    "why": why})
+    def _on_req(self, peer: str, msg: Req, later) -> None:
+        nack = lambda why: self.channel.send(peer, Nack(room=msg.room, gen=msg.gen, why=cut(why)))  # noqa: E731
         dp = self._peers.get(peer)
         if dp is None:
             nack(f"prefill {self.spec.key} has no handshake with {peer}")
@@ -239,12 +242,12 @@ class PrefillEndpoint(SenderHost):
             nack(f"bad request: {e}")
             return
         target = Target(peer, dp.info.spec.tp_rank, msg, kv, st, swa)
-        s = self._senders.get(msg["room"])
+        s = self._senders.get(msg.room)
         if s is None:
-            self._pending.setdefault(msg["room"], {})[peer] = (target, self.clock())
+            self._pending.setdefault(msg.room, {})[peer] = (target, self.clock())
             if self.on_request is not None:
                 tokens = 0 if target.dummy else len(kv)
-                later.append(functools.partial(call_on_request, self.on_request, msg["room"], tokens))
+                later.append(functools.partial(call_on_request, self.on_request, msg.room, tokens))
         else:
             self._bind(s, target, later)
 
@@ -261,14 +264,20 @@ class PrefillEndpoint(SenderHost):
             old = s.targets[t.d_rank]
             if (old.peer, old.gen) != (t.peer, t.gen):
                 why = f"room {s.room} already has a grant from decode rank {t.d_rank} (gen {old.gen})"
+        elif t.aux:
+            why = aux_mismatch(self.spec.key, self.aux_format, dp.info.spec.key, aux_format(dp.info))
+            if why:   # the request cannot complete: both sides fail it now, with the reason
+                self.channel.send(t.peer, Nack(room=s.room, gen=t.gen, why=cut(why)))
+                self.end_request(s, Outcome.Failed, why, later)
+                return
         if why or dp is None:
-            self.channel.send(t.peer, {"t": "nack", "room": s.room, "gen": t.gen, "why": why})
+            self.channel.send(t.peer, Nack(room=s.room, gen=t.gen, why=cut(why or "")))
             return
         if t.d_rank not in s.targets:
             s.group, s.expected = dp.group, dp.expected
             s.targets[t.d_rank] = t
             self._grants[(t.peer, t.request_id)] = s
-        self.channel.send(t.peer, {"t": "ack", "room": s.room, "gen": t.gen})
+        self.channel.send(t.peer, Ack(room=s.room, gen=t.gen))
         if s.state == KVPoll.Bootstrapping and set(s.targets) >= s.expected:
             s.advance(KVPoll.WaitingForInput, self.clock() + self.timeouts.waiting)
             self._pump(s, later)
@@ -292,7 +301,7 @@ class PrefillEndpoint(SenderHost):
         self._unready.discard(s)
 
     # -- chunks (scheduler thread; queued ones on the channel thread) --------------------------
-    def send_chunk(self, s: KVSender, kv_slots, start, layers, last, aux, state_slots, ready) -> bool:
+    def send_chunk(self, s: KVSender, kv_slots, start, layers, last, aux, state_slots, ready, aux_row=None) -> bool:
         """The body of ``KVSender.send`` (call that): check the chunk, queue it, submit what may go."""
         if ready is not None and not callable(getattr(ready, "query", None)):
             raise TypeError(f"ready must have a query() method saying whether the chunk's KV is written (e.g. a "
@@ -305,8 +314,16 @@ class PrefillEndpoint(SenderHost):
             raise RequestError("state goes with the last chunk")
         if isinstance(aux, AuxRecord):
             aux = aux.pack(self.aux_bytes)
-        if aux is not None and len(aux) != self.aux_bytes:
-            raise RequestError(f"aux record is {len(aux)} bytes, this endpoint's aux_bytes is {self.aux_bytes}")
+        if aux is not None and aux_row is not None:
+            raise RequestError("send() takes aux= (bytes) or aux_row= (a row of this endpoint's AuxRows), not both")
+        if aux_row is not None:
+            if self.aux_rows is None:
+                raise RequestError("aux_row= needs the endpoint's aux buffers: PrefillEndpoint(aux=AuxRows([...]))")
+            self.aux_rows.check_row(aux_row)
+            if not last:
+                raise RequestError("aux rows go with the last chunk")
+        elif aux is not None and len(aux) != self.aux_bytes:
+            raise RequestError(f"aux record is {len(aux)} bytes, this endpoint's aux rows are {self.aux_bytes} bytes")
         with self.guard() as later:
             if s.state in END_STATES:
                 return False
@@ -318,7 +335,7 @@ class PrefillEndpoint(SenderHost):
             s.next_pos = max(s.next_pos, begin + len(slots))
             s.last_sent = bool(last)
             s.queued.append(Chunk(slots, begin, None if layers is None else frozenset(int(x) for x in layers),
-                                   bool(last), aux, st, swa, ready))
+                                   bool(last), aux if aux_row is None else aux_row, st, swa, ready))
             self._pump(s, later)
             return s.state != KVPoll.Failed
 
@@ -332,6 +349,8 @@ class PrefillEndpoint(SenderHost):
         return dp.planners[key]
 
     def _submit(self, s: KVSender, c: Chunk, later) -> None:
+        if isinstance(c.aux, int) and self.aux_rows is not None:   # a row: read now, after the ready event
+            c.aux = self.aux_rows.read_bytes(c.aux)
         now = self.clock()
         s.advance(KVPoll.Transferring, now)
         s.deadline = now + self.timeouts.transfer
@@ -354,7 +373,7 @@ class PrefillEndpoint(SenderHost):
         if plan.nbytes == 0:
             if c.last:   # nothing left to move: say so on the control channel
                 meta = ChunkMeta(s.room, t.gen, self.source, t.chunks, t.chunks, t.nbytes, aux)
-                self.channel.send(t.peer, {"t": "fin", "meta": meta.pack()})
+                self.channel.send(t.peer, Fin(meta=meta.pack()))
             return
         meta = ChunkMeta(s.room, t.gen, self.source, t.chunks, t.chunks + 1 if c.last else -1,
                          t.nbytes + plan.nbytes if c.last else -1, aux)
@@ -449,8 +468,8 @@ class PrefillEndpoint(SenderHost):
                 for peer, (t, since) in list(reqs.items()):
                     if now - since > self.timeouts.bootstrap:
                         del reqs[peer]
-                        self.channel.send(peer, {"t": "nack", "room": room, "gen": t.gen,
-                                                 "why": f"no prefill request for room {room} on {self.spec.key}"})
+                        self.channel.send(peer, Nack(room=room, gen=t.gen,
+                                                     why=cut(f"no prefill request for room {room} on {self.spec.key}")))
                 if not reqs:
                     del self._pending[room]
         return 0.005 if self._busy or self._unready else 0.05   # reaping is not on decode's critical path
@@ -468,10 +487,10 @@ class PrefillEndpoint(SenderHost):
         if outcome != Outcome.Success:
             notified = {t.peer for t in s.targets.values()}
             for t in s.targets.values():
-                self.channel.send(t.peer, {"t": "abort", "room": s.room, "gen": t.gen, "why": reason[:1024]})
+                self.channel.send(t.peer, Abort(room=s.room, gen=t.gen, why=reason[:1024]))
             for peer, (t, _) in self._pending.pop(s.room, {}).items():
                 if peer not in notified:
-                    self.channel.send(peer, {"t": "abort", "room": s.room, "gen": t.gen, "why": reason[:1024]})
+                    self.channel.send(peer, Abort(room=s.room, gen=t.gen, why=reason[:1024]))
         now = self.clock()
         s.lease_end = now + self.timeouts.lease
         self._held.add(s)
