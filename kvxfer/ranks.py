@@ -14,7 +14,9 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from .errors import PlanError
+from .errors import LayoutError, PlanError
+from .layout import SWA
+from .pools import KVPool
 
 MAX_PARALLEL = 1024     # setting: the largest tp/pp/dp size a record may claim (per-message work scales with it)
 
@@ -193,3 +195,36 @@ class RankSpec:
     def key(self) -> str:
         """Registry key: ``instance/dp0/pp0/tp0``."""
         return f"{self.instance}/dp{self.dp_rank}/pp{self.pp_rank}/tp{self.tp_rank}"
+
+
+# ------------------------------------------------------------------------------------
+# A rank's pools against its place (endpoints check them at start-up)
+# ------------------------------------------------------------------------------------
+def swa_window(kv: KVPool) -> int:
+    """The sliding window of a hybrid pool (``HybridSWAPool.window``), 0 for any other pool."""
+    if not any(s.name == SWA for s in kv.layout.spaces):
+        return 0
+    window = getattr(kv, "window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise LayoutError(f"a pool with a {SWA!r} slot space must say its sliding window in tokens "
+                          f"(an int >= 1, as HybridSWAPool.window does), got {window!r}")
+    return window
+
+
+def check_heads(spec: RankSpec, kv: KVPool) -> None:
+    """The KV pool holds as many heads as this rank's share (``spec.heads``), or says so in words."""
+    held = list(spec.heads)
+    want = spec.num_kv_heads if spec.replicated else len(held)
+    wrong = sorted({p.heads for p in kv.layout.parts if p.heads != want})
+    if wrong:
+        which = "every head" if spec.replicated else f"heads {span(held)}"
+        raise LayoutError(
+            f"the KV pool of {spec.role} rank {spec.key} holds {wrong[0]} heads per layer, but TP rank "
+            f"{spec.tp_rank} of {spec.tp_size} with {spec.num_kv_heads} KV heads holds {want} ({which}): "
+            f"make the pool with heads=len(kvxfer.heads_held({spec.num_kv_heads}, {spec.tp_size}, {spec.tp_rank}))")
+
+
+def span(heads: list[int]) -> str:
+    if heads == list(range(heads[0], heads[-1] + 1)):
+        return f"{heads[0]}..{heads[-1]}"
+    return str(heads) if len(heads) <= 16 else f"{heads[:16]}..."
