@@ -415,7 +415,8 @@ def _run(cfg: RankConfig) -> int:
             bad = {k: v for k, v in res["requests"].items() if not v.get("verified")}
             print(json.dumps(res) if cfg.serve == "stdin" else
                   f"kvxfer rank --selftest: {len(res['requests']) - len(bad)}/{len(res['requests'])} requests "
-                  f"byte-exact on {rank.spec.key} ({res['nbytes'] / 1e6:.1f} MB in {res['seconds']}s, "
+                  f"byte-exact on {rank.spec.key} ({res['nbytes'] / 1e6:.1f} MB; on the wire {res['wire_seconds']}s, "
+                  f"{res['wire_MBps']} MB/s; with writing and checking the pattern {res['seconds']}s, "
                   f"{res['MBps']} MB/s)", flush=True)
             for room, v in bad.items():
                 print(f"  - room {room}: {v.get('state')}: {v.get('mismatch') or v.get('reason')}", flush=True)

@@ -155,6 +155,13 @@ def verify(pool, seed: int, room: int, heads: Sequence[int], slots: np.ndarray) 
 # ------------------------------------------------------------------------------------
 # Endpoints as this launcher runs them
 # ------------------------------------------------------------------------------------
+def pool_bytes(cfg: "RankConfig", layers: int, heads: int) -> int:
+    """Bytes the rank's KV pool takes (what ``--pages`` x the model shape allocates)."""
+    from ..layout import dtype_size
+    row = (cfg.kv_lora_rank + cfg.rope_dim) if cfg.mla else 2 * heads * cfg.head_dim
+    return layers * cfg.pages * cfg.page_size * row * dtype_size(cfg.dtype)
+
+
 class Rank:
     """One running rank: pool, allocator, endpoint, and the commands of ``--serve``."""
 
@@ -169,6 +176,10 @@ class Rank:
         layers = list(stage_layers(cfg.layers, cfg.pp_size, cfg.pp_rank))
         self.heads = [0] if cfg.mla else list(self.spec.heads)   # global heads, in the pool's order
         self.pool: KVPool
+        need = pool_bytes(cfg, len(layers), len(self.heads))
+        log.warning("%s %s: allocating %.2f GiB of KV pool on %s (%d layers x %d pages x %d tokens x %d head(s)): "
+                    "--pages sets it", cfg.role, self.spec.key, need / (1 << 30), cfg.device, len(layers), cfg.pages,
+                    cfg.page_size, len(self.heads))
         if cfg.mla:
             self.pool = MLAPool(layers=layers, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.rope_dim, dtype=cfg.dtype,
                                 num_pages=cfg.pages, page_size=cfg.page_size, device=cfg.device,
@@ -310,7 +321,9 @@ class Rank:
             with self.lock:
                 r = self.reqs.get(room)   # stored right after it was made; None only if it ended at once
             res = {"state": outcome.state.name, "outcome": outcome.value, "reason": r.reason if r else "",
-                   "seconds": round(r.ended_at - r.created, 4) if r else 0.0, "tokens": len(slots)}
+                   "seconds": round(r.ended_at - r.created, 4) if r else 0.0, "tokens": len(slots),
+                   "moving_from": r.transferring_at if r and r.transferring_at else None,
+                   "moving_to": r.ended_at if r else None}
             if outcome is Outcome.Success:
                 bad, first = verify(self.pool, self.cfg.seed, room, self.heads, slots)
                 res["verified"] = bad == 0
@@ -342,6 +355,9 @@ class Rank:
             return {str(r): self.done.get(r, {"state": "running" if r in self.reqs else "unknown"}) for r in rooms}
 
     def selftest(self, requests: int, tokens: int, room: int, within: float) -> dict:
+        """``requests`` pattern requests, verified. ``MBps``: bytes over the whole run (prefill writes
+        the pattern, decode checks it: both are in it); ``wire_MBps``: bytes over the time transfers
+        were in flight (from the first chunk of any request to the end of the last), the transport's."""
         rooms = list(range(room, room + requests))
         t0 = time.monotonic()
         for r in rooms:
@@ -350,8 +366,13 @@ class Rank:
         seconds = time.monotonic() - t0
         ok = all(v.get("verified") for v in res.values())
         nbytes = sum(v.get("nbytes", 0) for v in res.values())
+        spans = [(v["moving_from"], v["moving_to"]) for v in res.values() if v.get("moving_from") is not None]
+        wire = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
+        for v in res.values():
+            v.pop("moving_from", None), v.pop("moving_to", None)
         return {"ok": ok, "requests": res, "nbytes": nbytes, "seconds": round(seconds, 3),
-                "MBps": round(nbytes / seconds / 1e6, 1) if seconds > 0 else None}
+                "MBps": round(nbytes / seconds / 1e6, 1) if seconds > 0 else None,
+                "wire_seconds": round(wire, 4), "wire_MBps": round(nbytes / wire / 1e6, 1) if wire > 0 else None}
 
     # -- commands --------------------------------------------------------------------------
     def command(self, cmd: Mapping) -> dict:

@@ -173,8 +173,8 @@ class RequestBase:
     ``ended_at`` (the endpoint's clock at creation and at the end, 0.0 while running);
     ``released`` (the release ran and ``on_release`` returned).
     """
-    __slots__ = ("room", "state", "outcome", "reason", "deadline", "created", "ended_at", "endpoint", "_ended",
-                 "_on_release", "_release_state", "__weakref__")
+    __slots__ = ("room", "state", "outcome", "reason", "deadline", "created", "transferring_at", "ended_at", "endpoint",
+                 "_ended", "_on_release", "_release_state", "__weakref__")
 
     def __init__(self, endpoint: "EndpointBase", room: Room, deadline: float,
                  on_release: Callable[[Outcome], None] | None):
@@ -183,6 +183,7 @@ class RequestBase:
         self.state, self.reason = KVPoll.Bootstrapping, ""
         self.outcome: Outcome | None = None            # set once, at the end
         self.created, self.ended_at = endpoint.clock(), 0.0   # the endpoint's clock at creation, at the end
+        self.transferring_at = 0.0                     # the endpoint's clock when the first chunk moved
         self._ended, self._on_release = threading.Event(), on_release
         self._release_state = 0                        # 0 not yet, 1 on_release running, 2 returned
 
@@ -227,6 +228,8 @@ class RequestBase:
         """Endpoint, under its lock: move forward to ``state`` with a new phase deadline."""
         if self.state not in END_STATES and state > self.state:
             self.state, self.deadline = state, deadline
+            if state == KVPoll.Transferring:
+                self.transferring_at = self.endpoint.clock()
             self.endpoint.changed.notify_all()
 
     def mark_ended(self, outcome: Outcome, reason: str) -> bool:

@@ -144,15 +144,16 @@ class DecodeEndpoint(ReceiverHost):
             self.end_request(r, Outcome.Failed, f"prefill rank {key} lost: {why}", later,
                              tell=set(r.contacts) - {key})
 
-    def rank_rejoined(self, key: str, why: str, later) -> None:
+    def rank_rejoined(self, key: str, why: str, read_at: float, later) -> None:
         """``PrefillLinks``, under the lock: a new handshake with ``key`` answered (``why`` empty) or
-        failed; requests that waited for it are granted now, or fail with the reason."""
+        failed; requests that waited for it are granted now, or (those that waited since before the
+        registry read it followed) fail with the reason."""
         lost = self.links.lost
         for r in [r for r in self._recvs.values() if r.pending is not None and key in r.contacts]:
-            if why:
+            if why and r.pending.since < read_at:
                 self.end_request(r, Outcome.Failed, f"prefill rank {key} is lost: {why}", later,
                                  tell=set(r.contacts) - set(lost))
-            elif not set(r.contacts) & set(lost):
+            elif not why and not set(r.contacts) & set(lost):
                 self._grant_pending(r, later)
 
     # -- per request ------------------------------------------------------------------------

@@ -224,11 +224,13 @@ class PrefillLinks:
         """Recovery thread: it died of a bug; the endpoint breaks."""
         self.ep.break_endpoint(why)
 
-    def rejoin(self, key: str, info: RankInfo, *, replaced: bool) -> bool:
+    def rejoin(self, key: str, info: RankInfo, *, replaced: bool, read_at: float = float("inf")) -> bool:
         """Recovery thread, blocking (one HELLO, at most ``REJOIN_HELLO`` s): handshake again with
         prefill rank ``key`` at ``info.control``. ``replaced``: the registry holds a new record for
-        it (a restarted rank), so what ran with the old one fails now. True once it answered;
-        False (it stays lost, with the reason) otherwise. Never raises."""
+        it (a restarted rank), so what ran with the old one fails now. ``read_at``: when the
+        registry was read (``time.monotonic``); a failed handshake fails only the requests that
+        waited since before then (a later one gets a fresh read). True once it answered; False (it
+        stays lost, with the reason) otherwise. Never raises."""
         ep = self.ep
         with ep.guard() as later:
             old = self.known.get(key)
@@ -257,7 +259,9 @@ class PrefillLinks:
                 self.mark_lost(key, why, later)
             else:
                 self.lost[key] = why
-            ep.rank_rejoined(key, why, later)
+            ep.rank_rejoined(key, why, read_at, later)
+            if why:
+                self.poke(later)   # requests that came after the read wait for the next one
             if why:
                 log.info("prefill rank %s is lost: %s", key, why)
             return not why
