@@ -130,9 +130,10 @@ def bad_descriptions():
                                 dtype="bfloat16"),))
     pm = page_major_layout(layers=1, heads=HEADS, head_dim=DIM, dtype="bfloat16", num_pages=16, page_size=4)
     k0 = pm.parts[0]
-    paged = Layout(kind="paged", spaces=pm.spaces, regions=(Region(name="kv", nbytes=pm.regions[0].nbytes),),
+    nb = pm.regions[0].nbytes + k0.page_stride
+    paged = Layout(kind="paged", spaces=pm.spaces, regions=(Region(name="kv", nbytes=nb),),
                    parts=(k0, dataclasses.replace(k0, layer=1, base=k0.base + k0.page_stride)))
-    big, at2 = raw_block(pm.regions[0].nbytes)
+    big, at2 = raw_block(nb)
     return [
         ("too few blocks", layout, ts[:3], "4 region"),
         ("too small", layout, [ts[0][: ts[0].numel() // 2]] + ts[1:], "too small"),
@@ -147,7 +148,7 @@ def bad_descriptions():
         ("misaligned", odd, [RawMemory(at + 1, n + 2)], "misaligned"),
         ("overlapping parts", clash, [RawMemory(at, n)], r"part \(0, 'k'\) and part \(0, 'v'\) share bytes"),
         ("a wrong stride", stride, [RawMemory(at, n)], "two of its own tokens or heads"),
-        ("layers of one buffer a whole page apart", paged, [RawMemory(at2, pm.regions[0].nbytes)],
+        ("layers of one buffer a whole page apart", paged, [RawMemory(at2, nb)],
          r"part \(0, 'k'\) and part \(1, 'k'\) share bytes"),
     ], (buf, big)
 
