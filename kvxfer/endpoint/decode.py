@@ -429,6 +429,8 @@ class DecodeEndpoint(ReceiverHost):
 
     def close(self) -> None:
         self.links.close()   # first: its threads use the channel
+        if not self._closed and self.broken is None:
+            self.links.bye()
         super().close()
         if self._arrivals is not None:
             self._arrivals.join(1.0)

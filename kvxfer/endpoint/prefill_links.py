@@ -24,7 +24,8 @@ from collections.abc import Sequence
 
 from ..control.client import BootstrapClient
 from ..control.compat import require_compatible
-from ..control.handshake import hello
+from ..control.handshake import Busy, hello
+from ..control.messages import Bye
 from ..control.records import RankInfo
 from ..errors import CompatibilityError, ConnectError
 from ..plan import Planner
@@ -37,6 +38,7 @@ log = logging.getLogger("kvxfer.request")
 MAX_INSTANCES = 1024     # setting: prefill instances one decode endpoint keeps
 HELLO_FANOUT = 16        # HELLOs one instance's handshake has in flight at once
 RETRY_FAILED = 1.0       # seconds before a request may try an instance whose handshake failed again
+BUSY_RETRY = 0.25        # seconds between HELLOs to a rank that refused for now
 
 
 class PrefillLinks:
@@ -154,11 +156,19 @@ class PrefillLinks:
         """HELLO every rank of ``records`` at once (at most ``HELLO_FANOUT`` in flight), then keep what
         each answered. The first refusal raises (CompatibilityError before ConnectError)."""
         def one(key: str) -> None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ConnectError(f"connect timed out before the handshake with {key}")
             self.ep.channel.connect(key, records[key].control)
-            hello(self.ep.channel, key, me, min(self.ep.timeouts.handshake, left), self._tokens(records[key]))
+            while True:   # a rank busy for now (or still holding our earlier process) is asked again
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConnectError(f"connect timed out before the handshake with {key}")
+                try:
+                    hello(self.ep.channel, key, me, min(self.ep.timeouts.handshake, left), self._tokens(records[key]))
+                    return
+                except Busy as e:
+                    if deadline - time.monotonic() < BUSY_RETRY:
+                        raise
+                    log.info("%s", e)
+                    time.sleep(BUSY_RETRY)
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(HELLO_FANOUT, max(len(records), 1)),
                                                    thread_name_prefix="kvxfer-decode-hello") as pool:
@@ -265,6 +275,13 @@ class PrefillLinks:
             if why:
                 log.info("prefill rank %s is lost: %s", key, why)
             return not why
+
+    def bye(self) -> None:
+        """Tell every prefill rank handshook with that this endpoint closes (before the channel does)."""
+        with self.ep.guard():
+            keys = list(self.known)
+        for key in keys:
+            self.ep.channel.send(key, Bye())
 
     def close(self) -> None:
         if self.recovery is not None:   # first: it uses the channel
