@@ -159,3 +159,68 @@ def check_reachable(info: RankInfo, bootstrap: str, *, advertise: str | None = N
             raise ValueError(f"this {info.spec.role} rank would advertise {address} to the bootstrap {bootstrap} on "
                              f"another host, which only {'no host' if h in WILDCARDS else 'this host'} can reach: "
                              f"set {setting} to an address or interface name peers can reach")
+
+
+# ------------------------------------------------------------------------------------
+# A rank's bind and advertise addresses (``kvxfer rank --bind / --advertise``)
+# ------------------------------------------------------------------------------------
+def to_ip(value: str, flag: str) -> str:
+    """An address, an interface name or a hostname -> an IPv4 address (wildcards kept); ValueError
+    naming ``flag`` otherwise."""
+    if value in ("*", "0.0.0.0"):
+        return "0.0.0.0"
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        pass
+    ip = interface_address(value)
+    if ip is not None:
+        return ip
+    try:
+        return socket.gethostbyname(value)
+    except OSError:
+        raise ValueError(f"{flag} {value}: not an address, an interface with an IPv4 address, or a hostname "
+                         f"that resolves") from None
+
+
+def route_to(host: str, port: int) -> str:
+    """The local address this host uses to reach ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port or 9))
+            return s.getsockname()[0]
+        except OSError as e:
+            raise ValueError(f"no route to the bootstrap host {host} ({e.strerror}): pass --advertise with this "
+                             f"host's address or interface") from None
+
+
+def rank_addresses(bind: str | None, advertise: str | None, bootstrap: str) -> tuple[str, str]:
+    """(bind, advertise) addresses of a rank registering at ``bootstrap``: ``advertise`` (an address,
+    interface or host name), else the bind address, else the address this host reaches the bootstrap
+    from. ValueError, naming the flag, when peers could not reach what would be advertised (a
+    wildcard, or loopback to a bootstrap on another host)."""
+    url = urllib.parse.urlsplit(bootstrap)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ValueError(f"--bootstrap {bootstrap}: use http://HOST:PORT (what `kvxfer bootstrap` prints)")
+    try:
+        boot_ip = socket.gethostbyname(url.hostname)
+    except OSError:
+        raise ValueError(f"--bootstrap {bootstrap}: host {url.hostname} does not resolve") from None
+    boot_local = ipaddress.ip_address(boot_ip).is_loopback
+    b = to_ip(bind, "--bind") if bind else None
+    if advertise:
+        adv = to_ip(advertise, "--advertise")
+    elif b and b != "0.0.0.0":
+        adv = b
+    else:
+        adv = route_to(boot_ip, url.port or 80)
+    a = ipaddress.ip_address(adv)
+    if a.is_unspecified:
+        raise ValueError(f"--advertise {advertise}: a wildcard address reaches nobody; advertise this host's "
+                         f"address or interface (bind the wildcard with --bind 0.0.0.0)")
+    if a.is_loopback and not boot_local:
+        which = f"--advertise {advertise}" if advertise else (f"--bind {bind}" if bind else "the default")
+        raise ValueError(f"{which} gives loopback {adv}, but the bootstrap {bootstrap} is on another host: its "
+                         f"peers could never reach this rank; pass --advertise with this host's address or "
+                         f"interface name (e.g. eth0)")
+    return (b or adv), adv
