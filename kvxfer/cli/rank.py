@@ -57,6 +57,7 @@ import threading
 from collections.abc import Mapping
 
 from ..control.addresses import rank_addresses
+from ..control.auth import OPEN_DEPLOYMENT
 from .rank_serve import RankConfig
 
 log = logging.getLogger("kvxfer.rank")
@@ -325,6 +326,8 @@ def _run(cfg: RankConfig) -> int:
     from ..errors import KVXferError
     from .rank_io import run_check, serve_stdin, serve_unix
     from .rank_serve import Rank
+    if cfg.secret is None:
+        log.warning("kvxfer rank: %s", OPEN_DEPLOYMENT)
     try:
         rank = Rank(cfg)
     except (KVXferError, ValueError, RuntimeError) as e:
