@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 
+from ..errors import ConfigError
 from .rank_serve import MAX_COMMAND, Rank, RankConfig
 
 
@@ -16,7 +17,7 @@ def _reply(rank: Rank, line: str, stop: threading.Event) -> dict | None:
     try:
         cmd = json.loads(line)
         if not isinstance(cmd, dict):
-            raise ValueError("a command is a JSON object, e.g. {\"op\": \"info\"}")
+            raise ConfigError("a command is a JSON object, e.g. {\"op\": \"info\"}")
         if cmd.get("op") == "exit":
             stop.set()
             return {"ok": True}
@@ -42,7 +43,7 @@ def serve_unix(rank: Rank, path: str, stop: threading.Event) -> socket.socket:
     if os.path.exists(path):
         import stat
         if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise ValueError(f"--serve unix:{path}: exists and is not a socket; pick another path")
+            raise ConfigError(f"--serve unix:{path}: exists and is not a socket; pick another path")
         os.unlink(path)   # a stale socket of an earlier run
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old = os.umask(0o177)   # owner only

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from ..errors import ConfigError
 from .pattern import fill, parts_of, verify
 
 log = logging.getLogger("kvxfer.rank")
@@ -327,7 +328,7 @@ class Rank:
         op = cmd.get("op")
         decode_only = ("selftest", "recv", "wait")
         if op in decode_only and self.cfg.role != "decode":
-            raise ValueError(f"{op!r} is a decode command; prefill ranks answer requests by themselves")
+            raise ConfigError(f"{op!r} is a decode command; prefill ranks answer requests by themselves")
         if op == "info":
             return self.info()
         if op == "stats":
@@ -342,7 +343,7 @@ class Rank:
             return {"room": int(cmd["room"])}
         if op == "wait":
             return self.wait([int(r) for r in cmd["rooms"]], float(cmd.get("within", 60)))
-        raise ValueError(f"unknown op {op!r}: info, stats, selftest, recv, wait, exit")
+        raise ConfigError(f"unknown op {op!r}: info, stats, selftest, recv, wait, exit")
 
     def close(self) -> None:
         self.ep.close()

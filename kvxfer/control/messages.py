@@ -24,6 +24,8 @@ from typing import Any, ClassVar, TypeVar, Union
 
 import msgpack
 
+from ..errors import ProtocolError
+
 # ------------------------------------------------------------------------------------
 # The protocol version: bumped when RankInfo or a message changes shape. A handshake between
 # ranks of two versions is refused, naming both (``kvxfer.control.compat``).
@@ -72,7 +74,7 @@ class Drop(str, enum.Enum):
         return self.value
 
 
-class WireError(ValueError):
+class WireError(ProtocolError):
     """A message failed its checks; ``reason`` is the counter key, the text says what was wrong."""
 
     def __init__(self, reason: Drop, detail: str):

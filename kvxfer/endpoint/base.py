@@ -101,7 +101,7 @@ from ..control.channel import ControlChannel, Heartbeat
 from ..control.compat import layout_record
 from ..control.messages import Room, check_room
 from ..control.records import RankInfo
-from ..errors import LayoutError, PlanError, RequestError
+from ..errors import ConfigError, LayoutError, PlanError, RequestError
 from ..layout import SWA, Layout, combine_layouts
 from ..plan import Planner
 from ..pools import KVPool
@@ -155,7 +155,7 @@ class Timeouts:
     def __post_init__(self):
         for name in ("bootstrap", "waiting", "transfer", "lease", "handshake", "registry"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"timeout {name} must be > 0 seconds, got {getattr(self, name)}")
+                raise ConfigError(f"timeout {name} must be > 0 seconds, got {getattr(self, name)}")
 
 
 # ------------------------------------------------------------------------------------
@@ -281,7 +281,7 @@ class EndpointBase(abc.ABC):
         if aux is not None and not isinstance(aux, AuxRows):
             raise TypeError(f"aux must be an AuxRows (the engine's aux buffers) or None, got {type(aux).__name__}")
         if aux is None and aux_bytes != 0 and aux_bytes < AUX_MIN_BYTES:
-            raise ValueError(f"aux_bytes must be 0 (no aux record) or >= {AUX_MIN_BYTES}, got {aux_bytes}")
+            raise ConfigError(f"aux_bytes must be 0 (no aux record) or >= {AUX_MIN_BYTES}, got {aux_bytes}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {clock!r}")
         check_heads(spec, kv)

@@ -46,7 +46,7 @@ from ..control.compat import aux_format, aux_mismatch
 from ..control.messages import CAP_BYTES, Abort, Ack, Done, Fin, Message, Nack, Req, Room, cut
 from ..control.records import RankInfo
 from ..control.wire import ChunkMeta
-from ..errors import ConnectError, RequestError
+from ..errors import ConfigError, ConnectError, RequestError
 from ..layout import STATE, SWA
 from ..metrics import record_request_end
 from ..pools import KVPool
@@ -75,9 +75,9 @@ class DecodeEndpoint(ReceiverHost):
         ``bootstrap``: the registry URL of the prefill instances requests name by ``instance`` alone;
         ``clock``: seconds, for deadlines (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "decode":
-            raise ValueError(f"DecodeEndpoint needs a decode RankSpec, got role {spec.role!r}")
+            raise ConfigError(f"DecodeEndpoint needs a decode RankSpec, got role {spec.role!r}")
         if aux is not None and isinstance(aux, AuxRows) and aux_bytes != AUX_BYTES and aux.record_bytes != aux_bytes:
-            raise ValueError(f"aux buffer rows are {aux.record_bytes} bytes but aux_bytes is {aux_bytes}")
+            raise ConfigError(f"aux buffer rows are {aux.record_bytes} bytes but aux_bytes is {aux_bytes}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
                          timeouts=timeouts, secret=secret, aux=aux, aux_bytes=aux_bytes, clock=clock)
         self.links = PrefillLinks(self, bootstrap)
@@ -101,11 +101,11 @@ class DecodeEndpoint(ReceiverHost):
         its name; required when several are registered (ConnectError lists them). Raises
         CompatibilityError (every mismatch, in words) or ConnectError."""
         if not timeout > 0:
-            raise ValueError(f"connect timeout must be > 0 seconds, got {timeout}")
+            raise ConfigError(f"connect timeout must be > 0 seconds, got {timeout}")
         self.check_usable()
         url = bootstrap or self.links.bootstrap
         if peers is None and url is None:
-            raise ValueError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
+            raise ConfigError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
         if peers is None:
             check_reachable(self.info, url)
         self.links.connect(url, peers, instance, time.monotonic() + timeout)
@@ -327,7 +327,7 @@ class DecodeEndpoint(ReceiverHost):
             try:
                 meta = ChunkMeta.unpack(a.notify)
                 if f"{meta.room}.{meta.gen}" != r.request_id:
-                    raise ValueError(f"it names request {meta.room}.{meta.gen}, arrived as {r.request_id}")
+                    raise ConfigError(f"it names request {meta.room}.{meta.gen}, arrived as {r.request_id}")
             except ValueError as e:
                 self.end_request(r, Outcome.Failed, f"chunk metadata: {e}", later)
                 return

@@ -36,7 +36,7 @@ from ..control.client import BootstrapClient, Registration
 from ..control.compat import aux_format, aux_mismatch
 from ..control.messages import Abort, Ack, Bye, Done, Fin, Hello, Message, Nack, Req, Room, cut
 from ..control.wire import ChunkMeta
-from ..errors import LayoutError, PlanError, RequestError
+from ..errors import ConfigError, LayoutError, PlanError, RequestError
 from ..layout import STATE, SWA
 from ..metrics import record_request_end
 from ..plan import Planner
@@ -76,7 +76,7 @@ class PrefillEndpoint(SenderHost):
         them ``send(..., aux=...)`` takes the bytes (or an ``AuxRecord`` of ``aux_bytes``).
         ``clock``: seconds, for deadlines and leases (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "prefill":
-            raise ValueError(f"PrefillEndpoint needs a prefill RankSpec, got role {spec.role!r}")
+            raise ConfigError(f"PrefillEndpoint needs a prefill RankSpec, got role {spec.role!r}")
         if on_request is not None and not callable(on_request):
             raise TypeError(f"on_request must be a callable (room, tokens), got {on_request!r}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
