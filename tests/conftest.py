@@ -1,6 +1,7 @@
 """Shared test set-up: make the helpers next to the tests (``xfer_peer``, ``request_peer``,
 ``waiting``) importable in any pytest import mode, the ``transport`` fixture of the request
-tests (each network transport, skipped where it cannot run; ``parametrize`` overrides it), and
+tests (each network transport, skipped only where its optional dependency is missing;
+``parametrize`` overrides it), and
 the two tiers.
 
 Tiers: ``scripts/test --fast`` runs ``-m "not slow"``, the in-process tier (under 90 s on 2
@@ -56,8 +57,6 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module", params=["zmq", "ucx"])
 def transport(request):
-    import request_peer as rp
-    why = rp.transport_skip_reason(request.param)
-    if why:
-        pytest.skip(why)
+    from support.deps import need
+    need(request.param)   # skipped only when its optional dependency is missing
     return request.param

@@ -34,7 +34,6 @@ from kvxfer.endpoint.decode import DecodeEndpoint
 from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.pools import MHAPool, PageAllocator, StatePool
 from kvxfer.ranks import RankSpec
-from kvxfer.transport.registry import get_transport
 
 CANARY = 0xCD
 
@@ -83,60 +82,6 @@ def transport_options(name: str, cfg: dict) -> dict:
     if name == "ucx":
         return {"heartbeat": hb[0], "peer_timeout": hb[1], **({"eager_writes": True} if cfg.get("eager") else {})}
     return {}
-
-
-_USABLE: dict[str, str | None] = {}
-
-
-def transport_skip_reason(name: str) -> str | None:
-    """Why transport ``name`` cannot be used here (None when it can): in a child process (a
-    crash must not take the test run down) it must import, move a 2-token plan between two
-    instances and close them, three times over."""
-    if name not in _USABLE:
-        ctx = context()
-        mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_probe, args=(name, theirs), daemon=True)
-        proc.start()
-        theirs.close()
-        try:
-            why = mine.recv_bytes().decode() if mine.poll(60) else "the probe did not finish within 60s"
-        except EOFError:
-            why = "no answer"
-        proc.join(10)
-        if proc.exitcode not in (0, None):
-            why = f"the probe process crashed (exit code {proc.exitcode}; {why or 'after a good transfer'})"
-        _USABLE[name] = (f"transport {name!r} is not working yet: {why}" if why else None)
-    return _USABLE[name]
-
-
-def _probe(name: str, conn) -> None:
-    from kvxfer.grant import ByteRanges
-    from kvxfer.plan import plan_transfer
-    why = ""
-    try:
-        for _ in range(3):
-            a, b = (get_transport(name, **transport_options(name, {})) for _ in range(2))
-            src = MHAPool(layers=1, heads=1, head_dim=8, dtype="float16", num_pages=4, page_size=2)
-            dst = MHAPool(layers=1, heads=1, head_dim=8, dtype="float16", num_pages=4, page_size=2)
-            src.buffers[0].fill_(7)
-            a.register(src.regions())
-            b.register(dst.regions())
-            slots = np.array([2, 3])
-            b.expect("probe.1", ByteRanges.of_slots(dst.layout, slots))
-            h = a.submit(a.connect(b.descriptor()), "probe.1", plan_transfer(src.layout, slots, dst.layout, slots),
-                         timeout=5.0)
-            if not h.wait(5.0):
-                why = f"a 2-token probe transfer ended with {h.error!r}"
-            elif not bool((dst.buffers[0][2 * 16: 4 * 16] == 7).all()):
-                why = "the probe transfer wrote wrong bytes"
-            a.close()
-            b.close()
-            if why:
-                break
-    except Exception as e:
-        why = f"{type(e).__name__}: {e}"
-    conn.send_bytes(why.encode())
-    conn.close()
 
 
 # ------------------------------------------------------------------------------------

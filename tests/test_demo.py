@@ -8,23 +8,12 @@ import subprocess
 import sys
 
 import pytest
-
-from kvxfer.transport.registry import get_transport
-
-
-def _usable(name: str) -> str | None:
-    try:
-        get_transport(name).close()
-        return None
-    except Exception as e:   # the reason is shown in the skip
-        return f"{name} transport unavailable: {e}"
+from support.deps import need
 
 
 @pytest.mark.parametrize("transport", ["zmq", "ucx"])
 def test_demo_verifies_every_request(transport, tmp_path):
-    why = _usable(transport)
-    if why:
-        pytest.skip(why)
+    need(transport)
     out = tmp_path / "summary.json"
     proc = subprocess.run([sys.executable, "-m", "kvxfer.cli", "demo", "--transport", transport, "--requests", "5",
                            "--prefill-tp", "1", "--decode-tp", "2", "--max-prompt", "40", "--gen-len", "4",

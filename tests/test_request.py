@@ -13,6 +13,7 @@ import pytest
 import request_peer as rp
 import torch
 from manual_clock import ManualClock
+from support.deps import need
 from waiting import until
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
@@ -155,8 +156,7 @@ def test_eager_writes_end_to_end():
     """Decode's UCX transport pregrants its requests (``eager_writes``), to the request's prefill
     rank only: it puts without the ANNOUNCE/GO round trip. Bytes, releases and the slots' return
     are as without: every slot comes back once the prefill rank said FENCED for it."""
-    if why := rp.transport_skip_reason("ucx"):
-        pytest.skip(why)
+    need("ucx")
     c = Cluster("ucx", eager=True)
     try:
         t, eager, told = c.D.ep.transport, [], []

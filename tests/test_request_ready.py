@@ -18,6 +18,7 @@ import pytest
 import request_peer as rp
 from manual_clock import ManualClock
 from request_pair import LENIENT, Pair, fill
+from support.deps import need
 from waiting import until
 
 from kvxfer.endpoint import KVPoll, Outcome
@@ -44,11 +45,7 @@ class LateEvent:
 
 
 def _usable(transport: str) -> None:
-    if transport == "ucx":
-        pytest.importorskip("ucxx", reason="the ucx transport needs ucxx")
-    why = rp.transport_skip_reason(transport) if transport != "local" else None
-    if why:
-        pytest.skip(why)
+    need(transport)
 
 
 @pytest.mark.parametrize("transport", ["local", "zmq", "ucx"])
