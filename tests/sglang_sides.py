@@ -260,6 +260,7 @@ def run_decode(side, group, reqs, fault, emit) -> dict:
     waiting = {}
     while len(waiting) < len(rs) and time.monotonic() < deadline:
         for r, poll in zip(rs, _poll(side, group, [r.receiver for r in rs])):
+            r.seen.add(int(poll))
             if poll in (KVPoll.WaitingForInput, KVPoll.Failed):
                 waiting.setdefault(r.room, int(poll))
         time.sleep(STEP)
@@ -348,4 +349,5 @@ def run_decode(side, group, reqs, fault, emit) -> dict:
     return {"reqs": [{"room": r.room, "outcome": r.outcome or "hung", "reason": r.reason, "other": r.other,
                       "bytes_ok": getattr(r, "bytes_ok", None), "meta_ok": getattr(r, "meta_ok", None),
                       "seen": sorted(r.seen), "drained": r.drained} for r in rs],
-            "released": all(r.receiver.released for r in rs), "untouched": untouched, "leaks": side.leaks()}
+            "released": all(r.receiver.released for r in rs) and side.mgr.tracking == 0, "untouched": untouched,
+            "leaks": side.leaks()}

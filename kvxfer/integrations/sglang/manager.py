@@ -87,7 +87,7 @@ class KvxferKVManager(BaseKVManager):
                                       secret=self.config.secret,
                                       **({} if self.metadata is not None else {"aux_bytes": 0}))
         self.prefill_info_table: dict[str, PrefillInfo] = {}
-        self._receivers: dict[int, Any] = {}     # decode: room -> the live KvxferKVReceiver (deferred release)
+        self._receivers: dict[int, Any] = {}     # decode: room -> its receiver until kvxfer released it
         self._lock = threading.Lock()
         self.endpoint: Any   # a PrefillEndpoint or a DecodeEndpoint, by the mode
         if mode == "prefill":
@@ -135,6 +135,12 @@ class KvxferKVManager(BaseKVManager):
             return False
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(dp_size=ranks[0].spec.dp_size)
         return True
+
+    @property
+    def tracking(self) -> int:
+        """Decode: the receivers kvxfer has not released yet (bounded by the requests running)."""
+        with self._lock:
+            return len(self._receivers)
 
     def track(self, room: int, receiver) -> None:
         with self._lock:

@@ -61,9 +61,14 @@ class KvxferKVReceiver(BaseKVReceiver):
             return
         try:
             self._r = self.kv_mgr.endpoint.receiver(self.bootstrap_room, bootstrap=bootstrap_url(self.bootstrap_addr),
-                                                    p_dp_rank=int(prefill_dp_rank))
+                                                    p_dp_rank=int(prefill_dp_rank), on_release=self._released)
         except (ConnectError, RequestError, ValueError) as e:
             self._poll.fail(f"prefill at {self.bootstrap_addr}: {e}")
+
+    def _released(self, _outcome) -> None:
+        """kvxfer's thread, once no write of the request can land: the manager stops tracking it
+        (an untracked room is release-safe), so its table holds only requests still running."""
+        self.kv_mgr.forget(self.bootstrap_room, self)
 
     def expect_tokens(self, n: int) -> None:
         """The plugin's hook: the request's exact token count past decode's prefix."""
@@ -137,8 +142,8 @@ class KvxferKVReceiver(BaseKVReceiver):
 
     def clear(self) -> None:
         if self._r is not None:
-            self._r.clear()
-        if self.is_abort_release_safe():
+            self._r.clear()   # a running request ends (aborted); kvxfer's release then forgets it
+        else:
             self.kv_mgr.forget(self.bootstrap_room, self)
 
 
