@@ -162,6 +162,12 @@ class KvxferKVManager(BaseKVManager):
         with self._lock:
             self._receivers.pop(bootstrap_room, None)
 
+    def submit_prefill_recompute(self, receiver, payload) -> None:
+        """SGLang's PD retraction "rebootstrap" (prefill recomputes a retracted request's KV)."""
+        raise NotImplementedError("the kvxfer backend does not support PD retraction rebootstrap (prefill "
+                                  "recomputing a retracted request) yet: keep a decode-side backup with "
+                                  "--disaggregation-decode-retraction-backup cpu_tensor or host_pool")
+
     # -- both ----------------------------------------------------------------------------------
     def teardown(self) -> None:
         raise NotImplementedError("the kvxfer backend does not support PD role switching")
