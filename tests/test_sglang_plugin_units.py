@@ -17,7 +17,7 @@ import torch
 from sglang_shapes import MHA, Unified, fill
 
 from kvxfer.endpoint.base import KVPoll
-from kvxfer.errors import LayoutError
+from kvxfer.errors import ConfigError, LayoutError
 from kvxfer.integrations import sglang as sglang_plugin
 from kvxfer.integrations.sglang import plugin
 from kvxfer.integrations.sglang.config import BackendConfig, bootstrap_url, instance_name, rank_topology
@@ -101,7 +101,7 @@ def test_rank_topology_bootstrap_urls_and_names():
     t = rank_topology(types.SimpleNamespace(engine_rank=5, pp_rank=0, system_dp_rank=1), sa)
     assert (t.tp_size, t.tp_rank, t.dp_rank) == (8, 5, 1)
     sa.attn_cp_size = 2
-    with pytest.raises(ValueError, match="context-parallel"):
+    with pytest.raises(ConfigError, match="context-parallel"):
         rank_topology(types.SimpleNamespace(engine_rank=0, pp_rank=0), sa)
     assert bootstrap_url("10.0.0.1:8998") == "http://10.0.0.1:8998"
     assert bootstrap_url("[::1]:8998") == "http://[::1]:8998"
@@ -119,7 +119,7 @@ def test_settings_from_the_environment_are_checked_in_words(tmp_path):
                        ({"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "soon"}, "not a number"),
                        ({"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "-1"}, "must be > 0"),
                        ({"KVXFER_SECRET_FILE": str(tmp_path / "none")}, "cannot be read")):
-        with pytest.raises(ValueError, match=words):
+        with pytest.raises(ConfigError, match=words):
             BackendConfig.from_env(env)
 
 

@@ -5,9 +5,11 @@
 every process, which adds the backend ``--disaggregation-transfer-backend kvxfer`` (what it
 installs: ``kvxfer.integrations.sglang.plugin``). Without SGLang, ``register()`` does nothing and
 nothing here imports SGLang: the modules that do (``manager``, ``sender``, ``receiver``,
-``bootstrap``, ``plugin``) load only when SGLang loads the plugin. The pure parts:
-``layouts`` (SGLang's pool shapes as kvxfer layouts), ``pools`` (facts from SGLang's pool
-objects), ``states`` (SGLang's poll semantics), ``config`` (settings, rank topology).
+``bootstrap``, and ``plugin.install``) load only when SGLang loads the plugin. The parts without
+SGLang: ``layouts`` (SGLang's pool shapes as kvxfer layouts), ``pools`` (facts from SGLang's pool
+objects, its metadata buffers as aux rows), ``states`` (SGLang's poll semantics), ``config``
+(settings, rank topology), ``commit`` (the unified pool's prefix-valid commit). How to use it,
+what the tests prove and what is not supported: ``README.md`` beside this file.
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 
+from ...errors import LayoutError
 from .pools import describe_attention
 
 _POOLS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # SGLang pool -> its EnginePool
@@ -38,11 +39,11 @@ def prefix_valid_commit(self, layer, loc_2d, commit_lens, cache_k, cache_v, k_sc
                                   "(k_scale/v_scale) is not supported on the unified pool")
     layer_id = layer_id_override if layer_id_override is not None else layer.layer_id
     if loc_2d.dim() != 2 or commit_lens.dim() != 1 or commit_lens.shape[0] != loc_2d.shape[0]:
-        raise ValueError(f"loc_2d {tuple(loc_2d.shape)} and commit_lens {tuple(commit_lens.shape)}: want [batch, "
+        raise LayoutError(f"loc_2d {tuple(loc_2d.shape)} and commit_lens {tuple(commit_lens.shape)}: want [batch, "
                          f"cols] and [batch]")
     rows, cols = loc_2d.shape
     if cache_k.shape[0] != rows * cols or cache_v.shape[0] != rows * cols:
-        raise ValueError(f"KV rows {cache_k.shape[0]}/{cache_v.shape[0]} do not match loc_2d {tuple(loc_2d.shape)}")
+        raise LayoutError(f"KV rows {cache_k.shape[0]}/{cache_v.shape[0]} do not match loc_2d {tuple(loc_2d.shape)}")
 
     def stored(t):
         t = t.to(self.dtype)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ...endpoint.base import Timeouts
-from ...errors import ConnectError
+from ...errors import ConfigError, ConnectError
 
 TRANSPORTS = ("zmq", "ucx")
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9_.:\-]")
@@ -37,9 +37,9 @@ class BackendConfig:
 
     def __post_init__(self):
         if self.transport not in TRANSPORTS:
-            raise ValueError(f"KVXFER_TRANSPORT={self.transport!r}: choose one of {TRANSPORTS}")
+            raise ConfigError(f"KVXFER_TRANSPORT={self.transport!r}: choose one of {TRANSPORTS}")
         if not self.register_timeout > 0:
-            raise ValueError(f"register_timeout must be > 0 seconds, got {self.register_timeout}")
+            raise ConfigError(f"register_timeout must be > 0 seconds, got {self.register_timeout}")
 
     @classmethod
     def from_env(cls, env=None) -> "BackendConfig":
@@ -51,7 +51,7 @@ class BackendConfig:
                 with open(path, "rb") as f:
                     secret = f.read().strip()
             except OSError as e:
-                raise ValueError(f"KVXFER_SECRET_FILE={path!r} cannot be read: {e}") from None
+                raise ConfigError(f"KVXFER_SECRET_FILE={path!r} cannot be read: {e}") from None
         timeouts = dataclasses.replace(Timeouts(), bootstrap=_seconds(env, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT"),
                                        waiting=_seconds(env, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT"))
         return cls(transport=env.get("KVXFER_TRANSPORT", "zmq"), timeouts=timeouts, secret=secret)
@@ -64,9 +64,9 @@ def _seconds(env, name: str, default: float = 300.0) -> float:
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds") from None
     if not value > 0:
-        raise ValueError(f"{name}={raw!r} must be > 0 seconds")
+        raise ConfigError(f"{name}={raw!r} must be > 0 seconds")
     return value
 
 
@@ -85,7 +85,7 @@ def rank_topology(kv_args, server_args) -> RankTopology:
     pp_rank, system_dp_rank). Context parallelism is refused in words."""
     tp, dp, pp = int(server_args.tp_size), int(server_args.dp_size or 1), int(server_args.pp_size or 1)
     if int(getattr(server_args, "attn_cp_size", 1) or 1) > 1:
-        raise ValueError("the kvxfer backend does not split a request's KV over context-parallel ranks "
+        raise ConfigError("the kvxfer backend does not split a request's KV over context-parallel ranks "
                          "(--attn-cp-size > 1)")
     dp_attention = bool(getattr(server_args, "enable_dp_attention", False)) and dp > 1
     attn_tp = tp // dp if dp_attention else tp

@@ -29,7 +29,7 @@ from sglang.srt.disaggregation.base.conn import BaseKVManager
 
 from ...control.client import BootstrapClient
 from ...endpoint import DecodeEndpoint, PrefillEndpoint
-from ...errors import ConnectError
+from ...errors import ConfigError, ConnectError
 from ...ranks import RankSpec
 from .config import BackendConfig, bootstrap_url, client_host, instance_name, rank_topology
 from .pools import current_context, describe, metadata_rows
@@ -53,14 +53,14 @@ class KvxferKVManager(BaseKVManager):
                  config: BackendConfig | None = None, **_backend_kwargs: Any):
         mode = getattr(disaggregation_mode, "value", disaggregation_mode)
         if mode not in ("prefill", "decode"):
-            raise ValueError(f"the kvxfer backend serves prefill or decode, not disaggregation mode {mode!r}")
+            raise ConfigError(f"the kvxfer backend serves prefill or decode, not disaggregation mode {mode!r}")
         self.kv_args, self.server_args, self.is_mla_backend = args, server_args, bool(is_mla_backend)
         self.disaggregation_mode, self.role = disaggregation_mode, mode
         self.config = config or BackendConfig.from_env()
         self.enable_deferred_decode_kv_release = True
         self.topology = rank_topology(args, server_args)
         if mode == "decode" and self.topology.pp_size != 1:
-            raise ValueError("the kvxfer backend needs decode ranks that hold every layer (--pp-size 1 on decode)")
+            raise ConfigError("the kvxfer backend needs decode ranks that hold every layer (--pp-size 1 on decode)")
         ctx = current_context()
         self.description = describe(args, ctx, self.topology.tp_size)
         d = self.description
