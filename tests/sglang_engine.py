@@ -72,7 +72,7 @@ class Side:
                                  disaggregation_bootstrap_port=bport)
         manager = get_kv_class(TransferBackend("kvxfer"), KVClassType.MANAGER)
         ctx = EngineContext(kv_pool=self.pool, req_to_token_pool=self.req_to_token_pool, num_layers=LAYERS,
-                            sliding_window=WINDOW if kind == "swa" else None)
+                            sliding_window=WINDOW if kind == "swa" else None, num_kv_heads=KV_HEADS)
         with engine_context(ctx):
             self.mgr = manager(self.kv_args, role, server_args, kind == "mla", config=config)
         self.initial = (self.alloc.available_size(), self.swa_alloc.available_size() if self.swa_alloc else 0,
@@ -119,7 +119,7 @@ class Side:
         a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = self.pool.get_contiguous_buf_infos()
         a.kv_layer_ids = build_kv_layer_ids(token_to_kv_pool=self.pool, draft_token_to_kv_pool=None,
                                             num_draft_entries=0, num_hidden_layers=LAYERS)
-        if self.kind != "mla":
+        if self.kind != "mla" and self.role == "prefill":   # decode's _init_kv_manager sets neither
             a.kv_head_num, a.total_kv_head_num = self.heads, KV_HEADS
         a.aux_data_ptrs, a.aux_data_lens, a.aux_item_lens = self.meta.get_buf_infos()
         setup_state_kv_args(a, self.pool, None, LAYERS, req_to_token_pool=self.req_to_token_pool)

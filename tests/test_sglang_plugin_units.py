@@ -97,6 +97,8 @@ def test_the_sliding_window_takes_the_last_window_tokens_of_sglangs_window_pages
 def test_rank_topology_bootstrap_urls_and_names():
     sa = types.SimpleNamespace(tp_size=8, dp_size=2, pp_size=1, attn_cp_size=1, enable_dp_attention=True)
     assert rank_topology(types.SimpleNamespace(engine_rank=5, pp_rank=0), sa) == (4, 1, 2, 1, 1, 0)
+    # decode hands the attention-TP rank and its DP rank
+    assert rank_topology(types.SimpleNamespace(engine_rank=1, pp_rank=0, system_dp_rank=1), sa) == (4, 1, 2, 1, 1, 0)
     sa.enable_dp_attention = False
     t = rank_topology(types.SimpleNamespace(engine_rank=5, pp_rank=0, system_dp_rank=1), sa)
     assert (t.tp_size, t.tp_rank, t.dp_rank) == (8, 5, 1)
@@ -141,9 +143,10 @@ def test_the_backend_enum_gains_kvxfer_and_keeps_every_member():
 
 def test_the_init_kv_manager_hook_hands_the_pools_over_for_that_call_only():
     queue = types.SimpleNamespace(token_to_kv_pool="the pool", scheduler=types.SimpleNamespace(
-        req_to_token_pool="reqs", sliding_window_size=128, model_config=types.SimpleNamespace(num_hidden_layers=61)))
+        req_to_token_pool="reqs", sliding_window_size=128, model_config=types.SimpleNamespace(
+            num_hidden_layers=61, get_total_num_kv_heads=lambda: 8)))
     inside = plugin.around_init_kv_manager(lambda q, x: (current_context(), x), queue, 7)
-    assert inside == (EngineContext("the pool", "reqs", 61, 128), 7)
+    assert inside == (EngineContext("the pool", "reqs", 61, 128, 8), 7)
     assert current_context() is None
 
 
@@ -177,6 +180,11 @@ def test_what_cannot_be_described_is_refused_in_words():
     args = types.SimpleNamespace(num_draft_entries=0, state_types=[types.SimpleNamespace(value="mamba")])
     with pytest.raises(LayoutError, match="needs the pool objects"):
         describe(args, None, 1)
+    m_args = types.SimpleNamespace(kv_data_ptrs=[m.k[0].data_ptr(), m.v[0].data_ptr()], kv_data_lens=[4096] * 2,
+                                   kv_item_lens=[512] * 2, kv_cache_dtype_str="auto", page_size=4, kv_layer_ids=[],
+                                   num_draft_entries=0, state_types=[], gpu_id=None)
+    with pytest.raises(LayoutError, match="KV heads per rank"):   # decode's KVArgs, without the hook
+        describe(m_args, None, 1)
     with pytest.raises(LayoutError, match="draft KV"):
         describe(types.SimpleNamespace(num_draft_entries=2), None, 1)
     shuffled = types.SimpleNamespace(k_buffer=m.k, v_buffer=m.v, page_size=4, kv_cache_layout="vectorized_5d")

@@ -81,19 +81,18 @@ class RankTopology(NamedTuple):
 
 
 def rank_topology(kv_args, server_args) -> RankTopology:
-    """From ``ServerArgs`` (tp/dp/pp sizes, DP attention) and ``KVArgs`` (engine_rank = the TP rank,
-    pp_rank, system_dp_rank). Context parallelism is refused in words."""
+    """From ``ServerArgs`` (tp/dp/pp sizes, DP attention) and ``KVArgs`` (``engine_rank``: the TP rank
+    on prefill, the attention-TP rank on decode; ``pp_rank``; ``system_dp_rank``, which both sides'
+    ``_init_kv_manager`` set). Context parallelism is refused in words."""
     tp, dp, pp = int(server_args.tp_size), int(server_args.dp_size or 1), int(server_args.pp_size or 1)
     if int(getattr(server_args, "attn_cp_size", 1) or 1) > 1:
         raise ConfigError("the kvxfer backend does not split a request's KV over context-parallel ranks "
                          "(--attn-cp-size > 1)")
     dp_attention = bool(getattr(server_args, "enable_dp_attention", False)) and dp > 1
     attn_tp = tp // dp if dp_attention else tp
-    rank = int(kv_args.engine_rank)
-    if dp_attention:
-        dp_rank = rank // attn_tp
-    else:
-        dp_rank = int(getattr(kv_args, "system_dp_rank", 0) or 0)
+    rank = int(kv_args.engine_rank)   # prefill: the TP rank; decode: already the attention-TP rank
+    system_dp = getattr(kv_args, "system_dp_rank", None)
+    dp_rank = int(system_dp) if system_dp is not None else rank // attn_tp
     return RankTopology(attn_tp, rank % attn_tp, dp, dp_rank, pp, int(getattr(kv_args, "pp_rank", 0) or 0))
 
 

@@ -62,7 +62,7 @@ class KvxferKVManager(BaseKVManager):
         if mode == "decode" and self.topology.pp_size != 1:
             raise ConfigError("the kvxfer backend needs decode ranks that hold every layer (--pp-size 1 on decode)")
         ctx = current_context()
-        self.description = describe(args, ctx, self.topology.tp_size)
+        self.description = describe(args, ctx, self.topology.tp_size, self.is_mla_backend)
         d = self.description
         kv = d.kv.pool(swa_map=d.swa_map, window=d.window) if d.swa_map is not None else d.kv.pool()
         state = d.state.pool() if d.state is not None else None
@@ -71,6 +71,7 @@ class KvxferKVManager(BaseKVManager):
         layers = {p.layer for p in kv.layout.parts} | ({p.layer for p in state.layout.parts} if state else set())
         num_layers = (ctx.num_layers if ctx is not None and ctx.num_layers else None) or max(layers) + 1
         heads = 1 if self.is_mla_backend else int(getattr(args, "total_kv_head_num", None) or
+                                                    (ctx.num_kv_heads if ctx is not None else None) or
                                                     max(p.heads for p in kv.layout.parts) * self.topology.tp_size)
         host = client_host(str(getattr(server_args, "host", "127.0.0.1")))
         self.bootstrap_port = int(getattr(server_args, "disaggregation_bootstrap_port", 8998))

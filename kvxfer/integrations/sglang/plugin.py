@@ -65,10 +65,12 @@ def around_init_kv_manager(original, queue, *args, **kwargs):
     from .pools import EngineContext, engine_context
     scheduler = getattr(queue, "scheduler", None)
     model_config = getattr(scheduler, "model_config", None)
+    heads = getattr(model_config, "get_total_num_kv_heads", None)
     ctx = EngineContext(kv_pool=getattr(queue, "token_to_kv_pool", None),
                         req_to_token_pool=getattr(scheduler, "req_to_token_pool", None),
                         num_layers=getattr(model_config, "num_hidden_layers", None),
-                        sliding_window=getattr(scheduler, "sliding_window_size", None))
+                        sliding_window=getattr(scheduler, "sliding_window_size", None),
+                        num_kv_heads=heads() if callable(heads) else None)
     with engine_context(ctx):
         return original(queue, *args, **kwargs)
 

@@ -44,11 +44,13 @@ _DTYPE_NAMES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16"
 
 class EngineContext(NamedTuple):
     """What the plugin's hook hands the manager: the rank's KV pool object (``token_to_kv_pool``),
-    its request pool (Mamba state lives there), the model's layer count and sliding window."""
+    its request pool (Mamba state lives there), the model's layer count, sliding window and KV
+    head count (decode's ``KVArgs`` do not carry the latter)."""
     kv_pool: Any
     req_to_token_pool: Any = None
     num_layers: int | None = None
     sliding_window: int | None = None
+    num_kv_heads: int | None = None
 
 
 _CONTEXT: contextvars.ContextVar[EngineContext | None] = contextvars.ContextVar("kvxfer_sglang_pools", default=None)
@@ -190,9 +192,9 @@ def _describe_object(ctx: EngineContext, attn_tp_size: int) -> Description:
     return Description(describe_attention(pool))
 
 
-def describe(kv_args, ctx: EngineContext | None, attn_tp_size: int) -> Description:
+def describe(kv_args, ctx: EngineContext | None, attn_tp_size: int, is_mla: bool = False) -> Description:
     """The rank's pools: from the pool objects when the plugin's hook handed them over, else from
-    ``KVArgs`` alone (token-major MHA, MLA, whole unified envelopes)."""
+    ``KVArgs`` alone (token-major MHA on prefill, MLA, whole unified envelopes)."""
     if getattr(kv_args, "num_draft_entries", 0):
         raise LayoutError("speculative decoding's draft KV buffers are not described by the kvxfer backend yet")
     if ctx is not None and ctx.kv_pool is not None:
@@ -208,10 +210,13 @@ def describe(kv_args, ctx: EngineContext | None, attn_tp_size: int) -> Descripti
         return Description(unified_envelopes(RawMemory(int(ptrs[0]), int(lens[0]), dev), page_bytes=int(items[0]),
                                              page_size=page))
     layers = list(getattr(kv_args, "kv_layer_ids", None) or [])
-    if getattr(kv_args, "kv_head_num", None) is None:   # MLA: one latent buffer per layer
+    if is_mla:   # one latent buffer per layer
         ids = layers or list(range(int(kv_args.prefill_start_layer or 0), int(kv_args.prefill_start_layer or 0)
                                    + len(ptrs)))
         return Description(mla_from_kv_args(ptrs, lens, items, layers=ids, page_size=page, dtype=dtype, device=dev))
+    if getattr(kv_args, "kv_head_num", None) is None:
+        raise LayoutError("KVArgs do not say an MHA pool's KV heads per rank (decode's never do): the kvxfer "
+                          "plugin's hook on _init_kv_manager must hand the pool object over (is the plugin loaded?)")
     start = int(getattr(kv_args, "prefill_start_layer", 0) or 0)
     ids = layers[: len(ptrs) // 2] or list(range(start, start + len(ptrs) // 2))
     return Description(mha_from_kv_args(ptrs, lens, items, layers=ids, page_size=page, heads=int(kv_args.kv_head_num),

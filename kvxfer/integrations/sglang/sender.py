@@ -49,21 +49,27 @@ class KvxferKVSender(BaseKVSender):
             self._poll.fail(str(e))
 
     # -- the grant -------------------------------------------------------------------------------
-    def _grant(self) -> tuple[int, int] | None:
-        """(decode's prefix, the tokens decode granted past it), once every decode rank asked."""
+    def _grant(self) -> tuple[int, int | None] | None:
+        """(decode's prefix, the tokens decode granted past it; None when this rank feeds no decode
+        rank of the request, only dummies), once decode's requests came; None before."""
         if self._s is None:
             return None
-        targets = [t for t in list(self._s.targets.values()) if not t.dummy]
+        targets = list(self._s.targets.values())
         if not targets:
             return None
-        prefixes, counts = {t.prefix for t in targets}, {len(t.kv) - t.prefix for t in targets}
+        prefixes = {t.prefix for t in targets}
+        counts = {len(t.kv) - t.prefix for t in targets if not t.dummy}
         if len(prefixes) > 1 or len(counts) > 1:
             raise RequestError(f"decode ranks granted different requests (prefixes {sorted(prefixes)}, "
                                f"tokens {sorted(counts)})")
-        return prefixes.pop(), counts.pop()
+        return prefixes.pop(), (counts.pop() if counts else None)
 
     def pop_decode_prefix_len(self) -> int:
-        grant = self._grant()
+        try:
+            grant = self._grant()
+        except RequestError as e:
+            self._abort(str(e))
+            return 0
         return grant[0] if grant else 0
 
     @property
