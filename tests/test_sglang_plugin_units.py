@@ -217,3 +217,13 @@ def test_sglangs_metadata_buffers_become_aux_rows_that_read_not_landed_when_clea
     rows.write(3, want)
     assert torch.equal(fields[1][3].view(torch.uint8), torch.frombuffer(bytearray(want[64:192]), dtype=torch.uint8))
     assert metadata_rows(types.SimpleNamespace(aux_data_ptrs=[])) is None
+
+
+def test_metadata_buffers_in_gpu_memory_are_refused(monkeypatch):
+    """SGLang puts MetadataBuffers on the GPU for Mooncake's NVLink pool; read as host memory they
+    would crash the process, so the backend refuses that setting by name."""
+    t = torch.zeros(4, 16, dtype=torch.int32)
+    args = types.SimpleNamespace(aux_data_ptrs=[t.data_ptr()], aux_data_lens=[256], aux_item_lens=[64])
+    monkeypatch.setenv("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "INTRA_NODE_NVLINK")
+    with pytest.raises(LayoutError, match="INTRA_NODE_NVLINK"):
+        metadata_rows(args)

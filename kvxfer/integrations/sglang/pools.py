@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -231,10 +232,14 @@ def _device_of(kv_args) -> str:
 def metadata_rows(kv_args) -> AuxRows | None:
     """SGLang's ``MetadataBuffers`` (``kv_args.aux_data_*``: one buffer per field, one row per
     request) as kvxfer aux rows over the same memory; a cleared row is all zeros, which SGLang's
-    metadata gate reads as "not landed" (bootstrap_room 0)."""
+    metadata gate reads as "not landed" (bootstrap_room 0). SGLang keeps them in host memory (on
+    CUDA machines too), unless its NVLink memory pool is asked for: refused."""
     ptrs = list(getattr(kv_args, "aux_data_ptrs", None) or [])
     if not ptrs:
         return None
+    if os.environ.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL") == "INTRA_NODE_NVLINK":   # SGLang then puts them on the GPU
+        raise LayoutError("SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK puts SGLang's metadata buffers in GPU "
+                          "memory; the kvxfer backend reads them as host memory: unset it")
     views = []
     for i, (ptr, nbytes, item) in enumerate(zip(ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens)):
         if item <= 0 or nbytes % item:
