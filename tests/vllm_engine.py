@@ -11,10 +11,12 @@ object per line on stdout, after ``@@``; vLLM's own logs go to the same streams)
         "pause": stop stepping once this request finished (a prefill whose send is then not started)
     {"op": "wait", "ids": [...], "timeout"}     -> {"outputs": {id: {tokens, logprobs, params, reason}}}
     {"op": "abort", "id"}  {"op": "resume"}  {"op": "free"} -> {"free": blocks}
-    {"op": "loads"} -> {"loads": [[req_id, request_id, state], ...]} (the worker's live receivers)
+    {"op": "loads"} -> {"loads": [[req_id, request_id, state, granted], ...]} (the worker's live receivers)
     {"op": "hold", "on": bool}: the faulty transport holds (or lets go) writes_pending of live loads
     {"op": "flip"}: the next load that finishes gets bytes of its first block flipped (negative control)
     {"op": "errors"} -> {"errors": [block ids reported as load errors so far]}
+    {"op": "digests"} -> {"digests": {request id: [hash of each block]}}: prefill, of the KV it sends (at
+        request_finished); decode, of the KV that landed (when the load is reported, before any compute)
     {"op": "exit"}
 """
 from __future__ import annotations
@@ -31,7 +33,7 @@ for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1
              "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}.items():
     os.environ.setdefault(k, v)
 
-DTYPE = "bfloat16"
+DTYPE = "float32"
 
 
 def make_model(path: str) -> None:
@@ -73,6 +75,7 @@ class Server:
         self.paused = False
         self.errors: list[int] = []
         self.flip_armed = False
+        self.digests: dict[str, list[str]] = {}   # internal request id -> block hashes (sent / landed)
         self.worker = None
         if ktc is not None:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -83,9 +86,14 @@ class Server:
     def _wrap(self, conn) -> None:
         """Count the load errors vLLM is told of, and flip bytes of an armed load (test instruments)."""
         real_finished, real_errors = conn.get_finished, conn.get_block_ids_with_load_errors
+        sched = self.core.scheduler.connector
+        real_request_finished = sched.request_finished
 
         def get_finished(ids):
             sent, received = real_finished(ids)
+            for rid in received or ():   # decode: the KV that landed, before vLLM computes with it
+                if rid in self.core.scheduler.requests:
+                    self.digests[rid] = self.digest(self.core.scheduler.kv_cache_manager.get_block_ids(rid)[0])
             if self.flip_armed and received:   # after the bytes landed, before vLLM computes with them
                 import torch
                 rid = sorted(received)[0]
@@ -95,12 +103,32 @@ class Server:
                 self.flip_armed = False
             return sent, received
 
+        def request_finished(request, block_ids):   # scheduler side (prefill): the KV it will send
+            held, params = real_request_finished(request, block_ids)
+            if held:
+                self.digests[request.request_id] = self.digest(block_ids)
+            return held, params
+
         def get_errors():
             got = real_errors()
             self.errors.extend(sorted(got))
             return got
 
         conn.get_finished, conn.get_block_ids_with_load_errors = get_finished, get_errors
+        sched.request_finished = request_finished
+
+    def digest(self, blocks) -> list[str]:
+        """Per block, a hash of its bytes in every layer (whole tiles: the CPU layout moves whole blocks)."""
+        import hashlib
+
+        import torch
+        out = []
+        for b in blocks:
+            h = hashlib.sha256()
+            for t in self.worker.kv.memory:
+                h.update(t[b].contiguous().view(torch.uint8).numpy().tobytes())
+            out.append(h.hexdigest()[:16])
+        return out
 
     def add(self, c) -> None:
         from vllm import SamplingParams
@@ -122,7 +150,7 @@ class Server:
                 self.paused = True
 
     def loads(self) -> list:
-        return [[rid, r.request_id, r.state.name] for rid, r in self.worker.receivers()]
+        return [[rid, r.request_id, r.state.name, r.granted] for rid, r in self.worker.receivers()]
 
     def handle(self, c, waits) -> bool:
         op = c["op"]
@@ -144,13 +172,15 @@ class Server:
         elif op == "hold":
             faults = self.worker.decode.transport.faults
             if c["on"]:
-                faults.hold_pending.update(r for _, r, _ in self.loads())
+                faults.hold_pending.update(x[1] for x in self.loads())
             else:
                 faults.hold_pending.clear()
             reply(held=sorted(faults.hold_pending))
         elif op == "flip":
             self.flip_armed = True
             reply(ok=True)
+        elif op == "digests":
+            reply(digests=self.digests)
         elif op == "errors":
             reply(errors=self.errors)
         elif op == "exit":
