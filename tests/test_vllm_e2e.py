@@ -169,6 +169,22 @@ def test_decode_aborts_mid_transfer_and_both_sides_get_their_blocks_back(pair, p
     assert pair.d.call("errors")["errors"] == []        # an abort is not a load error
 
 
+def test_prefill_tp1_to_decode_tp2(pair, plain):
+    """Heterogeneous TP end to end: a decode engine with TP 2 (two worker processes, each granting
+    its KV head of the two) loads from the TP 1 prefill engine."""
+    d2 = Engine(pair.model, "decode", pair.logs / "decode_tp2.log", extra=EXTRA, tp=2).ready()
+    try:
+        names = ["p37", "p90", "p5"]
+        params = pair.prefill(names)
+        for n in names:
+            d2.call("add", id=n, prompt=PROMPTS[n], max_tokens=MAX_TOKENS, params=params[n])
+        out = d2.call("wait", ids=names, timeout=120)["outputs"]
+    finally:
+        d2.close()
+    for n in names:   # TP 2 sums its attention heads' projections in another order: 1e-5, not bit-equal
+        assert_same(out[n], plain[n], n)
+
+
 def test_killed_prefill_is_a_load_error_then_a_restarted_one_serves(pair, plain):
     params = pair.prefill(["kill"], pause=True)         # the send never starts: decode's load waits
     pair.decode(params)

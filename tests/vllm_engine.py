@@ -1,6 +1,6 @@
 """One vLLM engine in a process of its own, driven line by line (run by the engine venv's python,
 never imported by pytest): ``python tests/vllm_engine.py serve --model DIR --role plain|prefill|decode
-[--extra JSON] [--block-size N]``, or ``python tests/vllm_engine.py model DIR`` to write the tiny
+[--extra JSON] [--block-size N] [--tp N]``, or ``python tests/vllm_engine.py model DIR`` to write the tiny
 seeded Llama the e2e tests use.
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), so the commands can
@@ -68,7 +68,8 @@ class Server:
         self.engine = LLMEngine.from_engine_args(EngineArgs(
             model=args.model, skip_tokenizer_init=True, enforce_eager=True, block_size=args.block_size,
             disable_hybrid_kv_cache_manager=True, max_model_len=512, max_num_seqs=8, dtype=DTYPE, seed=0,
-            kv_transfer_config=ktc))
+            kv_transfer_config=ktc, tensor_parallel_size=args.tp,
+            distributed_executor_backend="mp" if args.tp > 1 else None))
         self.core = self.engine.engine_core.engine_core     # in-process EngineCore
         self.outputs: dict[str, dict] = {}
         self.pause_after: set[str] = set()
@@ -77,7 +78,7 @@ class Server:
         self.flip_armed = False
         self.digests: dict[str, list[str]] = {}   # internal request id -> block hashes (sent / landed)
         self.worker = None
-        if ktc is not None:
+        if ktc is not None and args.tp == 1:   # TP > 1: the workers are processes of their own
             from vllm.distributed.kv_transfer import get_kv_transfer_group
             conn = get_kv_transfer_group()
             self.worker = conn.worker
@@ -220,6 +221,7 @@ def main() -> None:
     ap.add_argument("--role", default="plain", choices=["plain", "prefill", "decode"])
     ap.add_argument("--extra", default="{}")
     ap.add_argument("--block-size", type=int, default=32)
+    ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
     faulthandler.enable()   # a crash in native code prints every thread's Python stack to the log
     if args.what == "model":

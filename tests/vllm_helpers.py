@@ -46,11 +46,12 @@ def make_model(path: Path) -> Path:
 class Engine:
     """One engine process. ``call(op, **kw)`` sends a command and returns its reply (a dict)."""
 
-    def __init__(self, model: Path, role: str, log: Path, extra: dict | None = None, block_size: int = 32):
+    def __init__(self, model: Path, role: str, log: Path, extra: dict | None = None, block_size: int = 32,
+                 tp: int = 1):
         self.role, self.log_path = role, log
         self._log = open(log, "w")
         cmd = [engine_python(), str(SERVER), "serve", "--model", str(model), "--role", role,
-               "--block-size", str(block_size), "--extra", json.dumps(extra or {})]
+               "--block-size", str(block_size), "--tp", str(tp), "--extra", json.dumps(extra or {})]
         env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT / "tests"))
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, env=env, start_new_session=True, bufsize=1)
