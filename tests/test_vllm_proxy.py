@@ -12,7 +12,6 @@ from aiohttp import ClientSession, web
 
 from kvxfer.cli.proxy import make_app
 
-
 NAME = web.AppKey("name", str)
 
 
@@ -93,7 +92,7 @@ def test_prefill_then_decode_with_the_kv_transfer_params_and_the_stream_passed_b
     assert out["status"] == 200
     text = b"".join(out["stream"]).decode()
     assert '"hello"' in text and '" world"' in text and text.endswith("data: [DONE]\n\n")
-    (_, p0, pbody), (_, d0, dbody) = seen[0], seen[1]
+    (_, p0, pbody), (_, _, dbody) = seen[0], seen[1]
     assert pbody["max_tokens"] == 1 and pbody["stream"] is False and "stream_options" not in pbody
     assert pbody["kv_transfer_params"] == {"do_remote_decode": True} and pbody["prompt"] == [1, 2, 3]
     assert dbody["max_tokens"] == 16 and dbody["stream"] is True and dbody["stream_options"]
