@@ -47,6 +47,17 @@ def make_model(path: str) -> None:
                       initializer_range=0.2, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(cfg).to(getattr(torch, DTYPE))
     model.save_pretrained(path)
+    write_tokenizer(path, cfg.vocab_size)
+
+
+def write_tokenizer(path: str, vocab: int) -> None:
+    """A word-level tokenizer over the model's vocabulary ("w0" .. "w511", ids 0..511, split on
+    spaces), so a ``vllm serve`` of the model answers text prompts too."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", bos_token="w1", eos_token="w2").save_pretrained(path)
 
 
 def reply(**kw) -> None:

@@ -78,7 +78,7 @@ class KvxferScheduler:
     # -- decode --------------------------------------------------------------------------
     def matched(self, request, num_computed: int) -> tuple[int, bool]:
         """Tokens to load for ``request`` beyond ``num_computed`` (side-effect free)."""
-        if not self.settings.consumer or remote_prefill(request.kv_transfer_params) is None:
+        if not self.settings.consumer or self._where(request) is None:
             return 0, False
         count = len(request.prompt_token_ids or ()) - num_computed
         return (count, True) if count > 0 else (0, False)
@@ -86,11 +86,7 @@ class KvxferScheduler:
     def allocated(self, request, block_ids: Iterable[int], num_external: int) -> None:
         """vLLM allocated ``block_ids`` for ``request``, ``num_external`` tokens of them to load."""
         params = request.kv_transfer_params
-        try:
-            where = remote_prefill(params) if self.settings.consumer else None
-        except ValueError as e:
-            log.warning("request %s: %s", request.request_id, e)
-            where = None
+        where = self._where(request) if self.settings.consumer else None
         if where is None:
             return
         params[DO_REMOTE_PREFILL] = False    # asked once: a second allocation must not ask again
@@ -100,6 +96,16 @@ class KvxferScheduler:
         room, instance, bootstrap = where
         self._recv[request.request_id] = Recv(request.request_id, room, instance, bootstrap, tuple(block_ids), n,
                                               n - num_external)
+
+    @staticmethod
+    def _where(request) -> tuple[str, str, str] | None:
+        """The request's kvxfer prefill, or None; malformed params (a client's or a peer's) are
+        logged and the request is computed here, never an exception in vLLM's scheduler."""
+        try:
+            return remote_prefill(request.kv_transfer_params)
+        except ValueError as e:
+            log.warning("request %s: %s; computing it here", request.request_id, e)
+            return None
 
     # -- prefill -------------------------------------------------------------------------
     def finished(self, request, block_ids: Iterable[int]) -> tuple[bool, dict | None]:
