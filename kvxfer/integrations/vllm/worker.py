@@ -125,7 +125,8 @@ class KvxferWorker:
         for rid in plan.abort_recv:
             with self._lock:
                 r = self._recvs.get(rid)
-                self._aborted.add(rid)
+                if r is not None:   # else it was released already (and reported)
+                    self._aborted.add(rid)
             if r is not None:
                 r.abort("the request was aborted in vLLM")
         for recv in plan.recv:
