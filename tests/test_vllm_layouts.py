@@ -13,12 +13,15 @@ import numpy as np
 import pytest
 import torch
 
+from kvxfer.control.compat import check_pair, layout_record
+from kvxfer.control.records import RankInfo
 from kvxfer.copy import execute_plan
 from kvxfer.errors import LayoutError, PlanError
 from kvxfer.integrations.vllm.layouts import cpu_kv, flash_kv, layer_index, mla_kv, paged_kv
 from kvxfer.layout import mla_layout, page_major_layout, token_major_layout
 from kvxfer.memory import EnginePool
 from kvxfer.plan import HeadSlice, plan_transfer
+from kvxfer.ranks import RankSpec
 
 L, H, D = 2, 4, 32            # layers, KV heads (prefill TP 1), head size
 NAMES = [f"model.layers.{i}.self_attn.attn" for i in range(L)]
@@ -137,6 +140,15 @@ def test_cpu_tiles_move_whole_blocks_per_head_and_refuse_another_block_size():
     for far in (other, amx):
         with pytest.raises(PlanError):
             plan_transfer(src.layout, np.array([1]), far.layout, np.array([1]))
+    # ... and the handshake refuses the pair in words, naming both
+    p_info = RankInfo(spec=RankSpec(role="prefill", num_kv_heads=H, num_layers=L), layout=layout_record(src.layout))
+    for far, theirs in ((other, "kv_cpu_vec_block64"), (amx, "kv_cpu_amx_block32")):
+        d_info = RankInfo(spec=RankSpec(role="decode", num_kv_heads=H, num_layers=L), layout=layout_record(far.layout))
+        assert check_pair(p_info, d_info) == ["parts: P sends kv_cpu_vec_block32 that D's layout lacks",
+                                              f"parts: D expects {theirs} that P does not produce"]
+    tp2 = RankInfo(spec=RankSpec(role="decode", num_kv_heads=H, num_layers=L, tp_size=2),
+                   layout=layout_record(dst.layout))
+    assert check_pair(p_info, tp2) == []
 
 
 def test_mla_latents_move_to_another_page_size():

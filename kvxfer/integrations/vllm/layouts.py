@@ -308,7 +308,7 @@ def cpu_kv(kv_caches: Mapping[str, torch.Tensor], *, head_size: int, packing: st
         tile = n * 2 * head_size * es
         return _Cells(num_blocks=t.shape[0], block_size=n, page_slots=1, heads=t.shape[1],
                       page_stride=t.stride(0) * es, token_stride=t.stride(0) * es, head_stride=t.stride(1) * es,
-                      pieces=((f"kv_cpu_{packing}_{n}", 0, tile),))
+                      pieces=((f"kv_cpu_{packing}_block{n}", 0, tile),))
 
     return _build(f"vllm_cpu_{packing}", kv_caches, cells, layer_ids, True)
 
