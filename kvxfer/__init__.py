@@ -6,11 +6,13 @@ from .allocator import PageAllocator
 from .copy import execute_plan
 from .errors import (
     CompatibilityError,
+    ConfigError,
     ConnectError,
     KVXferError,
     LayoutError,
     PeerError,
     PlanError,
+    ProtocolError,
     RejectedWrite,
     RequestError,
     TransferTimeout,
@@ -30,6 +32,7 @@ from .layout import (
     state_layout,
     token_major_layout,
 )
+from .memory import EnginePool, RawMemory
 from .plan import WHOLE, HeadSlice, Planner, TransferPlan, plan_transfer
 from .pools import HybridSWAPool, KVPool, MHAPool, MLAPool, StatePool
 from .topology import heads_held, sources_for_decode_rank, targets_for_prefill_rank
@@ -39,20 +42,20 @@ from .transport.registry import available_transports, get_transport
 __all__ = [
     # errors
     "KVXferError", "LayoutError", "PlanError", "CompatibilityError", "TransportError", "ConnectError",
-    "TransferTimeout", "PeerError", "RejectedWrite", "RequestError",
+    "TransferTimeout", "PeerError", "RejectedWrite", "RequestError", "ConfigError", "ProtocolError",
     # layouts
     "Layout", "Part", "Region", "Space", "token_major_layout", "hnd_layout", "page_major_layout",
     "mla_layout", "state_layout", "hybrid_swa_layout", "host_layout",
     # planning
     "HeadSlice", "WHOLE", "Planner", "plan_transfer", "TransferPlan", "ByteRanges", "execute_plan",
     # pools
-    "KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator",
+    "KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator", "EnginePool", "RawMemory",
     # transports
     "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
     # control plane and offload (loaded on first use: they bring pyzmq and aiohttp)
     "heads_held", "sources_for_decode_rank", "targets_for_prefill_rank",
     "RankSpec", "RankInfo", "BootstrapConfig", "BootstrapServer", "BootstrapClient",
-    "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
+    "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer", "AuxRows",
     "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll", "Outcome", "LocalGroup",
     "HostPool", "DecodeOffloadManager",
 ]
@@ -60,6 +63,7 @@ __all__ = [
 _LAZY = {
     "RankSpec": "ranks", "BootstrapServer": "control.bootstrap", "BootstrapClient": "control.client",
     "KVPoll": "endpoint", "Timeouts": "endpoint", "AuxRecord": "endpoint", "AuxBuffer": "endpoint",
+    "AuxRows": "endpoint",
     "reduce_poll": "endpoint", "Outcome": "endpoint", "LocalGroup": "endpoint", "PrefillEndpoint": "endpoint",
     "KVSender": "endpoint", "BootstrapConfig": "control.bootstrap", "RankInfo": "control.records",
     "DecodeEndpoint": "endpoint", "KVReceiver": "endpoint", "HostPool": "host", "DecodeOffloadManager": "offload",

@@ -4,6 +4,10 @@
     ├── LayoutError          a layout or pool was described or used wrongly   (also a ValueError)
     ├── PlanError            two layouts / slot sets / head slices cannot be planned (also a ValueError)
     ├── CompatibilityError   a P/D pair refused at launch, with every mismatch in words
+    ├── ConfigError          an option or setting is invalid; names it, its value, what is allowed (also a ValueError)
+    ├── ProtocolError        a peer's message or record failed its checks (also a ValueError)
+    │   ├── WireError        a control message: carries its fixed ``Drop`` reason (kvxfer.control.messages)
+    │   └── RegistryError    a registry request: carries its HTTP status (kvxfer.control.registry)
     ├── TransportError
     │   ├── ConnectError     a peer could not be reached or registered
     │   ├── TransferTimeout  a transfer passed its deadline
@@ -33,6 +37,16 @@ class CompatibilityError(KVXferError):
     def __init__(self, mismatches: list[str]):
         self.mismatches = list(mismatches)
         super().__init__("incompatible peers:\n  - " + "\n  - ".join(self.mismatches))
+
+
+class ConfigError(KVXferError, ValueError):
+    """An option or setting is invalid (a transport's options, say); the message names the option,
+    the value given and what is allowed. Raised where the options are built, before anything starts."""
+
+
+class ProtocolError(KVXferError, ValueError):
+    """Something a peer sent (a message, a record, a registry request) failed its checks; the message
+    names the field. Never escapes a thread that reads peers: it is counted and dropped or refused."""
 
 
 class TransportError(KVXferError):

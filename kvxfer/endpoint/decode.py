@@ -30,7 +30,6 @@ slots and releases them on the tick after that ends.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
 import logging
 import secrets
@@ -41,32 +40,25 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
+from ..control.addresses import check_reachable
 from ..control.channel import ControlChannel
-from ..control.client import BootstrapClient
-from ..control.compat import aux_format, aux_mismatch, require_compatible
-from ..control.handshake import hello
+from ..control.compat import aux_format, aux_mismatch
 from ..control.messages import CAP_BYTES, Abort, Ack, Done, Fin, Message, Nack, Req, Room, cut
 from ..control.records import RankInfo
 from ..control.wire import ChunkMeta
-from ..errors import CompatibilityError, ConnectError, RequestError
-from ..grant import ByteRanges
+from ..errors import ConfigError, ConnectError, RequestError
 from ..layout import STATE, SWA
 from ..metrics import record_request_end
-from ..plan import Planner
 from ..pools import KVPool
 from ..ranks import RankSpec
 from ..transport.base import Arrival, Transport
 from .aux import AUX_BYTES, AuxRows
-from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
-from .instances import Groups, Phase, PrefillInstance, check_one_instance, find_ranks, plan_groups
-from .receiver import KVReceiver, Pending, ReceiverHost, chunk_problem
-from .recovery import REJOIN_HELLO, PeerRecovery
+from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts
+from .instances import Phase, PrefillInstance
+from .prefill_links import PrefillLinks
+from .receiver import KVReceiver, Pending, ReceiverHost, chunk_problem, grant_ranges, waited_for, window_slots
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
-
-MAX_INSTANCES = 1024     # setting: prefill instances one decode endpoint keeps
-HELLO_FANOUT = 16        # HELLOs one instance's handshake has in flight at once
-RETRY_FAILED = 1.0       # seconds before a request may try an instance whose handshake failed again
 
 
 class DecodeEndpoint(ReceiverHost):
@@ -83,25 +75,16 @@ class DecodeEndpoint(ReceiverHost):
         ``bootstrap``: the registry URL of the prefill instances requests name by ``instance`` alone;
         ``clock``: seconds, for deadlines (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "decode":
-            raise ValueError(f"DecodeEndpoint needs a decode RankSpec, got role {spec.role!r}")
+            raise ConfigError(f"DecodeEndpoint needs a decode RankSpec, got role {spec.role!r}")
         if aux is not None and isinstance(aux, AuxRows) and aux_bytes != AUX_BYTES and aux.record_bytes != aux_bytes:
-            raise ValueError(f"aux buffer rows are {aux.record_bytes} bytes but aux_bytes is {aux_bytes}")
+            raise ConfigError(f"aux buffer rows are {aux.record_bytes} bytes but aux_bytes is {aux_bytes}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
                          timeouts=timeouts, secret=secret, aux=aux, aux_bytes=aux_bytes, clock=clock)
-        self.bootstrap = bootstrap
+        self.links = PrefillLinks(self, bootstrap)
         # generations start at a random point: a peer cannot guess the next request id
         self._gens = itertools.count(secrets.randbelow(1 << 30))
         self._recvs: dict[str, KVReceiver] = {}            # request_id -> live receiver
         self._landing: list[KVReceiver] = []               # ended; puts may still land in their slots
-        self._instances: dict[tuple[str, str], PrefillInstance] = {}   # (registry, name as asked) -> instance
-        self._named: dict[str, PrefillInstance] = {}       # instance name -> instance
-        self._default: PrefillInstance | None = None
-        self._grant_planners: dict[str, list[tuple[tuple[int, int], Planner]]] = {}   # key -> (source, planner)
-        self._known: dict[str, RankInfo] = {}              # prefill key -> the record we handshook with
-        self._lost: dict[str, str] = {}                    # prefill key -> why it is lost (no HELLO since)
-        self._connects = concurrent.futures.ThreadPoolExecutor(max_workers=4,
-                                                               thread_name_prefix="kvxfer-decode-connect")
-        self.recovery: PeerRecovery | None = None
         self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="decode-ctl",
                                       identity=f"{spec.key}/{uuid.uuid4().hex[:12]}", on_dead=self.on_dead)
         self._arrivals: threading.Thread | None = None
@@ -109,7 +92,7 @@ class DecodeEndpoint(ReceiverHost):
             self._arrivals = threading.Thread(target=self._arrivals_loop, name="kvxfer-decode-arrivals", daemon=True)
             self._arrivals.start()
 
-    # -- prefill instances ---------------------------------------------------------------------
+    # -- prefill instances and ranks (``PrefillLinks`` owns them) -------------------------------
     def connect(self, *, bootstrap: str | None = None, peers: Sequence[RankInfo] | None = None,
                 instance: str | None = None, timeout: float = 60.0) -> None:
         """Optional, blocking, at most ``timeout`` real seconds: handshake now with every prefill rank
@@ -118,225 +101,60 @@ class DecodeEndpoint(ReceiverHost):
         its name; required when several are registered (ConnectError lists them). Raises
         CompatibilityError (every mismatch, in words) or ConnectError."""
         if not timeout > 0:
-            raise ValueError(f"connect timeout must be > 0 seconds, got {timeout}")
+            raise ConfigError(f"connect timeout must be > 0 seconds, got {timeout}")
         self.check_usable()
-        deadline = time.monotonic() + timeout
-        url = bootstrap or self.bootstrap
+        url = bootstrap or self.links.bootstrap
         if peers is None and url is None:
-            raise ValueError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
+            raise ConfigError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
         if peers is None:
             check_reachable(self.info, url)
-        else:   # records: the instance is named by them
-            instance = instance or check_one_instance([p for p in peers if p.spec.role == "prefill"])
-        with self._lock:
-            inst = self._instance(url if peers is None else "", instance, connect=False)
-            ready = inst.phase == Phase.READY
-        if not ready:
-            self._connect_instance(inst, deadline, peers)
-        with self._lock:
-            self._default = inst
+        self.links.connect(url, peers, instance, time.monotonic() + timeout)
 
     @property
     def instances(self) -> dict[str, str]:
         """Any thread: every prefill instance requests named, and where its handshake stands."""
         with self._lock:
-            return {inst.name or f"? at {inst.ref[0]}": inst.phase.value for inst in self._instances.values()}
+            return self.links.phases()
 
-    def _instance(self, url: str | None, name: str | None, connect: bool = True) -> PrefillInstance:
-        """Under the lock: the instance a request names (made, and its handshake started, the first
-        time; a failed one is tried again after ``RETRY_FAILED`` s)."""
-        if url is None and name is not None and name in self._named:
-            return self._retry(self._named[name]) if connect else self._named[name]
-        if url is None and name is None:
-            if self._default is None:
-                raise ConnectError("the request names no prefill instance: pass instance= / bootstrap=, or call "
-                                   "connect() first to set a default")
-            return self._retry(self._default) if connect else self._default
-        url = url if url is not None else self.bootstrap
-        if url is None:
-            raise ConnectError(f"prefill instance {name!r} is unknown here and the endpoint has no registry: pass "
-                               f"bootstrap= (its registry URL)")
-        ref = (url, name or "")
-        inst = self._instances.get(ref)
-        if inst is None:
-            if len(self._instances) >= MAX_INSTANCES:
-                raise ConnectError(f"this decode endpoint already knows {MAX_INSTANCES} prefill instances")
-            inst = PrefillInstance(ref, BootstrapClient(url, self.secret, timeout=5.0) if url else None)
-            self._instances[ref] = inst
-            if connect:
-                self._start_connect(inst)
-            return inst
-        return self._retry(inst) if connect else inst
-
-    def _retry(self, inst: PrefillInstance) -> PrefillInstance:
-        if inst.phase == Phase.FAILED and time.monotonic() - inst.failed_at > RETRY_FAILED and inst.client:
-            inst.phase, inst.error = Phase.CONNECTING, ""
-            self._start_connect(inst)
-        return inst
-
-    def _start_connect(self, inst: PrefillInstance) -> None:
-        if self._closed:
-            return
-        deadline = time.monotonic() + min(self.timeouts.bootstrap, 60.0)
-        self._connects.submit(self._connect_job, inst, deadline)
-
-    def _connect_job(self, inst: PrefillInstance, deadline: float) -> None:
-        """Connect thread: one instance's handshake; the requests that waited for it go on or fail."""
-        try:
-            self._connect_instance(inst, deadline, None)
-        except (ConnectError, CompatibilityError, ValueError) as e:
-            log.info("prefill instance %s: handshake failed: %s", inst, e)
-        except Exception as e:   # a bug: the waiting requests fail loudly, the thread lives
-            log.exception("prefill instance %s: handshake failed", inst)
-            self._instance_failed(inst, f"handshake failed: {e!r}")
-
-    def _connect_instance(self, inst: PrefillInstance, deadline: float, peers: Sequence[RankInfo] | None) -> None:
-        """Blocking: read the registry (or ``peers``), check the pair, HELLO every rank this rank needs
-        (in parallel), then mark the instance READY and resume its waiting requests. Raises
-        (ConnectError, CompatibilityError) after failing the instance with the reason."""
-        try:
-            if peers is not None:
-                ranks = [p for p in peers if p.spec.role == "prefill" and inst.name in (None, p.spec.instance)]
-                name = inst.name or check_one_instance(ranks)
-            else:
-                name, ranks = find_ranks(inst.client, inst.name, deadline)
-            with self._lock:
-                other = self._named.get(name)
-                if other is not None and other is not inst:
-                    raise ConnectError(f"prefill instance {name!r} at {inst.ref[0] or 'records'} has the name of the "
-                                       f"instance at {other.ref[0] or 'records'}: give each prefill instance its own "
-                                       f"name (RankSpec.instance)")
-                inst.name = name
-                self._named[name] = inst
-            me = self.info
-            groups, records = plan_groups(ranks, me, self.transport.name)
-            self._hello_all(groups, records, me, deadline)
-        except (ConnectError, CompatibilityError, ValueError) as e:
-            self._instance_failed(inst, str(e))
-            raise
-        with self.guard() as later:
-            inst.groups, inst.phase, inst.error = groups, Phase.READY, ""
-            waiting, inst.waiting = inst.waiting, []
-            for r, dp in waiting:
-                self._resume(r, dp, later)
-        if self.recovery is None:
-            retry = max(1.0, 2 * self.timeouts.heartbeat.interval)
-            self.recovery = PeerRecovery(self, self.timeouts.registry, retry).start()
-
-    def _hello_all(self, groups: Groups, records: dict[str, RankInfo], me: RankInfo, deadline: float) -> None:
-        """HELLO every rank of ``records`` at once (at most ``HELLO_FANOUT`` in flight), then keep what
-        each answered. The first refusal raises (CompatibilityError before ConnectError)."""
-        dl = self.layout
-
-        def one(key: str) -> None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ConnectError(f"connect timed out before the handshake with {key}")
-            self.channel.connect(key, records[key].control)
-            hello(self.channel, key, me, min(self.timeouts.handshake, left), self._tokens(records[key]))
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(HELLO_FANOUT, max(len(records), 1)),
-                                                   thread_name_prefix="kvxfer-decode-hello") as pool:
-            done = {key: pool.submit(one, key) for key in records}
-        errors = [f.exception() for f in done.values() if f.exception() is not None]
-        if errors:
-            raise next((e for e in errors if isinstance(e, CompatibilityError)), errors[0])
-        with self._lock:
-            for group in groups.values():
-                for key, sources in group.items():
-                    planners = [((s.p_tp_rank, s.p_pp_rank),
-                                 self._planner(dl, dl, s.dst_heads, s.dst_heads, s.layers, kinds))
-                                for s in sources for kinds in (self.kv_kinds, self.state_kinds)]
-                    self._grant_planners[key] = [(src, p) for src, p in planners if p is not None]
-                    self._known[key] = records[key]
-                    self._lost.pop(key, None)
-
-    def _tokens(self, info: RankInfo) -> dict[str, bytes]:
-        """The admission token our transport gives the prefill rank of ``info`` (``Transport.admit``)."""
-        desc = info.data.get(self.transport.name)
-        if desc is None:
-            return {}
-        with self._xport_lock:
-            token = self.transport.admit(dict(desc))
-        return {self.transport.name: token} if token else {}
-
-    def _instance_failed(self, inst: PrefillInstance, why: str) -> None:
-        with self.guard() as later:
-            inst.phase, inst.error, inst.failed_at = Phase.FAILED, why, time.monotonic()
-            waiting, inst.waiting = inst.waiting, []
-            for r, _ in waiting:
-                self.end_request(r, Outcome.Failed, f"prefill instance {inst.name or inst.ref[0]}: {why}", later,
-                                 tell=())
-
-    # -- lost and replaced prefill ranks (recovery thread) -------------------------------------
-    def registries(self) -> dict[str, BootstrapClient | None]:
-        """Recovery thread: every ready instance and its registry (None: connected from records)."""
-        with self._lock:
-            return {inst.name: inst.client for inst in self._instances.values()
-                    if inst.phase == Phase.READY and inst.name}
-
-    def known_peers(self) -> dict[str, RankInfo]:
-        """Recovery thread: the prefill ranks handshook with, and the record each HELLO went to."""
-        with self._lock:
-            return dict(self._known)
+    @property
+    def recovery(self):
+        return self.links.recovery
 
     @property
     def lost_peers(self) -> dict[str, str]:
         """Prefill ranks lost (silent, replaced and not handshaken yet), with why. Any thread."""
-        with self._lock:
-            return dict(self._lost)
+        return self.links.lost_peers
 
-    def _mark_lost(self, key: str, why: str, later) -> None:
-        """Under the lock: ``key`` is lost; its running requests fail; the recovery thread looks."""
-        self._lost[key] = why
+    def instance_ready(self, inst: PrefillInstance, later) -> None:
+        """``PrefillLinks``, under the lock: ``inst`` answered; the requests that waited for it go on."""
+        waiting, inst.waiting = inst.waiting, []
+        for r, dp in waiting:
+            self._resume(r, dp, later)
+
+    def instance_failed(self, inst: PrefillInstance, why: str, later) -> None:
+        """``PrefillLinks``, under the lock: ``inst``'s handshake failed; its waiting requests fail."""
+        waiting, inst.waiting = inst.waiting, []
+        for r, _ in waiting:
+            self.end_request(r, Outcome.Failed, f"prefill instance {inst.name or inst.ref[0]}: {why}", later, tell=())
+
+    def rank_lost(self, key: str, why: str, later) -> None:
+        """``PrefillLinks``, under the lock: prefill rank ``key`` is lost; its granted requests fail
+        (a request not granted yet waits for the rank's new handshake)."""
         for r in [r for r in self._recvs.values() if key in r.contacts and r.granted]:
-            self.end_request(r, Outcome.Failed, f"prefill rank {key} lost: {why}", later, tell=set(r.contacts) - {key})
-        if self.recovery is not None:
-            later.append(self.recovery.poke)
+            self.end_request(r, Outcome.Failed, f"prefill rank {key} lost: {why}", later,
+                             tell=set(r.contacts) - {key})
 
-    def rejoin(self, key: str, info: RankInfo, *, replaced: bool) -> bool:
-        """Recovery thread, blocking (one HELLO, at most ``REJOIN_HELLO`` s): handshake again with
-        prefill rank ``key`` at ``info.control``. ``replaced``: the registry holds a new record for
-        it (a restarted rank), so what ran with the old one fails now. True once it answered;
-        False (it stays lost, with the reason) otherwise. Requests that waited for it go on, or
-        fail with the reason. Never raises."""
-        with self.guard() as later:
-            old = self._known.get(key)
-            if old is None or self._closed or self.broken is not None:
-                return False
-            if replaced:
-                self._mark_lost(key, f"was replaced by a new registration (control {info.control})", later)
-        if old.spec != info.spec:
-            why = (f"re-registered with another shape ({info.spec} instead of {old.spec}): restart this decode rank "
-                   f"to pull from it")
-        else:
-            try:
-                require_compatible([(info, self.info)], self.transport.name)
-                self.channel.forget(key)            # a new connection: its replay state, a fresh HELLO
-                self.channel.connect(key, info.control)
-                hello(self.channel, key, self.info, min(self.timeouts.handshake, REJOIN_HELLO), self._tokens(info))
-                why = ""
-            except (ConnectError, CompatibilityError, ValueError) as e:
-                why = f"a new handshake with {info.control} failed: {e}"
-        with self.guard() as later:
-            waiting = [r for r in self._recvs.values() if r.pending is not None and key in r.contacts]
-            if not why:
-                self._known[key] = info
-                if self._lost.pop(key, None) is not None:
-                    log.info("prefill rank %s is back at %s: handshake done", key, info.control)
-                for r in waiting:
-                    if not set(r.contacts) & set(self._lost):
-                        self._grant_pending(r, later)
-                return True
-            if key not in self._lost:
-                self._mark_lost(key, why, later)
-            else:
-                self._lost[key] = why
-            for r in waiting:
+    def rank_rejoined(self, key: str, why: str, read_at: float, later) -> None:
+        """``PrefillLinks``, under the lock: a new handshake with ``key`` answered (``why`` empty) or
+        failed; requests that waited for it are granted now, or (those that waited since before the
+        registry read it followed) fail with the reason."""
+        lost = self.links.lost
+        for r in [r for r in self._recvs.values() if r.pending is not None and key in r.contacts]:
+            if why and r.pending.since < read_at:
                 self.end_request(r, Outcome.Failed, f"prefill rank {key} is lost: {why}", later,
-                                 tell=set(r.contacts) - set(self._lost))
-            log.info("prefill rank %s is lost: %s", key, why)
-            return False
+                                 tell=set(r.contacts) - set(lost))
+            elif not why and not set(r.contacts) & set(lost):
+                self._grant_pending(r, later)
 
     # -- per request ------------------------------------------------------------------------
     def receiver(self, room: Room, *, instance: str | None = None, bootstrap: str | None = None, p_dp_rank: int = 0,
@@ -350,7 +168,7 @@ class DecodeEndpoint(ReceiverHost):
         them for decoding), on any other outcome free them there."""
         self.check_usable()
         with self.guard() as later:
-            inst = self._instance(bootstrap, instance)
+            inst = self.links.instance(bootstrap, instance)
             if inst.phase == Phase.READY and p_dp_rank not in inst.groups:
                 raise ConnectError(f"prefill instance {inst.name} has no DP group {p_dp_rank} "
                                    f"(it has {sorted(inst.groups)})")
@@ -381,48 +199,15 @@ class DecodeEndpoint(ReceiverHost):
         """Under the lock: the transport ids of the prefill ranks ``r`` asks (their registry
         records' descriptors), so the transport tells only them of the grant; None when one is
         not known (every peer is told)."""
-        ids = [(self._known[k].data.get(self.transport.name) or {}).get("id") if k in self._known else None
-               for k in r.contacts]
+        known = self.links.known
+        ids = [(known[k].data.get(self.transport.name) or {}).get("id") if k in known else None for k in r.contacts]
         return frozenset(ids) if all(type(i) is str for i in ids) else None
-
-    def _grant(self, r: KVReceiver, kv: np.ndarray, st: np.ndarray,
-               swa: np.ndarray) -> tuple[ByteRanges, dict[tuple[int, int], int]]:
-        """Exactly the bytes r's sources will write: each source's heads and layers at the slots
-        (``swa``: the window slots of the sliding-window layers that will be sent); and how many
-        bytes each source of r writes (0 for a source with nothing to send)."""
-        slots = {self.token_space: kv, STATE: st, SWA: swa}
-        cols: list[list[np.ndarray]] = [[], [], []]
-        expected = dict.fromkeys(r.progress, 0)
-        for key in r.contacts:
-            for src, pl in self._grant_planners[key]:
-                mine = {k: v for k, v in slots.items() if k in {a for a, _ in pl.spaces}}
-                runs = pl.plan(mine, mine).runs()
-                for c, a in zip(cols, (runs.dst_region, runs.dst_offset, runs.nbytes)):
-                    c.append(a)
-                expected[src] = expected.get(src, 0) + int(runs.nbytes.sum(dtype=np.int64))
-        return ByteRanges(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols)), expected
-
-    def _window_slots(self, kv: np.ndarray, swa_slots) -> np.ndarray:
-        """The checked window slots of a hybrid pool's request; empty for any other pool."""
-        if not self.swa_window:
-            if swa_slots is not None:
-                raise RequestError("swa_slots given, but this endpoint's pool has no sliding-window layers")
-            return np.zeros(0, np.int64)
-        if swa_slots is None:
-            raise RequestError(f"this pool has sliding-window layers: pass swa_slots, the {SWA!r} slots of the "
-                               f"last 1..{self.swa_window} tokens (the window decode keeps)")
-        swa = self.layout.check_slots(SWA, np.asarray(swa_slots), "swa_slots", distinct=True)
-        most = min(self.swa_window, len(kv))
-        if not 1 <= len(swa) <= most:
-            raise RequestError(f"swa_slots has {len(swa)} slot(s) but must cover the last 1..{most} tokens "
-                               f"(sliding window {self.swa_window}, request of {len(kv)} tokens)")
-        return swa
 
     def init_request(self, r: KVReceiver, kv_slots, prefix_len: int, state_slots, aux_slot, swa_slots=None) -> None:
         """The body of ``KVReceiver.init`` (call that): check, then grant and ask prefill now, or once
         the request's instance (or a lost rank of it) answered a handshake."""
         kv = self.layout.check_slots(self.token_space, np.asarray(kv_slots), "kv_slots", distinct=True)
-        swa = self._window_slots(kv, swa_slots)
+        swa = window_slots(self.layout, self.swa_window, kv, swa_slots)
         st = np.zeros(0, np.int64) if state_slots is None else \
             self.layout.check_slots(STATE, np.asarray(state_slots), "state_slots", distinct=True)
         if not 0 <= prefix_len < len(kv):
@@ -438,10 +223,10 @@ class DecodeEndpoint(ReceiverHost):
             if r.granted or r.pending is not None:
                 raise RequestError(f"room {r.room}: init() on a request that is already initialised")
             r.pending = Pending(kv, prefix_len, st, aux_slot, swa)
-            lost = [k for k in r.contacts if k in self._lost]
+            lost = [k for k in r.contacts if k in self.links.lost]
             if not r.bound or lost:   # its instance is handshaking, or a rank of it lost: wait
-                if lost and self.recovery is not None:
-                    later.append(self.recovery.poke)   # the recovery thread looks now (rate-bounded)
+                if lost:
+                    self.links.poke(later)   # the recovery thread looks now
                 return
             self._grant_pending(r, later)
 
@@ -453,19 +238,20 @@ class DecodeEndpoint(ReceiverHost):
         kv, prefix_len, st, aux_slot, swa = p.kv, p.prefix, p.state, p.aux_slot, p.swa_slots
         if aux_slot is not None and r.aux_from is not None:
             key = r.peer_of[r.aux_from]
-            why = aux_mismatch(key, aux_format(self._known[key]), self.spec.key, self.aux_format)
+            why = aux_mismatch(key, aux_format(self.links.known[key]), self.spec.key, self.aux_format)
             if why:
                 self.end_request(r, Outcome.Failed, why, later, tell=())
                 return
         # window token i is request token len(kv) - len(swa) + i; those in the prefix stay as they are
-        ranges, expected = self._grant(r, kv[prefix_len:], st, swa[max(prefix_len - (len(kv) - len(swa)), 0):])
+        slots = {self.token_space: kv[prefix_len:], STATE: st, SWA: swa[max(prefix_len - (len(kv) - len(swa)), 0):]}
+        ranges, expected = grant_ranges(r, self.links.planners, slots)
         for src, prog in r.progress.items():   # complete only when exactly these bytes landed
             prog.expected = expected.get(src, 0)
         # before the grant: a stale row from an earlier request never shows
         if aux_slot is not None and self.aux_rows is not None:
             self.aux_rows.clear(aux_slot)
         cap = secrets.token_bytes(CAP_BYTES)   # only the prefill ranks this request asks can complete it
-        with self._xport_lock:
+        with self.xport_lock:
             self.transport.expect(r.request_id, ranges, capability=cap, senders=self._senders(r))
         r.granted, r.aux_slot = True, aux_slot
         kv_raw, st_raw = kv.astype("<i8").tobytes(), st.astype("<i8").tobytes()
@@ -541,7 +327,7 @@ class DecodeEndpoint(ReceiverHost):
             try:
                 meta = ChunkMeta.unpack(a.notify)
                 if f"{meta.room}.{meta.gen}" != r.request_id:
-                    raise ValueError(f"it names request {meta.room}.{meta.gen}, arrived as {r.request_id}")
+                    raise ConfigError(f"it names request {meta.room}.{meta.gen}, arrived as {r.request_id}")
             except ValueError as e:
                 self.end_request(r, Outcome.Failed, f"chunk metadata: {e}", later)
                 return
@@ -587,8 +373,8 @@ class DecodeEndpoint(ReceiverHost):
 
     def on_peer_lost(self, peer: str, why: str) -> None:
         with self.guard() as later:
-            if peer in self._known:
-                self._mark_lost(peer, why, later)
+            if peer in self.links.known:
+                self.links.mark_lost(peer, why, later)
 
     def _tick(self, now: float, later) -> float:
         if self._landing:
@@ -600,24 +386,9 @@ class DecodeEndpoint(ReceiverHost):
                     later.append(r.run_release)
             self._landing = held
         for r in [r for r in self._recvs.values() if now > r.deadline]:
-            self.end_request(r, Outcome.TimedOut, f"timed out in {r.state.name}: {self._waited_for(r)}", later)
+            what = waited_for(r, self.timeouts, self.links.lost)
+            self.end_request(r, Outcome.TimedOut, f"timed out in {r.state.name}: {what}", later)
         return 0.05
-
-    def _waited_for(self, r: KVReceiver) -> str:
-        """What a request past its deadline waited for, in words (under the lock)."""
-        if r.state == KVPoll.Bootstrapping:
-            if not r.bound:
-                what = f"prefill instance {r.instance.name or r.instance.ref[0]} did not answer its handshake"
-            elif r.pending is not None:
-                what = "lost prefill rank(s) " + ", ".join(k for k in r.contacts if k in self._lost) + " did not return"
-            elif not r.granted:
-                what = "init() was not called"
-            else:
-                what = "no acknowledgement from " + ", ".join(sorted(set(r.contacts) - r.acked))
-            return f"{what} within {self.timeouts.bootstrap}s"
-        if r.state == KVPoll.WaitingForInput:
-            return f"no chunk arrived within {self.timeouts.waiting}s"
-        return f"the transfer made no progress within {self.timeouts.transfer}s"
 
     def _live(self) -> list[KVReceiver]:
         return list(self._recvs.values())
@@ -630,7 +401,7 @@ class DecodeEndpoint(ReceiverHost):
         self._recvs.pop(r.request_id, None)
         r.pending = None
         if r.granted:
-            with self._xport_lock:
+            with self.xport_lock:
                 self.transport.forget(r.request_id)
         r.mark_ended(outcome, reason)   # after forget: once the scheduler sees the end, nothing more lands
         msg: Message
@@ -642,8 +413,8 @@ class DecodeEndpoint(ReceiverHost):
             tell = r.contacts if tell is None else tell
         for key in tell:
             self.channel.send(key, msg, urgent=urgent)
-        if outcome in (Outcome.Failed, Outcome.TimedOut) and self.recovery is not None:
-            later.append(self.recovery.poke)   # a replaced prefill rank shows in the registry: look (rate-bounded)
+        if outcome in (Outcome.Failed, Outcome.TimedOut):
+            self.links.poke(later)   # a replaced prefill rank shows in the registry: look (rate-bounded)
         nbytes = sum(p.nbytes for p in r.progress.values())
         later.append(lambda: record_request_end(self.role, r.room, outcome, reason, peers=",".join(r.contacts),
                                                 nbytes=nbytes, seconds=r.ended_at - r.created))
@@ -657,9 +428,9 @@ class DecodeEndpoint(ReceiverHost):
         self._landing = []
 
     def close(self) -> None:
-        if self.recovery is not None:   # first: it uses the channel
-            self.recovery.stop()
-        self._connects.shutdown(wait=False, cancel_futures=True)
+        self.links.close()   # first: its threads use the channel
+        if not self._closed and self.broken is None:
+            self.links.bye()
         super().close()
         if self._arrivals is not None:
             self._arrivals.join(1.0)

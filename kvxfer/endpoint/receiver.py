@@ -6,23 +6,45 @@ endpoint (``kvxfer.endpoint.decode``) holds its lock around every call here.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
 from ..control.messages import Room
 from ..control.wire import ChunkMeta
+from ..errors import RequestError
+from ..grant import ByteRanges
+from ..layout import SWA, Layout
 from ..topology import aux_source
-from .base import EndpointBase, Outcome, RequestBase
+from .base import EndpointBase, KVPoll, Outcome, RequestBase, Timeouts
 
 
 class ReceiverHost(EndpointBase):
-    """What a ``KVReceiver`` calls on its endpoint (``DecodeEndpoint`` is the one)."""
+    """What a ``KVReceiver`` and the ``PrefillLinks`` call on their endpoint (``DecodeEndpoint`` is
+    the one); the links' hooks run under the endpoint lock."""
 
     @abc.abstractmethod
     def init_request(self, r: "KVReceiver", kv_slots, prefix_len: int, state_slots, aux_slot,
                      swa_slots=None) -> None:
         """The body of ``KVReceiver.init``."""
+
+    @abc.abstractmethod
+    def instance_ready(self, inst, later: list) -> None:
+        """Prefill instance ``inst`` answered its handshake: the requests that waited for it go on."""
+
+    @abc.abstractmethod
+    def instance_failed(self, inst, why: str, later: list) -> None:
+        """``inst``'s handshake failed: the requests that waited for it fail with ``why``."""
+
+    @abc.abstractmethod
+    def rank_lost(self, key: str, why: str, later: list) -> None:
+        """Prefill rank ``key`` is lost: its granted requests fail."""
+
+    @abc.abstractmethod
+    def rank_rejoined(self, key: str, why: str, read_at: float, later: list) -> None:
+        """A new handshake with ``key`` answered (``why`` empty) or failed: waiting requests go on, or
+        those that waited since before ``read_at`` (the registry read it followed) fail."""
 
 
 class Progress:
@@ -42,11 +64,13 @@ class Progress:
 
 class Pending:
     """``init``'s checked arguments, kept while the request waits for its prefill instance (its
-    first handshake, or a lost rank's new one) before anything is granted."""
-    __slots__ = ("kv", "prefix", "state", "aux_slot", "swa_slots")
+    first handshake, or a lost rank's new one) before anything is granted; ``since``: when it began
+    to wait (``time.monotonic``)."""
+    __slots__ = ("kv", "prefix", "state", "aux_slot", "swa_slots", "since")
 
     def __init__(self, kv: np.ndarray, prefix: int, state: np.ndarray, aux_slot: int | None, swa_slots):
         self.kv, self.prefix, self.state, self.aux_slot, self.swa_slots = kv, prefix, state, aux_slot, swa_slots
+        self.since = time.monotonic()
 
 
 class KVReceiver(RequestBase):
@@ -131,4 +155,57 @@ def chunk_problem(r: KVReceiver, meta: ChunkMeta, nbytes: int, fin: bool, aux_by
     return fail
 
 
-__all__ = ["KVReceiver", "ReceiverHost", "Progress", "Pending", "chunk_problem"]
+def grant_ranges(r: KVReceiver, planners: dict, slots: dict[str, np.ndarray]) -> tuple[ByteRanges, dict]:
+    """Exactly the bytes ``r``'s sources will write: each source's heads and layers at ``slots`` (per
+    space; "swa": the window slots of the sliding-window layers that will be sent), with the planners
+    of each prefill rank (``PrefillLinks.planners``); and how many bytes each source of ``r`` writes
+    (0 for a source with nothing to send)."""
+    cols: list[list[np.ndarray]] = [[], [], []]
+    expected = dict.fromkeys(r.progress, 0)
+    for key in r.contacts:
+        for src, pl in planners[key]:
+            mine = {k: v for k, v in slots.items() if k in {a for a, _ in pl.spaces}}
+            runs = pl.plan(mine, mine).runs()
+            for c, a in zip(cols, (runs.dst_region, runs.dst_offset, runs.nbytes)):
+                c.append(a)
+            expected[src] = expected.get(src, 0) + int(runs.nbytes.sum(dtype=np.int64))
+    return ByteRanges(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols)), expected
+
+
+def window_slots(layout: Layout, swa_window: int, kv: np.ndarray, swa_slots) -> np.ndarray:
+    """The checked window slots of a hybrid pool's request (``init``'s ``swa_slots``); empty for any
+    other pool; RequestError naming what is wrong."""
+    if not swa_window:
+        if swa_slots is not None:
+            raise RequestError("swa_slots given, but this endpoint's pool has no sliding-window layers")
+        return np.zeros(0, np.int64)
+    if swa_slots is None:
+        raise RequestError(f"this pool has sliding-window layers: pass swa_slots, the {SWA!r} slots of the "
+                           f"last 1..{swa_window} tokens (the window decode keeps)")
+    swa = layout.check_slots(SWA, np.asarray(swa_slots), "swa_slots", distinct=True)
+    most = min(swa_window, len(kv))
+    if not 1 <= len(swa) <= most:
+        raise RequestError(f"swa_slots has {len(swa)} slot(s) but must cover the last 1..{most} tokens "
+                           f"(sliding window {swa_window}, request of {len(kv)} tokens)")
+    return swa
+
+
+def waited_for(r: KVReceiver, timeouts: Timeouts, lost: Mapping[str, str]) -> str:
+    """What a request past its phase deadline waited for, in words (``lost``: prefill ranks lost now)."""
+    if r.state == KVPoll.Bootstrapping:
+        if not r.bound:
+            what = f"prefill instance {r.instance.name or r.instance.ref[0]} did not answer its handshake"
+        elif r.pending is not None:
+            what = "lost prefill rank(s) " + ", ".join(k for k in r.contacts if k in lost) + " did not return"
+        elif not r.granted:
+            what = "init() was not called"
+        else:
+            what = "no acknowledgement from " + ", ".join(sorted(set(r.contacts) - r.acked))
+        return f"{what} within {timeouts.bootstrap}s"
+    if r.state == KVPoll.WaitingForInput:
+        return f"no chunk arrived within {timeouts.waiting}s"
+    return f"the transfer made no progress within {timeouts.transfer}s"
+
+
+__all__ = ["KVReceiver", "ReceiverHost", "Progress", "Pending", "chunk_problem", "grant_ranges", "window_slots",
+           "waited_for"]

@@ -30,7 +30,11 @@ log = logging.getLogger("kvxfer.request")
 
 
 class SenderHost(EndpointBase):
-    """What a ``KVSender`` calls on its endpoint (``PrefillEndpoint`` is the one)."""
+    """What a ``KVSender`` and the ``DecodeLinks`` call on their endpoint (``PrefillEndpoint`` is the one)."""
+
+    @abc.abstractmethod
+    def retire_requests(self, peer: str, why: str, later: list) -> None:
+        """Under the endpoint lock: decode peer ``peer`` is gone; what it asked for ends with ``why``."""
 
     @abc.abstractmethod
     def send_chunk(self, s: "KVSender", kv_slots, start, layers, last, aux, state_slots, ready,
