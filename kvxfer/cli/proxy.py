@@ -22,6 +22,8 @@ import json
 import logging
 import sys
 
+from ..errors import ConfigError
+
 log = logging.getLogger("kvxfer.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -51,7 +53,7 @@ def make_app(prefill: list[str], decode: list[str], timeout: float = 600.0):
     from aiohttp import ClientSession, ClientTimeout, web
 
     if not prefill or not decode:
-        raise ValueError("give at least one --prefill and one --decode server")
+        raise ConfigError("give at least one --prefill and one --decode server")
     p_next, d_next = itertools.cycle(prefill), itertools.cycle(decode)
     session_key = web.AppKey("session", ClientSession)
 

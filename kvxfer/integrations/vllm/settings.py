@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
 from ...endpoint.base import Timeouts
+from ...errors import ConfigError
 
 KV_LAYOUTS = ("auto", "paged", "flash", "flashinfer", "cpu", "mla")
 DEFAULT_PORT = 8998
@@ -53,55 +54,58 @@ class Settings:
 def _text(extra: Mapping, key: str, default: str) -> str:
     v = extra.get(key, default)
     if not isinstance(v, str) or not v or len(v) > 256 or not v.isprintable():
-        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a printable string of 1..256 characters, "
+        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a printable string of 1..256 characters, "
                          f"got {v!r}")
     return v
 
 
 def _timeouts(given: Mapping) -> Timeouts:
-    seconds: dict = {k: float(v) for k, v in given.items()}   # ValueError on a non-number, as the caller says
-    return dataclasses.replace(Timeouts(), **seconds)
+    try:
+        seconds: dict = {k: float(v) for k, v in given.items()}
+        return dataclasses.replace(Timeouts(), **seconds)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"kv_connector_extra_config['timeouts']: {e}") from None
 
 
 def parse(extra: Mapping | None, role: str, dp_rank: int = 0) -> Settings:
-    """``kv_connector_extra_config`` and ``kv_role`` -> Settings; ValueError naming a bad key."""
+    """``kv_connector_extra_config`` and ``kv_role`` -> Settings; ConfigError naming a bad key."""
     extra = dict(extra or {})
     known = {"instance", "bootstrap_url", "bootstrap_host", "bootstrap_port", "host", "transport",
              "transport_options", "secret", "timeouts", "kv_layout", "register_timeout"}
     unknown = sorted(set(extra) - known)
     if unknown:
-        raise ValueError(f"kv_connector_extra_config has unknown key(s) {unknown}; known: {sorted(known)}")
+        raise ConfigError(f"kv_connector_extra_config has unknown key(s) {unknown}; known: {sorted(known)}")
     if role not in ("kv_producer", "kv_consumer", "kv_both"):
-        raise ValueError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {role!r}")
+        raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {role!r}")
     host = _text(extra, "bootstrap_host", "127.0.0.1")
     port = extra.get("bootstrap_port", DEFAULT_PORT)
     if isinstance(port, bool) or not isinstance(port, int) or not 1 <= port + dp_rank <= 65535:
-        raise ValueError(f"kv_connector_extra_config['bootstrap_port'] must be a port in 1..65535, got {port!r}")
+        raise ConfigError(f"kv_connector_extra_config['bootstrap_port'] must be a port in 1..65535, got {port!r}")
     port += dp_rank
     external = "bootstrap_url" in extra
     url = _text(extra, "bootstrap_url", "") if external else f"http://{host}:{port}"
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"kv_connector_extra_config['bootstrap_url'] must be an http(s) URL, got {url!r}")
+        raise ConfigError(f"kv_connector_extra_config['bootstrap_url'] must be an http(s) URL, got {url!r}")
     instance = _text(extra, "instance", f"vllm-{host}:{port}")
     if dp_rank and "instance" in extra:
         instance = f"{instance}-dp{dp_rank}"
     timeouts = extra.get("timeouts", {})
     names = {f.name for f in fields(Timeouts)} - {"heartbeat"}
     if not isinstance(timeouts, Mapping) or set(timeouts) - names:
-        raise ValueError(f"kv_connector_extra_config['timeouts'] must map some of {sorted(names)} to seconds, "
+        raise ConfigError(f"kv_connector_extra_config['timeouts'] must map some of {sorted(names)} to seconds, "
                          f"got {timeouts!r}")
     layout = extra.get("kv_layout", "auto")
     if layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_connector_extra_config['kv_layout'] must be one of {KV_LAYOUTS}, got {layout!r}")
+        raise ConfigError(f"kv_connector_extra_config['kv_layout'] must be one of {KV_LAYOUTS}, got {layout!r}")
     options = extra.get("transport_options", {})
     if not isinstance(options, Mapping):
-        raise ValueError(f"kv_connector_extra_config['transport_options'] must be a dict, got {options!r}")
+        raise ConfigError(f"kv_connector_extra_config['transport_options'] must be a dict, got {options!r}")
     secret = extra.get("secret")
     if secret is not None and (not isinstance(secret, str) or not secret):
-        raise ValueError("kv_connector_extra_config['secret'] must be a non-empty string")
+        raise ConfigError("kv_connector_extra_config['secret'] must be a non-empty string")
     wait = extra.get("register_timeout", 120.0)
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait <= 0:
-        raise ValueError(f"kv_connector_extra_config['register_timeout'] must be > 0 seconds, got {wait!r}")
+        raise ConfigError(f"kv_connector_extra_config['register_timeout'] must be > 0 seconds, got {wait!r}")
     return Settings(producer=role in ("kv_producer", "kv_both"), consumer=role in ("kv_consumer", "kv_both"),
                     instance=instance, bootstrap_url=url, serve_registry=not external, bootstrap_host=host,
                     bootstrap_port=port, host=_text(extra, "host", host),

@@ -30,7 +30,7 @@ import torch
 from ...endpoint.base import Outcome
 from ...endpoint.decode import DecodeEndpoint, KVReceiver
 from ...endpoint.prefill import KVSender, PrefillEndpoint
-from ...errors import KVXferError
+from ...errors import ConfigError, KVXferError
 from ...ranks import RankSpec
 from .layouts import VllmKV, cpu_kv, flash_kv, mla_kv, paged_kv
 from .plan import Recv, Send, StepPlan
@@ -55,7 +55,7 @@ def describe_kv(kv_caches: Mapping[str, torch.Tensor], settings: Settings, shape
         return flash_kv(kv_caches, kv_axis=0 if kind == "flash" else 1)
     if kind == "cpu":
         if not packing:
-            raise KVXferError("kv_layout 'cpu' needs the CPU attention ISA vLLM chose; none was found")
+            raise ConfigError("kv_layout 'cpu' needs the CPU attention ISA vLLM chose; none was found")
         return cpu_kv(kv_caches, head_size=shape.head_size, packing=packing)
     return paged_kv(kv_caches, head_size=shape.head_size)
 
