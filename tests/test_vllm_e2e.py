@@ -113,6 +113,19 @@ def assert_same(got: dict, want: dict, name: str) -> None:
     assert len(got["logprobs"]) == MAX_TOKENS and diff <= TOL, (name, diff, got, want)
 
 
+def all_free(engine) -> bool:
+    """Every usable block of ``engine`` is free (nothing held for a transfer)."""
+    got = engine.call("free")
+    return got["free"] == got["all"]
+
+
+def idle(engine, what: str) -> int:
+    """Wait until every block of ``engine`` is free (a transfer's release may trail its request:
+    decode's confirmation is not urgent); the free count then."""
+    until(lambda: all_free(engine), 30, f"{what}: every block free")
+    return engine.call("free")["free"]
+
+
 def assert_same_bytes(pair, names) -> None:
     """The KV blocks that landed on decode hold exactly the bytes prefill sent (per block, every layer)."""
     sent, landed = pair.p.call("digests")["digests"], pair.d.call("digests")["digests"]
@@ -124,7 +137,7 @@ def assert_same_bytes(pair, names) -> None:
 
 def test_decode_reproduces_the_plain_engine_token_for_token(pair, plain):
     names = ["p37", "p64", "p90", "p5"]
-    p_free = pair.p.call("free")["free"]
+    p_free = idle(pair.p, "prefill")
     params = pair.prefill(names)
     assert pair.p.call("free")["free"] < p_free             # prefill holds the blocks for decode
     pair.decode(params)
@@ -153,19 +166,23 @@ def test_bytes_flipped_in_transit_are_detected(pair, plain):
 
 
 def test_decode_aborts_mid_transfer_and_both_sides_get_their_blocks_back(pair, plain):
-    p_free, d_free = pair.p.call("free")["free"], pair.d.call("free")["free"]
-    params = pair.prefill(["abort"], pause=True)       # prefill stops stepping: its send is not started
-    pair.decode(params)
-    until(lambda: [x for x in pair.d.call("loads")["loads"] if x[3]] or None, 30, "decode granted the blocks")
-    assert pair.d.call("hold", on=True)["held"]         # writes may still land: kvxfer must not release
-    pair.d.call("abort", id="abort")
-    time.sleep(1.5)
-    assert pair.d.call("free")["free"] < d_free, "decode's blocks came back while a write could land"
-    assert pair.d.call("loads")["loads"], "the aborted load was released while a write could land"
-    pair.d.call("hold", on=False)
-    until(lambda: pair.d.call("free")["free"] == d_free, 30, "decode's blocks back once no write can land")
-    pair.p.call("resume")                                # prefill's sender learns decode aborted
-    until(lambda: pair.p.call("free")["free"] == p_free, 30, "prefill's blocks back after decode aborted")
+    p_free, d_free = idle(pair.p, "prefill"), idle(pair.d, "decode")
+    pair.p.call("delay", seconds=3.0)                   # prefill's transfer is submitted, and in flight 3 s
+    try:
+        pair.decode(pair.prefill(["abort"]))
+        until(lambda: [x for x in pair.d.call("loads")["loads"] if x[2] == "Transferring" or x[3]] or None, 30,
+              "decode granted the blocks")
+        assert pair.d.call("hold", on=True)["held"]     # writes may still land: kvxfer must not release
+        pair.d.call("abort", id="abort")
+        time.sleep(1.5)
+        assert pair.d.call("free")["free"] < d_free, "decode's blocks came back while a write could land"
+        assert pair.d.call("loads")["loads"], "the aborted load was released while a write could land"
+        pair.d.call("hold", on=False)
+        until(lambda: pair.d.call("free")["free"] == d_free, 30, "decode's blocks back once no write can land")
+        # prefill's sender ended Aborted at decode's word; its KV is let go once its transfer stops reading it
+        until(lambda: pair.p.call("free")["free"] == p_free, 15, "prefill's blocks back after decode aborted")
+    finally:
+        pair.p.call("delay", seconds=0.0)
     assert pair.d.call("errors")["errors"] == []        # an abort is not a load error
 
 

@@ -137,6 +137,8 @@ def test_settings_defaults_roles_and_data_parallel_ranks():
     assert a.instance == "vllm-127.0.0.1:8998" and a.bootstrap_url == "http://127.0.0.1:8998"
     b = parse({"instance": "pf"}, "kv_producer", dp_rank=2)
     assert b.instance == "pf-dp2" and b.bootstrap_port == 9000 and not b.consumer
+    c, d = parse({}, "kv_consumer", engine_id="4f1c-a9"), parse({}, "kv_consumer", engine_id="77e0-b2")
+    assert c.decode_instance == "vllm-decode-4f1c-a9" != d.decode_instance       # one name per decode engine
     with pytest.raises(ValueError, match="kv_role"):
         parse({}, "kv_server")
 

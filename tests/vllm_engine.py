@@ -10,9 +10,10 @@ object per line on stdout, after ``@@``; vLLM's own logs go to the same streams)
     {"op": "add", "id", "prompt": [ids], "max_tokens", "params": kv_transfer_params|null, "pause": bool}
         "pause": stop stepping once this request finished (a prefill whose send is then not started)
     {"op": "wait", "ids": [...], "timeout"}     -> {"outputs": {id: {tokens, logprobs, params, reason}}}
-    {"op": "abort", "id"}  {"op": "resume"}  {"op": "free"} -> {"free": blocks}
+    {"op": "abort", "id"}  {"op": "resume"}  {"op": "free"} -> {"free": free blocks, "all": usable blocks}
     {"op": "loads"} -> {"loads": [[req_id, request_id, state, granted], ...]} (the worker's live receivers)
     {"op": "hold", "on": bool}: the faulty transport holds (or lets go) writes_pending of live loads
+    {"op": "delay", "seconds"}: prefill's faulty transport starts each transfer that much later
     {"op": "flip"}: the next load that finishes gets bytes of its first block flipped (negative control)
     {"op": "errors"} -> {"errors": [block ids reported as load errors so far]}
     {"op": "digests"} -> {"digests": {request id: [hash of each block]}}: prefill, of the KV it sends (at
@@ -178,7 +179,8 @@ class Server:
             self.paused = False
             reply(ok=True)
         elif op == "free":
-            reply(free=self.core.scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+            pool = self.core.scheduler.kv_cache_manager.block_pool
+            reply(free=pool.get_num_free_blocks(), all=pool.num_gpu_blocks - 1)   # block 0 is vLLM's null block
         elif op == "loads":
             reply(loads=self.loads())
         elif op == "hold":
@@ -188,6 +190,9 @@ class Server:
             else:
                 faults.hold_pending.clear()
             reply(held=sorted(faults.hold_pending))
+        elif op == "delay":   # prefill: the faulty transport starts each transfer this many seconds late
+            self.worker.prefill.transport.faults.submit_delay = float(c["seconds"])
+            reply(ok=True)
         elif op == "flip":
             self.flip_armed = True
             reply(ok=True)

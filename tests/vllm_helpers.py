@@ -57,7 +57,8 @@ class Engine:
                                      text=True, env=env, start_new_session=True, bufsize=1)
         self._replies: list[dict] = []
         self._cv = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -100,6 +101,7 @@ class Engine:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait(30)
+        self._reader.join(10)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -109,6 +111,7 @@ class Engine:
             except (AssertionError, OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()
+        self._reader.join(10)   # the reader writes the last lines before the log closes
         self._log.close()
 
 

@@ -74,7 +74,7 @@ def prefill(conn, port: int, layers: int, heads: int, head: int, block: int, blo
 
 
 def decode(conn, tp_rank: int, tp_size: int, layers: int, heads: int, head: int, block: int, blocks: int) -> None:
-    settings = parse({}, "kv_consumer")
+    settings = parse({}, "kv_consumer", engine_id="decode-engine-1")   # one engine: its ranks share the id
     kv = paged(blocks, block, heads // tp_size, head, layers, nhd=False, seed=None)
     worker = KvxferWorker(settings, ModelShape(num_kv_heads=heads, num_layers=layers, head_size=head,
                                                block_size=block, tp_rank=tp_rank, tp_size=tp_size))

@@ -4,7 +4,10 @@ unknown key or a bad value is refused, naming it), and what each side reads from
 
 Keys of ``kv_connector_extra_config`` (all optional):
     instance          prefill: this engine's instance name (default ``vllm-<registry host>:<port>``, so a
-                      restarted prefill engine keeps its name); DP rank ``d`` > 0 adds ``-dp<d>``
+                      restarted prefill engine keeps its name); DP rank ``d`` > 0 adds ``-dp<d>``.
+                      A decode engine's ranks are named ``<instance>-decode`` when it is given, else
+                      ``vllm-decode-<engine id>``: one name per engine (two live decode processes
+                      with one rank name would be refused by prefill as one rank)
     bootstrap_url     prefill: register at this kvxfer registry (``kvxfer bootstrap``) instead of the
                       one the prefill scheduler starts
     bootstrap_host    prefill: where the registry the scheduler starts listens and what decode is told
@@ -22,6 +25,7 @@ Keys of ``kv_connector_extra_config`` (all optional):
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -38,6 +42,7 @@ class Settings:
     producer: bool
     consumer: bool
     instance: str
+    decode_instance: str               # the name this engine's decode ranks go by
     bootstrap_url: str                 # where prefill ranks register (and decode is told)
     serve_registry: bool               # the prefill scheduler starts the registry at bootstrap_host:port
     bootstrap_host: str
@@ -67,7 +72,7 @@ def _timeouts(given: Mapping) -> Timeouts:
         raise ConfigError(f"kv_connector_extra_config['timeouts']: {e}") from None
 
 
-def parse(extra: Mapping | None, role: str, dp_rank: int = 0) -> Settings:
+def parse(extra: Mapping | None, role: str, dp_rank: int = 0, engine_id: str = "") -> Settings:
     """``kv_connector_extra_config`` and ``kv_role`` -> Settings; ConfigError naming a bad key."""
     extra = dict(extra or {})
     known = {"instance", "bootstrap_url", "bootstrap_host", "bootstrap_port", "host", "transport",
@@ -89,6 +94,9 @@ def parse(extra: Mapping | None, role: str, dp_rank: int = 0) -> Settings:
     instance = _text(extra, "instance", f"vllm-{host}:{port}")
     if dp_rank and "instance" in extra:
         instance = f"{instance}-dp{dp_rank}"
+    # vLLM gives every engine its own engine_id, the same in its scheduler and all its workers
+    own = re.sub(r"[^A-Za-z0-9_.:\-]", "", engine_id)[:64] or "default"
+    decode_instance = f"{instance}-decode" if "instance" in extra else f"vllm-decode-{own}"
     timeouts = extra.get("timeouts", {})
     names = {f.name for f in fields(Timeouts)} - {"heartbeat"}
     if not isinstance(timeouts, Mapping) or set(timeouts) - names:
@@ -107,7 +115,8 @@ def parse(extra: Mapping | None, role: str, dp_rank: int = 0) -> Settings:
     if isinstance(wait, bool) or not isinstance(wait, (int, float)) or wait <= 0:
         raise ConfigError(f"kv_connector_extra_config['register_timeout'] must be > 0 seconds, got {wait!r}")
     return Settings(producer=role in ("kv_producer", "kv_both"), consumer=role in ("kv_consumer", "kv_both"),
-                    instance=instance, bootstrap_url=url, serve_registry=not external, bootstrap_host=host,
+                    instance=instance, decode_instance=decode_instance, bootstrap_url=url,
+                    serve_registry=not external, bootstrap_host=host,
                     bootstrap_port=port, host=_text(extra, "host", host),
                     transport=_text(extra, "transport", "zmq"), transport_options=dict(options), secret=secret,
                     timeouts=_timeouts(timeouts), kv_layout=layout,
@@ -132,7 +141,7 @@ def from_vllm(vllm_config) -> Settings:
     """Settings from a ``VllmConfig`` (its ``kv_transfer_config`` and DP rank)."""
     ktc = vllm_config.kv_transfer_config
     dp = int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0)
-    return parse(ktc.kv_connector_extra_config, ktc.kv_role, dp)
+    return parse(ktc.kv_connector_extra_config, ktc.kv_role, dp, str(getattr(ktc, "engine_id", "") or ""))
 
 
 def shape_from_vllm(vllm_config, tp_rank: int) -> ModelShape:

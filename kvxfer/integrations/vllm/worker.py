@@ -97,7 +97,7 @@ class KvxferWorker:
             self._registration = threading.Thread(target=self._register, name="kvxfer-vllm-register", daemon=True)
             self._registration.start()
         if s.consumer:
-            spec = RankSpec(role="decode", instance=f"{s.instance}-decode", num_kv_heads=heads,
+            spec = RankSpec(role="decode", instance=s.decode_instance, num_kv_heads=heads,
                             num_layers=m.num_layers, tp_size=m.tp_size, tp_rank=m.tp_rank, replicated=m.use_mla)
             self.decode = DecodeEndpoint(spec, pool, transport=s.transport, transport_options=dict(s.transport_options),
                                          timeouts=s.timeouts, secret=s.secret, aux_bytes=0)
