@@ -26,8 +26,9 @@ registry (``kvxfer bootstrap``) instead.
 Aborts: a load vLLM drops before the workers started it is reported finished at once (vLLM keeps a
 WAITING_FOR_REMOTE_KVS request's blocks until it is); one the workers started is aborted in kvxfer
 and finishes when kvxfer released its grant (no write can land any more), so vLLM reuses the
-blocks only then. A prefill request aborted after its send started finishes when kvxfer released
-the KV.
+blocks only then. A prefill request is sent only once vLLM finished it, so vLLM never aborts a
+send; decode may (its ABORT ends prefill's sender, which lets the KV go once no transfer reads it; a
+sender decode never asked for ends at kvxfer's bootstrap deadline, ``timeouts.bootstrap``).
 """
 from __future__ import annotations
 
