@@ -11,6 +11,7 @@ COMMANDS = {
     "doctor": ("kvxfer.cli.doctor", "torch, CUDA, devices, UCX transports and memory types, RDMA on this machine"),
     "bootstrap": ("kvxfer.control.bootstrap", "run a bootstrap (rank registry) server"),
     "rank": ("kvxfer.cli.rank", "start one prefill or decode rank, pool from flags (--check, --selftest, --serve)"),
+    "proxy": ("kvxfer.cli.proxy", "the HTTP router in front of vLLM prefill and decode servers (KvxferConnector)"),
 }
 
 
