@@ -4,6 +4,7 @@
     ├── LayoutError          a layout or pool was described or used wrongly   (also a ValueError)
     ├── PlanError            two layouts / slot sets / head slices cannot be planned (also a ValueError)
     ├── CompatibilityError   a P/D pair refused at launch, with every mismatch in words
+    ├── ConfigError          an option or setting is invalid; names it, its value, what is allowed (also a ValueError)
     ├── TransportError
     │   ├── ConnectError     a peer could not be reached or registered
     │   ├── TransferTimeout  a transfer passed its deadline
@@ -33,6 +34,11 @@ class CompatibilityError(KVXferError):
     def __init__(self, mismatches: list[str]):
         self.mismatches = list(mismatches)
         super().__init__("incompatible peers:\n  - " + "\n  - ".join(self.mismatches))
+
+
+class ConfigError(KVXferError, ValueError):
+    """An option or setting is invalid (a transport's options, say); the message names the option,
+    the value given and what is allowed. Raised where the options are built, before anything starts."""
 
 
 class TransportError(KVXferError):

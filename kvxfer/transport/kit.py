@@ -130,20 +130,27 @@ def fail_command(cmd: Command, why: str) -> None:
 
 class PipeWaker:
     """A self-pipe an I/O thread polls next to its sockets: ``wake`` from any thread, ``clear`` on
-    the I/O thread once woken. ``close`` after the thread ended."""
+    the I/O thread once woken, before it looks at what it was woken for. ``close`` after the
+    thread ended. One byte per wake-up, not per call: each write hands the GIL to the woken
+    thread, so a burst of ``wake`` calls costs one hand-over."""
 
     def __init__(self) -> None:
         self.fd, self._w = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._w, False)
+        self._signaled = False
 
     def wake(self) -> None:
+        if self._signaled:   # a byte is on its way; ``clear`` resets this before the thread looks
+            return
+        self._signaled = True
         try:
             os.write(self._w, b"\0")
         except (BlockingIOError, OSError):  # full: the thread is awake already; closed: it ended
             pass
 
     def clear(self) -> None:
+        self._signaled = False
         try:
             while os.read(self.fd, 4096):
                 pass
@@ -163,14 +170,15 @@ class IOThread:
 
     ``body()`` is the transport's loop: it returns when a ``Close`` command ended it. An
     exception that escapes ``body`` is a bug (every message is validated and refused inside the
-    loop): it is logged, ``broken`` says why, and ``on_crash(reason)`` (still on this thread)
-    fails every transfer the thread owned. ``on_exit()`` then frees what the thread made, in
-    both cases. Callers check ``broken`` before they enqueue work.
+    loop): it is logged, ``broken`` says why (``error`` is the exception), and ``on_crash(reason)``
+    (still on this thread) fails every transfer the thread owned. ``on_exit()`` then frees what the
+    thread made, in both cases. Callers check ``broken`` before they enqueue work.
     """
 
     def __init__(self, name: str, body: Callable[[], None], *, on_crash: Callable[[str], None],
                  on_exit: Callable[[], None]):
         self.broken: str | None = None
+        self.error: BaseException | None = None
         self._body, self._on_crash, self._on_exit = body, on_crash, on_exit
         self.thread = threading.Thread(target=self._main, name=name, daemon=True)
 
@@ -189,6 +197,7 @@ class IOThread:
         try:
             self._body()
         except BaseException as e:  # a bug: say so, and fail everything below instead of hanging
+            self.error = e
             self.broken = f"I/O thread died: {type(e).__name__}: {e}"
             log.exception("%s: I/O thread died; the transport is broken", self.thread.name)
             try:

@@ -36,15 +36,13 @@ less: within the noise of a shared 2-core machine, 16 MiB possibly slower).
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
-import ctypes.util
 import itertools
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -53,9 +51,10 @@ import zmq
 
 from kvxfer.control.addresses import advertise_address
 from kvxfer.copy import byte_view
-from kvxfer.errors import ConnectError
+from kvxfer.errors import ConfigError, ConnectError
 from kvxfer.grant import GrantTable
-from kvxfer.plan import FEW_RUNS, TransferPlan
+from kvxfer.plan import TransferPlan
+from kvxfer.transport.admission import MAX_TOKEN, Admissions
 from kvxfer.transport.base import DEFAULT_TIMEOUT, Arrival, TransferHandle, Transport, peer_failed
 from kvxfer.transport.kit import (
     Call,
@@ -69,10 +68,12 @@ from kvxfer.transport.kit import (
     Submit,
     fail_command,
 )
+from kvxfer.transport.zmqguard import FreeAfterClose, ZapHandler, server_socket
 
-from .addresses import bind, check_ports
+from .addresses import bind
 from .devsync import WriteSync
-from .protocol import MAX_PARTS, RUN_BYTES
+from .options import ZMQOptions
+from .protocol import MAX_REPLY
 from .receiver import ZMQReceiver
 from .sender import Peer, Probe, ZMQSender
 
@@ -81,97 +82,33 @@ log = logging.getLogger("kvxfer.transport.zmq")
 _REPLY_HWM = 1 << 20             # queued replies (tiny) before a ROUTER would drop one
 _CMDS_PER_TURN = 64              # commands handled per loop turn, so a burst of submits never
                                  # keeps the loop from pumping, receiving and its silence checks
-_HEADER_ROOM = MAX_PARTS * RUN_BYTES + 4096   # the largest header our sender makes
 _OMP_PER_THREAD = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
-def _keep_malloc_arenas() -> None:
-    """Raise glibc's mmap and trim thresholds (what its own dynamic tuning reaches at most).
-
-    zmq allocates every received message itself; at the default thresholds a 1 MiB message
-    is mapped fresh and page-faulted in each time (measured: ~90 faults per MiB, receive-side
-    zmq CPU up ~60%). Process-wide; ``ZMQTransport(tune_malloc=False)`` leaves malloc alone.
-    """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, 32 << 20)    # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 256 << 20)   # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
-
-
 class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
-    """ZeroMQ data plane. Options (keyword arguments, all optional):
-
-    endpoint            where the ROUTER binds: "tcp://HOST:PORT" (port 0: a free one; HOST may be a
-                        wildcard, 0.0.0.0) or "ipc:///path"
-    advertise           the address, host name or interface name (``eth0``) peers are told to reach
-                        (``descriptor()["endpoint"]``); None: the bind host, or for a wildcard bind a
-                        routable interface address. A wildcard is never advertised (ValueError)
-    event               a factory of events (``record(stream=None)``, ``query()``) marking writes complete;
-                        default ``torch.cuda.Event`` after writes to a device region (``devsync``).
-                        Given, every write records one (tests: a stand-in that completes late)
-    staging_frames      frames in the staging ring (each frame_bytes * (frames_per_message + 1) bytes),
-                        allocated at ``register`` (pinned when a region is on a device), never more:
-                        when every one is in zmq, sending waits (counted: ``staging()``, kvxfer.metrics)
-    connect_timeout     seconds ``connect`` waits for a ping's answer on the data socket (an unreachable
-                        or black-holed data address fails there, naming the address)
-    remote              peers are on other hosts: advertising loopback (or ipc://) is refused too
-    ports               (first, last): bind the first free port of this range (the endpoint's port must
-                        be 0); None: the endpoint's port
-    frame_bytes         largest zero-copy frame (~1 MiB: zmq slows down on multi-MiB frames)
-    frames_per_message  zero-copy frames per message, and the size of a packed frame in frame_bytes
-                        (fewer per-message costs; packed frames measured faster at 4 MiB than 1 MiB)
-    zero_copy_min       runs at least this long go out from the region without a copy (each such
-                        part costs pyzmq ~40 us for its frame and tracker; a copy of 64 KiB costs
-                        ~13 us: 1000 scattered 64 KiB pages went 1.3-1.5x faster copied, so 256 KiB)
-    window              messages queued per peer before zmq pushes back (send high-water mark)
-    heartbeat_ivl       seconds between pings while transfers are open
-    heartbeat_timeout   seconds of silence after which a peer's open transfers fail
-    max_message_bytes   largest message the receiver accepts, all parts together (a larger part
-                        makes zmq drop the connection; a larger message fails its transfer)
-    max_incoming        most incoming transfers open at once; more are rejected
-    max_incoming_per_peer  most incoming transfers open at once from one sender (routing id)
-    few_runs            messages and plans of at most this many runs are handled with Python ints
-                        (``FEW_RUNS``: a 1-run message's frames cost 2.3 us that way, 44 us as arrays;
-                        the conformance suite forces 0 and 2**20 so both paths carry every case)
-    tune_malloc         raise glibc's malloc thresholds so zmq reuses its buffers (see _keep_malloc_arenas)
-    """
+    """ZeroMQ data plane. Options: keyword arguments, or ``options=ZMQOptions(...)``; each is
+    documented (and checked, ConfigError) in ``transports/zmq/options.py``."""
     name = "zmq"
 
-    def __init__(self, *, endpoint: str = "tcp://127.0.0.1:0", frame_bytes: int = 1 << 20,
-                 frames_per_message: int = 4, zero_copy_min: int = 256 << 10, window: int = 16,
-                 heartbeat_ivl: float = 1.0, heartbeat_timeout: float = 5.0, max_message_bytes: int = 64 << 20,
-                 max_incoming: int = 4096, max_incoming_per_peer: int = 1024, few_runs: int = FEW_RUNS,
-                 tune_malloc: bool = True, advertise: str | None = None, remote: bool = False,
-                 ports: tuple[int, int] | None = None, connect_timeout: float = 5.0,
-                 event: Callable[[], Any] | None = None, staging_frames: int = 8):
-        self._sync = WriteSync(event)
-        self.connect_timeout = float(connect_timeout)
-        if not 0 < self.connect_timeout <= 600:
-            raise ValueError(f"connect_timeout {connect_timeout} must be in (0, 600] seconds")
-        self._advertise, self._remote, self._ports = advertise, bool(remote), check_ports(endpoint, ports)
-        if not 4096 <= frame_bytes <= max_message_bytes // 2:
-            raise ValueError(f"frame_bytes {frame_bytes} must be in 4096..max_message_bytes/2")
-        self.frame_bytes, self.frames_per_message = int(frame_bytes), max(1, int(frames_per_message))
-        if self.frame_bytes * self.frames_per_message + _HEADER_ROOM > max_message_bytes:
-            raise ValueError(f"frame_bytes * frames_per_message ({self.frame_bytes * self.frames_per_message}) "
-                             f"plus {_HEADER_ROOM} header bytes must fit max_message_bytes ({max_message_bytes}): "
-                             f"send fewer frames per message")
-        self.zero_copy_min, self.window = int(zero_copy_min), int(window)
-        self.hb_ivl, self.hb_timeout = float(heartbeat_ivl), float(heartbeat_timeout)
-        self.max_message_bytes, self.max_incoming = int(max_message_bytes), int(max_incoming)
-        self.few_runs, self.max_incoming_per_peer = int(few_runs), int(max_incoming_per_peer)
-        if tune_malloc:
-            _keep_malloc_arenas()
+    def __init__(self, options: ZMQOptions | None = None, **kwargs: Any):
+        if options is not None and kwargs:
+            raise ConfigError(f"give zmq options as options= or as keywords, not both (keywords {sorted(kwargs)})")
+        opts = self.options = options if options is not None else ZMQOptions.of(kwargs)
+        self._sync = WriteSync(opts.event)
+        self.connect_timeout = float(opts.connect_timeout)
+        self._advertise, self._remote, self._ports = opts.advertise, opts.remote, opts.ports
+        self.frame_bytes, self.frames_per_message = opts.frame_bytes, opts.frames_per_message
+        self.zero_copy_min, self.window = opts.zero_copy_min, opts.window
+        self.hb_ivl, self.hb_timeout = float(opts.heartbeat_ivl), float(opts.heartbeat_timeout)
+        self.max_message_bytes, self.max_incoming = opts.max_message_bytes, opts.max_incoming
+        self.few_runs, self.max_incoming_per_peer = opts.few_runs, opts.max_incoming_per_peer
+        self.admissions = Admissions(opts.admission == "required", opts.max_admitted)
         self.id = uuid.uuid4().hex
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
         self._host: list[np.ndarray | None] = []       # numpy views of CPU regions (None: CUDA)
         self._is_host, self._sizes = np.zeros(1, bool), np.zeros(0, np.int64)
-        if not 1 <= int(staging_frames) <= 4096:
-            raise ValueError(f"staging_frames {staging_frames} must be in 1..4096")
-        self._staging = StagingPool(frames=int(staging_frames), name=self.name,
+        self._staging = StagingPool(frames=opts.staging_frames, name=self.name,
                                     frame_bytes=self.frame_bytes * (self.frames_per_message + 1))
         self.staging_wait = False   # the ring was exhausted: look again soon (its frames free as zmq sends)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
@@ -184,11 +121,13 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._pids = itertools.count()
         self._ctx = zmq.Context(io_threads=1)
         self._router: zmq.Socket | None = None
+        self._zap: ZapHandler | None = None             # answers ZAP on the I/O thread ("required")
+        self._freed: FreeAfterClose | None = None       # trims the heap after a sender's connection ends
         self.bound = ""                                  # what the ROUTER bound (endpoint: what peers are told)
         self._sender_init()
         self._receiver_init()
         self._ready: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self.io = IOThread("kvxfer-zmq-io", lambda: self._run(endpoint), on_crash=self._fail_all,
+        self.io = IOThread("kvxfer-zmq-io", lambda: self._run(opts.endpoint), on_crash=self._fail_all,
                            on_exit=self._free)
         self.io.start()
         try:
@@ -220,15 +159,28 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         return {"transport": self.name, "id": self.id, "endpoint": self.endpoint,
                 "region_sizes": list(self.grants.region_sizes)}
 
-    def connect(self, descriptor: dict) -> str:
-        """Called by the sender at handshake (blocks briefly); returns the peer id for ``submit``."""
+    def admit(self, descriptor: dict) -> bytes:
+        """Decode, before its HELLO to a prefill rank: that rank's transport (``descriptor["id"]``) may
+        send here, presenting the returned token (b"" with ``admission`` "open"). Called again for
+        the same id: a fresh token; messages of connections made with the old one are dropped."""
+        sender = descriptor.get("id") if isinstance(descriptor, dict) else None
+        try:
+            return self.admissions.admit(sender)   # type: ignore[arg-type]  # checked there
+        except ValueError as e:
+            raise ConnectError(f"cannot admit {descriptor!r:.200}: {e}") from None
+
+    def connect(self, descriptor: dict, token: bytes = b"") -> str:
+        """Called by the sender at handshake (blocks briefly); returns the peer id for ``submit``.
+        ``token``: what the receiver's ``admit`` gave for us (b"": the receiver admits anyone)."""
         endpoint = descriptor.get("endpoint") if isinstance(descriptor, dict) else None
         if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
             raise ConnectError(f"not a zmq descriptor (no tcp:// or ipc:// endpoint): {descriptor!r}")
+        if not isinstance(token, bytes) or len(token) > MAX_TOKEN:
+            raise ConnectError(f"an admission token is at most {MAX_TOKEN} bytes, got {type(token).__name__}")
         if self._closed or self.broken:
             raise ConnectError(f"cannot connect to {endpoint}: {self.broken or 'transport closed'}")
         fut: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self.commands.put(Connect(endpoint, fut))
+        self.commands.put(Connect((endpoint, token), fut))
         try:
             return fut.result(timeout=self.connect_timeout + 30)
         except Exception as e:   # zmq refused the endpoint, no pong in time, or the thread ended
@@ -297,12 +249,16 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         s.sndhwm, s.rcvhwm = (self.window, _REPLY_HWM) if kind == zmq.DEALER else (_REPLY_HWM, self.window)
         s.setsockopt(zmq.HEARTBEAT_IVL, int(self.hb_ivl * 1000))
         s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.hb_timeout * 1000))
-        s.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        # each part bounded (a message's parts are not: see kvxfer.transport.zmqguard): data parts at the
+        # ROUTER, one reply at a DEALER
+        s.setsockopt(zmq.MAXMSGSIZE, self.options.part_limit if kind == zmq.ROUTER else MAX_REPLY)
         return s
 
-    def _dealer(self, endpoint: str) -> zmq.Socket:
+    def _dealer(self, endpoint: str, token: bytes = b"") -> zmq.Socket:
         sock = self._socket(zmq.DEALER)
         sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a connection that is down
+        if token:   # the receiver requires admission: our id and its token, at the handshake (PLAIN)
+            sock.plain_username, sock.plain_password = self.id.encode(), token
         try:
             sock.connect(endpoint)
         except zmq.ZMQError:
@@ -317,6 +273,11 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             # whenever a busy core descheduled a member. With OpenMP this is per thread.
             torch.set_num_threads(1)
         router = self._socket(zmq.ROUTER)
+        if self.admissions.required:   # the handler first: without one, the ROUTER refuses everyone
+            self._zap = ZapHandler(self._ctx, self._zap_check)
+            router.plain_server = True
+            server_socket(router)
+            router.setsockopt(zmq.HANDSHAKE_IVL, int(max(self.connect_timeout, 5.0) * 1000))
         try:
             self.bound = bind(router, endpoint, self._ports)
             advertised = advertise_address(self.bound, self._advertise, remote=self._remote,
@@ -326,9 +287,13 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             self._ready.set_exception(ConnectError(f"cannot bind {endpoint}: {e}"))
             return
         self._router = router
+        self._freed = FreeAfterClose(router)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
+        self._poller.register(self._freed.socket, zmq.POLLIN)
         self._poller.register(self._waker.fd, zmq.POLLIN)
+        if self._zap is not None:
+            self._poller.register(self._zap.socket, zmq.POLLIN)
         self._ready.set_result(advertised)
         next_tick = 0.0
         while True:
@@ -337,6 +302,10 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             events = dict(self._poller.poll(1 if soon else 50))
             if self._waker.fd in events and not self._on_commands():
                 break
+            if self._zap is not None and self._zap.socket in events:
+                self._zap.serve()
+            if self._freed.socket in events:
+                self._freed.on_events()
             drained = self._router not in events or self._on_router()
             if self._sync.waiting:
                 self._on_synced()
@@ -351,6 +320,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             if now >= next_tick:
                 self._check_outgoing(now)
                 self._check_incoming(now, drained)
+                self._freed.tick(now)
                 next_tick = now + min(0.1, self.hb_ivl / 2)
         self._fail_all("transport closed")
 
@@ -378,16 +348,28 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
             self._waker.wake()
         return True
 
-    def _connect(self, endpoint: str, fut: concurrent.futures.Future) -> None:
+    def _zap_check(self, mechanism: bytes, credentials) -> str | None:
+        """ZAP (I/O thread): a sender's PLAIN user name (its transport id) and password (its token)."""
+        if mechanism != b"PLAIN" or len(credentials) != 2:
+            return None
         try:
-            sock = self._dealer(endpoint)
+            sender = credentials[0].decode()
+        except UnicodeDecodeError:
+            return None
+        return self.admissions.check(sender, credentials[1])
+
+    def _connect(self, target: tuple[str, bytes], fut: concurrent.futures.Future) -> None:
+        endpoint, token = target
+        try:
+            sock = self._dealer(endpoint, token)
         except zmq.ZMQError as e:
             fut.set_exception(e)
             return
         n = next(self._pids)
         pid = f"{endpoint}#{n}"   # never reused, so a stale id reaches no new peer
         # ``fut`` is answered when the pong to the probe's ping comes back, or fails at its deadline
-        peer = self._peers[pid] = Peer(endpoint, sock, Probe(pid, n, fut, time.monotonic() + self.connect_timeout))
+        peer = self._peers[pid] = Peer(endpoint, sock, Probe(pid, n, fut, time.monotonic() + self.connect_timeout),
+                                       token)
         self._poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
         self._probe(peer, time.monotonic())
 
@@ -409,9 +391,13 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
     def _free(self) -> None:
         """After the loop (``IOThread.on_exit``): sockets and context, then the sources."""
         self.commands.fail_all(self.broken or "transport closed")
+        if self._freed is not None and self._router is not None:
+            self._freed.close(self._router)
         for s in [self._router, *(p.sock for p in self._peers.values())]:
             if s is not None:
                 s.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
         self._ctx.term()   # queued messages are dropped: nothing reads a source any more
         for out in [*self._out.values(), *self._releasing]:
             out.handle.release_source()

@@ -34,6 +34,7 @@ from .protocol import MAX_PARTS, RUN_BYTES, Ack, Data, Nack, Ping, parse_data
 
 if TYPE_CHECKING:
     from kvxfer.grant import GrantTable
+    from kvxfer.transport.admission import Admissions
 
     from .devsync import WriteSync
 
@@ -92,11 +93,13 @@ def region_spans(*keys: np.ndarray) -> list[tuple[int, int]]:
 
 class Incoming:
     """An incoming transfer, keyed by (routing id, request id, transfer id). ``event``: recorded
-    after its latest device write (``devsync``); its arrival waits for it."""
-    __slots__ = ("deadline", "start", "nbytes", "nruns", "quiet", "event")
+    after its latest device write (``devsync``); its arrival waits for it. ``peer``: whose share of
+    the table it takes (its sender's admission, or its routing id)."""
+    __slots__ = ("deadline", "start", "nbytes", "nruns", "quiet", "event", "peer")
 
-    def __init__(self, deadline):
+    def __init__(self, deadline, peer):
         self.deadline, self.start, self.nbytes, self.nruns = deadline, time.monotonic(), 0, 0
+        self.peer = peer
         self.event: Any = None
         self.quiet = False   # a message of it carried a wrong capability: it never yields an arrival
 
@@ -123,10 +126,11 @@ class ZMQReceiver:
     _write_lock: threading.Lock
     _router: zmq.Socket
     _deliver: Callable[[Arrival], None]
+    admissions: Admissions
 
     def _receiver_init(self) -> None:
         self._in: dict[tuple, Incoming] = {}
-        self._open_from: collections.Counter = collections.Counter()   # routing id -> open transfers
+        self._open_from: collections.Counter = collections.Counter()   # peer (Incoming.peer) -> open transfers
         self._dead: collections.OrderedDict = collections.OrderedDict()
         self._seen: dict[bytes, float] = {}
         self._acks: dict[bytes, list[int]] = {}
@@ -147,9 +151,16 @@ class ZMQReceiver:
                 drained = True
                 break
             rid = parts[0].bytes
+            peer: str | bytes = rid
+            if self.admissions.required:   # every connection passed ZAP; is its admission still in force?
+                user = parts[0].get("User-Id")   # what ZAP said of this connection
+                if not isinstance(user, str) or not self.admissions.current(user):
+                    self.grants.reject("?", "unknown peer: a sender whose admission was replaced or dropped")
+                    continue
+                peer = user
             self._seen[rid] = time.monotonic()
             try:
-                self._on_message(rid, parts[1:])
+                self._on_message(rid, peer, parts[1:])
             except Exception as e:  # a bug: count it, and never let one message take the receiver down
                 log.exception("error handling a message")
                 self.grants.reject("?", f"internal error: {type(e).__name__}")
@@ -169,7 +180,7 @@ class ZMQReceiver:
             self._reply(rid, Ack(tuple(xids)).pack())
         self._acks.clear()
 
-    def _on_message(self, rid: bytes, parts: list) -> None:
+    def _on_message(self, rid: bytes, peer: str | bytes, parts: list) -> None:
         try:
             if not parts:
                 raise ValueError("empty message")
@@ -184,7 +195,7 @@ class ZMQReceiver:
             self._flush_acks()
             self._reply(rid, Ping(h.n).pack())
             return
-        self._on_data(rid, h, parts[1:])
+        self._on_data(rid, peer, h, parts[1:])
 
     def _pong_allowed(self, rid: bytes, now: float) -> bool:
         """A token bucket per sender: pings (heartbeats, connect probes) are answered at most at
@@ -194,7 +205,7 @@ class ZMQReceiver:
         self._ping_budget[rid] = (max(left - 1, 0.0), now)
         return left >= 1
 
-    def _on_data(self, rid: bytes, h: Data, payload: list) -> None:
+    def _on_data(self, rid: bytes, peer: str | bytes, h: Data, payload: list) -> None:
         key, request_id = (rid, h.request_id, h.xid), h.request_id
         if key in self._dead:   # the transfer failed already: its later messages are dropped quietly
             return
@@ -204,13 +215,16 @@ class ZMQReceiver:
         quiet = not self.grants.capability_ok(request_id, h.cap)
         st = self._in.get(key)
         if st is None:
-            if len(self._in) >= self.max_incoming or self._open_from[rid] >= self.max_incoming_per_peer:
+            # Each sender has its own share. Admitted senders are told apart (and their number is
+            # capped), so no global cap applies to them; anonymous ones share ``max_incoming``.
+            mine = self._open_from[peer]
+            shared_full = not self.admissions.required and len(self._in) >= self.max_incoming
+            if mine >= self.max_incoming_per_peer or shared_full:
                 self._fail_in(key, self.grants.reject(
-                    request_id, f"too many transfers: {len(self._in)} open, {self._open_from[rid]} from this peer"),
-                    quiet)
+                    request_id, f"too many transfers: {len(self._in)} open, {mine} from this peer"), quiet)
                 return
-            st = self._in[key] = Incoming(time.monotonic() + h.deadline)
-            self._open_from[rid] += 1
+            st = self._in[key] = Incoming(time.monotonic() + h.deadline, peer)
+            self._open_from[peer] += 1
         if quiet:
             st.quiet = True
         if time.monotonic() > st.deadline:   # too late: the sender has given up on it
@@ -337,9 +351,9 @@ class ZMQReceiver:
     def _close_in(self, key: tuple) -> Incoming | None:
         st = self._in.pop(key, None)
         if st is not None:
-            self._open_from[key[0]] -= 1
-            if self._open_from[key[0]] <= 0:
-                del self._open_from[key[0]]
+            self._open_from[st.peer] -= 1
+            if self._open_from[st.peer] <= 0:
+                del self._open_from[st.peer]
         return st
 
     def _reply(self, rid: bytes, msg: bytes) -> None:

@@ -104,11 +104,12 @@ class Probe:
 
 class Peer:
     """One DEALER and its transfers. ``clock``: last reply or progress (silence fails them).
-    ``probe``: set while ``connect`` waits for the data path's round trip."""
-    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged", "probe")
+    ``probe``: set while ``connect`` waits for the data path's round trip. ``token``: the admission
+    token it presents at each (re)connection (b"": none)."""
+    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged", "probe", "token")
 
-    def __init__(self, endpoint, sock, probe: Probe | None = None):
-        self.endpoint, self.sock = endpoint, sock
+    def __init__(self, endpoint, sock, probe: Probe | None = None, token: bytes = b""):
+        self.endpoint, self.sock, self.token = endpoint, sock, token
         self.sending: collections.deque[Outgoing] = collections.deque()
         self.open: dict[int, Outgoing] = {}
         self.pending: Pending | None = None
@@ -141,7 +142,7 @@ class ZMQSender:
     _xids: itertools.count[int]
     _ctx: zmq.Context
     _poller: zmq.Poller
-    _dealer: Callable[[str], zmq.Socket]
+    _dealer: Callable[[str, bytes], zmq.Socket]
 
     def _sender_init(self) -> None:
         self._peers: dict[str, Peer] = {}
@@ -371,7 +372,7 @@ class ZMQSender:
         peer.sock.close(linger=0)
         self._drop_pending(peer)
         try:
-            peer.sock = self._dealer(peer.endpoint)
+            peer.sock = self._dealer(peer.endpoint, peer.token)
         except zmq.ZMQError as e:   # cannot happen for an endpoint that connected before; keep going
             log.error("cannot reconnect to %s: %s", peer.endpoint, e)
             peer.sock = self._ctx.socket(zmq.DEALER)
@@ -402,7 +403,8 @@ class ZMQSender:
             if not probe.future.done():
                 probe.future.set_exception(ConnectError(
                     f"no answer on the data socket within {self.connect_timeout:g}s: nothing listens there, "
-                    f"or the address is unreachable or filtered from this host"))
+                    f"the address is unreachable or filtered from this host, or the receiver refused our "
+                    f"admission token ({'one' if peer.token else 'none'} presented)"))
             self._disconnect(probe.pid)   # frees the socket: it never became a peer
             return
         if not probe.sent:
