@@ -30,6 +30,7 @@ from .layout import (
     state_layout,
     token_major_layout,
 )
+from .memory import EnginePool, RawMemory
 from .plan import WHOLE, HeadSlice, Planner, TransferPlan, plan_transfer
 from .pools import HybridSWAPool, KVPool, MHAPool, MLAPool, StatePool
 from .topology import heads_held, sources_for_decode_rank, targets_for_prefill_rank
@@ -46,13 +47,13 @@ __all__ = [
     # planning
     "HeadSlice", "WHOLE", "Planner", "plan_transfer", "TransferPlan", "ByteRanges", "execute_plan",
     # pools
-    "KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator",
+    "KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator", "EnginePool", "RawMemory",
     # transports
     "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
     # control plane and offload (loaded on first use: they bring pyzmq and aiohttp)
     "heads_held", "sources_for_decode_rank", "targets_for_prefill_rank",
     "RankSpec", "RankInfo", "BootstrapConfig", "BootstrapServer", "BootstrapClient",
-    "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
+    "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer", "AuxRows",
     "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll", "Outcome", "LocalGroup",
     "HostPool", "DecodeOffloadManager",
 ]
@@ -60,8 +61,9 @@ __all__ = [
 _LAZY = {
     "RankSpec": "ranks", "BootstrapServer": "control.bootstrap", "BootstrapClient": "control.client",
     "KVPoll": "endpoint", "Timeouts": "endpoint", "AuxRecord": "endpoint", "AuxBuffer": "endpoint",
+    "AuxRows": "endpoint",
     "reduce_poll": "endpoint", "Outcome": "endpoint", "LocalGroup": "endpoint", "PrefillEndpoint": "endpoint",
-    "KVSender": "endpoint", "BootstrapConfig": "control.bootstrap", "RankInfo": "ranks",
+    "KVSender": "endpoint", "BootstrapConfig": "control.bootstrap", "RankInfo": "control.records",
     "DecodeEndpoint": "endpoint", "KVReceiver": "endpoint", "HostPool": "host", "DecodeOffloadManager": "offload",
 }
 

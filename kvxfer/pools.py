@@ -25,12 +25,12 @@ from __future__ import annotations
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .allocator import PageAllocator
+from .bufinfos import BufInfos, PagePart, buf_infos
 from .copy import execute_plan
 from .errors import LayoutError
 from .layout import (
@@ -61,35 +61,6 @@ def torch_dtype(dtype: str) -> torch.dtype:
     return TORCH_DTYPES[dtype]
 
 
-class PagePart(NamedTuple):
-    """Where one part sits inside the pages of a region shared by several parts. Byte of
-    (page ``p``, in-page slot ``t``, head ``h``) is ``page0 + p * page_stride +
-    offset_in_page + t * token_stride + h * head_stride``. ``page0`` is 0 for page-major;
-    a host page-first region holds a block of K pages and then a block of V pages."""
-    region: int
-    layer: int
-    kind: str
-    offset_in_page: int
-    bytes_per_page: int
-    token_stride: int
-    head_stride: int
-    page0: int
-    page_stride: int
-
-
-@dataclass(frozen=True, slots=True)
-class BufInfos:
-    """What engines hand to a byte mover. Per region: pointer, length, and the bytes of
-    one page (``item_lens``). ``page_parts`` describes, for regions that hold several
-    parts per page (page-major, host page-first), where each part sits inside a page:
-    ``PagePart(region, layer, kind, offset_in_page, bytes_per_page, token_stride,
-    head_stride, page0, page_stride)``."""
-    data_ptrs: list[int]
-    data_lens: list[int]
-    item_lens: list[int]
-    page_parts: list[PagePart]
-
-
 @dataclass(frozen=True, slots=True)
 class CPUCopy:
     """A request's KV on the host, in a compact layer-first host layout."""
@@ -103,7 +74,7 @@ class CPUCopy:
         return {k: len(v) for k, v in self.slots.items()}
 
 
-def _host_array(slots) -> np.ndarray:
+def host_array(slots) -> np.ndarray:
     """Slots given as host data (or a tensor, copied to the host: not for the hot path)."""
     if isinstance(slots, torch.Tensor):
         return slots.detach().cpu().numpy().astype(np.int64, copy=False)
@@ -153,26 +124,8 @@ class KVPool:
         return self.buffers
 
     def get_contiguous_buf_infos(self) -> BufInfos:
-        ptrs = [b.data_ptr() for b in self.buffers]
-        lens = [b.numel() for b in self.buffers]
-        item = [0] * len(self.buffers)
-        for p in self.layout.parts:
-            item[p.region] = p.page_stride
-        # A block: parts of one region and page stride whose page 0 lies within one page of
-        # the first (lowest) of them. Blocks of two or more parts are pages shared by parts.
-        page_parts: list[list[PagePart]] = []
-        for p in sorted(self.layout.parts, key=lambda q: (q.region, q.page_stride, q.base)):
-            last = page_parts[-1][-1] if page_parts else None
-            if not (last and last.region == p.region and last.page_stride == p.page_stride
-                    and p.base < last.page0 + p.page_stride):
-                page_parts.append([])
-            page0 = last.page0 if page_parts[-1] else p.base
-            # the part's span inside one page (for page-major: page_size * heads * head bytes)
-            span = ((self.layout.space(p.space).page_size - 1) * p.token_stride
-                    + (p.heads - 1) * p.head_stride + p.head_bytes)
-            page_parts[-1].append(PagePart(p.region, p.layer, p.kind, p.base - page0, span,
-                                           p.token_stride, p.head_stride, page0, p.page_stride))
-        return BufInfos(ptrs, lens, item, [pp for block in page_parts if len(block) > 1 for pp in block])
+        """What engines hand a byte mover (``kvxfer.bufinfos``): pointers, lengths, page bytes."""
+        return buf_infos(self.layout, self.buffers)
 
     # -- slots -------------------------------------------------------------------------
     def space_slots(self, space: str, slots):
@@ -195,7 +148,7 @@ class KVPool:
             if self.device.type == "cpu" and not trusted:   # checking a CPU tensor costs no device sync
                 self.layout.check_slots(space, s.numpy())
             return s
-        s = self.space_slots(space, _host_array(slots))
+        s = self.space_slots(space, host_array(slots))
         if not trusted:
             s = self.layout.check_slots(space, s)
         return torch.from_numpy(np.ascontiguousarray(s, dtype=np.int64)).to(self.device)
@@ -292,7 +245,7 @@ class KVPool:
     def _spaces_of(self, slots) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         """Per space: the slots of the tokens it holds, and those tokens' positions.
         A space may hold a subset (a sliding window maps only its last tokens)."""
-        s = _host_array(slots)
+        s = host_array(slots)
         out, pos = {}, {}
         for sp in self.layout.spaces:
             mapped = self.space_slots(sp.name, s)
@@ -315,7 +268,7 @@ class KVPool:
 
     def load_cpu_copy(self, copy: CPUCopy, slots) -> None:
         """Write a ``get_cpu_copy`` result into ``slots`` (may differ from where it came from)."""
-        s = _host_array(slots)
+        s = host_array(slots)
         dst = {}
         for name, pos in copy.positions.items():
             if len(pos) and pos.max() >= len(s):
@@ -425,14 +378,14 @@ class HybridSWAPool(KVPool):
         self._mirror(np.arange(len(m)), m)
 
     def map_swa(self, full_slots, swa_slots) -> None:
-        full = self.layout.check_slots(TOKEN, _host_array(full_slots), "full_slots")
-        swa = self.layout.check_slots(SWA, _host_array(swa_slots), "swa_slots")
+        full = self.layout.check_slots(TOKEN, host_array(full_slots), "full_slots")
+        swa = self.layout.check_slots(SWA, host_array(swa_slots), "swa_slots")
         if len(full) != len(swa):
             raise LayoutError(f"map_swa: {len(full)} full slots vs {len(swa)} swa slots")
         self._mirror(full, swa)
 
     def unmap_swa(self, full_slots) -> np.ndarray:
-        full = self.layout.check_slots(TOKEN, _host_array(full_slots), "full_slots")
+        full = self.layout.check_slots(TOKEN, host_array(full_slots), "full_slots")
         old = self.full_to_swa[full]
         self._mirror(full, np.zeros_like(full))
         return old[old > 0]

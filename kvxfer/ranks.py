@@ -1,28 +1,24 @@
-"""Who a rank is: ``RankSpec`` (its place in the deployment) and ``RankInfo`` (what it tells the
-registry and its peers: addresses, layout, transport descriptor). Plain records, JSON in and
-out, every field checked on the way in (exact types, bounded sizes), so that a peer's record
-costs work in proportion to its size and never raises anything but ValueError.
+"""Who a rank is: ``RankSpec`` (its place in the deployment and the model shape the topology
+needs), the default head placement (``heads_held``) and the address syntax every layer checks
+(``split_address``, ``check_address``). What a rank tells the registry and its peers
+(``RankInfo``) is in ``kvxfer.control.records``. Every field is checked on the way in (exact
+types, bounded sizes) and raises nothing but ValueError.
 
-Who calls what: ``RankInfo.from_dict`` runs on every record from a peer (the HELLO handler on
-the control thread, the registry's PUT handler, the client's topology read); ``check_address``
-on every control address a rank advertises or connects to.
+Who calls what: ``RankSpec`` is made by every endpoint and parsed from every peer's record;
+``check_address`` runs on every control address a rank advertises or connects to.
 """
 from __future__ import annotations
 
 import ipaddress
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
-from .errors import PlanError
-
-PROTOCOL = 2            # bumped when RankInfo or the control messages change shape (2: signed envelope)
-
+from .errors import LayoutError, PlanError
+from .layout import SWA
+from .pools import KVPool
 
 MAX_PARALLEL = 1024     # setting: the largest tp/pp/dp size a record may claim (per-message work scales with it)
-
-
-MAX_LAYOUT_ITEMS = 1 << 16   # setting: spaces + regions + parts of one layout record
 
 
 MAX_HEAD_IDS = 1 << 16       # setting: head ids in one explicit head map (a record's ``head_map``)
@@ -36,14 +32,14 @@ WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 # ------------------------------------------------------------------------------------
 # Field checks
 # ------------------------------------------------------------------------------------
-def _int(d: Mapping, name: str, lo: int, hi: int, default: int | None = None) -> int:
+def int_field(d: Mapping, name: str, lo: int, hi: int, default: int | None = None) -> int:
     v = d.get(name, default)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ValueError(f"field {name!r} must be an integer in {lo}..{hi}, got {_short(v)}")
+        raise ValueError(f"field {name!r} must be an integer in {lo}..{hi}, got {short(v)}")
     return v
 
 
-def _short(v) -> str:
+def short(v) -> str:
     r = repr(v)
     return r if len(r) <= 80 else r[:77] + "..."
 
@@ -53,14 +49,14 @@ def split_address(address: str) -> tuple[str, str, int]:
     ``*`` (bind: any free port) -> 0. ValueError
     naming the address when it is not one (an IPv6 host is written ``[::1]``)."""
     if not isinstance(address, str) or len(address) > 256:
-        raise ValueError(f"an address must be a string of at most 256 characters, got {_short(address)}")
+        raise ValueError(f"an address must be a string of at most 256 characters, got {short(address)}")
     if address.startswith("ipc://"):
         path = address[6:]
         if not path or "\0" in path or not path.isprintable():
             raise ValueError(f"address {address!r}: ipc:// needs a printable path")
         return "ipc", path, 0
     if not address.startswith("tcp://"):
-        raise ValueError(f"address {_short(address)} must be tcp://host:port or ipc://path")
+        raise ValueError(f"address {short(address)} must be tcp://host:port or ipc://path")
     host, sep, port = address[6:].rpartition(":")
     if not sep or not (port == "*" or port.isdigit() and port.isascii() and int(port) <= 65535):
         raise ValueError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
@@ -86,44 +82,6 @@ def check_address(address: str, *, advertised: bool = True) -> str:
     return address
 
 
-_LAYOUT_STR = frozenset({"kind", "name", "space", "dtype"})
-
-
-def check_layout_record(layout: Mapping) -> None:
-    """The shape of a layout description (``Layout.to_dict``): lists of flat objects whose
-    fields are ints (``kind``/``name``/``space``/``dtype``: strings). Meaning is checked later
-    (``Layout.from_dict``, the planner); this makes sure that check meets only ints and strings."""
-    if not isinstance(layout, Mapping):
-        raise ValueError("field 'layout' must be a layout description object")
-    items = 0
-    for key, v in layout.items():
-        if not isinstance(key, str) or len(key) > 64:
-            raise ValueError("field 'layout': keys must be short strings")
-        if key in ("spaces", "regions", "parts"):
-            if not isinstance(v, list):
-                raise ValueError(f"field 'layout.{key}' must be a list, got {type(v).__name__}")
-            items += len(v)
-            if items > MAX_LAYOUT_ITEMS:
-                raise ValueError(f"field 'layout' has more than {MAX_LAYOUT_ITEMS} spaces, regions and parts")
-            for i, obj in enumerate(v):
-                if not isinstance(obj, Mapping) or len(obj) > 32:
-                    raise ValueError(f"field 'layout.{key}[{i}]' must be an object of at most 32 fields")
-                for name, x in obj.items():
-                    _layout_leaf(f"layout.{key}[{i}].{name}", name, x)
-        else:
-            _layout_leaf(f"layout.{key}", key, v)
-
-
-def _layout_leaf(where: str, name, x) -> None:
-    if not isinstance(name, str) or len(name) > 64:
-        raise ValueError(f"field {where[:80]!r}: names must be short strings")
-    if name in _LAYOUT_STR:
-        if not isinstance(x, str) or len(x) > 128:
-            raise ValueError(f"field {where!r} must be a string of at most 128 characters, got {_short(x)}")
-    elif isinstance(x, bool) or not isinstance(x, int) or not -(1 << 62) <= x <= 1 << 62:
-        raise ValueError(f"field {where!r} must be an integer, got {_short(x)}")
-
-
 def heads_held(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:
     """Global KV heads that ``tp_rank`` of ``tp_size`` holds by default: contiguous blocks of
     ``num_kv_heads / tp_size``, or one head replicated on ``tp_size / num_kv_heads`` ranks."""
@@ -143,7 +101,7 @@ def _check_head_map(raw, num_kv_heads: int, tp_size: int, replicated: bool) -> t
     many per rank as the default split gives, each id in range and once per rank, every head
     held by the same number of ranks. None when it equals the default (the wire stays as before)."""
     if not isinstance(raw, (list, tuple)) or len(raw) != tp_size:
-        raise ValueError(f"head_map must be a list of {tp_size} lists (one per TP rank), got {_short(raw)}")
+        raise ValueError(f"head_map must be a list of {tp_size} lists (one per TP rank), got {short(raw)}")
     if replicated:
         raise ValueError("head_map: replicated KV (MLA) is whole on every TP rank; it has no head placement")
     try:
@@ -156,12 +114,12 @@ def _check_head_map(raw, num_kv_heads: int, tp_size: int, replicated: bool) -> t
     for r, row in enumerate(raw):
         if not isinstance(row, (list, tuple)) or len(row) != per:
             raise ValueError(f"head_map[{r}] must list {per} head id(s) (TP {tp_size}, {num_kv_heads} KV heads), "
-                             f"got {_short(row)}")
+                             f"got {short(row)}")
         for h in row:
             if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < num_kv_heads:
-                raise ValueError(f"head_map[{r}]: head ids must be integers in 0..{num_kv_heads - 1}, got {_short(h)}")
+                raise ValueError(f"head_map[{r}]: head ids must be integers in 0..{num_kv_heads - 1}, got {short(h)}")
         if len(set(row)) != per:
-            raise ValueError(f"head_map[{r}] names a head twice: {_short(list(row))}")
+            raise ValueError(f"head_map[{r}] names a head twice: {short(list(row))}")
         for h in row:
             count[h] += 1
         out.append(tuple(row))
@@ -199,16 +157,16 @@ class RankSpec:
     def __post_init__(self):
         d = asdict(self)
         if self.role not in ("prefill", "decode") or not isinstance(self.role, str):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {_short(self.role)}")
+            raise ValueError(f"role must be 'prefill' or 'decode', got {short(self.role)}")
         if not isinstance(self.instance, str) or not _NAME.fullmatch(self.instance):
-            raise ValueError(f"instance must match {_NAME.pattern} (whole string), got {_short(self.instance)}")
+            raise ValueError(f"instance must match {_NAME.pattern} (whole string), got {short(self.instance)}")
         for size in ("tp_size", "pp_size", "dp_size"):
-            n = _int(d, size, 1, MAX_PARALLEL)
-            _int(d, size.replace("size", "rank"), 0, n - 1)
-        _int(d, "num_kv_heads", 1, 1 << 20)
-        _int(d, "num_layers", 1, 1 << 20)
+            n = int_field(d, size, 1, MAX_PARALLEL)
+            int_field(d, size.replace("size", "rank"), 0, n - 1)
+        int_field(d, "num_kv_heads", 1, 1 << 20)
+        int_field(d, "num_layers", 1, 1 << 20)
         if not isinstance(self.replicated, bool):
-            raise ValueError(f"replicated must be a bool, got {_short(self.replicated)}")
+            raise ValueError(f"replicated must be a bool, got {short(self.replicated)}")
         if self.head_map is not None:
             object.__setattr__(self, "head_map",
                                _check_head_map(self.head_map, self.num_kv_heads, self.tp_size, self.replicated))
@@ -239,43 +197,34 @@ class RankSpec:
         return f"{self.instance}/dp{self.dp_rank}/pp{self.pp_rank}/tp{self.tp_rank}"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RankInfo:
-    """What a rank tells the registry and its handshake peers. Round-trips through JSON/msgpack."""
-    spec: RankSpec
-    control: str = ""                               # "tcp://host:port" of the control ROUTER
-    data: Mapping[str, Mapping] = field(default_factory=dict)   # transport name -> descriptor
-    layout: Mapping = field(default_factory=dict)   # Layout.to_dict() (KV parts + state parts)
-    aux_bytes: int = 0                              # fixed size of the aux record
-    protocol: int = PROTOCOL
+# ------------------------------------------------------------------------------------
+# A rank's pools against its place (endpoints check them at start-up)
+# ------------------------------------------------------------------------------------
+def swa_window(kv: KVPool) -> int:
+    """The sliding window of a hybrid pool (``HybridSWAPool.window``), 0 for any other pool."""
+    if not any(s.name == SWA for s in kv.layout.spaces):
+        return 0
+    window = getattr(kv, "window", None)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise LayoutError(f"a pool with a {SWA!r} slot space must say its sliding window in tokens "
+                          f"(an int >= 1, as HybridSWAPool.window does), got {window!r}")
+    return window
 
-    def to_dict(self) -> dict:
-        return {**self.spec.to_dict(), "control": self.control, "data": {k: dict(v) for k, v in self.data.items()},
-                "layout": dict(self.layout), "aux_bytes": self.aux_bytes, "protocol": self.protocol}
 
-    @classmethod
-    def from_dict(cls, d: Mapping) -> "RankInfo":
-        """Validate a peer's record field by field; raises ValueError naming the field."""
-        if not isinstance(d, Mapping):
-            raise ValueError(f"a rank record must be an object, got {type(d).__name__}")
-        names = RankSpec.__dataclass_fields__
-        extra = [k for k in d if k not in names and k not in ("control", "data", "layout", "aux_bytes", "protocol")]
-        if extra:
-            raise ValueError(f"rank record: unknown field {_short(extra[0])}")
-        try:
-            spec = RankSpec(**{k: d[k] for k in names if k in d})
-        except TypeError as e:
-            raise ValueError(f"rank record: {e}") from None
-        control, data, layout = d.get("control", ""), d.get("data", {}), d.get("layout", {})
-        if control != "":
-            try:
-                check_address(control)
-            except ValueError as e:
-                raise ValueError(f"field 'control': {e}") from None
-        if not isinstance(data, Mapping) or len(data) > 16 or not all(
-                isinstance(k, str) and len(k) <= 64 and isinstance(v, Mapping) and len(v) <= 64
-                for k, v in data.items()):
-            raise ValueError("field 'data' must map transport names to descriptor objects")
-        check_layout_record(layout)
-        return cls(spec=spec, control=control, data=data, layout=layout,
-                   aux_bytes=_int(d, "aux_bytes", 0, 1 << 20, 0), protocol=_int(d, "protocol", 0, 1 << 16, PROTOCOL))
+def check_heads(spec: RankSpec, kv: KVPool) -> None:
+    """The KV pool holds as many heads as this rank's share (``spec.heads``), or says so in words."""
+    held = list(spec.heads)
+    want = spec.num_kv_heads if spec.replicated else len(held)
+    wrong = sorted({p.heads for p in kv.layout.parts if p.heads != want})
+    if wrong:
+        which = "every head" if spec.replicated else f"heads {span(held)}"
+        raise LayoutError(
+            f"the KV pool of {spec.role} rank {spec.key} holds {wrong[0]} heads per layer, but TP rank "
+            f"{spec.tp_rank} of {spec.tp_size} with {spec.num_kv_heads} KV heads holds {want} ({which}): "
+            f"make the pool with heads=len(kvxfer.heads_held({spec.num_kv_heads}, {spec.tp_size}, {spec.tp_rank}))")
+
+
+def span(heads: list[int]) -> str:
+    if heads == list(range(heads[0], heads[-1] + 1)):
+        return f"{heads[0]}..{heads[-1]}"
+    return str(heads) if len(heads) <= 16 else f"{heads[:16]}..."

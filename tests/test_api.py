@@ -23,13 +23,13 @@ PUBLIC = [
     # planning
     "HeadSlice", "WHOLE", "Planner", "plan_transfer", "TransferPlan", "ByteRanges", "execute_plan",
     # pools
-    "KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator",
+    "KVPool", "MHAPool", "MLAPool", "StatePool", "HybridSWAPool", "PageAllocator", "EnginePool", "RawMemory",
     # transports
     "Transport", "TransferHandle", "Arrival", "get_transport", "available_transports",
     # control plane and offload, loaded lazily
     "heads_held", "sources_for_decode_rank", "targets_for_prefill_rank",
     "RankSpec", "RankInfo", "BootstrapConfig", "BootstrapServer", "BootstrapClient",
-    "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer",
+    "KVPoll", "Timeouts", "AuxRecord", "AuxBuffer", "AuxRows",
     "PrefillEndpoint", "DecodeEndpoint", "KVSender", "KVReceiver", "reduce_poll", "Outcome", "LocalGroup",
     "HostPool", "DecodeOffloadManager",
 ]

@@ -16,9 +16,10 @@ from kvxfer.control import bootstrap
 from kvxfer.control.auth import AUTH_HEADER, sign_http
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.client import BootstrapClient, Registration
+from kvxfer.control.records import RankInfo
 from kvxfer.errors import ConnectError
 from kvxfer.layout import token_major_layout
-from kvxfer.ranks import RankInfo, RankSpec
+from kvxfer.ranks import RankSpec
 
 LAYOUT = token_major_layout(layers=2, heads=2, head_dim=8, dtype="float16", num_slots=64, page_size=4).to_dict()
 

@@ -189,8 +189,8 @@ def test_req_carries_an_optional_16_byte_capability():
     from kvxfer.control.messages import Req, WireError
     d = dict(t="req", room=1, gen=1, kv=b"", prefix=0, state=b"", aux=False, dummy=False)
     cap = secrets.token_bytes(16)
-    assert Req.from_dict({**d, "cap": cap})["cap"] == cap
-    assert Req.from_dict(d).get("cap") is None          # older decode ranks: no capability
+    assert Req.from_dict({**d, "cap": cap}).cap == cap
+    assert Req.from_dict(d).cap is None                  # older decode ranks: no capability
     for bad in (b"x" * 15, b"x" * 17, "x" * 16):
         with pytest.raises(WireError):
             Req.from_dict({**d, "cap": bad})

@@ -22,12 +22,13 @@ from hypothesis import strategies as st
 from kvxfer.control.channel import ChannelLimits, ControlChannel, Heartbeat
 from kvxfer.control.handshake import hello
 from kvxfer.control.messages import Drop
+from kvxfer.control.records import RankInfo
 from kvxfer.endpoint.base import Timeouts
 from kvxfer.endpoint.decode import DecodeEndpoint
 from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.errors import ConnectError
 from kvxfer.pools import MHAPool
-from kvxfer.ranks import RankInfo, RankSpec
+from kvxfer.ranks import RankSpec
 
 FAST = Timeouts(handshake=3.0, heartbeat=Heartbeat(interval=0.2, timeout=2.0))
 SECRET = b"s3cret"

@@ -35,14 +35,14 @@ def _pool() -> MHAPool:
 class Unreachable(LocalTransport):
     """A transport whose data path never reaches: connect does the round trip and fails."""
 
-    def connect(self, descriptor: dict) -> str:
+    def connect(self, descriptor: dict, token: bytes = b"") -> str:
         raise ConnectError(f"cannot connect to local peer {descriptor.get('id')!r}: no answer within 1.0s")
 
 
 class Garbled(LocalTransport):
     """A transport that finds the peer's descriptor unusable."""
 
-    def connect(self, descriptor: dict) -> str:
+    def connect(self, descriptor: dict, token: bytes = b"") -> str:
         raise ValueError("descriptor field 'region_sizes' is not a list of sizes")
 
 
@@ -55,7 +55,7 @@ def counting(base: type[Transport]) -> type[Transport]:
             self.live: set[str] = set()
             self.most = 0
 
-        def connect(self, descriptor: dict) -> str:
+        def connect(self, descriptor: dict, token: bytes = b"") -> str:
             peer = super().connect(descriptor)
             self.live.add(peer)
             self.most = max(self.most, len(self.live))

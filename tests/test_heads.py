@@ -14,10 +14,11 @@ from hypothesis import strategies as st
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
 from kvxfer.control.compat import check_group, head_map_mismatch
+from kvxfer.control.records import RankInfo
 from kvxfer.endpoint import AuxBuffer, DecodeEndpoint, KVPoll, PrefillEndpoint, Timeouts
 from kvxfer.errors import CompatibilityError, PlanError
 from kvxfer.pools import MHAPool
-from kvxfer.ranks import RankInfo, RankSpec
+from kvxfer.ranks import RankSpec
 from kvxfer.topology import expected_decode_ranks, heads_held, peer_sources, peers_needed, sources_for_decode_rank
 
 H, LAYERS, DIM, PAGE = 4, 2, 8, 4

@@ -23,7 +23,7 @@ from hostile_victims import bounded, snapshot
 # kvxfer names used here (update here after a module move)
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.client import BootstrapClient
-from kvxfer.ranks import RankInfo
+from kvxfer.control.records import RankInfo
 
 SECRET = b"registry-secret"
 _names = itertools.count(1)

@@ -20,8 +20,9 @@ from kvxfer.control.addresses import advertise_address, routable_address
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import ControlChannel, Heartbeat
 from kvxfer.control.client import BootstrapClient, Registration
+from kvxfer.control.records import RankInfo
 from kvxfer.layout import token_major_layout
-from kvxfer.ranks import RankInfo, RankSpec
+from kvxfer.ranks import RankSpec
 
 LAYOUT = token_major_layout(layers=2, heads=2, head_dim=8, dtype="float16", num_slots=64, page_size=4).to_dict()
 SECRET = b"s3cret"

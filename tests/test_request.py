@@ -125,8 +125,8 @@ def test_aux_and_state_arrive_with_the_kv(cluster):
     assert r.poll() != KVPoll.Success
     cluster.P.call("send", room=4, range=[8, 9], last=True, aux=[1234, -0.25, [[7, -1.5], [9, -2.0]]])
     assert r.wait(10) == KVPoll.Success, r.reason
-    assert r.aux == AuxRecord(1234, -0.25, ((7, -1.5), (9, -2.0)))
-    assert cluster.D.aux.read(5) == r.aux
+    assert AuxRecord.unpack(r.aux) == AuxRecord(1234, -0.25, ((7, -1.5), (9, -2.0)))
+    assert cluster.D.aux.read(5) == AuxRecord.unpack(r.aux)
     _check(cluster, [(res["slots"], ds, res["state"], cluster.D.state[4])])
     cluster.before = [b.clone() for b in cluster.d_buffers()]
     _finish(cluster, [4])
@@ -250,7 +250,7 @@ def test_multi_source_topologies(heads, p_tp, p_pp, d_tp):
             s.send(p_slots[8:], last=True, aux=AuxRecord(5) if pp == p_pp - 1 else None)
         for r in recvs:
             assert r.wait(10) == KVPoll.Success, r.reason
-            assert r.aux == AuxRecord(5)
+            assert AuxRecord.unpack(r.aux) == AuxRecord(5)
         for s in senders.values():
             assert s.wait(10) == KVPoll.Success, s.reason
         # reference: every source's planned bytes, applied locally
@@ -298,7 +298,7 @@ def test_layer_group_chunks_and_an_empty_last_chunk():
                 assert r.wait(0.5, until=KVPoll.Transferring) == KVPoll.Transferring
                 s.send(ps[:0], start=len(ps), last=True, aux=AuxRecord(room))
             assert r.wait(5) == KVPoll.Success, r.reason
-            assert r.aux == AuxRecord(room) and s.wait(5) == KVPoll.Success
+            assert AuxRecord.unpack(r.aux) == AuxRecord(room) and s.wait(5) == KVPoll.Success
         execute_plan(plan_transfer(p_pool.layout, ps, d_pool.layout, ds), p_pool.buffers, ref)
         assert rp.same_bytes(d_pool.buffers, ref)
     finally:

@@ -109,7 +109,7 @@ def test_an_aux_row_is_cleared_when_its_request_is_granted(pair):
     assert bool((pair.aux.tensor[2] == 0xFF).all())          # what an engine reading the tensor sees
     s.send(np.arange(16, 20), last=True, aux=AuxRecord(2222))
     assert r.wait(10) == KVPoll.Success, r.reason
-    assert pair.aux.read(2) == AuxRecord(2222) == r.aux
+    assert pair.aux.read(2) == AuxRecord(2222) == AuxRecord.unpack(r.aux)
     assert rp.same_bytes(pair.d_pool.buffers, pair.expected([(ps, ds), (np.arange(16, 20), np.arange(12, 16))]))
 
 

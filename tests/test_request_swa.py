@@ -19,6 +19,8 @@ import torch
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
 from kvxfer.control.compat import check_pair, layout_record
+from kvxfer.control.messages import as_message
+from kvxfer.control.records import RankInfo
 from kvxfer.control.wire import decode, encode
 from kvxfer.copy import execute_plan
 from kvxfer.endpoint.aux import AuxBuffer, AuxRecord
@@ -29,7 +31,7 @@ from kvxfer.errors import CompatibilityError, RequestError
 from kvxfer.layout import SWA, TOKEN, token_major_layout
 from kvxfer.plan import plan_transfer
 from kvxfer.pools import HybridSWAPool, MHAPool
-from kvxfer.ranks import RankInfo, RankSpec
+from kvxfer.ranks import RankSpec
 from kvxfer.topology import decode_sources, heads_held, stage_layers
 
 CANARY = 0xCD
@@ -137,7 +139,7 @@ def run_request(c: Cluster, room: int, *, tokens: int, prefix: int, window: int,
             s.send(ps[a:b], last=last, aux=AuxRecord(room) if last and pp == last_stage else None)
     for r in recvs:
         assert r.wait(20) == KVPoll.Success, r.reason
-        assert r.aux == AuxRecord(room)
+        assert AuxRecord.unpack(r.aux) == AuxRecord(room)
     for s in senders.values():
         assert s.wait(20) == KVPoll.Success, s.reason
     deadline = time.monotonic() + 10
@@ -349,9 +351,9 @@ def test_check_pair_names_window_and_layer_mismatches():
 
 def test_window_fields_are_type_checked_on_the_wire():
     req = {"t": "req", "room": 1, "gen": 1, "kv": b"", "prefix": 0, "state": b"", "aux": False, "dummy": False}
-    assert decode(encode(req, None), None) == req                 # a plain request: no window fields
+    assert decode(encode(req, None), None).to_dict() == req       # a plain request: no window fields
     ok = {**req, "swa": np.arange(4, 6, dtype="<i8").tobytes(), "swa_n": 2}
-    assert decode(encode(ok, None), None) == ok
+    assert decode(encode(ok, None), None).to_dict() == ok
     for bad in ({**req, "swa_n": "2"}, {**req, "swa_n": -1}, {**req, "swa": 5}):
         with pytest.raises(ValueError, match="swa"):
             decode(encode(bad, None), None)
@@ -373,7 +375,7 @@ def test_prefill_checks_the_window_slots_it_is_sent(cluster_of, swa, count, why)
            "state": b"", "aux": False, "dummy": False, "swa": swa.astype("<i8").tobytes()}
     if count is not None:
         msg["swa_n"] = count
-    pe.on_message(de.channel.identity, msg)
+    pe.on_message(de.channel.identity, as_message(msg))
     assert r.wait(10) == KVPoll.Failed
     assert "bad request" in r.reason and re.search(why, r.reason), r.reason
     assert pe.sender(40).poll() == KVPoll.Bootstrapping        # the request was not queued for a sender

@@ -224,7 +224,7 @@ class Rank:
             self.bytes += nbytes
 
     # -- prefill: answer every request with the pattern ------------------------------------
-    def _queue(self, room: int, tokens: int) -> None:   # the endpoint's on_request: must not block
+    def _queue(self, room: int | str, tokens: int) -> None:   # the endpoint's on_request: must not block
         try:
             self._todo.put_nowait((room, tokens))
         except queue.Full:

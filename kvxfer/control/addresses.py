@@ -15,8 +15,10 @@ import fcntl
 import ipaddress
 import socket
 import struct
+import urllib.parse
 
 from ..ranks import WILDCARDS, split_address
+from .records import RankInfo
 
 _SIOCGIFADDR = 0x8915
 
@@ -116,3 +118,44 @@ def advertise_address(bind: str, advertise: str | None = None, *, remote: bool =
     if ":" in h and not h.startswith("["):
         h = f"[{h}]"
     return f"tcp://{h}:{port}"
+
+
+# ------------------------------------------------------------------------------------
+# Addresses that reach (start-up checks of the endpoints)
+# ------------------------------------------------------------------------------------
+def on_another_host(host: str) -> bool:
+    """True when ``host`` (a bootstrap URL's host) is not this host: not loopback and none of this
+    host's interface addresses. Resolves names (start-up only: it may block on DNS)."""
+    if is_loopback(host) or host in WILDCARDS:   # a client reaches a wildcard on its own host
+        return False
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(host.strip("[]"), None)}
+    except OSError:
+        return True
+    return not addrs & (set(interfaces().values()) | {"127.0.0.1", "::1"})
+
+
+def check_reachable(info: RankInfo, bootstrap: str, *, advertise: str | None = None, bound: str = "") -> None:
+    """Start-up (``PrefillEndpoint.register``, ``DecodeEndpoint.connect``): ValueError, naming the
+    setting to change, when the bootstrap at ``bootstrap`` is on another host and ``info``
+    advertises an address its peers there cannot reach: loopback or a wildcard, for the control
+    address (``advertise=``) or a transport's data ``endpoint`` (``transport_options``)."""
+    host = urllib.parse.urlsplit(bootstrap).hostname
+    if not host or not on_another_host(host):
+        return
+    checks = [(info.control, f"PrefillEndpoint(advertise=) (now {advertise!r}; bound {bound or '?'}; "
+                             f"kvxfer rank --advertise)")] if info.control else []
+    for name, d in info.data.items():
+        ep = d.get("endpoint") if isinstance(d, dict) else None
+        if isinstance(ep, str) and ep.startswith("tcp://"):
+            checks.append((ep, f"transport_options['endpoint'] of the {name} transport (kvxfer rank --bind / "
+                               f"--advertise)"))
+    for address, setting in checks:
+        try:
+            _, h, _ = split_address(address)
+        except ValueError:
+            continue
+        if h in WILDCARDS or is_loopback(h):
+            raise ValueError(f"this {info.spec.role} rank would advertise {address} to the bootstrap {bootstrap} on "
+                             f"another host, which only {'no host' if h in WILDCARDS else 'this host'} can reach: "
+                             f"set {setting} to an address or interface name peers can reach")

@@ -48,9 +48,10 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from ..errors import ConnectError
-from ..ranks import RankInfo, split_address
+from ..ranks import split_address
 from .addresses import advertise_host, is_loopback
 from .auth import AUTH_HEADER, AUTH_SKEW, as_secret, check_http
+from .records import RankInfo
 from .registry import KEY, OWNER, NonceCache, Registry, RegistryError
 
 log = logging.getLogger("kvxfer.control.bootstrap")

@@ -13,8 +13,8 @@ import urllib.error
 import urllib.request
 
 from ..errors import ConnectError
-from ..ranks import RankInfo
 from .auth import AUTH_HEADER, as_secret, sign_http
+from .records import RankInfo
 
 log = logging.getLogger("kvxfer.control.bootstrap")
 

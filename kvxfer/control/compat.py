@@ -9,9 +9,10 @@ from collections.abc import Sequence
 from ..errors import CompatibilityError, LayoutError, PlanError
 from ..layout import SWA, Layout, is_hybrid
 from ..plan import Planner
-from ..ranks import RankInfo, RankSpec
+from ..ranks import RankSpec
 from ..topology import heads_held, peer_sources, stage_layers
 from .messages import MAX_WINDOW  # one bound for the wire and the record
+from .records import RankInfo
 
 
 # ------------------------------------------------------------------------------------
@@ -82,6 +83,22 @@ def _names(keys) -> str:
     return ", ".join(sorted({str(k) for k in keys}))
 
 
+def aux_format(info: RankInfo) -> tuple[int, ...]:
+    """The bytes of one row of each of a rank's aux buffers (a single record of ``aux_bytes`` for a
+    rank without buffers; () for none)."""
+    return tuple(info.aux_rows) or ((info.aux_bytes,) if info.aux_bytes else ())
+
+
+def aux_mismatch(p_key: str, p_format: tuple[int, ...], d_key: str, d_format: tuple[int, ...]) -> str | None:
+    """Why prefill rank ``p_key`` cannot fill decode rank ``d_key``'s aux rows, or None. Not a
+    handshake refusal: only requests that ask for aux rows fail with it (a pair may move KV
+    without them)."""
+    if tuple(p_format) == tuple(d_format):
+        return None
+    return (f"aux rows differ: prefill {p_key} has rows of {list(p_format) or 'no'} bytes per buffer, decode "
+            f"{d_key} {list(d_format) or 'none'}: give both sides aux buffers of the same row sizes")
+
+
 def check_pair(p: RankInfo, d: RankInfo, transport: str | None = None) -> list[str]:
     """Every reason prefill rank ``p`` and decode rank ``d`` cannot work together; [] when they can."""
     out: list[str] = []
@@ -108,8 +125,6 @@ def check_pair(p: RankInfo, d: RankInfo, transport: str | None = None) -> list[s
                            f"{side} rank must hold a whole number of heads (or TP be a multiple of the heads)")
     if max(ps.tp_size, ds.tp_size) % min(ps.tp_size, ds.tp_size):
         out.append(f"TP sizes: P {ps.tp_size} vs D {ds.tp_size}: one must divide the other")
-    if p.aux_bytes != d.aux_bytes:
-        out.append(f"aux record: P {p.aux_bytes} bytes vs D {d.aux_bytes} bytes: set the same aux_bytes")
     pl, dl = _layout(p, "P", out), _layout(d, "D", out)
     if pl is None or dl is None:
         return out

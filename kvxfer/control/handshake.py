@@ -12,10 +12,10 @@ import os
 from collections.abc import Mapping, Sequence
 
 from ..errors import CompatibilityError, ConnectError
-from ..ranks import RankInfo
 from .channel import ControlChannel
 from .compat import check_pair, head_map_mismatch
-from .messages import MAX_WHY, MAX_WHYS
+from .messages import MAX_WHY, MAX_WHYS, Hello, Message, Refuse, Welcome
+from .records import RankInfo
 
 log = logging.getLogger("kvxfer.control")
 
@@ -36,38 +36,43 @@ def describe(descriptor) -> str:
 # ------------------------------------------------------------------------------------
 # The two halves of the handshake
 # ------------------------------------------------------------------------------------
-def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float) -> RankInfo:
-    """Decode side: HELLO -> the prefill rank's RankInfo, or CompatibilityError / ConnectError."""
-    reply = channel.call(peer, {"t": "hello", "info": d_info.to_dict(), "nonce": os.urandom(16)}, timeout)
-    if reply["t"] == "refuse":
-        why = [str(w)[:1024] for w in reply["why"]]
+def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float,
+          tokens: Mapping[str, bytes] | None = None) -> RankInfo:
+    """Decode side: HELLO -> the prefill rank's RankInfo, or CompatibilityError / ConnectError.
+    ``tokens``: per transport, what ``Transport.admit`` gave for this prefill rank."""
+    msg = {"t": "hello", "info": d_info.to_dict(), "nonce": os.urandom(16)}
+    if tokens:
+        msg["tokens"] = dict(tokens)
+    reply = channel.call(peer, msg, timeout)
+    if isinstance(reply, Refuse):
+        why = [str(w)[:1024] for w in reply.why]
         if any(w.startswith(("authentication", "addressed to", "sender identity", "bad envelope", DATA_PATH))
                for w in why):
             raise ConnectError(f"prefill rank {peer} refused the handshake: {'; '.join(why)}")
         raise CompatibilityError(why)
-    if reply["t"] != "welcome":
-        raise ConnectError(f"prefill rank {peer} answered HELLO with {reply['t']!r}")
+    if not isinstance(reply, Welcome):
+        raise ConnectError(f"prefill rank {peer} answered HELLO with {reply.T!r}")
     try:
-        return RankInfo.from_dict(reply["info"])
+        return RankInfo.from_dict(reply.info)
     except ValueError as e:
         raise ConnectError(f"prefill rank {peer} sent an invalid rank record: {e}") from None
 
 
-def _refuse(i: int, why: list[str]) -> dict:
-    return {"t": "refuse", "re": i, "why": [w[:MAX_WHY] for w in why[:MAX_WHYS]] or ["refused"]}
+def _refuse(i: int, why: list[str]) -> Refuse:
+    return Refuse(re=i, why=[w[:MAX_WHY] for w in why[:MAX_WHYS]] or ["refused"])
 
 
-def answer_hello(p_info: RankInfo, msg: Mapping, transport: str,
-                 group: Sequence[RankInfo] = ()) -> tuple[RankInfo | None, dict]:
+def answer_hello(p_info: RankInfo, msg: Hello, transport: str,
+                 group: Sequence[RankInfo] = ()) -> tuple[RankInfo | None, Message]:
     """Prefill side: (decode RankInfo or None, the reply to send). Never raises on peer input.
     ``group``: the decode ranks connected already; one of the peer's TP group that places the
     group's heads otherwise (``RankSpec.head_map``) is a refusal naming both."""
     try:
-        d_info = RankInfo.from_dict(msg["info"])
+        d_info = RankInfo.from_dict(msg.info)
     except ValueError as e:
-        return None, _refuse(msg["i"], [f"invalid rank record: {e}"])
+        return None, _refuse(msg.i, [f"invalid rank record: {e}"])
     if d_info.spec.role != "decode":
-        return None, _refuse(msg["i"], ["only decode ranks say HELLO"])
+        return None, _refuse(msg.i, ["only decode ranks say HELLO"])
     try:
         why = check_pair(p_info, d_info, transport)
     except Exception as e:   # a record check_pair did not foresee: refuse it, never kill the thread
@@ -79,5 +84,5 @@ def answer_hello(p_info: RankInfo, msg: Mapping, transport: str,
             why.append(conflict)
             break
     if why:
-        return None, _refuse(msg["i"], why)
-    return d_info, {"t": "welcome", "re": msg["i"], "info": p_info.to_dict()}
+        return None, _refuse(msg.i, why)
+    return d_info, Welcome(re=msg.i, info=p_info.to_dict())

@@ -1,36 +1,51 @@
-"""The control messages, one frozen dataclass per type, and the fixed reasons a message is dropped.
+"""The control messages, one frozen dataclass per type, the protocol version, and the fixed
+reasons a message is dropped.
 
-Every message a peer sends is parsed here (``Message.from_dict``) before anything reads it:
-exact types (an int is an int, never a bool or a float), bounded sizes, no unknown fields. A
-value that fails is a ``WireError`` carrying a ``Drop`` reason from a fixed set, so counters
-are keyed by our enum, never by a string the peer chose.
+Every message a peer sends is parsed here (``parse``) before anything reads it: exact types (an
+int is an int, never a bool or a float), bounded sizes, no unknown fields. A value that fails is
+a ``WireError`` carrying a ``Drop`` reason from a fixed set, so counters are keyed by our enum,
+never by a string the peer chose. Each field is declared once, with its bounds in the field's
+metadata (``wire(...)``); the wire name of a type is its ``T``.
 
 Who calls what
 --------------
 ``ControlChannel`` (``kvxfer.control.channel``) parses every received body with ``parse`` and
-builds every outgoing one with ``as_message`` (dicts from the endpoints are checked the same way,
-so a bug on our side fails on the sender's thread, not on the peer's). Handlers receive a
-``Message``; it reads like a read-only mapping (``msg["room"]``, ``msg.get("swa")``, ``"swa_n" in
-msg``) so endpoint code written against dicts keeps working, and compares equal to the dict it
-came from. An absent optional field is ``None`` on the dataclass and absent from the mapping.
+checks every outgoing one with ``outgoing``. The endpoints build message objects
+(``Req(room=..., gen=...)``) and ``match`` on their classes; a field a peer may omit is None.
+Reasons (``why``) are cut to their bound with ``cut`` before a message is built.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, Union
 
 import msgpack
 
+# ------------------------------------------------------------------------------------
+# The protocol version: bumped when RankInfo or a message changes shape. A handshake between
+# ranks of two versions is refused, naming both (``kvxfer.control.compat``).
+#   1  the first control plane (plain msgpack bodies)
+#   2  the signed envelope [mac, head, body] (``kvxfer.control.wire``)
+#   3  rooms may be strings; HELLO carries the transports' admission tokens; rank records say
+#      their aux rows (``aux_rows``); aux rows of any format
+# ------------------------------------------------------------------------------------
+PROTOCOL = 3
+
 MAX_MESSAGE = 64 << 20        # a REQ for a 1M-token request carries 8 MiB of slots
 MAX_ROOM = (1 << 63) - 1
+MAX_ROOM_CHARS = 256          # a string room (an engine's request id): 1..256 printable characters
 MAX_GEN = (1 << 31) - 1
 MAX_CALL_ID = (1 << 63) - 1
 MAX_WHY = 4096                # characters of one reason
 MAX_WHYS = 256                # reasons in one REFUSE
 MAX_WINDOW = 1 << 40          # sliding-window tokens (kvxfer.control.compat checks the same bound)
 CAP_BYTES = 16                # a grant's data-plane capability (Req.cap)
+MAX_TOKEN = 64                # bytes of one transport admission token (Hello.tokens)
+
+Room = Union[int, str]        # the engine's name for a request: an int, or a string id
 
 
 class Drop(str, enum.Enum):
@@ -66,10 +81,33 @@ class WireError(ValueError):
 
 
 # ------------------------------------------------------------------------------------
-# Field checks: (type, lo, hi); for str/bytes/list the bounds are on the length
+# Field checks. A spec is (type, lo, hi[, item spec]): for int the bounds are on the value, for
+# str/bytes/list/dict on the length; a list's items (a dict's values, under short str keys)
+# meet the item spec. ``ROOM`` is an int room or a string room.
 # ------------------------------------------------------------------------------------
+ROOM = ("room",)
+
+
+def check_room(room: Any, name: str = "room") -> Room:
+    """``room`` if it is one (an int in 0..2**63-1, or a string of 1..256 printable characters);
+    WireError (a ValueError) naming the bound otherwise."""
+    if isinstance(room, int) and not isinstance(room, bool):
+        if 0 <= room <= MAX_ROOM:
+            return room
+        raise WireError(Drop.FIELD, f"field {name!r}: an int room must be in 0..2**63-1, got {room}")
+    if type(room) is str:
+        if 1 <= len(room) <= MAX_ROOM_CHARS and room.isprintable():
+            return room
+        raise WireError(Drop.FIELD, f"field {name!r}: a string room must be 1..{MAX_ROOM_CHARS} printable characters, "
+                                    f"got {len(room)} character(s){'' if room.isprintable() else ' (unprintable)'}")
+    raise WireError(Drop.FIELD, f"field {name!r}: a room is an int or a str, got {type(room).__name__}")
+
+
 def check_field(name: str, v: Any, spec: tuple) -> None:
     typ = spec[0]
+    if typ == "room":
+        check_room(v, name)
+        return
     if typ is int and (isinstance(v, bool) or not isinstance(v, int)) or typ is not int and type(v) is not typ:
         raise WireError(Drop.FIELD, f"field {name!r} must be {typ.__name__}, got {type(v).__name__}")
     if len(spec) >= 3:
@@ -80,41 +118,58 @@ def check_field(name: str, v: Any, spec: tuple) -> None:
     if typ is list and len(spec) == 4:
         for x in v:
             check_field(f"{name}[]", x, spec[3])
+    if typ is dict and len(spec) == 4:
+        for k, x in v.items():
+            if type(k) is not str or len(k) > 64:
+                raise WireError(Drop.FIELD, f"field {name!r}: keys must be strings of at most 64 characters")
+            check_field(f"{name}[{k}]", x, spec[3])
 
 
-class Message(Mapping):
-    """Base of every control message: checked in ``__post_init__``, read like a mapping."""
+def wire(*spec, optional: bool = False) -> Any:
+    """A message field with its bounds (``check_field``); ``optional``: a peer may omit it (None)."""
+    if optional:
+        return dataclasses.field(default=None, metadata={"spec": spec, "optional": True})
+    return dataclasses.field(metadata={"spec": spec, "optional": False})
+
+
+def cut(why: str) -> str:
+    """A reason cut to its wire bound, so a long error text of ours never turns a refusal into none."""
+    return why[:MAX_WHY]
+
+
+# ------------------------------------------------------------------------------------
+# Messages
+# ------------------------------------------------------------------------------------
+class Message:
+    """Base of every control message: a frozen dataclass whose fields are checked at creation."""
     __slots__ = ()
     T: ClassVar[str] = ""
-    SPEC: ClassVar[dict[str, tuple]] = {}       # required fields
-    OPTIONAL: ClassVar[dict[str, tuple]] = {}   # may be absent (None on the dataclass)
+    FIELDS: ClassVar[tuple[tuple[str, tuple, bool], ...]] = ()   # (name, spec, optional), set by ``message``
 
     def __post_init__(self):
-        for name, spec in self.SPEC.items():
-            check_field(name, getattr(self, name), spec)
-        for name, spec in self.OPTIONAL.items():
-            if getattr(self, name) is not None:
-                check_field(name, getattr(self, name), spec)
+        for name, spec, optional in self.FIELDS:
+            v = getattr(self, name)
+            if v is None and optional:
+                continue
+            check_field(name, v, spec)
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Message":
         """Exactly the fields of this type; WireError (FIELD) names the first one wrong."""
-        known = cls.SPEC.keys() | cls.OPTIONAL.keys()
-        extra = [k for k in d if k != "t" and k not in known]
+        names = {name for name, _, _ in cls.FIELDS}
+        extra = [k for k in d if k != "t" and k not in names]
         if extra:
             raise WireError(Drop.FIELD, f"{cls.T}: unknown field {str(extra[0])[:64]!r}")
-        missing = [k for k in cls.SPEC if k not in d]
+        missing = [name for name, _, optional in cls.FIELDS if not optional and name not in d]
         if missing:
             raise WireError(Drop.FIELD, f"{cls.T}: field {missing[0]!r} missing")
-        return cls(**{k: d[k] for k in known if k in d})
+        return cls(**{k: d[k] for k in names if k in d})
 
     def to_dict(self) -> dict:
         out: dict = {"t": self.T}
-        for name in self.SPEC:
-            out[name] = getattr(self, name)
-        for name in self.OPTIONAL:
+        for name, _, optional in self.FIELDS:
             v = getattr(self, name)
-            if v is not None:
+            if v is not None or not optional:
                 out[name] = v
         return out
 
@@ -130,132 +185,121 @@ class Message(Mapping):
             raise WireError(Drop.TYPE, f"expected {cls.T}, got {msg.T}")
         return msg
 
-    # -- read-only mapping view (endpoint code reads messages by key) ---------------------
-    def __getitem__(self, key: str) -> Any:
-        if key == "t":
-            return self.T
-        if key in self.SPEC or (key in self.OPTIONAL and getattr(self, key) is not None):
-            return getattr(self, key)
-        raise KeyError(key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.to_dict())
-
-    def __len__(self) -> int:
-        return len(self.to_dict())
-
 
 _M = TypeVar("_M", bound="type[Message]")
 
 
-def _msg(t: str, spec: dict, optional: dict | None = None) -> Callable[[_M], _M]:
-    """The wire name and field bounds of a message class (a frozen dataclass, declared under it)."""
+def message(t: str):
+    """The wire name of a message class (a frozen dataclass declared under it)."""
     def wrap(cls: _M) -> _M:
-        cls.T, cls.SPEC, cls.OPTIONAL = t, spec, optional or {}
+        cls.T = t
+        cls.FIELDS = tuple((f.name, f.metadata["spec"], f.metadata["optional"])
+                           for f in dataclasses.fields(cls))   # type: ignore[arg-type]
         return cls
     return wrap
 
 
-_RC = {"room": (int, 0, MAX_ROOM), "gen": (int, 0, MAX_GEN)}
+_MSG = dict(frozen=True, slots=True, kw_only=True)
 
 
-@_msg("hello", {"i": (int, 0, MAX_CALL_ID), "info": (dict, 0, 4096), "nonce": (bytes, 8, 64)})
-@dataclass(frozen=True, slots=True, eq=False)
+@message("hello")
+@dataclass(**_MSG)
 class Hello(Message):
-    """Decode -> prefill, once per connection: the decode rank's ``RankInfo`` as a dict."""
-    i: int
-    info: dict
-    nonce: bytes
+    """Decode -> prefill, once per connection: the decode rank's ``RankInfo`` as a dict, and per
+    transport the admission token its ``Transport.admit`` gave for this prefill rank (the
+    prefill rank presents it on the data path: ``Transport.connect(descriptor, token)``)."""
+    i: int = wire(int, 0, MAX_CALL_ID)
+    info: dict = wire(dict, 0, 4096)
+    nonce: bytes = wire(bytes, 8, 64)
+    tokens: dict | None = wire(dict, 0, 16, (bytes, 0, MAX_TOKEN), optional=True)
 
 
-@_msg("welcome", {"re": (int, 0, MAX_CALL_ID), "info": (dict, 0, 4096)})
-@dataclass(frozen=True, slots=True, eq=False)
+@message("welcome")
+@dataclass(**_MSG)
 class Welcome(Message):
     """Prefill -> decode: the HELLO was accepted; the prefill rank's ``RankInfo``."""
-    re: int
-    info: dict
+    re: int = wire(int, 0, MAX_CALL_ID)
+    info: dict = wire(dict, 0, 4096)
 
 
-@_msg("refuse", {"re": (int, 0, MAX_CALL_ID), "why": (list, 1, MAX_WHYS, (str, 0, MAX_WHY))})
-@dataclass(frozen=True, slots=True, eq=False)
+@message("refuse")
+@dataclass(**_MSG)
 class Refuse(Message):
     """Prefill -> decode: every reason the HELLO was refused, in words."""
-    re: int
-    why: list
+    re: int = wire(int, 0, MAX_CALL_ID)
+    why: list = wire(list, 1, MAX_WHYS, (str, 0, MAX_WHY))
 
 
-@_msg("req", {**_RC, "kv": (bytes, 0, MAX_MESSAGE), "prefix": (int, 0, 1 << 40), "state": (bytes, 0, 1 << 16),
-              "aux": (bool,), "dummy": (bool,)},
-      {"swa": (bytes, 0, MAX_MESSAGE), "swa_n": (int, 0, MAX_WINDOW), "cap": (bytes, CAP_BYTES, CAP_BYTES)})
-@dataclass(frozen=True, slots=True, eq=False)
+@message("req")
+@dataclass(**_MSG)
 class Req(Message):
     """Decode -> prefill, per request: the grant (slots as int64 little-endian bytes).
 
     ``cap``: the grant's data-plane capability, ``secrets.token_bytes(CAP_BYTES)`` made by decode
     per grant and given to its transport (``Transport.expect(..., capability=cap)``); prefill
-    passes it to every ``Transport.submit(..., capability=cap)`` of the request. Absent: the
-    grant has none (older decode ranks)."""
-    room: int
-    gen: int
-    kv: bytes
-    prefix: int
-    state: bytes
-    aux: bool
-    dummy: bool
-    swa: bytes | None = None      # hybrid SWA only: decode's window slots
-    swa_n: int | None = None      # and how many
-    cap: bytes | None = None      # the grant's capability (exactly CAP_BYTES), see above
+    passes it to every ``Transport.submit(..., capability=cap)`` of the request. ``aux``: this
+    prefill rank sends the request's aux row (decode's row is ``aux_bytes`` long)."""
+    room: Room = wire(*ROOM)
+    gen: int = wire(int, 0, MAX_GEN)
+    kv: bytes = wire(bytes, 0, MAX_MESSAGE)
+    prefix: int = wire(int, 0, 1 << 40)
+    state: bytes = wire(bytes, 0, 1 << 16)
+    aux: bool = wire(bool)
+    dummy: bool = wire(bool)
+    swa: bytes | None = wire(bytes, 0, MAX_MESSAGE, optional=True)    # hybrid SWA only: decode's window slots
+    swa_n: int | None = wire(int, 0, MAX_WINDOW, optional=True)       # and how many
+    cap: bytes | None = wire(bytes, CAP_BYTES, CAP_BYTES, optional=True)
 
 
-@_msg("ack", _RC)
-@dataclass(frozen=True, slots=True, eq=False)
+@message("ack")
+@dataclass(**_MSG)
 class Ack(Message):
     """Prefill -> decode: the request is bound to a sender."""
-    room: int
-    gen: int
+    room: Room = wire(*ROOM)
+    gen: int = wire(int, 0, MAX_GEN)
 
 
-@_msg("nack", {**_RC, "why": (str, 0, MAX_WHY)})
-@dataclass(frozen=True, slots=True, eq=False)
+@message("nack")
+@dataclass(**_MSG)
 class Nack(Message):
     """Prefill -> decode: the request is refused."""
-    room: int
-    gen: int
-    why: str
+    room: Room = wire(*ROOM)
+    gen: int = wire(int, 0, MAX_GEN)
+    why: str = wire(str, 0, MAX_WHY)
 
 
-@_msg("abort", {**_RC, "why": (str, 0, MAX_WHY)})
-@dataclass(frozen=True, slots=True, eq=False)
+@message("abort")
+@dataclass(**_MSG)
 class Abort(Message):
     """Either side: the request failed there."""
-    room: int
-    gen: int
-    why: str
+    room: Room = wire(*ROOM)
+    gen: int = wire(int, 0, MAX_GEN)
+    why: str = wire(str, 0, MAX_WHY)
 
 
-@_msg("done", _RC)
-@dataclass(frozen=True, slots=True, eq=False)
+@message("done")
+@dataclass(**_MSG)
 class Done(Message):
     """Decode -> prefill: every byte landed; prefill may release the KV."""
-    room: int
-    gen: int
+    room: Room = wire(*ROOM)
+    gen: int = wire(int, 0, MAX_GEN)
 
 
-@_msg("fin", {"meta": (bytes, 0, 1 << 20)})
-@dataclass(frozen=True, slots=True, eq=False)
+@message("fin")
+@dataclass(**_MSG)
 class Fin(Message):
     """Prefill -> decode: a last-chunk marker that moved no bytes (``ChunkMeta`` packed)."""
-    meta: bytes
+    meta: bytes = wire(bytes, 0, 1 << 20)
 
 
-@_msg("ping", {})
-@dataclass(frozen=True, slots=True, eq=False)
+@message("ping")
+@dataclass(**_MSG)
 class Ping(Message):
     """Decode -> prefill, every heartbeat interval."""
 
 
-@_msg("pong", {})
-@dataclass(frozen=True, slots=True, eq=False)
+@message("pong")
+@dataclass(**_MSG)
 class Pong(Message):
     """Prefill -> decode: the answer to a ping."""
 
@@ -296,12 +340,12 @@ def call_id(msg: Message) -> int | None:
 
 
 def outgoing(msg: Mapping | Message) -> Message:
-    """``as_message`` for what we send: reasons (``why``) are cut to their bounds first, so a long
-    error text of ours never turns a refusal into no answer. Anything else malformed raises."""
-    if isinstance(msg, Mapping) and not isinstance(msg, Message) and "why" in msg:
+    """``as_message`` for what we send: reasons (``why``) in a dict are cut to their bounds first
+    (message objects are built with ``cut``). Anything else malformed raises."""
+    if isinstance(msg, Mapping) and "why" in msg:
         why = msg["why"]
         if isinstance(why, str):
-            msg = {**msg, "why": why[:MAX_WHY]}
+            msg = {**msg, "why": cut(why)}
         elif isinstance(why, list):
-            msg = {**msg, "why": [w[:MAX_WHY] if isinstance(w, str) else w for w in why[:MAX_WHYS]]}
+            msg = {**msg, "why": [cut(w) if isinstance(w, str) else w for w in why[:MAX_WHYS]]}
     return as_message(msg)

@@ -20,7 +20,7 @@ import logging
 import re
 from dataclasses import dataclass
 
-from ..ranks import RankInfo
+from .records import RankInfo
 
 log = logging.getLogger("kvxfer.control.bootstrap")
 

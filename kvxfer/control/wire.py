@@ -30,13 +30,16 @@ from .messages import (
     MAX_ROOM,
     Drop,
     Message,
+    Room,
     WireError,
     as_message,
     check_field,
+    check_room,
     parse,
 )
 
 MAX_CHUNKS = 1 << 24
+MAX_AUX = 512 << 10         # bytes of one request's aux rows (they ride in the last chunk's metadata)
 MAX_IDENTITY = 255          # bytes of a ZMQ routing identity
 HEAD_VERSION = 1
 
@@ -134,7 +137,7 @@ class ChunkMeta:
     ``chunk`` numbers the transfers one source made for one decode rank; the last one also
     says how many there were (``total``) and how many bytes (``nbytes``), so the receiver
     knows when every byte of that source arrived, whatever order chunks land in."""
-    room: int
+    room: Room
     gen: int
     source: tuple[int, int]      # (p_tp_rank, p_pp_rank)
     chunk: int
@@ -149,14 +152,15 @@ class ChunkMeta:
     @classmethod
     def unpack(cls, raw: bytes) -> "ChunkMeta":
         try:
-            v = msgpack.unpackb(raw, raw=False, max_str_len=0, max_bin_len=1 << 20, max_array_len=8,
+            v = msgpack.unpackb(raw, raw=False, max_str_len=1024, max_bin_len=MAX_AUX, max_array_len=8,
                                 max_map_len=0, max_ext_len=0)
         except Exception as e:
             raise ValueError(f"chunk metadata is not msgpack ({type(e).__name__})") from None
         if not isinstance(v, list) or len(v) != 7 or not isinstance(v[2], list) or len(v[2]) != 2:
             raise ValueError("chunk metadata has the wrong shape")
         room, gen, (tp, pp), chunk, total, nbytes, aux = v
-        for name, x, lo, hi in (("room", room, 0, MAX_ROOM), ("gen", gen, 0, MAX_GEN), ("tp", tp, 0, 1 << 16),
+        check_room(room)
+        for name, x, lo, hi in (("gen", gen, 0, MAX_GEN), ("tp", tp, 0, 1 << 16),
                                 ("pp", pp, 0, 1 << 16), ("chunk", chunk, 0, MAX_CHUNKS),
                                 ("total", total, -1, MAX_CHUNKS), ("nbytes", nbytes, -1, 1 << 50)):
             check_field(name, x, (int, lo, hi))

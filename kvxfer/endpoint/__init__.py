@@ -3,11 +3,11 @@
 request/endpoint bases), TP-group agreement (``group``: ``reduce_poll``, ``LocalGroup``) and the aux
 records (``aux``). The request life cycle and who calls what is in ``base``'s docstring.
 """
-from .aux import AUX_BYTES, AuxBuffer, AuxRecord
+from .aux import AUX_BYTES, AuxBuffer, AuxRecord, AuxRows
 from .base import KVPoll, Outcome, Timeouts
 from .decode import DecodeEndpoint, KVReceiver
 from .group import LocalGroup, reduce_poll
 from .prefill import KVSender, PrefillEndpoint
 
-__all__ = ["KVPoll", "Outcome", "Timeouts", "reduce_poll", "LocalGroup", "AuxRecord", "AuxBuffer", "AUX_BYTES",
-           "PrefillEndpoint", "KVSender", "DecodeEndpoint", "KVReceiver"]
+__all__ = ["KVPoll", "Outcome", "Timeouts", "reduce_poll", "LocalGroup", "AuxRecord", "AuxBuffer", "AuxRows",
+           "AUX_BYTES", "PrefillEndpoint", "KVSender", "DecodeEndpoint", "KVReceiver"]

@@ -90,26 +90,25 @@ import abc
 import contextlib
 import enum
 import logging
-import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..control.addresses import interfaces, is_loopback
 from ..control.auth import as_secret
 from ..control.channel import ControlChannel, Heartbeat
 from ..control.compat import layout_record
+from ..control.messages import Room, check_room
+from ..control.records import RankInfo
 from ..errors import LayoutError, PlanError, RequestError
 from ..layout import SWA, Layout, combine_layouts
 from ..plan import Planner
 from ..pools import KVPool
-from ..ranks import WILDCARDS, RankInfo, RankSpec, split_address
+from ..ranks import RankSpec, check_heads, swa_window
 from ..transport.base import Transport
 from ..transport.registry import get_transport
-from .aux import AUX_MIN_BYTES
+from .aux import AUX_MIN_BYTES, AuxRows
 
 log = logging.getLogger("kvxfer.request")
 
@@ -177,10 +176,9 @@ class RequestBase:
     __slots__ = ("room", "state", "outcome", "reason", "deadline", "created", "ended_at", "endpoint", "_ended",
                  "_on_release", "_release_state", "__weakref__")
 
-    def __init__(self, endpoint: "EndpointBase", room: int, deadline: float,
+    def __init__(self, endpoint: "EndpointBase", room: Room, deadline: float,
                  on_release: Callable[[Outcome], None] | None):
-        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 63:
-            raise ValueError(f"room must be an int in 0..2**63-1, got {room!r}")
+        check_room(room)
         self.endpoint, self.room, self.deadline = endpoint, room, deadline
         self.state, self.reason = KVPoll.Bootstrapping, ""
         self.outcome: Outcome | None = None            # set once, at the end
@@ -259,79 +257,8 @@ class RequestBase:
 
 
 # ------------------------------------------------------------------------------------
-# Addresses that reach
-# ------------------------------------------------------------------------------------
-def on_another_host(host: str) -> bool:
-    """True when ``host`` (a bootstrap URL's host) is not this host: not loopback and none of this
-    host's interface addresses. Resolves names (start-up only: it may block on DNS)."""
-    if is_loopback(host) or host in WILDCARDS:   # a client reaches a wildcard on its own host
-        return False
-    try:
-        addrs = {ai[4][0] for ai in socket.getaddrinfo(host.strip("[]"), None)}
-    except OSError:
-        return True
-    return not addrs & (set(interfaces().values()) | {"127.0.0.1", "::1"})
-
-
-def check_reachable(info: RankInfo, bootstrap: str, *, advertise: str | None = None, bound: str = "") -> None:
-    """Start-up (``PrefillEndpoint.register``, ``DecodeEndpoint.connect``): ValueError, naming the
-    setting to change, when the bootstrap at ``bootstrap`` is on another host and ``info``
-    advertises an address its peers there cannot reach: loopback or a wildcard, for the control
-    address (``advertise=``) or a transport's data ``endpoint`` (``transport_options``)."""
-    host = urllib.parse.urlsplit(bootstrap).hostname
-    if not host or not on_another_host(host):
-        return
-    checks = [(info.control, f"PrefillEndpoint(advertise=) (now {advertise!r}; bound {bound or '?'}; "
-                             f"kvxfer rank --advertise)")] if info.control else []
-    for name, d in info.data.items():
-        ep = d.get("endpoint") if isinstance(d, dict) else None
-        if isinstance(ep, str) and ep.startswith("tcp://"):
-            checks.append((ep, f"transport_options['endpoint'] of the {name} transport (kvxfer rank --bind / "
-                               f"--advertise)"))
-    for address, setting in checks:
-        try:
-            _, h, _ = split_address(address)
-        except ValueError:
-            continue
-        if h in WILDCARDS or is_loopback(h):
-            raise ValueError(f"this {info.spec.role} rank would advertise {address} to the bootstrap {bootstrap} on "
-                             f"another host, which only {'no host' if h in WILDCARDS else 'this host'} can reach: "
-                             f"set {setting} to an address or interface name peers can reach")
-
-
-# ------------------------------------------------------------------------------------
 # Endpoints
 # ------------------------------------------------------------------------------------
-def _swa_window(kv: KVPool) -> int:
-    """The sliding window of a hybrid pool (``HybridSWAPool.window``), 0 for any other pool."""
-    if not any(s.name == SWA for s in kv.layout.spaces):
-        return 0
-    window = getattr(kv, "window", None)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise LayoutError(f"a pool with a {SWA!r} slot space must say its sliding window in tokens "
-                          f"(an int >= 1, as HybridSWAPool.window does), got {window!r}")
-    return window
-
-
-def _check_heads(spec: RankSpec, kv: KVPool) -> None:
-    """The KV pool holds as many heads as this rank's share (``spec.heads``), or says so in words."""
-    held = list(spec.heads)
-    want = spec.num_kv_heads if spec.replicated else len(held)
-    wrong = sorted({p.heads for p in kv.layout.parts if p.heads != want})
-    if wrong:
-        which = "every head" if spec.replicated else f"heads {_span(held)}"
-        raise LayoutError(
-            f"the KV pool of {spec.role} rank {spec.key} holds {wrong[0]} heads per layer, but TP rank "
-            f"{spec.tp_rank} of {spec.tp_size} with {spec.num_kv_heads} KV heads holds {want} ({which}): "
-            f"make the pool with heads=len(kvxfer.heads_held({spec.num_kv_heads}, {spec.tp_size}, {spec.tp_rank}))")
-
-
-def _span(heads: list[int]) -> str:
-    if heads == list(range(heads[0], heads[-1] + 1)):
-        return f"{heads[0]}..{heads[-1]}"
-    return str(heads) if len(heads) <= 16 else f"{heads[:16]}..."
-
-
 class EndpointBase(abc.ABC):
     """What both endpoints share: the pools' combined layout, the transport, the lock, the
     clock, the channel tick, close. A side implements ``end_request`` and the hooks ``_tick``
@@ -341,23 +268,28 @@ class EndpointBase(abc.ABC):
     channel: ControlChannel   # made by each side's __init__ (a ROUTER on prefill, DEALERs on decode)
 
     def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None, transport: str | Transport,
-                 transport_options: Mapping | None, timeouts: Timeouts, secret, aux_bytes: int,
-                 clock: Clock = time.monotonic):
+                 transport_options: Mapping | None, timeouts: Timeouts, secret, aux: AuxRows | None,
+                 aux_bytes: int, clock: Clock = time.monotonic):
         spaces = [s.name for s in kv.layout.spaces]
         token_spaces = [name for name in spaces if name != SWA]
         if len(token_spaces) != 1:
             raise LayoutError(f"the KV pool must have one token slot space (plus {SWA!r} for a hybrid "
                               f"sliding-window pool), it has {spaces}")
-        if aux_bytes != 0 and aux_bytes < AUX_MIN_BYTES:
+        if aux is not None and not isinstance(aux, AuxRows):
+            raise TypeError(f"aux must be an AuxRows (the engine's aux buffers) or None, got {type(aux).__name__}")
+        if aux is None and aux_bytes != 0 and aux_bytes < AUX_MIN_BYTES:
             raise ValueError(f"aux_bytes must be 0 (no aux record) or >= {AUX_MIN_BYTES}, got {aux_bytes}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {clock!r}")
-        _check_heads(spec, kv)
+        check_heads(spec, kv)
         self.spec, self.timeouts, self.secret, self.clock = spec, timeouts, as_secret(secret), clock
-        self.aux_bytes = int(aux_bytes)
+        # aux rows: the engine's buffers (their row sizes), or AuxRecords of ``aux_bytes`` (no buffer)
+        self.aux_rows = aux
+        self.aux_bytes = aux.record_bytes if aux is not None else int(aux_bytes)
+        self.aux_format = aux.row_bytes if aux is not None else (self.aux_bytes,) if self.aux_bytes else ()
         self.layout = combine_layouts(kv.layout, None if state is None else state.layout)
         self.token_space = token_spaces[0]
-        self.swa_window = _swa_window(kv)            # 0: no sliding-window layers
+        self.swa_window = swa_window(kv)            # 0: no sliding-window layers
         self._kv_pool = kv                           # hybrid SWA: prefill reads its full_to_swa per chunk
         self.kv_kinds = sorted({p.kind for p in kv.layout.parts})
         self.state_kinds = sorted({p.kind for p in state.layout.parts}) if state is not None else []
@@ -367,7 +299,7 @@ class EndpointBase(abc.ABC):
         self.transport.register(kv.regions() + (state.regions() if state is not None else []))
         self._lock = threading.RLock()
         self.changed = threading.Condition(self._lock)   # any request's state moved (see wait(until=))
-        self._xport_lock = threading.Lock()   # transports are not promised to be thread-safe
+        self.xport_lock = threading.Lock()   # transports are not promised to be thread-safe
         self._closed = self._transport_closed = False
         self.broken: str | None = None        # why the endpoint cannot serve any more (see ``on_dead``)
 
@@ -390,9 +322,10 @@ class EndpointBase(abc.ABC):
         channel = getattr(self, "channel", None)
         return RankInfo(spec=self.spec, control=channel.address if channel else "",
                         data={self.transport.name: self.transport.descriptor()},
-                        layout=layout_record(self.layout, self.swa_window), aux_bytes=self.aux_bytes)
+                        layout=layout_record(self.layout, self.swa_window), aux_bytes=self.aux_bytes,
+                        aux_rows=self.aux_format)
 
-    def _planner(self, src: Layout, dst: Layout, src_heads, dst_heads, layers, kinds) -> Planner | None:
+    def make_planner(self, src: Layout, dst: Layout, src_heads, dst_heads, layers, kinds) -> Planner | None:
         """A planner for ``kinds`` of ``layers``; None when no part matches (e.g. no state here)."""
         if not kinds or not layers:
             return None
@@ -453,7 +386,7 @@ class EndpointBase(abc.ABC):
             raise RequestError(f"{self.role} endpoint {self.spec.key} is closed")
 
     def _close_transport(self) -> None:
-        with self._xport_lock:
+        with self.xport_lock:
             if self._transport_closed:
                 return
             self._transport_closed = True
@@ -478,6 +411,10 @@ class EndpointBase(abc.ABC):
         """Hook: release what only the (now stopped) threads would have released. Optional."""
         return None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def __enter__(self):
         return self
 
@@ -485,5 +422,4 @@ class EndpointBase(abc.ABC):
         self.close()
 
 
-__all__ = ["KVPoll", "END_STATES", "Outcome", "Timeouts", "RequestBase", "EndpointBase", "Clock", "check_reachable",
-           "on_another_host"]
+__all__ = ["KVPoll", "END_STATES", "Outcome", "Timeouts", "RequestBase", "EndpointBase", "Clock"]

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..control.messages import Req
+from ..control.records import RankInfo
 from ..errors import LayoutError, RequestError
 from ..layout import STATE, SWA, Layout
 from ..plan import Planner, TransferPlan
-from ..ranks import RankInfo
 
 
 class DecodePeer:
@@ -39,14 +40,14 @@ class Target:
     __slots__ = ("peer", "d_rank", "gen", "request_id", "kv", "prefix", "state", "swa", "window_start", "aux", "dummy",
                  "chunks", "nbytes", "confirmed", "cap")
 
-    def __init__(self, peer: str, d_rank: int, msg: dict, kv: np.ndarray, state: np.ndarray, swa: np.ndarray):
-        self.peer, self.d_rank, self.gen = peer, d_rank, msg["gen"]
-        self.request_id = f"{msg['room']}.{msg['gen']}"   # the transport's name for it
-        self.kv, self.prefix, self.state = kv, msg["prefix"], state
+    def __init__(self, peer: str, d_rank: int, msg: Req, kv: np.ndarray, state: np.ndarray, swa: np.ndarray):
+        self.peer, self.d_rank, self.gen = peer, d_rank, msg.gen
+        self.request_id = f"{msg.room}.{msg.gen}"   # the transport's name for it
+        self.kv, self.prefix, self.state = kv, msg.prefix, state
         # hybrid SWA: decode's window slots, for request tokens window_start .. len(kv) - 1
         self.swa, self.window_start = swa, len(kv) - len(swa)
-        self.aux, self.dummy = msg["aux"], msg["dummy"]
-        self.cap = msg.get("cap") or b""   # the grant's data-plane capability: every submit carries it
+        self.aux, self.dummy = msg.aux, msg.dummy
+        self.cap = msg.cap or b""   # the grant's data-plane capability: every submit carries it
         self.chunks = self.nbytes = 0   # submitted to this target so far
         self.confirmed = self.dummy     # a dummy target has nothing to confirm
 
@@ -107,34 +108,34 @@ def window_part(c: Chunk, t: Target, first: int, end: int) -> tuple[np.ndarray, 
     return src, t.swa[first - t.window_start:end - t.window_start]
 
 
-def request_slots(dp: DecodePeer, msg: dict, token_space: str, swa_window: int,
+def request_slots(dp: DecodePeer, msg: Req, token_space: str, swa_window: int,
                   key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A decode rank's REQ: its (kv, state, window) slots, each checked against its layout;
     LayoutError says why not (prefill ``key`` then nacks it)."""
-    swa_raw = msg.get("swa", b"")
-    if len(msg["kv"]) % 8 or len(msg["state"]) % 8 or len(swa_raw) % 8:
+    swa_raw = msg.swa or b""
+    if len(msg.kv) % 8 or len(msg.state) % 8 or len(swa_raw) % 8:
         raise LayoutError("slot arrays must be whole int64s")
-    kv, st = np.frombuffer(msg["kv"], "<i8"), np.frombuffer(msg["state"], "<i8")
+    kv, st = np.frombuffer(msg.kv, "<i8"), np.frombuffer(msg.state, "<i8")
     swa = np.frombuffer(swa_raw, "<i8")
-    if not msg["dummy"]:
+    if not msg.dummy:
         kv = dp.layout.check_slots(token_space, kv, "kv slots")
         st = dp.layout.check_slots(STATE, st, "state slots") if len(st) else st
-        if msg["prefix"] >= len(kv):
-            raise LayoutError(f"prefix {msg['prefix']} leaves none of the {len(kv)} tokens to send")
+        if msg.prefix >= len(kv):
+            raise LayoutError(f"prefix {msg.prefix} leaves none of the {len(kv)} tokens to send")
         swa = check_window(swa_window, key, dp, msg, kv, swa)
     return kv, st, swa
 
 
-def check_window(swa_window: int, key: str, dp: DecodePeer, msg: dict, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
+def check_window(swa_window: int, key: str, dp: DecodePeer, msg: Req, kv: np.ndarray, swa: np.ndarray) -> np.ndarray:
     """Decode's window slots of a request (hybrid SWA), bounds-checked; LayoutError says why not."""
     if not swa_window:
-        if len(swa) or msg.get("swa_n"):
+        if len(swa) or msg.swa_n:
             raise LayoutError(f"sliding-window slots sent to prefill {key}, whose pool has no "
                               f"sliding-window layers")
         return swa
-    if "swa_n" not in msg or msg["swa_n"] != len(swa):
+    if msg.swa_n is None or msg.swa_n != len(swa):
         raise LayoutError(f"a hybrid SWA request must carry its window slots and their count; got "
-                          f"{len(swa)} slot(s) and count {msg.get('swa_n')}")
+                          f"{len(swa)} slot(s) and count {msg.swa_n}")
     swa = dp.layout.check_slots(SWA, swa, "swa slots")
     most = min(swa_window, len(kv))
     if not 1 <= len(swa) <= most:

@@ -2,22 +2,27 @@
 record and the checks a chunk passes live in ``kvxfer.endpoint.receiver``).
 
 Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
-    start-up, once, blocking: ``DecodeEndpoint(spec, kv_pool, aux=...)``; ``connect(bootstrap=url,
-        instance=..., timeout=...)`` (the HELLO handshake with every prefill rank this rank pulls
-        from; ``timeout`` bounds the whole call, registry wait and HELLOs together).
-    scheduler, per request, never blocks: ``receiver(room, on_release=cb)``; ``init(kv_slots, ...)``
-        clears the aux row, grants the slots (``transport.expect``; a hybrid SWA pool: also
-        ``swa_slots=``, the window it keeps) and sends the request; then ``poll()`` / ``wait(t)``;
-        ``cb(outcome)`` runs once, after the grant ended, whatever the outcome.
+    start-up, once: ``DecodeEndpoint(spec, kv_pool, aux=..., bootstrap=url)``; optionally
+        ``connect(instance=..., timeout=...)`` (blocking: handshake with one prefill instance now,
+        and make it the default for requests that name none).
+    scheduler, per request, never blocks: ``receiver(room, instance=..., bootstrap=..., on_release=cb)``
+        names the request's prefill instance; the first request that names one starts its handshake
+        on a connect thread (``kvxfer.endpoint.instances``; the request waits, Bootstrapping).
+        ``init(kv_slots, ...)`` clears the aux row, grants the slots (``transport.expect``; a hybrid
+        SWA pool: also ``swa_slots=``) and sends the request, at once or once the instance answered;
+        then ``poll()`` / ``wait(t)``; ``cb(outcome)`` runs once, after the grant ended, whatever the
+        outcome.
     channel thread: ``on_message`` (ack / nack / abort / fin), ``on_peer_lost``, ``on_tick``
         (phase deadlines, every 50 ms), ``on_dead`` (the thread died of a bug: the endpoint breaks).
-    recovery thread (``kvxfer.endpoint.recovery``, started by ``connect``): ``known_peers``,
-        ``lost_peers``, ``rejoin`` (a lost or replaced prefill rank: fresh HELLO, new address).
-Lost prefill ranks: a rank that went silent (heartbeats) is lost: its requests fail, and new
-requests to it fail at ``init`` at once, with the reason, until the recovery thread handshook
-with it again (it came back, or its replacement registered, possibly on a new port).
+    connect threads: one instance's handshake (registry wait, then a HELLO to each of its ranks
+        this rank pulls from, in parallel), then the requests that waited for it go on.
+    recovery thread (``kvxfer.endpoint.recovery``): ``registries``, ``known_peers``, ``lost_peers``,
+        ``rejoin`` (a lost or replaced prefill rank: fresh HELLO, new address).
     transport thread (``set_arrival_callback``), or an arrivals thread owned here polling
         ``transport.arrivals()`` where the transport cannot call back: chunk bookkeeping -> Success.
+Lost prefill ranks: a rank that went silent (heartbeats) is lost: its requests fail. A new request
+that names a lost rank waits while the recovery thread looks at the registry and handshakes again
+(a restarted rank on a new port, a healed link); it fails, with the reason, only if that fails.
 Ending a request (``end_request``, once) forgets the grant, tells the prefill ranks ("done" or
 "abort"), counts it in ``kvxfer.metrics`` and queues ``on_release``, or, while the transport
 says writes of it may still land (``writes_pending``: one-sided puts in flight), holds the
@@ -34,56 +39,52 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
-import torch
 
+from ..control.addresses import check_reachable
 from ..control.channel import ControlChannel
-from ..control.client import BootstrapClient
-from ..control.compat import check_group, require_compatible
-from ..control.handshake import hello
-from ..control.messages import CAP_BYTES
+from ..control.compat import aux_format, aux_mismatch
+from ..control.messages import CAP_BYTES, Abort, Ack, Done, Fin, Message, Nack, Req, Room, cut
+from ..control.records import RankInfo
 from ..control.wire import ChunkMeta
-from ..errors import CompatibilityError, ConnectError, RequestError
-from ..grant import ByteRanges
+from ..errors import ConnectError, RequestError
 from ..layout import STATE, SWA
 from ..metrics import record_request_end
-from ..plan import Planner
 from ..pools import KVPool
-from ..ranks import RankInfo, RankSpec
-from ..topology import peers_needed
+from ..ranks import RankSpec
 from ..transport.base import Arrival, Transport
-from .aux import AUX_BYTES, AuxBuffer
-from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
-from .receiver import KVReceiver, ReceiverHost, check_one_instance, chunk_problem
-from .recovery import REJOIN_HELLO, PeerRecovery
+from .aux import AUX_BYTES, AuxRows
+from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts
+from .instances import Phase, PrefillInstance
+from .prefill_links import PrefillLinks
+from .receiver import KVReceiver, Pending, ReceiverHost, chunk_problem, grant_ranges, waited_for, window_slots
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
 
 class DecodeEndpoint(ReceiverHost):
-    """A decode rank: its receivers, a DEALER per prefill rank, and the arrival handler
-    (called on the transport's thread, or by an arrivals thread of its own)."""
+    """A decode rank: its receivers, the prefill instances it pulls from, a DEALER per prefill
+    rank, and the arrival handler (called on the transport's thread, or by an arrivals thread of
+    its own)."""
     role = "decode"
 
-    def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None = None, aux: AuxBuffer | None = None,
+    def __init__(self, spec: RankSpec, kv: KVPool, *, state: KVPool | None = None, aux: AuxRows | None = None,
                  transport: str | Transport = "zmq", transport_options: Mapping | None = None,
                  timeouts: Timeouts = Timeouts(), secret: str | bytes | None = None, aux_bytes: int = AUX_BYTES,
-                 clock: Clock = time.monotonic):
-        """``clock``: seconds, for deadlines (``time.monotonic``; tests pass a manual one)."""
+                 bootstrap: str | None = None, clock: Clock = time.monotonic):
+        """``aux``: the engine's aux buffers (``AuxRows``; ``AuxBuffer`` for ``AuxRecord`` rows);
+        ``bootstrap``: the registry URL of the prefill instances requests name by ``instance`` alone;
+        ``clock``: seconds, for deadlines (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "decode":
             raise ValueError(f"DecodeEndpoint needs a decode RankSpec, got role {spec.role!r}")
-        if aux is not None and aux.record_bytes != aux_bytes:
+        if aux is not None and isinstance(aux, AuxRows) and aux_bytes != AUX_BYTES and aux.record_bytes != aux_bytes:
             raise ValueError(f"aux buffer rows are {aux.record_bytes} bytes but aux_bytes is {aux_bytes}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
-                         timeouts=timeouts, secret=secret, aux_bytes=aux_bytes, clock=clock)
-        self.aux_buffer = aux
-        self._gens = itertools.count(1)
+                         timeouts=timeouts, secret=secret, aux=aux, aux_bytes=aux_bytes, clock=clock)
+        self.links = PrefillLinks(self, bootstrap)
+        # generations start at a random point: a peer cannot guess the next request id
+        self._gens = itertools.count(secrets.randbelow(1 << 30))
         self._recvs: dict[str, KVReceiver] = {}            # request_id -> live receiver
         self._landing: list[KVReceiver] = []               # ended; puts may still land in their slots
-        self._groups: dict[int, dict[str, list]] = {}     # prefill dp rank -> peer key -> sources
-        self._grant_planners: dict[str, list[tuple[tuple[int, int], Planner]]] = {}   # key -> (source, planner)
-        self._known: dict[str, RankInfo] = {}              # prefill key -> the record we handshook with
-        self._lost: dict[str, str] = {}                    # prefill key -> why it is lost (no HELLO since)
-        self.recovery: PeerRecovery | None = None
         self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="decode-ctl",
                                       identity=f"{spec.key}/{uuid.uuid4().hex[:12]}", on_dead=self.on_dead)
         self._arrivals: threading.Thread | None = None
@@ -91,255 +92,206 @@ class DecodeEndpoint(ReceiverHost):
             self._arrivals = threading.Thread(target=self._arrivals_loop, name="kvxfer-decode-arrivals", daemon=True)
             self._arrivals.start()
 
-    # -- start-up ---------------------------------------------------------------------------
+    # -- prefill instances and ranks (``PrefillLinks`` owns them) -------------------------------
     def connect(self, *, bootstrap: str | None = None, peers: Sequence[RankInfo] | None = None,
                 instance: str | None = None, timeout: float = 60.0) -> None:
-        """Start-up, once: handshake with every prefill rank this rank needs, in every prefill DP
-        group of one prefill instance. Blocking, at most ``timeout`` real seconds in all (waiting for
-        the registry, then one HELLO per rank, each also capped by ``Timeouts.handshake``).
-        ``instance``: which prefill instance to pull from; required when several are registered
-        (ConnectError lists them). Raises CompatibilityError (every mismatch, in words) or
-        ConnectError."""
+        """Optional, blocking, at most ``timeout`` real seconds: handshake now with every prefill rank
+        this rank needs in one prefill instance (the registry at ``bootstrap``, else the endpoint's;
+        or the records ``peers``), and make it the default of requests that name none. ``instance``:
+        its name; required when several are registered (ConnectError lists them). Raises
+        CompatibilityError (every mismatch, in words) or ConnectError."""
         if not timeout > 0:
             raise ValueError(f"connect timeout must be > 0 seconds, got {timeout}")
         self.check_usable()
-        deadline = time.monotonic() + timeout
-        client = None
+        url = bootstrap or self.links.bootstrap
+        if peers is None and url is None:
+            raise ValueError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
         if peers is None:
-            if bootstrap is None:
-                raise ValueError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
-            check_reachable(self.info, bootstrap)
-            client = BootstrapClient(bootstrap, self.secret, timeout=min(5.0, timeout))
-            if instance is None:   # several instances: say so now, not after waiting for all of them
-                try:
-                    early = client.topology()[1]
-                except ConnectError:   # not up yet: wait_ready below says so if it stays down
-                    early = []
-                check_one_instance(early)
-            peers = client.wait_ready(max(deadline - time.monotonic(), 0.0), instance)
-        peers = [p for p in peers if p.spec.role == "prefill" and (instance is None or p.spec.instance == instance)]
-        if instance is None:
-            check_one_instance(peers)
-        me = self.info
-        by_key = {p.spec.key: p for p in peers}
-        if not by_key:
-            raise ConnectError("no prefill rank to connect to" + (f" in instance {instance!r}" if instance else ""))
-        conflicts = check_group(list(by_key.values()))   # sources by head id: one head map per group
-        if conflicts:
-            raise CompatibilityError(conflicts)
-        groups: dict[int, dict[str, list]] = {}
-        for p in by_key.values():
-            if p.spec.dp_rank not in groups:
-                groups[p.spec.dp_rank] = {f"{p.spec.instance}/dp{p.spec.dp_rank}/pp{pp}/tp{tp}": ss
-                                          for (tp, pp), ss in peers_needed(p.spec, self.spec).items()}
-        missing = [k for g in groups.values() for k in g if k not in by_key]
-        if missing:
-            raise ConnectError(f"prefill rank(s) {', '.join(missing)} needed but not registered")
-        require_compatible([(by_key[k], me) for g in groups.values() for k in g], self.transport.name)
-        dl = self.layout
-        for dp, group in groups.items():
-            for key, sources in group.items():
-                self.channel.connect(key, by_key[key].control)
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ConnectError(f"connect timed out after {timeout}s before the handshake with {key}")
-                hello(self.channel, key, me, min(self.timeouts.handshake, left))   # the prefill rank checks too
-                planners = [((s.p_tp_rank, s.p_pp_rank), self._planner(dl, dl, s.dst_heads, s.dst_heads, s.layers,
-                                                                         kinds))
-                            for s in sources for kinds in (self.kv_kinds, self.state_kinds)]
-                with self._lock:
-                    self._grant_planners[key] = [(src, p) for src, p in planners if p is not None]
-                    self._known[key] = by_key[key]
-            with self._lock:
-                self._groups[dp] = group
-        if self.recovery is None:
-            retry = max(1.0, 2 * self.timeouts.heartbeat.interval)
-            self.recovery = PeerRecovery(self, client, instance, self.timeouts.registry, retry).start()
+            check_reachable(self.info, url)
+        self.links.connect(url, peers, instance, time.monotonic() + timeout)
 
-    # -- lost and replaced prefill ranks (recovery thread) -------------------------------------
-    def known_peers(self) -> dict[str, RankInfo]:
-        """Recovery thread: the prefill ranks handshook with, and the record each HELLO went to."""
+    @property
+    def instances(self) -> dict[str, str]:
+        """Any thread: every prefill instance requests named, and where its handshake stands."""
         with self._lock:
-            return dict(self._known)
+            return self.links.phases()
+
+    @property
+    def recovery(self):
+        return self.links.recovery
 
     @property
     def lost_peers(self) -> dict[str, str]:
         """Prefill ranks lost (silent, replaced and not handshaken yet), with why. Any thread."""
-        with self._lock:
-            return dict(self._lost)
+        return self.links.lost_peers
 
-    def _mark_lost(self, key: str, why: str, later) -> None:
-        """Under the lock: ``key`` is lost; its running requests fail; the recovery thread looks."""
-        self._lost[key] = why
-        for r in [r for r in self._recvs.values() if key in r.contacts]:
-            self.end_request(r, Outcome.Failed, f"prefill rank {key} lost: {why}", later, tell=set(r.contacts) - {key})
-        if self.recovery is not None:
-            later.append(self.recovery.poke)
+    def instance_ready(self, inst: PrefillInstance, later) -> None:
+        """``PrefillLinks``, under the lock: ``inst`` answered; the requests that waited for it go on."""
+        waiting, inst.waiting = inst.waiting, []
+        for r, dp in waiting:
+            self._resume(r, dp, later)
 
-    def rejoin(self, key: str, info: RankInfo, *, replaced: bool) -> bool:
-        """Recovery thread, blocking (one HELLO, at most ``REJOIN_HELLO`` s): handshake again with
-        prefill rank ``key`` at ``info.control``. ``replaced``: the registry holds a new record for
-        it (a restarted rank), so what ran with the old one fails now. True once it answered;
-        False (it stays lost, with the reason) otherwise. Never raises."""
-        with self.guard() as later:
-            old = self._known.get(key)
-            if old is None or self._closed or self.broken is not None:
-                return False
-            if replaced:
-                self._mark_lost(key, f"was replaced by a new registration (control {info.control})", later)
-        if old.spec != info.spec:
-            why = (f"re-registered with another shape ({info.spec} instead of {old.spec}): restart this decode rank "
-                   f"to pull from it")
-        else:
-            try:
-                require_compatible([(info, self.info)], self.transport.name)
-                self.channel.forget(key)            # a new connection: its replay state, a fresh HELLO
-                self.channel.connect(key, info.control)
-                hello(self.channel, key, self.info, min(self.timeouts.handshake, REJOIN_HELLO))
-                why = ""
-            except (ConnectError, CompatibilityError, ValueError) as e:
-                why = f"a new handshake with {info.control} failed: {e}"
-        with self.guard() as later:
-            if not why:
-                self._known[key] = info
-                if self._lost.pop(key, None) is not None:
-                    log.info("prefill rank %s is back at %s: handshake done", key, info.control)
-                return True
-            if key not in self._lost:
-                self._mark_lost(key, why, later)
-            else:
-                self._lost[key] = why
-            log.info("prefill rank %s is lost: %s", key, why)
-            return False
+    def instance_failed(self, inst: PrefillInstance, why: str, later) -> None:
+        """``PrefillLinks``, under the lock: ``inst``'s handshake failed; its waiting requests fail."""
+        waiting, inst.waiting = inst.waiting, []
+        for r, _ in waiting:
+            self.end_request(r, Outcome.Failed, f"prefill instance {inst.name or inst.ref[0]}: {why}", later, tell=())
+
+    def rank_lost(self, key: str, why: str, later) -> None:
+        """``PrefillLinks``, under the lock: prefill rank ``key`` is lost; its granted requests fail
+        (a request not granted yet waits for the rank's new handshake)."""
+        for r in [r for r in self._recvs.values() if key in r.contacts and r.granted]:
+            self.end_request(r, Outcome.Failed, f"prefill rank {key} lost: {why}", later,
+                             tell=set(r.contacts) - {key})
+
+    def rank_rejoined(self, key: str, why: str, later) -> None:
+        """``PrefillLinks``, under the lock: a new handshake with ``key`` answered (``why`` empty) or
+        failed; requests that waited for it are granted now, or fail with the reason."""
+        lost = self.links.lost
+        for r in [r for r in self._recvs.values() if r.pending is not None and key in r.contacts]:
+            if why:
+                self.end_request(r, Outcome.Failed, f"prefill rank {key} is lost: {why}", later,
+                                 tell=set(r.contacts) - set(lost))
+            elif not set(r.contacts) & set(lost):
+                self._grant_pending(r, later)
 
     # -- per request ------------------------------------------------------------------------
-    def receiver(self, room: int, *, p_dp_rank: int = 0,
+    def receiver(self, room: Room, *, instance: str | None = None, bootstrap: str | None = None, p_dp_rank: int = 0,
                  on_release: Callable[[Outcome], None] | None = None) -> KVReceiver:
-        """Scheduler: a new request, Bootstrapping, with a fresh generation. ``on_release(outcome)``
-        runs exactly once, outside the endpoint lock, after the grant ended and no write of it can
-        land any more: on ``Outcome.Success`` the slots hold the KV (keep them for decoding), on
-        any other outcome free them there."""
+        """Scheduler: a new request, Bootstrapping, with a fresh generation, pulling from prefill
+        instance ``instance`` (at the registry ``bootstrap``; by default the endpoint's registry, or
+        the instance ``connect()`` made the default), DP group ``p_dp_rank``. Never blocks: an
+        instance not handshaken yet is handshaken on a connect thread, and the request waits for it.
+        ``on_release(outcome)`` runs exactly once, outside the endpoint lock, after the grant ended
+        and no write of it can land any more: on ``Outcome.Success`` the slots hold the KV (keep
+        them for decoding), on any other outcome free them there."""
         self.check_usable()
-        with self._lock:
-            if p_dp_rank not in self._groups:
-                raise ConnectError(f"not connected to prefill DP group {p_dp_rank}: call connect() first")
-            r = KVReceiver(self, room, next(self._gens) % (1 << 31), self._groups[p_dp_rank], on_release)
+        with self.guard() as later:
+            inst = self.links.instance(bootstrap, instance)
+            if inst.phase == Phase.READY and p_dp_rank not in inst.groups:
+                raise ConnectError(f"prefill instance {inst.name} has no DP group {p_dp_rank} "
+                                   f"(it has {sorted(inst.groups)})")
+            r = KVReceiver(self, room, next(self._gens) % (1 << 31), inst, on_release)
             self._recvs[r.request_id] = r
+            if inst.phase == Phase.READY:
+                r.bind(inst.groups[p_dp_rank])
+            elif inst.phase == Phase.FAILED:
+                self.end_request(r, Outcome.Failed, f"prefill instance {inst.name or inst.ref[0]}: {inst.error}",
+                                 later, tell=())
+            else:
+                inst.waiting.append((r, p_dp_rank))
             return r
+
+    def _resume(self, r: KVReceiver, p_dp_rank: int, later) -> None:
+        """Under the lock: ``r``'s instance is READY: bind it, and grant what ``init`` asked for."""
+        if r.state in END_STATES:
+            return
+        if p_dp_rank not in r.instance.groups:
+            self.end_request(r, Outcome.Failed, f"prefill instance {r.instance.name} has no DP group {p_dp_rank}",
+                             later, tell=())
+            return
+        r.bind(r.instance.groups[p_dp_rank])
+        if r.pending is not None:
+            self._grant_pending(r, later)
 
     def _senders(self, r: KVReceiver) -> frozenset[str] | None:
         """Under the lock: the transport ids of the prefill ranks ``r`` asks (their registry
         records' descriptors), so the transport tells only them of the grant; None when one is
         not known (every peer is told)."""
-        ids = [(self._known[k].data.get(self.transport.name) or {}).get("id") if k in self._known else None
-               for k in r.contacts]
+        known = self.links.known
+        ids = [(known[k].data.get(self.transport.name) or {}).get("id") if k in known else None for k in r.contacts]
         return frozenset(ids) if all(type(i) is str for i in ids) else None
 
-    def _grant(self, r: KVReceiver, kv: np.ndarray, st: np.ndarray,
-               swa: np.ndarray) -> tuple[ByteRanges, dict[tuple[int, int], int]]:
-        """Exactly the bytes r's sources will write: each source's heads and layers at the slots
-        (``swa``: the window slots of the sliding-window layers that will be sent); and how many
-        bytes each source of r writes (0 for a source with nothing to send)."""
-        slots = {self.token_space: kv, STATE: st, SWA: swa}
-        cols: list[list[np.ndarray]] = [[], [], []]
-        expected = dict.fromkeys(r.progress, 0)
-        for key in r.contacts:
-            for src, pl in self._grant_planners[key]:
-                mine = {k: v for k, v in slots.items() if k in {a for a, _ in pl.spaces}}
-                runs = pl.plan(mine, mine).runs()
-                for c, a in zip(cols, (runs.dst_region, runs.dst_offset, runs.nbytes)):
-                    c.append(a)
-                expected[src] = expected.get(src, 0) + int(runs.nbytes.sum(dtype=np.int64))
-        return ByteRanges(*(np.concatenate(c) if c else np.zeros(0, np.int64) for c in cols)), expected
-
-    def _window_slots(self, kv: np.ndarray, swa_slots) -> np.ndarray:
-        """The checked window slots of a hybrid pool's request; empty for any other pool."""
-        if not self.swa_window:
-            if swa_slots is not None:
-                raise RequestError("swa_slots given, but this endpoint's pool has no sliding-window layers")
-            return np.zeros(0, np.int64)
-        if swa_slots is None:
-            raise RequestError(f"this pool has sliding-window layers: pass swa_slots, the {SWA!r} slots of the "
-                               f"last 1..{self.swa_window} tokens (the window decode keeps)")
-        swa = self.layout.check_slots(SWA, np.asarray(swa_slots), "swa_slots", distinct=True)
-        most = min(self.swa_window, len(kv))
-        if not 1 <= len(swa) <= most:
-            raise RequestError(f"swa_slots has {len(swa)} slot(s) but must cover the last 1..{most} tokens "
-                               f"(sliding window {self.swa_window}, request of {len(kv)} tokens)")
-        return swa
-
     def init_request(self, r: KVReceiver, kv_slots, prefix_len: int, state_slots, aux_slot, swa_slots=None) -> None:
-        """The body of ``KVReceiver.init`` (call that): check, clear the aux row, grant, ask prefill."""
+        """The body of ``KVReceiver.init`` (call that): check, then grant and ask prefill now, or once
+        the request's instance (or a lost rank of it) answered a handshake."""
         kv = self.layout.check_slots(self.token_space, np.asarray(kv_slots), "kv_slots", distinct=True)
-        swa = self._window_slots(kv, swa_slots)
+        swa = window_slots(self.layout, self.swa_window, kv, swa_slots)
         st = np.zeros(0, np.int64) if state_slots is None else \
             self.layout.check_slots(STATE, np.asarray(state_slots), "state_slots", distinct=True)
         if not 0 <= prefix_len < len(kv):
             raise RequestError(f"prefix_len {prefix_len} must be in 0..{len(kv) - 1}: at least one token moves")
-        if aux_slot is not None and (self.aux_buffer is None or not 0 <= aux_slot < len(self.aux_buffer.tensor)):
-            raise RequestError(f"aux_slot {aux_slot} is not a row of this endpoint's aux buffer")
+        if aux_slot is not None:
+            if self.aux_rows is None:
+                raise RequestError("aux_slot given, but this endpoint has no aux rows: "
+                                   "DecodeEndpoint(aux=AuxRows(...))")
+            self.aux_rows.check_row(aux_slot)
         with self.guard() as later:
-            if r.state in END_STATES or r.granted:
-                raise RequestError(f"room {r.room}: init() on a request that is {r.state.name}"
-                                   f"{' and already initialised' if r.granted else ''}")
-            lost = [(k, self._lost[k]) for k in r.contacts if k in self._lost]
-            if lost:   # fail at once, not at the bootstrap deadline; nothing granted, nothing sent
-                why = "; ".join(f"prefill rank {k} is lost: {w}" for k, w in lost)
-                self.end_request(r, Outcome.Failed, why, later, tell=())
-                if self.recovery is not None:
-                    later.append(self.recovery.poke)
+            if r.state in END_STATES:   # its instance failed meanwhile: it says why (failure_exception)
                 return
-            # window token i is request token len(kv) - len(swa) + i; those in the prefix stay as they are
-            ranges, expected = self._grant(r, kv[prefix_len:], st, swa[max(prefix_len - (len(kv) - len(swa)), 0):])
-            for src, p in r.progress.items():   # complete only when exactly these bytes landed
-                p.expected = expected.get(src, 0)
-            # before the grant: a stale record from an earlier request never shows
-            if aux_slot is not None and self.aux_buffer is not None:
-                self.aux_buffer.clear(aux_slot)
-            cap = secrets.token_bytes(CAP_BYTES)   # only the prefill ranks this request asks can complete it
-            with self._xport_lock:
-                self.transport.expect(r.request_id, ranges, capability=cap, senders=self._senders(r))
-            r.granted, r.aux_slot = True, aux_slot
-            kv_raw, st_raw = kv.astype("<i8").tobytes(), st.astype("<i8").tobytes()
-            swa_raw = swa.astype("<i8").tobytes()
-            for key, sources in r.contacts.items():
-                dummy = not sources
-                msg = {"t": "req", "room": r.room, "gen": r.gen, "kv": b"" if dummy else kv_raw,
-                       "prefix": prefix_len, "state": b"" if dummy else st_raw, "dummy": dummy,
-                       "aux": aux_slot is not None and r.aux_from is not None and r.peer_of.get(r.aux_from) == key,
-                       "cap": cap}
-                if self.swa_window:   # only hybrid pairs carry the window: other requests keep their shape
-                    msg["swa"], msg["swa_n"] = (b"", 0) if dummy else (swa_raw, len(swa))
-                self.channel.send(key, msg)
+            if r.granted or r.pending is not None:
+                raise RequestError(f"room {r.room}: init() on a request that is already initialised")
+            r.pending = Pending(kv, prefix_len, st, aux_slot, swa)
+            lost = [k for k in r.contacts if k in self.links.lost]
+            if not r.bound or lost:   # its instance is handshaking, or a rank of it lost: wait
+                if lost:
+                    self.links.poke(later)   # the recovery thread looks now
+                return
+            self._grant_pending(r, later)
+
+    def _grant_pending(self, r: KVReceiver, later) -> None:
+        """Under the lock: clear the aux row, grant ``r``'s slots, send the REQs."""
+        p, r.pending = r.pending, None
+        if p is None or r.state in END_STATES:
+            return
+        kv, prefix_len, st, aux_slot, swa = p.kv, p.prefix, p.state, p.aux_slot, p.swa_slots
+        if aux_slot is not None and r.aux_from is not None:
+            key = r.peer_of[r.aux_from]
+            why = aux_mismatch(key, aux_format(self.links.known[key]), self.spec.key, self.aux_format)
+            if why:
+                self.end_request(r, Outcome.Failed, why, later, tell=())
+                return
+        # window token i is request token len(kv) - len(swa) + i; those in the prefix stay as they are
+        slots = {self.token_space: kv[prefix_len:], STATE: st, SWA: swa[max(prefix_len - (len(kv) - len(swa)), 0):]}
+        ranges, expected = grant_ranges(r, self.links.planners, slots)
+        for src, prog in r.progress.items():   # complete only when exactly these bytes landed
+            prog.expected = expected.get(src, 0)
+        # before the grant: a stale row from an earlier request never shows
+        if aux_slot is not None and self.aux_rows is not None:
+            self.aux_rows.clear(aux_slot)
+        cap = secrets.token_bytes(CAP_BYTES)   # only the prefill ranks this request asks can complete it
+        with self.xport_lock:
+            self.transport.expect(r.request_id, ranges, capability=cap, senders=self._senders(r))
+        r.granted, r.aux_slot = True, aux_slot
+        kv_raw, st_raw = kv.astype("<i8").tobytes(), st.astype("<i8").tobytes()
+        swa_raw = swa.astype("<i8").tobytes()
+        for key, sources in r.contacts.items():
+            dummy = not sources
+            hybrid = bool(self.swa_window)   # only hybrid pairs carry the window
+            self.channel.send(key, Req(room=r.room, gen=r.gen, kv=b"" if dummy else kv_raw, prefix=prefix_len,
+                                       state=b"" if dummy else st_raw, dummy=dummy, cap=cap,
+                                       aux=aux_slot is not None and r.aux_from is not None and
+                                       r.peer_of.get(r.aux_from) == key,
+                                       swa=(b"" if dummy else swa_raw) if hybrid else None,
+                                       swa_n=(0 if dummy else len(swa)) if hybrid else None))
 
     # -- events (channel thread, transport thread or arrivals thread) ------------------------
-    def on_message(self, peer: str, msg: dict) -> None:
-        t = msg["t"]
+    def on_message(self, peer: str, msg: Message) -> None:
         with self.guard() as later:
-            if t == "fin":   # a last chunk that moved no bytes
-                try:
-                    meta = ChunkMeta.unpack(msg["meta"])
-                except ValueError as e:
-                    log.warning("bad FIN from %s: %s", peer, e)
-                    return
-                r = self._recvs.get(f"{meta.room}.{meta.gen}")
-                if r is not None and r.peer_of.get(meta.source) == peer:
-                    self._on_chunk(r, meta, 0, later, fin=True)
-                return
-            if t not in ("ack", "nack", "abort"):
-                return
-            r = self._recvs.get(f"{msg['room']}.{msg['gen']}")
-            if r is None or peer not in r.contacts:     # ended already, or not this peer's request
-                return
-            if t == "ack":
-                if self._late(r, f"the acknowledgement from {peer}", later):
-                    return
-                r.acked.add(peer)
-                if len(r.acked) == len(r.contacts):
-                    r.advance(KVPoll.WaitingForInput, self.clock() + self.timeouts.waiting)
-            else:
-                self.end_request(r, Outcome.Aborted if t == "abort" else Outcome.Failed,
-                                 f"prefill rank {peer}: {msg['why'][:512]}", later, tell=set(r.contacts) - {peer})
+            match msg:
+                case Fin(meta=raw):   # a last chunk that moved no bytes
+                    try:
+                        meta = ChunkMeta.unpack(raw)
+                    except ValueError as e:
+                        log.warning("bad FIN from %s: %s", peer, e)
+                        return
+                    r = self._recvs.get(f"{meta.room}.{meta.gen}")
+                    if r is not None and r.peer_of.get(meta.source) == peer:
+                        self._on_chunk(r, meta, 0, later, fin=True)
+                case Ack(room=room, gen=gen):
+                    r = self._recvs.get(f"{room}.{gen}")
+                    if r is None or peer not in r.contacts or self._late(r, f"the acknowledgement from {peer}",
+                                                                         later):
+                        return
+                    r.acked.add(peer)
+                    if len(r.acked) == len(r.contacts):
+                        r.advance(KVPoll.WaitingForInput, self.clock() + self.timeouts.waiting)
+                case Nack(room=room, gen=gen, why=why) | Abort(room=room, gen=gen, why=why):
+                    r = self._recvs.get(f"{room}.{gen}")
+                    if r is None or peer not in r.contacts:     # ended already, or not this peer's request
+                        return
+                    self.end_request(r, Outcome.Aborted if isinstance(msg, Abort) else Outcome.Failed,
+                                     f"prefill rank {peer}: {why[:512]}", later, tell=set(r.contacts) - {peer})
 
     def _arrivals_loop(self) -> None:
         try:
@@ -393,8 +345,8 @@ class DecodeEndpoint(ReceiverHost):
             src.nbytes += nbytes
         if meta.total >= 0:
             src.total, src.total_bytes = meta.total, meta.nbytes
-        if meta.aux is not None and self.aux_buffer is not None and r.aux_slot is not None:
-            self.aux_buffer.tensor[r.aux_slot] = torch.frombuffer(bytearray(meta.aux), dtype=torch.uint8)
+        if meta.aux is not None and self.aux_rows is not None and r.aux_slot is not None:
+            self.aux_rows.write(r.aux_slot, meta.aux)
         r.acked.add(peer)   # data can overtake the ACK; it proves that prefill rank bound the request
         now = self.clock()
         r.advance(KVPoll.Transferring, now)
@@ -404,7 +356,7 @@ class DecodeEndpoint(ReceiverHost):
                              later)
         elif all(p.complete() for p in r.progress.values()):
             if r.aux_slot is not None and r.aux_from is not None and r.aux is None:
-                self.end_request(r, Outcome.Failed, "the last chunk came without the aux record", later)
+                self.end_request(r, Outcome.Failed, "the last chunk came without the aux row", later)
             else:
                 self.end_request(r, Outcome.Success, "", later)
 
@@ -420,8 +372,8 @@ class DecodeEndpoint(ReceiverHost):
 
     def on_peer_lost(self, peer: str, why: str) -> None:
         with self.guard() as later:
-            if peer in self._known:
-                self._mark_lost(peer, why, later)
+            if peer in self.links.known:
+                self.links.mark_lost(peer, why, later)
 
     def _tick(self, now: float, later) -> float:
         if self._landing:
@@ -433,13 +385,8 @@ class DecodeEndpoint(ReceiverHost):
                     later.append(r.run_release)
             self._landing = held
         for r in [r for r in self._recvs.values() if now > r.deadline]:
-            what = {KVPoll.Bootstrapping: ("no acknowledgement from " + ", ".join(sorted(set(r.contacts) - r.acked))
-                                           if r.granted else "init() was not called"),
-                    KVPoll.WaitingForInput: "no chunk arrived",
-                    KVPoll.Transferring: "the transfer made no progress"}[r.state]
-            limit = {KVPoll.Bootstrapping: self.timeouts.bootstrap, KVPoll.WaitingForInput: self.timeouts.waiting,
-                     KVPoll.Transferring: self.timeouts.transfer}[r.state]
-            self.end_request(r, Outcome.TimedOut, f"timed out in {r.state.name}: {what} within {limit}s", later)
+            what = waited_for(r, self.timeouts, self.links.lost)
+            self.end_request(r, Outcome.TimedOut, f"timed out in {r.state.name}: {what}", later)
         return 0.05
 
     def _live(self) -> list[KVReceiver]:
@@ -451,20 +398,22 @@ class DecodeEndpoint(ReceiverHost):
         if r.state in END_STATES:
             return
         self._recvs.pop(r.request_id, None)
+        r.pending = None
         if r.granted:
-            with self._xport_lock:
+            with self.xport_lock:
                 self.transport.forget(r.request_id)
         r.mark_ended(outcome, reason)   # after forget: once the scheduler sees the end, nothing more lands
+        msg: Message
         if outcome == Outcome.Success:   # only releases prefill's lease early: no need to wake the channel
-            msg, urgent = {"t": "done", "room": r.room, "gen": r.gen}, False
+            msg, urgent = Done(room=r.room, gen=r.gen), False
             tell = [k for k, ss in r.contacts.items() if ss]
         else:
-            msg, urgent = {"t": "abort", "room": r.room, "gen": r.gen, "why": reason[:1024]}, True
+            msg, urgent = Abort(room=r.room, gen=r.gen, why=cut(reason[:1024])), True
             tell = r.contacts if tell is None else tell
         for key in tell:
             self.channel.send(key, msg, urgent=urgent)
-        if outcome in (Outcome.Failed, Outcome.TimedOut) and self.recovery is not None:
-            later.append(self.recovery.poke)   # a replaced prefill rank shows in the registry: look (rate-bounded)
+        if outcome in (Outcome.Failed, Outcome.TimedOut):
+            self.links.poke(later)   # a replaced prefill rank shows in the registry: look (rate-bounded)
         nbytes = sum(p.nbytes for p in r.progress.values())
         later.append(lambda: record_request_end(self.role, r.room, outcome, reason, peers=",".join(r.contacts),
                                                 nbytes=nbytes, seconds=r.ended_at - r.created))
@@ -478,8 +427,7 @@ class DecodeEndpoint(ReceiverHost):
         self._landing = []
 
     def close(self) -> None:
-        if self.recovery is not None:   # first: it uses the channel
-            self.recovery.stop()
+        self.links.close()   # first: its threads use the channel
         super().close()
         if self._arrivals is not None:
             self._arrivals.join(1.0)

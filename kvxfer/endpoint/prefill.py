@@ -30,23 +30,24 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from ..control.addresses import check_reachable
 from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient, Registration
-from ..control.handshake import DATA_PATH, answer_hello, describe
-from ..control.messages import MAX_WHY
+from ..control.compat import aux_format, aux_mismatch
+from ..control.messages import Abort, Ack, Done, Fin, Hello, Message, Nack, Req, Room, cut
 from ..control.wire import ChunkMeta
-from ..errors import ConnectError, LayoutError, PlanError, RequestError
-from ..layout import STATE, SWA, Layout
+from ..errors import LayoutError, PlanError, RequestError
+from ..layout import STATE, SWA
 from ..metrics import record_request_end
 from ..plan import Planner
 from ..pools import KVPool
 from ..ranks import RankSpec
-from ..topology import expected_decode_ranks, peer_sources
 from ..transport.base import TransferStatus, Transport
-from .aux import AUX_BYTES, AuxRecord
-from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts, check_reachable
+from .aux import AUX_BYTES, AuxRecord, AuxRows
+from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts
 from .chunks import Chunk, DecodePeer, Target, plan_chunk, request_slots
-from .peers import PeerTable
+from .decode_links import DecodeLinks
+from .peers import QueuedRequests
 from .sender import KVSender, SenderHost, call_on_request, count_transfers, stalled
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
@@ -60,8 +61,8 @@ class PrefillEndpoint(SenderHost):
                  transport: str | Transport = "zmq", transport_options: Mapping | None = None,
                  timeouts: Timeouts = Timeouts(), secret: str | bytes | None = None, host: str = "127.0.0.1",
                  port: int = 0, bind: str | None = None, advertise: str | None = None,
-                 on_request: Callable[[int, int], None] | None = None, aux_bytes: int = AUX_BYTES,
-                 clock: Clock = time.monotonic):
+                 on_request: Callable[[Room, int], None] | None = None, aux: AuxRows | None = None,
+                 aux_bytes: int = AUX_BYTES, clock: Clock = time.monotonic):
         """``bind``: where the control ROUTER listens (``tcp://0.0.0.0:5555``: every interface; default
         ``tcp://{host}:{port}``); ``advertise``: the address, host name or interface name (``eth0``)
         decode ranks are told (``info.control``, what ``register`` publishes); default: the bind
@@ -71,24 +72,26 @@ class PrefillEndpoint(SenderHost):
         asks for, 0 for a silent replica's dummy request); once per decode rank that asks. It must
         not block; it typically queues the room for the scheduler, which then calls ``sender(room)``
         (the request waits ``Timeouts.bootstrap`` for it).
+        ``aux``: the engine's aux buffers (``AuxRows``), whose row ``send(..., aux_row=i)`` sends; without
+        them ``send(..., aux=...)`` takes the bytes (or an ``AuxRecord`` of ``aux_bytes``).
         ``clock``: seconds, for deadlines and leases (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "prefill":
             raise ValueError(f"PrefillEndpoint needs a prefill RankSpec, got role {spec.role!r}")
         if on_request is not None and not callable(on_request):
             raise TypeError(f"on_request must be a callable (room, tokens), got {on_request!r}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
-                         timeouts=timeouts, secret=secret, aux_bytes=aux_bytes, clock=clock)
+                         timeouts=timeouts, secret=secret, aux=aux, aux_bytes=aux_bytes, clock=clock)
         self.source = (spec.tp_rank, spec.pp_rank)
         self.on_request = on_request
         self._advertise = advertise
-        self._peers = PeerTable()                             # decode peers (kvxfer.endpoint.peers)
-        self._senders: dict[int, KVSender] = {}               # room -> live sender
+        self.links = DecodeLinks(self)                        # decode peers and their HELLOs
+        self._senders: dict[Room, KVSender] = {}              # room -> live sender
         self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
-        self._pending: dict[int, dict[str, tuple[Target, float]]] = {}   # REQs that came before the sender
+        self._pending = QueuedRequests()                      # REQs that came before the sender
         self._busy: set[KVSender] = set()                     # senders with transfers in flight
         self._unready: set[KVSender] = set()                  # senders whose next chunk waits for its event
         self._held: set[KVSender] = set()                     # ended, KV not yet released
-        self._aborted: dict[int, tuple[str, float]] = {}      # rooms decode aborted before the sender existed
+        self._aborted: dict[Room, tuple[str, float]] = {}     # rooms decode aborted before the sender existed
         self._next_scan = 0.0
         self._registration: Registration | None = None
         try:
@@ -115,7 +118,7 @@ class PrefillEndpoint(SenderHost):
         if reg is not None:   # no zombie rank: decode ranks stop being sent here
             reg.stop()
 
-    def sender(self, room: int, *, on_release: Callable[[Outcome], None] | None = None) -> KVSender:
+    def sender(self, room: Room, *, on_release: Callable[[Outcome], None] | None = None) -> KVSender:
         """Scheduler: a new request (Bootstrapping until every decode rank's grant arrived).
         ``on_release(outcome)`` runs exactly once, outside the endpoint lock, when prefill may
         reuse the request's KV; ``kv_releasable`` turns True after it returned."""
@@ -128,41 +131,41 @@ class PrefillEndpoint(SenderHost):
             self._senders[room] = s
             if room in self._aborted:
                 self.end_request(s, Outcome.Aborted, self._aborted.pop(room)[0], later)
-            for target, _ in self._pending.pop(room, {}).values():
+            for target, _ in self._pending.take(room).values():
                 self._bind(s, target, later)
             return s
 
     # -- handshake and requests (channel thread) -----------------------------------------------
-    def on_message(self, peer: str, msg: dict) -> None:
-        t = msg["t"]
-        if t == "hello":
-            self._on_hello(peer, msg)
+    def on_message(self, peer: str, msg: Message) -> None:
+        if isinstance(msg, Hello):
+            self.links.on_hello(peer, msg)
             return
         with self.guard() as later:
-            if t == "req":
-                self._on_req(peer, msg, later)
-            elif t == "done":
-                s = self._grants.get((peer, f"{msg['room']}.{msg['gen']}"))
-                if s is not None:
-                    for tg in s.targets.values():
-                        tg.confirmed |= tg.peer == peer and tg.gen == msg["gen"]
-                    self._settle(s, self.clock(), later)
-            elif t == "abort":
-                self._on_abort(peer, msg, later)
+            match msg:
+                case Req():
+                    self._on_req(peer, msg, later)
+                case Done(room=room, gen=gen):
+                    s = self._grants.get((peer, f"{room}.{gen}"))
+                    if s is not None:
+                        for tg in s.targets.values():
+                            tg.confirmed |= tg.peer == peer and tg.gen == gen
+                        self._settle(s, self.clock(), later)
+                case Abort():
+                    self._on_abort(peer, msg, later)
 
-    def _on_abort(self, peer: str, msg: dict, later) -> None:
-        room, why = msg["room"], f"decode rank {peer}: {msg['why'][:512]}"
-        s = self._grants.get((peer, f"{room}.{msg['gen']}"))
+    def _on_abort(self, peer: str, msg: Abort, later) -> None:
+        room, why = msg.room, f"decode rank {peer}: {msg.why[:512]}"
+        s = self._grants.get((peer, f"{room}.{msg.gen}"))
         if s is None:   # not bound: the REQ is queued, or never came (decode ended before init)
             # Once a decode rank asked for the room, only a peer that asked for this very request
             # (room and generation) may abort it: a third party's ABORT, or one for another
             # generation, changes nothing. Before anyone asked, a decode peer of the sender's DP
             # group may abort a sender the engine made (decode gave up before its init).
-            pending = self._pending.get(room, {})
+            pending = self._pending.get(room)
             queued = pending.get(peer)
-            s, dp = self._senders.get(room), self._peers.get(peer)
-            if queued is not None and queued[0].gen == msg["gen"]:
-                del pending[peer]
+            s, dp = self._senders.get(room), self.links.peers.get(peer)
+            if queued is not None and queued[0].gen == msg.gen:
+                self._pending.drop(room, peer)
             elif pending or s is None or dp is None or s.group not in (None, dp.group):
                 return
             if s is None:   # the sender is not made yet: it fails as soon as it is
@@ -170,66 +173,15 @@ class PrefillEndpoint(SenderHost):
                 return
         self.end_request(s, Outcome.Aborted, why, later)
 
-    def _on_hello(self, peer: str, msg: dict) -> None:
-        with self._lock:   # a silent peer (a restarted group's earlier rank) does not hold the group's map
-            others = self._peers.group_records(peer)
-        d_info, reply = answer_hello(self.info, msg, self.transport.name, others)
-        if d_info is not None:
-            rank = d_info.spec.key
-            with self._lock:   # a new epoch of this peer, or a silent earlier one of its rank: gone
-                stale = self._peers.stale(peer, rank)
-            for old in stale:
-                self._retire(old, f"decode rank {rank} handshook again (as {peer})", forget=old != peer)
-            try:
-                dl = Layout.from_dict(d_info.layout)
-                sources = peer_sources(self.spec, d_info.spec)
-                desc = d_info.data[self.transport.name]
-                try:
-                    with self._xport_lock:
-                        xpeer = self.transport.connect(dict(desc))
-                except (ConnectError, ValueError) as e:   # the data path: refused now, with the reason
-                    raise ConnectError(f"{DATA_PATH}: prefill {self.spec.key} cannot reach decode {d_info.spec.key} "
-                                       f"at its {self.transport.name} data address {describe(desc)}: {e}") from None
-                with self._lock:
-                    self._peers.add(peer, DecodePeer(d_info, dl, xpeer, sources,
-                                                     expected_decode_ranks(self.spec, d_info.spec)))
-                self.channel.watch(peer)
-                log.info("decode rank %s connected (%d source(s) from here)", peer, len(sources))
-            except KeyError:
-                reply = {"t": "refuse", "re": msg["i"],
-                         "why": [f"transport: P uses {self.transport.name!r}, D offers {sorted(d_info.data)}"]}
-            except ConnectError as e:
-                reply = {"t": "refuse", "re": msg["i"], "why": [str(e)[:MAX_WHY]]}
-            except (LayoutError, PlanError) as e:
-                reply = {"t": "refuse", "re": msg["i"], "why": [f"prefill {self.spec.key}: {e}"[:MAX_WHY]]}
-        self.channel.send(peer, reply)
+    def retire_requests(self, peer: str, why: str, later) -> None:
+        """``DecodeLinks``, under the lock: decode peer ``peer`` is gone; what it asked for ends."""
+        self._pending.drop_peer(peer)
+        for s in [s for s in self._senders.values() if any(t.peer == peer for t in s.targets.values())]:
+            self.end_request(s, Outcome.Failed, why, later)
 
-    def _retire(self, old: str, why: str, forget: bool = True) -> None:
-        """Channel thread: decode peer ``old`` is superseded (it handshook again, or it went silent
-        after its rank handshook again from a restarted process): its requests fail, then its data
-        peer is disconnected unless another handshake shares it (before a new connect, which may
-        hand out the same key), and its control state is forgotten. Without it every re-handshake
-        leaks a data peer. A live peer is never retired for another's HELLO (that would let anyone
-        who says HELLO with a rank's record cut that rank off)."""
-        with self.guard() as later:
-            dp = self._peers.pop(old)
-            if dp is None:
-                return
-            for room in list(self._pending):
-                self._pending[room].pop(old, None)
-            for s in [s for s in self._senders.values() if any(t.peer == old for t in s.targets.values())]:
-                self.end_request(s, Outcome.Failed, why, later)
-            shared = self._peers.shares(dp.xpeer)
-        if not shared:
-            with self._xport_lock:
-                self.transport.disconnect(dp.xpeer)
-        if forget:
-            self.channel.forget(old)
-
-    def _on_req(self, peer: str, msg: dict, later) -> None:
-        nack = lambda why: self.channel.send(peer, {"t": "nack", "room": msg["room"], "gen": msg["gen"],  # noqa: E731
-                                                    "why": why})
-        dp = self._peers.get(peer)
+    def _on_req(self, peer: str, msg: Req, later) -> None:
+        nack = lambda why: self.channel.send(peer, Nack(room=msg.room, gen=msg.gen, why=cut(why)))  # noqa: E731
+        dp = self.links.peers.get(peer)
         if dp is None:
             nack(f"prefill {self.spec.key} has no handshake with {peer}")
             return
@@ -239,39 +191,50 @@ class PrefillEndpoint(SenderHost):
             nack(f"bad request: {e}")
             return
         target = Target(peer, dp.info.spec.tp_rank, msg, kv, st, swa)
-        s = self._senders.get(msg["room"])
-        if s is None:
-            self._pending.setdefault(msg["room"], {})[peer] = (target, self.clock())
-            if self.on_request is not None:
+        s = self._senders.get(msg.room)
+        if s is None or self._claimed(s, target, dp):   # a live room claimed by another: as for no sender
+            full = self._pending.add(msg.room, peer, target, self.clock())
+            if full:
+                nack(full)
+                return
+            if s is None and self.on_request is not None:
                 tokens = 0 if target.dummy else len(kv)
-                later.append(functools.partial(call_on_request, self.on_request, msg["room"], tokens))
+                later.append(functools.partial(call_on_request, self.on_request, msg.room, tokens))
         else:
             self._bind(s, target, later)
 
     def _bind(self, s: KVSender, t: Target, later) -> None:
-        dp = self._peers.get(t.peer)
+        dp = self.links.peers.get(t.peer)
         why = None
         if dp is None:
             why = "decode rank is gone"
-        elif s.group is not None and dp.group != s.group:
-            why = f"room {s.room} is already bound to decode group {s.group}"
+        elif self._claimed(s, t, dp):   # answered as a room with no sender: nothing tells a live room apart
+            why = f"no prefill request for room {s.room} on {self.spec.key}"
         elif t.d_rank not in dp.expected:
             why = f"decode rank {t.d_rank} does not pull from prefill {self.spec.key}"
-        elif t.d_rank in s.targets:
-            old = s.targets[t.d_rank]
-            if (old.peer, old.gen) != (t.peer, t.gen):
-                why = f"room {s.room} already has a grant from decode rank {t.d_rank} (gen {old.gen})"
+        elif t.aux:
+            why = aux_mismatch(self.spec.key, self.aux_format, dp.info.spec.key, aux_format(dp.info))
+            if why:   # the request cannot complete: both sides fail it now, with the reason
+                self.channel.send(t.peer, Nack(room=s.room, gen=t.gen, why=cut(why)))
+                self.end_request(s, Outcome.Failed, why, later)
+                return
         if why or dp is None:
-            self.channel.send(t.peer, {"t": "nack", "room": s.room, "gen": t.gen, "why": why})
+            self.channel.send(t.peer, Nack(room=s.room, gen=t.gen, why=cut(why or "")))
             return
         if t.d_rank not in s.targets:
             s.group, s.expected = dp.group, dp.expected
             s.targets[t.d_rank] = t
             self._grants[(t.peer, t.request_id)] = s
-        self.channel.send(t.peer, {"t": "ack", "room": s.room, "gen": t.gen})
+        self.channel.send(t.peer, Ack(room=s.room, gen=t.gen))
         if s.state == KVPoll.Bootstrapping and set(s.targets) >= s.expected:
             s.advance(KVPoll.WaitingForInput, self.clock() + self.timeouts.waiting)
             self._pump(s, later)
+
+    @staticmethod
+    def _claimed(s: KVSender, t: Target, dp: DecodePeer) -> bool:
+        """``s`` is bound to another decode group, or has another grant from ``t``'s decode rank."""
+        old = s.targets.get(t.d_rank)
+        return s.group is not None and dp.group != s.group or old is not None and (old.peer, old.gen) != (t.peer, t.gen)
 
     def _pump(self, s: KVSender, later) -> None:
         """Submit the queued chunks of a bound sender, in order, up to the first whose ready event
@@ -292,7 +255,7 @@ class PrefillEndpoint(SenderHost):
         self._unready.discard(s)
 
     # -- chunks (scheduler thread; queued ones on the channel thread) --------------------------
-    def send_chunk(self, s: KVSender, kv_slots, start, layers, last, aux, state_slots, ready) -> bool:
+    def send_chunk(self, s: KVSender, kv_slots, start, layers, last, aux, state_slots, ready, aux_row=None) -> bool:
         """The body of ``KVSender.send`` (call that): check the chunk, queue it, submit what may go."""
         if ready is not None and not callable(getattr(ready, "query", None)):
             raise TypeError(f"ready must have a query() method saying whether the chunk's KV is written (e.g. a "
@@ -305,8 +268,16 @@ class PrefillEndpoint(SenderHost):
             raise RequestError("state goes with the last chunk")
         if isinstance(aux, AuxRecord):
             aux = aux.pack(self.aux_bytes)
-        if aux is not None and len(aux) != self.aux_bytes:
-            raise RequestError(f"aux record is {len(aux)} bytes, this endpoint's aux_bytes is {self.aux_bytes}")
+        if aux is not None and aux_row is not None:
+            raise RequestError("send() takes aux= (bytes) or aux_row= (a row of this endpoint's AuxRows), not both")
+        if aux_row is not None:
+            if self.aux_rows is None:
+                raise RequestError("aux_row= needs the endpoint's aux buffers: PrefillEndpoint(aux=AuxRows([...]))")
+            self.aux_rows.check_row(aux_row)
+            if not last:
+                raise RequestError("aux rows go with the last chunk")
+        elif aux is not None and len(aux) != self.aux_bytes:
+            raise RequestError(f"aux record is {len(aux)} bytes, this endpoint's aux rows are {self.aux_bytes} bytes")
         with self.guard() as later:
             if s.state in END_STATES:
                 return False
@@ -318,20 +289,22 @@ class PrefillEndpoint(SenderHost):
             s.next_pos = max(s.next_pos, begin + len(slots))
             s.last_sent = bool(last)
             s.queued.append(Chunk(slots, begin, None if layers is None else frozenset(int(x) for x in layers),
-                                   bool(last), aux, st, swa, ready))
+                                   bool(last), aux if aux_row is None else aux_row, st, swa, ready))
             self._pump(s, later)
             return s.state != KVPoll.Failed
 
     def _planners_for(self, dp: DecodePeer, layers: frozenset | None, kinds: list) -> list[Planner]:
         key = (layers, tuple(kinds))
         if key not in dp.planners:
-            made = [self._planner(self.layout, dp.layout, s.src_heads, s.dst_heads,
+            made = [self.make_planner(self.layout, dp.layout, s.src_heads, s.dst_heads,
                                   s.layers if layers is None else sorted(layers & set(s.layers)), kinds)
                     for s in dp.sources]
             dp.planners[key] = [p for p in made if p is not None]
         return dp.planners[key]
 
     def _submit(self, s: KVSender, c: Chunk, later) -> None:
+        if isinstance(c.aux, int) and self.aux_rows is not None:   # a row: read now, after the ready event
+            c.aux = self.aux_rows.read_bytes(c.aux)
         now = self.clock()
         s.advance(KVPoll.Transferring, now)
         s.deadline = now + self.timeouts.transfer
@@ -346,7 +319,7 @@ class PrefillEndpoint(SenderHost):
     def _submit_to(self, s: KVSender, t: Target, c: Chunk) -> None:
         if t.dummy:
             return
-        dp = self._peers.peers[t.peer]
+        dp = self.links.peers.peers[t.peer]
         plan = plan_chunk(c, t, next_pos=s.next_pos, token_space=self.token_space, hybrid=bool(self.swa_window),
                           kv_planners=self._planners_for(dp, c.layers, self.kv_kinds),
                           state_planners=self._planners_for(dp, None, self.state_kinds) if c.last else [])
@@ -354,11 +327,11 @@ class PrefillEndpoint(SenderHost):
         if plan.nbytes == 0:
             if c.last:   # nothing left to move: say so on the control channel
                 meta = ChunkMeta(s.room, t.gen, self.source, t.chunks, t.chunks, t.nbytes, aux)
-                self.channel.send(t.peer, {"t": "fin", "meta": meta.pack()})
+                self.channel.send(t.peer, Fin(meta=meta.pack()))
             return
         meta = ChunkMeta(s.room, t.gen, self.source, t.chunks, t.chunks + 1 if c.last else -1,
                          t.nbytes + plan.nbytes if c.last else -1, aux)
-        with self._xport_lock:
+        with self.xport_lock:
             h = self.transport.submit(dp.xpeer, t.request_id, plan, timeout=self.timeouts.transfer, notify=meta.pack(),
                                       capability=t.cap)
         t.chunks, t.nbytes = t.chunks + 1, t.nbytes + plan.nbytes
@@ -419,15 +392,9 @@ class PrefillEndpoint(SenderHost):
             later.append(s.run_release)
 
     def on_peer_lost(self, peer: str, why: str) -> None:
-        with self.guard() as later:
-            superseded = self._peers.lost(peer)
-            for room in list(self._pending):
-                self._pending[room].pop(peer, None)
-            for s in list(self._senders.values()):
-                if any(t.peer == peer for t in s.targets.values()):
-                    self.end_request(s, Outcome.Failed, f"decode rank {peer} {why}", later)
-        if superseded:   # its rank handshook again since: a restarted process, this one is gone
-            self._retire(peer, f"decode rank {peer} {why}")
+        """Channel thread: a decode peer went silent: its requests fail and it is retired (it says
+        HELLO again when it comes back), so a silent peer holds nothing here."""
+        self.links.retire(peer, f"decode rank {peer} {why}")
 
     def _tick(self, now: float, later) -> float:
         for s in list(self._unready):
@@ -445,14 +412,9 @@ class PrefillEndpoint(SenderHost):
             for room, (_, since) in list(self._aborted.items()):
                 if now - since > self.timeouts.bootstrap:
                     del self._aborted[room]
-            for room, reqs in list(self._pending.items()):
-                for peer, (t, since) in list(reqs.items()):
-                    if now - since > self.timeouts.bootstrap:
-                        del reqs[peer]
-                        self.channel.send(peer, {"t": "nack", "room": room, "gen": t.gen,
-                                                 "why": f"no prefill request for room {room} on {self.spec.key}"})
-                if not reqs:
-                    del self._pending[room]
+            for room, peer, t in self._pending.expired(now, self.timeouts.bootstrap):
+                self.channel.send(peer, Nack(room=room, gen=t.gen,
+                                             why=cut(f"no prefill request for room {room} on {self.spec.key}")))
         return 0.005 if self._busy or self._unready else 0.05   # reaping is not on decode's critical path
 
     def _live(self) -> list[KVSender]:
@@ -468,10 +430,10 @@ class PrefillEndpoint(SenderHost):
         if outcome != Outcome.Success:
             notified = {t.peer for t in s.targets.values()}
             for t in s.targets.values():
-                self.channel.send(t.peer, {"t": "abort", "room": s.room, "gen": t.gen, "why": reason[:1024]})
-            for peer, (t, _) in self._pending.pop(s.room, {}).items():
+                self.channel.send(t.peer, Abort(room=s.room, gen=t.gen, why=reason[:1024]))
+            for peer, (t, _) in self._pending.take(s.room).items():
                 if peer not in notified:
-                    self.channel.send(peer, {"t": "abort", "room": s.room, "gen": t.gen, "why": reason[:1024]})
+                    self.channel.send(peer, Abort(room=s.room, gen=t.gen, why=reason[:1024]))
         now = self.clock()
         s.lease_end = now + self.timeouts.lease
         self._held.add(s)
@@ -484,6 +446,7 @@ class PrefillEndpoint(SenderHost):
         reg, self._registration = self._registration, None
         if reg is not None:
             reg.stop()
+        self.links.close()
         super().close()
 
     def _after_close(self, later) -> None:

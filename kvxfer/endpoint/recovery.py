@@ -3,15 +3,16 @@ with the replacement without a restart.
 
 Who calls what, and when
 ------------------------
-``DecodeEndpoint.connect`` starts one ``PeerRecovery`` (a daemon thread) once every prefill rank
-it needs has answered its HELLO, and ``DecodeEndpoint.close`` stops it. The endpoint calls
+``DecodeEndpoint`` starts one ``PeerRecovery`` (a daemon thread) once its first prefill instance
+answered its handshake, and ``DecodeEndpoint.close`` stops it. It watches every instance the
+endpoint handshook with, each against its own registry. The endpoint calls
 ``poke()`` (any thread, never blocks) when a prefill rank went silent (``on_peer_lost``) or a
 request failed: the thread then re-reads the registry at once, at most every ``MIN_GAP``
 seconds; without a poke it re-reads every ``Timeouts.registry`` seconds.
 
-The thread, per pass, for every prefill rank the endpoint handshook with
-(``DecodeEndpoint.known_peers()``), compares the registry's record with the one it handshook
-with:
+The thread, per pass, reads each instance's registry (``DecodeEndpoint.registries()``) and, for
+every prefill rank the endpoint handshook with (``DecodeEndpoint.known_peers()``), compares the
+registry's record with the one it handshook with:
 
 - a different record (a restarted rank: a new port, a new transport id): the rank was replaced;
   ``DecodeEndpoint.rejoin(key, record, replaced=True)`` fails what was running with the old one,
@@ -34,8 +35,8 @@ import time
 from typing import Protocol
 
 from ..control.client import BootstrapClient
+from ..control.records import RankInfo
 from ..errors import ConnectError
-from ..ranks import RankInfo
 
 log = logging.getLogger("kvxfer.request")
 
@@ -48,6 +49,8 @@ class RejoiningEndpoint(Protocol):
     @property
     def lost_peers(self) -> dict[str, str]: ...
 
+    def registries(self) -> dict[str, BootstrapClient | None]: ...
+
     def known_peers(self) -> dict[str, RankInfo]: ...
 
     def rejoin(self, key: str, info: RankInfo, *, replaced: bool) -> bool: ...
@@ -58,9 +61,8 @@ class RejoiningEndpoint(Protocol):
 class PeerRecovery:
     """The thread that watches the registry for one decode endpoint (see the module docstring)."""
 
-    def __init__(self, ep: RejoiningEndpoint, client: BootstrapClient | None, instance: str | None,
-                 interval: float, retry: float):
-        self.ep, self.client, self.instance = ep, client, instance
+    def __init__(self, ep: RejoiningEndpoint, interval: float, retry: float):
+        self.ep = ep
         self.interval, self.retry = interval, retry
         self.reads = 0                               # registry reads done (tests, metrics)
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -81,7 +83,7 @@ class PeerRecovery:
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(REJOIN_HELLO + (self.client.timeout if self.client else 0.0) + 1.0)
+            self._thread.join(REJOIN_HELLO + 5.0 + 1.0)
 
     def _run(self) -> None:
         last = 0.0
@@ -100,26 +102,30 @@ class PeerRecovery:
             log.exception("decode recovery thread died")
             self.ep.break_endpoint(f"recovery thread died: {e!r}")
 
-    def _read(self) -> dict[str, RankInfo] | None:
-        if self.client is None:
-            return None
+    def _read(self, client: BootstrapClient | None, instance: str) -> dict[str, RankInfo]:
+        if client is None:
+            return {}
         try:
-            _, ranks = self.client.topology(self.instance)
+            _, ranks = client.topology(instance)
         except ConnectError as e:   # the registry may be restarting: keep what we know
             log.debug("registry re-read failed: %s", e)
-            return None
+            return {}
         finally:
             self.reads += 1
         return {r.spec.key: r for r in ranks if r.spec.role == "prefill"}
 
     def _pass(self) -> None:
-        registry = self._read()
+        registry: dict[str, RankInfo] = {}
+        for instance, client in self.ep.registries().items():
+            if self._stop.is_set():
+                return
+            registry.update(self._read(client, instance))
         lost = self.ep.lost_peers
         now = time.monotonic()
         for key, known in self.ep.known_peers().items():
             if self._stop.is_set():
                 return
-            new = registry.get(key) if registry is not None else None
+            new = registry.get(key)
             replaced = new is not None and new.to_dict() != known.to_dict()
             if not replaced and key not in lost:
                 continue

@@ -19,6 +19,7 @@ import abc
 import logging
 from collections.abc import Callable, Sequence
 
+from ..control.messages import Room
 from ..metrics import record_transfer
 from ..transport.base import TransferHandle
 from .aux import AuxRecord
@@ -29,10 +30,15 @@ log = logging.getLogger("kvxfer.request")
 
 
 class SenderHost(EndpointBase):
-    """What a ``KVSender`` calls on its endpoint (``PrefillEndpoint`` is the one)."""
+    """What a ``KVSender`` and the ``DecodeLinks`` call on their endpoint (``PrefillEndpoint`` is the one)."""
 
     @abc.abstractmethod
-    def send_chunk(self, s: "KVSender", kv_slots, start, layers, last, aux, state_slots, ready) -> bool:
+    def retire_requests(self, peer: str, why: str, later: list) -> None:
+        """Under the endpoint lock: decode peer ``peer`` is gone; what it asked for ends with ``why``."""
+
+    @abc.abstractmethod
+    def send_chunk(self, s: "KVSender", kv_slots, start, layers, last, aux, state_slots, ready,
+                   aux_row=None) -> bool:
         """The body of ``KVSender.send``."""
 
 
@@ -42,7 +48,7 @@ class KVSender(RequestBase):
     __slots__ = ("targets", "group", "expected", "queued", "handles", "reading", "next_pos", "last_sent",
                  "lease_end", "overdue")
 
-    def __init__(self, ep: "SenderHost", room: int, on_release: Callable[[Outcome], None] | None):
+    def __init__(self, ep: "SenderHost", room: Room, on_release: Callable[[Outcome], None] | None):
         super().__init__(ep, room, ep.clock() + ep.timeouts.bootstrap, on_release)
         self.targets: dict[int, Target] = {}
         self.group: tuple[str, int] | None = None      # the decode (instance, dp rank) it is bound to
@@ -53,16 +59,19 @@ class KVSender(RequestBase):
         self.next_pos, self.last_sent, self.lease_end, self.overdue = 0, False, float("inf"), False
 
     def send(self, kv_slots, *, start: int | None = None, layers: Sequence[int] | None = None, last: bool = False,
-             aux: AuxRecord | bytes | None = None, state_slots=None, ready=None) -> bool:
+             aux: AuxRecord | bytes | None = None, aux_row: int | None = None, state_slots=None,
+             ready=None) -> bool:
         """Scheduler, per chunk: send the KV of tokens ``start .. start + len(kv_slots)`` (default:
         right after the previous chunk), of ``layers`` (default: all; for per-layer-group streaming
-        pass ``start`` too). The last chunk carries ``aux`` and the state at ``state_slots``. A
+        pass ``start`` too). The last chunk carries the aux row (``aux``: its bytes, or an ``AuxRecord``;
+        ``aux_row``: a row of the endpoint's ``AuxRows``, read when the chunk is submitted, after its
+        ``ready`` event) and the state at ``state_slots``. A
         hybrid SWA pool must have mapped (``full_to_swa``) every token of decode's window by this
         call. ``ready``: None when the KV (and state) of this chunk is written already, else an
         object with ``query() -> bool`` (e.g. ``torch.cuda.Event`` recorded on the forward's stream
         after it wrote them); no transport reads the chunk before ``query()`` returned True.
         Never blocks on the network; False when the request has already ended."""
-        return self.endpoint.send_chunk(self, kv_slots, start, layers, last, aux, state_slots, ready)
+        return self.endpoint.send_chunk(self, kv_slots, start, layers, last, aux, state_slots, ready, aux_row)
 
     @property
     def kv_releasable(self) -> bool:
@@ -84,7 +93,7 @@ def stalled(s: KVSender) -> str:
 
 
 
-def call_on_request(on_request: Callable[[int, int], None], room: int, tokens: int) -> None:
+def call_on_request(on_request: Callable[[Room, int], None], room: Room, tokens: int) -> None:
     """The engine's ``on_request(room, tokens)``, outside the endpoint lock; its bug is logged,
     never the channel thread's death."""
     try:

@@ -220,16 +220,9 @@ class Transport(ABC):
     def descriptor(self) -> dict: ...
 
     @abstractmethod
-    def connect(self, descriptor: dict, token: bytes = b"") -> str: ...
-
-    def admit(self, descriptor: dict) -> bytes:
-        """Decode (receiver), before its HELLO to a prefill rank: that rank's ``descriptor()`` (from
-        its registry record) may open a data path here. Returns a token (at most 64 bytes) the decode
-        endpoint sends that rank inside its signed HELLO; the prefill rank hands it to
-        ``connect(descriptor, token)``, which presents it on the data path, so the receiver binds the
-        connection to the admitted identity. Called again for the same peer id, the old token stops
-        working. b"": this transport binds nothing (the default)."""
-        return b""
+    def connect(self, descriptor: dict, token: bytes = b"") -> str:
+        """Prefill, once per decode peer at handshake: reach the peer of ``descriptor``; ``token``: what
+        that decode rank's HELLO carried for this transport (``admit``), presented on the data path."""
 
     @abstractmethod
     def disconnect(self, peer: str) -> None:
@@ -249,6 +242,15 @@ class Transport(ABC):
         thread, never the network). Idempotent; an unknown peer (or a closed transport) is a
         no-op.
         """
+
+    def admit(self, descriptor: dict) -> bytes:
+        """Decode (receiver), before its HELLO to a prefill rank: that rank's ``descriptor()`` (from
+        its registry record) may open a data path here. Returns a token (at most 64 bytes) the decode
+        endpoint sends that rank inside its signed HELLO; the prefill rank hands it to
+        ``connect(descriptor, token)``, which presents it on the data path, so the receiver binds the
+        connection to the admitted identity. Called again for the same peer id, the old token stops
+        working. b"": this transport binds nothing (the default)."""
+        return b""
 
     @abstractmethod
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,

@@ -321,7 +321,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
                 "region_base": [int(b) for b in self._base], "region_sizes": list(self.grants.region_sizes),
                 "rkeys": [k.hex() for k in self._rkeys_packed], "shm_settings": self._shm_settings}
 
-    def connect(self, descriptor: dict) -> str:
+    def connect(self, descriptor: dict, token: bytes = b"") -> str:
         """Sender, once per receiver: an endpoint to its worker (error handling off; through the
         FAR_TLS worker when the peer is on another host or network namespace), its rkeys, and a
         round trip over it within ``connect_timeout`` (``ConnectError`` naming the address)."""

@@ -1,0 +1,271 @@
+"""Decode's links to prefill: ``PrefillLinks``, the part of a ``DecodeEndpoint`` that knows the
+prefill instances its requests name and the prefill ranks of each it handshook with.
+
+It owns: the instance records (``kvxfer.endpoint.instances``), the record each prefill rank's
+HELLO went to (``known``), the ranks lost since (``lost``, with why), the planners of each rank's
+grants (``planners``), the connect threads and the recovery thread (``kvxfer.endpoint.recovery``).
+It shares the endpoint's lock: every method below that says "under the lock" is called holding it,
+and every change of a request goes back to the endpoint through its callbacks, under the lock:
+``instance_ready(inst, later)``, ``instance_failed(inst, why, later)``, ``rank_lost(key, why,
+later)`` and ``rank_rejoined(key, why, later)`` (``why`` empty: it answered).
+
+Who calls what: the endpoint calls ``instance`` (scheduler thread, never blocks), ``connect``
+(its own ``connect``, blocking), ``mark_lost`` (channel thread) and ``close``; the connect threads
+run one instance's handshake each (registry wait, then a HELLO to each rank this decode rank
+pulls from, all at once); the recovery thread calls ``registries``, ``known_peers``,
+``lost_peers`` and ``rejoin``.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections.abc import Sequence
+
+from ..control.client import BootstrapClient
+from ..control.compat import require_compatible
+from ..control.handshake import hello
+from ..control.records import RankInfo
+from ..errors import CompatibilityError, ConnectError
+from ..plan import Planner
+from .instances import Groups, Phase, PrefillInstance, check_one_instance, find_ranks, plan_groups
+from .receiver import ReceiverHost
+from .recovery import REJOIN_HELLO, PeerRecovery
+
+log = logging.getLogger("kvxfer.request")
+
+MAX_INSTANCES = 1024     # setting: prefill instances one decode endpoint keeps
+HELLO_FANOUT = 16        # HELLOs one instance's handshake has in flight at once
+RETRY_FAILED = 1.0       # seconds before a request may try an instance whose handshake failed again
+
+
+class PrefillLinks:
+    """The prefill instances and ranks of one decode endpoint (see the module docstring)."""
+
+    def __init__(self, ep: ReceiverHost, bootstrap: str | None):
+        self.ep, self.bootstrap = ep, bootstrap
+        self._instances: dict[tuple[str, str], PrefillInstance] = {}   # (registry, name as asked) -> instance
+        self._named: dict[str, PrefillInstance] = {}       # instance name -> instance
+        self.default: PrefillInstance | None = None
+        self.planners: dict[str, list[tuple[tuple[int, int], Planner]]] = {}   # rank key -> (source, planner)
+        self.known: dict[str, RankInfo] = {}               # rank key -> the record our HELLO went to
+        self.lost: dict[str, str] = {}                     # rank key -> why it is lost (no HELLO since)
+        self._connects = concurrent.futures.ThreadPoolExecutor(max_workers=4,
+                                                               thread_name_prefix="kvxfer-decode-connect")
+        self.recovery: PeerRecovery | None = None
+
+    # -- instances ------------------------------------------------------------------------------
+    def connect(self, url: str | None, peers: Sequence[RankInfo] | None, instance: str | None,
+                deadline: float) -> None:
+        """Blocking (the endpoint's ``connect``): handshake with one instance now, make it the default."""
+        if peers is not None:   # records: the instance is named by them
+            instance = instance or check_one_instance([p for p in peers if p.spec.role == "prefill"])
+        with self.ep.guard():
+            inst = self.instance(url if peers is None else "", instance, start=False)
+            ready = inst.phase == Phase.READY
+        if not ready:
+            self._connect_instance(inst, deadline, peers)
+        with self.ep.guard():
+            self.default = inst
+
+    def phases(self) -> dict[str, str]:
+        """Under the lock: every instance requests named, and where its handshake stands."""
+        return {inst.name or f"? at {inst.ref[0]}": inst.phase.value for inst in self._instances.values()}
+
+    def instance(self, url: str | None, name: str | None, start: bool = True) -> PrefillInstance:
+        """Under the lock: the instance a request names (made, and its handshake started on a
+        connect thread, the first time; a failed one is tried again after ``RETRY_FAILED`` s)."""
+        if url is None and name is not None and name in self._named:
+            return self._retry(self._named[name]) if start else self._named[name]
+        if url is None and name is None:
+            if self.default is None:
+                raise ConnectError("the request names no prefill instance: pass instance= / bootstrap=, or call "
+                                   "connect() first to set a default")
+            return self._retry(self.default) if start else self.default
+        url = url if url is not None else self.bootstrap
+        if url is None:
+            raise ConnectError(f"prefill instance {name!r} is unknown here and the endpoint has no registry: pass "
+                               f"bootstrap= (its registry URL)")
+        ref = (url, name or "")
+        inst = self._instances.get(ref)
+        if inst is None:
+            if len(self._instances) >= MAX_INSTANCES:
+                raise ConnectError(f"this decode endpoint already knows {MAX_INSTANCES} prefill instances")
+            inst = PrefillInstance(ref, BootstrapClient(url, self.ep.secret, timeout=5.0) if url else None)
+            self._instances[ref] = inst
+            if start:
+                self._start(inst)
+            return inst
+        return self._retry(inst) if start else inst
+
+    def _retry(self, inst: PrefillInstance) -> PrefillInstance:
+        if inst.phase == Phase.FAILED and time.monotonic() - inst.failed_at > RETRY_FAILED and inst.client:
+            inst.phase, inst.error = Phase.CONNECTING, ""
+            self._start(inst)
+        return inst
+
+    def _start(self, inst: PrefillInstance) -> None:
+        if not self.ep.closed:
+            self._connects.submit(self._connect_job, inst,
+                                  time.monotonic() + min(self.ep.timeouts.bootstrap, 60.0))
+
+    def _connect_job(self, inst: PrefillInstance, deadline: float) -> None:
+        """Connect thread: one instance's handshake; the requests that waited for it go on or fail."""
+        try:
+            self._connect_instance(inst, deadline, None)
+        except (ConnectError, CompatibilityError, ValueError) as e:
+            log.info("prefill instance %s: handshake failed: %s", inst, e)
+        except Exception as e:   # a bug: the waiting requests fail loudly, the thread lives
+            log.exception("prefill instance %s: handshake failed", inst)
+            self._failed(inst, f"handshake failed: {e!r}")
+
+    def _connect_instance(self, inst: PrefillInstance, deadline: float, peers: Sequence[RankInfo] | None) -> None:
+        """Blocking: read the registry (or ``peers``), check the pair, HELLO every rank this rank needs
+        (in parallel), then mark the instance READY and resume its waiting requests. Raises
+        (ConnectError, CompatibilityError) after failing the instance with the reason."""
+        try:
+            if peers is not None:
+                ranks = [p for p in peers if p.spec.role == "prefill" and inst.name in (None, p.spec.instance)]
+                name = inst.name or check_one_instance(ranks)
+            else:
+                name, ranks = find_ranks(inst.client, inst.name, deadline)
+            with self.ep.guard():
+                other = self._named.get(name)
+                if other is not None and other is not inst:
+                    raise ConnectError(f"prefill instance {name!r} at {inst.ref[0] or 'records'} has the name of the "
+                                       f"instance at {other.ref[0] or 'records'}: give each prefill instance its own "
+                                       f"name (RankSpec.instance)")
+                inst.name = name
+                self._named[name] = inst
+            me = self.ep.info
+            groups, records = plan_groups(ranks, me, self.ep.transport.name)
+            self._hello_all(groups, records, me, deadline)
+        except (ConnectError, CompatibilityError, ValueError) as e:
+            self._failed(inst, str(e))
+            raise
+        with self.ep.guard() as later:
+            inst.groups, inst.phase, inst.error = groups, Phase.READY, ""
+            self.ep.instance_ready(inst, later)
+            if self.recovery is None:
+                retry = max(1.0, 2 * self.ep.timeouts.heartbeat.interval)
+                self.recovery = PeerRecovery(self, self.ep.timeouts.registry, retry).start()
+
+    def _hello_all(self, groups: Groups, records: dict[str, RankInfo], me: RankInfo, deadline: float) -> None:
+        """HELLO every rank of ``records`` at once (at most ``HELLO_FANOUT`` in flight), then keep what
+        each answered. The first refusal raises (CompatibilityError before ConnectError)."""
+        def one(key: str) -> None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ConnectError(f"connect timed out before the handshake with {key}")
+            self.ep.channel.connect(key, records[key].control)
+            hello(self.ep.channel, key, me, min(self.ep.timeouts.handshake, left), self._tokens(records[key]))
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=min(HELLO_FANOUT, max(len(records), 1)),
+                                                   thread_name_prefix="kvxfer-decode-hello") as pool:
+            done = {key: pool.submit(one, key) for key in records}
+        errors = [e for e in (f.exception() for f in done.values()) if e is not None]
+        if errors:
+            raise next((e for e in errors if isinstance(e, CompatibilityError)), errors[0])
+        ep, dl = self.ep, self.ep.layout
+        with ep.guard():
+            for group in groups.values():
+                for key, sources in group.items():
+                    made = [((s.p_tp_rank, s.p_pp_rank), ep.make_planner(dl, dl, s.dst_heads, s.dst_heads, s.layers,
+                                                                         kinds))
+                            for s in sources for kinds in (ep.kv_kinds, ep.state_kinds)]
+                    self.planners[key] = [(src, p) for src, p in made if p is not None]
+                    self.known[key] = records[key]
+                    self.lost.pop(key, None)
+
+    def _tokens(self, info: RankInfo) -> dict[str, bytes]:
+        """The admission token our transport gives the prefill rank of ``info`` (``Transport.admit``)."""
+        desc = info.data.get(self.ep.transport.name)
+        if desc is None:
+            return {}
+        with self.ep.xport_lock:
+            token = self.ep.transport.admit(dict(desc))
+        return {self.ep.transport.name: token} if token else {}
+
+    def _failed(self, inst: PrefillInstance, why: str) -> None:
+        with self.ep.guard() as later:
+            inst.phase, inst.error, inst.failed_at = Phase.FAILED, why, time.monotonic()
+            self.ep.instance_failed(inst, why, later)
+
+    # -- lost and replaced ranks ------------------------------------------------------------------
+    def registries(self) -> dict[str, BootstrapClient | None]:
+        """Recovery thread: every ready instance and its registry (None: connected from records)."""
+        with self.ep.guard():
+            return {inst.name: inst.client for inst in self._instances.values()
+                    if inst.phase == Phase.READY and inst.name}
+
+    def known_peers(self) -> dict[str, RankInfo]:
+        """Recovery thread: the prefill ranks handshook with, and the record each HELLO went to."""
+        with self.ep.guard():
+            return dict(self.known)
+
+    @property
+    def lost_peers(self) -> dict[str, str]:
+        """Any thread: prefill ranks lost (silent, replaced and not handshaken yet), with why."""
+        with self.ep.guard():
+            return dict(self.lost)
+
+    def mark_lost(self, key: str, why: str, later) -> None:
+        """Under the lock: ``key`` is lost; its running requests fail; the recovery thread looks."""
+        self.lost[key] = why
+        self.ep.rank_lost(key, why, later)
+        self.poke(later)
+
+    def poke(self, later) -> None:
+        """Under the lock: the recovery thread looks at the registry soon (rate-bounded)."""
+        if self.recovery is not None:
+            later.append(self.recovery.poke)
+
+    def break_endpoint(self, why: str) -> None:
+        """Recovery thread: it died of a bug; the endpoint breaks."""
+        self.ep.break_endpoint(why)
+
+    def rejoin(self, key: str, info: RankInfo, *, replaced: bool) -> bool:
+        """Recovery thread, blocking (one HELLO, at most ``REJOIN_HELLO`` s): handshake again with
+        prefill rank ``key`` at ``info.control``. ``replaced``: the registry holds a new record for
+        it (a restarted rank), so what ran with the old one fails now. True once it answered;
+        False (it stays lost, with the reason) otherwise. Never raises."""
+        ep = self.ep
+        with ep.guard() as later:
+            old = self.known.get(key)
+            if old is None or ep.closed or ep.broken is not None:
+                return False
+            if replaced:
+                self.mark_lost(key, f"was replaced by a new registration (control {info.control})", later)
+        if old.spec != info.spec:
+            why = (f"re-registered with another shape ({info.spec} instead of {old.spec}): restart this decode rank "
+                   f"to pull from it")
+        else:
+            try:
+                require_compatible([(info, ep.info)], ep.transport.name)
+                ep.channel.forget(key)            # a new connection: its replay state, a fresh HELLO
+                ep.channel.connect(key, info.control)
+                hello(ep.channel, key, ep.info, min(ep.timeouts.handshake, REJOIN_HELLO), self._tokens(info))
+                why = ""
+            except (ConnectError, CompatibilityError, ValueError) as e:
+                why = f"a new handshake with {info.control} failed: {e}"
+        with ep.guard() as later:
+            if not why:
+                self.known[key] = info
+                if self.lost.pop(key, None) is not None:
+                    log.info("prefill rank %s is back at %s: handshake done", key, info.control)
+            elif key not in self.lost:
+                self.mark_lost(key, why, later)
+            else:
+                self.lost[key] = why
+            ep.rank_rejoined(key, why, later)
+            if why:
+                log.info("prefill rank %s is lost: %s", key, why)
+            return not why
+
+    def close(self) -> None:
+        if self.recovery is not None:   # first: it uses the channel
+            self.recovery.stop()
+        self._connects.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["PrefillLinks", "MAX_INSTANCES", "HELLO_FANOUT", "RETRY_FAILED"]

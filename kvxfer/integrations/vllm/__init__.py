@@ -1,0 +1,1 @@
+"""kvxfer as a vLLM KV connector (being built; see issue 36)."""
