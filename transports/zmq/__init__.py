@@ -297,7 +297,8 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         self._ready.set_result(advertised)
         next_tick = 0.0
         while True:
-            soon = self._sync.waiting or self.staging_wait   # device copies, or frames zmq will free
+            # device copies, frames zmq will free, or sources it will let go of
+            soon = self._sync.waiting or self.staging_wait or time.monotonic() < self.release_soon
             self.staging_wait = False
             events = dict(self._poller.poll(1 if soon else 50))
             if self._waker.fd in events and not self._on_commands():
@@ -317,6 +318,8 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
                 if peer.pending is not None or peer.sending:
                     self._pump(peer)
             now = time.monotonic()
+            if now < self.release_soon:
+                self._reap_releasing()
             if now >= next_tick:
                 self._check_outgoing(now)
                 self._check_incoming(now, drained)

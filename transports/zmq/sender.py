@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvxfer.transport.zmq")
 
 _COPY_BELOW = 256 << 10          # messages up to this size are copied into zmq (see _pump)
+RELEASE_SOON = 0.1               # seconds after a deferred release during which the loop looks every 1 ms
 
 
 def pack_runs(runs: list[tuple[int, int, int, int, int]]) -> bytes:
@@ -145,6 +146,7 @@ class ZMQSender:
     _dealer: Callable[[str, bytes], zmq.Socket]
 
     def _sender_init(self) -> None:
+        self.release_soon = 0.0   # until then, sources zmq still held are looked at every loop turn
         self._peers: dict[str, Peer] = {}
         self._out: dict[int, Outgoing] = {}
         self._releasing: list[Outgoing] = []
@@ -357,6 +359,15 @@ class ZMQSender:
         out.frames = None
         if not self._release_if_free(out):
             self._releasing.append(out)
+            # zmq usually lets go within milliseconds (pyzmq's tracker thread): look again soon for
+            # a while, then at the tick (a receiver that stops reading must not make us spin)
+            self.release_soon = time.monotonic() + RELEASE_SOON
+
+    def _reap_releasing(self) -> None:
+        """Release the sources zmq let go of since (the loop: each turn while ``release_soon``, then
+        each tick)."""
+        if self._releasing:
+            self._releasing = [out for out in self._releasing if not self._release_if_free(out)]
 
     @staticmethod
     def _release_if_free(out: Outgoing) -> bool:
@@ -438,8 +449,8 @@ class ZMQSender:
                 out = peer.open.get(xid)
                 if out is None:
                     continue
-                if isinstance(h, Ack):   # the receiver has every byte: zmq sent them all
-                    out.handle.finish(release=True)
+                if isinstance(h, Ack):   # done, as the receiver says; the source is released by
+                    out.handle.finish()  # _retire once zmq's trackers let go, whatever the receiver says
                 else:
                     out.handle.finish(RejectedWrite(
                         f"request {out.handle.request_id}: the receiver failed the transfer: {h.why}"))
@@ -450,7 +461,7 @@ class ZMQSender:
         for out in list(self._out.values()):
             if out.handle.poll() != TransferStatus.PENDING:   # poll() times out a passed deadline
                 self._retire(out)
-        self._releasing = [out for out in self._releasing if not self._release_if_free(out)]
+        self._reap_releasing()
         for pid, peer in list(self._peers.items()):
             self._probe(peer, now)
             if not peer.open:
