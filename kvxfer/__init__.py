@@ -6,11 +6,13 @@ from .allocator import PageAllocator
 from .copy import execute_plan
 from .errors import (
     CompatibilityError,
+    ConfigError,
     ConnectError,
     KVXferError,
     LayoutError,
     PeerError,
     PlanError,
+    ProtocolError,
     RejectedWrite,
     RequestError,
     TransferTimeout,
@@ -40,7 +42,7 @@ from .transport.registry import available_transports, get_transport
 __all__ = [
     # errors
     "KVXferError", "LayoutError", "PlanError", "CompatibilityError", "TransportError", "ConnectError",
-    "TransferTimeout", "PeerError", "RejectedWrite", "RequestError",
+    "TransferTimeout", "PeerError", "RejectedWrite", "RequestError", "ConfigError", "ProtocolError",
     # layouts
     "Layout", "Part", "Region", "Space", "token_major_layout", "hnd_layout", "page_major_layout",
     "mla_layout", "state_layout", "hybrid_swa_layout", "host_layout",

@@ -5,6 +5,9 @@
     ├── PlanError            two layouts / slot sets / head slices cannot be planned (also a ValueError)
     ├── CompatibilityError   a P/D pair refused at launch, with every mismatch in words
     ├── ConfigError          an option or setting is invalid; names it, its value, what is allowed (also a ValueError)
+    ├── ProtocolError        a peer's message or record failed its checks (also a ValueError)
+    │   ├── WireError        a control message: carries its fixed ``Drop`` reason (kvxfer.control.messages)
+    │   └── RegistryError    a registry request: carries its HTTP status (kvxfer.control.registry)
     ├── TransportError
     │   ├── ConnectError     a peer could not be reached or registered
     │   ├── TransferTimeout  a transfer passed its deadline
@@ -39,6 +42,11 @@ class CompatibilityError(KVXferError):
 class ConfigError(KVXferError, ValueError):
     """An option or setting is invalid (a transport's options, say); the message names the option,
     the value given and what is allowed. Raised where the options are built, before anything starts."""
+
+
+class ProtocolError(KVXferError, ValueError):
+    """Something a peer sent (a message, a record, a registry request) failed its checks; the message
+    names the field. Never escapes a thread that reads peers: it is counted and dropped or refused."""
 
 
 class TransportError(KVXferError):

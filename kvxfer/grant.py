@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from .errors import PlanError, TransportError
+from .errors import PlanError, ProtocolError, TransportError
 from .layout import Layout
 from .plan import FEW_RUNS, Planner, TransferPlan, merge_runs
 
@@ -95,14 +95,14 @@ class ByteRanges:
         """``packed()`` bytes from a peer: ValueError unless they are ``(start, end)`` pairs with
         ``0 <= start < end``, each interval in one region, starts increasing (as ``packed`` makes)."""
         if type(buf) is not bytes or len(buf) % 16:
-            raise ValueError("byte ranges are not int64 (start, end) pairs")
+            raise ProtocolError("byte ranges are not int64 (start, end) pairs")
         out = cls.__new__(cls)
         if len(buf) <= 16 * _FEW_PACKED:   # a few: checked as Python ints (~4 us instead of ~35 for one)
             v = struct.unpack(f"<{len(buf) // 8}q", buf)
             s, e = v[0::2], v[1::2]
             if not (all(0 <= a < b <= MAX_OFFSET and a >> _REGION_BITS == (b - 1) >> _REGION_BITS
                         for a, b in zip(s, e)) and all(a < b for a, b in zip(s, s[1:]))):
-                raise ValueError("byte ranges are not sorted, each inside one region")
+                raise ProtocolError("byte ranges are not sorted, each inside one region")
             out._starts, out._ends = np.array(s, np.int64), np.array(e, np.int64)
             out._lists, out.nbytes = (list(s), list(e)), sum(e) - sum(s)
             return out
@@ -110,7 +110,7 @@ class ByteRanges:
         lo, hi = pairs[:, 0], pairs[:, 1]
         if not ((lo >= 0).all() and (hi > lo).all() and (hi <= MAX_OFFSET).all()
                 and ((lo >> _REGION_BITS) == ((hi - 1) >> _REGION_BITS)).all() and (lo[1:] > lo[:-1]).all()):
-            raise ValueError("byte ranges are not sorted, each inside one region")
+            raise ProtocolError("byte ranges are not sorted, each inside one region")
         out._starts, out._ends, out._lists = lo, hi, None
         out.nbytes = int((hi - lo).sum())
         return out

@@ -152,41 +152,79 @@ def _check_part_fits(p: Part, layout: Layout, block, ptr: int, what: str) -> Non
                           f"a multiple of {es}")
 
 
-MAX_SAMPLED = 1 << 22   # byte intervals checked for overlap per region (start-up cost ~ a second at most)
+MAX_INTERVALS = 1 << 22   # byte intervals checked for overlap per region (start-up cost ~ a second at most)
 
 
-def _check_overlap(layout: Layout, region: int, what: str) -> None:
-    """No two parts of ``region`` (nor two tokens or heads of one part) share a byte, checked on the
-    first and last usable page of every part: the pattern repeats with the page stride."""
-    parts = [p for p in layout.parts if p.region == region]
-    starts, ends, owner = [], [], []
-    total = 0
-    for i, p in enumerate(parts):
-        sp = layout.space(p.space)
-        pages = np.unique(np.array([1, sp.num_pages - 1], np.int64))
-        tok, head = np.arange(sp.page_size, dtype=np.int64), np.arange(p.heads, dtype=np.int64)
-        total += len(pages) * len(tok) * len(head)
-        if total > MAX_SAMPLED:   # a huge page: sample its first tokens only
-            tok = tok[: max(1, MAX_SAMPLED // (len(parts) * len(pages) * p.heads))]
-        s = (p.base + pages[:, None, None] * p.page_stride + tok[None, :, None] * p.token_stride
-             + head[None, None, :] * p.head_stride).ravel()
-        starts.append(s)
-        ends.append(s + p.head_bytes)
-        owner.append(np.full(len(s), i))
-    if not starts:
-        return
-    s, e, o = np.concatenate(starts), np.concatenate(ends), np.concatenate(owner)
+def _page_intervals(p: Part, layout: Layout, pages: np.ndarray, limit: int) -> np.ndarray:
+    """Start offsets of ``p``'s (page, token, head) pieces on ``pages`` (at most ``limit`` of them)."""
+    sp = layout.space(p.space)
+    tok, head = np.arange(sp.page_size, dtype=np.int64), np.arange(p.heads, dtype=np.int64)
+    per_page = len(tok) * len(head)
+    if len(pages) * per_page > limit:   # a huge page: its first tokens only
+        tok = tok[: max(1, limit // max(len(pages) * p.heads, 1))]
+    return (p.base + pages[:, None, None] * p.page_stride + tok[None, :, None] * p.token_stride
+            + head[None, None, :] * p.head_stride).ravel()
+
+
+def _first_overlap(starts: list[np.ndarray], ends: list[np.ndarray], period: int = 0) -> tuple[int, int, int] | None:
+    """(owner a, owner b, offset) of the first two intervals that share a byte, else None; with
+    ``period``, offsets are taken modulo it (an interval crossing the period is split in two)."""
+    s = np.concatenate(starts)
+    e = np.concatenate(ends)
+    o = np.concatenate([np.full(len(x), i) for i, x in enumerate(starts)])
+    if period:
+        shift = (s // period) * period
+        s, e = s - shift, e - shift
+        wrap = e > period
+        s, e, o = (np.concatenate([s, np.zeros(int(wrap.sum()), np.int64)]),
+                   np.concatenate([np.minimum(e, period), e[wrap] - period]), np.concatenate([o, o[wrap]]))
     order = np.argsort(s, kind="stable")
     s, e, o = s[order], e[order], o[order]
     reach = np.maximum.accumulate(e)
     bad = np.flatnonzero(s[1:] < reach[:-1])
-    if len(bad):
-        k = int(bad[0]) + 1
-        j = int(np.flatnonzero(e[:k] > s[k])[0])
-        a, b = parts[int(o[j])], parts[int(o[k])]
-        who = f"part {a.key}" + (" (two of its own tokens or heads)" if a is b else f" and part {b.key}")
-        raise LayoutError(f"{who} share bytes at offset {int(s[k])} of {what}: overlapping parts (a wrong base "
-                          f"or stride)")
+    if not len(bad):
+        return None
+    k = int(bad[0]) + 1
+    j = int(np.flatnonzero(e[:k] > s[k])[0])
+    return int(o[j]), int(o[k]), int(s[k])
+
+
+def _check_overlap(layout: Layout, region: int, what: str) -> None:
+    """No two parts of ``region`` (nor two tokens or heads of one part) share a byte. Parts whose byte
+    spans meet are checked together: those that repeat with one page stride exactly, their pieces of
+    one page modulo the stride (whole-page offsets between parts, as layers of one buffer have, are
+    caught); parts of different strides on their first and last usable page."""
+    parts = sorted((p for p in layout.parts if p.region == region), key=lambda p: _span(p, layout))
+    per = max(1, MAX_INTERVALS // (2 * max(len(parts), 1)))
+    clusters: list[list[Part]] = []
+    end = -1
+    for p in parts:   # parts whose spans meet, transitively
+        lo, hi = _span(p, layout)
+        if not clusters or lo >= end:
+            clusters.append([])
+        clusters[-1].append(p)
+        end = max(end, hi)
+    for group in clusters:
+        strides = {p.page_stride for p in group}
+        if len(strides) == 1:
+            starts = [_page_intervals(p, layout, np.zeros(1, np.int64), per) for p in group]
+            hit = _first_overlap(starts, [st + p.head_bytes for st, p in zip(starts, group)], strides.pop())
+        else:
+            pages = [np.unique(np.array([1, layout.space(p.space).num_pages - 1], np.int64)) for p in group]
+            starts = [_page_intervals(p, layout, pg, per) for p, pg in zip(group, pages)]
+            hit = _first_overlap(starts, [st + p.head_bytes for st, p in zip(starts, group)])
+        if hit:
+            a, b = group[hit[0]], group[hit[1]]
+            who = f"part {a.key}" + (" (two of its own tokens or heads)" if a is b else f" and part {b.key}")
+            raise LayoutError(f"{who} share bytes at offset {hit[2]} (within a page) of {what}: overlapping parts "
+                              f"(a wrong base or stride)")
+
+
+def _span(p: Part, layout: Layout) -> tuple[int, int]:
+    """The bytes from ``p``'s first piece to the end of its last: [first, end)."""
+    sp = layout.space(p.space)
+    return p.base, (p.base + (sp.num_pages - 1) * p.page_stride + (sp.page_size - 1) * p.token_stride
+                    + (p.heads - 1) * p.head_stride + p.head_bytes)
 
 
 class EnginePool(KVPool):

@@ -48,6 +48,15 @@ STAGING_WAITS = Counter("kvxfer_staging_waits", "Times an I/O path waited for a 
                         ["transport"], registry=REGISTRY)
 
 
+REGISTRATIONS_LOST = Counter("kvxfer_registrations_lost", "Times a rank found its registry key expired (registered "
+                             "again) or taken by another owner", ["why"], registry=REGISTRY)
+
+
+def record_registration_lost(why: str) -> None:
+    """A ``Registration`` found its key gone: ``why`` is "expired" (registered again) or "taken"."""
+    REGISTRATIONS_LOST.labels(why).inc()
+
+
 _children: dict[tuple, Any] = {}       # label values -> labelled metric children (hot path)
 _VARIABLE = re.compile(r"\S*/\S*|\d+")   # peer keys, rooms, counts: kept out of the reason label
 

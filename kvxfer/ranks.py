@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from .errors import LayoutError, PlanError
+from .errors import ConfigError, LayoutError, PlanError
 from .layout import SWA
 from .pools import KVPool
 
@@ -35,7 +35,7 @@ WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 def int_field(d: Mapping, name: str, lo: int, hi: int, default: int | None = None) -> int:
     v = d.get(name, default)
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ValueError(f"field {name!r} must be an integer in {lo}..{hi}, got {short(v)}")
+        raise ConfigError(f"field {name!r} must be an integer in {lo}..{hi}, got {short(v)}")
     return v
 
 
@@ -49,24 +49,24 @@ def split_address(address: str) -> tuple[str, str, int]:
     ``*`` (bind: any free port) -> 0. ValueError
     naming the address when it is not one (an IPv6 host is written ``[::1]``)."""
     if not isinstance(address, str) or len(address) > 256:
-        raise ValueError(f"an address must be a string of at most 256 characters, got {short(address)}")
+        raise ConfigError(f"an address must be a string of at most 256 characters, got {short(address)}")
     if address.startswith("ipc://"):
         path = address[6:]
         if not path or "\0" in path or not path.isprintable():
-            raise ValueError(f"address {address!r}: ipc:// needs a printable path")
+            raise ConfigError(f"address {address!r}: ipc:// needs a printable path")
         return "ipc", path, 0
     if not address.startswith("tcp://"):
-        raise ValueError(f"address {short(address)} must be tcp://host:port or ipc://path")
+        raise ConfigError(f"address {short(address)} must be tcp://host:port or ipc://path")
     host, sep, port = address[6:].rpartition(":")
     if not sep or not (port == "*" or port.isdigit() and port.isascii() and int(port) <= 65535):
-        raise ValueError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
+        raise ConfigError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
-            raise ValueError(f"address {address!r}: {host} is not an IPv6 address") from None
+            raise ConfigError(f"address {address!r}: {host} is not an IPv6 address") from None
     elif host != "*" and not _HOST.fullmatch(host):
-        raise ValueError(f"address {address!r}: host {host!r} is not an IP address, interface or host name")
+        raise ConfigError(f"address {address!r}: host {host!r} is not an IP address, interface or host name")
     return "tcp", host, 0 if port == "*" else int(port)
 
 
@@ -75,9 +75,9 @@ def check_address(address: str, *, advertised: bool = True) -> str:
     (``0.0.0.0``, ``*``, ``::``), which binds every interface but reaches none."""
     kind, host, port = split_address(address)
     if kind == "tcp" and port == 0:
-        raise ValueError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
+        raise ConfigError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
     if advertised and kind == "tcp" and host in WILDCARDS:
-        raise ValueError(f"address {address!r} is a wildcard: bind it, but advertise a routable address "
+        raise ConfigError(f"address {address!r} is a wildcard: bind it, but advertise a routable address "
                          f"(see kvxfer.control.addresses.advertise_address)")
     return address
 
@@ -101,25 +101,25 @@ def _check_head_map(raw, num_kv_heads: int, tp_size: int, replicated: bool) -> t
     many per rank as the default split gives, each id in range and once per rank, every head
     held by the same number of ranks. None when it equals the default (the wire stays as before)."""
     if not isinstance(raw, (list, tuple)) or len(raw) != tp_size:
-        raise ValueError(f"head_map must be a list of {tp_size} lists (one per TP rank), got {short(raw)}")
+        raise ConfigError(f"head_map must be a list of {tp_size} lists (one per TP rank), got {short(raw)}")
     if replicated:
-        raise ValueError("head_map: replicated KV (MLA) is whole on every TP rank; it has no head placement")
+        raise ConfigError("head_map: replicated KV (MLA) is whole on every TP rank; it has no head placement")
     try:
         per = len(heads_held(num_kv_heads, tp_size, 0))
     except PlanError as e:
-        raise ValueError(f"head_map: {e}") from None
+        raise ConfigError(f"head_map: {e}") from None
     if per * tp_size > MAX_HEAD_IDS:
-        raise ValueError(f"head_map: more than {MAX_HEAD_IDS} head ids")
+        raise ConfigError(f"head_map: more than {MAX_HEAD_IDS} head ids")
     out, count = [], [0] * num_kv_heads
     for r, row in enumerate(raw):
         if not isinstance(row, (list, tuple)) or len(row) != per:
-            raise ValueError(f"head_map[{r}] must list {per} head id(s) (TP {tp_size}, {num_kv_heads} KV heads), "
+            raise ConfigError(f"head_map[{r}] must list {per} head id(s) (TP {tp_size}, {num_kv_heads} KV heads), "
                              f"got {short(row)}")
         for h in row:
             if isinstance(h, bool) or not isinstance(h, int) or not 0 <= h < num_kv_heads:
-                raise ValueError(f"head_map[{r}]: head ids must be integers in 0..{num_kv_heads - 1}, got {short(h)}")
+                raise ConfigError(f"head_map[{r}]: head ids must be integers in 0..{num_kv_heads - 1}, got {short(h)}")
         if len(set(row)) != per:
-            raise ValueError(f"head_map[{r}] names a head twice: {short(list(row))}")
+            raise ConfigError(f"head_map[{r}] names a head twice: {short(list(row))}")
         for h in row:
             count[h] += 1
         out.append(tuple(row))
@@ -127,7 +127,7 @@ def _check_head_map(raw, num_kv_heads: int, tp_size: int, replicated: bool) -> t
     uneven = [h for h, c in enumerate(count) if c != share]
     if uneven:
         h = uneven[0]
-        raise ValueError(f"head_map: head {h} is held by {count[h]} TP rank(s), every head must be held by {share}")
+        raise ConfigError(f"head_map: head {h} is held by {count[h]} TP rank(s), every head must be held by {share}")
     if all(tuple(heads_held(num_kv_heads, tp_size, r)) == row for r, row in enumerate(out)):
         return None
     return tuple(out)
@@ -157,16 +157,16 @@ class RankSpec:
     def __post_init__(self):
         d = asdict(self)
         if self.role not in ("prefill", "decode") or not isinstance(self.role, str):
-            raise ValueError(f"role must be 'prefill' or 'decode', got {short(self.role)}")
+            raise ConfigError(f"role must be 'prefill' or 'decode', got {short(self.role)}")
         if not isinstance(self.instance, str) or not _NAME.fullmatch(self.instance):
-            raise ValueError(f"instance must match {_NAME.pattern} (whole string), got {short(self.instance)}")
+            raise ConfigError(f"instance must match {_NAME.pattern} (whole string), got {short(self.instance)}")
         for size in ("tp_size", "pp_size", "dp_size"):
             n = int_field(d, size, 1, MAX_PARALLEL)
             int_field(d, size.replace("size", "rank"), 0, n - 1)
         int_field(d, "num_kv_heads", 1, 1 << 20)
         int_field(d, "num_layers", 1, 1 << 20)
         if not isinstance(self.replicated, bool):
-            raise ValueError(f"replicated must be a bool, got {short(self.replicated)}")
+            raise ConfigError(f"replicated must be a bool, got {short(self.replicated)}")
         if self.head_map is not None:
             object.__setattr__(self, "head_map",
                                _check_head_map(self.head_map, self.num_kv_heads, self.tp_size, self.replicated))

@@ -16,7 +16,7 @@ from kvxfer.errors import KVXferError, LayoutError, PlanError
 PUBLIC = [
     # errors
     "KVXferError", "LayoutError", "PlanError", "CompatibilityError", "TransportError", "ConnectError",
-    "TransferTimeout", "PeerError", "RejectedWrite", "RequestError",
+    "TransferTimeout", "PeerError", "RejectedWrite", "RequestError", "ConfigError", "ProtocolError",
     # layouts
     "Layout", "Part", "Region", "Space", "token_major_layout", "hnd_layout", "page_major_layout",
     "mla_layout", "state_layout", "hybrid_swa_layout", "host_layout",

@@ -5,6 +5,7 @@ earlier process once it is silent), so 50 restarts leave one data peer; a live r
 off by another's HELLO."""
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
-from kvxfer.control.handshake import DATA_PATH, hello
+from kvxfer.control.handshake import DATA_PATH, Busy, hello
 from kvxfer.endpoint import AuxBuffer, DecodeEndpoint, KVPoll, Outcome, PrefillEndpoint, Timeouts
 from kvxfer.errors import ConnectError
 from kvxfer.pools import MHAPool
@@ -205,34 +206,46 @@ def test_a_new_epoch_of_a_decode_peer_ends_its_earlier_requests(server):
 
 def test_another_hello_with_a_live_ranks_record_does_not_cut_it_off(server):
     """A second process says HELLO with the record of a decode rank that still lives (heartbeats):
-    the live rank keeps its handshake, its request completes byte-exact."""
+    it is refused for now, naming the live process (a rank is one process at a time: identity before
+    resources); the live rank keeps its handshake, its request completes byte-exact. Once the live
+    one closed (BYE), the other is welcomed."""
     pe = _prefill(server, Counting())
     de, other = _decode(), _decode()
     try:
         de.connect(bootstrap=server.url, timeout=10)
-        other.connect(bootstrap=server.url, timeout=10)    # the same rank key, another process
+        t0 = time.monotonic()
+        with pytest.raises(Busy, match="is live here as another process"):
+            other.connect(bootstrap=server.url, timeout=1.5)   # the same rank key, another process
+        assert time.monotonic() - t0 < 3
+        assert pe.links.refused_busy == 0 and len(pe.links.peers) == 1
         _one_request(pe, de, room=9)
+        de.close()                                             # BYE: the rank is free at once
+        other.connect(bootstrap=server.url, timeout=5)
+        _one_request(pe, other, room=10)
     finally:
         for ep in (other, de, pe):
             ep.close()
 
 
 def test_a_retired_peer_does_not_take_a_shared_data_peer_with_it(server):
-    """Two handshakes with one data peer (a HELLO that carried a live rank's record, then the
-    rank's own): when the earlier goes silent and is retired, the shared data peer stays."""
+    """Two handshakes with one data peer (another rank's HELLO that carried a live rank's data
+    descriptor, then the rank's own): when the impostor goes silent and is retired, the shared data
+    peer stays."""
     tx = Counting()
     pe = _prefill(server, tx, FAST)
-    de, imp = _decode(FAST), _decode(FAST)
+    de = _decode(FAST)
+    imp = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=H, num_layers=LAYERS, instance="impostor"), _pool(),
+                         aux=AuxBuffer(2), transport="local", timeouts=FAST)
     try:
-        imp.connect(bootstrap=server.url, timeout=10)
-        hello(imp.channel, "default/dp0/pp0/tp0", de.info, 5)    # imp speaks with de's data descriptor
-        de.connect(bootstrap=server.url, timeout=10)             # de's own HELLO: it is the rank's peer now
+        de.connect(bootstrap=server.url, timeout=10)
+        fake = dataclasses.replace(imp.info, data=de.info.data)  # imp's rank, de's data descriptor
+        imp.channel.connect("default/dp0/pp0/tp0", pe.info.control)
+        hello(imp.channel, "default/dp0/pp0/tp0", fake, 5)
         shared = de.transport.descriptor()["id"]
-        assert shared in tx.live
-        imp.close()                                              # silent, superseded: retired
-        assert _until(lambda: len(tx.live) == 1 and shared in tx.live and imp.transport.descriptor()["id"]
-                      not in tx.live, 5), tx.live
-        time.sleep(1.0)                                          # imp's retirement has run by now
+        assert shared in tx.live and len(pe.links.peers) == 2
+        imp.close()                                              # BYE: retired
+        assert _until(lambda: len(pe.links.peers) == 1, 5), pe.links.peers
+        time.sleep(0.5)
         assert shared in tx.live, "retiring imp disconnected de's data peer"
         _one_request(pe, de, room=4)
     finally:

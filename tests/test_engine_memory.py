@@ -9,6 +9,7 @@ builders are tested in ``test_vllm_*`` and ``test_sglang_*``.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import numpy as np
 import pytest
@@ -127,6 +128,12 @@ def bad_descriptions():
                     parts=(Part(layer=0, kind="k", space="token", region=0, base=0, page_stride=4 * HEADS * DIM * 2,
                                 token_stride=DIM * 2, heads=HEADS, head_stride=DIM * 2, head_bytes=DIM * 2,
                                 dtype="bfloat16"),))
+    pm = page_major_layout(layers=1, heads=HEADS, head_dim=DIM, dtype="bfloat16", num_pages=16, page_size=4)
+    k0 = pm.parts[0]
+    nb = pm.regions[0].nbytes + k0.page_stride
+    paged = Layout(kind="paged", spaces=pm.spaces, regions=(Region(name="kv", nbytes=nb),),
+                   parts=(k0, dataclasses.replace(k0, layer=1, base=k0.base + k0.page_stride)))
+    big, at2 = raw_block(nb)
     return [
         ("too few blocks", layout, ts[:3], "4 region"),
         ("too small", layout, [ts[0][: ts[0].numel() // 2]] + ts[1:], "too small"),
@@ -141,7 +148,9 @@ def bad_descriptions():
         ("misaligned", odd, [RawMemory(at + 1, n + 2)], "misaligned"),
         ("overlapping parts", clash, [RawMemory(at, n)], r"part \(0, 'k'\) and part \(0, 'v'\) share bytes"),
         ("a wrong stride", stride, [RawMemory(at, n)], "two of its own tokens or heads"),
-    ], buf
+        ("layers of one buffer a whole page apart", paged, [RawMemory(at2, nb)],
+         r"part \(0, 'k'\) and part \(1, 'k'\) share bytes"),
+    ], (buf, big)
 
 
 def test_bad_descriptions_are_refused_in_words():

@@ -2,9 +2,9 @@
 decode TP 1 token-major in host C (pulling from both), every rank a real process (``tests/multihost_rank.py``).
 
 - ``kill -9`` of prefill rank 0 with requests in flight: they fail on every decode rank within
-  the heartbeat timeout plus slack, no decode slot leaks, a new request fails at once naming the
-  lost rank; prefill rank 0 restarted (a new process on a new port) serves the next request,
-  byte-exact, without restarting any decode rank.
+  the heartbeat timeout plus slack, no decode slot leaks, a new request fails within one new
+  handshake naming the lost rank; prefill rank 0 restarted (a new process on a new port) serves the
+  first request after it, byte-exact, without restarting any decode rank.
 - the bootstrap killed and restarted on its port: the prefill ranks register again, requests
   keep working throughout.
 """
@@ -75,24 +75,19 @@ def test_prefill_killed_then_restarted_on_a_new_port(three):
             s = d.call("stats")
             assert s["free_pages"] == f and s["releases"].get("2") == 1, s
         t1 = time.monotonic()
-        for d in c["decode"]:                              # a new request fails at once, with the reason
+        for d in c["decode"]:       # a new request waits for one new handshake, which fails: the reason
             d.call("receiver", room=3, tokens=40)
-        for st in ended(c["decode"], [3], 0.5):
+        for st in ended(c["decode"], [3], 4.0):
             assert st["3"]["state"] == "Failed" and "tp0 is lost" in st["3"]["reason"], st
-        assert time.monotonic() - t1 < 2.0
+        assert time.monotonic() - t1 < 5.0
         old = c["prefill"][0]
         c["prefill"][0] = prefill(three, 0, c["common"])   # a new process, a new port
         assert c["prefill"][0].hello["info"] != old.hello["info"]
-        end = time.monotonic() + 30
-        room = 10
-        while True:                                        # decode finds and greets it by itself
-            sts = attempt(c, room, 40, 20)
-            if all(st[str(room)]["state"] == "Success" for st in sts):
-                break
-            assert time.monotonic() < end, sts
-            room += 1
-        byte_exact(c, room)
-        ok(c, room + 1)
+        # the first request after the restart succeeds: decode handshakes with the new rank first
+        sts = attempt(c, 10, 40, 20)
+        assert all(st["10"]["state"] == "Success" for st in sts), sts
+        byte_exact(c, 10)
+        ok(c, 11)
     finally:
         stop(c)
 

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from hosts import hosts_fixture, hosts_skip_reason
 
+from kvxfer.cli import pattern
 from kvxfer.cli import rank as cli
 from kvxfer.cli import rank_serve as serve
 
@@ -102,11 +103,11 @@ def test_place_from_torchrun():
 
 def test_pattern_is_logical():
     """The bytes of a (layer, kind, head, position) do not depend on which heads or tokens are asked."""
-    whole = serve.pattern(1, 5, 0, "k", [0, 1, 2, 3], np.arange(40), 16)
-    part = serve.pattern(1, 5, 0, "k", [2, 3], np.arange(8, 24), 16)
+    whole = pattern.pattern(1, 5, 0, "k", [0, 1, 2, 3], np.arange(40), 16)
+    part = pattern.pattern(1, 5, 0, "k", [2, 3], np.arange(8, 24), 16)
     assert np.array_equal(whole[8:24, 2:4], part)
-    assert not np.array_equal(whole, serve.pattern(1, 6, 0, "k", [0, 1, 2, 3], np.arange(40), 16))
-    assert not np.array_equal(whole, serve.pattern(1, 5, 0, "v", [0, 1, 2, 3], np.arange(40), 16))
+    assert not np.array_equal(whole, pattern.pattern(1, 6, 0, "k", [0, 1, 2, 3], np.arange(40), 16))
+    assert not np.array_equal(whole, pattern.pattern(1, 5, 0, "v", [0, 1, 2, 3], np.arange(40), 16))
     assert len(np.unique(whole)) > 200
 
 
@@ -114,12 +115,12 @@ def test_fill_then_verify_across_layouts():
     from kvxfer.pools import MHAPool
     p = MHAPool(layers=2, heads=4, head_dim=8, dtype="bfloat16", num_pages=8, page_size=4, layout="page_major")
     d = MHAPool(layers=2, heads=2, head_dim=8, dtype="bfloat16", num_pages=8, page_size=4)
-    serve.fill(p, 0, 9, [0, 1, 2, 3], np.arange(4, 14))
-    assert serve.verify(p, 0, 9, [0, 1, 2, 3], np.arange(4, 14)) == (0, "")
+    pattern.fill(p, 0, 9, [0, 1, 2, 3], np.arange(4, 14))
+    assert pattern.verify(p, 0, 9, [0, 1, 2, 3], np.arange(4, 14)) == (0, "")
     for layer in (0, 1):   # heads 2..3 of p into d's slots 20..29
         d.set_kv_buffer(layer, np.arange(20, 30), *(t[:, 2:4] for t in p.get_kv_buffer(layer, np.arange(4, 14))))
-    assert serve.verify(d, 0, 9, [2, 3], np.arange(20, 30)) == (0, "")
-    bad, first = serve.verify(d, 0, 9, [0, 1], np.arange(20, 30))
+    assert pattern.verify(d, 0, 9, [2, 3], np.arange(20, 30)) == (0, "")
+    bad, first = pattern.verify(d, 0, 9, [0, 1], np.arange(20, 30))
     assert bad and first.startswith("layer 0 k head 0 token 0")
 
 

@@ -174,7 +174,7 @@ def test_eager_writes_end_to_end():
         _check(c, [(served["slots"][str(room)], recvs[room][1]) for room in rooms])
         assert sum(eager) >= len(rooms) // 2, f"only {sum(eager)} of {len(eager)} transfers were eager"
         # decode named the request's prefill rank: only it was told (its transport id, a peer here)
-        (prefill_id,) = {d["ucx"]["id"] for d in (i.data for i in c.D.ep.known_peers().values())}
+        (prefill_id,) = {d["ucx"]["id"] for d in (i.data for i in c.D.ep.links.known_peers().values())}
         assert len(told) == len(rooms) and set(told) == {frozenset({prefill_id})}, set(told)
         assert prefill_id in t._peers
         _finish(c, rooms)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import ConfigError
+
 # --model name -> (config class, model class) in transformers
 HF_MODELS = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
 HF_INSTALL = "pip install 'kvxfer[hf]'  (or: pip install 'transformers>=4.45,<6')"
@@ -42,14 +44,14 @@ class HFDemoConfig:
 
     def __post_init__(self):
         if self.model not in HF_MODELS:
-            raise ValueError(f"model {self.model!r} is not one of {sorted(HF_MODELS)}")
+            raise ConfigError(f"model {self.model!r} is not one of {sorted(HF_MODELS)}")
         if self.hidden % self.heads or self.heads % self.kv_heads:
-            raise ValueError(f"hidden {self.hidden}, heads {self.heads}, kv_heads {self.kv_heads}: "
+            raise ConfigError(f"hidden {self.hidden}, heads {self.heads}, kv_heads {self.kv_heads}: "
                              "want hidden a multiple of heads and heads a multiple of kv_heads")
         if not 1 <= self.min_prompt <= self.max_prompt:
-            raise ValueError(f"prompt lengths {self.min_prompt}..{self.max_prompt}: want 1 <= min <= max")
+            raise ConfigError(f"prompt lengths {self.min_prompt}..{self.max_prompt}: want 1 <= min <= max")
         if self.gen_len < 1:
-            raise ValueError(f"gen_len {self.gen_len}: want at least 1 (the first token comes from prefill)")
+            raise ConfigError(f"gen_len {self.gen_len}: want at least 1 (the first token comes from prefill)")
         from ..topology import heads_held
         for tp in (self.prefill_tp, self.decode_tp):
             heads_held(self.kv_heads, tp, 0)    # raises, saying why, for a TP size the heads cannot split over

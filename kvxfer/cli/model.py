@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..errors import ConfigError
 from ..pools import KVPool
 
 
@@ -31,7 +32,7 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.heads % self.kv_heads:
-            raise ValueError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
+            raise ConfigError(f"heads {self.heads} must be a multiple of kv_heads {self.kv_heads}")
 
 
 def init_weights(cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -61,7 +62,7 @@ def kv_heads_per_rank(cfg: ModelConfig, tp_size: int) -> int:
 def shard_weights(w: dict[str, torch.Tensor], cfg: ModelConfig, tp_size: int, tp_rank: int) -> dict:
     """Column-parallel Q/K/V/W1/W3, row-parallel O/W2; embeddings replicated."""
     if cfg.heads % tp_size:
-        raise ValueError(f"heads {cfg.heads} not divisible by TP size {tp_size}")
+        raise ConfigError(f"heads {cfg.heads} not divisible by TP size {tp_size}")
     hq = cfg.heads // tp_size
     hkv = kv_heads_per_rank(cfg, tp_size)
     kv0 = tp_rank * cfg.kv_heads // tp_size if cfg.kv_heads < tp_size else tp_rank * hkv

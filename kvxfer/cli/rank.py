@@ -48,17 +48,16 @@ fix) and the addresses; ``kvxfer.cli.rank_serve`` what the running rank does.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
-import urllib.parse
 from collections.abc import Mapping
 
+from ..control.addresses import rank_addresses
+from ..control.auth import OPEN_DEPLOYMENT
 from .rank_serve import RankConfig
 
 log = logging.getLogger("kvxfer.rank")
@@ -284,79 +283,13 @@ def _head_map(args, kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ...] 
                          f"ids per TP rank, the same on every rank of the group)") from None
 
 
-# ------------------------------------------------------------------------------------
-# Addresses: bind vs advertise
-# ------------------------------------------------------------------------------------
-def _interface_addr(name: str) -> str | None:
-    """The IPv4 address of interface ``name`` (Linux), or None when it has none / is not one."""
-    if name not in {n for _, n in socket.if_nameindex()}:
-        return None
-    import fcntl
-    import struct
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:   # SIOCGIFADDR
-            raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-        except OSError:
-            return None
-    return socket.inet_ntoa(raw[20:24])
-
-
-def _to_ip(value: str, flag: str) -> str:
-    """An address, an interface name or a hostname -> an IPv4 address (wildcards kept)."""
-    if value in ("*", "0.0.0.0"):
-        return "0.0.0.0"
-    try:
-        return str(ipaddress.ip_address(value))
-    except ValueError:
-        pass
-    ip = _interface_addr(value)
-    if ip is not None:
-        return ip
-    try:
-        return socket.gethostbyname(value)
-    except OSError:
-        raise UsageError(f"{flag} {value}: not an address, an interface with an IPv4 address, or a hostname "
-                         f"that resolves") from None
-
-
-def _route_to(host: str, port: int) -> str:
-    """The local address this host uses to reach ``host`` (no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host, port or 9))
-            return s.getsockname()[0]
-        except OSError as e:
-            raise UsageError(f"no route to the bootstrap host {host} ({e.strerror}): pass --advertise with this "
-                             f"host's address or interface") from None
-
-
 def addresses(bind: str | None, advertise: str | None, bootstrap: str) -> tuple[str, str]:
-    """(bind, advertise) addresses; UsageError when peers could not reach what would be advertised."""
-    url = urllib.parse.urlsplit(bootstrap)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise UsageError(f"--bootstrap {bootstrap}: use http://HOST:PORT (what `kvxfer bootstrap` prints)")
+    """(bind, advertise) addresses of a rank (``kvxfer.control.addresses.rank_addresses``); UsageError
+    naming the flag when peers could not reach what would be advertised."""
     try:
-        boot_ip = socket.gethostbyname(url.hostname)
-    except OSError:
-        raise UsageError(f"--bootstrap {bootstrap}: host {url.hostname} does not resolve") from None
-    boot_local = ipaddress.ip_address(boot_ip).is_loopback
-    b = _to_ip(bind, "--bind") if bind else None
-    if advertise:
-        adv = _to_ip(advertise, "--advertise")
-    elif b and b != "0.0.0.0":
-        adv = b
-    else:
-        adv = _route_to(boot_ip, url.port or 80)
-    a = ipaddress.ip_address(adv)
-    if a.is_unspecified:
-        raise UsageError(f"--advertise {advertise}: a wildcard address reaches nobody; advertise this host's "
-                         f"address or interface (bind the wildcard with --bind 0.0.0.0)")
-    if a.is_loopback and not boot_local:
-        which = f"--advertise {advertise}" if advertise else (f"--bind {bind}" if bind else "the default")
-        raise UsageError(f"{which} gives loopback {adv}, but the bootstrap {bootstrap} is on another host: its "
-                         f"peers could never reach this rank; pass --advertise with this host's address or "
-                         f"interface name (e.g. eth0)")
-    return (b or adv), adv
+        return rank_addresses(bind, advertise, bootstrap)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 # ------------------------------------------------------------------------------------
@@ -391,7 +324,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(cfg: RankConfig) -> int:
     from ..errors import KVXferError
-    from .rank_serve import Rank, run_check, serve_stdin, serve_unix
+    from .rank_io import run_check, serve_stdin, serve_unix
+    from .rank_serve import Rank
+    if cfg.secret is None:
+        log.warning("kvxfer rank: %s", OPEN_DEPLOYMENT)
     try:
         rank = Rank(cfg)
     except (KVXferError, ValueError, RuntimeError) as e:
@@ -415,7 +351,8 @@ def _run(cfg: RankConfig) -> int:
             bad = {k: v for k, v in res["requests"].items() if not v.get("verified")}
             print(json.dumps(res) if cfg.serve == "stdin" else
                   f"kvxfer rank --selftest: {len(res['requests']) - len(bad)}/{len(res['requests'])} requests "
-                  f"byte-exact on {rank.spec.key} ({res['nbytes'] / 1e6:.1f} MB in {res['seconds']}s, "
+                  f"byte-exact on {rank.spec.key} ({res['nbytes'] / 1e6:.1f} MB; on the wire {res['wire_seconds']}s, "
+                  f"{res['wire_MBps']} MB/s; with writing and checking the pattern {res['seconds']}s, "
                   f"{res['MBps']} MB/s)", flush=True)
             for room, v in bad.items():
                 print(f"  - room {room}: {v.get('state')}: {v.get('mismatch') or v.get('reason')}", flush=True)

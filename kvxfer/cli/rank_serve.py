@@ -12,17 +12,13 @@ layout and TP size (``pattern``). ``Rank`` holds the pool, the allocator and the
 
 Commands of ``--serve`` (``Rank.command``), one JSON object per line, answered by one line:
 ``info``, ``stats``, ``selftest {requests, tokens, room, within}``, ``recv {room, tokens}``,
-``wait {rooms, within}``, ``exit``. ``serve_stdin`` / ``serve_unix`` read them; ``run_check`` is
-``--check``.
+``wait {rooms, within}``, ``exit``. ``kvxfer.cli.rank_io`` reads them (``serve_stdin`` /
+``serve_unix``) and runs ``--check``; the pattern is ``kvxfer.cli.pattern``.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
 import queue
-import socket
-import sys
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -30,6 +26,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from ..errors import ConfigError
+from .pattern import fill, parts_of, verify
 
 log = logging.getLogger("kvxfer.rank")
 
@@ -103,58 +102,15 @@ def timeouts_of(phases: Sequence[float], heartbeat: Sequence[float]):
                     heartbeat=Heartbeat(interval=heartbeat[0], timeout=heartbeat[1]))
 
 # ------------------------------------------------------------------------------------
-# The pattern: KV bytes as a function of logical coordinates
-# ------------------------------------------------------------------------------------
-def pattern(seed: int, room: int, layer: int, kind: str, heads: Sequence[int], positions: np.ndarray,
-            head_bytes: int) -> np.ndarray:
-    """``[tokens, heads, head_bytes]`` uint8: the same bytes on every host, layout and TP split."""
-    key = (seed * 0x9E3779B97F4A7C15 + room * 0xBF58476D1CE4E5B9 + layer * 0x94D049BB133111EB
-           + sum(map(ord, kind)) * 0x2545F4914F6CDD1D) & (2**64 - 1)
-    with np.errstate(over="ignore"):
-        x = (np.uint64(key) + np.asarray(positions, np.uint64)[:, None, None] * np.uint64(0xD6E8FEB86659FD93)
-             + np.asarray(heads, np.uint64)[None, :, None] * np.uint64(0xA0761D6478BD642F)
-             + np.arange(head_bytes, dtype=np.uint64)[None, None, :] * np.uint64(0xE7037ED1A0B428DB))
-        x ^= x >> np.uint64(31)
-        x *= np.uint64(0x7FB5D329728EA185)
-        x ^= x >> np.uint64(27)
-    return (x >> np.uint64(32)).astype(np.uint8)
-
-
-def _parts(pool) -> list:
-    return [p for p in pool.layout.parts if p.kind in pool.kv_kinds]
-
-
-def fill(pool, seed: int, room: int, heads: Sequence[int], slots: np.ndarray) -> None:
-    """Write the pattern of ``room`` into ``slots`` (token positions 0..len - 1)."""
-    import torch
-
-    from ..pools import torch_dtype
-    pos = np.arange(len(slots))
-    for p in _parts(pool):
-        raw = torch.from_numpy(pattern(seed, room, p.layer, p.kind, heads, pos, p.head_bytes))
-        pool.set_parts(p.layer, slots, [(p.kind, raw.view(torch_dtype(p.dtype)))])
-
-
-def verify(pool, seed: int, room: int, heads: Sequence[int], slots: np.ndarray) -> tuple[int, str]:
-    """(bytes that differ from the pattern, the first one in words)."""
-    import torch
-    bad, first = 0, ""
-    pos = np.arange(len(slots))
-    for p in _parts(pool):
-        got = pool.get_part(p.layer, p.kind, slots).contiguous().view(torch.uint8).cpu().numpy()
-        diff = got.reshape(len(slots), len(heads), p.head_bytes) != pattern(seed, room, p.layer, p.kind, heads, pos,
-                                                                             p.head_bytes)
-        n = int(diff.sum())
-        if n and not first:
-            t, h, b = (int(i[0]) for i in np.nonzero(diff))
-            first = f"layer {p.layer} {p.kind} head {heads[h]} token {t} byte {b}"
-        bad += n
-    return bad, first
-
-
-# ------------------------------------------------------------------------------------
 # Endpoints as this launcher runs them
 # ------------------------------------------------------------------------------------
+def pool_bytes(cfg: "RankConfig", layers: int, heads: int) -> int:
+    """Bytes the rank's KV pool takes (what ``--pages`` x the model shape allocates)."""
+    from ..layout import dtype_size
+    row = (cfg.kv_lora_rank + cfg.rope_dim) if cfg.mla else 2 * heads * cfg.head_dim
+    return layers * cfg.pages * cfg.page_size * row * dtype_size(cfg.dtype)
+
+
 class Rank:
     """One running rank: pool, allocator, endpoint, and the commands of ``--serve``."""
 
@@ -169,6 +125,10 @@ class Rank:
         layers = list(stage_layers(cfg.layers, cfg.pp_size, cfg.pp_rank))
         self.heads = [0] if cfg.mla else list(self.spec.heads)   # global heads, in the pool's order
         self.pool: KVPool
+        need = pool_bytes(cfg, len(layers), len(self.heads))
+        log.warning("%s %s: allocating %.2f GiB of KV pool on %s (%d layers x %d pages x %d tokens x %d head(s)): "
+                    "--pages sets it", cfg.role, self.spec.key, need / (1 << 30), cfg.device, len(layers), cfg.pages,
+                    cfg.page_size, len(self.heads))
         if cfg.mla:
             self.pool = MLAPool(layers=layers, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.rope_dim, dtype=cfg.dtype,
                                 num_pages=cfg.pages, page_size=cfg.page_size, device=cfg.device,
@@ -310,11 +270,13 @@ class Rank:
             with self.lock:
                 r = self.reqs.get(room)   # stored right after it was made; None only if it ended at once
             res = {"state": outcome.state.name, "outcome": outcome.value, "reason": r.reason if r else "",
-                   "seconds": round(r.ended_at - r.created, 4) if r else 0.0, "tokens": len(slots)}
+                   "seconds": round(r.ended_at - r.created, 4) if r else 0.0, "tokens": len(slots),
+                   "moving_from": r.transferring_at if r and r.transferring_at else None,
+                   "moving_to": r.ended_at if r else None}
             if outcome is Outcome.Success:
                 bad, first = verify(self.pool, self.cfg.seed, room, self.heads, slots)
                 res["verified"] = bad == 0
-                res["nbytes"] = sum(len(slots) * p.heads * p.head_bytes for p in _parts(self.pool))
+                res["nbytes"] = sum(len(slots) * p.heads * p.head_bytes for p in parts_of(self.pool))
                 if bad:
                     res["mismatch"] = (f"{bad} byte(s) differ from the pattern, first at {first} (the same --seed "
                                        f"on both sides?)")
@@ -342,6 +304,9 @@ class Rank:
             return {str(r): self.done.get(r, {"state": "running" if r in self.reqs else "unknown"}) for r in rooms}
 
     def selftest(self, requests: int, tokens: int, room: int, within: float) -> dict:
+        """``requests`` pattern requests, verified. ``MBps``: bytes over the whole run (prefill writes
+        the pattern, decode checks it: both are in it); ``wire_MBps``: bytes over the time transfers
+        were in flight (from the first chunk of any request to the end of the last), the transport's."""
         rooms = list(range(room, room + requests))
         t0 = time.monotonic()
         for r in rooms:
@@ -350,15 +315,20 @@ class Rank:
         seconds = time.monotonic() - t0
         ok = all(v.get("verified") for v in res.values())
         nbytes = sum(v.get("nbytes", 0) for v in res.values())
+        spans = [(v["moving_from"], v["moving_to"]) for v in res.values() if v.get("moving_from") is not None]
+        wire = max(b for _, b in spans) - min(a for a, _ in spans) if spans else 0.0
+        for v in res.values():
+            v.pop("moving_from", None), v.pop("moving_to", None)
         return {"ok": ok, "requests": res, "nbytes": nbytes, "seconds": round(seconds, 3),
-                "MBps": round(nbytes / seconds / 1e6, 1) if seconds > 0 else None}
+                "MBps": round(nbytes / seconds / 1e6, 1) if seconds > 0 else None,
+                "wire_seconds": round(wire, 4), "wire_MBps": round(nbytes / wire / 1e6, 1) if wire > 0 else None}
 
     # -- commands --------------------------------------------------------------------------
     def command(self, cmd: Mapping) -> dict:
         op = cmd.get("op")
         decode_only = ("selftest", "recv", "wait")
         if op in decode_only and self.cfg.role != "decode":
-            raise ValueError(f"{op!r} is a decode command; prefill ranks answer requests by themselves")
+            raise ConfigError(f"{op!r} is a decode command; prefill ranks answer requests by themselves")
         if op == "info":
             return self.info()
         if op == "stats":
@@ -373,121 +343,9 @@ class Rank:
             return {"room": int(cmd["room"])}
         if op == "wait":
             return self.wait([int(r) for r in cmd["rooms"]], float(cmd.get("within", 60)))
-        raise ValueError(f"unknown op {op!r}: info, stats, selftest, recv, wait, exit")
+        raise ConfigError(f"unknown op {op!r}: info, stats, selftest, recv, wait, exit")
 
     def close(self) -> None:
         self.ep.close()
         if self.cfg.role == "prefill":
             self._todo.put((None, None))
-
-
-# ------------------------------------------------------------------------------------
-# The control: one JSON command per line, on stdin or a unix socket
-# ------------------------------------------------------------------------------------
-def _reply(rank: Rank, line: str, stop: threading.Event) -> dict | None:
-    try:
-        cmd = json.loads(line)
-        if not isinstance(cmd, dict):
-            raise ValueError("a command is a JSON object, e.g. {\"op\": \"info\"}")
-        if cmd.get("op") == "exit":
-            stop.set()
-            return {"ok": True}
-        return rank.command(cmd)
-    except Exception as e:   # a bad command never stops the rank
-        return {"error": f"{type(e).__name__}: {e}"}
-
-
-def serve_stdin(rank: Rank, stop: threading.Event) -> None:
-    out = threading.Lock()
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        res = _reply(rank, line[:MAX_COMMAND], stop)
-        with out:
-            print(json.dumps(res), flush=True)
-        if stop.is_set():
-            return
-    stop.set()   # stdin closed: whoever drove us is gone
-
-
-def serve_unix(rank: Rank, path: str, stop: threading.Event) -> socket.socket:
-    if os.path.exists(path):
-        import stat
-        if not stat.S_ISSOCK(os.stat(path).st_mode):
-            raise ValueError(f"--serve unix:{path}: exists and is not a socket; pick another path")
-        os.unlink(path)   # a stale socket of an earlier run
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o177)   # owner only
-    try:
-        srv.bind(path)
-    finally:
-        os.umask(old)
-    srv.listen(8)
-
-    def client(conn: socket.socket) -> None:
-        with conn, conn.makefile("rw", encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    f.write(json.dumps(_reply(rank, line[:MAX_COMMAND], stop)) + "\n")
-                    f.flush()
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                return
-            threading.Thread(target=client, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, name="kvxfer-rank-control", daemon=True).start()
-    return srv
-
-
-# ------------------------------------------------------------------------------------
-# --check
-# ------------------------------------------------------------------------------------
-def check_prefill(cfg: RankConfig, info) -> list[str]:
-    """What stops this prefill rank from registering, in words ([] when nothing does)."""
-    from ..control.client import BootstrapClient
-    from ..errors import ConnectError
-    try:
-        _, ranks = BootstrapClient(cfg.bootstrap, cfg.secret).topology(cfg.instance)
-    except ConnectError as e:
-        return [str(e)]
-    out = []
-    s = info.spec
-    for r in ranks:
-        o = r.spec
-        if o.key != s.key and (o.tp_size, o.pp_size, o.dp_size) != (s.tp_size, s.pp_size, s.dp_size):
-            out.append(f"{o.key} is registered with tp/pp/dp sizes {o.tp_size}/{o.pp_size}/{o.dp_size} but this "
-                       f"rank has {s.tp_size}/{s.pp_size}/{s.dp_size}: the registry would refuse it")
-        if o.key == s.key:
-            out.append(f"{s.key} is registered already (control {r.control}): starting this rank would replace it")
-    return out
-
-
-def run_check(rank: Rank) -> int:
-    from ..errors import CompatibilityError, KVXferError
-    cfg = rank.cfg
-    if cfg.role == "prefill":
-        why = check_prefill(cfg, rank.ep.info)
-        for w in why:
-            print(f"  - {w}")
-        print(f"kvxfer rank --check: prefill {rank.spec.key} " + ("can register with " if not why else
-              "cannot register cleanly with ") + cfg.bootstrap)
-        return 1 if why else 0
-    try:
-        rank.start()
-    except CompatibilityError as e:
-        print(f"kvxfer rank --check: decode {rank.spec.key} and the prefill ranks of {cfg.instance!r} cannot talk:")
-        for m in e.mismatches:
-            print(f"  - {m}")
-        return 1
-    except KVXferError as e:
-        print(f"kvxfer rank --check: decode {rank.spec.key} could not handshake: {e}")
-        return 1
-    print(f"kvxfer rank --check: decode {rank.spec.key} handshook with every prefill rank it needs in "
-          f"{cfg.instance!r} over {cfg.transport}: compatible (run --selftest to move bytes)")
-    return 0
-
-

@@ -17,6 +17,7 @@ import socket
 import struct
 import urllib.parse
 
+from ..errors import ConfigError
 from ..ranks import WILDCARDS, split_address
 from .records import RankInfo
 
@@ -91,15 +92,15 @@ def advertise_host(bind_host: str, advertise: str | None = None, *, remote: bool
     elif bind_host in WILDCARDS or bind_host == "":
         host = routable_address() or ("127.0.0.1" if not remote else "")
         if not host:
-            raise ValueError(f"bound {bind_host!r} (every interface) but found no routable interface address to "
+            raise ConfigError(f"bound {bind_host!r} (every interface) but found no routable interface address to "
                              f"advertise: set {setting}= to an address or interface name peers can reach")
     else:
         host = bind_host
     if host in WILDCARDS:
-        raise ValueError(f"cannot advertise the wildcard {tried!r}: it binds every interface but reaches none; "
+        raise ConfigError(f"cannot advertise the wildcard {tried!r}: it binds every interface but reaches none; "
                          f"set {setting}= to an address or interface name peers can reach")
     if remote and is_loopback(host):
-        raise ValueError(f"cannot advertise loopback {tried!r} (-> {host}) to a peer on another host: set "
+        raise ConfigError(f"cannot advertise loopback {tried!r} (-> {host}) to a peer on another host: set "
                          f"{setting}= to a routable address or interface name")
     return host
 
@@ -111,7 +112,7 @@ def advertise_address(bind: str, advertise: str | None = None, *, remote: bool =
     kind, host, port = split_address(bind)
     if kind == "ipc":
         if remote:
-            raise ValueError(f"cannot advertise {bind!r} to a peer on another host: ipc:// reaches only this host; "
+            raise ConfigError(f"cannot advertise {bind!r} to a peer on another host: ipc:// reaches only this host; "
                              f"bind tcp:// and set {setting}=")
         return bind
     h = advertise_host(host, advertise, remote=remote, setting=setting)
@@ -156,6 +157,71 @@ def check_reachable(info: RankInfo, bootstrap: str, *, advertise: str | None = N
         except ValueError:
             continue
         if h in WILDCARDS or is_loopback(h):
-            raise ValueError(f"this {info.spec.role} rank would advertise {address} to the bootstrap {bootstrap} on "
+            raise ConfigError(f"this {info.spec.role} rank would advertise {address} to the bootstrap {bootstrap} on "
                              f"another host, which only {'no host' if h in WILDCARDS else 'this host'} can reach: "
                              f"set {setting} to an address or interface name peers can reach")
+
+
+# ------------------------------------------------------------------------------------
+# A rank's bind and advertise addresses (``kvxfer rank --bind / --advertise``)
+# ------------------------------------------------------------------------------------
+def to_ip(value: str, flag: str) -> str:
+    """An address, an interface name or a hostname -> an IPv4 address (wildcards kept); ValueError
+    naming ``flag`` otherwise."""
+    if value in ("*", "0.0.0.0"):
+        return "0.0.0.0"
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError:
+        pass
+    ip = interface_address(value)
+    if ip is not None:
+        return ip
+    try:
+        return socket.gethostbyname(value)
+    except OSError:
+        raise ConfigError(f"{flag} {value}: not an address, an interface with an IPv4 address, or a hostname "
+                         f"that resolves") from None
+
+
+def route_to(host: str, port: int) -> str:
+    """The local address this host uses to reach ``host`` (no packet is sent)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host, port or 9))
+            return s.getsockname()[0]
+        except OSError as e:
+            raise ConfigError(f"no route to the bootstrap host {host} ({e.strerror}): pass --advertise with this "
+                             f"host's address or interface") from None
+
+
+def rank_addresses(bind: str | None, advertise: str | None, bootstrap: str) -> tuple[str, str]:
+    """(bind, advertise) addresses of a rank registering at ``bootstrap``: ``advertise`` (an address,
+    interface or host name), else the bind address, else the address this host reaches the bootstrap
+    from. ValueError, naming the flag, when peers could not reach what would be advertised (a
+    wildcard, or loopback to a bootstrap on another host)."""
+    url = urllib.parse.urlsplit(bootstrap)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ConfigError(f"--bootstrap {bootstrap}: use http://HOST:PORT (what `kvxfer bootstrap` prints)")
+    try:
+        boot_ip = socket.gethostbyname(url.hostname)
+    except OSError:
+        raise ConfigError(f"--bootstrap {bootstrap}: host {url.hostname} does not resolve") from None
+    boot_local = ipaddress.ip_address(boot_ip).is_loopback
+    b = to_ip(bind, "--bind") if bind else None
+    if advertise:
+        adv = to_ip(advertise, "--advertise")
+    elif b and b != "0.0.0.0":
+        adv = b
+    else:
+        adv = route_to(boot_ip, url.port or 80)
+    a = ipaddress.ip_address(adv)
+    if a.is_unspecified:
+        raise ConfigError(f"--advertise {advertise}: a wildcard address reaches nobody; advertise this host's "
+                         f"address or interface (bind the wildcard with --bind 0.0.0.0)")
+    if a.is_loopback and not boot_local:
+        which = f"--advertise {advertise}" if advertise else (f"--bind {bind}" if bind else "the default")
+        raise ConfigError(f"{which} gives loopback {adv}, but the bootstrap {bootstrap} is on another host: its "
+                         f"peers could never reach this rank; pass --advertise with this host's address or "
+                         f"interface name (e.g. eth0)")
+    return (b or adv), adv

@@ -23,6 +23,15 @@ AUTH_SKEW = 300.0       # seconds a signed request stays valid (clock skew betwe
 _HEADER = re.compile(r"(\d{1,12}):([0-9a-f]{32}):([0-9a-f]{64})")
 
 
+# What ``kvxfer rank`` and ``kvxfer bootstrap`` say at start-up when no secret is set.
+OPEN_DEPLOYMENT = (
+    "no shared secret (--secret-file): an open deployment. Anyone who reaches the registry can register ranks "
+    "and read every record; anyone who reaches a control port can say HELLO as a decode rank of its own "
+    "(never as a live one) and ask for rooms it can name; a peer that reaches a UCX data address with its "
+    "descriptor can write anywhere in the registered KV regions. Set a secret on any network you do not "
+    "control (README: What a peer can reach).")
+
+
 def as_secret(secret: str | bytes | None) -> bytes | None:
     if secret is None or secret == b"" or secret == "":
         return None

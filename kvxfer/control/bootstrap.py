@@ -50,7 +50,7 @@ from aiohttp import web
 from ..errors import ConnectError
 from ..ranks import split_address
 from .addresses import advertise_host, is_loopback
-from .auth import AUTH_HEADER, AUTH_SKEW, as_secret, check_http
+from .auth import AUTH_HEADER, AUTH_SKEW, OPEN_DEPLOYMENT, as_secret, check_http
 from .records import RankInfo
 from .registry import KEY, OWNER, NonceCache, Registry, RegistryError
 
@@ -451,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.secret_file:
         with open(args.secret_file, "rb") as f:
             secret = as_secret(f.read().strip())
+    if secret is None:
+        log.warning("kvxfer bootstrap: %s", OPEN_DEPLOYMENT)
     try:
         BootstrapServer(BootstrapConfig(host=args.host, port=args.port, advertise=args.advertise, ttl=args.ttl,
                                         expect=args.expect, secret=secret)).serve_forever()

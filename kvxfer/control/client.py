@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 from ..errors import ConnectError
+from ..metrics import record_registration_lost
 from .auth import AUTH_HEADER, as_secret, sign_http
 from .records import RankInfo
 
@@ -128,6 +129,7 @@ class Registration:
         self.interval = ttl / 3 if interval is None else interval
         self.owner = os.urandom(16).hex()
         self.key: str | None = None
+        self.state = "starting"   # "registered", "expired" (registering again) or "taken" (another owner has the key)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -141,6 +143,7 @@ class Registration:
                 if "HTTP 409" not in str(e) or "another owner" not in str(e) or time.monotonic() > deadline:
                     raise
                 time.sleep(min(0.5, self.ttl / 4))
+        self.state = "registered"
         self._thread = threading.Thread(target=self._run, name="kvxfer-heartbeat", daemon=True)
         self._thread.start()
         return self
@@ -148,11 +151,25 @@ class Registration:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                if not self.client.heartbeat(self.key, self.owner):
-                    log.warning("bootstrap forgot %s; registering again", self.key)
-                    self.key = self.client.register(self.info, self.owner)
+                if self.client.heartbeat(self.key, self.owner):
+                    self.state = "registered"
+                    continue
+                log.warning("bootstrap %s forgot %s (its registration expired): registering again",
+                            self.client.url, self.info.spec.key)
+                record_registration_lost("expired")
+                self.state = "expired"
+                self.key = self.client.register(self.info, self.owner)
+                self.state = "registered"
             except ConnectError as e:   # the registry may be restarting: keep trying
-                log.warning("heartbeat for %s failed: %s", self.key, e)
+                if "another owner" in str(e):
+                    if self.state != "taken":
+                        log.error("bootstrap %s gave the key of %s to another owner while this rank lives: decode "
+                                  "ranks are sent elsewhere; trying to take it back every %.1fs", self.client.url,
+                                  self.info.spec.key, self.interval)
+                        record_registration_lost("taken")
+                    self.state = "taken"
+                else:
+                    log.warning("heartbeat for %s failed: %s", self.info.spec.key, e)
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
-from ..errors import CompatibilityError, LayoutError, PlanError
+from ..errors import CompatibilityError, ConfigError, LayoutError, PlanError
 from ..layout import SWA, Layout, is_hybrid
 from ..plan import Planner
 from ..ranks import RankSpec
@@ -45,7 +45,7 @@ def swa_window_of(info: RankInfo) -> int:
     """The sliding window a rank published (0: none); ValueError when it is not a sane int."""
     w = info.layout.get(SWA_WINDOW_KEY, 0)
     if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= MAX_WINDOW:
-        raise ValueError(f"field {SWA_WINDOW_KEY!r} must be an int in 0..{MAX_WINDOW}, got {w!r}")
+        raise ConfigError(f"field {SWA_WINDOW_KEY!r} must be an int in 0..{MAX_WINDOW}, got {w!r}")
     return w
 
 

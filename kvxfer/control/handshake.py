@@ -21,6 +21,13 @@ log = logging.getLogger("kvxfer.control")
 
 # A refusal that starts so says the data path is unreachable: ``hello`` raises ConnectError.
 DATA_PATH = "data path unreachable"
+# A refusal that starts so is for now only (the rank is busy, or an earlier process of this decode
+# rank is still live there): ``hello`` raises ``Busy``, and the caller may try again.
+BUSY = "busy:"
+
+
+class Busy(ConnectError):
+    """The prefill rank refused the HELLO for now; the same HELLO may succeed a moment later."""
 
 
 def describe(descriptor) -> str:
@@ -46,6 +53,8 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float,
     reply = channel.call(peer, msg, timeout)
     if isinstance(reply, Refuse):
         why = [str(w)[:1024] for w in reply.why]
+        if any(w.startswith(BUSY) for w in why):
+            raise Busy(f"prefill rank {peer} refused the handshake for now: {'; '.join(why)}")
         if any(w.startswith(("authentication", "addressed to", "sender identity", "bad envelope", DATA_PATH))
                for w in why):
             raise ConnectError(f"prefill rank {peer} refused the handshake: {'; '.join(why)}")

@@ -24,13 +24,15 @@ from typing import Any, ClassVar, TypeVar, Union
 
 import msgpack
 
+from ..errors import ProtocolError
+
 # ------------------------------------------------------------------------------------
 # The protocol version: bumped when RankInfo or a message changes shape. A handshake between
 # ranks of two versions is refused, naming both (``kvxfer.control.compat``).
 #   1  the first control plane (plain msgpack bodies)
 #   2  the signed envelope [mac, head, body] (``kvxfer.control.wire``)
 #   3  rooms may be strings; HELLO carries the transports' admission tokens; rank records say
-#      their aux rows (``aux_rows``); aux rows of any format
+#      their aux rows (``aux_rows``); aux rows of any format; BYE
 # ------------------------------------------------------------------------------------
 PROTOCOL = 3
 
@@ -72,7 +74,7 @@ class Drop(str, enum.Enum):
         return self.value
 
 
-class WireError(ValueError):
+class WireError(ProtocolError):
     """A message failed its checks; ``reason`` is the counter key, the text says what was wrong."""
 
     def __init__(self, reason: Drop, detail: str):
@@ -292,6 +294,13 @@ class Fin(Message):
     meta: bytes = wire(bytes, 0, 1 << 20)
 
 
+@message("bye")
+@dataclass(**_MSG)
+class Bye(Message):
+    """Decode -> prefill, when a decode endpoint closes: its peer is retired at once (a restarted
+    process of the same rank is welcomed without waiting for the heartbeat timeout)."""
+
+
 @message("ping")
 @dataclass(**_MSG)
 class Ping(Message):
@@ -305,7 +314,7 @@ class Pong(Message):
 
 
 TYPES: dict[str, type[Message]] = {c.T: c for c in (Hello, Welcome, Refuse, Req, Ack, Nack, Abort, Done, Fin,
-                                                    Ping, Pong)}
+                                                    Bye, Ping, Pong)}
 
 
 def parse(body: bytes) -> Message:

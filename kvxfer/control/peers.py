@@ -10,6 +10,7 @@ import collections
 import dataclasses
 from collections.abc import Callable
 
+from ..errors import ConfigError
 from .messages import Drop, WireError
 from .wire import Head
 
@@ -23,7 +24,7 @@ class ChannelLimits:
 
     def __post_init__(self):
         if self.max_peers < 1 or self.idle_timeout <= 0 or self.spent_nonces < 1:
-            raise ValueError(f"channel limits must be positive, got {self}")
+            raise ConfigError(f"channel limits must be positive, got {self}")
 
 
 REPLAY_WINDOW = 8192    # a message overtaken by more than this many later ones is refused as a replay

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from ..errors import ProtocolError
 from ..ranks import RankSpec, check_address, int_field, short
 from .messages import PROTOCOL
 from .wire import MAX_AUX
@@ -29,20 +30,20 @@ def check_layout_record(layout: Mapping) -> None:
     fields are ints (``kind``/``name``/``space``/``dtype``: strings). Meaning is checked later
     (``Layout.from_dict``, the planner); this makes sure that check meets only ints and strings."""
     if not isinstance(layout, Mapping):
-        raise ValueError("field 'layout' must be a layout description object")
+        raise ProtocolError("field 'layout' must be a layout description object")
     items = 0
     for key, v in layout.items():
         if not isinstance(key, str) or len(key) > 64:
-            raise ValueError("field 'layout': keys must be short strings")
+            raise ProtocolError("field 'layout': keys must be short strings")
         if key in ("spaces", "regions", "parts"):
             if not isinstance(v, list):
-                raise ValueError(f"field 'layout.{key}' must be a list, got {type(v).__name__}")
+                raise ProtocolError(f"field 'layout.{key}' must be a list, got {type(v).__name__}")
             items += len(v)
             if items > MAX_LAYOUT_ITEMS:
-                raise ValueError(f"field 'layout' has more than {MAX_LAYOUT_ITEMS} spaces, regions and parts")
+                raise ProtocolError(f"field 'layout' has more than {MAX_LAYOUT_ITEMS} spaces, regions and parts")
             for i, obj in enumerate(v):
                 if not isinstance(obj, Mapping) or len(obj) > 32:
-                    raise ValueError(f"field 'layout.{key}[{i}]' must be an object of at most 32 fields")
+                    raise ProtocolError(f"field 'layout.{key}[{i}]' must be an object of at most 32 fields")
                 for name, x in obj.items():
                     _layout_leaf(f"layout.{key}[{i}].{name}", name, x)
         else:
@@ -51,12 +52,12 @@ def check_layout_record(layout: Mapping) -> None:
 
 def _layout_leaf(where: str, name, x) -> None:
     if not isinstance(name, str) or len(name) > 64:
-        raise ValueError(f"field {where[:80]!r}: names must be short strings")
+        raise ProtocolError(f"field {where[:80]!r}: names must be short strings")
     if name in _LAYOUT_STR:
         if not isinstance(x, str) or len(x) > 128:
-            raise ValueError(f"field {where!r} must be a string of at most 128 characters, got {short(x)}")
+            raise ProtocolError(f"field {where!r} must be a string of at most 128 characters, got {short(x)}")
     elif isinstance(x, bool) or not isinstance(x, int) or not -(1 << 62) <= x <= 1 << 62:
-        raise ValueError(f"field {where!r} must be an integer, got {short(x)}")
+        raise ProtocolError(f"field {where!r} must be an integer, got {short(x)}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,34 +80,34 @@ class RankInfo:
     def from_dict(cls, d: Mapping) -> "RankInfo":
         """Validate a peer's record field by field; raises ValueError naming the field."""
         if not isinstance(d, Mapping):
-            raise ValueError(f"a rank record must be an object, got {type(d).__name__}")
+            raise ProtocolError(f"a rank record must be an object, got {type(d).__name__}")
         names = RankSpec.__dataclass_fields__
         extra = [k for k in d if k not in names and k not in _OWN]
         if extra:
-            raise ValueError(f"rank record: unknown field {short(extra[0])}")
+            raise ProtocolError(f"rank record: unknown field {short(extra[0])}")
         try:
             spec = RankSpec(**{k: d[k] for k in names if k in d})
         except TypeError as e:
-            raise ValueError(f"rank record: {e}") from None
+            raise ProtocolError(f"rank record: {e}") from None
         control, data, layout = d.get("control", ""), d.get("data", {}), d.get("layout", {})
         if control != "":
             try:
                 check_address(control)
             except ValueError as e:
-                raise ValueError(f"field 'control': {e}") from None
+                raise ProtocolError(f"field 'control': {e}") from None
         if not isinstance(data, Mapping) or len(data) > 16 or not all(
                 isinstance(k, str) and len(k) <= 64 and isinstance(v, Mapping) and len(v) <= 64
                 for k, v in data.items()):
-            raise ValueError("field 'data' must map transport names to descriptor objects")
+            raise ProtocolError("field 'data' must map transport names to descriptor objects")
         check_layout_record(layout)
         aux_rows = d.get("aux_rows", [])
         if not isinstance(aux_rows, (list, tuple)) or len(aux_rows) > MAX_AUX_BUFFERS or not all(
                 type(n) is int and 1 <= n <= MAX_AUX_ROW for n in aux_rows):
-            raise ValueError(f"field 'aux_rows' must list at most {MAX_AUX_BUFFERS} row sizes in 1..{MAX_AUX_ROW} "
+            raise ProtocolError(f"field 'aux_rows' must list at most {MAX_AUX_BUFFERS} row sizes in 1..{MAX_AUX_ROW} "
                              f"bytes, got {short(aux_rows)}")
         aux_bytes = int_field(d, "aux_bytes", 0, MAX_AUX_ROW, 0)
         if aux_rows and sum(aux_rows) != aux_bytes:
-            raise ValueError(f"field 'aux_bytes' {aux_bytes} is not the sum of 'aux_rows' {short(aux_rows)}")
+            raise ProtocolError(f"field 'aux_bytes' {aux_bytes} is not the sum of 'aux_rows' {short(aux_rows)}")
         return cls(spec=spec, control=control, data=data, layout=layout, aux_bytes=aux_bytes,
                    aux_rows=tuple(aux_rows), protocol=int_field(d, "protocol", 0, 1 << 16, PROTOCOL))
 

@@ -20,6 +20,7 @@ import logging
 import re
 from dataclasses import dataclass
 
+from ..errors import ProtocolError
 from .records import RankInfo
 
 log = logging.getLogger("kvxfer.control.bootstrap")
@@ -29,7 +30,7 @@ OWNER = re.compile(r"[A-Za-z0-9_\-]{16,64}")
 KEY = re.compile(r"[A-Za-z0-9_.:\-]{1,128}/dp\d{1,5}/pp\d{1,5}/tp\d{1,5}")
 
 
-class RegistryError(ValueError):
+class RegistryError(ProtocolError):
     """A write the registry refuses; ``status`` is the HTTP status to answer."""
 
     def __init__(self, status: int, why: str):

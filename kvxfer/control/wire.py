@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 
 import msgpack
 
+from ..errors import ProtocolError
 from .auth import mac
 from .messages import (
     MAX_GEN,
@@ -155,9 +156,9 @@ class ChunkMeta:
             v = msgpack.unpackb(raw, raw=False, max_str_len=1024, max_bin_len=MAX_AUX, max_array_len=8,
                                 max_map_len=0, max_ext_len=0)
         except Exception as e:
-            raise ValueError(f"chunk metadata is not msgpack ({type(e).__name__})") from None
+            raise ProtocolError(f"chunk metadata is not msgpack ({type(e).__name__})") from None
         if not isinstance(v, list) or len(v) != 7 or not isinstance(v[2], list) or len(v[2]) != 2:
-            raise ValueError("chunk metadata has the wrong shape")
+            raise ProtocolError("chunk metadata has the wrong shape")
         room, gen, (tp, pp), chunk, total, nbytes, aux = v
         check_room(room)
         for name, x, lo, hi in (("gen", gen, 0, MAX_GEN), ("tp", tp, 0, 1 << 16),
@@ -165,5 +166,5 @@ class ChunkMeta:
                                 ("total", total, -1, MAX_CHUNKS), ("nbytes", nbytes, -1, 1 << 50)):
             check_field(name, x, (int, lo, hi))
         if aux is not None and not isinstance(aux, bytes):
-            raise ValueError("chunk metadata: aux must be bytes")
+            raise ProtocolError("chunk metadata: aux must be bytes")
         return cls(room, gen, (tp, pp), chunk, total, nbytes, aux)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..control.records import MAX_AUX_BUFFERS, MAX_AUX_ROW
-from ..errors import LayoutError
+from ..errors import LayoutError, ProtocolError
 
 AUX_BYTES = 64
 
@@ -49,7 +49,7 @@ class AuxRecord:
     def pack(self, size: int = AUX_BYTES) -> bytes:
         room = (size - _AUX_HEAD.size) // _AUX_TOP.size
         if len(self.top) > room:
-            raise ValueError(f"aux record of {size} bytes holds at most {room} top logprobs, got {len(self.top)}")
+            raise ProtocolError(f"aux record of {size} bytes holds at most {room} top logprobs, got {len(self.top)}")
         body = _AUX_HEAD.pack(self.first_token, self.logprob, len(self.top)) + b"".join(
             _AUX_TOP.pack(int(t), float(lp)) for t, lp in self.top)
         return body.ljust(size, b"\0")
@@ -57,10 +57,10 @@ class AuxRecord:
     @classmethod
     def unpack(cls, raw: bytes) -> "AuxRecord":
         if len(raw) < _AUX_HEAD.size:
-            raise ValueError(f"aux record of {len(raw)} bytes is shorter than its {_AUX_HEAD.size}-byte head")
+            raise ProtocolError(f"aux record of {len(raw)} bytes is shorter than its {_AUX_HEAD.size}-byte head")
         token, lp, k = _AUX_HEAD.unpack_from(raw)
         if not 0 <= k <= (len(raw) - _AUX_HEAD.size) // _AUX_TOP.size:
-            raise ValueError(f"aux record claims {k} top logprobs in {len(raw)} bytes")
+            raise ProtocolError(f"aux record claims {k} top logprobs in {len(raw)} bytes")
         top = tuple(_AUX_TOP.unpack_from(raw, _AUX_HEAD.size + i * _AUX_TOP.size) for i in range(k))
         return cls(token, lp, top)
 

@@ -101,7 +101,7 @@ from ..control.channel import ControlChannel, Heartbeat
 from ..control.compat import layout_record
 from ..control.messages import Room, check_room
 from ..control.records import RankInfo
-from ..errors import LayoutError, PlanError, RequestError
+from ..errors import ConfigError, LayoutError, PlanError, RequestError
 from ..layout import SWA, Layout, combine_layouts
 from ..plan import Planner
 from ..pools import KVPool
@@ -155,7 +155,7 @@ class Timeouts:
     def __post_init__(self):
         for name in ("bootstrap", "waiting", "transfer", "lease", "handshake", "registry"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"timeout {name} must be > 0 seconds, got {getattr(self, name)}")
+                raise ConfigError(f"timeout {name} must be > 0 seconds, got {getattr(self, name)}")
 
 
 # ------------------------------------------------------------------------------------
@@ -173,8 +173,8 @@ class RequestBase:
     ``ended_at`` (the endpoint's clock at creation and at the end, 0.0 while running);
     ``released`` (the release ran and ``on_release`` returned).
     """
-    __slots__ = ("room", "state", "outcome", "reason", "deadline", "created", "ended_at", "endpoint", "_ended",
-                 "_on_release", "_release_state", "__weakref__")
+    __slots__ = ("room", "state", "outcome", "reason", "deadline", "created", "transferring_at", "ended_at", "endpoint",
+                 "_ended", "_on_release", "_release_state", "__weakref__")
 
     def __init__(self, endpoint: "EndpointBase", room: Room, deadline: float,
                  on_release: Callable[[Outcome], None] | None):
@@ -183,6 +183,7 @@ class RequestBase:
         self.state, self.reason = KVPoll.Bootstrapping, ""
         self.outcome: Outcome | None = None            # set once, at the end
         self.created, self.ended_at = endpoint.clock(), 0.0   # the endpoint's clock at creation, at the end
+        self.transferring_at = 0.0                     # the endpoint's clock when the first chunk moved
         self._ended, self._on_release = threading.Event(), on_release
         self._release_state = 0                        # 0 not yet, 1 on_release running, 2 returned
 
@@ -227,6 +228,8 @@ class RequestBase:
         """Endpoint, under its lock: move forward to ``state`` with a new phase deadline."""
         if self.state not in END_STATES and state > self.state:
             self.state, self.deadline = state, deadline
+            if state == KVPoll.Transferring:
+                self.transferring_at = self.endpoint.clock()
             self.endpoint.changed.notify_all()
 
     def mark_ended(self, outcome: Outcome, reason: str) -> bool:
@@ -278,7 +281,7 @@ class EndpointBase(abc.ABC):
         if aux is not None and not isinstance(aux, AuxRows):
             raise TypeError(f"aux must be an AuxRows (the engine's aux buffers) or None, got {type(aux).__name__}")
         if aux is None and aux_bytes != 0 and aux_bytes < AUX_MIN_BYTES:
-            raise ValueError(f"aux_bytes must be 0 (no aux record) or >= {AUX_MIN_BYTES}, got {aux_bytes}")
+            raise ConfigError(f"aux_bytes must be 0 (no aux record) or >= {AUX_MIN_BYTES}, got {aux_bytes}")
         if not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds (like time.monotonic), got {clock!r}")
         check_heads(spec, kv)

@@ -46,7 +46,7 @@ from ..control.compat import aux_format, aux_mismatch
 from ..control.messages import CAP_BYTES, Abort, Ack, Done, Fin, Message, Nack, Req, Room, cut
 from ..control.records import RankInfo
 from ..control.wire import ChunkMeta
-from ..errors import ConnectError, RequestError
+from ..errors import ConfigError, ConnectError, RequestError
 from ..layout import STATE, SWA
 from ..metrics import record_request_end
 from ..pools import KVPool
@@ -75,9 +75,9 @@ class DecodeEndpoint(ReceiverHost):
         ``bootstrap``: the registry URL of the prefill instances requests name by ``instance`` alone;
         ``clock``: seconds, for deadlines (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "decode":
-            raise ValueError(f"DecodeEndpoint needs a decode RankSpec, got role {spec.role!r}")
+            raise ConfigError(f"DecodeEndpoint needs a decode RankSpec, got role {spec.role!r}")
         if aux is not None and isinstance(aux, AuxRows) and aux_bytes != AUX_BYTES and aux.record_bytes != aux_bytes:
-            raise ValueError(f"aux buffer rows are {aux.record_bytes} bytes but aux_bytes is {aux_bytes}")
+            raise ConfigError(f"aux buffer rows are {aux.record_bytes} bytes but aux_bytes is {aux_bytes}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
                          timeouts=timeouts, secret=secret, aux=aux, aux_bytes=aux_bytes, clock=clock)
         self.links = PrefillLinks(self, bootstrap)
@@ -101,11 +101,11 @@ class DecodeEndpoint(ReceiverHost):
         its name; required when several are registered (ConnectError lists them). Raises
         CompatibilityError (every mismatch, in words) or ConnectError."""
         if not timeout > 0:
-            raise ValueError(f"connect timeout must be > 0 seconds, got {timeout}")
+            raise ConfigError(f"connect timeout must be > 0 seconds, got {timeout}")
         self.check_usable()
         url = bootstrap or self.links.bootstrap
         if peers is None and url is None:
-            raise ValueError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
+            raise ConfigError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
         if peers is None:
             check_reachable(self.info, url)
         self.links.connect(url, peers, instance, time.monotonic() + timeout)
@@ -144,15 +144,16 @@ class DecodeEndpoint(ReceiverHost):
             self.end_request(r, Outcome.Failed, f"prefill rank {key} lost: {why}", later,
                              tell=set(r.contacts) - {key})
 
-    def rank_rejoined(self, key: str, why: str, later) -> None:
+    def rank_rejoined(self, key: str, why: str, read_at: float, later) -> None:
         """``PrefillLinks``, under the lock: a new handshake with ``key`` answered (``why`` empty) or
-        failed; requests that waited for it are granted now, or fail with the reason."""
+        failed; requests that waited for it are granted now, or (those that waited since before the
+        registry read it followed) fail with the reason."""
         lost = self.links.lost
         for r in [r for r in self._recvs.values() if r.pending is not None and key in r.contacts]:
-            if why:
+            if why and r.pending.since < read_at:
                 self.end_request(r, Outcome.Failed, f"prefill rank {key} is lost: {why}", later,
                                  tell=set(r.contacts) - set(lost))
-            elif not set(r.contacts) & set(lost):
+            elif not why and not set(r.contacts) & set(lost):
                 self._grant_pending(r, later)
 
     # -- per request ------------------------------------------------------------------------
@@ -326,7 +327,7 @@ class DecodeEndpoint(ReceiverHost):
             try:
                 meta = ChunkMeta.unpack(a.notify)
                 if f"{meta.room}.{meta.gen}" != r.request_id:
-                    raise ValueError(f"it names request {meta.room}.{meta.gen}, arrived as {r.request_id}")
+                    raise ConfigError(f"it names request {meta.room}.{meta.gen}, arrived as {r.request_id}")
             except ValueError as e:
                 self.end_request(r, Outcome.Failed, f"chunk metadata: {e}", later)
                 return
@@ -428,6 +429,8 @@ class DecodeEndpoint(ReceiverHost):
 
     def close(self) -> None:
         self.links.close()   # first: its threads use the channel
+        if not self._closed and self.broken is None:
+            self.links.bye()
         super().close()
         if self._arrivals is not None:
             self._arrivals.join(1.0)

@@ -22,7 +22,7 @@ import logging
 import resource
 import threading
 
-from ..control.handshake import DATA_PATH, answer_hello, describe
+from ..control.handshake import BUSY, DATA_PATH, answer_hello, describe
 from ..control.messages import Hello, Refuse, cut
 from ..errors import ConnectError, LayoutError, PlanError
 from ..layout import Layout
@@ -62,8 +62,8 @@ class DecodeLinks:
         with self._lock:
             if peer in self._busy or len(self._busy) >= MAX_HANDSHAKES:
                 self.refused_busy += 1
-                why = "a handshake of this peer is in progress" if peer in self._busy else \
-                    f"prefill {self.ep.spec.key} is answering {MAX_HANDSHAKES} handshakes: try again"
+                why = f"{BUSY} a handshake of this peer is in progress" if peer in self._busy else \
+                    f"{BUSY} prefill {self.ep.spec.key} is answering {MAX_HANDSHAKES} handshakes: try again"
                 self.ep.channel.send(peer, Refuse(re=msg.i, why=[why]))
                 return
             self._busy.add(peer)
@@ -97,7 +97,12 @@ class DecodeLinks:
             return reply
         rank = d_info.spec.key
         with ep.guard():   # a new epoch of this peer, or a silent earlier one of its rank: gone
+            live = self.peers.rank_peer.get(rank)
             stale = self.peers.stale(peer, rank)
+        if live is not None and live != peer and live not in stale:   # identity: one live process per rank
+            return Refuse(re=msg.i, why=[cut(f"{BUSY} decode rank {rank} is live here as another process ({live}): "
+                                             f"a restart of it is welcomed once that one said BYE or was silent for "
+                                             f"the heartbeat timeout ({ep.timeouts.heartbeat.timeout}s)")])
         for old in stale:
             self.retire(old, f"decode rank {rank} handshook again (as {peer})", forget=old != peer)
         try:

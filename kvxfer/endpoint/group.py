@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from ..errors import ConfigError
 from .base import KVPoll
 
 GROUP_HINT = ("pass the TP group's CPU process group, e.g. dist.new_group(tp_ranks, backend='gloo'), or a "
@@ -37,7 +38,7 @@ class LocalGroup:
 
     def __init__(self, n: int, timeout: float = 60.0):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"a LocalGroup needs n >= 1 members, got {n!r}")
+            raise ConfigError(f"a LocalGroup needs n >= 1 members, got {n!r}")
         self.n, self.timeout = n, timeout
         self._lock = threading.Lock()
         self._states: list[list[int]] = []
@@ -47,7 +48,7 @@ class LocalGroup:
     def reduce_all(self, per_rank: Sequence[Sequence[KVPoll | int]]) -> list[KVPoll]:
         """The MIN over ``n`` ranks' state lists, given all at once (one thread drives every rank)."""
         if len(per_rank) != self.n:
-            raise ValueError(f"LocalGroup of {self.n} ranks got the states of {len(per_rank)}")
+            raise ConfigError(f"LocalGroup of {self.n} ranks got the states of {len(per_rank)}")
         return _min_states([[int(s) for s in states] for states in per_rank])
 
     def reduce(self, states: Sequence[KVPoll | int]) -> list[KVPoll]:
@@ -61,7 +62,7 @@ class LocalGroup:
                                f"(a collective: every rank calls it once per step); the group is broken") from None
         result = self._result
         if isinstance(result, ValueError):
-            raise ValueError(str(result))
+            raise ConfigError(str(result))
         return list(result)
 
     def _combine(self) -> None:   # the barrier's action: runs once per round, every member waiting
@@ -76,7 +77,7 @@ class LocalGroup:
 def _min_states(per_rank: list[list[int]]) -> list[KVPoll]:
     lengths = {len(s) for s in per_rank}
     if len(lengths) > 1:
-        raise ValueError(f"reduce_poll: the ranks passed different numbers of states {sorted(lengths)}; every "
+        raise ConfigError(f"reduce_poll: the ranks passed different numbers of states {sorted(lengths)}; every "
                          f"rank must pass the same requests in the same order")
     return [KVPoll(min(col)) for col in zip(*per_rank)] if per_rank and per_rank[0] else []
 
@@ -86,15 +87,15 @@ def check_group(group) -> None:
     if isinstance(group, LocalGroup):
         return
     if group is None:
-        raise ValueError(f"reduce_poll needs an explicit group (None is the whole torch.distributed world, not the "
+        raise ConfigError(f"reduce_poll needs an explicit group (None is the whole torch.distributed world, not the "
                          f"TP group): {GROUP_HINT}")
     import torch.distributed as dist
     try:
         backend = str(dist.get_backend(group)).lower()
     except Exception as e:   # not a process group, or distributed not initialised
-        raise ValueError(f"reduce_poll: {group!r} is not a usable process group ({e}): {GROUP_HINT}") from None
+        raise ConfigError(f"reduce_poll: {group!r} is not a usable process group ({e}): {GROUP_HINT}") from None
     if "gloo" not in backend:
-        raise ValueError(f"reduce_poll: the group's backend is {backend!r}, which cannot all-reduce CPU tensors: "
+        raise ConfigError(f"reduce_poll: the group's backend is {backend!r}, which cannot all-reduce CPU tensors: "
                          f"{GROUP_HINT}")
 
 

@@ -34,9 +34,9 @@ from ..control.addresses import check_reachable
 from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient, Registration
 from ..control.compat import aux_format, aux_mismatch
-from ..control.messages import Abort, Ack, Done, Fin, Hello, Message, Nack, Req, Room, cut
+from ..control.messages import Abort, Ack, Bye, Done, Fin, Hello, Message, Nack, Req, Room, cut
 from ..control.wire import ChunkMeta
-from ..errors import LayoutError, PlanError, RequestError
+from ..errors import ConfigError, LayoutError, PlanError, RequestError
 from ..layout import STATE, SWA
 from ..metrics import record_request_end
 from ..plan import Planner
@@ -76,7 +76,7 @@ class PrefillEndpoint(SenderHost):
         them ``send(..., aux=...)`` takes the bytes (or an ``AuxRecord`` of ``aux_bytes``).
         ``clock``: seconds, for deadlines and leases (``time.monotonic``; tests pass a manual one)."""
         if spec.role != "prefill":
-            raise ValueError(f"PrefillEndpoint needs a prefill RankSpec, got role {spec.role!r}")
+            raise ConfigError(f"PrefillEndpoint needs a prefill RankSpec, got role {spec.role!r}")
         if on_request is not None and not callable(on_request):
             raise TypeError(f"on_request must be a callable (room, tokens), got {on_request!r}")
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
@@ -91,7 +91,6 @@ class PrefillEndpoint(SenderHost):
         self._busy: set[KVSender] = set()                     # senders with transfers in flight
         self._unready: set[KVSender] = set()                  # senders whose next chunk waits for its event
         self._held: set[KVSender] = set()                     # ended, KV not yet released
-        self._aborted: dict[Room, tuple[str, float]] = {}     # rooms decode aborted before the sender existed
         self._next_scan = 0.0
         self._registration: Registration | None = None
         try:
@@ -129,8 +128,6 @@ class PrefillEndpoint(SenderHost):
                 raise RequestError(f"room {room} already has a live sender ({old.state.name})")
             s = KVSender(self, room, on_release)
             self._senders[room] = s
-            if room in self._aborted:
-                self.end_request(s, Outcome.Aborted, self._aborted.pop(room)[0], later)
             for target, _ in self._pending.take(room).values():
                 self._bind(s, target, later)
             return s
@@ -152,26 +149,22 @@ class PrefillEndpoint(SenderHost):
                         self._settle(s, self.clock(), later)
                 case Abort():
                     self._on_abort(peer, msg, later)
+                case Bye():   # a closing decode endpoint: retired at once (outside the lock, below)
+                    later.append(lambda: self.links.retire(peer, f"decode rank {peer} closed (BYE)"))
 
     def _on_abort(self, peer: str, msg: Abort, later) -> None:
+        """A decode peer's ABORT ends only what that peer itself asked for: the sender its REQ of this
+        very request (room and generation) is bound to, or that REQ while it waits for its sender.
+        A third party's ABORT, one for another generation, or one for a room the peer never asked
+        for changes nothing (a sender nobody asked for yet ends at its bootstrap deadline)."""
         room, why = msg.room, f"decode rank {peer}: {msg.why[:512]}"
         s = self._grants.get((peer, f"{room}.{msg.gen}"))
-        if s is None:   # not bound: the REQ is queued, or never came (decode ended before init)
-            # Once a decode rank asked for the room, only a peer that asked for this very request
-            # (room and generation) may abort it: a third party's ABORT, or one for another
-            # generation, changes nothing. Before anyone asked, a decode peer of the sender's DP
-            # group may abort a sender the engine made (decode gave up before its init).
-            pending = self._pending.get(room)
-            queued = pending.get(peer)
-            s, dp = self._senders.get(room), self.links.peers.get(peer)
-            if queued is not None and queued[0].gen == msg.gen:
-                self._pending.drop(room, peer)
-            elif pending or s is None or dp is None or s.group not in (None, dp.group):
-                return
-            if s is None:   # the sender is not made yet: it fails as soon as it is
-                self._aborted[room] = (why, self.clock())
-                return
-        self.end_request(s, Outcome.Aborted, why, later)
+        if s is not None:
+            self.end_request(s, Outcome.Aborted, why, later)
+            return
+        queued = self._pending.get(room).get(peer)
+        if queued is not None and queued[0].gen == msg.gen:
+            self._pending.drop(room, peer)
 
     def retire_requests(self, peer: str, why: str, later) -> None:
         """``DecodeLinks``, under the lock: decode peer ``peer`` is gone; what it asked for ends."""
@@ -409,9 +402,6 @@ class PrefillEndpoint(SenderHost):
                                                       f"deadline", later)
             for s in list(self._held):
                 self._settle(s, now, later)
-            for room, (_, since) in list(self._aborted.items()):
-                if now - since > self.timeouts.bootstrap:
-                    del self._aborted[room]
             for room, peer, t in self._pending.expired(now, self.timeouts.bootstrap):
                 self.channel.send(peer, Nack(room=room, gen=t.gen,
                                              why=cut(f"no prefill request for room {room} on {self.spec.key}")))

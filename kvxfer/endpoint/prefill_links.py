@@ -24,7 +24,8 @@ from collections.abc import Sequence
 
 from ..control.client import BootstrapClient
 from ..control.compat import require_compatible
-from ..control.handshake import hello
+from ..control.handshake import Busy, hello
+from ..control.messages import Bye
 from ..control.records import RankInfo
 from ..errors import CompatibilityError, ConnectError
 from ..plan import Planner
@@ -37,6 +38,7 @@ log = logging.getLogger("kvxfer.request")
 MAX_INSTANCES = 1024     # setting: prefill instances one decode endpoint keeps
 HELLO_FANOUT = 16        # HELLOs one instance's handshake has in flight at once
 RETRY_FAILED = 1.0       # seconds before a request may try an instance whose handshake failed again
+BUSY_RETRY = 0.25        # seconds between HELLOs to a rank that refused for now
 
 
 class PrefillLinks:
@@ -154,11 +156,19 @@ class PrefillLinks:
         """HELLO every rank of ``records`` at once (at most ``HELLO_FANOUT`` in flight), then keep what
         each answered. The first refusal raises (CompatibilityError before ConnectError)."""
         def one(key: str) -> None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise ConnectError(f"connect timed out before the handshake with {key}")
             self.ep.channel.connect(key, records[key].control)
-            hello(self.ep.channel, key, me, min(self.ep.timeouts.handshake, left), self._tokens(records[key]))
+            while True:   # a rank busy for now (or still holding our earlier process) is asked again
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ConnectError(f"connect timed out before the handshake with {key}")
+                try:
+                    hello(self.ep.channel, key, me, min(self.ep.timeouts.handshake, left), self._tokens(records[key]))
+                    return
+                except Busy as e:
+                    if deadline - time.monotonic() < BUSY_RETRY:
+                        raise
+                    log.info("%s", e)
+                    time.sleep(BUSY_RETRY)
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(HELLO_FANOUT, max(len(records), 1)),
                                                    thread_name_prefix="kvxfer-decode-hello") as pool:
@@ -224,11 +234,13 @@ class PrefillLinks:
         """Recovery thread: it died of a bug; the endpoint breaks."""
         self.ep.break_endpoint(why)
 
-    def rejoin(self, key: str, info: RankInfo, *, replaced: bool) -> bool:
+    def rejoin(self, key: str, info: RankInfo, *, replaced: bool, read_at: float = float("inf")) -> bool:
         """Recovery thread, blocking (one HELLO, at most ``REJOIN_HELLO`` s): handshake again with
         prefill rank ``key`` at ``info.control``. ``replaced``: the registry holds a new record for
-        it (a restarted rank), so what ran with the old one fails now. True once it answered;
-        False (it stays lost, with the reason) otherwise. Never raises."""
+        it (a restarted rank), so what ran with the old one fails now. ``read_at``: when the
+        registry was read (``time.monotonic``); a failed handshake fails only the requests that
+        waited since before then (a later one gets a fresh read). True once it answered; False (it
+        stays lost, with the reason) otherwise. Never raises."""
         ep = self.ep
         with ep.guard() as later:
             old = self.known.get(key)
@@ -257,10 +269,19 @@ class PrefillLinks:
                 self.mark_lost(key, why, later)
             else:
                 self.lost[key] = why
-            ep.rank_rejoined(key, why, later)
+            ep.rank_rejoined(key, why, read_at, later)
+            if why:
+                self.poke(later)   # requests that came after the read wait for the next one
             if why:
                 log.info("prefill rank %s is lost: %s", key, why)
             return not why
+
+    def bye(self) -> None:
+        """Tell every prefill rank handshook with that this endpoint closes (before the channel does)."""
+        with self.ep.guard():
+            keys = list(self.known)
+        for key in keys:
+            self.ep.channel.send(key, Bye())
 
     def close(self) -> None:
         if self.recovery is not None:   # first: it uses the channel

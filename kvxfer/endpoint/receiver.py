@@ -6,6 +6,7 @@ endpoint (``kvxfer.endpoint.decode``) holds its lock around every call here.
 from __future__ import annotations
 
 import abc
+import time
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -41,8 +42,9 @@ class ReceiverHost(EndpointBase):
         """Prefill rank ``key`` is lost: its granted requests fail."""
 
     @abc.abstractmethod
-    def rank_rejoined(self, key: str, why: str, later: list) -> None:
-        """A new handshake with ``key`` answered (``why`` empty) or failed: waiting requests go on or fail."""
+    def rank_rejoined(self, key: str, why: str, read_at: float, later: list) -> None:
+        """A new handshake with ``key`` answered (``why`` empty) or failed: waiting requests go on, or
+        those that waited since before ``read_at`` (the registry read it followed) fail."""
 
 
 class Progress:
@@ -62,11 +64,13 @@ class Progress:
 
 class Pending:
     """``init``'s checked arguments, kept while the request waits for its prefill instance (its
-    first handshake, or a lost rank's new one) before anything is granted."""
-    __slots__ = ("kv", "prefix", "state", "aux_slot", "swa_slots")
+    first handshake, or a lost rank's new one) before anything is granted; ``since``: when it began
+    to wait (``time.monotonic``)."""
+    __slots__ = ("kv", "prefix", "state", "aux_slot", "swa_slots", "since")
 
     def __init__(self, kv: np.ndarray, prefix: int, state: np.ndarray, aux_slot: int | None, swa_slots):
         self.kv, self.prefix, self.state, self.aux_slot, self.swa_slots = kv, prefix, state, aux_slot, swa_slots
+        self.since = time.monotonic()
 
 
 class KVReceiver(RequestBase):

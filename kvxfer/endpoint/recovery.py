@@ -53,7 +53,7 @@ class RejoiningEndpoint(Protocol):
 
     def known_peers(self) -> dict[str, RankInfo]: ...
 
-    def rejoin(self, key: str, info: RankInfo, *, replaced: bool) -> bool: ...
+    def rejoin(self, key: str, info: RankInfo, *, replaced: bool, read_at: float) -> bool: ...
 
     def break_endpoint(self, why: str) -> None: ...
 
@@ -115,6 +115,7 @@ class PeerRecovery:
         return {r.spec.key: r for r in ranks if r.spec.role == "prefill"}
 
     def _pass(self) -> None:
+        read_at = time.monotonic()   # requests that wait for a rank since before this read are answered by it
         registry: dict[str, RankInfo] = {}
         for instance, client in self.ep.registries().items():
             if self._stop.is_set():
@@ -129,9 +130,9 @@ class PeerRecovery:
             replaced = new is not None and new.to_dict() != known.to_dict()
             if not replaced and key not in lost:
                 continue
-            if now < self._retry_at.get(key, 0.0):
+            if not replaced and now < self._retry_at.get(key, 0.0):   # a new registration is tried at once
                 continue
-            if self.ep.rejoin(key, new if new is not None else known, replaced=replaced):
+            if self.ep.rejoin(key, new if new is not None else known, replaced=replaced, read_at=read_at):
                 self._retry_at.pop(key, None)
             else:
                 self._retry_at[key] = time.monotonic() + self.retry

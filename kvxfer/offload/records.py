@@ -62,7 +62,7 @@ def record_spans(layout: Layout, tokens: Mapping[str, int]) -> list[tuple[int, i
     for p in layout.parts:
         ps = layout.space(p.space).page_size
         if p.token_stride != p.heads * p.head_bytes or p.page_stride != ps * p.token_stride:
-            raise ValueError(f"part {p.key} is not laid out layer-first (rows are not contiguous)")
+            raise StorageError(f"part {p.key} is not laid out layer-first (rows are not contiguous)")
         start = p.base + ps * p.token_stride
         out.append((p.region, start, start + int(tokens[p.space]) * p.token_stride))
     return out

@@ -1,0 +1,186 @@
+"""Hostile peers, round two, at a prefill rank's control channel (issue 34): a raw zmq DEALER that
+writes msgpack and HMAC by hand (``hostile_wire.CtlClient``, never kvxfer's encoders) against a real
+prefill and decode endpoint in this process (zmq data path).
+
+- identity before resources: a HELLO with a copy of a live decode rank's record is refused for
+  now, naming the live process; the copy gets no room, no data path, no peer entry;
+- refusals cost the attacker only: a REQ for a live room another decode group holds is answered
+  as for a room with no sender (no NACK naming the live generation: no oracle), and changes nothing;
+- REQs that wait for a sender are charged per peer;
+- a HELLO naming a dead data address does not hold up the control thread (honest requests go on);
+- a welcomed peer that then stays silent is retired: it holds no socket, no table entry.
+After each case: victim threads alive, an honest request byte-exact, the canary outside grants
+intact, fds and threads within bounds.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import hostile_wire as hw
+import numpy as np
+import pytest
+from hostile_victims import Pair, bounded, snapshot
+from waiting import until
+
+from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
+from kvxfer.endpoint import KVPoll
+from kvxfer.endpoint.peers import MAX_QUEUED
+
+pytestmark = pytest.mark.slow   # endpoints with heartbeats, waits of seconds
+
+
+@pytest.fixture(scope="module")
+def registry():
+    srv = BootstrapServer(BootstrapConfig(ttl=30.0)).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def pair(registry):
+    p = Pair(registry.url)
+    yield p
+    p.close()
+
+
+def after_attack(pair: Pair, before, attacker: hw.CtlClient | None = None) -> None:
+    if attacker is not None:
+        assert attacker.alive(), "the prefill control thread no longer answers"
+    assert pair.alive(), f"victim threads died: {pair.dead()}"
+    assert pair.honest(), "an honest request no longer completes"
+    assert pair.intact(), "decode's pool changed outside the honest grants"
+    grew = bounded(before)
+    assert not grew, grew
+
+
+def record(pair: Pair, instance: str | None = None) -> dict:
+    """The honest decode rank's record as a dict (a copy, or one renamed to another instance)."""
+    rec = copy.deepcopy(pair.d.ep.info.to_dict())
+    if instance is not None:
+        rec["instance"] = instance
+    return rec
+
+
+def hello(att: hw.CtlClient, rec: dict) -> dict | None:
+    i = next(hw._ids)
+    att.send({"t": "hello", "i": i, "info": rec, "nonce": os.urandom(16)})
+    end = time.monotonic() + 10
+    while (left := end - time.monotonic()) > 0:
+        m = att.recv(left)
+        if m is None or m.get("re") == i:
+            return m
+    return None
+
+
+def req(att: hw.CtlClient, room: int, gen: int, slots: np.ndarray) -> None:
+    att.send({"t": "req", "room": room, "gen": gen, "kv": slots.astype("<i8").tobytes(), "prefix": 0,
+              "state": b"", "aux": False, "dummy": False})
+
+
+def nacks(att: hw.CtlClient, wait: float) -> list[dict]:
+    out, end = [], time.monotonic() + wait
+    while (left := end - time.monotonic()) > 0:
+        m = att.recv(left)
+        if m is None:
+            break
+        if m.get("t") == "nack":
+            out.append(m)
+    return out
+
+
+def test_a_copy_of_a_live_decode_ranks_record_is_refused(pair):
+    before = snapshot()
+    att = hw.CtlClient(pair.p.ep.info.control)
+    try:
+        reply = hello(att, record(pair))                 # the live rank's own record, another process
+        assert reply is not None and reply["t"] == "refuse", reply
+        assert any("is live here as another process" in w for w in reply["why"]), reply
+        assert len(pair.p.ep.links.peers) == 1
+        r, d_slots = pair.receiver()                     # the honest rank asks for a room
+        req(att, r.room, r.gen + 1, np.arange(4, 12))    # the copy asks for it too: no handshake, nothing bound
+        assert pair.finish(r, d_slots), r.reason
+        after_attack(pair, before, att)
+    finally:
+        att.close()
+
+
+def test_a_req_for_a_live_room_is_answered_as_for_an_unknown_one(pair):
+    before = snapshot()
+    att = hw.CtlClient(pair.p.ep.info.control)
+    try:
+        reply = hello(att, record(pair, pair.name + "-phantom"))   # a rank of its own: welcomed
+        assert reply is not None and reply["t"] == "welcome", reply
+        r, d_slots = pair.receiver()
+        s, p_slots = pair.p.sender(r.room, len(d_slots))           # the honest room is live and bound
+        assert until(lambda: s.poll() == KVPoll.WaitingForInput, 5), s
+        for gen in range(16):                                      # claim it, then abort it
+            req(att, r.room, gen, np.arange(4, 12))
+            att.send({"t": "abort", "room": r.room, "gen": gen, "why": "not mine"})
+        req(att, 987654321, 1, np.arange(4, 12))                   # a room nobody asked for
+        assert nacks(att, 1.0) == [], "a live room is told apart from an unknown one"
+        s.send(p_slots, last=True)
+        assert r.wait(10) == KVPoll.Success and s.wait(10) == KVPoll.Success, (r.reason, s.reason)
+        pair.moves.append((p_slots, d_slots))
+        after_attack(pair, before, att)
+    finally:
+        att.close()
+
+
+def test_requests_waiting_for_a_sender_are_charged_per_peer(pair):
+    before = snapshot()
+    att = hw.CtlClient(pair.p.ep.info.control)
+    try:
+        reply = hello(att, record(pair, pair.name + "-hoarder"))
+        assert reply is not None and reply["t"] == "welcome", reply
+        slots = np.arange(4, 12)
+        for room in range(MAX_QUEUED + 50):
+            req(att, 10_000_000 + room, 1, slots)
+        refused = nacks(att, 3.0)
+        assert len(refused) >= 50 and all("wait for their sender" in m["why"] for m in refused), refused[:2]
+        assert len(pair.p.ep._pending) <= MAX_QUEUED
+        after_attack(pair, before, att)
+    finally:
+        att.close()
+
+
+def test_a_hello_naming_a_dead_data_address_does_not_stall_the_control_thread(pair):
+    before = snapshot()
+    att = hw.CtlClient(pair.p.ep.info.control)
+    try:
+        rec = record(pair, pair.name + "-deadaddr")
+        rec["data"]["zmq"] = {**rec["data"]["zmq"], "endpoint": "tcp://127.0.0.1:9", "id": "dead" * 8}
+        i = next(hw._ids)
+        att.send({"t": "hello", "i": i, "info": rec, "nonce": os.urandom(16)})   # answered in connect_timeout
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        assert pair.honest(), "an honest request did not complete while the HELLO waited for its data path"
+        assert time.monotonic() - t0 < 3.0, "the control thread waited for the HELLO's data path"
+        reply = att.recv(15)
+        assert reply is not None and reply["t"] == "refuse" and "data path unreachable" in reply["why"][0], reply
+        after_attack(pair, before, att)
+    finally:
+        att.close()
+
+
+def test_a_welcomed_peer_that_stays_silent_is_retired(pair):
+    before = snapshot()
+    atts = [hw.CtlClient(pair.p.ep.info.control) for _ in range(8)]
+    try:
+        for k, att in enumerate(atts):
+            reply = hello(att, record(pair, f"{pair.name}-silent{k}"))
+            assert reply is not None and reply["t"] == "welcome", reply
+        assert len(pair.p.ep.links.peers) == 1 + len(atts)
+        timeout = pair.p.ep.timeouts.heartbeat.timeout
+        assert until(lambda: len(pair.p.ep.links.peers) == 1, timeout + 5), \
+            f"{len(pair.p.ep.links.peers)} decode peers: silent ones are kept"
+        for att in atts:   # the attackers' own sockets are in this process too
+            att.close()
+        atts.clear()
+        probe = hw.CtlClient(pair.p.ep.info.control)   # a retired connection's nonce stays spent: a fresh one
+        atts.append(probe)
+        after_attack(pair, before, probe)
+    finally:
+        for att in atts:
+            att.close()
