@@ -236,3 +236,33 @@ def test_a_waker_writes_one_byte_per_wake_up():
         assert len(os.read(w.fd, 4096)) == 1, "after clear, the next wake writes again"
     finally:
         w.close()
+
+
+def test_a_wake_that_races_with_clear_is_never_lost(monkeypatch):
+    """zmq's loop looks at its commands only when the waker's fd is readable, so a ``wake`` that
+    races with ``clear`` must either leave its byte in the pipe or leave the waker ready to write
+    the next one. Here a caller wakes while ``clear`` drains the pipe. (Resetting the flag before
+    draining lost it: the drain ate the racing byte, the flag stayed set, and every later ``wake``
+    wrote nothing: the I/O thread never looked at its commands again.)"""
+    import os
+    import select
+    import types
+
+    import kvxfer.transport.kit.loop as loop_mod
+    w = PipeWaker()
+    raced: list = []
+
+    def read(fd, n):
+        if not raced:   # during this clear's drain, a caller on another thread wakes
+            raced.append(1)
+            w.wake()
+        return os.read(fd, n)
+    monkeypatch.setattr(loop_mod, "os", types.SimpleNamespace(read=read, write=os.write, close=os.close))
+    try:
+        w.wake()          # a command came; the I/O thread wakes and clears
+        w.clear()
+        assert raced
+        w.wake()          # the next command
+        assert select.select([w.fd], [], [], 0.5)[0], "a wake-up was lost: the I/O thread would never look again"
+    finally:
+        w.close()

@@ -151,7 +151,7 @@ class PipeWaker:
         self._signaled = False
 
     def wake(self) -> None:
-        if self._signaled:   # a byte is on its way; ``clear`` resets this before the thread looks
+        if self._signaled:   # a byte is on its way, or ``clear`` runs and the thread looks after it
             return
         self._signaled = True
         try:
@@ -160,12 +160,14 @@ class PipeWaker:
             pass
 
     def clear(self) -> None:
-        self._signaled = False
+        # Drain first, then let callers write again: the other order can eat the byte of a wake
+        # that saw the flag down, and leave the flag up with the pipe empty (no wake-up ever after).
         try:
             while os.read(self.fd, 4096):
                 pass
         except (BlockingIOError, OSError):
             pass
+        self._signaled = False
 
     def close(self) -> None:
         for fd in (self.fd, self._w):
