@@ -230,6 +230,26 @@ def test_message_size_is_capped_per_message_not_per_part():
             ctx.term()
 
 
+def test_the_largest_packed_message_fits_zmqs_part_limit():
+    """zmq drops a connection whose part exceeds MAXMSGSIZE, and the receiver sets it to the largest
+    part its options make: a packed frame is fuller than frame_bytes * frames_per_message when its
+    last run starts just below that (here 5 runs of 1.9 MiB with 2 MiB frames: a 9.5 MiB frame)."""
+    from xfer_peer import raw_plan
+
+    from kvxfer.transport.registry import get_transport
+    opts = dict(frame_bytes=2 << 20, frames_per_message=4, zero_copy_min=1 << 30, few_runs=0, connect_timeout=2.0)
+    with get_transport("zmq", **opts) as rx, get_transport("zmq", **opts) as tx:
+        n, k = 1900 << 10, 5
+        src = torch.randint(0, 256, (n * k,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+        dst = torch.full((n * k,), CANARY, dtype=torch.uint8)
+        tx.register([src]), rx.register([dst])
+        off = np.arange(k) * n
+        rx.expect("full", ByteRanges(np.zeros(k), off, np.full(k, n)))
+        assert tx.submit(tx.connect(rx.descriptor()), "full", raw_plan(np.zeros(k), off, np.zeros(k), off,
+                                                                        np.full(k, n)), timeout=10).wait(10)
+        assert torch.equal(dst, src)
+
+
 def test_bad_message_fails_the_transfer_and_later_frames_are_dropped(clean, dealer):
     """The good first message lands; the bad second one does not, nor does anything after it."""
     rx = clean

@@ -82,8 +82,7 @@ class ZMQOptions:
     max_message_bytes: int = 64 << 20
     """Largest message the receiver accepts, all parts together (a larger message fails its
     transfer). zmq's own limit (``ZMQ_MAXMSGSIZE``: a larger part makes zmq drop the connection) is
-    the largest part this transport's options make: frame_bytes * frames_per_message plus a header,
-    at most this."""
+    the largest part this transport's options make (``part_limit``), at most this."""
 
     max_incoming: int = 4096
     """Most incoming transfers open at once from senders that are not admitted (``admission``
@@ -154,9 +153,11 @@ class ZMQOptions:
 
     @property
     def part_limit(self) -> int:
-        """``ZMQ_MAXMSGSIZE`` of the data ROUTER: the largest part our options make (a packed frame,
-        or a header with its runs and notify)."""
-        return min(self.max_message_bytes, self.frame_bytes * self.frames_per_message + PART_ROOM)
+        """``ZMQ_MAXMSGSIZE`` of the data ROUTER: the largest part our options make. A packed frame
+        holds runs that start within frame_bytes * frames_per_message, the last one at most
+        frame_bytes long (a staging frame's size, frames_per_message + 1 frames); a header holds
+        fewer run bytes than that, plus its notify and ids."""
+        return min(self.max_message_bytes, self.frame_bytes * (self.frames_per_message + 1) + PART_ROOM)
 
 
 def _kind(name: str, value: Any, *types: type) -> None:
