@@ -34,7 +34,7 @@ from .sockets import Sockets
 log = logging.getLogger("kvxfer.transport.zmq")
 
 _COPY_BELOW = 256 << 10          # messages up to this size are copied into zmq (see _pump)
-RELEASE_SOON = 0.1               # seconds after a deferred release during which the loop looks every 1 ms
+RELEASE_SOON = 0.01              # seconds after a deferred release during which the loop looks every 1 ms
 
 
 class Outgoing:
