@@ -25,7 +25,7 @@ from kvxfer.plan import RunGroup, TransferPlan
 from kvxfer.transport.base import TransferStatus
 from kvxfer.transport.registry import get_transport
 
-SIZE = 64 << 20
+SIZE = 32 << 20   # the sender queues 8 messages of 4 MiB; the kernel holds a few MiB of them
 REUSED = 0xEE    # what the caller writes into its memory once the transport released it
 
 
