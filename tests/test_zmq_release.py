@@ -73,7 +73,26 @@ class EarlyAcker(threading.Thread):
         self.ctx.term()
 
 
+def honest_after(tx, src: torch.Tensor) -> None:
+    """The victim (the sender) afterwards: its I/O thread alive, and an honest receiver gets a
+    transfer from it byte-exact, with every byte around the grant still the canary."""
+    from kvxfer.grant import ByteRanges
+    assert tx.broken is None and tx.io.alive, f"the sender's I/O thread died: {tx.broken}"
+    n, canary = 1 << 20, 0xA5
+    with get_transport("zmq") as honest:
+        dst = torch.full((3 * n,), canary, dtype=torch.uint8)
+        honest.register([dst])
+        honest.expect("honest.1", ByteRanges(np.zeros(1), np.array([n]), np.array([n])))
+        z = np.zeros(1, np.int64)
+        plan = TransferPlan((RunGroup(z, z, z, np.array([n]), z, z, np.array([n]), False),))
+        assert tx.submit(tx.connect(honest.descriptor()), "honest.1", plan, timeout=10).wait(10)
+        assert torch.equal(dst[n: 2 * n], src[:n]), "the honest transfer is not byte-exact"
+        assert bool((dst[:n] == canary).all() and (dst[2 * n:] == canary).all()), "a byte outside the grant changed"
+
+
 def test_an_early_ack_does_not_release_a_source_zmq_still_reads():
+    import os
+    import threading
     rx = EarlyAcker()
     rx.start()
     tx = get_transport("zmq")
@@ -82,6 +101,7 @@ def test_an_early_ack_does_not_release_a_source_zmq_still_reads():
         original = src.clone()
         tx.register([src])
         peer = tx.connect({"endpoint": rx.endpoint})
+        fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
         z = np.zeros(1, np.int64)
         plan = TransferPlan((RunGroup(z, z, z, z, z, z, np.array([SIZE]), False),))
         h = tx.submit(peer, "early.1", plan, timeout=30)
@@ -105,6 +125,9 @@ def test_an_early_ack_does_not_release_a_source_zmq_still_reads():
         after = sum(int((torch.frombuffer(bytearray(b), dtype=torch.uint8) !=
                          original[off: off + len(b)]).sum()) for off, b in rx.runs)
         assert after == 0, f"{after} bytes the receiver got were read from the source after its release"
+        honest_after(tx, src)
+        grew = len(os.listdir("/proc/self/fd")) - fds, threading.active_count() - threads
+        assert grew[0] <= 8 and grew[1] <= 1, f"fds and threads grew by {grew} (bounds: 8 fds, 1 thread)"
     finally:
         rx.close()
         tx.close()
