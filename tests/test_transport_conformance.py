@@ -71,7 +71,7 @@ def canary_digest(nbytes: int) -> str:
 
 
 class Pair:
-    """A sender and a receiver of one transport, connected; the receiver starts all canary."""
+    """A sender and a receiver of one transport, connected with the receiver's token; the receiver all canary."""
 
     def __init__(self, name: str, sizes: list[int], tmp, sender_fill="seed", options=None):
         cls = InProcessPeer if name in IN_PROCESS else PeerProcess
@@ -83,13 +83,14 @@ class Pair:
             if cls is PeerProcess:   # start both before waiting: interpreter start-up dominates
                 for p, kw in zip((self.tx, self.rx), init):
                     p.send("init", **kw)
-                self.tx.reply(120, "init")
+                tx_desc = self.tx.reply(120, "init")["descriptor"]
                 desc = self.rx.reply(120, "init")["descriptor"]
             else:
-                self.tx.call("init", **init[0])
+                tx_desc = self.tx.call("init", **init[0])["descriptor"]
                 desc = self.rx.call("init", **init[1])["descriptor"]
             self.rx_descriptor = desc
-            self.peer = self.tx.call("connect", descriptor=desc)["peer"]
+            token = self.rx.call("admit", descriptor=tx_desc)["token"]
+            self.peer = self.tx.call("connect", descriptor=desc, token=token)["peer"]
         except BaseException:
             self.close()
             raise
@@ -159,10 +160,11 @@ def pair(request, tmp_path_factory):
                 ids=lambda p: f"{p[0]}-few_runs={p[1]}")
 def forced(request, tmp_path_factory):
     """A pair whose transports take one run path only: ``few_runs`` 0 (every plan and message
-    as arrays) or 2**20 (every one as Python ints), whatever its size."""
+    as arrays) or 2**20 (every one as Python ints), whatever its size; zmq's requires admission."""
     name, few = request.param
     _importable(name)
-    p = Pair(name, [SMALL] * 4, tmp_path_factory.mktemp(f"{name}-{few}"), options={"few_runs": few})
+    options = {"few_runs": few, **({"admission": "required"} if name == "zmq" else {})}
+    p = Pair(name, [SMALL] * 4, tmp_path_factory.mktemp(f"{name}-{few}"), options=options)
     yield p
     p.close()
 

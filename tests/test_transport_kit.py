@@ -1,5 +1,6 @@
 """The shared transport kit: run helpers against plain loops, bounds without overflow, staging
-reuse, the command queue's drain, the I/O thread's crash path, the fixed counter keys, and a
+reuse, the command queue's drain, command dispatch (a ``Call``'s future gets its result or error,
+on every transport), the waker, the I/O thread's crash path, the fixed counter keys, and a
 handle's completion: one winner whatever the threads."""
 from __future__ import annotations
 
@@ -18,12 +19,16 @@ from kvxfer.grant import GrantTable, Reason
 from kvxfer.transport.base import TransferHandle, TransferStatus
 from kvxfer.transport.kit import (
     Call,
+    Close,
     CommandQueue,
     Connect,
+    Crash,
     IOThread,
     PeerClock,
+    PipeWaker,
     StagingPool,
     Submit,
+    dispatch,
     merge_in_stream,
     runs_inside,
     runs_inside_few,
@@ -179,3 +184,85 @@ def test_rejection_counters_have_fixed_keys():
 @pytest.mark.parametrize("reason", list(Reason))
 def test_every_reason_counts_under_itself(reason):
     assert Reason.of(f"{reason.value}: details") is reason
+
+
+def test_dispatch_keeps_the_documented_command_semantics():
+    ran: list = []
+    good, bad, after = Future(), Future(), Future()
+    handle = TransferHandle("r", 0, 10)
+    late = TransferHandle("late", 0, 10)
+
+    def boom():
+        raise ValueError("a bug in a call")
+    cmds = [Submit("p", "r", "work", handle), Call(lambda x: x * 2, (21,), good), Call(boom, (), bad),
+            Call(boom), Connect("somewhere", Future()), Close(), Call(ran.append, (1,), after),
+            Submit("p", "late", None, late)]
+    go_on = dispatch(cmds, submit=lambda c: ran.append(c.request_id), close=lambda: ran.append("closed"))
+    assert go_on is False and ran == ["r", "closed"], ran
+    assert good.result(0) == 42 and isinstance(bad.exception(0), ValueError)
+    assert isinstance(cmds[4].future.exception(0), TransportError)        # no connect handler here
+    assert isinstance(after.exception(0), TransportError) and late.poll() == TransferStatus.FAILED
+    with pytest.raises(RuntimeError, match="injected"):
+        dispatch([Crash(RuntimeError("injected"))], submit=ran.append, close=ran.clear)
+
+
+@pytest.mark.parametrize("name", ["zmq", "ucx"])
+def test_a_call_that_raises_never_ends_a_transports_io_thread(name):
+    """Before: zmq ran ``cmd.fn(*cmd.args)`` unguarded, so a raising ``Call`` killed its I/O thread."""
+    from kvxfer.transport.registry import get_transport
+    if name == "ucx":
+        pytest.importorskip("ucxx")
+    t = get_transport(name)
+    try:
+        fut: Future = Future()
+        t.commands.put(Call(lambda: 1 / 0, (), fut))
+        assert isinstance(fut.exception(10), ZeroDivisionError)
+        again: Future = Future()
+        t.commands.put(Call(lambda: "alive", (), again))
+        assert again.result(10) == "alive" and t.broken is None
+    finally:
+        t.close()
+
+
+def test_a_waker_writes_one_byte_per_wake_up():
+    import os
+    w = PipeWaker()
+    try:
+        for _ in range(1000):
+            w.wake()
+        assert len(os.read(w.fd, 4096)) == 1
+        w.clear()
+        w.wake()
+        assert len(os.read(w.fd, 4096)) == 1, "after clear, the next wake writes again"
+    finally:
+        w.close()
+
+
+def test_a_wake_that_races_with_clear_is_never_lost(monkeypatch):
+    """zmq's loop looks at its commands only when the waker's fd is readable, so a ``wake`` that
+    races with ``clear`` must either leave its byte in the pipe or leave the waker ready to write
+    the next one. Here a caller wakes while ``clear`` drains the pipe. (Resetting the flag before
+    draining lost it: the drain ate the racing byte, the flag stayed set, and every later ``wake``
+    wrote nothing: the I/O thread never looked at its commands again.)"""
+    import os
+    import select
+    import types
+
+    import kvxfer.transport.kit.loop as loop_mod
+    w = PipeWaker()
+    raced: list = []
+
+    def read(fd, n):
+        if not raced:   # during this clear's drain, a caller on another thread wakes
+            raced.append(1)
+            w.wake()
+        return os.read(fd, n)
+    monkeypatch.setattr(loop_mod, "os", types.SimpleNamespace(read=read, write=os.write, close=os.close))
+    try:
+        w.wake()          # a command came; the I/O thread wakes and clears
+        w.clear()
+        assert raced
+        w.wake()          # the next command
+        assert select.select([w.fd], [], [], 0.5)[0], "a wake-up was lost: the I/O thread would never look again"
+    finally:
+        w.close()

@@ -38,8 +38,8 @@ xids = itertools.count(10**12)   # far from the small ids the fuzz likes: a fail
 def rx():
     from kvxfer.transport.registry import get_transport
     t = get_transport("zmq")
-    t.regions = [torch.full((REGION,), CANARY, dtype=torch.uint8) for _ in range(2)]
-    t.register(t.regions)
+    t.memory = [torch.full((REGION,), CANARY, dtype=torch.uint8) for _ in range(2)]
+    t.register(t.memory)
     t.expect(GRANTED, ByteRanges(*GRANT))
     yield t
     t.close()
@@ -59,7 +59,7 @@ def dealer(rx):
 @pytest.fixture
 def clean(rx):
     """Regions back to canary and the counters read, before a test."""
-    for r in rx.regions:
+    for r in rx.memory:
         r.fill_(CANARY)
     rx.arrivals()
     return rx
@@ -96,7 +96,7 @@ def exchange(dealer, parts: list[bytes]) -> list[dict]:
 
 
 def unchanged(rx) -> bool:
-    return all(bool((r == CANARY).all()) for r in rx.regions)
+    return all(bool((r == CANARY).all()) for r in rx.memory)
 
 
 def good_transfer(rx, dealer) -> None:
@@ -108,9 +108,9 @@ def good_transfer(rx, dealer) -> None:
                                 data[200:].tobytes()])
     while not any(h["t"] == "a" and x in h["x"] for h in replies):   # acks are batched
         replies = exchange(dealer, [msgpack.packb({"t": "p"})])
-    assert bytes(rx.regions[0][10:210].numpy()) == data[:200].tobytes()
-    assert bytes(rx.regions[1][150:200].numpy()) == data[200:250].tobytes()
-    assert bytes(rx.regions[0][3000:3050].numpy()) == data[250:].tobytes()
+    assert bytes(rx.memory[0][10:210].numpy()) == data[:200].tobytes()
+    assert bytes(rx.memory[1][150:200].numpy()) == data[200:250].tobytes()
+    assert bytes(rx.memory[0][3000:3050].numpy()) == data[250:].tobytes()
     assert any(a.request_id == GRANTED and a.ok and a.nbytes == 300 for a in rx.arrivals(timeout=1.0))
 
 
@@ -230,6 +230,26 @@ def test_message_size_is_capped_per_message_not_per_part():
             ctx.term()
 
 
+def test_the_largest_packed_message_fits_zmqs_part_limit():
+    """zmq drops a connection whose part exceeds MAXMSGSIZE, and the receiver sets it to the largest
+    part its options make: a packed frame is fuller than frame_bytes * frames_per_message when its
+    last run starts just below that (here 5 runs of 1.9 MiB with 2 MiB frames: a 9.5 MiB frame)."""
+    from xfer_peer import raw_plan
+
+    from kvxfer.transport.registry import get_transport
+    opts = dict(frame_bytes=2 << 20, frames_per_message=4, zero_copy_min=1 << 30, few_runs=0, connect_timeout=2.0)
+    with get_transport("zmq", **opts) as rx, get_transport("zmq", **opts) as tx:
+        n, k = 1900 << 10, 5
+        src = torch.randint(0, 256, (n * k,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+        dst = torch.full((n * k,), CANARY, dtype=torch.uint8)
+        tx.register([src]), rx.register([dst])
+        off = np.arange(k) * n
+        rx.expect("full", ByteRanges(np.zeros(k), off, np.full(k, n)))
+        assert tx.submit(tx.connect(rx.descriptor()), "full", raw_plan(np.zeros(k), off, np.zeros(k), off,
+                                                                        np.full(k, n)), timeout=10).wait(10)
+        assert torch.equal(dst, src)
+
+
 def test_bad_message_fails_the_transfer_and_later_frames_are_dropped(clean, dealer):
     """The good first message lands; the bad second one does not, nor does anything after it."""
     rx = clean
@@ -240,8 +260,8 @@ def test_bad_message_fails_the_transfer_and_later_frames_are_dropped(clean, deal
     before = sum(rx.rejected.values())
     assert exchange(dealer, [header(x=x, run_bytes=runs((0, 200, 100)), end=(3, 300)), bytes([7]) * 100]) == []
     assert sum(rx.rejected.values()) == before       # dropped quietly: the transfer already failed
-    assert bytes(rx.regions[0][:100].numpy()) == bytes(range(100))
-    assert bool((rx.regions[0][100:] == CANARY).all()) and bool((rx.regions[1] == CANARY).all())
+    assert bytes(rx.memory[0][:100].numpy()) == bytes(range(100))
+    assert bool((rx.memory[0][100:] == CANARY).all()) and bool((rx.memory[1] == CANARY).all())
     arr = rx.arrivals(timeout=1.0)
     assert len(arr) == 1 and not arr[0].ok and arr[0].reason.startswith("outside grant")
 
@@ -276,7 +296,7 @@ def test_real_sender_still_served(clean):
         plan = TransferPlan((RunGroup(z, z, z + 1, z, np.array([0, 5000]), np.array([10, 20000]),
                                       np.array([3000, 40000]), False),))
         assert tx.submit(peer, "real", plan, timeout=10).wait(), "transfer failed"
-    assert torch.equal(rx.regions[1][10:3010], src[:3000]) and torch.equal(rx.regions[1][20000:60000],
+    assert torch.equal(rx.memory[1][10:3010], src[:3000]) and torch.equal(rx.memory[1][20000:60000],
                                                                           src[5000:45000])
     assert rx.forget("real")
 
@@ -302,10 +322,10 @@ messages = st.tuples(st.one_of(fields.map(msgpack.packb), st.binary(max_size=80)
 @given(msg=messages)
 def test_fuzz_never_writes_outside_the_grant(rx, dealer, msg):
     head, payload = msg
-    for r in rx.regions:
+    for r in rx.memory:
         r.fill_(CANARY)
     exchange(dealer, [head, *payload])
-    r0, r1 = rx.regions[0].numpy(), rx.regions[1].numpy()
+    r0, r1 = rx.memory[0].numpy(), rx.memory[1].numpy()
     assert (r0[4096:] == CANARY).all() and (r1[:100] == CANARY).all() and (r1[200:] == CANARY).all()
     known = {"malformed header", "malformed message", "length mismatch", "unknown request", "ended request",
              "unknown region", "outside grant", "outside region", "too many transfers"}
@@ -327,7 +347,7 @@ edge_runs = st.lists(st.one_of(
 def test_fuzz_runs_at_the_grant_edges(rx, dealer, triples, split, data):
     """Well-formed messages with runs around the grant's edges: all inside lands exactly;
     any run outside refuses the whole message (nothing written, a nack)."""
-    for r in rx.regions:
+    for r in rx.memory:
         r.fill_(CANARY)
     region, offset, nbytes = (np.array(c, np.int64) for c in zip(*triples))
     # Runs must not overlap each other, or the expected image would depend on write order.
@@ -345,7 +365,7 @@ def test_fuzz_runs_at_the_grant_edges(rx, dealer, triples, split, data):
         assert not any(h["t"] == "n" for h in replies), replies
         pos = 0
         for r, o, n in triples:
-            assert bytes(rx.regions[r][o: o + n].numpy()) == payload[pos: pos + n]
+            assert bytes(rx.memory[r][o: o + n].numpy()) == payload[pos: pos + n]
             pos += n
     else:
         assert [h["t"] for h in replies] == ["n"] and replies[0]["why"].startswith("refused"), replies

@@ -23,7 +23,7 @@ def _on_io(t, fn):
 
 
 def _flags(t, sock) -> int:
-    return dict(t._poller.sockets).get(sock, 0)
+    return dict(t.sockets.poller.sockets).get(sock, 0)
 
 
 def test_waiting_for_a_staging_frame_never_polls_for_writable():
@@ -41,13 +41,13 @@ def test_waiting_for_a_staging_frame_never_polls_for_writable():
         do = np.arange(k) * 8192
         plan = raw_plan(np.zeros(k), rng.integers(0, size - run, k), np.zeros(k), do, np.full(k, run))
         rx.expect("r", ByteRanges(np.zeros(k), do, np.full(k, run)))
-        tx._staging.available = lambda: False              # the ring is exhausted (zmq holds every frame)
+        tx.staging_pool.available = lambda: False              # the ring is exhausted (zmq holds every frame)
         handle = tx.submit(peer, "r", plan, timeout=30)
-        sock = tx._peers[peer].sock
+        sock = tx.sender.peers[peer].sock
         flags = _on_io(tx, lambda: _flags(tx, sock))        # after the submit's first pump
-        assert tx._peers[peer].sending, "the transfer should be waiting for a frame"
+        assert tx.sender.peers[peer].sending, "the transfer should be waiting for a frame"
         assert not flags & zmq.POLLOUT, "polling a writable socket while starved spins the loop"
-        del tx._staging.available                          # frames free again: the loop's tick resumes
+        del tx.staging_pool.available                          # frames free again: the loop's tick resumes
         handle.result(30)
         want = torch.zeros(size, dtype=torch.uint8)
         execute_plan(plan, [src], [want])

@@ -9,7 +9,8 @@ Commands (``{"op": ..., **arguments}``; a failing command replies ``{"error": ".
 
     init     transport, options, sizes, fill ("seed" | "canary" | byte value), seed -> descriptor, pid
     fill     regions, fill, seed              reset region contents
-    connect  descriptor -> peer
+    admit    descriptor -> token             token: base64 of ``Transport.admit``'s bytes
+    connect  descriptor, token -> peer       token: base64 (what the receiver's admit gave)
     expect   request_id, ranges               ranges: encoded (region, start, nbytes) arrays
     forget   request_id -> live, grants_live  grants_live: GrantTable.live() when the transport has one
     submit   peer, request_id, plan, timeout, notify     returns at once; the handle is kept
@@ -156,8 +157,11 @@ class Peer:
         for i in regions:
             self._fill(i, fill, seed)
 
-    def op_connect(self, descriptor: dict):
-        return {"peer": self.t.connect(descriptor)}
+    def op_admit(self, descriptor: dict):
+        return {"token": base64.b64encode(self.t.admit(descriptor)).decode()}
+
+    def op_connect(self, descriptor: dict, token: str = ""):
+        return {"peer": self.t.connect(descriptor, base64.b64decode(token))}
 
     def op_expect(self, request_id: str, ranges: dict, capability: str = ""):
         from kvxfer.grant import ByteRanges

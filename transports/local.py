@@ -3,6 +3,10 @@
 Writes go through the receiver's ``GrantTable`` exactly as on a wire transport, so
 tests that need no network still exercise the grant checks. The grant check and the copy
 hold the receiver's write lock, as ``forget`` does: no byte lands after ``forget`` returns.
+
+Admission (``LocalTransport(admission="required")``): as on a network transport, a receiver takes
+writes only from senders its ``admit`` let in, connected with their current token; a sender
+re-admitted since it connected is refused ("unknown peer").
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from kvxfer.copy import byte_view, copy_runs
 from kvxfer.errors import ConnectError
 from kvxfer.grant import GrantTable
 from kvxfer.plan import TransferPlan
+from kvxfer.transport.admission import Admissions
 from kvxfer.transport.base import (
     DEFAULT_TIMEOUT,
     Arrival,
@@ -33,14 +38,17 @@ _LIVE_LOCK = threading.Lock()
 class LocalTransport(Transport):
     name = "local"
 
-    def __init__(self, **_options):
+    def __init__(self, *, admission: str = "open", **_options):
+        if admission not in ("open", "required"):
+            raise ValueError(f"admission {admission!r} must be 'open' or 'required'")
+        self.admissions = Admissions(admission == "required")
         self.id = uuid.uuid4().hex
         self.regions: list[torch.Tensor] = []
         self.grants = GrantTable()
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._write_lock = threading.Lock()   # check + copy vs forget: none lands after forget
         self._closed = False
-        self._peers: set[str] = set()         # connected peers (``disconnect`` removes one)
+        self._peers: dict[str, str | None] = {}   # connected peer -> its admission of us (None: open)
         self._peers_lock = threading.Lock()
         with _LIVE_LOCK:
             _LIVE[self.id] = self
@@ -54,26 +62,39 @@ class LocalTransport(Transport):
     def descriptor(self) -> dict:
         return {"transport": self.name, "id": self.id, "region_sizes": self.grants.region_sizes}
 
+    def admit(self, descriptor: dict) -> bytes:
+        try:
+            return self.admissions.admit(descriptor.get("id"))
+        except (ValueError, AttributeError) as e:
+            raise ConnectError(f"cannot admit {descriptor!r:.200}: {e}") from None
+
     def connect(self, descriptor: dict, token: bytes = b"") -> str:
         peer_id = descriptor.get("id")
         with _LIVE_LOCK:
-            if peer_id not in _LIVE:
-                raise ConnectError(f"local peer {peer_id!r} does not exist in this process")
+            dst = _LIVE.get(peer_id)
+        if dst is None:
+            raise ConnectError(f"local peer {peer_id!r} does not exist in this process")
+        key = None
+        if dst.admissions.required:
+            key = dst.admissions.check(self.id, bytes(token))
+            if key is None:
+                raise ConnectError(f"local peer {peer_id} refused our admission token (it did not admit us, "
+                                   f"or admitted us again since)")
         with self._peers_lock:
-            self._peers.add(peer_id)
+            self._peers[peer_id] = key
         return peer_id
 
     def disconnect(self, peer: str) -> None:
         """Forget ``peer``: later submits to it fail. A local copy runs inside ``submit``, so no
         transfer is ever open here and no source is held. Idempotent; unknown peers: no-op."""
         with self._peers_lock:
-            self._peers.discard(peer)
+            self._peers.pop(peer, None)
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
         handle = TransferHandle(request_id, plan.nbytes, timeout)
         with self._peers_lock:
-            known = peer in self._peers
+            known, key = peer in self._peers, self._peers.get(peer)
         if not known:
             handle.finish(peer_failed(request_id, f"unknown peer {peer!r} (disconnected, or never connected)"))
             return handle
@@ -81,6 +102,10 @@ class LocalTransport(Transport):
             dst = _LIVE.get(peer)
         if dst is None or dst._closed:
             handle.finish(peer_failed(request_id, f"local peer {peer} is closed"))
+            return handle
+        if dst.admissions.required and not dst.admissions.current(key):
+            dst.grants.reject(request_id, "unknown peer: a sender whose admission was replaced or dropped")
+            handle.finish(peer_failed(request_id, f"local peer {peer} no longer admits us"))
             return handle
         dst._receive(request_id, plan, self.regions, notify, handle, bytes(capability))
         return handle

@@ -38,10 +38,12 @@ import zmq
 
 from ..errors import ConnectError
 from ..ranks import check_address, split_address
+from ..transport.kit import IOThread, PipeWaker
 from .addresses import advertise_address
 from .messages import Drop, Hello, Message, Ping, Pong, Refuse, WireError, call_id, outgoing
 from .peers import ChannelLimits, ReplayGuard
 from .wire import MAX_IDENTITY, MAX_MESSAGE, Head, open_frames, seal
+from .zmtp import ChannelGuard
 
 log = logging.getLogger("kvxfer.control")
 
@@ -69,21 +71,29 @@ class ControlChannel:
     the name they ``connect``ed the peer under (a rank's key), which the ROUTER knows as its
     ``identity`` (or its addresses), so a message captured on its way to one rank cannot be
     replayed at another, whatever proxy or NAT sits between. The endpoints turn it on; DEALERs
-    always check that replies are signed for their own identity."""
+    always check that replies are signed for their own identity.
+
+    ``zmtp_auth`` (with a ``secret``): authenticate every connection at the ZMTP handshake (CURVE,
+    keys derived from the secret, ``kvxfer.control.zmtp``), so nothing a peer without the secret
+    sends is buffered (beyond one frame per connection during its handshake). Every channel of a
+    deployment must agree: a channel with it and one without cannot connect. Without a secret it
+    does nothing: such a ROUTER takes anyone, and libzmq buffers a multipart message whole before
+    the channel sees it, without a bound on its parts."""
 
     def __init__(self, handler, *, secret: bytes | None, heartbeat: Heartbeat, bind: str | None = None,
                  identity: str = "", name: str = "ctl", advertise: str | None = None,
                  on_dead: Callable[[BaseException], None] | None = None, limits: ChannelLimits = ChannelLimits(),
-                 check_recipient: bool = False):
+                 check_recipient: bool = False, zmtp_auth: bool = False):
         self.handler, self.secret, self.heartbeat, self.limits = handler, secret, heartbeat, limits
         self.identity = identity
         self._me = identity or f"anon-{os.urandom(8).hex()}"    # what our DEALERs sign as sender
         if len(self._me.encode()) > MAX_IDENTITY:
             raise ValueError(f"identity of {len(self._me.encode())} bytes: at most {MAX_IDENTITY}")
         self.on_dead, self.check_recipient = on_dead, check_recipient
-        self.broken: BaseException | None = None
         self.dropped: collections.Counter[Drop] = collections.Counter()
         self._ctx = zmq.Context(io_threads=1)
+        self._poller = zmq.Poller()
+        self._guard = ChannelGuard(self._ctx, self._poller, secret, zmtp_auth, MAX_MESSAGE + 64)
         self._router: zmq.Socket | None = None
         self._dealers: dict[str, zmq.Socket] = {}
         self._dealer_at: dict[str, str] = {}      # peer -> address connected
@@ -97,26 +107,13 @@ class ControlChannel:
         self._calls: dict[int, tuple[str, Future]] = {}
         self._ids = itertools.count(1)
         self._logged: dict[Drop, float] = {}
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._poller = zmq.Poller()
-        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._waker = PipeWaker()
+        self._poller.register(self._waker.fd, zmq.POLLIN)
         self.address = ""
         self.bound = ""
         self._names: set[str] = set()
         if bind is not None:
-            self._router = self._socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)   # unknown peer: an error, not a silent drop
-            # A peer that reconnects (a new DEALER under its identity, after forget or a partition)
-            # takes its identity over at once instead of being refused until the old pipe dies.
-            # Taking another's identity gains nothing: every message is checked against the signed
-            # sender, so without the secret a thief only cuts that peer off until it reconnects.
-            self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-            # ZMTP heartbeats close connections whose peer vanished, so their fds are freed
-            self._router.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat.interval * 1000))
-            self._router.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat.timeout * 1000))
-            self._router.setsockopt(zmq.HANDSHAKE_IVL, int(max(heartbeat.timeout, 10.0) * 1000))
+            self._router = self._guard.router(heartbeat.interval, heartbeat.timeout)
             try:
                 split_address(bind)
                 self._router.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
@@ -124,24 +121,26 @@ class ControlChannel:
                 self.address = advertise_address(self.bound, advertise, setting="advertise (the control address)")
             except (zmq.ZMQError, ValueError) as e:
                 self._ctx.destroy(linger=0)
+                self._waker.close()
                 raise ConnectError(f"control channel cannot bind {bind}: {e}") from None
             self._names = {self.address, self.bound, bind} | ({identity} if identity else set())
             self._poller.register(self._router, zmq.POLLIN)
-        self._closed = self._signaled = False
-        self._thread = threading.Thread(target=self._run, name=f"kvxfer-{name}", daemon=True)
-        self._thread.start()
+            self._guard.bound(self._router)
+        self._closed = False
+        # the kit's thread: a bug that escapes the loop is logged and kept (``broken``), then
+        # ``_finish`` closes the sockets and tells the owner
+        self.io = IOThread(f"kvxfer-{name}", self._run, on_crash=lambda why: None, on_exit=self._finish)
+        self.io.start()
 
-    def _socket(self, kind: int) -> zmq.Socket:
-        s = self._ctx.socket(kind)
-        s.linger = 0
-        s.sndhwm = s.rcvhwm = 1 << 17   # 1,000s of requests in flight, each a few messages
-        s.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE + 64)
-        return s
+    @property
+    def broken(self) -> BaseException | None:
+        """The exception the channel thread died of (a bug), or None."""
+        return self.io.error
 
     @property
     def alive(self) -> bool:
         """False once the channel thread ended (closed, or died of a bug: see ``broken``)."""
-        return self.broken is None and not self._closed and self._thread.is_alive()
+        return self.broken is None and not self._closed and self.io.alive
 
     @property
     def peers(self) -> int:
@@ -150,15 +149,8 @@ class ControlChannel:
 
     # -- any thread -----------------------------------------------------------------------
     def _wake(self) -> None:
-        # One byte per wake-up, not per message: each write hands the GIL to the channel thread,
-        # so a burst of sends costs one hand-over. The channel thread needs no wake from itself.
-        if self._signaled or threading.current_thread() is self._thread:
-            return
-        self._signaled = True
-        try:
-            os.write(self._wake_w, b"\0")
-        except (BlockingIOError, OSError):   # pipe full: the thread is awake anyway (or closed)
-            pass
+        if threading.current_thread() is not self.io.thread:   # the channel thread needs no wake from itself
+            self._waker.wake()
 
     def connect(self, peer: str, address: str) -> None:
         """Decode side: open a DEALER to a prefill rank's control address (idempotent for the same
@@ -212,47 +204,42 @@ class ControlChannel:
             return
         self._closed = True
         self._wake()
-        if threading.current_thread() is not self._thread:   # close() from on_dead runs on the thread
-            self._thread.join(5)
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self.io.join(5)   # not when close() runs on the thread (from on_dead)
+        self._waker.close()
 
     # -- channel thread -------------------------------------------------------------------
     def _run(self) -> None:
         next_ping, wait = 0.0, 0.0
+        while not self._closed:
+            events = dict(self._poller.poll(max(0, int(wait * 1000))))
+            self._waker.clear()    # before the outbox is flushed: a later send wakes us again
+            self._flush()
+            for sock in [s for s in events if isinstance(s, zmq.Socket)]:   # fds are ints: == not is
+                guarded, failed = self._guard.handle(sock)
+                if failed is not None:
+                    self._handshake_failed(failed)
+                elif not guarded and not sock.closed:   # _flush may have forgotten its peer (closed it)
+                    self._receive(sock)
+            now = time.monotonic()
+            if now >= next_ping:
+                self._heartbeat(now)
+                self._guard.tick(now)
+                next_ping = now + self.heartbeat.interval / 2
+            wait = min(max(self.handler.on_tick(now), 0.0), next_ping - now)
+
+    def _finish(self) -> None:
+        """After the loop (``IOThread.on_exit``), closed or dead: sockets, then the owner is told."""
         try:
-            while not self._closed:
-                events = dict(self._poller.poll(max(0, int(wait * 1000))))
-                self._signaled = False    # before the outbox is flushed: a later send wakes us again
-                if self._wake_r in events:
-                    try:
-                        while os.read(self._wake_r, 4096):
-                            pass
-                    except BlockingIOError:
-                        pass
-                self._flush()
-                for sock in [s for s in events if isinstance(s, zmq.Socket)]:   # fds are ints: == not is
-                    if not sock.closed:      # _flush may have forgotten its peer (closed it) this turn
-                        self._receive(sock)
-                now = time.monotonic()
-                if now >= next_ping:
-                    self._heartbeat(now)
-                    next_ping = now + self.heartbeat.interval / 2
-                wait = min(max(self.handler.on_tick(now), 0.0), next_ping - now)
-        except BaseException as e:
-            self.broken = e
-            log.exception("control channel thread died; its owner is told (on_dead)")
-        finally:
-            try:
-                self._flush()    # what close() left behind (e.g. the aborts of a closing endpoint)
-            except Exception:
-                pass
-            for s in [self._router, *self._dealers.values()]:
-                if s is not None:
-                    s.close(linger=0)
-            self._ctx.term()
-            if self.broken is not None:
-                self._died(self.broken)
+            self._flush()    # what close() left behind (e.g. the aborts of a closing endpoint)
+        except Exception:
+            pass
+        self._guard.close(self._router)
+        for s in [self._router, *self._dealers.values()]:
+            if s is not None:
+                s.close(linger=0)
+        self._ctx.term()
+        if self.broken is not None:
+            self._died(self.broken)
 
     def _died(self, exc: BaseException) -> None:
         for _, fut in list(self._calls.values()):
@@ -291,7 +278,7 @@ class ControlChannel:
                 self._send_now(peer, arg)
 
     def _open_dealer(self, peer: str, address: str) -> None:
-        s = self._socket(zmq.DEALER)
+        s = self._guard.dealer()
         try:
             s.setsockopt(zmq.IDENTITY, self._me.encode())
             s.connect(address)
@@ -304,9 +291,22 @@ class ControlChannel:
         self._dealers[peer], self._dealer_at[peer] = s, address
         self._by_sock[s] = peer
         self._poller.register(s, zmq.POLLIN)
+        self._guard.connected(peer, s)
+
+    def _handshake_failed(self, peer: str) -> None:
+        """Our DEALER's ZMTP handshake with ``peer`` failed (zmtp_auth): its pending calls fail at
+        once, naming the likely cause, instead of timing out."""
+        why = (f"the ZMTP handshake with {self._dealer_at.get(peer, '?')} failed: with zmtp_auth both sides "
+               f"need the same secret and zmtp_auth on")
+        self._bad_address[peer] = why
+        self._count(Drop.AUTH, peer, why)
+        for p, fut in list(self._calls.values()):
+            if p == peer and not fut.done():
+                fut.set_exception(ConnectError(f"control channel to {peer}: {why}"))
 
     def _drop_peer(self, peer: str) -> None:
         s = self._dealers.pop(peer, None)
+        self._guard.forget(peer)
         if s is not None:
             self._poller.unregister(s)
             self._by_sock.pop(s, None)

@@ -9,8 +9,19 @@ Both sides, once at start-up (may block briefly):
     ``register(regions)``   the pool's byte regions, in layout order (ids = positions).
     ``descriptor()``        plain data (msgpack/JSON-safe) the peer needs to reach us;
                             the control plane carries it in the handshake.
+Decode (receiver), once per prefill rank, before its control-plane HELLO to that rank:
+    ``admit(descriptor) -> token``   that rank's ``descriptor()`` (from its registry record): the
+                            peer with that descriptor's "id" may open a data path here. The token
+                            (bytes, at most 64) goes to that rank inside decode's signed HELLO.
+                            Called again for the same id: a fresh token, and the old one stops
+                            working. b"": this transport binds nothing (the default; a receiver
+                            that does not require admission).
 Prefill (sender), once per decode peer at handshake:
-    ``connect(descriptor) -> peer``
+    ``connect(descriptor, token=b"") -> peer``   ``token``: the one the decode rank's HELLO carried;
+                            the transport presents it on its data path. A receiver that requires
+                            admission takes data messages (and makes per-peer state) only from
+                            admitted senders presenting their current token (zmq: checked at the
+                            ZMTP handshake, so nothing from anyone else is buffered).
 Prefill, when a decode peer re-handshaked with a new epoch, or was lost:
     ``disconnect(peer)``    fails its transfers and frees what ``connect`` made for it.
 Prefill, per chunk of a request (never blocks on the network):

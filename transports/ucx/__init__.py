@@ -98,7 +98,7 @@ from kvxfer.errors import ConnectError, PeerError, PlanError, TransportError
 from kvxfer.grant import GrantTable
 from kvxfer.plan import FEW_RUNS, TransferPlan
 from kvxfer.transport.base import DEFAULT_TIMEOUT, Arrival, TransferHandle, Transport
-from kvxfer.transport.kit import Call, Close, CommandQueue, Crash, IOThread, StagingPool, Submit, fail_command
+from kvxfer.transport.kit import Call, Close, CommandQueue, IOThread, StagingPool, Submit, dispatch, fail_command
 
 from . import bindings as ucp
 from .bindings import frame_iovs
@@ -466,26 +466,9 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
             fn()
 
     def _run_commands(self) -> None:
-        for cmd in self.commands.take():
-            self._acts += 1
-            if isinstance(cmd, Submit):
-                self._start_out(cmd.work)
-            elif isinstance(cmd, Close):
-                self._shutdown("transport closed")
-                return
-            elif isinstance(cmd, Crash):
-                raise cmd.error
-            elif isinstance(cmd, Call):
-                try:
-                    res = cmd.fn(*cmd.args)
-                except Exception as e:
-                    if cmd.future is None:
-                        log.exception("UCX transport command failed")
-                    else:
-                        cmd.future.set_exception(e)
-                else:
-                    if cmd.future is not None:
-                        cmd.future.set_result(res)
+        cmds = self.commands.take()
+        self._acts += len(cmds)
+        dispatch(cmds, submit=lambda cmd: self._start_out(cmd.work), close=lambda: self._shutdown("transport closed"))
 
 _LIVE: "weakref.WeakSet[UCXTransport]" = weakref.WeakSet()
 

@@ -37,6 +37,7 @@ MAX_NOTIFY = 1 << 20            # bytes of a transfer's notify
 MAX_DEADLINE = 86400.0          # seconds: a longer deadline is cut to this
 MAX_ACKS = 1 << 20              # transfer ids per ack
 MAX_CAPABILITY = 64             # bytes of a grant capability (kvxfer.grant.MAX_CAPABILITY)
+MAX_REPLY = 1 << 24             # bytes of one reply (an ack of MAX_ACKS ids fits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +162,7 @@ def parse_data(buf, limit: int) -> Data | Ping:
     return Data(request_id, xid, min(float(dl), MAX_DEADLINE), runs, end, cap)
 
 
-def parse_reply(buf, limit: int = 1 << 24) -> Ack | Nack | Ping:
+def parse_reply(buf, limit: int = MAX_REPLY) -> Ack | Nack | Ping:
     """A receiver's reply (sender side)."""
     h = _map(buf, limit, MAX_ACKS)
     t = h["t"]

@@ -10,7 +10,9 @@ No oracle: a refusal because of the grant (unknown, ended or live request, runs 
 answers the peer with the same nack text, and an empty transfer (no runs) is acked whatever
 its request id; only the local counters and arrivals say which it was.
 
-``ZMQReceiver`` is a mixin of ``ZMQTransport``; its methods run on the I/O thread.
+Who calls what: ``ZMQTransport`` makes the ``Receiver`` with its collaborators; every method runs
+on the I/O thread: ``on_router`` when the ROUTER is readable, ``on_synced`` while device copies
+are pending, ``check`` per tick, ``fail_all`` at the end.
 """
 from __future__ import annotations
 
@@ -19,23 +21,24 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
 import zmq
 
 from kvxfer.copy import scatter_runs
-from kvxfer.plan import merge_runs
+from kvxfer.grant import GrantTable
+from kvxfer.transport.admission import Admissions
 from kvxfer.transport.base import Arrival
 from kvxfer.transport.kit import peer_reason, runs_inside, runs_inside_few
 
+from .devsync import WriteSync
+from .options import ZMQOptions
 from .protocol import MAX_PARTS, RUN_BYTES, Ack, Data, Nack, Ping, parse_data
-
-if TYPE_CHECKING:
-    from kvxfer.grant import GrantTable
-
-    from .devsync import WriteSync
+from .regions import Regions
+from .rows import region_spans, scatter_host
+from .sockets import Sockets
 
 log = logging.getLogger("kvxfer.transport.zmq")
 
@@ -52,91 +55,42 @@ def lengths_match(nbytes, sizes, size: int) -> bool:
                 and (len(sizes) <= 1 or (sizes == nbytes).all()))
 
 
-def row_index(off: np.ndarray, n: np.ndarray) -> tuple[int, np.ndarray, bool]:
-    """How to move runs that lie back to back on one side as one indexed copy of rows.
-
-    Returns (row length, row index, window): rows of the gcd of offsets and lengths
-    (contiguous rows; the fast path when runs are aligned), or, for same-length runs that
-    are not aligned, one row per run of a sliding-window view (``window`` True).
-    """
-    u = int(np.gcd.reduce(np.concatenate((off, n))))
-    if n[0] > u and (n == n[0]).all():
-        return int(n[0]), off, True
-    counts = n // u
-    first = np.repeat(off // u - (np.cumsum(counts) - counts), counts)
-    return u, first + np.arange(len(first), dtype=np.int64), False
-
-
-def scatter_host(region: np.ndarray, off: np.ndarray, n: np.ndarray, data: np.ndarray) -> None:
-    """Write ``data`` (the runs back to back) into a CPU region's runs with one indexed copy.
-
-    Rows are numpy void elements, so each moves as one memcpy (~2.5x a uint8 row at 4 KiB);
-    indexes are bounds-checked by numpy, window view included.
-    """
-    off, _, n = merge_runs(off, np.cumsum(n) - n, n)   # runs that touch in the region: longer rows
-    length, idx, window = row_index(off, n)
-    row = np.dtype((np.void, length))
-    rows = (np.ndarray((region.size - length + 1,), row, buffer=region, strides=(1,)) if window
-            else region[: region.size // length * length].view(row))
-    rows[idx] = data.view(row)
-
-
-def region_spans(*keys: np.ndarray) -> list[tuple[int, int]]:
-    """[start, end) of the stretches where every key stays the same."""
-    change = np.zeros(max(len(keys[0]) - 1, 0), bool)
-    for k in keys:
-        change |= k[1:] != k[:-1]
-    cuts = [0, *(np.flatnonzero(change) + 1).tolist(), len(keys[0])]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
 class Incoming:
     """An incoming transfer, keyed by (routing id, request id, transfer id). ``event``: recorded
-    after its latest device write (``devsync``); its arrival waits for it."""
-    __slots__ = ("deadline", "start", "nbytes", "nruns", "quiet", "event")
+    after its latest device write (``devsync``); its arrival waits for it. ``peer``: whose share of
+    the table it takes (its sender's admission, or its routing id)."""
+    __slots__ = ("deadline", "start", "nbytes", "nruns", "quiet", "event", "peer")
 
-    def __init__(self, deadline):
+    def __init__(self, deadline, peer):
         self.deadline, self.start, self.nbytes, self.nruns = deadline, time.monotonic(), 0, 0
+        self.peer = peer
         self.event: Any = None
         self.quiet = False   # a message of it carried a wrong capability: it never yields an arrival
 
 
-class ZMQReceiver:
-    """The ROUTER side of ``ZMQTransport`` (I/O thread). State it keeps: ``_in`` (open
-    transfers), ``_dead`` (failed keys, so their later messages drop quietly), ``_seen``
-    (routing id -> last message), ``_acks`` and ``_completed`` (flushed once per batch)."""
+class Receiver:
+    """The ROUTER side (I/O thread). State: ``incoming`` (open transfers), ``_dead`` (failed keys,
+    so their later messages drop quietly), ``_seen`` (routing id -> last message), ``_acks`` and
+    ``_completed`` (flushed once per batch), ``_open_from`` (each sender's share of ``incoming``)."""
 
-    # Declared for the type checker only: set in ``ZMQTransport.__init__`` / ``_run`` or defined
-    # by ``ZMQTransport``. Annotations, no values, so nothing here shadows them at run time.
-    grants: GrantTable
-    window: int
-    few_runs: int
-    hb_timeout: float
-    max_message_bytes: int
-    max_incoming: int
-    max_incoming_per_peer: int
-    _regions: list[torch.Tensor]
-    _host: list[np.ndarray | None]
-    _sizes: np.ndarray
-    _is_host: np.ndarray
-    _sync: WriteSync
-    _write_lock: threading.Lock
-    _router: zmq.Socket
-    _deliver: Callable[[Arrival], None]
-
-    def _receiver_init(self) -> None:
-        self._in: dict[tuple, Incoming] = {}
-        self._open_from: collections.Counter = collections.Counter()   # routing id -> open transfers
+    def __init__(self, options: ZMQOptions, regions: Regions, grants: GrantTable, admissions: Admissions,
+                 sync: WriteSync, write_lock: threading.Lock, sockets: Sockets, deliver: Callable[[Arrival], None]):
+        self.options, self.regions, self.grants, self.admissions = options, regions, grants, admissions
+        self.sync, self.write_lock, self.sockets, self._deliver = sync, write_lock, sockets, deliver
+        self.incoming: dict[tuple, Incoming] = {}
+        self._open_from: collections.Counter = collections.Counter()   # peer (Incoming.peer) -> open transfers
         self._dead: collections.OrderedDict = collections.OrderedDict()
         self._seen: dict[bytes, float] = {}
         self._acks: dict[bytes, list[int]] = {}
         self._completed: list[Arrival] = []   # delivered after this turn's acks
         self._ping_budget: dict[bytes, tuple[float, float]] = {}   # routing id -> (pongs left, when)
 
-    def _on_router(self) -> bool:
+    def on_router(self) -> bool:
         """Handle queued messages; True when the socket is drained (silence checks are fair then)."""
-        drained, router = False, self._router
-        for _ in range(4 * self.window):
+        drained, router = False, self.sockets.router
+        if router is None:   # not bound (the loop binds before it receives)
+            return True
+        for _ in range(4 * self.options.window):
             # Ask zmq first: a receive that finds nothing raises zmq.Again (an exception per turn)
             try:
                 parts = (router.recv_multipart(flags=zmq.NOBLOCK, copy=False)
@@ -147,17 +101,24 @@ class ZMQReceiver:
                 drained = True
                 break
             rid = parts[0].bytes
+            peer: str | bytes = rid
+            if self.admissions.required:   # every connection passed ZAP; is its admission still in force?
+                user = parts[0].get("User-Id")   # what ZAP said of this connection
+                if not isinstance(user, str) or not self.admissions.current(user):
+                    self.grants.reject("?", "unknown peer: a sender whose admission was replaced or dropped")
+                    continue
+                peer = user
             self._seen[rid] = time.monotonic()
             try:
-                self._on_message(rid, parts[1:])
+                self._on_message(rid, peer, parts[1:])
             except Exception as e:  # a bug: count it, and never let one message take the receiver down
                 log.exception("error handling a message")
                 self.grants.reject("?", f"internal error: {type(e).__name__}")
         self._flush_acks()
-        self._deliver_completed()
+        self.deliver_completed()
         return drained
 
-    def _deliver_completed(self) -> None:
+    def deliver_completed(self) -> None:
         """Completed transfers reach the caller after the turn's acks: its handler (a decode
         endpoint's, say) wakes a waiting thread, which runs once this one blocks in poll."""
         done, self._completed = self._completed, []
@@ -169,11 +130,11 @@ class ZMQReceiver:
             self._reply(rid, Ack(tuple(xids)).pack())
         self._acks.clear()
 
-    def _on_message(self, rid: bytes, parts: list) -> None:
+    def _on_message(self, rid: bytes, peer: str | bytes, parts: list) -> None:
         try:
             if not parts:
                 raise ValueError("empty message")
-            h = parse_data(parts[0].buffer, self.max_message_bytes)
+            h = parse_data(parts[0].buffer, self.options.max_message_bytes)
         except ValueError as e:
             self.grants.reject("?", f"malformed header: {e}")
             return
@@ -184,7 +145,7 @@ class ZMQReceiver:
             self._flush_acks()
             self._reply(rid, Ping(h.n).pack())
             return
-        self._on_data(rid, h, parts[1:])
+        self._on_data(rid, peer, h, parts[1:])
 
     def _pong_allowed(self, rid: bytes, now: float) -> bool:
         """A token bucket per sender: pings (heartbeats, connect probes) are answered at most at
@@ -194,7 +155,7 @@ class ZMQReceiver:
         self._ping_budget[rid] = (max(left - 1, 0.0), now)
         return left >= 1
 
-    def _on_data(self, rid: bytes, h: Data, payload: list) -> None:
+    def _on_data(self, rid: bytes, peer: str | bytes, h: Data, payload: list) -> None:
         key, request_id = (rid, h.request_id, h.xid), h.request_id
         if key in self._dead:   # the transfer failed already: its later messages are dropped quietly
             return
@@ -202,22 +163,25 @@ class ZMQReceiver:
         # replies: no oracle; grants.check and is_live refuse it), but it never touches the
         # request: no arrival (``quiet``), so it cannot fail or complete it.
         quiet = not self.grants.capability_ok(request_id, h.cap)
-        st = self._in.get(key)
+        st = self.incoming.get(key)
         if st is None:
-            if len(self._in) >= self.max_incoming or self._open_from[rid] >= self.max_incoming_per_peer:
+            # Each sender has its own share. Admitted senders are told apart (and their number is
+            # capped), so no global cap applies to them; anonymous ones share ``max_incoming``.
+            mine = self._open_from[peer]
+            shared_full = not self.admissions.required and len(self.incoming) >= self.options.max_incoming
+            if mine >= self.options.max_incoming_per_peer or shared_full:
                 self._fail_in(key, self.grants.reject(
-                    request_id, f"too many transfers: {len(self._in)} open, {self._open_from[rid]} from this peer"),
-                    quiet)
+                    request_id, f"too many transfers: {len(self.incoming)} open, {mine} from this peer"), quiet)
                 return
-            st = self._in[key] = Incoming(time.monotonic() + h.deadline)
-            self._open_from[rid] += 1
+            st = self.incoming[key] = Incoming(time.monotonic() + h.deadline, peer)
+            self._open_from[peer] += 1
         if quiet:
             st.quiet = True
         if time.monotonic() > st.deadline:   # too late: the sender has given up on it
             self._fail_in(key, f"deadline passed: {st.nbytes} bytes arrived before it")
             return
         k = h.nruns
-        few = k <= self.few_runs   # Python ints: a few runs check and land without array setup
+        few = k <= self.options.few_runs   # Python ints: a few runs check and land without array setup
         region: Any    # lists of Python ints when ``few``, else int64 arrays (the checks take both)
         offset: Any
         nbytes: Any
@@ -230,8 +194,8 @@ class ZMQReceiver:
             region, offset, nbytes = h.run_arrays()
             sizes = np.fromiter((len(p) for p in payload), np.int64, len(payload))
             size = int(sizes.sum())
-        if size + len(h.runs) > self.max_message_bytes:   # zmq's MAXMSGSIZE bounds one part only
-            reason = f"too large: a message of {size + len(h.runs)} bytes exceeds {self.max_message_bytes}"
+        if size + len(h.runs) > self.options.max_message_bytes:   # zmq's MAXMSGSIZE bounds one part only
+            reason = f"too large: a message of {size + len(h.runs)} bytes exceeds {self.options.max_message_bytes}"
         elif len(h.runs) % RUN_BYTES or (k == 0) != (len(payload) == 0) or \
                 len(payload) not in (0, 1, k) or len(payload) > MAX_PARTS:
             reason = (f"malformed message: {len(payload)} payload frames for a runs field of {len(h.runs)} bytes "
@@ -244,17 +208,17 @@ class ZMQReceiver:
         if reason is not None:
             self._fail_in(key, self.grants.reject(request_id, reason))
             return
-        with self._write_lock:
+        with self.write_lock:
             if k:
                 reason = self.grants.check(request_id, region, offset, nbytes, h.cap)   # also: request ended?
             if reason is None and not (runs_inside_few(list(zip(region, offset, nbytes)), self.grants.region_sizes)
-                                       if few else runs_inside(region, offset, nbytes, self._sizes)):
+                                       if few else runs_inside(region, offset, nbytes, self.regions.sizes)):
                 reason = self.grants.reject(request_id, "outside region: a granted run passes its region's end")
             if reason is None and size:
-                device = (any(self._host[r] is None for r in region) if few
-                          else not bool(self._is_host[region].all()))
-                if self._sync.needed(device):   # copies on the transport's stream, then an event
-                    st.event = self._sync.write(request_id, lambda: self._write(region, offset, nbytes, payload),
+                device = (any(self.regions.host[r] is None for r in region) if few
+                          else not bool(self.regions.is_host[region].all()))
+                if self.sync.needed(device):   # copies on the transport's stream, then an event
+                    st.event = self.sync.write(request_id, lambda: self._write(region, offset, nbytes, payload),
                                                 device)
                 else:
                     self._write(region, offset, nbytes, payload)
@@ -273,9 +237,18 @@ class ZMQReceiver:
             if st.nruns or self.grants.is_live(request_id, h.cap):   # an empty transfer of no live request: ack only
                 arrival = Arrival(request_id, st.nbytes, True, "", h.end.notify)
             if st.event is not None and not st.event.query():   # bytes still on their way to the device
-                self._sync.hold(st.event, (rid, h.xid, arrival))
+                self.sync.hold(st.event, (rid, h.xid, arrival))
                 return
             self._completed_now(rid, h.xid, arrival)
+
+    def fail_all(self, why: str) -> None:
+        """Every incoming transfer fails with ``why`` (close, or a crash), in the order things happened."""
+        self.deliver_completed()
+        for key in list(self.incoming):
+            self._fail_in(key, why)
+        for _, _, arrival in self.sync.drop():   # bytes landed, the device copy never confirmed
+            if arrival is not None:
+                self._deliver(Arrival(arrival.request_id, arrival.nbytes, False, why))
 
     def _completed_now(self, rid: bytes, xid: int, arrival: Arrival | None) -> None:
         """Every byte of a transfer is in place: ack it, and report it after this turn's acks."""
@@ -283,14 +256,14 @@ class ZMQReceiver:
             self._completed.append(arrival)
         self._acks.setdefault(rid, []).append(xid)
 
-    def _on_synced(self) -> None:
+    def on_synced(self) -> None:
         """Transfers whose device copies completed since (the loop, each turn while any wait)."""
-        done = self._sync.ready()
+        done = self.sync.ready()
         for rid, xid, arrival in done:
             self._completed_now(rid, xid, arrival)
         if done:
             self._flush_acks()
-            self._deliver_completed()
+            self.deliver_completed()
 
     def _write(self, region, offset, nbytes, payload: list) -> None:
         """Copy checked runs from the received frames into the regions (one copy per byte).
@@ -303,21 +276,21 @@ class ZMQReceiver:
             for i, (r, o, c) in enumerate(zip(region, offset, nbytes)):
                 src = payload[0].buffer[p: p + c] if packed else payload[i].buffer
                 p += c
-                if self._host[r] is not None:
-                    self._host[r][o: o + c] = np.frombuffer(src, np.uint8)
+                if self.regions.host[r] is not None:
+                    self.regions.host[r][o: o + c] = np.frombuffer(src, np.uint8)
                 else:
                     # on the transport stream (devsync): an event after it says when it is complete
-                    self._regions[r][o: o + c].copy_(torch.frombuffer(src, dtype=torch.uint8), non_blocking=True)
+                    self.regions.tensors[r][o: o + c].copy_(torch.frombuffer(src, dtype=torch.uint8), non_blocking=True)
             return
         buf = payload[0].buffer
         spans = region_spans(region)
-        if len(spans) > 64 or any(self._host[region[a]] is None for a, _ in spans):
+        if len(spans) > 64 or any(self.regions.host[region[a]] is None for a, _ in spans):
             # Runs not sorted by region (not our sender), or a CUDA region: the generic executor.
-            scatter_runs(self._regions, region, offset, nbytes, torch.frombuffer(buf, dtype=torch.uint8))
+            scatter_runs(self.regions.tensors, region, offset, nbytes, torch.frombuffer(buf, dtype=torch.uint8))
             return
         data, pos = np.frombuffer(buf, np.uint8), np.concatenate(([0], np.cumsum(nbytes)))
         for a, b in spans:   # loop per destination region in the frame
-            scatter_host(self._host[region[a]], offset[a:b], nbytes[a:b], data[pos[a]: pos[b]])
+            scatter_host(self.regions.host[region[a]], offset[a:b], nbytes[a:b], data[pos[a]: pos[b]])
 
     def _fail_in(self, key: tuple, reason: str, quiet: bool = False) -> None:
         """End an incoming transfer: drop its later messages, tell the sender. ``quiet`` (or a
@@ -329,34 +302,37 @@ class ZMQReceiver:
         if len(self._dead) > 65536:
             self._dead.popitem(last=False)
         log.warning("incoming transfer %d of request %s failed: %s", xid, request_id, reason)
-        self._deliver_completed()   # in the order they happened
+        self.deliver_completed()   # in the order they happened
         if not quiet:
             self._deliver(Arrival(request_id, st.nbytes if st else 0, False, reason))
         self._reply(rid, Nack(xid, peer_reason(reason)).pack())
 
     def _close_in(self, key: tuple) -> Incoming | None:
-        st = self._in.pop(key, None)
+        st = self.incoming.pop(key, None)
         if st is not None:
-            self._open_from[key[0]] -= 1
-            if self._open_from[key[0]] <= 0:
-                del self._open_from[key[0]]
+            self._open_from[st.peer] -= 1
+            if self._open_from[st.peer] <= 0:
+                del self._open_from[st.peer]
         return st
 
     def _reply(self, rid: bytes, msg: bytes) -> None:
+        router = self.sockets.router
+        if router is None:   # not bound: nothing was received either
+            return
         try:
-            self._router.send_multipart([rid, msg], flags=zmq.NOBLOCK)
+            router.send_multipart([rid, msg], flags=zmq.NOBLOCK)
         except zmq.ZMQError:  # the sender is gone: it times out on its own
             pass
 
-    def _check_incoming(self, now: float, drained: bool) -> None:
+    def check(self, now: float, drained: bool) -> None:
         """Deadlines and silent senders of incoming transfers (the loop's tick)."""
-        for key, st in list(self._in.items()):
+        for key, st in list(self.incoming.items()):
             if now > st.deadline:
                 self._fail_in(key, f"deadline passed: {st.nbytes} bytes arrived before it")
-            elif drained and now - max(self._seen.get(key[0], 0.0), st.start) > self.hb_timeout:
-                self._fail_in(key, f"sender went silent for more than {self.hb_timeout}s")
+            elif drained and now - max(self._seen.get(key[0], 0.0), st.start) > self.options.heartbeat_timeout:
+                self._fail_in(key, f"sender went silent for more than {self.options.heartbeat_timeout}s")
         if len(self._seen) > 1024:   # forget routing ids gone quiet with nothing open
-            busy = {k[0] for k in self._in}
+            busy = {k[0] for k in self.incoming}
             self._seen = {r: t for r, t in self._seen.items() if r in busy or now - t < 60}
             self._ping_budget = {r: v for r, v in self._ping_budget.items() if r in self._seen}
-        self._sync.prune()
+        self.sync.prune()

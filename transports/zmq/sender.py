@@ -1,13 +1,14 @@
-"""ZMQ sending side: runs cut into messages, zero-copy or staged, pumped as zmq takes them.
+"""ZMQ sending side: one DEALER per receiver, messages pumped as zmq takes them.
 
-Runs of at least ``zero_copy_min`` bytes in CPU regions go out as zero-copy views of the region
-(split into ``frame_bytes`` parts, ``frames_per_message`` parts per message); shorter runs, and
-every run of a CUDA region, are gathered (``torch.index_select``) into staging frames of
-~``frame_bytes * frames_per_message``, sorted by region so that the receiver scatters each
-region's share with one indexed copy. zmq's send high-water mark (``window`` messages per peer)
-is the back-pressure; staging blocks (``kit.StagingPool``) are reused once zmq has sent them.
+zmq's send high-water mark (``window`` messages per peer) is the back-pressure; the messages
+themselves come from the ``Framer`` (``frames.py``). A transfer ends when the receiver acks it
+(every byte landed), nacks it, goes silent, or its deadline passes; its source is released only
+once zmq let go of every zero-copy frame of it (its trackers), whatever the receiver said.
 
-``ZMQSender`` is a mixin of ``ZMQTransport``; its methods run on the I/O thread.
+Who calls what: ``ZMQTransport`` makes the ``Sender`` with its collaborators; every method runs
+on the I/O thread: ``start`` per ``Submit``, ``connect`` per ``Connect``, ``disconnect`` (a
+``Call``), ``on_events`` with each poll's events, ``reap`` while ``release_soon``, ``check`` per
+tick, ``fail_all`` and ``free`` at the end. ``fencing`` (any thread) is a snapshot.
 """
 from __future__ import annotations
 
@@ -15,61 +16,25 @@ import collections
 import functools
 import itertools
 import logging
-import struct
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
 import zmq
 
 from kvxfer.errors import ConnectError, PlanError, RejectedWrite
-from kvxfer.plan import TransferPlan, merge_runs
-from kvxfer.transport.base import TransferHandle, TransferStatus, peer_failed
-from kvxfer.transport.kit import PeerClock, runs_inside, runs_inside_few, split_long_runs
+from kvxfer.transport.base import TransferStatus, peer_failed
+from kvxfer.transport.kit import Connect, PeerClock, StagingPool, Submit, runs_inside, runs_inside_few
 
-from .protocol import MAX_PARTS, RUN_BYTES, Ack, Data, End, Ping, parse_reply
-from .receiver import region_spans, row_index
-
-if TYPE_CHECKING:
-    from kvxfer.grant import GrantTable
-    from kvxfer.transport.kit import StagingPool
+from .frames import Framer
+from .options import ZMQOptions
+from .protocol import RUN_BYTES, Ack, Data, End, Ping, parse_reply
+from .regions import Regions
+from .sockets import Sockets
 
 log = logging.getLogger("kvxfer.transport.zmq")
 
 _COPY_BELOW = 256 << 10          # messages up to this size are copied into zmq (see _pump)
-
-
-def pack_runs(runs: list[tuple[int, int, int, int, int]]) -> bytes:
-    """The header's runs field for (src region, src offset, dst region, dst offset, nbytes) runs."""
-    return struct.pack(f"<{3 * len(runs)}q", *[r[2] for r in runs], *[r[3] for r in runs], *[r[4] for r in runs])
-
-
-def fill_messages(runs: list[tuple], budget: int, overhead: int) -> list[list[tuple]]:
-    """Runs in order, cut into messages of at most ``budget`` bytes (each run costing its
-    length plus ``overhead``) and ``MAX_PARTS`` runs; a longer run gets a message of its own."""
-    out: list[list[tuple]]
-    cur: list[tuple]
-    out, cur, used = [], [], 0
-    for run in runs:
-        cost = run[4] + overhead
-        if cur and (used + cost > budget or len(cur) == MAX_PARTS):
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(run)
-        used += cost
-    return out + [cur] if cur else out
-
-
-def gather_rows(region: torch.Tensor, off: np.ndarray, n: np.ndarray, out: torch.Tensor) -> None:
-    """out = the region's runs back to back, with one index_select (any device)."""
-    off, _, n = merge_runs(off, np.cumsum(n) - n, n)   # runs that touch in the region: longer rows
-    length, idx, window = row_index(off, n)
-    rows = (region.as_strided((region.numel() - length + 1, length), (1, 1)) if window
-            else region[: region.numel() // length * length].view(-1, length))
-    torch.index_select(rows, 0, torch.from_numpy(idx).to(region.device), out=out.view(-1, length))
+RELEASE_SOON = 0.01              # seconds after a deferred release during which the loop looks every 1 ms
 
 
 class Outgoing:
@@ -89,7 +54,7 @@ class Pending:
     """A message zmq refused for now (EAGAIN): its parts, staging block and transfer."""
     __slots__ = ("parts", "stage", "out")
 
-    def __init__(self, parts: list, stage: torch.Tensor | None, out: Outgoing):
+    def __init__(self, parts: list, stage, out: Outgoing):
         self.parts, self.stage, self.out = parts, stage, out
 
 
@@ -104,11 +69,12 @@ class Probe:
 
 class Peer:
     """One DEALER and its transfers. ``clock``: last reply or progress (silence fails them).
-    ``probe``: set while ``connect`` waits for the data path's round trip."""
-    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged", "probe")
+    ``probe``: set while ``connect`` waits for the data path's round trip. ``token``: the admission
+    token it presents at each (re)connection (b"": none)."""
+    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged", "probe", "token")
 
-    def __init__(self, endpoint, sock, probe: Probe | None = None):
-        self.endpoint, self.sock = endpoint, sock
+    def __init__(self, endpoint, sock, probe: Probe | None = None, token: bytes = b""):
+        self.endpoint, self.sock, self.token = endpoint, sock, token
         self.sending: collections.deque[Outgoing] = collections.deque()
         self.open: dict[int, Outgoing] = {}
         self.pending: Pending | None = None
@@ -117,56 +83,42 @@ class Peer:
         self.pinged = self.clock.heard
 
 
-class ZMQSender:
-    """The DEALER side of ``ZMQTransport`` (I/O thread). State: ``_peers``, ``_out`` (open
-    transfers by id), ``_releasing`` (ended, zero-copy messages of theirs still in zmq)."""
+class Sender:
+    """The DEALER side (I/O thread). State: ``peers`` (by peer id), ``out`` (open transfers by id),
+    ``releasing`` (ended, zero-copy messages of theirs still in zmq), ``release_soon`` (until then
+    the loop looks at ``releasing`` every turn)."""
 
-    # Declared for the type checker only: set in ``ZMQTransport.__init__`` / ``_run`` or defined
-    # by ``ZMQTransport``. Annotations, no values, so nothing here shadows them at run time.
-    grants: GrantTable
-    frame_bytes: int
-    frames_per_message: int
-    zero_copy_min: int
-    window: int
-    few_runs: int
-    hb_ivl: float
-    hb_timeout: float
-    connect_timeout: float
-    _regions: list[torch.Tensor]
-    _host: list[np.ndarray | None]
-    _is_host: np.ndarray
-    _sizes: np.ndarray
-    _staging: StagingPool
-    staging_wait: bool
-    _xids: itertools.count[int]
-    _ctx: zmq.Context
-    _poller: zmq.Poller
-    _dealer: Callable[[str], zmq.Socket]
+    def __init__(self, options: ZMQOptions, regions: Regions, framer: Framer, staging: StagingPool,
+                 sockets: Sockets):
+        self.options, self.regions, self.framer, self.staging, self.sockets = options, regions, framer, staging, sockets
+        self.peers: dict[str, Peer] = {}
+        self.out: dict[int, Outgoing] = {}
+        self.releasing: list[Outgoing] = []
+        self.release_soon = 0.0
+        self._xids = itertools.count(1)
+        self._pids = itertools.count()
 
-    def _sender_init(self) -> None:
-        self._peers: dict[str, Peer] = {}
-        self._out: dict[int, Outgoing] = {}
-        self._releasing: list[Outgoing] = []
-
-    def _start(self, pid: str, request_id: str, plan: TransferPlan, notify: bytes, handle: TransferHandle,
-               cap: bytes = b""):
-        peer = self._peers.get(pid)
+    # -- transfers -------------------------------------------------------------------------
+    def start(self, cmd: Submit) -> None:
+        plan, notify, cap = cmd.work
+        pid, request_id, handle = cmd.peer, cmd.request_id, cmd.handle
+        peer = self.peers.get(pid)
         if peer is None:
             handle.finish(peer_failed(request_id, f"unknown peer {pid!r}; call connect() first"), release=True)
             return
         # Empty runs carry nothing (and the receiver refuses them).
-        runs = [run for run in plan.run_tuples() if run[4] > 0] if plan.num_runs <= self.few_runs else None
-        if runs is not None and all(self._host[run[0]] is not None for run in runs):
+        runs = [run for run in plan.run_tuples() if run[4] > 0] if plan.num_runs <= self.options.few_runs else None
+        if runs is not None and all(self.regions.host[run[0]] is not None for run in runs):
             # a few runs in CPU regions: Python ints, no array setup
-            inside = runs_inside_few([(r, o, c) for r, o, _, _, c in runs], self.grants.region_sizes)
-            nbytes, frames = sum(run[4] for run in runs), functools.partial(self._frames_few, runs)
+            inside = runs_inside_few([(r, o, c) for r, o, _, _, c in runs], self.regions.size_list)
+            nbytes, frames = sum(run[4] for run in runs), functools.partial(self.framer.frames_few, runs)
         else:
             sr, so, dr, do, n, _ = plan.runs()
             if len(n) and n.min() <= 0:
                 keep = n > 0
                 sr, so, dr, do, n = sr[keep], so[keep], dr[keep], do[keep], n[keep]
-            inside = runs_inside(sr, so, n, self._sizes)
-            nbytes, frames = int(n.sum()), functools.partial(self._frames, sr, so, dr, do, n)
+            inside = runs_inside(sr, so, n, self.regions.sizes)
+            nbytes, frames = int(n.sum()), functools.partial(self.framer.frames, sr, so, dr, do, n)
         if not inside:
             handle.finish(PlanError(f"request {request_id}: the plan reads outside the registered source regions"),
                           release=True)
@@ -179,123 +131,20 @@ class ZMQSender:
             return
         if not peer.open:
             peer.clock.touch()   # silence counts from now on
-        self._out[xid] = peer.open[xid] = out
+        self.out[xid] = peer.open[xid] = out
         peer.sending.append(out)
         self._pump(peer)
-
-    def _frames(self, sr, so, dr, do, n) -> Iterator[tuple]:
-        """(runs bytes, parts, staging buffer) per message, made lazily as zmq takes them."""
-        fb = self.frame_bytes
-        n, (so, do), (sr, dr) = split_long_runs(fb, n, (so, do), (sr, dr))
-        zc = (n >= self.zero_copy_min) & self._is_host[sr]
-
-        def runs(sel) -> bytes:
-            return np.concatenate((dr[sel], do[sel], n[sel])).astype("<i8").tobytes()
-
-        def views(sel) -> list[memoryview]:
-            return [memoryview(self._host[r][o: o + c]) for r, o, c in zip(sr[sel].tolist(), so[sel].tolist(),
-                                                                           n[sel].tolist())]
-
-        def messages(sel: np.ndarray, overhead: int, budget: int) -> list[np.ndarray]:
-            cost = n[sel] + overhead                 # header bytes count toward a packed frame
-            if len(sel) <= 1 or (len(sel) <= MAX_PARTS and cost.sum() <= budget):
-                return [sel] if len(sel) else []
-            frame_of = (np.cumsum(cost) - cost) // budget
-            if not overhead:                         # zero-copy: at most MAX_PARTS parts
-                frame_of = frame_of * len(sel) + np.arange(len(sel)) // MAX_PARTS
-            return np.split(sel, np.flatnonzero(np.diff(frame_of)) + 1) if len(sel) else []
-
-        zmsgs = messages(np.flatnonzero(zc), 0, fb * self.frames_per_message)
-        small = np.flatnonzero(~zc)
-        if len(small) > 1 and ((sr[small] != sr[small[0]]).any() or (dr[small] != dr[small[0]]).any()):
-            small = small[np.lexsort((sr[small], dr[small]))]   # stable: plan order within a region pair
-        packed = fb * self.frames_per_message   # measured: packed frames gain from size, zero-copy parts do not
-        smsgs = messages(small, RUN_BYTES, packed)
-        left = len(zmsgs) + len(smsgs)          # messages still to make: 1 is the last
-        if not left:
-            yield b"", [], None, True   # an empty transfer still sends its totals
-        for sel in zmsgs:
-            left -= 1
-            yield runs(sel), views(sel), None, not left
-        for sel in smsgs:
-            left -= 1
-            if len(sel) == 1 and self._is_host[sr[sel[0]]]:     # a lone run needs no staging
-                yield runs(sel), views(sel), None, not left
-                continue
-            pos = np.concatenate(([0], np.cumsum(n[sel])))
-            while (base := self._stage()) is None:
-                yield None   # the staging ring is exhausted: asked again once zmq freed a frame
-            try:
-                msg = self._gather(sel, pos, base, sr, so, dr, do, n)
-            except BaseException:
-                self._staging.put(base)   # never handed to zmq: free again at once
-                raise
-            yield msg, [memoryview(base[: pos[-1]].numpy())], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
-
-    def _gather(self, sel, pos, base, sr, so, dr, do, n) -> bytes:
-        """A packed frame: the runs ``sel`` gathered into ``base``; returns the header's runs."""
-        header = []
-        for a, b in region_spans(sr[sel], dr[sel]):         # loop per region pair in the frame
-            region = self._regions[sr[sel[a]]]
-            out = base[pos[a]: pos[b]] if region.is_cpu else torch.empty(
-                int(pos[b] - pos[a]), dtype=torch.uint8, device=region.device)
-            gather_rows(region, so[sel[a:b]], n[sel[a:b]], out)
-            if not region.is_cpu:   # CUDA: gather on the device, one copy to pinned host memory
-                base[pos[a]: pos[b]].copy_(out)
-            # Runs back to back in the frame and at the receiver are one run there: a head
-            # slice of token-major pages gathers 512 B rows into 8 KiB destination runs.
-            start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])
-            header.append((np.full(len(start), dr[sel[a]]), start, length))
-        return np.concatenate([np.concatenate(c) for c in zip(*header)]).astype("<i8").tobytes()
-
-    def _frames_few(self, runs: list[tuple[int, int, int, int, int]]) -> Iterator[tuple]:
-        """``_frames`` for a few runs in CPU regions, as ``TransferPlan.run_tuples`` gives them."""
-        fb, budget = self.frame_bytes, self.frame_bytes * self.frames_per_message
-        views: list[tuple[int, int, int, int, int]]
-        small: list[tuple[int, int, int, int, int]]
-        views, small = [], []
-        for r, o, d, e, c in runs:
-            for x in range(0, c, fb):   # runs longer than a frame go in frame-sized chunks
-                (views if c >= self.zero_copy_min else small).append((r, o + x, d, e + x, min(fb, c - x)))
-        vmsgs, smsgs = fill_messages(views, budget, 0), fill_messages(small, budget, RUN_BYTES)
-        left = len(vmsgs) + len(smsgs)
-        if not left:
-            yield b"", [], None, True
-        for msg in vmsgs:
-            left -= 1
-            yield pack_runs(msg), [memoryview(self._host[r][o: o + c]) for r, o, _, _, c in msg], None, not left
-        for msg in smsgs:
-            left -= 1
-            if len(msg) == 1:   # a lone run needs no staging
-                r, o, _, _, c = msg[0]
-                yield pack_runs(msg), [memoryview(self._host[r][o: o + c])], None, not left
-                continue
-            while (base := self._stage()) is None:
-                yield None   # the staging ring is exhausted: asked again once zmq freed a frame
-            stage, p = base.numpy(), 0
-            for r, o, _, _, c in msg:   # host regions, checked in bounds: nothing here raises
-                stage[p: p + c] = self._host[r][o: o + c]
-                p += c
-            yield pack_runs(msg), [memoryview(stage[:p])], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
-
-    def _stage(self) -> torch.Tensor | None:
-        """A frame of the staging ring for a packed message, or None (counted as a wait) while
-        every frame is still in zmq: the I/O thread never allocates one, it waits."""
-        if not self._staging.available():
-            self.staging_wait = True   # the loop looks again soon
-            return None
-        return self._staging.get(self.frame_bytes * (self.frames_per_message + 1))
 
     def _drop_pending(self, peer: Peer) -> None:
         """The message zmq refused is dropped, never sent: its staging frame is free again."""
         if peer.pending is not None:
-            self._staging.put(peer.pending.stage)
+            self.staging.put(peer.pending.stage)
             peer.pending = None
 
     def _pump(self, peer: Peer) -> None:
         """Hand messages to zmq, round-robin over the peer's transfers, until it pushes back."""
         starved = 0   # transfers in a row whose next message waits for a staging frame
-        for _ in range(4 * self.window):
+        for _ in range(4 * self.options.window):
             if peer.pending is None:
                 if not peer.sending or starved >= len(peer.sending):
                     break
@@ -336,26 +185,34 @@ class ZMQSender:
             except zmq.Again:
                 break
             if stage is not None:   # reuse the buffer once zmq is done with it (no fresh pages)
-                self._staging.put(stage, None if copy else trackers[-1])
+                self.staging.put(stage, None if copy else trackers[-1])
             peer.pending = None
             peer.clock.touch()
         # POLLOUT only when zmq pushed back, or when messages are ready to go. Not while every
         # transfer waits for a staging frame: the socket is writable, so poll would return at
         # once and the loop would spin a core until zmq frees a frame (the loop's short tick,
-        # ``staging_wait``, looks again instead).
+        # ``Framer.starved``, looks again instead).
         ready = bool(peer.sending) and starved < len(peer.sending)
         want = zmq.POLLIN | (zmq.POLLOUT if peer.pending is not None or ready else 0)
-        self._poller.modify(peer.sock, want)
+        self.sockets.poller.modify(peer.sock, want)
 
     def _retire(self, out: Outgoing) -> None:
         """``out`` ended: forget it, and release its source once zmq holds nothing of it."""
-        self._out.pop(out.xid, None)
+        self.out.pop(out.xid, None)
         out.peer.open.pop(out.xid, None)
         if out.peer.pending is not None and out.peer.pending.out is out:
             self._drop_pending(out.peer)   # never handed to zmq: dropped (the receiver fails the transfer)
         out.frames = None
         if not self._release_if_free(out):
-            self._releasing.append(out)
+            self.releasing.append(out)
+            # zmq usually lets go within milliseconds (pyzmq's tracker thread): look again soon for
+            # a while, then at the tick (a receiver that stops reading must not make us spin)
+            self.release_soon = time.monotonic() + RELEASE_SOON
+
+    def reap(self) -> None:
+        """Release the sources zmq let go of since."""
+        if self.releasing:
+            self.releasing = [out for out in self.releasing if not self._release_if_free(out)]
 
     @staticmethod
     def _release_if_free(out: Outgoing) -> bool:
@@ -364,23 +221,45 @@ class ZMQSender:
             return True
         return False
 
+    def fencing(self) -> dict:
+        rel = list(self.releasing)
+        return {"requests": 0, "bytes": 0, "sources": len(rel), "source_bytes": sum(o.handle.nbytes for o in rel)}
+
+    # -- peers -----------------------------------------------------------------------------
+    def connect(self, cmd: Connect) -> None:
+        """A DEALER to ``cmd.target`` = (endpoint, token); ``cmd.future`` gets the peer id once the
+        probe's pong came back, or fails at ``connect_timeout``."""
+        (endpoint, token), fut = cmd.target, cmd.future
+        try:
+            sock = self.sockets.dealer(endpoint, token)
+        except zmq.ZMQError as e:
+            fut.set_exception(e)
+            return
+        n = next(self._pids)
+        pid = f"{endpoint}#{n}"   # never reused, so a stale id reaches no new peer
+        probe = Probe(pid, n, fut, time.monotonic() + self.options.connect_timeout)
+        peer = self.peers[pid] = Peer(endpoint, sock, probe, token)
+        self.sockets.poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
+        self._probe(peer, time.monotonic())
+
     def _reconnect(self, peer: Peer) -> None:
         """A fresh DEALER for a silent peer: closing the old one (linger 0) drops every message
         queued for it, so zero-copy frames stop referencing their sources."""
-        self._poller.unregister(peer.sock)
+        poller = self.sockets.poller
+        poller.unregister(peer.sock)
         peer.sock.close(linger=0)
         self._drop_pending(peer)
         try:
-            peer.sock = self._dealer(peer.endpoint)
+            peer.sock = self.sockets.dealer(peer.endpoint, peer.token)
         except zmq.ZMQError as e:   # cannot happen for an endpoint that connected before; keep going
             log.error("cannot reconnect to %s: %s", peer.endpoint, e)
-            peer.sock = self._ctx.socket(zmq.DEALER)
-        self._poller.register(peer.sock, zmq.POLLIN)
+            peer.sock = self.sockets.ctx.socket(zmq.DEALER)
+        poller.register(peer.sock, zmq.POLLIN)
 
-    def _disconnect(self, pid: str) -> None:
+    def disconnect(self, pid: str) -> None:
         """``disconnect`` on the I/O thread: fail the peer's transfers, close its socket (linger 0,
         so zmq drops the frames queued for it; their sources are released once zmq lets go)."""
-        peer = self._peers.pop(pid, None)
+        peer = self.peers.pop(pid, None)
         if peer is None:
             return
         if peer.probe is not None and not peer.probe.future.done():
@@ -390,7 +269,7 @@ class ZMQSender:
             self._retire(out)
         peer.sending.clear()
         self._drop_pending(peer)
-        self._poller.unregister(peer.sock)
+        self.sockets.poller.unregister(peer.sock)
         peer.sock.close(linger=0)
 
     def _probe(self, peer: Peer, now: float) -> None:
@@ -401,9 +280,10 @@ class ZMQSender:
         if now > probe.deadline:
             if not probe.future.done():
                 probe.future.set_exception(ConnectError(
-                    f"no answer on the data socket within {self.connect_timeout:g}s: nothing listens there, "
-                    f"or the address is unreachable or filtered from this host"))
-            self._disconnect(probe.pid)   # frees the socket: it never became a peer
+                    f"no answer on the data socket within {self.options.connect_timeout:g}s: nothing listens "
+                    f"there, the address is unreachable or filtered from this host, or the receiver refused "
+                    f"our admission token ({'one' if peer.token else 'none'} presented)"))
+            self.disconnect(probe.pid)   # frees the socket: it never became a peer
             return
         if not probe.sent:
             try:
@@ -411,7 +291,19 @@ class ZMQSender:
             except zmq.Again:   # no connection yet: POLLOUT (or the tick) brings us back
                 return
             probe.sent = True
-            self._poller.modify(peer.sock, zmq.POLLIN)
+            self.sockets.poller.modify(peer.sock, zmq.POLLIN)
+
+    # -- the loop's calls --------------------------------------------------------------------
+    def on_events(self, events: dict) -> None:
+        """Each peer's share of one poll: its probe, its replies, and pumping."""
+        for peer in list(self.peers.values()):
+            flags = events.get(peer.sock, 0)
+            if peer.probe is not None and flags & zmq.POLLOUT:
+                self._probe(peer, 0.0)   # connected: the ping goes out (the tick checks the deadline)
+            if flags & zmq.POLLIN:
+                self._on_replies(peer)
+            if peer.pending is not None or peer.sending:
+                self._pump(peer)
 
     def _on_replies(self, peer: Peer) -> None:
         while peer.sock.get(zmq.EVENTS) & zmq.POLLIN:   # asked first: an empty receive raises zmq.Again
@@ -436,24 +328,25 @@ class ZMQSender:
                 out = peer.open.get(xid)
                 if out is None:
                     continue
-                if isinstance(h, Ack):   # the receiver has every byte: zmq sent them all
-                    out.handle.finish(release=True)
+                if isinstance(h, Ack):   # done, as the receiver says; the source is released by
+                    out.handle.finish()  # _retire once zmq's trackers let go, whatever the receiver says
                 else:
                     out.handle.finish(RejectedWrite(
                         f"request {out.handle.request_id}: the receiver failed the transfer: {h.why}"))
                 self._retire(out)
 
-    def _check_outgoing(self, now: float) -> None:
+    def check(self, now: float) -> None:
         """Deadlines, pings and silence of outgoing transfers (the loop's tick)."""
-        for out in list(self._out.values()):
+        for out in list(self.out.values()):
             if out.handle.poll() != TransferStatus.PENDING:   # poll() times out a passed deadline
                 self._retire(out)
-        self._releasing = [out for out in self._releasing if not self._release_if_free(out)]
-        for pid, peer in list(self._peers.items()):
+        self.reap()
+        hb_ivl, hb_timeout = self.options.heartbeat_ivl, self.options.heartbeat_timeout
+        for pid, peer in list(self.peers.items()):
             self._probe(peer, now)
             if not peer.open:
                 continue
-            if peer.clock.silent(now, self.hb_timeout):
+            if peer.clock.silent(now, hb_timeout):
                 silent = peer.clock.silent_for(now)
                 for out in list(peer.open.values()):
                     out.handle.finish(peer_failed(out.handle.request_id,
@@ -461,9 +354,26 @@ class ZMQSender:
                     self._retire(out)
                 peer.sending.clear()
                 self._reconnect(peer)
-            elif now - peer.pinged >= self.hb_ivl:
+            elif now - peer.pinged >= hb_ivl:
                 peer.pinged = now
                 try:
                     peer.sock.send(Ping().pack(), flags=zmq.NOBLOCK)
                 except zmq.Again:
                     pass
+
+    def fail_all(self, why: str) -> None:
+        """Every open transfer, and every connect still waiting for its pong, fails with ``why``."""
+        for out in list(self.out.values()):
+            out.handle.finish(peer_failed(out.handle.request_id, why))
+        for peer in self.peers.values():
+            if peer.probe is not None and not peer.probe.future.done():
+                peer.probe.future.set_exception(ConnectError(why))
+
+    def dealers(self) -> list[zmq.Socket]:
+        return [p.sock for p in self.peers.values()]
+
+    def free(self) -> None:
+        """After the sockets and context are gone (nothing reads a source any more)."""
+        for out in [*self.out.values(), *self.releasing]:
+            out.handle.release_source()
+        self.staging.clear()

@@ -1,0 +1,167 @@
+"""An outgoing transfer's runs cut into messages, made lazily as zmq takes them.
+
+Runs of at least ``zero_copy_min`` bytes in CPU regions go out as zero-copy views of the region
+(split into ``frame_bytes`` parts, ``frames_per_message`` parts per message); shorter runs, and
+every run of a CUDA region, are gathered (``torch.index_select``) into staging frames of
+~``frame_bytes * frames_per_message``, sorted by region so that the receiver scatters each
+region's share with one indexed copy. Staging frames come from the transport's ring
+(``kit.StagingPool``) and are reused once zmq has sent them; when none is free the transfer waits.
+
+Who calls what: the sender (``sender.py``, I/O thread) calls ``Framer.frames`` or
+``Framer.frames_few`` once per transfer it starts and takes messages from the iterator one at a
+time as zmq accepts them. Each message is (runs bytes, parts, staging buffer or None, last?);
+None instead of a message means "no staging frame free yet, ask again" (``starved`` is then set,
+so the loop looks again soon).
+"""
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from kvxfer.plan import merge_runs
+from kvxfer.transport.kit import StagingPool, split_long_runs
+
+from .options import ZMQOptions
+from .protocol import MAX_PARTS, RUN_BYTES
+from .regions import Regions
+from .rows import gather_rows, region_spans
+
+Message = tuple[bytes, list, "torch.Tensor | None", bool]
+
+
+def pack_runs(runs: list[tuple[int, int, int, int, int]]) -> bytes:
+    """The header's runs field for (src region, src offset, dst region, dst offset, nbytes) runs."""
+    return struct.pack(f"<{3 * len(runs)}q", *[r[2] for r in runs], *[r[3] for r in runs], *[r[4] for r in runs])
+
+
+def fill_messages(runs: list[tuple], budget: int, overhead: int) -> list[list[tuple]]:
+    """Runs in order, cut into messages of at most ``budget`` bytes (each run costing its
+    length plus ``overhead``) and ``MAX_PARTS`` runs; a longer run gets a message of its own."""
+    out: list[list[tuple]]
+    cur: list[tuple]
+    out, cur, used = [], [], 0
+    for run in runs:
+        cost = run[4] + overhead
+        if cur and (used + cost > budget or len(cur) == MAX_PARTS):
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(run)
+        used += cost
+    return out + [cur] if cur else out
+
+
+class Framer:
+    """Makes the messages of outgoing transfers (I/O thread). ``starved``: a transfer waited for a
+    staging frame since the loop last looked (the loop clears it)."""
+
+    def __init__(self, options: ZMQOptions, regions: Regions, staging: StagingPool):
+        self.frame_bytes, self.per_message = options.frame_bytes, options.frames_per_message
+        self.zero_copy_min = options.zero_copy_min
+        self.regions, self.staging = regions, staging
+        self.starved = False
+
+    def frames(self, sr, so, dr, do, n) -> Iterator[Message | None]:
+        """The messages of runs given as int64 arrays (any regions)."""
+        fb, host, is_host = self.frame_bytes, self.regions.host, self.regions.is_host
+        n, (so, do), (sr, dr) = split_long_runs(fb, n, (so, do), (sr, dr))
+        zc = (n >= self.zero_copy_min) & is_host[sr]
+
+        def runs(sel) -> bytes:
+            return np.concatenate((dr[sel], do[sel], n[sel])).astype("<i8").tobytes()
+
+        def views(sel) -> list[memoryview]:
+            return [memoryview(host[r][o: o + c]) for r, o, c in zip(sr[sel].tolist(), so[sel].tolist(),
+                                                                     n[sel].tolist())]
+
+        def messages(sel: np.ndarray, overhead: int, budget: int) -> list[np.ndarray]:
+            cost = n[sel] + overhead                 # header bytes count toward a packed frame
+            if len(sel) <= 1 or (len(sel) <= MAX_PARTS and cost.sum() <= budget):
+                return [sel] if len(sel) else []
+            frame_of = (np.cumsum(cost) - cost) // budget
+            if not overhead:                         # zero-copy: at most MAX_PARTS parts
+                frame_of = frame_of * len(sel) + np.arange(len(sel)) // MAX_PARTS
+            return np.split(sel, np.flatnonzero(np.diff(frame_of)) + 1) if len(sel) else []
+
+        zmsgs = messages(np.flatnonzero(zc), 0, fb * self.per_message)
+        small = np.flatnonzero(~zc)
+        if len(small) > 1 and ((sr[small] != sr[small[0]]).any() or (dr[small] != dr[small[0]]).any()):
+            small = small[np.lexsort((sr[small], dr[small]))]   # stable: plan order within a region pair
+        packed = fb * self.per_message   # measured: packed frames gain from size, zero-copy parts do not
+        smsgs = messages(small, RUN_BYTES, packed)
+        left = len(zmsgs) + len(smsgs)          # messages still to make: 1 is the last
+        if not left:
+            yield b"", [], None, True   # an empty transfer still sends its totals
+        for sel in zmsgs:
+            left -= 1
+            yield runs(sel), views(sel), None, not left
+        for sel in smsgs:
+            left -= 1
+            if len(sel) == 1 and is_host[sr[sel[0]]]:     # a lone run needs no staging
+                yield runs(sel), views(sel), None, not left
+                continue
+            pos = np.concatenate(([0], np.cumsum(n[sel])))
+            while (base := self._stage()) is None:
+                yield None   # the staging ring is exhausted: asked again once zmq freed a frame
+            try:
+                msg = self._gather(sel, pos, base, sr, so, dr, do, n)
+            except BaseException:
+                self.staging.put(base)   # never handed to zmq: free again at once
+                raise
+            yield msg, [memoryview(base[: pos[-1]].numpy())], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
+
+    def _gather(self, sel, pos, base, sr, so, dr, do, n) -> bytes:
+        """A packed frame: the runs ``sel`` gathered into ``base``; returns the header's runs."""
+        header = []
+        for a, b in region_spans(sr[sel], dr[sel]):         # loop per region pair in the frame
+            region = self.regions.tensors[sr[sel[a]]]
+            out = base[pos[a]: pos[b]] if region.is_cpu else torch.empty(
+                int(pos[b] - pos[a]), dtype=torch.uint8, device=region.device)
+            gather_rows(region, so[sel[a:b]], n[sel[a:b]], out)
+            if not region.is_cpu:   # CUDA: gather on the device, one copy to pinned host memory
+                base[pos[a]: pos[b]].copy_(out)
+            # Runs back to back in the frame and at the receiver are one run there: a head
+            # slice of token-major pages gathers 512 B rows into 8 KiB destination runs.
+            start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])
+            header.append((np.full(len(start), dr[sel[a]]), start, length))
+        return np.concatenate([np.concatenate(c) for c in zip(*header)]).astype("<i8").tobytes()
+
+    def frames_few(self, runs: list[tuple[int, int, int, int, int]]) -> Iterator[Message | None]:
+        """``frames`` for a few runs in CPU regions, as ``TransferPlan.run_tuples`` gives them."""
+        fb, budget, host = self.frame_bytes, self.frame_bytes * self.per_message, self.regions.host
+        views: list[tuple[int, int, int, int, int]]
+        small: list[tuple[int, int, int, int, int]]
+        views, small = [], []
+        for r, o, d, e, c in runs:
+            for x in range(0, c, fb):   # runs longer than a frame go in frame-sized chunks
+                (views if c >= self.zero_copy_min else small).append((r, o + x, d, e + x, min(fb, c - x)))
+        vmsgs, smsgs = fill_messages(views, budget, 0), fill_messages(small, budget, RUN_BYTES)
+        left = len(vmsgs) + len(smsgs)
+        if not left:
+            yield b"", [], None, True
+        for msg in vmsgs:
+            left -= 1
+            yield pack_runs(msg), [memoryview(host[r][o: o + c]) for r, o, _, _, c in msg], None, not left
+        for msg in smsgs:
+            left -= 1
+            if len(msg) == 1:   # a lone run needs no staging
+                r, o, _, _, c = msg[0]
+                yield pack_runs(msg), [memoryview(host[r][o: o + c])], None, not left
+                continue
+            while (base := self._stage()) is None:
+                yield None   # the staging ring is exhausted: asked again once zmq freed a frame
+            stage, p = base.numpy(), 0
+            for r, o, _, _, c in msg:   # host regions, checked in bounds: nothing here raises
+                stage[p: p + c] = host[r][o: o + c]
+                p += c
+            yield pack_runs(msg), [memoryview(stage[:p])], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
+
+    def _stage(self) -> torch.Tensor | None:
+        """A frame of the staging ring for a packed message, or None (counted as a wait) while
+        every frame is still in zmq: the I/O thread never allocates one, it waits."""
+        if not self.staging.available():
+            self.starved = True   # the loop looks again soon
+            return None
+        return self.staging.get(self.frame_bytes * (self.per_message + 1))
