@@ -8,6 +8,9 @@ control channel  (kvxfer/control/wire.py seal/open_frames, kvxfer/control/channe
     connection), seq (from 1)]; body = msgpack map with "t" (one of kvxfer/control/messages.py, exact
     types, no unknown field); mac = HMAC-SHA256(secret, len(head) u32 LE || head || body) or b"".
     The ROUTER requires the signed sender == routing identity and admits each (nonce, seq) once.
+    With a secret the ROUTER is a ZMTP CURVE server (kvxfer/control/zmtp.py): its secret key is the
+    z85 of HMAC-SHA256(secret, "kvxfer control channel: CURVE server key"), a client's of
+    HMAC-SHA256(secret, "kvxfer control channel: CURVE client key"); only that client key is let in.
     Prefill binds a ROUTER; decode connects a DEALER whose identity is its peer name.
     A HELLO is {"t": "hello", "i": call id, "info": RankInfo dict, "nonce": 8..64 bytes};
     the answer is {"t": "welcome" | "refuse", "re": call id, ...}.
@@ -71,6 +74,19 @@ def ctl_frames(msg, secret: bytes | None = None, body: bytes | None = None, *, s
     return [tag, head, body]
 
 
+def curve_dial(sock: zmq.Socket, secret: bytes) -> None:
+    """Make ``sock`` (before ``connect``) a CURVE client that a ROUTER with ``secret`` lets in: the keys
+    a secret holder derives (an insider: the MAC, replay and schema checks are what is tested)."""
+    from zmq.utils import z85
+
+    def pair(label: bytes) -> tuple[bytes, bytes]:
+        sk = z85.encode(hmac.new(secret, label, hashlib.sha256).digest())
+        return zmq.curve_public(sk), sk
+    server_public, _ = pair(b"kvxfer control channel: CURVE server key")
+    client_public, client_secret = pair(b"kvxfer control channel: CURVE client key")
+    sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server_public, client_public, client_secret
+
+
 def bad_hello(i: int) -> dict:
     """A HELLO whose rank record is invalid: a live prefill answers it with REFUSE, so it
     doubles as a probe that the control thread is alive and has handled what came before."""
@@ -90,6 +106,8 @@ class CtlClient:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
         self.sock.setsockopt(zmq.IDENTITY, self.identity.encode())
+        if secret is not None:
+            curve_dial(self.sock, secret)
         self.sock.connect(address)
 
     def frames(self, msg=None, *, body: bytes | None = None) -> list[bytes]:

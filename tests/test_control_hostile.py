@@ -13,6 +13,7 @@ import os
 import threading
 import time
 
+import hostile_wire as hw
 import msgpack
 import pytest
 import zmq
@@ -44,8 +45,9 @@ def _prefill(secret=None) -> PrefillEndpoint:
 
 
 def _decode(secret=None) -> DecodeEndpoint:
+    """A decode endpoint these tests say HELLO for by hand: its data port admits anyone (no token)."""
     return DecodeEndpoint(RankSpec(role="decode", num_kv_heads=4, num_layers=4), _pool(), transport="local",
-                          timeouts=FAST, secret=secret)
+                          timeouts=FAST, secret=secret, transport_options={"admission": "open"})
 
 
 # ------------------------------------------------------------------------------------
@@ -57,6 +59,8 @@ class RawPeer:
         self.s = self.ctx.socket(zmq.DEALER)
         self.s.linger = 0
         self.s.setsockopt(zmq.IDENTITY, identity)
+        if secret is not None:   # a secret holder passes the ZMTP handshake (CURVE keys from the secret)
+            hw.curve_dial(self.s, secret)
         self.s.connect(address)
         self.address, self.identity, self.secret = address, identity, secret
         self.nonce, self.seq = os.urandom(16), 0
@@ -381,7 +385,7 @@ def test_a_message_for_another_rank_is_refused():
     """With ``check_recipient`` the recipient is checked: a message captured on its way to one
     rank does not work at another (same secret, same sender identity)."""
     a, b = (ControlChannel(_Quiet(), secret=SECRET, heartbeat=Heartbeat(), bind="tcp://127.0.0.1:0",
-                           check_recipient=True) for _ in range(2))
+                           check_recipient=True, zmtp_auth=True) for _ in range(2))
     to_a = RawPeer(a.address, b"decode-x", SECRET)
     at_b = RawPeer(b.address, b"decode-x", SECRET)
     try:

@@ -57,7 +57,7 @@ def counting(base: type[Transport]) -> type[Transport]:
             self.most = 0
 
         def connect(self, descriptor: dict, token: bytes = b"") -> str:
-            peer = super().connect(descriptor)
+            peer = super().connect(descriptor, token)
             self.live.add(peer)
             self.most = max(self.most, len(self.live))
             return peer
@@ -91,10 +91,12 @@ def _prefill(server, transport, timeouts: Timeouts = QUICK) -> PrefillEndpoint:
     return pe
 
 
-def _decode(timeouts: Timeouts = QUICK, transport: str = "local") -> DecodeEndpoint:
+def _decode(timeouts: Timeouts = QUICK, transport: str = "local", **options) -> DecodeEndpoint:
+    """``options``: transport options (``admission="open"`` for a test that says HELLO by hand, with no
+    admission token for the prefill rank)."""
     pool = _pool()
     de = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=H, num_layers=LAYERS), pool, aux=AuxBuffer(2),
-                        transport=transport, timeouts=timeouts)
+                        transport=transport, timeouts=timeouts, transport_options=options)
     POOLS[id(de)] = pool
     return de
 
@@ -188,7 +190,7 @@ def test_a_new_epoch_of_a_decode_peer_ends_its_earlier_requests(server):
     its earlier handshake fails at once, naming why; the new handshake moves bytes exactly."""
     tx = Counting()
     pe = _prefill(server, tx)
-    de = _decode()
+    de = _decode(admission="open")
     try:
         de.connect(bootstrap=server.url, timeout=10)
         rc, sd = _bound_sender(pe, de, 7)
@@ -233,7 +235,7 @@ def test_a_retired_peer_does_not_take_a_shared_data_peer_with_it(server):
     peer stays."""
     tx = Counting()
     pe = _prefill(server, tx, FAST)
-    de = _decode(FAST)
+    de = _decode(FAST, admission="open")
     imp = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=H, num_layers=LAYERS, instance="impostor"), _pool(),
                          aux=AuxBuffer(2), transport="local", timeouts=FAST)
     try:

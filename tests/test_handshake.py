@@ -208,7 +208,8 @@ def test_wrong_or_missing_secret_is_refused(prefill, d_secret):
         d.channel.connect(p.spec.key, p.info.control)
         with pytest.raises(ConnectError, match="authentication|secret"):
             hello(d.channel, p.spec.key, d.info, 3.0)
-        assert p.channel.dropped, "the prefill rank counted the bad message"
+        # nothing of it reached the prefill rank: the ZMTP handshake (CURVE from the secret) refused it
+        assert len(p.links.peers) == 0 and not any(p.channel.dropped.values()), p.channel.dropped
     finally:
         d.close()
 
@@ -223,7 +224,8 @@ def test_right_secret_connects(prefill):
 
 
 def test_unauthenticated_requests_are_dropped(prefill):
-    """After a good handshake, a message without the secret changes nothing on the prefill side."""
+    """A peer without the secret gets nothing past the ZMTP handshake (CURVE keys from the secret):
+    its message never reaches the channel, and nothing changes on the prefill side."""
     import zmq
     p, url = prefill(secret="s3cret")
     ctx = zmq.Context()
@@ -233,11 +235,9 @@ def test_unauthenticated_requests_are_dropped(prefill):
     before = sum(p.channel.dropped.values())
     s.send_multipart(encode({"t": "req", "room": 1, "gen": 1, "kv": b"", "prefix": 0, "state": b"", "aux": False,
                              "dummy": True}, b"not-the-secret"))
-    deadline = time.monotonic() + 3
-    while sum(p.channel.dropped.values()) == before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sum(p.channel.dropped.values()) == before + 1
-    assert not p._pending
+    time.sleep(1.0)
+    assert sum(p.channel.dropped.values()) == before   # refused below the channel: nothing read
+    assert not p._pending and len(p.links.peers) == 0
     s.close()
     ctx.term()
 

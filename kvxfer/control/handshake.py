@@ -50,7 +50,13 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float,
     msg = {"t": "hello", "info": d_info.to_dict(), "nonce": os.urandom(16)}
     if tokens:
         msg["tokens"] = dict(tokens)
-    reply = channel.call(peer, msg, timeout)
+    try:
+        reply = channel.call(peer, msg, timeout)
+    except ConnectError as e:
+        if channel.secret is None and "no answer" in str(e):   # a secured rank never answers one without it
+            raise ConnectError(f"{e} (if the prefill rank has a shared secret, this rank needs the same one: its "
+                               f"control port takes no connection without it)") from None
+        raise
     if isinstance(reply, Refuse):
         why = [str(w)[:1024] for w in reply.why]
         if any(w.startswith(BUSY) for w in why):

@@ -262,6 +262,20 @@ class RequestBase:
 # ------------------------------------------------------------------------------------
 # Endpoints
 # ------------------------------------------------------------------------------------
+# Transports whose data port takes only the peers an endpoint admitted (``Transport.admit``) once
+# told so; UCX requires it by itself as soon as ``admit`` is called.
+ADMISSION_OPTION = {"zmq": "required", "local": "required"}
+
+
+def admitting(transport: str | Transport, options: Mapping | None) -> dict:
+    """The options an endpoint makes its transport with: admission required where the transport
+    takes the option and the caller did not set it (a bare transport in a test stays open)."""
+    out = dict(options or {})
+    if isinstance(transport, str) and transport in ADMISSION_OPTION:
+        out.setdefault("admission", ADMISSION_OPTION[transport])
+    return out
+
+
 class EndpointBase(abc.ABC):
     """What both endpoints share: the pools' combined layout, the transport, the lock, the
     clock, the channel tick, close. A side implements ``end_request`` and the hooks ``_tick``
@@ -297,7 +311,7 @@ class EndpointBase(abc.ABC):
         self.kv_kinds = sorted({p.kind for p in kv.layout.parts})
         self.state_kinds = sorted({p.kind for p in state.layout.parts}) if state is not None else []
         self._owns_transport = isinstance(transport, str)
-        self.transport: Transport = get_transport(transport, **dict(transport_options or {})) \
+        self.transport: Transport = get_transport(transport, **admitting(transport, transport_options)) \
             if isinstance(transport, str) else transport
         self.transport.register(kv.regions() + (state.regions() if state is not None else []))
         self._lock = threading.RLock()

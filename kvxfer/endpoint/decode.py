@@ -86,7 +86,8 @@ class DecodeEndpoint(ReceiverHost):
         self._recvs: dict[str, KVReceiver] = {}            # request_id -> live receiver
         self._landing: list[KVReceiver] = []               # ended; puts may still land in their slots
         self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="decode-ctl",
-                                      identity=f"{spec.key}/{uuid.uuid4().hex[:12]}", on_dead=self.on_dead)
+                                      identity=f"{spec.key}/{uuid.uuid4().hex[:12]}", on_dead=self.on_dead,
+                                      zmtp_auth=self.secret is not None)
         self._arrivals: threading.Thread | None = None
         if not self.transport.set_arrival_callback(self._on_arrival):
             self._arrivals = threading.Thread(target=self._arrivals_loop, name="kvxfer-decode-arrivals", daemon=True)

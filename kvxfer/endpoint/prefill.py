@@ -97,7 +97,7 @@ class PrefillEndpoint(SenderHost):
             self.channel = ControlChannel(self, secret=self.secret, heartbeat=timeouts.heartbeat, name="prefill-ctl",
                                           bind=bind if bind is not None else f"tcp://{host}:{port}",
                                           advertise=advertise, on_dead=self.on_dead, identity=spec.key,
-                                          check_recipient=True)
+                                          check_recipient=True, zmtp_auth=self.secret is not None)
         except BaseException:
             if self._owns_transport:
                 self._close_transport()
