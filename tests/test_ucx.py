@@ -257,7 +257,7 @@ def _raw(t, pid: str, msg, sender: str | None = None) -> None:
     from kvxfer_transports.ucx import CTRL_TAG
     secret = t._peers[pid].secret
     wire = msg if isinstance(msg, bytes) else msgpack.packb([sender or t.id, secret, [msg]], use_bin_type=True)
-    _send_tagged(t, pid, CTRL_TAG, wire)
+    _send_tagged(t, pid, CTRL_TAG | t._peers[pid].tag_out, wire)
 
 
 def test_hostile_announces_are_rejected_and_counted(pair):

@@ -56,11 +56,13 @@ class Pair:
         self.pid = self.tx.connect(self.rx.descriptor())
         self.rids = iter(range(10**6))
 
-    def raw(self, batch, *, tag: int = CTRL_TAG) -> None:
-        """Send ``batch`` (a Python object packed here, or bytes) from the sender's worker."""
+    def raw(self, batch, *, tag: int | None = None) -> None:
+        """Send ``batch`` (a Python object packed here, or bytes) from the sender's worker, under
+        the control tag the receiver gave it (its WELCOME) unless ``tag`` is given."""
         from ucxx._lib import libucxx as ucx_api
         from ucxx._lib.arr import Array
         t, p = self.tx, self.tx._peers[self.pid]
+        tag = CTRL_TAG | p.tag_out if tag is None else tag
         wire = batch if isinstance(batch, bytes) else msgpack.packb(batch, use_bin_type=True)
 
         def send():

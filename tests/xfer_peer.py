@@ -19,6 +19,8 @@ Commands (``{"op": ..., **arguments}``; a failing command replies ``{"error": ".
     digest   regions -> digests {region: sha256 hex}
     watch    region, offset, value, wait_s -> changed       until that byte is no longer ``value``
     foreign  region, seed -> count                           bytes that are neither canary nor the seed's
+    matches  region, start, nbytes, seed -> same             those bytes hold the seed's pattern there
+    health   -> kvxfer_threads, fds, threads, rss, broken    this process, for the hostile tests
     rejected -> rejected {reason: count}
     close
 
@@ -231,6 +233,20 @@ class Peer:
         r = self.regions[region].numpy()
         return {"count": int(((r != CANARY) & (r != pattern(region_seed(seed, region), r.size))).sum())}
 
+    def op_matches(self, region: int, start: int, nbytes: int, seed: int):
+        """Do bytes ``start .. start + nbytes`` of ``region`` hold the seed's pattern there?"""
+        r = self.regions[region].numpy()[start:start + nbytes]
+        return {"same": bool((r == pattern(region_seed(seed, region), start + nbytes)[start:]).all())}
+
+    def op_health(self):
+        """This process: the kvxfer threads alive, open fds, threads, RSS bytes, ``broken``."""
+        import threading
+        with open("/proc/self/status") as f:
+            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return {"kvxfer_threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kvxfer")),
+                "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(), "rss": rss,
+                "broken": getattr(self.t, "broken", None)}
+
     def op_stall(self, seconds: float):
         """UCX: the I/O thread stops for ``seconds`` (no progress, no answers), as a stopped host."""
         from kvxfer.transport.kit import Call
@@ -298,11 +314,13 @@ class InProcessPeer:
 class PeerProcess:
     """A ``Peer`` in a child process (this file run as a program)."""
 
-    def __init__(self, stderr_path: Path):
+    def __init__(self, stderr_path: Path, script: str = __file__, env: dict | None = None):
+        """``script``: the program (this file; a test's own command loop speaks the same lines);
+        ``env``: its environment (default: ours)."""
         self.stderr_path = stderr_path
         self._err = open(stderr_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._err, env=env)
         self.pid = self.proc.pid
         self._buf = b""

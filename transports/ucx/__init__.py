@@ -33,7 +33,8 @@ once, then sends the ANNOUNCE as DONE once flushed (its handle DONE then); R che
 Files: ``bindings`` (ctypes over libucp), ``protocol`` (control messages, validated once),
 ``sender``, ``receiver``, ``frames`` (the staged frame cut), ``control`` (peers, control batches,
 heartbeats), ``fencing``, ``eager`` (pregrants, FENCEs), ``settings`` (thresholds, UCX settings),
-``lifecycle`` (start-up, connect, shutdown), ``state`` (records), and this module (options, the
+``join`` (the front worker, connect, admission), ``inbox`` (control batches in, routed by their
+tag), ``lifecycle`` (start-up, shutdown), ``state`` (records), and this module (options, the
 contract, the I/O loop).
 
 Trust model: R checks every announced run before it answers GO, so an honest sender (even one
@@ -57,7 +58,9 @@ impossible; see ``control`` ("Fencing") and ``fencing()``. Without error handlin
 single-copy shared-memory transport (cma) abort()s the process when it touches a dead peer: the
 UCS log hook in ``bindings`` turns that into a failed call.
 
-Peers: ``connect`` waits for a round trip over the new endpoint (``connect_timeout``), so an
+Peers: a peer joins through the front worker our descriptor names (TCP, tags only): its HELLO
+is checked before anything is made for it, and only then does it learn our data worker's
+address (``join``). ``connect`` waits for a round trip over the data endpoint (``connect_timeout``), so an
 address that does not reach fails there, by name. A peer whose descriptor says it is on another
 host or in another network namespace is reached through a second worker without shared memory
 and cma (``settings.FAR_TLS``; the user's own TLS setting wins); each connection's transports
@@ -94,7 +97,7 @@ from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from kvxfer.copy import byte_view
-from kvxfer.errors import ConnectError, PeerError, PlanError, TransportError
+from kvxfer.errors import PeerError, PlanError, TransportError
 from kvxfer.grant import GrantTable
 from kvxfer.plan import FEW_RUNS, TransferPlan
 from kvxfer.transport.base import DEFAULT_TIMEOUT, Arrival, TransferHandle, Transport
@@ -106,17 +109,16 @@ from .control import UCXControl, host_identity, process_start
 from .eager import UCXEager
 from .fencing import UCXFencing
 from .frames import STAGE_HOST, network_only
+from .inbox import UCXInbox
+from .join import UCXJoin, make_front
 from .lifecycle import UCXLifecycle
 from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO
 from .receiver import UCXReceiver
 from .sender import INLINE_BELOW, UCXSender
 from .settings import (
-    MUST_MATCH,
     PUT_BELOW,
     PUT_BELOW_MANY,
     UCX_DEFAULTS,
-    far_path,
-    reach,
     shared_memory_settings,
     tls_explicit,
     ucx_settings,
@@ -129,7 +131,8 @@ __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLIN
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
-class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UCXReceiver, Transport):
+class UCXTransport(UCXLifecycle, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXEager, UCXSender, UCXReceiver,
+                   Transport):
     """UCX data plane of one rank. Options (keyword only, via ``get_transport("ucx", ...)``):
 
     tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...), for every peer. None:
@@ -211,12 +214,15 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()  # so the idle I/O thread can sleep on the worker fd
         self._whandle, self._address = self._worker.handle, self._worker.address.tobytes()
+        # The front worker: what descriptor() names; it takes one HELLO per peer (``join``).
+        self._front_ctx, self._front_worker = make_front(config, config.get("TLS") if tls_explicit(
+            tls, ucx_config, os.environ) else None)
         # A second worker (FAR_TLS: no shared memory, no cma), made at the first peer on another
         # host or network namespace; the I/O thread progresses and sleeps on both.
         self._config, self._tls_explicit = config, tls_explicit(tls, ucx_config, os.environ)
         self._far_ctx = self._far_worker = None
         self._far_address = b""
-        self._workers = [self._worker]
+        self._workers = [self._worker, self._front_worker]
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
         self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)
@@ -227,6 +233,9 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self._put_params = self._put_params_far = ucp.EMPTY_TABLE   # see register()
         self._rkeys_packed: list[bytes] = []
         self._peers: dict[str, Peer] = {}
+        self._by_tag: dict[int, Peer] = {}   # control tag -> the peer whose batches carry it (``join``)
+        self._retired_tags: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._junk: collections.Counter = collections.Counter()   # messages dropped unread, by why (``rejected``)
         self._out: dict[int, Outgoing] = {}
         self._in: dict[tuple[str, int], Incoming] = {}
         self._by_dtag: dict[int, Incoming] = {}
@@ -315,50 +324,12 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self._rx_ring.clear()
 
     def descriptor(self) -> dict:
-        """Plain JSON-safe data a peer needs: worker address, region addresses, sizes, rkeys."""
-        return {"transport": self.name, "id": self.id, "address": self._address.hex(),
+        """Plain JSON-safe data a peer needs: the front worker's address (``join``), region
+        addresses, sizes, rkeys, where this process runs and its shared-memory settings."""
+        return {"transport": self.name, "id": self.id, "address": self._front_worker.address.tobytes().hex(),
                 "hostname": socket.gethostname()[:255], "host": self._host_id,
                 "region_base": [int(b) for b in self._base], "region_sizes": list(self.grants.region_sizes),
                 "rkeys": [k.hex() for k in self._rkeys_packed], "shm_settings": self._shm_settings}
-
-    def connect(self, descriptor: dict) -> str:
-        """Sender, once per receiver: an endpoint to its worker (error handling off; through the
-        FAR_TLS worker when the peer is on another host or network namespace), its rkeys, and a
-        round trip over it within ``connect_timeout`` (``ConnectError`` naming the address)."""
-        try:
-            peer_id, addr = str(descriptor["id"]), bytes.fromhex(descriptor["address"])
-            base, sizes = (np.asarray(descriptor[k], np.int64) for k in ("region_base", "region_sizes"))
-            rkeys = [bytes.fromhex(k) for k in descriptor["rkeys"]]
-            theirs = {k: str(descriptor.get("shm_settings", {}).get(k, "")) for k in MUST_MATCH}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ConnectError(f"not a UCX transport descriptor ({type(e).__name__}: {e})") from e
-        where = reach(self._host_id, str(descriptor.get("host", ""))[:200])
-        differ = [f"UCX_{k} {self._shm_settings[k] or 'unset'} here, {theirs[k] or 'unset'} at the peer"
-                  for k in MUST_MATCH if theirs[k] != self._shm_settings[k]]
-        if differ and not far_path(where, self._tls_explicit):   # no shared memory between us: no matter
-            raise ConnectError("UCX shared-memory settings differ from the peer's (a mismatch would hang "
-                               f"transfers): {'; '.join(differ)}. Give both sides the same settings.")
-        if not len(base) == len(sizes) == len(rkeys) or base.ndim != 1:
-            raise ConnectError("UCX descriptor region lists differ in length")
-        named = (f"UCX peer {peer_id[:8]} on {str(descriptor.get('hostname', '?'))[:255]!r} (worker address "
-                 f"{addr[:8].hex()}..., {len(addr)} bytes)")
-        try:
-            peer = self._call(self._do_connect, peer_id, addr, base, sizes, rkeys, where)
-        except (TransportError, TimeoutError):
-            raise
-        except Exception as e:   # UCX refused the address (unreachable, malformed)
-            raise ConnectError(f"{named}: cannot make an endpoint: {type(e).__name__}: {e}") from e
-        # A round trip on the data path (our HELLO, its answer, over the endpoints transfers use),
-        # so an address that does not reach fails here, not at the first request.
-        p, end = self._peers.get(peer), time.monotonic() + self.connect_timeout
-        while p is not None and not p.answered and time.monotonic() < end and not self.broken:
-            time.sleep(0.002)
-        if p is None or not p.answered:
-            self.disconnect(peer)
-            raise ConnectError(f"{named} did not answer over UCX within {self.connect_timeout:g}s: its data "
-                               "address does not reach from here (another host or network namespace without a "
-                               "common transport, a firewall, or the process is gone)")
-        return peer
 
     def disconnect(self, peer: str) -> None:
         """Sender or receiver: end ``peer`` (an id from connect(), or a sender of ours). Its

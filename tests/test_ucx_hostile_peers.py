@@ -1,0 +1,182 @@
+"""Hostile UCX peers against a decode-side UCX transport in a process of its own (issue 34).
+
+The victim is ``xfer_peer`` running a ``UCXTransport`` that holds one 4 MiB canary region; the
+attacker is ``hostile_ucx_wire`` in another process: raw ``ucxx`` with UCX settings of its own and
+kvxfer's wire formats re-implemented from reading them. After each case: the victim process and
+its I/O thread are alive, it is not broken, a fresh honest UCX peer (this process) moves a put run
+and a packed run into a fresh grant byte-exact, no byte outside the honest grants changed (the
+canary), and the victim's fds, threads and RSS grew by at most ``FDS``, ``THREADS``, ``RSS``.
+"""
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("ucxx")
+
+import hostile_ucx_wire as hw  # noqa: E402
+from xfer_peer import PeerProcess, enc, fill_pattern, raw_plan, region_seed  # noqa: E402
+
+from kvxfer.transport.registry import get_transport  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+REGION = 4 << 20
+SEED = 5
+OPTS = {"heartbeat": 0.2, "peer_timeout": 30.0, "connect_timeout": 5.0}
+FDS, THREADS, RSS = 24, 2, 96 << 20   # growth bounds of the victim over the whole test
+_slot = itertools.count(0)
+
+
+def _env() -> dict:
+    """The environment without UCX settings: each process's own come from its options."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+
+
+class Victim:
+    def __init__(self, tmp: Path, options: dict | None = None):
+        self.proc = PeerProcess(tmp / "victim.err", env=_env())
+        init = self.proc.call("init", transport="ucx", sizes=[REGION], fill="canary",
+                              options={**OPTS, **(options or {})})
+        self.descriptor, self.pid = init["descriptor"], init["pid"]
+        self.base = None
+
+    def health(self) -> dict:
+        return self.proc.call("health")
+
+    def close(self) -> None:
+        self.proc.close()
+
+
+class AttackerProcess:
+    """``hostile_ucx_wire`` in a process of its own, with UCX ``config`` of its own."""
+
+    def __init__(self, tmp: Path, config: dict, name: str = "attacker"):
+        self.proc = PeerProcess(tmp / f"{name}.err", script=hw.__file__, env=_env())
+        init = self.proc.call("init", config=config)
+        self.address, self.pid = bytes.fromhex(init["address"]), init["pid"]
+        self.secret = os.urandom(16)
+
+    def connect(self, address_hex: str) -> int:
+        return self.proc.call("connect", address=address_hex)["ep"]
+
+    def send(self, ep: int, tag: int, data: bytes) -> bool:
+        return self.proc.call("send", ep=ep, tag=tag, data=base64.b64encode(data).decode())["sent"]
+
+    def close(self) -> None:
+        self.proc.close()
+
+
+def honest_transfer(v: Victim, options: dict | None = None) -> str:
+    """A fresh honest UCX peer moves a 16 KiB put run and a 1 KiB packed run into a fresh grant of
+    the victim; '' when both arrived and the bytes are exact, else what went wrong."""
+    k = next(_slot)
+    base = (1 << 20) + k * (32 << 10)
+    assert base + (32 << 10) <= REGION
+    rid = f"honest.{k}"
+    s = get_transport("ucx", **{**OPTS, **(options or {})})
+    try:
+        src = torch.empty(REGION, dtype=torch.uint8)
+        fill_pattern(src.numpy(), region_seed(SEED, 0))
+        s.register([src])
+        runs = (np.array([base, base + (16 << 10)]), np.array([16 << 10, 1 << 10]))
+        v.proc.call("expect", request_id=rid, ranges={"region": enc(np.zeros(2, np.int64)), "start": enc(runs[0]),
+                                                       "nbytes": enc(runs[1])})
+        try:
+            peer = s.connect(v.descriptor)
+        except Exception as e:
+            return f"honest connect failed: {type(e).__name__}: {e}"
+        for off, n in zip(*runs):
+            z = np.zeros(1, np.int64)
+            h = s.submit(peer, rid, raw_plan(z, [off], z, [off], [n]), timeout=5.0)
+            if not h.wait(5.0):
+                return f"honest transfer of {n} bytes failed: {h.error}"
+        got, end = [], time.monotonic() + 5.0
+        while len(got) < 2 and time.monotonic() < end:   # the attack's (refused) arrivals are not ours
+            got += [a for a in v.proc.call("arrivals", count=1, wait_s=0.5)["arrivals"] if a["request_id"] == rid]
+        if [a["ok"] for a in got] != [True, True]:
+            return f"arrivals of {rid}: {got}"
+        for off, n in zip(*runs):
+            if not v.proc.call("matches", region=0, start=int(off), nbytes=int(n), seed=SEED)["same"]:
+                return f"bytes {off}..{off + n} differ from what was sent"
+        v.proc.call("forget", request_id=rid)
+        return ""
+    finally:
+        s.close()
+
+
+def check(v: Victim, case: str) -> None:
+    """The invariants after one case (see the module docstring)."""
+    assert v.proc.proc.poll() is None, f"{case}: the victim died ({v.proc.proc.poll()}): {v.proc.stderr_tail(8)}"
+    why = honest_transfer(v)
+    h = v.health()
+    assert not why, f"{case}: {why}"
+    assert h["broken"] is None and any(n.startswith("kvxfer-ucx-") for n in h["kvxfer_threads"]), f"{case}: {h}"
+    assert v.proc.call("foreign", region=0, seed=SEED)["count"] == 0, f"{case}: bytes outside the grants changed"
+    if v.base is None:
+        v.base = h
+        return
+    grew = {k: h[k] - v.base[k] for k in ("fds", "threads", "rss")}
+    assert grew["fds"] <= FDS and grew["threads"] <= THREADS and grew["rss"] <= RSS, f"{case}: grew {grew}"
+
+
+def campaign_attack(a: AttackerProcess, v: Victim, count: int = 400) -> None:
+    """The campaign's case: a same-host peer with UCX's own FIFO size says HELLO (every form) and
+    sends ``count`` small batches, each answered by the victim, then idles while the victim pings."""
+    ep = a.connect(v.descriptor["address"])
+    for form in hw.hello_forms(a.address, a.secret):
+        a.send(ep, hw.CTRL_TAG, hw.batch("mallory", a.secret, [form]))
+    a.proc.call("spray", ep=ep, sender="mallory", secret=base64.b64encode(a.secret).decode(), count=count)
+    a.proc.call("recv", wait_s=3.0)   # the victim's answers and pings go on meanwhile
+
+
+def test_a_same_host_peer_with_other_fifo_settings_cannot_crash_or_wedge_the_receiver(tmp_path):
+    """Shared-memory FIFO sizes other than the victim's (UCX's default 256, 64, 8192) and its own
+    (4096): the campaign's HELLO + 400 answered batches, then 300 fuzzed messages each. Before
+    the fix the victim died of SIGSEGV or stopped taking shared-memory messages (its FIFO read
+    position waits for an element the peer wrote elsewhere)."""
+    v = Victim(tmp_path)
+    try:
+        check(v, "before any attack")
+        for n, fifo in enumerate(("256", "4096", "64", "8192")):
+            a = AttackerProcess(tmp_path, {"SYSV_FIFO_SIZE": fifo}, name=f"attacker{fifo}")
+            try:
+                campaign_attack(a, v)
+                check(v, f"FIFO {fifo}: HELLO and 400 batches")
+                ep = a.connect(v.descriptor["address"])
+                a.proc.call("fuzz", ep=ep, seed=n, count=300, sender="mallory",
+                            secret=base64.b64encode(a.secret).decode())
+                a.proc.call("recv", wait_s=1.0)
+                check(v, f"FIFO {fifo}: 300 fuzzed messages")
+            finally:
+                a.close()
+            check(v, f"FIFO {fifo}: attacker gone")
+    finally:
+        v.close()
+
+
+def test_fuzzing_a_joined_channel_never_crashes_the_receiver(tmp_path):
+    """A peer with the victim's settings joins (it is welcomed) and sends 600 fuzzed messages on
+    its channel (control batches under its tag, 0 or a random one; raw bytes on tags of every
+    kind, up to 256 KiB), in 3 rounds; the invariants hold after each."""
+    v = Victim(tmp_path)
+    a = AttackerProcess(tmp_path, {"SYSV_FIFO_SIZE": "4096"})
+    try:
+        check(v, "before any attack")
+        ch = a.proc.call("join", front=v.descriptor["address"], sender="fuzzer")
+        assert ch["joined"], "a peer with the victim's settings was not welcomed"
+        for seed in range(3):
+            a.proc.call("fuzz", ep=ch["ep"], seed=100 + seed, count=200, sender="fuzzer", secret=ch["secret"],
+                        tag=ch["tag"])
+            a.proc.call("recv", wait_s=0.5)
+            check(v, f"joined fuzz round {seed}")
+    finally:
+        a.close()
+        v.close()
