@@ -15,6 +15,8 @@ test process. Commands (bytes travel as base64)::
     spray    ep, sender, secret (b64), count -> completed: ``count`` batches of one empty ANNOUNCE
              each (each answered), each waited for at most 0.1 s
     join     front (hex), sender, shm, token (b64) -> joined, ep, tag, secret (b64): ``Attacker.join``
+    frames   ep, dtags [lo, hi), frames, size, byte -> sent: data frames ``DATA_BIT | d << 24 | k`` of
+             ``size`` bytes of ``byte`` for every d in [lo, hi) and k < frames (frame injection)
     fuzz     ep, seed, count, sender, secret (b64), tag -> sent, completed
     close
 
@@ -119,6 +121,7 @@ class Attacker:
         self.address = self.worker.address.tobytes()
         self.eps: list = []
         self.keep: list = []
+        self.pending: list = []   # batches received, not yet handed out (``next_batch``)
 
     def connect(self, address: bytes) -> int:
         self.eps.append(self.worker.create_endpoint_from_worker_address(
@@ -172,14 +175,21 @@ class Attacker:
         ch.send([msg])
         return ch if self.wait_for(WELCOME, wait_s) is not None else None
 
+    def next_batch(self, wait_s: float = 2.0) -> list | None:
+        """The next batch sent to us (None on timeout); one at a time, none lost."""
+        if not self.pending:
+            self.pending = self.recv(wait_s)
+        return self.pending.pop(0) if self.pending else None
+
     def wait_for(self, kind: int, wait_s: float = 3.0) -> list | None:
-        """The first message of ``kind`` in the batches sent to us within ``wait_s``."""
+        """The first message of ``kind`` in the batches sent to us within ``wait_s`` (the batches
+        before it are consumed)."""
         end = time.monotonic() + wait_s
         while (left := end - time.monotonic()) > 0:
-            for b in self.recv(left):
-                for m in (b[-1] if isinstance(b, list) and b and isinstance(b[-1], list) else []):
-                    if isinstance(m, list) and m and m[0] == kind:
-                        return m
+            b = self.next_batch(left)
+            for m in (b[-1] if isinstance(b, list) and b and isinstance(b[-1], list) else []):
+                if isinstance(m, list) and m and m[0] == kind:
+                    return m
         return None
 
     def close(self) -> None:
@@ -273,8 +283,7 @@ class UcxClient:
             self.att.send(self.ch.ep, CTRL_TAG | self.ch.tag, batch(sender, secret, msgs), timeout)
 
     def recv(self, timeout: float = 2.0) -> list | None:
-        got = self.att.recv(timeout)
-        return got[0] if got else None
+        return self.att.next_batch(timeout)
 
     def wait_for(self, kind: int, timeout: float = 3.0) -> list | None:
         return self.att.wait_for(kind, timeout)
@@ -312,6 +321,10 @@ def main() -> None:
                               token=base64.b64decode(cmd.get("token", "")))
                 reply = {"joined": False} if ch is None else {
                     "joined": True, "ep": ch.ep, "tag": ch.tag, "secret": base64.b64encode(ch.secret).decode()}
+            elif op == "frames":
+                data, (lo, hi) = bytes([cmd["byte"]]) * cmd["size"], cmd["dtags"]
+                reply = {"sent": sum(att.send(cmd["ep"], DATA_BIT | d << FRAME_BITS | k, data, 0.05)
+                                     for d in range(lo, hi) for k in range(cmd["frames"]))}
             elif op == "fuzz":
                 sent, done = att.fuzz(cmd["ep"], cmd["seed"], cmd["count"], cmd["sender"],
                                       base64.b64decode(cmd["secret"]), cmd.get("tag", 0))

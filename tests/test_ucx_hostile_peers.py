@@ -22,7 +22,7 @@ import torch
 pytest.importorskip("ucxx")
 
 import hostile_ucx_wire as hw  # noqa: E402
-from xfer_peer import PeerProcess, enc, fill_pattern, raw_plan, region_seed  # noqa: E402
+from xfer_peer import PeerProcess, enc, fill_pattern, plan_to_json, raw_plan, region_seed  # noqa: E402
 
 from kvxfer.transport.registry import get_transport  # noqa: E402
 
@@ -179,4 +179,44 @@ def test_fuzzing_a_joined_channel_never_crashes_the_receiver(tmp_path):
             check(v, f"joined fuzz round {seed}")
     finally:
         a.close()
+        v.close()
+
+
+@pytest.mark.parametrize("stage", ["never", "always"])
+def test_a_third_party_cannot_inject_frames_into_a_live_grant(tmp_path, stage):
+    """Packed frames travel under tags that name their transfer. A third party that joined (its
+    own HELLO, no grant, no capability) sprays data frames of the right size under the tags a
+    transfer could have (data tags 1..63, frames 0..7) while an honest sender, its ANNOUNCE
+    answered with GO, has not sent its frames yet. Before: data tags counted up from 1, so the
+    honest request completed Success with the attacker's bytes (frames received in place,
+    ``stage="never"``) or failed (frames through the receive ring, ``"always"``). Now the honest
+    transfer lands byte-exact and no attacker byte is anywhere."""
+    frame, runs = 64 << 10, 128   # 128 packed runs of 4 KiB: 8 frames of 64 KiB
+    opts = {"frame_bytes": frame, "stage_host": stage}
+    v = Victim(tmp_path, opts)
+    tx = PeerProcess(tmp_path / "honest.err", env=_env())
+    a = AttackerProcess(tmp_path, {"SYSV_FIFO_SIZE": "4096"})
+    try:
+        tx.call("init", transport="ucx", sizes=[REGION], fill="seed", seed=SEED, options={**OPTS, **opts})
+        peer = tx.call("connect", descriptor=v.descriptor)["peer"]
+        ch = a.proc.call("join", front=v.descriptor["address"], sender="mallory")
+        assert ch["joined"]
+        off = np.arange(runs, dtype=np.int64) * 8192 + (2 << 20)    # every other 4 KiB: 128 runs, none merge
+        n = np.full(runs, 4096, np.int64)
+        z = np.zeros(runs, np.int64)
+        v.proc.call("expect", request_id="live.1", ranges={"region": enc(z), "start": enc(off), "nbytes": enc(n)})
+        tx.call("submit", peer=peer, request_id="live.1", plan=plan_to_json(raw_plan(z, off, z, off, n)),
+                timeout=15.0, stall_s=3.0)   # ANNOUNCE out, GO back, then 3 s before any frame
+        time.sleep(0.5)
+        sent = a.proc.call("frames", ep=ch["ep"], dtags=[1, 64], frames=8, size=frame, byte=0xEE)["sent"]
+        res = tx.call("wait", request_ids=["live.1"], wait_s=20.0)["results"]["live.1"]
+        assert res["status"] == "DONE", f"the honest transfer failed: {res} ({sent} frames sprayed)"
+        bad = [k for k in range(runs) if not v.proc.call("matches", region=0, start=int(off[k]), nbytes=4096,
+                                                         seed=SEED)["same"]]
+        assert not bad, f"{len(bad)} of {runs} runs hold other bytes than were sent ({sent} frames sprayed)"
+        assert v.proc.call("foreign", region=0, seed=SEED)["count"] == 0, "bytes outside the grant changed"
+        check(v, f"frame injection, {stage}")
+    finally:
+        a.close()
+        tx.close()
         v.close()

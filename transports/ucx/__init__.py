@@ -238,7 +238,7 @@ class UCXTransport(UCXLifecycle, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXE
         self._junk: collections.Counter = collections.Counter()   # messages dropped unread, by why (``rejected``)
         self._out: dict[int, Outgoing] = {}
         self._in: dict[tuple[str, int], Incoming] = {}
-        self._by_dtag: dict[int, Incoming] = {}
+        self._by_dtag: dict[int, Incoming] = {}   # data tag (random: ``receiver._on_announce``) -> transfer
         self._unflushed: dict[str, list] = {}   # puts issued this turn, per peer
         self._flushing: list = []               # flushed, DONE not sent yet
         self._holding: list = []                # failed with puts maybe in flight: source not released
@@ -267,7 +267,7 @@ class UCXTransport(UCXLifecycle, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXE
         # Peers whose error-handling endpoint UCX closed (failure) or we closed, queued by the close
         # callback for the I/O loop (``UCXFencing._check_failed``); stale ones are skipped there.
         self._failed_eps: collections.deque = collections.deque(maxlen=4 * max_peers)
-        self._xids, self._dtags = itertools.count(1), itertools.count(1)
+        self._xids = itertools.count(1)
         self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._later: list[Callable[[], object]] = []   # see _deliver

@@ -114,11 +114,13 @@ class UCXInbox:
     def rejected(self) -> collections.Counter:
         """Rejected incoming writes and messages by reason (``kvxfer.grant.Reason`` values), with
         the messages dropped unread at the probe counted as "unknown peer" (a tag nobody was
-        given), "too large" or "malformed message" (on a front worker: anything but a HELLO
-        batch; elsewhere: a tag of no kind we use); a retired peer's late batches are not counted."""
+        given), "too large", "malformed message" (on a front worker: anything but a HELLO
+        batch; elsewhere: a tag of no kind we use) or "malformed frame" (a data frame under no tag
+        of a frame still to come); a retired peer's late batches are not counted."""
         out = collections.Counter(self.grants.rejected)
         j = self._junk
         out.update({k: n for k, n in (("unknown peer", j["unknown peer"]), ("too large", j["too large"]),
-                                      ("malformed message", j["front"] + j["stray"])) if n})
+                                      ("malformed message", j["front"] + j["stray"]),
+                                      ("malformed frame", j["frame"])) if n})
         return out
 

@@ -14,7 +14,7 @@ request, runs outside it) reads the same; only the local counters and arrivals t
 from __future__ import annotations
 
 import collections
-import itertools
+import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from ucxx._lib import libucxx as ucx_api
-from ucxx._lib.arr import Array
 
 from kvxfer.copy import copy_runs
 from kvxfer.plan import FEW_RUNS, Runs
@@ -31,7 +30,7 @@ from kvxfer.transport.kit import peer_reason
 
 from . import bindings as ucp
 from .frames import HeldSlot, RingHold, StagedFrames, Stream, byte_cut, cut, stream_iovs
-from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, Ack, Announce, Fail, Go
+from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, MAX_DTAG, Ack, Announce, Fail, Go
 from .sender import ucx_buffer
 from .state import Incoming, Peer
 
@@ -71,7 +70,7 @@ class UCXReceiver:
     _open_rids: collections.Counter
     _draining: list
     _zombies: list
-    _dtags: itertools.count[int]
+    _drop: Callable[[Any, Any, str], None]        # UCXInbox
     _rx_ring: StagingPool
     frame_bytes: int
     stage_host: str
@@ -153,13 +152,18 @@ class UCXReceiver:
         if nput == 0 and not i.frames:  # all here already: ACK without GO and DONE
             i.done = True
             return self._try_finish(i)
-        i.dtag = next(self._dtags)
+        # The data tag names this transfer: 38 random bits, unused here, told only to its sender
+        # (GO, on its channel). A frame lands only under its exact tag (posted receive, or the
+        # ring's lookup below), so a third party's sprayed frame hits one of the N frames open
+        # here with probability N / 2**62.
+        while (dtag := secrets.randbelow(MAX_DTAG - 1) + 1) in self._by_dtag:
+            pass
+        i.dtag = dtag
+        self._by_dtag[dtag] = i
         if i.iov is not None:   # posted before GO: no frame of it can arrive unexpected
             i.iov.recv(self._whandle, DATA_BIT | i.dtag << FRAME_BITS)
             if i.iov.error:
                 return self._fail_in(i, f"posting receives failed: {i.iov.error}")
-        elif i.frames:
-            self._by_dtag[i.dtag] = i
         self._send(p, Go(xid, i.dtag))
 
     def _refuse(self, p, xid: int, rid: str, nbytes: int, notify: bytes, reason: str, quiet: bool = False) -> None:
@@ -178,13 +182,16 @@ class UCXReceiver:
             want = -1 if i is None or i.staging is None or k >= i.frames or i.staging.seen[k] else i.staging.size(k)
             if res.length == want and not self._rx_ring.available():   # back-pressure: next turn
                 break
-            res = probe(want_tag, mask, remove=True)   # the same message, now ours to receive
+            res = probe(want_tag, mask, remove=True)   # the same message (UCX adds only inside progress)
             self._acts += 1
-            if i is None or i.staging is None or res.length != want or res.sender_tag.value != tag:
-                if i is not None:   # a frame of an ended transfer, or one that does not fit: drop it
+            if res.length != want:
+                # Under a tag nobody here has: dropped and counted, no transfer touched. Under a live
+                # transfer's tag (only its sender has it) but not a frame still to come in the ring
+                # (received in place, past the end, a second copy, the wrong size): that sender's
+                # mistake fails the transfer.
+                if i is not None:
                     self._fail_in(i, self.grants.reject(i.rid, f"malformed frame: {k} of {res.length} bytes"))
-                junk = np.empty(1, np.uint8)   # a 1-byte receive: UCX truncates and drops the rest
-                self._zombies.append((self._worker.tag_recv_with_handle(Array(junk), res), junk))
+                self._drop(self._worker, res, "frame")
                 continue
             slot = self._rx_ring.get(want, i.staging.device)
             i.staging.seen[k] = True
