@@ -220,3 +220,44 @@ def test_a_third_party_cannot_inject_frames_into_a_live_grant(tmp_path, stage):
         a.close()
         tx.close()
         v.close()
+
+
+def test_a_malformed_announce_for_a_live_request_fails_nothing(tmp_path):
+    """A joined third party (no grant, no capability) sends ANNOUNCEs whose ids are valid and
+    name a live request, with one bad field each (frame size 1, a run array of 5 bytes, a float
+    put count, a 70-byte capability). Before: each failed the live request (an Arrival ok=False
+    for it; decode ends the request on it). Now each is counted and answered like any malformed
+    message, the request sees nothing, and its honest sender completes it byte-exact."""
+    v = Victim(tmp_path)
+    tx = PeerProcess(tmp_path / "honest.err", env=_env())
+    a = AttackerProcess(tmp_path, {"SYSV_FIFO_SIZE": "4096"})
+    try:
+        tx.call("init", transport="ucx", sizes=[REGION], fill="seed", seed=SEED, options=OPTS)
+        peer = tx.call("connect", descriptor=v.descriptor)["peer"]
+        ch = a.proc.call("join", front=v.descriptor["address"], sender="mallory")
+        assert ch["joined"]
+        off, n, z = np.array([3 << 20], np.int64), np.array([64 << 10], np.int64), np.zeros(1, np.int64)
+        v.proc.call("expect", request_id="live.2", ranges={"region": enc(z), "start": enc(off), "nbytes": enc(n)})
+        runs = hw.runs_field((0, int(off[0]), int(n[0])))
+        bad = [hw.announce(1, "live.2", runs, 1, frame=1), hw.announce(2, "live.2", b"\0" * 5, 0),
+               hw.announce(3, "live.2", runs, 0.5), hw.announce(4, "live.2", runs, 1, cap=b"c" * 70)]
+        before = v.proc.call("rejected")["rejected"].get("malformed header", 0)
+        for m in bad:
+            a.proc.call("send", ep=ch["ep"], tag=hw.CTRL_TAG | ch["tag"],
+                        data=base64.b64encode(hw.batch("mallory", base64.b64decode(ch["secret"]), [m])).decode())
+        end = time.monotonic() + 5.0
+        while v.proc.call("rejected")["rejected"].get("malformed header", 0) < before + len(bad):
+            assert time.monotonic() < end, v.proc.call("rejected")
+            time.sleep(0.05)
+        got = v.proc.call("arrivals", count=10, wait_s=0.5)["arrivals"]
+        assert not [x for x in got if x["request_id"] == "live.2"], f"the live request saw the attack: {got}"
+        tx.call("submit", peer=peer, request_id="live.2", plan=plan_to_json(raw_plan(z, off, z, off, n)), timeout=10.0)
+        assert tx.call("wait", request_ids=["live.2"], wait_s=10.0)["results"]["live.2"]["status"] == "DONE"
+        got = v.proc.call("arrivals", count=1, wait_s=5.0)["arrivals"]
+        assert [(x["request_id"], x["ok"]) for x in got] == [("live.2", True)], got
+        assert v.proc.call("matches", region=0, start=int(off[0]), nbytes=int(n[0]), seed=SEED)["same"]
+        check(v, "malformed announces for a live request")
+    finally:
+        a.close()
+        tx.close()
+        v.close()

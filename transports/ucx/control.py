@@ -236,8 +236,12 @@ class UCXControl:
             m = parse_message(raw, self.max_control_bytes)
         except Malformed as e:
             if e.answer is not None:
+                # An ANNOUNCE with valid ids and a bad field: counted and dropped like any
+                # malformed message, and never used to end the request it names (that would let
+                # anyone fail a live request by its id). Its sender's transfer fails (FAIL, which
+                # reads the same for live and unknown ids: no oracle); the request goes on.
                 xid, rid = e.answer
-                self._refuse(p, xid, rid, 0, b"", self.grants.reject(rid, str(e)))
+                self._refuse(p, xid, rid, 0, b"", self.grants.reject(rid, str(e)), quiet=True)
             else:
                 self.grants.reject("?", str(e)[:200])
             return

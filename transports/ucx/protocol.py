@@ -19,8 +19,9 @@ tags; a batch under a tag this side did not hand out is dropped unread.
 ``parse_batch`` checks the outer shape; ``parse_message`` checks one message against exact
 types (a bool is no int, a float no id), ranges and sizes, and returns its dataclass or raises
 ``Malformed``. ``Malformed.answer`` is (transfer id, request id) when the message was an
-ANNOUNCE whose ids are valid (the receiver refuses it with a FAIL and a failed arrival); any
-other bad message cannot be answered, and is counted and dropped.
+ANNOUNCE whose ids are valid (the receiver answers its sender with a FAIL, counts it, and
+touches no request: anyone could name a live one); any other bad message cannot be answered,
+and is counted and dropped.
 
 Data frames carry no header: tag ``DATA_BIT | dtag << FRAME_BITS | frame index``, dtag from GO.
 Which bytes frame ``k`` holds follows from the ANNOUNCE alone (``frames.cut`` when ``staged``,
