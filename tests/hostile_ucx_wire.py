@@ -15,6 +15,7 @@ test process. Commands (bytes travel as base64)::
     spray    ep, sender, secret (b64), count -> completed: ``count`` batches of one empty ANNOUNCE
              each (each answered), each waited for at most 0.1 s
     join     front (hex), sender, shm, token (b64) -> joined, ep, tag, secret (b64): ``Attacker.join``
+    hellos   ep, count, shm -> sent: ``count`` front HELLOs (control tag 0) under fresh sender ids
     frames   ep, dtags [lo, hi), frames, size, byte -> sent: data frames ``DATA_BIT | d << 24 | k`` of
              ``size`` bytes of ``byte`` for every d in [lo, hi) and k < frames (frame injection)
     fuzz     ep, seed, count, sender, secret (b64), tag -> sent, completed
@@ -321,6 +322,10 @@ def main() -> None:
                               token=base64.b64decode(cmd.get("token", "")))
                 reply = {"joined": False} if ch is None else {
                     "joined": True, "ep": ch.ep, "tag": ch.tag, "secret": base64.b64encode(ch.secret).decode()}
+            elif op == "hellos":
+                reply = {"sent": sum(att.send(cmd["ep"], CTRL_TAG, batch(f"fresh-{k}", sec, [hello(
+                    att.address, sec, shm=tuple(cmd["shm"]), ctag=k + 1)]), 0.05)
+                    for k in range(cmd["count"]) for sec in (os.urandom(16),))}
             elif op == "frames":
                 data, (lo, hi) = bytes([cmd["byte"]]) * cmd["size"], cmd["dtags"]
                 reply = {"sent": sum(att.send(cmd["ep"], DATA_BIT | d << FRAME_BITS | k, data, 0.05)

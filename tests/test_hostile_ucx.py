@@ -78,7 +78,7 @@ def honest(t) -> bool:
     try:
         src = torch.randint(0, 256, (REGION,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
         s.register([src])
-        pid = s.connect(t.descriptor())
+        pid = s.connect(t.descriptor(), t.admit(s.descriptor()))
         k = next(_honest)
         base = (512 << 10) + k * (32 << 10)
         rid = f"honest.{k}"
@@ -110,7 +110,7 @@ def join(v, sender: str, **kw):
     """A fresh attacker joined to ``v`` under ``sender`` (asserted: it was welcomed)."""
     a = hw.Attacker(SAME_FIFO)
     _attackers.append(a)
-    c = a.join(v.descriptor()["address"], sender, **kw)
+    c = a.join(v.descriptor()["address"], sender, token=v.admit({"id": sender}), **kw)   # admitted, and hostile
     assert c is not None, f"{sender} was not welcomed: {dict(v.rejected)}"
     return c
 

@@ -86,11 +86,12 @@ def honest_transfer(v: Victim, options: dict | None = None) -> str:
         src = torch.empty(REGION, dtype=torch.uint8)
         fill_pattern(src.numpy(), region_seed(SEED, 0))
         s.register([src])
+        token = base64.b64decode(v.proc.call("admit", descriptor=s.descriptor())["token"])
         runs = (np.array([base, base + (16 << 10)]), np.array([16 << 10, 1 << 10]))
         v.proc.call("expect", request_id=rid, ranges={"region": enc(np.zeros(2, np.int64)), "start": enc(runs[0]),
                                                        "nbytes": enc(runs[1])})
         try:
-            peer = s.connect(v.descriptor)
+            peer = s.connect(v.descriptor, token) if token else s.connect(v.descriptor)
         except Exception as e:
             return f"honest connect failed: {type(e).__name__}: {e}"
         for off, n in zip(*runs):
@@ -110,6 +111,11 @@ def honest_transfer(v: Victim, options: dict | None = None) -> str:
         return ""
     finally:
         s.close()
+
+
+def connect_admitted(tx: PeerProcess, tx_desc: dict, v: Victim) -> str:
+    """``tx`` (an xfer_peer sender) connects to the victim with the token the victim's admit gave."""
+    return tx.call("connect", descriptor=v.descriptor, token=v.proc.call("admit", descriptor=tx_desc)["token"])["peer"]
 
 
 def check(v: Victim, case: str) -> None:
@@ -137,14 +143,25 @@ def campaign_attack(a: AttackerProcess, v: Victim, count: int = 400) -> None:
     a.proc.call("recv", wait_s=3.0)   # the victim's answers and pings go on meanwhile
 
 
-def test_a_same_host_peer_with_other_fifo_settings_cannot_crash_or_wedge_the_receiver(tmp_path):
+@pytest.mark.parametrize("admission", [False, None])
+def test_a_same_host_peer_with_other_fifo_settings_cannot_crash_or_wedge_the_receiver(tmp_path, admission):
     """Shared-memory FIFO sizes other than the victim's (UCX's default 256, 64, 8192) and its own
     (4096): the campaign's HELLO + 400 answered batches, then 300 fuzzed messages each. Before
     the fix the victim died of SIGSEGV or stopped taking shared-memory messages (its FIFO read
-    position waits for an element the peer wrote elsewhere)."""
-    v = Victim(tmp_path)
+    position waits for an element the peer wrote elsewhere). ``admission=False``: the settings
+    check alone refuses them; None (the default; the honest peers are admitted, so it is on from
+    the first check): a peer with UCX's FIFO that claims kvxfer's settings is refused too."""
+    v = Victim(tmp_path, {"admission": admission})
     try:
         check(v, "before any attack")
+        if admission is None:   # a liar: FIFO 256, HELLO says 4096 (no token: it was never admitted)
+            a = AttackerProcess(tmp_path, {"SYSV_FIFO_SIZE": "256"}, name="liar")
+            try:
+                assert not a.proc.call("join", front=v.descriptor["address"], sender="liar")["joined"]
+                campaign_attack(a, v)
+                check(v, "FIFO 256 claiming 4096, not admitted")
+            finally:
+                a.close()
         for n, fifo in enumerate(("256", "4096", "64", "8192")):
             a = AttackerProcess(tmp_path, {"SYSV_FIFO_SIZE": fifo}, name=f"attacker{fifo}")
             try:
@@ -170,7 +187,8 @@ def test_fuzzing_a_joined_channel_never_crashes_the_receiver(tmp_path):
     a = AttackerProcess(tmp_path, {"SYSV_FIFO_SIZE": "4096"})
     try:
         check(v, "before any attack")
-        ch = a.proc.call("join", front=v.descriptor["address"], sender="fuzzer")
+        token = v.proc.call("admit", descriptor={"id": "fuzzer"})["token"]   # admitted, and hostile
+        ch = a.proc.call("join", front=v.descriptor["address"], sender="fuzzer", token=token)
         assert ch["joined"], "a peer with the victim's settings was not welcomed"
         for seed in range(3):
             a.proc.call("fuzz", ep=ch["ep"], seed=100 + seed, count=200, sender="fuzzer", secret=ch["secret"],
@@ -197,9 +215,11 @@ def test_a_third_party_cannot_inject_frames_into_a_live_grant(tmp_path, stage):
     tx = PeerProcess(tmp_path / "honest.err", env=_env())
     a = AttackerProcess(tmp_path, {"SYSV_FIFO_SIZE": "4096"})
     try:
-        tx.call("init", transport="ucx", sizes=[REGION], fill="seed", seed=SEED, options={**OPTS, **opts})
-        peer = tx.call("connect", descriptor=v.descriptor)["peer"]
-        ch = a.proc.call("join", front=v.descriptor["address"], sender="mallory")
+        tx_desc = tx.call("init", transport="ucx", sizes=[REGION], fill="seed", seed=SEED,
+                          options={**OPTS, **opts})["descriptor"]
+        peer = connect_admitted(tx, tx_desc, v)
+        token = v.proc.call("admit", descriptor={"id": "mallory"})["token"]   # its own HELLO: admitted
+        ch = a.proc.call("join", front=v.descriptor["address"], sender="mallory", token=token)
         assert ch["joined"]
         off = np.arange(runs, dtype=np.int64) * 8192 + (2 << 20)    # every other 4 KiB: 128 runs, none merge
         n = np.full(runs, 4096, np.int64)
@@ -232,9 +252,10 @@ def test_a_malformed_announce_for_a_live_request_fails_nothing(tmp_path):
     tx = PeerProcess(tmp_path / "honest.err", env=_env())
     a = AttackerProcess(tmp_path, {"SYSV_FIFO_SIZE": "4096"})
     try:
-        tx.call("init", transport="ucx", sizes=[REGION], fill="seed", seed=SEED, options=OPTS)
-        peer = tx.call("connect", descriptor=v.descriptor)["peer"]
-        ch = a.proc.call("join", front=v.descriptor["address"], sender="mallory")
+        tx_desc = tx.call("init", transport="ucx", sizes=[REGION], fill="seed", seed=SEED, options=OPTS)["descriptor"]
+        peer = connect_admitted(tx, tx_desc, v)
+        token = v.proc.call("admit", descriptor={"id": "mallory"})["token"]   # its own HELLO: admitted
+        ch = a.proc.call("join", front=v.descriptor["address"], sender="mallory", token=token)
         assert ch["joined"]
         off, n, z = np.array([3 << 20], np.int64), np.array([64 << 10], np.int64), np.zeros(1, np.int64)
         v.proc.call("expect", request_id="live.2", ranges={"region": enc(z), "start": enc(off), "nbytes": enc(n)})
@@ -257,6 +278,53 @@ def test_a_malformed_announce_for_a_live_request_fails_nothing(tmp_path):
         assert [(x["request_id"], x["ok"]) for x in got] == [("live.2", True)], got
         assert v.proc.call("matches", region=0, start=int(off[0]), nbytes=int(n[0]), seed=SEED)["same"]
         check(v, "malformed announces for a live request")
+    finally:
+        a.close()
+        tx.close()
+        v.close()
+
+
+def test_an_admitted_id_cannot_be_squatted_and_unadmitted_hellos_make_nothing(tmp_path):
+    """Decode admits a prefill rank (its registry record's descriptor) before its HELLO; a third
+    party that HELLOs the decode transport first under that rank's id (public: it is in the
+    record), with no token or a made-up one, is refused and makes nothing, and the rank's own
+    connect with its token succeeds. Before: the id was bound to the first comer's channel
+    secret, so the rank's connect failed. 1,000 HELLOs under fresh ids without a token leave the
+    victim's peer table as it was. A second ``admit`` of the id (a re-handshake) voids the first
+    token: a connect with it is refused, one with the new token works."""
+    v = Victim(tmp_path)
+    tx = PeerProcess(tmp_path / "honest.err", env=_env())
+    a = AttackerProcess(tmp_path, {"SYSV_FIFO_SIZE": "4096"})
+    try:
+        tx_desc = tx.call("init", transport="ucx", sizes=[REGION], fill="seed", seed=SEED, options=OPTS)["descriptor"]
+        token = v.proc.call("admit", descriptor=tx_desc)["token"]
+        for made_up in ("", base64.b64encode(os.urandom(32)).decode()):
+            ch = a.proc.call("join", front=v.descriptor["address"], sender=tx_desc["id"], token=made_up)
+            assert not ch["joined"], "a third party joined under an admitted rank's id"
+        assert v.proc.call("peers")["peers"] == [], "a refused HELLO left a peer entry"
+        peer = tx.call("connect", descriptor=v.descriptor, token=token)["peer"]
+        off, n, z = np.array([3 << 20], np.int64), np.array([64 << 10], np.int64), np.zeros(1, np.int64)
+        v.proc.call("expect", request_id="sq.1", ranges={"region": enc(z), "start": enc(off), "nbytes": enc(n)})
+        tx.call("submit", peer=peer, request_id="sq.1", plan=plan_to_json(raw_plan(z, off, z, off, n)), timeout=10.0)
+        assert tx.call("wait", request_ids=["sq.1"], wait_s=10.0)["results"]["sq.1"]["status"] == "DONE"
+        assert v.proc.call("matches", region=0, start=int(off[0]), nbytes=int(n[0]), seed=SEED)["same"]
+        check(v, "after the squat")
+        before = v.proc.call("rejected")["rejected"].get("unknown peer", 0)
+        ep = a.connect(v.descriptor["address"])
+        a.proc.call("hellos", ep=ep, count=1000, shm=["4096", "", "", ""])
+        end = time.monotonic() + 20.0
+        while v.proc.call("rejected")["rejected"].get("unknown peer", 0) < before + 1000:
+            assert time.monotonic() < end, v.proc.call("rejected")
+            time.sleep(0.1)
+        peers = v.proc.call("peers")["peers"]
+        assert tx_desc["id"] in peers and not [p for p in peers if p.startswith("fresh-")], peers
+        check(v, "after 1,000 unadmitted HELLOs")
+        tx.call("disconnect", peer=peer)
+        token2 = v.proc.call("admit", descriptor=tx_desc)["token"]
+        with pytest.raises(RuntimeError, match="refused our HELLO"):
+            tx.call("connect", descriptor=v.descriptor, token=token)
+        assert tx.call("connect", descriptor=v.descriptor, token=token2)["peer"] == peer
+        check(v, "after a re-admission")
     finally:
         a.close()
         tx.close()

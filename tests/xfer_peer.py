@@ -9,7 +9,10 @@ Commands (``{"op": ..., **arguments}``; a failing command replies ``{"error": ".
 
     init     transport, options, sizes, fill ("seed" | "canary" | byte value), seed -> descriptor, pid
     fill     regions, fill, seed              reset region contents
-    connect  descriptor -> peer
+    connect  descriptor, token (b64, optional) -> peer
+    disconnect  peer
+    admit    descriptor -> token (b64)                 ``Transport.admit``
+    peers    -> peers                                  UCX: the peer ids the transport keeps
     expect   request_id, ranges               ranges: encoded (region, start, nbytes) arrays
     forget   request_id -> live, grants_live  grants_live: GrantTable.live() when the transport has one
     submit   peer, request_id, plan, timeout, notify     returns at once; the handle is kept
@@ -158,8 +161,19 @@ class Peer:
         for i in regions:
             self._fill(i, fill, seed)
 
-    def op_connect(self, descriptor: dict):
-        return {"peer": self.t.connect(descriptor)}
+    def op_connect(self, descriptor: dict, token: str = ""):
+        return {"peer": self.t.connect(descriptor, base64.b64decode(token)) if token else self.t.connect(descriptor)}
+
+    def op_disconnect(self, peer: str):
+        self.t.disconnect(peer)
+
+    def op_admit(self, descriptor: dict):
+        admit = getattr(self.t, "admit", lambda _d: b"")   # a transport from before admission: binds nothing
+        return {"token": base64.b64encode(admit(descriptor)).decode()}
+
+    def op_peers(self):
+        """UCX: the peer ids this transport keeps."""
+        return {"peers": self.t._call(lambda: sorted(self.t._peers))}
 
     def op_expect(self, request_id: str, ranges: dict, capability: str = ""):
         from kvxfer.grant import ByteRanges

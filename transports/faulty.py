@@ -68,8 +68,11 @@ class FaultyTransport(Transport):
     def descriptor(self) -> dict:
         return self.inner.descriptor()
 
-    def connect(self, descriptor: dict) -> str:
-        return self.inner.connect(descriptor)
+    def connect(self, descriptor: dict, token: bytes = b"") -> str:
+        return self.inner.connect(descriptor, token)
+
+    def admit(self, descriptor: dict) -> bytes:
+        return self.inner.admit(descriptor)
 
     def disconnect(self, peer: str) -> None:
         self.inner.disconnect(peer)

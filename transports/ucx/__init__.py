@@ -85,7 +85,7 @@ import logging
 import os
 import queue
 import socket
-import time
+import threading
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -101,9 +101,10 @@ from kvxfer.errors import PeerError, PlanError, TransportError
 from kvxfer.grant import GrantTable
 from kvxfer.plan import FEW_RUNS, TransferPlan
 from kvxfer.transport.base import DEFAULT_TIMEOUT, Arrival, TransferHandle, Transport
-from kvxfer.transport.kit import Call, Close, CommandQueue, Crash, IOThread, StagingPool, Submit, fail_command
+from kvxfer.transport.kit import Call, Close, CommandQueue, IOThread, StagingPool, Submit, fail_command
 
 from . import bindings as ucp
+from .admission import UCXAdmission
 from .bindings import frame_iovs
 from .control import UCXControl, host_identity, process_start
 from .eager import UCXEager
@@ -112,6 +113,7 @@ from .frames import STAGE_HOST, network_only
 from .inbox import UCXInbox
 from .join import UCXJoin, make_front
 from .lifecycle import UCXLifecycle
+from .loop import UCXLoop
 from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO
 from .receiver import UCXReceiver
 from .sender import INLINE_BELOW, UCXSender
@@ -131,8 +133,8 @@ __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLIN
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
-class UCXTransport(UCXLifecycle, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXEager, UCXSender, UCXReceiver,
-                   Transport):
+class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXEager,
+                   UCXSender, UCXReceiver, Transport):
     """UCX data plane of one rank. Options (keyword only, via ``get_transport("ucx", ...)``):
 
     tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...), for every peer. None:
@@ -181,6 +183,9 @@ class UCXTransport(UCXLifecycle, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXE
                   round trip on the data path); none: ``ConnectError`` naming the address.
     ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``; they replace
                   ``UCX_DEFAULTS`` (the environment's UCX_* settings do too).
+    admission     None (default): a joining peer needs its latest ``admit`` token once this
+                  transport admitted a peer or was given a token by ``connect``; True: from the
+                  start; False: never (every peer that reaches the front worker may join).
     """
     name = "ucx"
 
@@ -190,13 +195,18 @@ class UCXTransport(UCXLifecycle, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXE
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, max_peers: int = 1024,
                  fence_grace: float = 1.0, quarantine_timeout: float | None = None,
                  connect_timeout: float = 10.0, ucx_config: dict | None = None, staging_frames: int = 8,
-                 stage_host: str = "network", eager_writes: bool = False):
+                 stage_host: str = "network", eager_writes: bool = False, admission: bool | None = None):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
         if not 1 <= int(staging_frames) <= 4096 or stage_host not in STAGE_HOST:
             raise TransportError(f"staging_frames {staging_frames} must be in 1..4096 and stage_host "
                                  f"{stage_host!r} one of {STAGE_HOST}")
         self.stage_host, self.eager_writes = stage_host, bool(eager_writes)
+        if admission not in (None, True, False):
+            raise TransportError(f"admission must be None, True or False, got {admission!r}")
+        self.admission, self._admission_on = admission, False
+        self._admitted: collections.OrderedDict[str, bytes] = collections.OrderedDict()   # id -> token
+        self._admit_lock = threading.Lock()
         config = with_tcp_defaults(ucx_settings(tls, ucx_config, os.environ), os.environ)
         self._shm_settings = shared_memory_settings(config, os.environ)
         self.id = uuid.uuid4().hex
@@ -390,73 +400,13 @@ class UCXTransport(UCXLifecycle, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXE
         self.io.join(timeout=10)
         _LIVE.discard(self)
 
+    def _deliver(self, arrival: Arrival) -> None:   # after the turn's sends: a woken reader would take the GIL
+        self._later.append(functools.partial(super()._deliver, arrival))
+
     def __del__(self):
         if not getattr(self, "_closed", True):
             log.warning("UCXTransport %s was garbage-collected without close()", self.id[:8])
 
-    # ---- I/O thread: the loop -------------------------------------------------------------
-    def _loop(self) -> None:
-        """Run commands, progress, read control and data, check deadlines; sleep when idle."""
-        while not self._stop:
-            self._acts = 0
-            self._run_commands()
-            if self._stop:  # closed by a command: the endpoints are gone
-                break
-            for w in self._workers:
-                w.progress()
-            self._poll_ctrl()   # after the commands: before them, one run of 1 MiB took ~15% longer
-            self._poll_data()
-            self._flush_puts()
-            self._advance()
-            if self._fence_flushing:
-                self._check_fence_flushes()
-            now = time.monotonic()
-            if now >= self._next_tick:
-                self._housekeeping(now)
-                self._next_tick = now + min(self.heartbeat, 0.1)
-            if self._park_order:
-                self._unpark_due(now)
-            self._flush_outboxes()
-            if self._later:
-                self._run_later()
-            if self._closing:
-                self._retire_closing()
-            if not self._acts:
-                self._sleeping = True
-                if self.commands.empty():
-                    busy = self._out or self._in or self._ctrl_recvs or self._fence_flushing  # wake every ms
-                    self._idle(1 if busy else max(1, int((self._next_tick - now) * 1000)))
-                self._sleeping = False
-
-    def _deliver(self, arrival: Arrival) -> None:   # after the turn's sends: a woken reader would take the GIL
-        self._later.append(functools.partial(super()._deliver, arrival))
-
-    def _run_later(self) -> None:
-        later, self._later = self._later, []
-        for fn in later:
-            fn()
-
-    def _run_commands(self) -> None:
-        for cmd in self.commands.take():
-            self._acts += 1
-            if isinstance(cmd, Submit):
-                self._start_out(cmd.work)
-            elif isinstance(cmd, Close):
-                self._shutdown("transport closed")
-                return
-            elif isinstance(cmd, Crash):
-                raise cmd.error
-            elif isinstance(cmd, Call):
-                try:
-                    res = cmd.fn(*cmd.args)
-                except Exception as e:
-                    if cmd.future is None:
-                        log.exception("UCX transport command failed")
-                    else:
-                        cmd.future.set_exception(e)
-                else:
-                    if cmd.future is not None:
-                        cmd.future.set_result(res)
 
 _LIVE: "weakref.WeakSet[UCXTransport]" = weakref.WeakSet()
 

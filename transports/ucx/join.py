@@ -47,6 +47,7 @@ import hmac
 import logging
 import os
 import secrets
+import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -71,6 +72,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvxfer.transport.ucx")
 
 FRONT_BYTES = 256 << 10   # the largest batch a front worker takes: one HELLO (its address is at most 64 KiB)
+MAX_SENDER = 256          # characters of a sender id a front worker takes (ours are 32)
 
 
 def make_front(config: dict[str, str], tls: str | None) -> tuple[Any, Any]:
@@ -124,6 +126,19 @@ class UCXJoin:
     _zombies: list
     _retired: collections.OrderedDict[str, tuple[bytes, int]]
     io: Any                           # kit.IOThread
+    commands: Any                     # kit.CommandQueue
+    admission: bool | None
+    _admission_on: bool
+    _admitted: collections.OrderedDict[str, bytes]
+    _admit_lock: threading.Lock
+    _stop: bool
+    _in: dict
+    _out: dict
+    _admission_required: Callable[[], bool]               # UCXAdmission
+    _require_admission: Callable[[], None]
+    _holds_any: Callable[[Peer], bool]
+    _let_go: Callable[[Peer, str], None]
+    _peer_gone: Callable[[Peer, str], None]
     _call: Callable[..., Any]
     _send: Callable[[Peer, Message], None]
     _rehello: Callable[[Peer], None]
@@ -147,6 +162,8 @@ class UCXJoin:
             raise ConnectError(f"not a UCX transport descriptor ({type(e).__name__}: {e})") from e
         if type(token) is not bytes or len(token) > MAX_TOKEN:
             raise ConnectError(f"an admission token is bytes of at most {MAX_TOKEN}, got {type(token).__name__}")
+        if token:   # we are part of a deployment that admits its peers: so do we, from now on
+            self._require_admission()
         where = reach(self._host_id, str(descriptor.get("host", ""))[:200])
         differ = settings_differ(self._shm_settings, theirs)
         if differ and not far_path(where, self._tls_explicit):   # no shared memory between us: no matter
@@ -191,7 +208,14 @@ class UCXJoin:
         why = self._join_refusal(sender, secret, hello)
         p = self._peers.get(sender)
         if not why and p is not None and not hmac.compare_digest(secret, p.secret):
-            why = "its id is bound to another channel"
+            # Bound to another channel. Admitted now, its id is bound to this one (the token says
+            # so) once the old holds nothing here; before, or without admission, the old stays.
+            if self._admission_required() and not self._holds_any(p):
+                self._let_go(p, "its id joined again with an admission token")
+                p = None
+            else:
+                why = "its id is bound to another channel" + (" that still holds memory here"
+                                                              if self._admission_required() else "")
         if not why and p is None and len(self._peers) >= self.max_peers:
             self.grants.reject("?", f"too many peers: {len(self._peers)} already")
             return
@@ -206,14 +230,21 @@ class UCXJoin:
                 return
         if not p.tag_in:
             self._bind_tag(p)
+        p.admitted = p.admitted or self._admission_required()
         self._on_message(p, raw[0])
 
     def _join_refusal(self, sender: str, secret: bytes, hello: Hello) -> str:
         """Why a front HELLO is refused ('' when it is not), before anything is made for it."""
-        if not sender or len(sender) > 256:
-            return "a sender id of 1..256 characters"
+        if not sender or len(sender) > MAX_SENDER:
+            return f"a sender id of 1..{MAX_SENDER} characters"
         if not hmac.compare_digest(secret, hello.secret):
             return "its secret is not its batch's"
+        if self._admission_required():
+            want = self._admitted.get(sender)
+            if want is None:
+                return "not admitted (Transport.admit)"
+            if not hmac.compare_digest(hello.token, want):
+                return "not the latest admission token of its id"
         where = reach(self._host_id, hello.host[:200])
         if not (far_path(where, self._tls_explicit) and hello.err):   # else UCX uses no shared memory to it
             differ = settings_differ(self._shm_settings, dict(zip(MUST_MATCH, hello.shm)))

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from kvxfer.transport.base import MAX_TOKEN
+
 CTRL_TAG, DATA_BIT, KIND_MASK = 1 << 63, 1 << 62, 3 << 62
 FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
 MAX_DTAG = 1 << (62 - FRAME_BITS)
@@ -48,7 +50,6 @@ MAX_WHY = 1024             # characters of a failure reason (longer ones are cut
 MAX_TIMEOUT = 86400.0
 SECRET_BYTES = 16
 MAX_CAPABILITY = 64        # bytes of a grant capability (kvxfer.grant.MAX_CAPABILITY)
-MAX_TOKEN = 64             # bytes of an admission token (``Transport.admit``)
 SHM_FIELDS = 4             # shared-memory settings a HELLO carries (``settings.MUST_MATCH``, in order)
 MAX_SETTING = 64           # characters of one
 MAX_HOST = 256             # characters of a host identity

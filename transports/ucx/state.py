@@ -42,6 +42,7 @@ class Peer:
     tag_in: int = 0                  # the control tag its batches to us carry (we chose it: ``join``)
     tag_out: int = 0                 # the control tag of ours to it (its WELCOME or HELLO chose it; 0: its front)
     joining: bool = False            # sender: our HELLO went to its front worker; no WELCOME yet (``join``)
+    admitted: bool = False           # receiver: it joined with an admission token (``join``)
     where: str = "unknown"           # sender: where it is (``settings.reach``), from its descriptor
     token: bytes = b""               # sender: its owner's admission token for us, sent in every HELLO
     rkeys_packed: list = field(default_factory=list)   # sender while joining: unpacked at its WELCOME

@@ -220,7 +220,7 @@ class ZMQTransport(ZMQSender, ZMQReceiver, Transport):
         return {"transport": self.name, "id": self.id, "endpoint": self.endpoint,
                 "region_sizes": list(self.grants.region_sizes)}
 
-    def connect(self, descriptor: dict) -> str:
+    def connect(self, descriptor: dict, token: bytes = b"") -> str:   # binds nothing: the token is not used
         """Called by the sender at handshake (blocks briefly); returns the peer id for ``submit``."""
         endpoint = descriptor.get("endpoint") if isinstance(descriptor, dict) else None
         if not isinstance(endpoint, str) or not endpoint.startswith(("tcp://", "ipc://")):
