@@ -16,6 +16,8 @@ test process. Commands (bytes travel as base64)::
              each (each answered), each waited for at most 0.1 s
     join     front (hex), sender, shm, token (b64) -> joined, ep, tag, secret (b64): ``Attacker.join``
     hellos   ep, count, shm -> sent: ``count`` front HELLOs (control tag 0) under fresh sender ids
+    blast    ep, tag, count, size -> completed: ``count`` messages of ``size`` random bytes on ``tag``, all
+             in flight at once, then waited for (10 s at most)
     frames   ep, dtags [lo, hi), frames, size, byte -> sent: data frames ``DATA_BIT | d << 24 | k`` of
              ``size`` bytes of ``byte`` for every d in [lo, hi) and k < frames (frame injection)
     fuzz     ep, seed, count, sender, secret (b64), tag -> sent, completed
@@ -193,6 +195,16 @@ class Attacker:
                     return m
         return None
 
+    def blast(self, ep: int, tag: int, count: int, size: int, wait_s: float = 10.0) -> int:
+        """``count`` messages of ``size`` random bytes on ``tag``, all posted before any is waited for."""
+        bufs = [np.frombuffer(os.urandom(size), np.uint8) for _ in range(count)]
+        reqs = [self.eps[ep].tag_send(self.Array(b), self.api.UCXXTag(tag)) for b in bufs]
+        end = time.monotonic() + wait_s
+        while not all(r.completed for r in reqs) and time.monotonic() < end:
+            self.worker.progress()
+        self.keep.extend(zip(reqs, bufs))
+        return sum(r.completed for r in reqs)
+
     def close(self) -> None:
         """Close our endpoints (bounded: a peer that is gone does not take their flush)."""
         for ep in self.eps:
@@ -322,6 +334,8 @@ def main() -> None:
                               token=base64.b64decode(cmd.get("token", "")))
                 reply = {"joined": False} if ch is None else {
                     "joined": True, "ep": ch.ep, "tag": ch.tag, "secret": base64.b64encode(ch.secret).decode()}
+            elif op == "blast":
+                reply = {"completed": att.blast(cmd["ep"], cmd["tag"], cmd["count"], cmd["size"])}
             elif op == "hellos":
                 reply = {"sent": sum(att.send(cmd["ep"], CTRL_TAG, batch(f"fresh-{k}", sec, [hello(
                     att.address, sec, shm=tuple(cmd["shm"]), ctag=k + 1)]), 0.05)

@@ -23,7 +23,7 @@ Commands (``{"op": ..., **arguments}``; a failing command replies ``{"error": ".
     watch    region, offset, value, wait_s -> changed       until that byte is no longer ``value``
     foreign  region, seed -> count                           bytes that are neither canary nor the seed's
     matches  region, start, nbytes, seed -> same             those bytes hold the seed's pattern there
-    health   -> kvxfer_threads, fds, threads, rss, broken    this process, for the hostile tests
+    health   -> kvxfer_threads, fds, threads, rss, peak_rss, broken   this process, for the hostile tests
     rejected -> rejected {reason: count}
     close
 
@@ -256,10 +256,11 @@ class Peer:
         """This process: the kvxfer threads alive, open fds, threads, RSS bytes, ``broken``."""
         import threading
         with open("/proc/self/status") as f:
-            rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+            mem = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                   if k in ("VmRSS", "VmHWM")}
         return {"kvxfer_threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kvxfer")),
-                "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(), "rss": rss,
-                "broken": getattr(self.t, "broken", None)}
+                "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(), "rss": mem["VmRSS"],
+                "peak_rss": mem["VmHWM"], "broken": getattr(self.t, "broken", None)}
 
     def op_stall(self, seconds: float):
         """UCX: the I/O thread stops for ``seconds`` (no progress, no answers), as a stopped host."""

@@ -253,7 +253,8 @@ class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXCo
         self._flushing: list = []               # flushed, DONE not sent yet
         self._holding: list = []                # failed with puts maybe in flight: source not released
         self._ctrl_sends: list = []  # (request, buffer): buffers live until sent
-        self._ctrl_recvs: list = []  # (request, buffer, length) in arrival order
+        self._ctrl_recvs: list = []  # (request, buffer, length, peer or None: front) in arrival order
+        self._ctrl_bytes, self._ctrl_waiting, self._front_inflight = 0, set(), 0   # ``inbox`` budgets (bytes)
         self._zombies: list = []     # requests of ended transfers that still own buffers
         # Receiver: ended transfers whose sender had GO, so puts of theirs may still land, until
         # its DONE or ABORT (sent once its puts are flushed), its re-handshake, or proof that it

@@ -115,3 +115,14 @@ class UCXAdmission:
         self._drop_peer(p)
         log.info("UCX transport %s: peer %s let go: %s", self.id[:8], p.id[:8], why)
 
+    def _evict_silent(self) -> bool:
+        """The peer table is full and a HELLO passed its checks: let go of the peer silent longest
+        (past ``peer_timeout``: it is ``gone``) that joined us (we did not connect to it) and holds
+        nothing here. False when there is none: the HELLO is refused. A peer let go that speaks
+        again finds its batches dropped; it joins anew (its endpoint's next handshake)."""
+        for p in sorted((q for q in self._peers.values() if q.gone and q.sizes is None and not q.joining),
+                        key=lambda q: q.clock.heard):
+            if not self._holds_any(p):
+                self._let_go(p, "the peer table is full and it was silent longest, holding nothing")
+                return True
+        return False

@@ -5,6 +5,16 @@ each loop turn), except ``rejected`` (any thread). A batch is received only once
 whose it is (``join``: the control tag we gave that peer; the front worker's tag 0 for a
 HELLO) and its size fits; everything else is received into one byte (UCX drops the rest unread)
 and counted. Handled batches go to ``UCXJoin._on_join`` (front) or ``UCXControl._on_message``.
+
+Bounded (issue 34): a receive buffer is made only for a batch that fits its peer's budget
+(``max_control_bytes`` being received or handled per peer, ``CTRL_BUDGETS`` times that for all);
+the others wait, in order, as UCX's probed messages (a rendezvous not started: UCX keeps its
+header, not its bytes), at most ``MAX_WAITING`` per peer. A front worker receives at most
+``FRONT_BUDGET`` bytes of HELLO batches (256 KiB each at most) at once; the rest of a flood is
+dropped unread. UCX queues what nobody receives without a
+bound, and adds messages only inside a worker's progress: every turn takes or drops everything
+that arrived (``_drop_junk`` for tags of no kind we use), so its queue holds at most what one
+progress call brought in.
 """
 from __future__ import annotations
 
@@ -27,6 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
+CTRL_BUDGETS = 4       # control bytes being received, all peers together: this many max_control_bytes
+MAX_WAITING = 1024     # batches of one peer waiting for its budget (beyond: dropped, counted "too large")
+FRONT_BUDGET = 4 << 20   # bytes of HELLO batches being received at once on a front worker (beyond: dropped)
+
 
 class UCXInbox:
     """Control-receiving half of ``UCXTransport`` (see the module docstring)."""
@@ -44,6 +58,9 @@ class UCXInbox:
     _retired_tags: collections.OrderedDict[int, None]
     _junk: collections.Counter
     _ctrl_recvs: list
+    _ctrl_bytes: int                 # control bytes being received or waiting to be handled
+    _ctrl_waiting: set               # peers with batches waiting for their budget
+    _front_inflight: int
     _zombies: list
     _on_join: Callable[[str, bytes, list], None]       # UCXJoin
     _on_message: Callable[[Peer, Any], None]           # UCXControl
@@ -64,14 +81,30 @@ class UCXInbox:
                     self._drop(w, res, "quiet" if tag in self._retired_tags else "unknown peer")
                 elif res.length > self.max_control_bytes:
                     self._drop(w, res, "too large")
+                elif front:
+                    if self._front_inflight + res.length > FRONT_BUDGET:   # a flood of HELLOs: the rest go
+                        self._drop(w, res, "flood")
+                    else:
+                        self._front_inflight += res.length
+                        self._post_ctrl(w, res, None)
+                elif p.ctrl_wait or not self._fits(p, res.length):
+                    if len(p.ctrl_wait) >= MAX_WAITING:
+                        self._drop(w, res, "too large")
+                    else:   # its rendezvous not started: UCX holds its header only
+                        p.ctrl_wait.append((w, res))
+                        self._ctrl_waiting.add(p)
                 else:
-                    buf = np.empty(max(res.length, 1), np.uint8)
-                    self._ctrl_recvs.append((w.tag_recv_with_handle(Array(buf), res), buf, res.length, p))
+                    self._post_ctrl(w, res, p)
             self._drop_junk(w, front)
         # In arrival order: an ANNOUNCE still streaming in must not be overtaken by its DONE.
         while self._ctrl_recvs and self._ctrl_recvs[0][0].completed:
             req, buf, length, p = self._ctrl_recvs.pop(0)
             self._acts += 1
+            if p is None:
+                self._front_inflight -= length
+            else:
+                p.ctrl_bytes -= length
+                self._ctrl_bytes -= length
             try:
                 req.check_error()
                 sender, secret, msgs = parse_batch(buf[:length].tobytes(), self.max_control_bytes)
@@ -86,6 +119,39 @@ class UCXInbox:
                 continue
             for m in msgs:
                 self._guarded(self._on_message, p, m)
+        if self._ctrl_waiting:
+            self._post_waiting()
+
+    def _fits(self, p: Peer, n: int) -> bool:
+        """May a batch of ``n`` bytes from ``p`` be received now? Each peer has at most
+        ``max_control_bytes`` of batches being received or waiting to be handled, all peers
+        together ``CTRL_BUDGETS`` times that."""
+        return p.ctrl_bytes + n <= self.max_control_bytes and \
+            self._ctrl_bytes + n <= CTRL_BUDGETS * self.max_control_bytes
+
+    def _post_ctrl(self, w, res, p: Peer | None) -> None:
+        """Receive a probed batch (``p``: whose its tag says; None: a front worker's HELLO)."""
+        buf = np.empty(max(res.length, 1), np.uint8)
+        self._ctrl_recvs.append((w.tag_recv_with_handle(Array(buf), res), buf, res.length, p))
+        if p is not None:
+            p.ctrl_bytes += res.length
+            self._ctrl_bytes += res.length
+
+    def _post_waiting(self) -> None:
+        """Receive waiting batches in each peer's order, as its budget and the total allow."""
+        for p in list(self._ctrl_waiting):
+            while p.ctrl_wait and self._fits(p, p.ctrl_wait[0][1].length):
+                w, res = p.ctrl_wait.popleft()
+                self._post_ctrl(w, res, p)
+            if not p.ctrl_wait:
+                self._ctrl_waiting.discard(p)
+
+    def _unwait(self, p: Peer) -> None:
+        """``p`` is forgotten: its waiting batches are dropped unread."""
+        while p.ctrl_wait:
+            w, res = p.ctrl_wait.popleft()
+            self._drop(w, res, "quiet")
+        self._ctrl_waiting.discard(p)
 
     def _guarded(self, fn: Callable[..., None], *args) -> None:
         try:
@@ -114,12 +180,14 @@ class UCXInbox:
     def rejected(self) -> collections.Counter:
         """Rejected incoming writes and messages by reason (``kvxfer.grant.Reason`` values), with
         the messages dropped unread at the probe counted as "unknown peer" (a tag nobody was
-        given), "too large", "malformed message" (on a front worker: anything but a HELLO
+        given), "too large", "too many peers" (HELLOs past what a front worker takes at once),
+        "malformed message" (on a front worker: anything but a HELLO
         batch; elsewhere: a tag of no kind we use) or "malformed frame" (a data frame under no tag
         of a frame still to come); a retired peer's late batches are not counted."""
         out = collections.Counter(self.grants.rejected)
         j = self._junk
         out.update({k: n for k, n in (("unknown peer", j["unknown peer"]), ("too large", j["too large"]),
+                                      ("too many peers", j["flood"]),
                                       ("malformed message", j["front"] + j["stray"]),
                                       ("malformed frame", j["frame"])) if n})
         return out

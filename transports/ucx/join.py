@@ -143,6 +143,8 @@ class UCXJoin:
     _send: Callable[[Peer, Message], None]
     _rehello: Callable[[Peer], None]
     _on_message: Callable[[Peer, Any], None]
+    _unwait: Callable[[Peer], None]                       # UCXInbox
+    _evict_silent: Callable[[], bool]                     # UCXAdmission
     disconnect: Callable[[str], None]
 
     # ---- caller's thread --------------------------------------------------------------------
@@ -216,8 +218,8 @@ class UCXJoin:
             else:
                 why = "its id is bound to another channel" + (" that still holds memory here"
                                                               if self._admission_required() else "")
-        if not why and p is None and len(self._peers) >= self.max_peers:
-            self.grants.reject("?", f"too many peers: {len(self._peers)} already")
+        if not why and p is None and len(self._peers) >= self.max_peers and not self._evict_silent():
+            self.grants.reject("?", f"too many peers: {len(self._peers)} already, none silent and holding nothing")
             return
         if why:
             self.grants.reject("?", f"unknown peer: HELLO from {sender[:40]!r} refused: {why}"[:300])
@@ -264,6 +266,7 @@ class UCXJoin:
         control tag is remembered a while, so its late batches are dropped without a count."""
         if self._peers.get(p.id) is p:
             del self._peers[p.id]
+        self._unwait(p)
         if p.tag_in and self._by_tag.get(p.tag_in) is p:
             del self._by_tag[p.tag_in]
             self._retired_tags[p.tag_in] = None

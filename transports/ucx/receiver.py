@@ -64,6 +64,7 @@ class UCXReceiver:
     _all_host: bool
     _cuda_devices: set[torch.device]
     _in: dict[tuple[str, int], Incoming]
+    _peers: dict[str, Peer]
     _by_dtag: dict[int, Incoming]
     _landing: dict[tuple[str, int], tuple[str, int, float]]
     _landing_rids: collections.Counter
@@ -90,7 +91,10 @@ class UCXReceiver:
         # answer: no oracle; grants.check and is_live refuse it) but with no arrival: it never
         # fails or completes the request.
         quiet = not self.grants.capability_ok(rid, m.cap)
-        if len(self._in) >= self.max_incoming or p.open_in >= self.max_incoming_per_peer:
+        # Each peer its own share: max_incoming_per_peer, and past max_incoming in all, no more than
+        # an equal part of it among the peers with transfers open (so at most 2 x max_incoming open).
+        if p.open_in >= self.max_incoming_per_peer or len(self._in) >= self.max_incoming and \
+                p.open_in >= self.max_incoming // max(1, sum(1 for q in self._peers.values() if q.open_in)):
             return self._refuse(p, xid, rid, 0, m.notify, self.grants.reject(
                 rid, f"too many transfers: {len(self._in)} open, {p.open_in} from this peer"), quiet)
         # An empty transfer writes nothing: acknowledged whatever its request id (no oracle)
