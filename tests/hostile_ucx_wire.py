@@ -14,8 +14,12 @@ test process. Commands (bytes travel as base64)::
     recv     wait_s -> batches [[sender, secret b64, [message, ...]], ...] (messages as JSON-safe lists)
     spray    ep, sender, secret (b64), count -> completed: ``count`` batches of one empty ANNOUNCE
              each (each answered), each waited for at most 0.1 s
-    join     front (hex), sender, shm, token (b64) -> joined, ep, tag, secret (b64): ``Attacker.join``
+    join     front (hex), sender, shm, token (b64), identity -> joined, ep, tag, secret (b64): ``Attacker.join``
+             (``identity``: the HELLO names this process, ``identity()``)
     hellos   ep, count, shm -> sent: ``count`` front HELLOs (control tag 0) under fresh sender ids
+    post     ep, tag, count, size, turns -> posted: ``count`` messages of ``size`` bytes on tags ``tag | k``
+             posted, then ``turns`` progress calls, never waited for (a sender that goes silent
+             with its frames half sent: over TCP their rendezvous needs our progress to finish)
     blast    ep, tag, count, size -> completed: ``count`` messages of ``size`` random bytes on ``tag``, all
              in flight at once, then waited for (10 s at most)
     frames   ep, dtags [lo, hi), frames, size, byte -> sent: data frames ``DATA_BIT | d << 24 | k`` of
@@ -72,6 +76,18 @@ def hello(address: bytes, secret: bytes, *, epoch: int = 0, host: str = "", pid:
           err: int = 0, eager: int = 0, token: bytes = b"", shm=("4096", "", "", ""), ctag: int = 1) -> list:
     """The full HELLO; ``shm`` as the peer would read it (kvxfer's own settings by default)."""
     return [HELLO, address, secret, epoch, host, pid, start, err, eager, token, list(shm), ctag]
+
+
+def identity() -> dict:
+    """This process as a HELLO names it: host (boot id / PID namespace / network namespace, as
+    inode numbers), pid and start time (clock ticks since boot), so a receiver on this kernel can
+    tell when it is gone."""
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    with open("/proc/self/stat", "rb") as f:
+        stat = f.read()
+    return {"host": f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}/{os.stat('/proc/self/ns/net').st_ino}",
+            "pid": os.getpid(), "start": int(stat[stat.rindex(b")") + 2:].split()[19])}
 
 
 def hello_forms(address: bytes, secret: bytes, **kw) -> list[list]:
@@ -163,13 +179,13 @@ class Attacker:
         return out
 
     def join(self, front_hex: str, sender: str, *, token: bytes = b"", shm=("4096", "", "", ""), eager: bool = False,
-             wait_s: float = 3.0) -> "Channel | None":
+             wait_s: float = 3.0, who: dict | None = None) -> "Channel | None":
         """Join a transport as its senders do: HELLO to its front worker (the descriptor's address),
         then, on its WELCOME, an endpoint to the data address it names and HELLO again there under
         the control tag it gave. None when no WELCOME came (refused)."""
         secret, ctag = os.urandom(16), random.randrange(1, 1 << 62)
         front = self.connect(bytes.fromhex(front_hex))
-        msg = hello(self.address, secret, eager=int(eager), token=token, shm=shm, ctag=ctag)
+        msg = hello(self.address, secret, eager=int(eager), token=token, shm=shm, ctag=ctag, **(who or {}))
         self.send(front, CTRL_TAG, batch(sender, secret, [msg]))
         welcome = self.wait_for(WELCOME, wait_s)
         if welcome is None:
@@ -331,9 +347,18 @@ def main() -> None:
                     announce(k + 1, "nobody", b"", 0)]), 0.1) for k in range(cmd["count"]))}
             elif op == "join":
                 ch = att.join(cmd["front"], cmd["sender"], shm=tuple(cmd.get("shm", ("4096", "", "", ""))),
-                              token=base64.b64decode(cmd.get("token", "")))
+                              token=base64.b64decode(cmd.get("token", "")),
+                              who=identity() if cmd.get("identity") else None)
                 reply = {"joined": False} if ch is None else {
                     "joined": True, "ep": ch.ep, "tag": ch.tag, "secret": base64.b64encode(ch.secret).decode()}
+            elif op == "post":
+                bufs = [np.zeros(cmd["size"], np.uint8) for _ in range(cmd["count"])]
+                reqs = [att.eps[cmd["ep"]].tag_send(att.Array(b), att.api.UCXXTag(cmd["tag"] | k))
+                        for k, b in enumerate(bufs)]
+                for _ in range(cmd["turns"]):
+                    att.worker.progress()
+                att.keep.extend(zip(reqs, bufs))
+                reply = {"posted": len(reqs)}
             elif op == "blast":
                 reply = {"completed": att.blast(cmd["ep"], cmd["tag"], cmd["count"], cmd["size"])}
             elif op == "hellos":

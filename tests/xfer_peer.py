@@ -23,6 +23,7 @@ Commands (``{"op": ..., **arguments}``; a failing command replies ``{"error": ".
     watch    region, offset, value, wait_s -> changed       until that byte is no longer ``value``
     foreign  region, seed -> count                           bytes that are neither canary nor the seed's
     matches  region, start, nbytes, seed -> same             those bytes hold the seed's pattern there
+    strided_matches  region, seed, runs, run -> same       runs 0, 2, 4, ... of a sender's seeded region 0
     health   -> kvxfer_threads, fds, threads, rss, peak_rss, broken   this process, for the hostile tests
     rejected -> rejected {reason: count}
     close
@@ -252,6 +253,12 @@ class Peer:
         r = self.regions[region].numpy()[start:start + nbytes]
         return {"same": bool((r == pattern(region_seed(seed, region), start + nbytes)[start:]).all())}
 
+    def op_strided_matches(self, region: int, seed: int, runs: int, run: int):
+        """Does ``region`` start with every other ``run`` bytes of a sender's region 0 filled from
+        ``seed`` (runs 0, 2, 4, ... of it, back to back)?"""
+        want = pattern(region_seed(seed, 0), 2 * runs * run).reshape(runs, 2, run)[:, 0, :].reshape(-1)
+        return {"same": bool((self.regions[region].numpy()[:runs * run] == want).all())}
+
     def op_health(self):
         """This process: the kvxfer threads alive, open fds, threads, RSS bytes, ``broken``."""
         import threading
@@ -296,7 +303,7 @@ class Peer:
         self.t._call(lambda: p.pregranted.__setitem__(request_id, everything))
 
     def op_fencing(self):
-        return {"fencing": self.t.fencing()}
+        return {"fencing": self.t.fencing(), "staging": self.t.staging() if hasattr(self.t, "staging") else {}}
 
     def op_rejected(self):
         return {"rejected": dict(self.t.rejected)}
@@ -329,14 +336,16 @@ class InProcessPeer:
 class PeerProcess:
     """A ``Peer`` in a child process (this file run as a program)."""
 
-    def __init__(self, stderr_path: Path, script: str = __file__, env: dict | None = None):
+    def __init__(self, stderr_path: Path, script: str = __file__, env: dict | None = None,
+                 prefix: list[str] | None = None):
         """``script``: the program (this file; a test's own command loop speaks the same lines);
-        ``env``: its environment (default: ours)."""
+        ``env``: its environment (default: ours); ``prefix``: argv before the interpreter (e.g.
+        ``["ip", "netns", "exec", ns]``: it execs, so the pid is the program's)."""
         self.stderr_path = stderr_path
         self._err = open(stderr_path, "wb")
         env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, env=env)
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, script], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, env=env)
         self.pid = self.proc.pid
         self._buf = b""
 

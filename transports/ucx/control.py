@@ -380,12 +380,16 @@ class UCXControl:
                                               f"({o.state.replace('_', ' ')})"))
         for i in [i for i in self._in.values() if now > i.deadline]:
             self._fail_in(i, self.grants.reject(i.rid, "deadline passed: the sender did not finish in time"))
+        # peers that memory here waits for: their death is looked for every tick, silent or not
+        # (a killed sender on this kernel is proven dead by its pid a tick later, not after peer_timeout)
+        waited = {k[0] for k in self._landing} | {e[0] for e in self._draining} if self._landing or \
+            self._draining else set()
         for p in list(self._peers.values()):
             if p.rehello is not None:
                 self._check_rehello(p)
             if not p.gone and p.clock.silent(now, self.peer_timeout):
                 self._peer_gone(p, f"peer silent for {p.clock.silent_for(now):.1f}s (dead or stalled)")
-            if p.gone or p.fenced:
+            if p.gone or p.fenced or p.id in waited:
                 self._fence_check(p, now)
             # Ping only once the last message left: sends to a dead peer may never complete.
             if now >= p.next_ping and (p.last_send is None or p.last_send.completed) and not p.closing \

@@ -110,6 +110,7 @@ class UCXJoin:
     _host_id: str
     _tls_explicit: bool
     _shm_settings: dict[str, str]
+    _network_only: bool
     _address: bytes
     _worker: Any
     _peers: dict[str, Peer]
@@ -315,9 +316,15 @@ class UCXJoin:
             secret, epoch = self._retired.pop(peer_id, (os.urandom(SECRET_BYTES), -1))
             own = peer_id == self.id
             far = not own and far_path(where, self._tls_explicit)
-            # to its front worker (error handling off: the data endpoint, made at its WELCOME, has
-            # it on for a far peer); ourselves: our data worker
-            p = self._add_peer(peer_id, self._address if own else addr, secret, far, err=far, front=not own)
+            # UCX error handling (``Peer.err``: its death is reported, so what it held goes) costs
+            # shared memory, so it is on where none is used: a far peer (FAR_TLS), and any peer not
+            # in our kernel and network namespace when our UCX_TLS names no shared memory at all
+            # ("tcp"; issue 35: without it, a killed sender across hosts held our receive ring
+            # for good). On our own kernel and namespace its pid proves it dead instead.
+            err = far or (not own and self._network_only and where != "same")
+            # to its front worker (error handling off there: the data endpoint, made at its
+            # WELCOME, has it as ``err`` says); ourselves: our data worker
+            p = self._add_peer(peer_id, self._address if own else addr, secret, far, err=err, front=not own)
             p.my_epoch = epoch + 1   # above every HELLO it had from us: lifts a fence it may hold
             p.where, p.token, p.joining = where, token, not own
             self._bind_tag(p)
