@@ -126,3 +126,69 @@ def test_killed_senders_over_tcp_give_the_ring_back_across_hosts(two, tmp_path):
 def test_killed_senders_over_tcp_give_the_ring_back_on_loopback(tmp_path):
     run_kills(tmp_path, None, None)   # the receiver's own kernel: the pid proves the sender dead
 
+
+def test_a_silent_sender_keeps_only_its_own_share_of_the_ring(tmp_path):
+    """An admitted peer (``hostile_ucx_wire``, alive but silent: it stops progressing with its 4
+    frames' rendezvous started) holds every slot of a 4-slot receive ring when its request is
+    forgotten: it cannot be proven dead, so those slots stay held. Another sender's transfer
+    through the ring still lands byte-exact (spill frames stand in for the held slots); before,
+    it waited for a slot until its deadline. Once the silent peer is killed, its pid proves it
+    dead and nothing stays held."""
+    import base64
+
+    import hostile_ucx_wire as hw
+    opts = {**OPTS, "frame_bytes": 1 << 20, "staging_frames": 4}
+    rx = PeerProcess(tmp_path / "rx.err", env=_env())
+    att = PeerProcess(tmp_path / "stuck.err", script=hw.__file__, env=_env())
+    tx = None
+    try:
+        rx_desc = rx.call("init", transport="ucx", sizes=[DST], fill="canary", options=opts)["descriptor"]
+        # its frames go by rendezvous, whose data needs its progress: posted, then it goes silent
+        att.call("init", config={"TLS": "tcp", "RNDV_THRESH": "1024"})
+        token = rx.call("admit", descriptor={"id": "stuck"})["token"]
+        ch = att.call("join", front=rx_desc["address"], sender="stuck", token=token, identity=True)
+        assert ch["joined"]
+        n = np.full(128, 32 << 10, np.int64)   # 4 MiB of 32 KiB runs: 4 frames of 1 MiB, through the ring
+        off = (DST - (4 << 20)) + np.arange(128, dtype=np.int64) * (32 << 10)
+        rx.call("expect", request_id="pin.1", ranges={"region": enc(np.zeros(128, np.int64)), "start": enc(off),
+                                                      "nbytes": enc(n)})
+        runs = hw.runs_field(*[(0, int(o), int(c)) for o, c in zip(off, n)])
+        msg = hw.announce(7, "pin.1", runs, 0, frame=1 << 20) + [1]   # staged frames (11th field)
+        secret = base64.b64decode(ch["secret"])
+        att.call("send", ep=ch["ep"], tag=hw.CTRL_TAG | ch["tag"],
+                 data=base64.b64encode(hw.batch("stuck", secret, [msg])).decode())
+        go = next((m for b in att.call("recv", wait_s=3.0)["batches"] if b for m in b[-1] if m and m[0] == hw.GO),
+                  None)
+        assert go is not None, "no GO for the staged ANNOUNCE"
+        att.call("post", ep=ch["ep"], tag=hw.DATA_BIT | go[2] << hw.FRAME_BITS, count=4, size=1 << 20, turns=0)
+        end = time.monotonic() + 5.0
+        while _held(rx)[1] < 4:
+            assert time.monotonic() < end, f"the silent peer's frames did not take the ring: {rx.call('fencing')}"
+            time.sleep(0.05)
+        rx.call("forget", request_id="pin.1")
+        time.sleep(1.5)   # its pid is alive: nothing proves its writes impossible
+        f = rx.call("fencing")
+        assert f["fencing"]["bytes"] == 4 << 20 and f["staging"]["recv"]["in_use"] == 4, f   # the whole ring
+        z = np.zeros(1, np.int64)
+        rx.call("expect", request_id="after.1", ranges={"region": enc(z), "start": enc(z), "nbytes": enc(z + DST // 2)})
+        tx, peer = _sender(tmp_path, "tx", None, rx_desc, rx, opts)
+        small = RUNS // 4   # 16 MiB of 1 KiB runs
+        k = np.arange(small, dtype=np.int64)
+        zs = np.zeros(small, np.int64)
+        tx.call("submit", peer=peer, request_id="after.1",
+                plan=plan_to_json(raw_plan(zs, k * 2 * RUN, zs, k * RUN, np.full(small, RUN, np.int64))), timeout=20.0)
+        res = tx.call("wait", request_ids=["after.1"], wait_s=30.0)["results"]["after.1"]
+        assert res["status"] == "DONE", f"a transfer behind a silent peer's held slots failed: {res}"
+        assert rx.call("strided_matches", region=0, seed=9, runs=small, run=RUN)["same"]
+        att.signal(signal.SIGKILL)
+        att.proc.wait(10)
+        end = time.monotonic() + FREED_S
+        while (g := rx.call("fencing"))["fencing"]["bytes"] or g["staging"]["recv"]["held"] or \
+                g["staging"]["recv"]["spill"] or g["staging"]["recv"]["in_use"]:
+            assert time.monotonic() < end, g
+            time.sleep(0.1)
+        print("spill:", f["staging"]["recv"], "->", g["staging"]["recv"])
+    finally:
+        for p in (tx, att, rx):
+            if p is not None:
+                p.close()

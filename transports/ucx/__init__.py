@@ -109,7 +109,7 @@ from .bindings import frame_iovs
 from .control import UCXControl, host_identity, process_start
 from .eager import UCXEager
 from .fencing import UCXFencing
-from .frames import STAGE_HOST, network_only
+from .frames import STAGE_HOST, RingSpill, network_only
 from .inbox import UCXInbox
 from .join import UCXJoin, make_front
 from .lifecycle import UCXLifecycle
@@ -286,6 +286,7 @@ class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXCo
         self._far_put_param = ucp.RequestParam(op_attr_mask=ucp.OP_ATTR_MULTI_SEND)   # see register()
         self._staging = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-send")
         self._rx_ring = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-recv")
+        self._spill = RingSpill(self.frame_bytes)   # frames standing in for held ring slots (``frames``)
         # UCX_TLS in the environment counts too: UCX reads it where the config sets none
         self._network_only = network_only(config.get("TLS") or os.environ.get("UCX_TLS", ""))
         self._closed = self._stop = self._sleeping = False
@@ -327,8 +328,9 @@ class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXCo
                 self._call(ring.allocate, False, cuda[0])
 
     def staging(self) -> dict:
-        """Any thread: each staging ring's frames, in use, peak and waits (``send``, ``recv``)."""
-        return {"send": self._staging.stats(), "recv": self._rx_ring.stats()}
+        """Any thread: each staging ring's frames, in use, peak and waits (``send``, ``recv``; for
+        ``recv`` also ``held`` slots and the ``spill`` frames standing in for them)."""
+        return {"send": self._staging.stats(), "recv": {**self._rx_ring.stats(), **self._spill.stats()}}
 
     def _exit(self) -> None:   # IOThread.on_exit: the UCX objects, then the receive ring
         self._free()

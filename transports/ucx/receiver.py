@@ -6,7 +6,8 @@ and the regions before GO (an eager one, after its puts: ``eager``); ``_poll_dat
 packed frames (in place for host memory; for CUDA, and staged host frames unless
 ``stage_host="never"``, into the receive ring, each frame scattered as it lands:
 ``_land_frames``); ``_try_finish`` acknowledges; ``_fail_in`` ends a transfer and keeps the
-grant's memory marked (``writes_pending``) while puts or posted receives may land.
+grant's memory marked (``writes_pending``) while puts or posted receives may land, and ring slots
+held while frame receives may still write them (``frames.RingSpill`` stands in for those).
 
 No oracle: the FAIL a peer gets for a refusal because of the grant (unknown, ended or live
 request, runs outside it) reads the same; only the local counters and arrivals tell them apart.
@@ -29,7 +30,7 @@ from kvxfer.transport.base import Arrival
 from kvxfer.transport.kit import peer_reason
 
 from . import bindings as ucp
-from .frames import HeldSlot, RingHold, StagedFrames, Stream, byte_cut, cut, stream_iovs
+from .frames import HeldSlot, RingHold, RingSpill, StagedFrames, Stream, byte_cut, cut, stream_iovs
 from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, MAX_DTAG, Ack, Announce, Fail, Go
 from .sender import ucx_buffer
 from .state import Incoming, Peer
@@ -73,6 +74,7 @@ class UCXReceiver:
     _zombies: list
     _drop: Callable[[Any, Any, str], None]        # UCXInbox
     _rx_ring: StagingPool
+    _spill: RingSpill
     frame_bytes: int
     stage_host: str
     _acts: int
@@ -184,7 +186,8 @@ class UCXReceiver:
             tag = res.sender_tag.value
             i, k = self._by_dtag.get((tag & ~KIND_MASK) >> FRAME_BITS), tag & ((1 << FRAME_BITS) - 1)
             want = -1 if i is None or i.staging is None or k >= i.frames or i.staging.seen[k] else i.staging.size(k)
-            if res.length == want and not self._rx_ring.available():   # back-pressure: next turn
+            ring_free = res.length != want or self._rx_ring.available()
+            if not ring_free and not self._spill.room():   # back-pressure: next turn
                 break
             res = probe(want_tag, mask, remove=True)   # the same message (UCX adds only inside progress)
             self._acts += 1
@@ -197,7 +200,7 @@ class UCXReceiver:
                     self._fail_in(i, self.grants.reject(i.rid, f"malformed frame: {k} of {res.length} bytes"))
                 self._drop(self._worker, res, "frame")
                 continue
-            slot = self._rx_ring.get(want, i.staging.device)
+            slot = self._rx_ring.get(want, i.staging.device) if ring_free else self._spill.get(i.staging.device)
             i.staging.seen[k] = True
             i.staging.reqs.append((self._worker.tag_recv_with_handle(ucx_buffer(slot), res), k, slot))
         for i in [i for i in self._in.values() if i.iov is not None and i.got < i.frames]:
@@ -212,6 +215,8 @@ class UCXReceiver:
                 self._try_finish(i)
         if self._draining:
             self._reap_draining()
+        if self._spill.held:
+            self._spill.prune()
         for i in [i for i in self._in.values() if i.staging is not None and i.staging.reqs]:
             self._land_frames(i)
         self._zombies = [z for z in self._zombies if not z[0].completed]
@@ -235,15 +240,22 @@ class UCXReceiver:
             part = st.part(k)
             if reason is None and (reason := self.grants.check(i.rid, *part, i.cap)) is None:
                 self._land(part, slot)   # in place (CUDA: the copies completed) before the slot is free
-            self._rx_ring.put(slot)
+            self._free_slot(slot)
             if reason is not None:
                 for _, _, s in done[j + 1:]:
-                    self._rx_ring.put(s)
+                    self._free_slot(s)
                 return self._fail_in(i, reason)
             i.got += 1
         if i.got == i.frames:
             i.packed = None   # landed, frame by frame
             self._try_finish(i)
+
+    def _free_slot(self, slot: torch.Tensor) -> None:
+        """A frame landed: its ring slot is free again (a spill frame is let go)."""
+        if self._spill.owns(slot):
+            self._spill.put(slot)
+        else:
+            self._rx_ring.put(slot)
 
     def _try_finish(self, i: Incoming) -> None:
         if not i.done or i.got < i.frames:
@@ -305,7 +317,12 @@ class UCXReceiver:
         def held() -> bool:
             return any(e[2] is hold for e in self._draining)
         for req, _, slot in st.reqs:
-            self._rx_ring.put(slot, HeldSlot(req, held))
+            until = HeldSlot(req, held)
+            if self._spill.owns(slot):
+                self._spill.hold(until, slot)
+            else:
+                self._rx_ring.put(slot, until)
+                self._spill.hold(until)   # while held, a spill frame may stand in for it
             self._zombies.append((req, slot))
         key = ("ring slots", i.rid)
         self._draining.append((i.peer.id, key, hold, sum(int(s.numel()) for _, _, s in st.reqs), time.monotonic()))
