@@ -233,6 +233,7 @@ class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXCo
         self._far_ctx = self._far_worker = None
         self._far_address = b""
         self._workers = [self._worker, self._front_worker]
+        self._poller, self._polled = None, 0   # ``lifecycle._idle``
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
         self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)

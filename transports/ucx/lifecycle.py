@@ -95,6 +95,8 @@ class UCXLifecycle:
     _shm_settings: dict[str, str]
     _by_tag: dict[int, Peer]
     _workers: list
+    _poller: Any                       # select.poll over the workers' event fds (``_idle``)
+    _polled: int
     _host_id: str
     _pid: int
     _start_ticks: int
@@ -261,9 +263,14 @@ class UCXLifecycle:
         self._closing = left
 
     def _idle(self, ms: int) -> None:
-        """Sleep until a worker has an event (or a command signals the main one), at most ``ms``."""
+        """Sleep until a worker has an event (or a command signals the main one), at most ``ms``.
+        ``poll``, not ``select``: a process with many fds gives workers numbers past 1024."""
         if all(w.arm() for w in self._workers):   # False: events pending, do not sleep
-            select.select([w.epoll_file_descriptor for w in self._workers], [], [], ms / 1000)
+            if self._poller is None or self._polled != len(self._workers):   # the FAR_TLS worker joined
+                self._poller, self._polled = select.poll(), len(self._workers)
+                for w in self._workers:
+                    self._poller.register(w.epoll_file_descriptor, select.POLLIN)
+            self._poller.poll(ms)
 
     def memory_types(self) -> list[str]:
         """What UCX registered each region as ("host", "cuda", ...; "" for an empty region), as
@@ -341,6 +348,6 @@ class UCXLifecycle:
         self._staging.clear()
         self._whandle = None
         self._by_tag = {}
-        self._workers, self._far_worker, self._far_ctx = [], None, None
+        self._workers, self._far_worker, self._far_ctx, self._poller = [], None, None, None
         self._front_worker = self._front_ctx = None
         self._worker = self._ctx = None
