@@ -24,14 +24,7 @@ zmq data plane   (transports/zmq.py)
     "nruns", "nbytes", "notify". {"t": "p", "n": int} is answered with a pong after every reply
     to what came before it. Replies: {"t": "a", "x": [xids]}, {"t": "n", "x", "why"}, {"t": "p"}.
     notify (kvxfer/control/wire.py ChunkMeta) = msgpack [room, gen, [tp, pp], chunk, total, nbytes, aux].
-ucx control      (transports/ucx.py)
-    one tagged message (tag 1 << 63) per batch: msgpack [sender id, [message, ...]];
-    HELLO [0, worker address], ANNOUNCE [1, xid, rid, timeout, notify, runs, nput, frame_bytes,
-    inline], GO [2, xid, dtag], DONE [3, xid], ACK [4, xid], FAIL [5, xid, why],
-    ABORT [6, xid, why], PING [7], BYE [8]; eager writes: HELLO's 9th field 1 (it answers FENCEs),
-    PREGRANT [9, [rid, ...], [packed ranges, ...]], FENCE [10, [rid, ...]],
-    FENCED [11, [rid, ...], all 0/1], and an ANNOUNCE with 12 fields whose last is 1 (eager: its
-    puts are done).
+ucx control      (transports/ucx/protocol.py): see hostile_ucx_wire.py, which speaks it.
 """
 from __future__ import annotations
 
@@ -237,74 +230,9 @@ CTRL_TAG, KIND_MASK = 1 << 63, 3 << 62
 HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE, PREGRANT, FENCE, FENCED = range(12)
 
 
-class UcxClient:
-    """A UCX worker that sends control batches under any sender id it likes."""
-
-    def __init__(self, victim_address_hex: str):
-        from ucxx._lib import libucxx as ucx_api
-        from ucxx._lib.arr import Array
-        self._api, self._Array = ucx_api, Array
-        # the victim's shared-memory FIFO size must match ours (transports/ucx.py UCX_DEFAULTS)
-        config = {} if "UCX_SYSV_FIFO_SIZE" in os.environ else {"SYSV_FIFO_SIZE": "4096"}
-        self.ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG,))
-        self.worker = ucx_api.UCXWorker(self.ctx)
-        self.address = self.worker.address.tobytes()
-        self.ep = self.worker.create_endpoint_from_worker_address(
-            ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(victim_address_hex)), False)
-        self._keep: list = []
-        self.secret = os.urandom(16)   # this client's channel secret: [sender, secret, [messages]]
-
-    def hello(self, eager: bool = False) -> list:
-        """[HELLO, our worker address, our channel secret]: binds the sender id to our secret
-        (``eager``: the 9-field form that says we answer FENCEs, so the victim pregrants to us)."""
-        return [HELLO, self.address, self.secret, 0, "", 0, 0, 0, 1] if eager else [HELLO, self.address, self.secret]
-
-    def send(self, sender: str, msgs: list, timeout: float = 5.0, secret: bytes | None = None) -> None:
-        import numpy as np
-        batch = [sender, self.secret if secret is None else secret, msgs]
-        buf = np.frombuffer(msgpack.packb(batch, use_bin_type=True), np.uint8)
-        req = self.ep.tag_send(self._Array(buf), self._api.UCXXTag(CTRL_TAG))
-        end = time.monotonic() + timeout
-        while not req.completed and time.monotonic() < end:
-            self.worker.progress()
-        self._keep.append((req, buf))
-
-    def recv(self, timeout: float = 2.0) -> list | None:
-        """The next control batch sent to us, decoded: [sender, secret, [messages]] (None on timeout)."""
-        import numpy as np
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            self.worker.progress()
-            res = self.worker.tag_probe(self._api.UCXXTag(CTRL_TAG), self._api.UCXXTagMask(KIND_MASK), remove=True)
-            if res.matched:
-                buf = np.empty(max(res.length, 1), np.uint8)
-                req = self.worker.tag_recv_with_handle(self._Array(buf), res)
-                while not req.completed:
-                    self.worker.progress()
-                return msgpack.unpackb(buf[:res.length].tobytes(), raw=False)
-            time.sleep(0.001)
-        return None
-
-    def wait_for(self, kind: int, timeout: float = 3.0) -> list | None:
-        """The first message of ``kind`` in the batches sent to us within ``timeout``."""
-        end = time.monotonic() + timeout
-        while (left := end - time.monotonic()) > 0:
-            batch = self.recv(left)
-            if batch is None:
-                return None
-            for m in batch[-1]:
-                if m and m[0] == kind:
-                    return m
-        return None
-
-    def close(self) -> None:
-        try:
-            self.ep.close()
-            end = time.monotonic() + 0.1
-            while time.monotonic() < end:
-                self.worker.progress()
-        except Exception:
-            pass
+# The client moved to hostile_ucx_wire (the UCX transport's join protocol, issue 34); its
+# interface is the same.
+from hostile_ucx_wire import UcxClient  # noqa: E402, F401
 
 
 class CtlServer:

@@ -1,9 +1,12 @@
 """Hostile peers on the UCX transport's control messages, and UCX close() (issue 16).
 
-The attacker is ``hostile_wire.UcxClient``: a UCX worker of its own that sends control batches
-``[sender id, [messages]]`` under any sender id it likes. The victim is a ``UCXTransport`` in
-this process holding one 1 MiB region (canary outside grants); the honest peer is a second
-``UCXTransport`` connected after the attack. Skipped when ``import ucxx`` fails.
+The attacker is ``hostile_ucx_wire.Attacker``: a UCX worker of its own (with kvxfer's FIFO size:
+it shares this process) that joins the victim as a sender does (HELLO to its front worker, then
+its data worker under the control tag the WELCOME gave) and sends control batches
+``[sender id, secret, [messages]]`` under any sender id, secret or tag it likes. The victim is a
+``UCXTransport`` in this process holding one 1 MiB region (canary outside grants); the honest
+peer is a second ``UCXTransport`` connected after the attack. Skipped when ``import ucxx`` fails.
+Peers with other UCX settings, in processes of their own: ``test_ucx_hostile_peers.py``.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ except Exception as e:  # ImportError, or a missing libucx underneath
     _NO_UCX = f"import ucxx failed: {type(e).__name__}: {e}"
 pytestmark = pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX or "ucxx imports")
 
-import hostile_wire as hw  # noqa: E402
+import hostile_ucx_wire as hw  # noqa: E402
 from hostile_victims import fds, rss  # noqa: E402
 from waiting import until  # noqa: E402
 
@@ -40,8 +43,10 @@ from kvxfer.transport.registry import get_transport  # noqa: E402
 
 REGION, CANARY = 1 << 20, 0xA5
 GRANTED = "granted.1"                   # the attacker's target: region 0 [0, 64 KiB)
+SAME_FIFO = {"SYSV_FIFO_SIZE": "4096"}  # the attacker shares this process: kvxfer's FIFO size
 OPTS = {"heartbeat": 0.2, "peer_timeout": 30.0}
 _honest = itertools.count(0)
+_attackers: list = []   # closed after their victim
 
 
 def one_run_plan(src: int, dst: int, n: int) -> TransferPlan:
@@ -63,6 +68,8 @@ def victim():
         t.close()
     except Exception:   # a poisoned outbox makes close() raise too
         pass
+    while _attackers:
+        _attackers.pop().close()
 
 
 def honest(t) -> bool:
@@ -71,7 +78,7 @@ def honest(t) -> bool:
     try:
         src = torch.randint(0, 256, (REGION,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
         s.register([src])
-        pid = s.connect(t.descriptor())
+        pid = s.connect(t.descriptor(), t.admit(s.descriptor()))
         k = next(_honest)
         base = (512 << 10) + k * (32 << 10)
         rid = f"honest.{k}"
@@ -99,27 +106,33 @@ def announce_put(xid: int, rid: str = GRANTED, n: int = 16 << 10) -> list:
     return [hw.ANNOUNCE, xid, rid, 10.0, b"notify", hw.runs_field((0, 0, n)), 1, 4096, b""]
 
 
+def join(v, sender: str, **kw):
+    """A fresh attacker joined to ``v`` under ``sender`` (asserted: it was welcomed)."""
+    a = hw.Attacker(SAME_FIFO)
+    _attackers.append(a)
+    c = a.join(v.descriptor()["address"], sender, token=v.admit({"id": sender}), **kw)   # admitted, and hostile
+    assert c is not None, f"{sender} was not welcomed: {dict(v.rejected)}"
+    return c
+
+
 def test_garbage_control_batches_are_refused(victim):
-    c = hw.UcxClient(victim.descriptor()["address"])
-    try:
-        c.send("mallory", [c.hello(), [hw.ANNOUNCE, 1, GRANTED, "x"], [hw.DONE], ["?"], 7])
-        c.send("nobody", [[hw.ANNOUNCE, 2, GRANTED, 1.0, b"", b"", 0, 4096, b""]])   # never said HELLO
-        c.send("mallory", [[hw.ANNOUNCE, 3, GRANTED, 1.0, b"", hw.runs_field((0, 1 << 20, 64)), 1, 4096, b""]])
-        assert until(lambda: sum(victim.rejected.values()) >= 4, 3), dict(victim.rejected)
-        after_attack(victim)
-    finally:
-        c.close()
+    c = join(victim, "mallory")
+    c.send([[hw.ANNOUNCE, 1, GRANTED, "x"], [hw.DONE], ["?"], 7])
+    c.send([[hw.ANNOUNCE, 2, GRANTED, 1.0, b"", b"", 0, 4096, b""]], sender="nobody")   # not its channel
+    c.send([[hw.ANNOUNCE, 3, GRANTED, 1.0, b"", hw.runs_field((0, 1 << 20, 64)), 1, 4096, b""]])
+    assert until(lambda: sum(victim.rejected.values()) >= 4, 3), dict(victim.rejected)
+    after_attack(victim)
 
 
 def test_a_float_xid_does_not_poison_the_outbox(victim):
-    c = hw.UcxClient(victim.descriptor()["address"])
+    c = join(victim, "mallory")
     # Today the victim's loop raises and logs a traceback every turn: keep that quiet, and stop the
     # victim before asserting (Python 3.11 formats tracebacks with ast, which is not thread-safe
     # against pytest formatting this test's failure on the main thread).
     ucx_log = logging.getLogger("kvxfer.transport.ucx")
     level, ucx_log.level = ucx_log.level, logging.CRITICAL
     try:
-        c.send("mallory", [c.hello(), [hw.ANNOUNCE, 1e30, "nobody", 5.0, b"", b"", 0, 4096, b""]])
+        c.send([[hw.ANNOUNCE, 1e30, "nobody", 5.0, b"", b"", 0, 4096, b""]])
         handled = until(lambda: victim.rejected["malformed message"] >= 1, 3)   # counted, not answered
         alive = any(th.name == f"kvxfer-ucx-{victim.id[:6]}" and th.is_alive() for th in threading.enumerate())
         ok = handled and honest(victim)
@@ -130,46 +143,48 @@ def test_a_float_xid_does_not_poison_the_outbox(victim):
         except Exception:
             pass
         ucx_log.setLevel(level)
-        c.close()
     assert handled, "the ANNOUNCE was not handled"
     assert alive, "the victim's I/O thread died"
     assert ok, "an honest transfer no longer completes"
     assert intact, "the region differs from the honest writes"
 
 
+def third_party_sends(third, s, msgs: list) -> None:
+    """``msgs`` in ``s``'s name by a third party, every way it can try: its own channel, the
+    channel's tag with its own secret, guessed tags, and the front worker (tag 0)."""
+    third.send(msgs, sender=s.sender)
+    for tag in (s.tag, 1, 2, s.tag ^ 1):   # it does not know s's tag: these are guesses (the first: a lucky one)
+        third.att.send(third.ep, hw.CTRL_TAG | tag, hw.batch(s.sender, third.secret, msgs))
+    third.att.send(third.att.connect(bytes.fromhex(third.front)), hw.CTRL_TAG, hw.batch(s.sender, third.secret, msgs))
+
+
 def test_a_third_party_done_does_not_complete_a_transfer(victim):
-    s = hw.UcxClient(victim.descriptor()["address"])
-    third = hw.UcxClient(victim.descriptor()["address"])
-    try:
-        s.send("sender-s", [s.hello(), announce_put(7)])
-        assert s.wait_for(hw.GO), "no GO for a granted ANNOUNCE"
-        third.send("sender-s", [[hw.DONE, 7]])
-        got, end = [], time.monotonic() + 1.0
-        while time.monotonic() < end:
-            got += victim.arrivals(0.05)
-        ok = [a for a in got if a.request_id == GRANTED and a.ok]
-        assert not ok, f"an ok Arrival with nothing written: {ok}"
-        after_attack(victim)
-    finally:
-        third.close()
-        s.close()
+    s = join(victim, "sender-s")
+    third = join(victim, "third")
+    third.front = victim.descriptor()["address"]
+    s.send([announce_put(7)])
+    assert s.wait_for(hw.GO), "no GO for a granted ANNOUNCE"
+    third_party_sends(third, s, [[hw.DONE, 7]])
+    got, end = [], time.monotonic() + 1.0
+    while time.monotonic() < end:
+        got += victim.arrivals(0.05)
+    ok = [a for a in got if a.request_id == GRANTED and a.ok]
+    assert not ok, f"an ok Arrival with nothing written: {ok}"
+    after_attack(victim)
 
 
 def test_a_spoofed_abort_keeps_writes_pending(victim):
-    s = hw.UcxClient(victim.descriptor()["address"])
-    third = hw.UcxClient(victim.descriptor()["address"])
-    try:
-        s.send("sender-s", [s.hello(), announce_put(9)])
-        assert s.wait_for(hw.GO), "no GO for a granted ANNOUNCE"
-        victim.forget(GRANTED)   # decode ends the request: the sender had GO, its puts may still land
-        assert until(lambda: victim.writes_pending(GRANTED), 3)
-        third.send("sender-s", [[hw.ABORT, 9, "spoofed"]])
-        until(lambda: not victim.writes_pending(GRANTED), 1.0)
-        assert victim.writes_pending(GRANTED), "a third party's ABORT released memory the sender can still write"
-        after_attack(victim)
-    finally:
-        third.close()
-        s.close()
+    s = join(victim, "sender-s")
+    third = join(victim, "third")
+    third.front = victim.descriptor()["address"]
+    s.send([announce_put(9)])
+    assert s.wait_for(hw.GO), "no GO for a granted ANNOUNCE"
+    victim.forget(GRANTED)   # decode ends the request: the sender had GO, its puts may still land
+    assert until(lambda: victim.writes_pending(GRANTED), 3)
+    third_party_sends(third, s, [[hw.ABORT, 9, "spoofed"]])
+    until(lambda: not victim.writes_pending(GRANTED), 1.0)
+    assert victim.writes_pending(GRANTED), "a third party's ABORT released memory the sender can still write"
+    after_attack(victim)
 
 
 @pytest.fixture
@@ -182,47 +197,38 @@ def test_malformed_eager_messages_are_refused(eager_victim):
     """PREGRANT / FENCE / FENCED of the wrong shape, and an eager ANNOUNCE nobody pregranted:
     counted and dropped (the ANNOUNCE refused), the victim's thread and memory intact."""
     v = eager_victim
-    c = hw.UcxClient(v.descriptor()["address"])
-    try:
-        eager_put = announce_put(4) + [b"", 0, 1]    # 12 fields: puts done, flushed
-        c.send("mallory", [c.hello(eager=True)])
-        unsorted = struct.pack("<4q", 100, 200, 0, 10)   # ranges: (start, end) pairs out of order
-        for m in ([hw.PREGRANT, "x"], [hw.FENCE, [1, 2]], [hw.FENCED, [], 5], [hw.FENCED, ["a" * 5000], 0],
-                  [hw.FENCE, ["r"] * 5000], [hw.FENCED], eager_put, [hw.PREGRANT, ["p"]],
-                  [hw.PREGRANT, ["p"], [b"\0" * 15]], [hw.PREGRANT, ["p", "q"], [b""]],
-                  [hw.PREGRANT, ["p"], [unsorted]]):
-            c.send("mallory", [m])   # one batch each: a 5000-character id fails the whole batch
-        assert until(lambda: sum(v.rejected.values()) >= 11, 3), dict(v.rejected)
-        assert v.rejected["malformed header"] >= 1, dict(v.rejected)   # the eager ANNOUNCE without a pregrant
-        after_attack(v)
-    finally:
-        c.close()
+    c = join(v, "mallory", eager=True)
+    eager_put = announce_put(4) + [b"", 0, 1]    # 12 fields: puts done, flushed
+    unsorted = struct.pack("<4q", 100, 200, 0, 10)   # ranges: (start, end) pairs out of order
+    for m in ([hw.PREGRANT, "x"], [hw.FENCE, [1, 2]], [hw.FENCED, [], 5], [hw.FENCED, ["a" * 5000], 0],
+              [hw.FENCE, ["r"] * 5000], [hw.FENCED], eager_put, [hw.PREGRANT, ["p"]],
+              [hw.PREGRANT, ["p"], [b"\0" * 15]], [hw.PREGRANT, ["p", "q"], [b""]],
+              [hw.PREGRANT, ["p"], [unsorted]]):
+        c.send([m])   # one batch each: a 5000-character id fails the whole batch
+    assert until(lambda: sum(v.rejected.values()) >= 11, 3), dict(v.rejected)
+    assert v.rejected["malformed header"] >= 1, dict(v.rejected)   # the eager ANNOUNCE without a pregrant
+    after_attack(v)
 
 
 def test_a_spoofed_fenced_keeps_a_forgotten_grant_held(eager_victim):
     """Only the pregranted peer's own FENCED (its channel secret) ends the fence of a forgotten
     request: a third party's, under its id, does not."""
     v = eager_victim
-    s = hw.UcxClient(v.descriptor()["address"])
-    third = hw.UcxClient(v.descriptor()["address"])
-    try:
-        s.send("sender-s", [s.hello(eager=True)])
-        assert s.wait_for(hw.PING), "no answer to the HELLO"
-        rid = "pre.1"
-        v.expect(rid, ByteRanges(np.array([0]), np.array([128 << 10]), np.array([64 << 10])))
-        assert (m := s.wait_for(hw.PREGRANT)) and m[1] == [rid], m
-        v.forget(rid)
-        assert s.wait_for(hw.FENCE), "no FENCE after forget"
-        third.send("sender-s", [[hw.FENCED, [rid], 0]])
-        third.send("sender-s", [[hw.FENCED, [], 1]])
-        until(lambda: not v.writes_pending(rid), 1.0)
-        assert v.writes_pending(rid), "a third party's FENCED released memory the pregranted peer can still write"
-        s.send("sender-s", [[hw.FENCED, [rid], 0]])
-        assert until(lambda: not v.writes_pending(rid), 3.0), v.fencing()
-        after_attack(v)
-    finally:
-        third.close()
-        s.close()
+    s = join(v, "sender-s", eager=True)
+    third = join(v, "third")
+    third.front = v.descriptor()["address"]
+    rid = "pre.1"
+    v.expect(rid, ByteRanges(np.array([0]), np.array([128 << 10]), np.array([64 << 10])))
+    assert (m := s.wait_for(hw.PREGRANT)) and m[1] == [rid], m
+    v.forget(rid)
+    assert s.wait_for(hw.FENCE), "no FENCE after forget"
+    third_party_sends(third, s, [[hw.FENCED, [rid], 0]])
+    third_party_sends(third, s, [[hw.FENCED, [], 1]])
+    until(lambda: not v.writes_pending(rid), 1.0)
+    assert v.writes_pending(rid), "a third party's FENCED released memory the pregranted peer can still write"
+    s.send([[hw.FENCED, [rid], 0]])
+    assert until(lambda: not v.writes_pending(rid), 3.0), v.fencing()
+    after_attack(v)
 
 
 def test_close_frees_ucx_resources_without_the_garbage_collector():

@@ -80,3 +80,28 @@ def test_a_live_peer_connects_and_a_transfer_lands(rx, tx):
     h = tx.submit(peer, "c.1", raw_plan(z, z, z, z, np.array([SIZE], np.int64)), timeout=10)
     assert h.wait(10), h.error
     assert rx.call("digest", regions=[0])["digests"]["0"] == hashlib.sha256(tx._regions[0].numpy()).hexdigest()
+
+
+def test_admission_binds_an_id_to_the_latest_token(rx, tx):
+    """``Transport.admit`` on the receiver, the token to ``connect``: without it, with another id's
+    or an older one, the receiver refuses the HELLO and connect fails naming it; with the latest
+    it connects. ``admission=True`` requires it from the start."""
+    other = rx.call("admit", descriptor={"id": "someone-else"})["token"]
+    assert "refused our HELLO" in refused(tx, rx.desc)               # admission is on now: no token
+    import base64
+    with pytest.raises(ConnectError, match="refused our HELLO"):
+        tx.connect(rx.desc, base64.b64decode(other))                 # another id's token
+    old = base64.b64decode(rx.call("admit", descriptor=tx.descriptor())["token"])
+    new = base64.b64decode(rx.call("admit", descriptor=tx.descriptor())["token"])
+    with pytest.raises(ConnectError, match="refused our HELLO"):
+        tx.connect(rx.desc, old)                                     # voided by the second admit
+    assert tx.connect(rx.desc, new) == rx.desc["id"]
+    assert rx.call("rejected")["rejected"]["unknown peer"] >= 3
+    strict = get_transport("ucx", **OPTS, admission=True)
+    try:
+        strict.register([torch.zeros(4096, dtype=torch.uint8)])
+        with pytest.raises(ConnectError, match="refused our HELLO"):
+            tx.connect(strict.descriptor())
+        assert tx.connect(strict.descriptor(), strict.admit(tx.descriptor())) == strict.id
+    finally:
+        strict.close()

@@ -56,11 +56,13 @@ class Pair:
         self.pid = self.tx.connect(self.rx.descriptor())
         self.rids = iter(range(10**6))
 
-    def raw(self, batch, *, tag: int = CTRL_TAG) -> None:
-        """Send ``batch`` (a Python object packed here, or bytes) from the sender's worker."""
+    def raw(self, batch, *, tag: int | None = None) -> None:
+        """Send ``batch`` (a Python object packed here, or bytes) from the sender's worker, under
+        the control tag the receiver gave it (its WELCOME) unless ``tag`` is given."""
         from ucxx._lib import libucxx as ucx_api
         from ucxx._lib.arr import Array
         t, p = self.tx, self.tx._peers[self.pid]
+        tag = CTRL_TAG | p.tag_out if tag is None else tag
         wire = batch if isinstance(batch, bytes) else msgpack.packb(batch, use_bin_type=True)
 
         def send():
@@ -173,6 +175,40 @@ def test_incoming_transfers_per_peer_are_capped():
         assert bool((p.dst == CANARY).all())
         p.honest()
     finally:
+        p.close()
+
+
+def test_a_peer_past_its_share_does_not_take_another_peers_share():
+    """max_incoming 4 in all, 4 per peer: one peer holding 4 transfers open (stalled) fills the
+    total, and a second peer's transfer is still taken (its share: 4 // peers with transfers
+    open); a third transfer of the first peer is refused. Before, the total alone refused the
+    second peer ("too many transfers: 4 open, 0 from this peer")."""
+    p = Pair(rx_opts={"max_incoming": 4, "max_incoming_per_peer": 4})
+    other = get_transport("ucx", **OPTS)
+    try:
+        other.register([p.src])
+        opid = other.connect(p.rx.descriptor())
+        p.rx.expect("many", grant())
+        p.tx._start_puts = lambda out, dtag: setattr(out, "state", "stalled")
+        hs = [p.tx.submit(p.pid, "many", plan(k * 64 * KiB, k * 64 * KiB, 64 * KiB), timeout=3) for k in range(4)]
+        assert until(lambda: len(p.rx._in) == 4, 5.0)
+        p.dst.fill_(CANARY)
+        p.rx.expect("fair", grant())
+        h = other.submit(opid, "fair", plan(0, 1 << 20, 256 * KiB), timeout=10)
+        assert h.wait(10), f"the second peer was refused its share: {h.error}"
+        assert torch.equal(p.dst[1 << 20: (1 << 20) + 256 * KiB], p.src[: 256 * KiB])
+        extra = p.tx.submit(p.pid, "many", plan(0, 0, 4096), timeout=3)
+        assert not extra.wait(5) and "too many transfers" in str(extra.error), extra.error
+        for x in hs:
+            x.wait(5)
+        del p.tx._start_puts
+        assert until(lambda: not p.rx._in, 10.0)
+        for rid in ("many", "fair"):
+            p.rx.forget(rid)
+        collect_arrivals(p.rx, lambda got: len(got) >= 6, 5.0)
+        p.honest()
+    finally:
+        other.close()
         p.close()
 
 

@@ -9,8 +9,10 @@ Commands (``{"op": ..., **arguments}``; a failing command replies ``{"error": ".
 
     init     transport, options, sizes, fill ("seed" | "canary" | byte value), seed -> descriptor, pid
     fill     regions, fill, seed              reset region contents
-    admit    descriptor -> token             token: base64 of ``Transport.admit``'s bytes
-    connect  descriptor, token -> peer       token: base64 (what the receiver's admit gave)
+    connect  descriptor, token (b64, optional) -> peer
+    disconnect  peer
+    admit    descriptor -> token (b64)                 ``Transport.admit``
+    peers    -> peers                                  UCX: the peer ids the transport keeps
     expect   request_id, ranges               ranges: encoded (region, start, nbytes) arrays
     forget   request_id -> live, grants_live  grants_live: GrantTable.live() when the transport has one
     submit   peer, request_id, plan, timeout, notify     returns at once; the handle is kept
@@ -20,6 +22,9 @@ Commands (``{"op": ..., **arguments}``; a failing command replies ``{"error": ".
     digest   regions -> digests {region: sha256 hex}
     watch    region, offset, value, wait_s -> changed       until that byte is no longer ``value``
     foreign  region, seed -> count                           bytes that are neither canary nor the seed's
+    matches  region, start, nbytes, seed -> same             those bytes hold the seed's pattern there
+    strided_matches  region, seed, runs, run -> same       runs 0, 2, 4, ... of a sender's seeded region 0
+    health   -> kvxfer_threads, fds, threads, rss, peak_rss, broken   this process, for the hostile tests
     rejected -> rejected {reason: count}
     close
 
@@ -157,11 +162,18 @@ class Peer:
         for i in regions:
             self._fill(i, fill, seed)
 
+    def op_connect(self, descriptor: dict, token: str = ""):
+        return {"peer": self.t.connect(descriptor, base64.b64decode(token))}
+
+    def op_disconnect(self, peer: str):
+        self.t.disconnect(peer)
+
     def op_admit(self, descriptor: dict):
         return {"token": base64.b64encode(self.t.admit(descriptor)).decode()}
 
-    def op_connect(self, descriptor: dict, token: str = ""):
-        return {"peer": self.t.connect(descriptor, base64.b64decode(token))}
+    def op_peers(self):
+        """UCX: the peer ids this transport keeps."""
+        return {"peers": self.t._call(lambda: sorted(self.t._peers))}
 
     def op_expect(self, request_id: str, ranges: dict, capability: str = ""):
         from kvxfer.grant import ByteRanges
@@ -235,6 +247,27 @@ class Peer:
         r = self.regions[region].numpy()
         return {"count": int(((r != CANARY) & (r != pattern(region_seed(seed, region), r.size))).sum())}
 
+    def op_matches(self, region: int, start: int, nbytes: int, seed: int):
+        """Do bytes ``start .. start + nbytes`` of ``region`` hold the seed's pattern there?"""
+        r = self.regions[region].numpy()[start:start + nbytes]
+        return {"same": bool((r == pattern(region_seed(seed, region), start + nbytes)[start:]).all())}
+
+    def op_strided_matches(self, region: int, seed: int, runs: int, run: int):
+        """Does ``region`` start with every other ``run`` bytes of a sender's region 0 filled from
+        ``seed`` (runs 0, 2, 4, ... of it, back to back)?"""
+        want = pattern(region_seed(seed, 0), 2 * runs * run).reshape(runs, 2, run)[:, 0, :].reshape(-1)
+        return {"same": bool((self.regions[region].numpy()[:runs * run] == want).all())}
+
+    def op_health(self):
+        """This process: the kvxfer threads alive, open fds, threads, RSS bytes, ``broken``."""
+        import threading
+        with open("/proc/self/status") as f:
+            mem = {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f)
+                   if k in ("VmRSS", "VmHWM")}
+        return {"kvxfer_threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kvxfer")),
+                "fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count(), "rss": mem["VmRSS"],
+                "peak_rss": mem["VmHWM"], "broken": getattr(self.t, "broken", None)}
+
     def op_stall(self, seconds: float):
         """UCX: the I/O thread stops for ``seconds`` (no progress, no answers), as a stopped host."""
         from kvxfer.transport.kit import Call
@@ -269,7 +302,7 @@ class Peer:
         self.t._call(lambda: p.pregranted.__setitem__(request_id, everything))
 
     def op_fencing(self):
-        return {"fencing": self.t.fencing()}
+        return {"fencing": self.t.fencing(), "staging": self.t.staging() if hasattr(self.t, "staging") else {}}
 
     def op_rejected(self):
         return {"rejected": dict(self.t.rejected)}
@@ -302,12 +335,16 @@ class InProcessPeer:
 class PeerProcess:
     """A ``Peer`` in a child process (this file run as a program)."""
 
-    def __init__(self, stderr_path: Path):
+    def __init__(self, stderr_path: Path, script: str = __file__, env: dict | None = None,
+                 prefix: list[str] | None = None):
+        """``script``: the program (this file; a test's own command loop speaks the same lines);
+        ``env``: its environment (default: ours); ``prefix``: argv before the interpreter (e.g.
+        ``["ip", "netns", "exec", ns]``: it execs, so the pid is the program's)."""
         self.stderr_path = stderr_path
         self._err = open(stderr_path, "wb")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, env=env)
+        env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([*(prefix or []), sys.executable, script], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._err, env=env)
         self.pid = self.proc.pid
         self._buf = b""
 

@@ -263,8 +263,8 @@ class RequestBase:
 # Endpoints
 # ------------------------------------------------------------------------------------
 # Transports whose data port takes only the peers an endpoint admitted (``Transport.admit``) once
-# told so; UCX requires it by itself as soon as ``admit`` is called.
-ADMISSION_OPTION = {"zmq": "required", "local": "required"}
+# told so (UCX would also require it by itself once ``admit`` is called).
+ADMISSION_OPTION: dict[str, object] = {"zmq": "required", "local": "required", "ucx": True}
 
 
 def admitting(transport: str | Transport, options: Mapping | None) -> dict:

@@ -9,19 +9,27 @@ Both sides, once at start-up (may block briefly):
     ``register(regions)``   the pool's byte regions, in layout order (ids = positions).
     ``descriptor()``        plain data (msgpack/JSON-safe) the peer needs to reach us;
                             the control plane carries it in the handshake.
-Decode (receiver), once per prefill rank, before its control-plane HELLO to that rank:
-    ``admit(descriptor) -> token``   that rank's ``descriptor()`` (from its registry record): the
+Decode (receiver), before its control-plane HELLO to each prefill rank (and again before each
+re-handshake with it):
+    ``admit(descriptor) -> token``  that rank's ``descriptor()`` from its registry record: the
                             peer with that descriptor's "id" may open a data path here. The token
-                            (bytes, at most 64) goes to that rank inside decode's signed HELLO.
-                            Called again for the same id: a fresh token, and the old one stops
-                            working. b"": this transport binds nothing (the default; a receiver
-                            that does not require admission).
+                            (bytes, at most ``MAX_TOKEN``) goes to that rank inside decode's
+                            signed HELLO. A fresh token each call; the id's older ones stop
+                            working. Default: b"" (the transport binds nothing: every peer that
+                            reaches it may connect, as before).
 Prefill (sender), once per decode peer at handshake:
-    ``connect(descriptor, token=b"") -> peer``   ``token``: the one the decode rank's HELLO carried;
-                            the transport presents it on its data path. A receiver that requires
-                            admission takes data messages (and makes per-peer state) only from
-                            admitted senders presenting their current token (zmq: checked at the
-                            ZMTP handshake, so nothing from anyone else is buffered).
+    ``connect(descriptor, token=b"") -> peer``
+                            ``token``: what that decode rank's HELLO carried for this transport;
+                            the transport presents it on its data path, so the receiver binds
+                            the connection to the identity it admitted. A receiver that requires
+                            admission refuses a data-path handshake whose id it did not admit
+                            or whose token is not the id's latest: counted, nothing allocated
+                            (no peer entry, no buffer, no endpoint), and the sender's
+                            ``connect`` fails with ``ConnectError``. Which receivers require it
+                            is each transport's option (UCX: ``admission``, required once
+                            ``admit`` was called; zmq and local: ``admission="required"``, which
+                            the endpoints set; zmq checks the token at the ZMTP handshake, so
+                            nothing from anyone else is buffered).
 Prefill, when a decode peer re-handshaked with a new epoch, or was lost:
     ``disconnect(peer)``    fails its transfers and frees what ``connect`` made for it.
 Prefill, per chunk of a request (never blocks on the network):
@@ -92,6 +100,7 @@ log = logging.getLogger("kvxfer.transport")
 
 
 DEFAULT_TIMEOUT = 30.0
+MAX_TOKEN = 64   # bytes of an admission token (``Transport.admit``)
 
 
 class TransferStatus(enum.IntEnum):
@@ -201,6 +210,15 @@ def drain(q: "queue.Queue", timeout: float = 0.0) -> list:
 
 class Transport(ABC):
     """Data plane of one rank. See the module docstring for the calling contract.
+
+    Admission (who may open a data path to a receiver): the decode endpoint calls
+    ``admit(prefill_descriptor)`` before its HELLO to that prefill rank and sends the token in the
+    HELLO; the prefill endpoint passes it to ``connect(descriptor, token)``; the transport presents
+    it on its data path. A receiver that requires admission refuses, counts and allocates nothing
+    for a data-path handshake whose id it did not admit or whose token is not the id's latest, so
+    sender ids are bound to the identity the control plane authenticated, never to whoever came
+    first. ``admit`` returns b"" by default: such a transport binds nothing, and its ``connect``
+    ignores the token.
 
     The receiving side's defaults below expect a subclass to keep ``grants`` (a
     ``GrantTable``), ``_arrivals`` (a queue of ``Arrival``) and ``_write_lock`` (held while a

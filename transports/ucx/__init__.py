@@ -33,7 +33,8 @@ once, then sends the ANNOUNCE as DONE once flushed (its handle DONE then); R che
 Files: ``bindings`` (ctypes over libucp), ``protocol`` (control messages, validated once),
 ``sender``, ``receiver``, ``frames`` (the staged frame cut), ``control`` (peers, control batches,
 heartbeats), ``fencing``, ``eager`` (pregrants, FENCEs), ``settings`` (thresholds, UCX settings),
-``lifecycle`` (start-up, connect, shutdown), ``state`` (records), and this module (options, the
+``join`` (the front worker, connect, admission), ``inbox`` (control batches in, routed by their
+tag), ``lifecycle`` (start-up, shutdown), ``state`` (records), and this module (options, the
 contract, the I/O loop).
 
 Trust model: R checks every announced run before it answers GO, so an honest sender (even one
@@ -57,7 +58,9 @@ impossible; see ``control`` ("Fencing") and ``fencing()``. Without error handlin
 single-copy shared-memory transport (cma) abort()s the process when it touches a dead peer: the
 UCS log hook in ``bindings`` turns that into a failed call.
 
-Peers: ``connect`` waits for a round trip over the new endpoint (``connect_timeout``), so an
+Peers: a peer joins through the front worker our descriptor names (TCP, tags only): its HELLO
+is checked before anything is made for it, and only then does it learn our data worker's
+address (``join``). ``connect`` waits for a round trip over the data endpoint (``connect_timeout``), so an
 address that does not reach fails there, by name. A peer whose descriptor says it is on another
 host or in another network namespace is reached through a second worker without shared memory
 and cma (``settings.FAR_TLS``; the user's own TLS setting wins); each connection's transports
@@ -82,7 +85,7 @@ import logging
 import os
 import queue
 import socket
-import time
+import threading
 import uuid
 import weakref
 from collections.abc import Callable, Sequence
@@ -94,29 +97,30 @@ from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from kvxfer.copy import byte_view
-from kvxfer.errors import ConnectError, PeerError, PlanError, TransportError
+from kvxfer.errors import PeerError, PlanError, TransportError
 from kvxfer.grant import GrantTable
 from kvxfer.plan import FEW_RUNS, TransferPlan
 from kvxfer.transport.base import DEFAULT_TIMEOUT, Arrival, TransferHandle, Transport
-from kvxfer.transport.kit import Call, Close, CommandQueue, IOThread, StagingPool, Submit, dispatch, fail_command
+from kvxfer.transport.kit import Call, Close, CommandQueue, IOThread, StagingPool, Submit, fail_command
 
 from . import bindings as ucp
+from .admission import UCXAdmission
 from .bindings import frame_iovs
 from .control import UCXControl, host_identity, process_start
 from .eager import UCXEager
 from .fencing import UCXFencing
-from .frames import STAGE_HOST, network_only
+from .frames import STAGE_HOST, RingSpill, network_only
+from .inbox import UCXInbox
+from .join import UCXJoin, make_front
 from .lifecycle import UCXLifecycle
+from .loop import UCXLoop
 from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO
 from .receiver import UCXReceiver
 from .sender import INLINE_BELOW, UCXSender
 from .settings import (
-    MUST_MATCH,
     PUT_BELOW,
     PUT_BELOW_MANY,
     UCX_DEFAULTS,
-    far_path,
-    reach,
     shared_memory_settings,
     tls_explicit,
     ucx_settings,
@@ -129,7 +133,8 @@ __all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLIN
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
-class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UCXReceiver, Transport):
+class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXEager,
+                   UCXSender, UCXReceiver, Transport):
     """UCX data plane of one rank. Options (keyword only, via ``get_transport("ucx", ...)``):
 
     tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...), for every peer. None:
@@ -178,6 +183,9 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
                   round trip on the data path); none: ``ConnectError`` naming the address.
     ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``; they replace
                   ``UCX_DEFAULTS`` (the environment's UCX_* settings do too).
+    admission     None (default): a joining peer needs its latest ``admit`` token once this
+                  transport admitted a peer or was given a token by ``connect``; True: from the
+                  start; False: never (every peer that reaches the front worker may join).
     """
     name = "ucx"
 
@@ -187,13 +195,18 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
                  max_incoming: int = 4096, max_incoming_per_peer: int = 1024, max_peers: int = 1024,
                  fence_grace: float = 1.0, quarantine_timeout: float | None = None,
                  connect_timeout: float = 10.0, ucx_config: dict | None = None, staging_frames: int = 8,
-                 stage_host: str = "network", eager_writes: bool = False):
+                 stage_host: str = "network", eager_writes: bool = False, admission: bool | None = None):
         if not 4096 <= frame_bytes < 1 << 32:
             raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
         if not 1 <= int(staging_frames) <= 4096 or stage_host not in STAGE_HOST:
             raise TransportError(f"staging_frames {staging_frames} must be in 1..4096 and stage_host "
                                  f"{stage_host!r} one of {STAGE_HOST}")
         self.stage_host, self.eager_writes = stage_host, bool(eager_writes)
+        if admission not in (None, True, False):
+            raise TransportError(f"admission must be None, True or False, got {admission!r}")
+        self.admission, self._admission_on = admission, False
+        self._admitted: collections.OrderedDict[str, bytes] = collections.OrderedDict()   # id -> token
+        self._admit_lock = threading.Lock()
         config = with_tcp_defaults(ucx_settings(tls, ucx_config, os.environ), os.environ)
         self._shm_settings = shared_memory_settings(config, os.environ)
         self.id = uuid.uuid4().hex
@@ -211,12 +224,16 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self._worker = ucx_api.UCXWorker(self._ctx)
         self._worker.init_blocking_progress_mode()  # so the idle I/O thread can sleep on the worker fd
         self._whandle, self._address = self._worker.handle, self._worker.address.tobytes()
+        # The front worker: what descriptor() names; it takes one HELLO per peer (``join``).
+        self._front_ctx, self._front_worker = make_front(config, config.get("TLS") if tls_explicit(
+            tls, ucx_config, os.environ) else None)
         # A second worker (FAR_TLS: no shared memory, no cma), made at the first peer on another
         # host or network namespace; the I/O thread progresses and sleeps on both.
         self._config, self._tls_explicit = config, tls_explicit(tls, ucx_config, os.environ)
         self._far_ctx = self._far_worker = None
         self._far_address = b""
-        self._workers = [self._worker]
+        self._workers = [self._worker, self._front_worker]
+        self._poller, self._polled = None, 0   # ``lifecycle._idle``
         self.grants = GrantTable()
         self._regions: list[torch.Tensor] = []
         self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)
@@ -227,14 +244,18 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self._put_params = self._put_params_far = ucp.EMPTY_TABLE   # see register()
         self._rkeys_packed: list[bytes] = []
         self._peers: dict[str, Peer] = {}
+        self._by_tag: dict[int, Peer] = {}   # control tag -> the peer whose batches carry it (``join``)
+        self._retired_tags: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._junk: collections.Counter = collections.Counter()   # messages dropped unread, by why (``rejected``)
         self._out: dict[int, Outgoing] = {}
         self._in: dict[tuple[str, int], Incoming] = {}
-        self._by_dtag: dict[int, Incoming] = {}
+        self._by_dtag: dict[int, Incoming] = {}   # data tag (random: ``receiver._on_announce``) -> transfer
         self._unflushed: dict[str, list] = {}   # puts issued this turn, per peer
         self._flushing: list = []               # flushed, DONE not sent yet
         self._holding: list = []                # failed with puts maybe in flight: source not released
         self._ctrl_sends: list = []  # (request, buffer): buffers live until sent
-        self._ctrl_recvs: list = []  # (request, buffer, length) in arrival order
+        self._ctrl_recvs: list = []  # (request, buffer, length, peer or None: front) in arrival order
+        self._ctrl_bytes, self._ctrl_waiting, self._front_inflight = 0, set(), 0   # ``inbox`` budgets (bytes)
         self._zombies: list = []     # requests of ended transfers that still own buffers
         # Receiver: ended transfers whose sender had GO, so puts of theirs may still land, until
         # its DONE or ABORT (sent once its puts are flushed), its re-handshake, or proof that it
@@ -258,7 +279,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         # Peers whose error-handling endpoint UCX closed (failure) or we closed, queued by the close
         # callback for the I/O loop (``UCXFencing._check_failed``); stale ones are skipped there.
         self._failed_eps: collections.deque = collections.deque(maxlen=4 * max_peers)
-        self._xids, self._dtags = itertools.count(1), itertools.count(1)
+        self._xids = itertools.count(1)
         self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._later: list[Callable[[], object]] = []   # see _deliver
@@ -266,6 +287,7 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self._far_put_param = ucp.RequestParam(op_attr_mask=ucp.OP_ATTR_MULTI_SEND)   # see register()
         self._staging = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-send")
         self._rx_ring = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-recv")
+        self._spill = RingSpill(self.frame_bytes)   # frames standing in for held ring slots (``frames``)
         # UCX_TLS in the environment counts too: UCX reads it where the config sets none
         self._network_only = network_only(config.get("TLS") or os.environ.get("UCX_TLS", ""))
         self._closed = self._stop = self._sleeping = False
@@ -307,58 +329,21 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
                 self._call(ring.allocate, False, cuda[0])
 
     def staging(self) -> dict:
-        """Any thread: each staging ring's frames, in use, peak and waits (``send``, ``recv``)."""
-        return {"send": self._staging.stats(), "recv": self._rx_ring.stats()}
+        """Any thread: each staging ring's frames, in use, peak and waits (``send``, ``recv``; for
+        ``recv`` also ``held`` slots and the ``spill`` frames standing in for them)."""
+        return {"send": self._staging.stats(), "recv": {**self._rx_ring.stats(), **self._spill.stats()}}
 
     def _exit(self) -> None:   # IOThread.on_exit: the UCX objects, then the receive ring
         self._free()
         self._rx_ring.clear()
 
     def descriptor(self) -> dict:
-        """Plain JSON-safe data a peer needs: worker address, region addresses, sizes, rkeys."""
-        return {"transport": self.name, "id": self.id, "address": self._address.hex(),
+        """Plain JSON-safe data a peer needs: the front worker's address (``join``), region
+        addresses, sizes, rkeys, where this process runs and its shared-memory settings."""
+        return {"transport": self.name, "id": self.id, "address": self._front_worker.address.tobytes().hex(),
                 "hostname": socket.gethostname()[:255], "host": self._host_id,
                 "region_base": [int(b) for b in self._base], "region_sizes": list(self.grants.region_sizes),
                 "rkeys": [k.hex() for k in self._rkeys_packed], "shm_settings": self._shm_settings}
-
-    def connect(self, descriptor: dict, token: bytes = b"") -> str:
-        """Sender, once per receiver: an endpoint to its worker (error handling off; through the
-        FAR_TLS worker when the peer is on another host or network namespace), its rkeys, and a
-        round trip over it within ``connect_timeout`` (``ConnectError`` naming the address)."""
-        try:
-            peer_id, addr = str(descriptor["id"]), bytes.fromhex(descriptor["address"])
-            base, sizes = (np.asarray(descriptor[k], np.int64) for k in ("region_base", "region_sizes"))
-            rkeys = [bytes.fromhex(k) for k in descriptor["rkeys"]]
-            theirs = {k: str(descriptor.get("shm_settings", {}).get(k, "")) for k in MUST_MATCH}
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise ConnectError(f"not a UCX transport descriptor ({type(e).__name__}: {e})") from e
-        where = reach(self._host_id, str(descriptor.get("host", ""))[:200])
-        differ = [f"UCX_{k} {self._shm_settings[k] or 'unset'} here, {theirs[k] or 'unset'} at the peer"
-                  for k in MUST_MATCH if theirs[k] != self._shm_settings[k]]
-        if differ and not far_path(where, self._tls_explicit):   # no shared memory between us: no matter
-            raise ConnectError("UCX shared-memory settings differ from the peer's (a mismatch would hang "
-                               f"transfers): {'; '.join(differ)}. Give both sides the same settings.")
-        if not len(base) == len(sizes) == len(rkeys) or base.ndim != 1:
-            raise ConnectError("UCX descriptor region lists differ in length")
-        named = (f"UCX peer {peer_id[:8]} on {str(descriptor.get('hostname', '?'))[:255]!r} (worker address "
-                 f"{addr[:8].hex()}..., {len(addr)} bytes)")
-        try:
-            peer = self._call(self._do_connect, peer_id, addr, base, sizes, rkeys, where)
-        except (TransportError, TimeoutError):
-            raise
-        except Exception as e:   # UCX refused the address (unreachable, malformed)
-            raise ConnectError(f"{named}: cannot make an endpoint: {type(e).__name__}: {e}") from e
-        # A round trip on the data path (our HELLO, its answer, over the endpoints transfers use),
-        # so an address that does not reach fails here, not at the first request.
-        p, end = self._peers.get(peer), time.monotonic() + self.connect_timeout
-        while p is not None and not p.answered and time.monotonic() < end and not self.broken:
-            time.sleep(0.002)
-        if p is None or not p.answered:
-            self.disconnect(peer)
-            raise ConnectError(f"{named} did not answer over UCX within {self.connect_timeout:g}s: its data "
-                               "address does not reach from here (another host or network namespace without a "
-                               "common transport, a firewall, or the process is gone)")
-        return peer
 
     def disconnect(self, peer: str) -> None:
         """Sender or receiver: end ``peer`` (an id from connect(), or a sender of ours). Its
@@ -419,56 +404,13 @@ class UCXTransport(UCXLifecycle, UCXControl, UCXFencing, UCXEager, UCXSender, UC
         self.io.join(timeout=10)
         _LIVE.discard(self)
 
+    def _deliver(self, arrival: Arrival) -> None:   # after the turn's sends: a woken reader would take the GIL
+        self._later.append(functools.partial(super()._deliver, arrival))
+
     def __del__(self):
         if not getattr(self, "_closed", True):
             log.warning("UCXTransport %s was garbage-collected without close()", self.id[:8])
 
-    # ---- I/O thread: the loop -------------------------------------------------------------
-    def _loop(self) -> None:
-        """Run commands, progress, read control and data, check deadlines; sleep when idle."""
-        while not self._stop:
-            self._acts = 0
-            self._run_commands()
-            if self._stop:  # closed by a command: the endpoints are gone
-                break
-            for w in self._workers:
-                w.progress()
-            self._poll_ctrl()   # after the commands: before them, one run of 1 MiB took ~15% longer
-            self._poll_data()
-            self._flush_puts()
-            self._advance()
-            if self._fence_flushing:
-                self._check_fence_flushes()
-            now = time.monotonic()
-            if now >= self._next_tick:
-                self._housekeeping(now)
-                self._next_tick = now + min(self.heartbeat, 0.1)
-            if self._park_order:
-                self._unpark_due(now)
-            self._flush_outboxes()
-            if self._later:
-                self._run_later()
-            if self._closing:
-                self._retire_closing()
-            if not self._acts:
-                self._sleeping = True
-                if self.commands.empty():
-                    busy = self._out or self._in or self._ctrl_recvs or self._fence_flushing  # wake every ms
-                    self._idle(1 if busy else max(1, int((self._next_tick - now) * 1000)))
-                self._sleeping = False
-
-    def _deliver(self, arrival: Arrival) -> None:   # after the turn's sends: a woken reader would take the GIL
-        self._later.append(functools.partial(super()._deliver, arrival))
-
-    def _run_later(self) -> None:
-        later, self._later = self._later, []
-        for fn in later:
-            fn()
-
-    def _run_commands(self) -> None:
-        cmds = self.commands.take()
-        self._acts += len(cmds)
-        dispatch(cmds, submit=lambda cmd: self._start_out(cmd.work), close=lambda: self._shutdown("transport closed"))
 
 _LIVE: "weakref.WeakSet[UCXTransport]" = weakref.WeakSet()
 

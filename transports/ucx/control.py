@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import hmac
 import logging
 import os
 from collections.abc import Callable
@@ -56,8 +55,6 @@ from kvxfer.errors import PeerError, RejectedWrite, TransferTimeout
 from . import bindings as ucp
 from .protocol import (
     CTRL_TAG,
-    HELLO,
-    KIND_MASK,
     Abort,
     Ack,
     Announce,
@@ -72,9 +69,8 @@ from .protocol import (
     Message,
     Ping,
     Pregrant,
-    kind_of,
+    Welcome,
     pack_batch,
-    parse_batch,
     parse_message,
 )
 from .state import Incoming, Outgoing, Peer
@@ -167,7 +163,13 @@ class UCXControl:
     _retired: collections.OrderedDict[str, tuple[bytes, int]]
     _acts: int
     _deliver: Callable[[Arrival], None]
-    _add_peer: Callable[[str, bytes, bytes, bool, bool], Peer]
+    _address: bytes
+    _front_worker: Any
+    _by_tag: dict[int, Peer]
+    _retired_tags: collections.OrderedDict[int, None]
+    _junk: collections.Counter
+    _on_join: Callable[[str, bytes, list], None]       # UCXJoin
+    _on_welcome: Callable[[Peer, Welcome], None]
     _hello: Callable[[Peer], Hello]
     _start_out: Callable[[Outgoing], None]
     _start_puts: Callable[[Outgoing, int], None]
@@ -216,7 +218,8 @@ class UCXControl:
         self._ctrl_sends = [s for s in self._ctrl_sends if not s[0].completed]
 
     def _send_batch(self, p: Peer, msgs: list) -> None:
-        """One tagged control message, or several when one would pass ``max_control_bytes``."""
+        """One tagged control message, or several when one would pass ``max_control_bytes``; under
+        the control tag ``p`` gave us (0 while we join it: its front worker)."""
         wire = pack_batch(self.id, p.secret, msgs)
         if len(wire) > self.max_control_bytes and len(msgs) > 1:
             half = len(msgs) // 2
@@ -224,68 +227,25 @@ class UCXControl:
             self._send_batch(p, msgs[half:])
             return
         buf = np.frombuffer(wire, np.uint8)
-        p.last_send = p.ep.tag_send(Array(buf), ucx_api.UCXXTag(CTRL_TAG))
+        p.last_send = p.ep.tag_send(Array(buf), ucx_api.UCXXTag(CTRL_TAG | p.tag_out))
         self._ctrl_sends.append((p.last_send, buf))
 
-    def _poll_ctrl(self) -> None:
-        for w in self._workers:   # the main worker, and the FAR_TLS one once made
-            while (res := w.tag_probe(ucx_api.UCXXTag(CTRL_TAG), ucx_api.UCXXTagMask(KIND_MASK), remove=True)).matched:
-                if res.length > self.max_control_bytes:   # received into one byte: UCX drops the rest unread
-                    self.grants.reject("?", f"too large: a control message of {res.length} bytes")
-                    junk = np.empty(1, np.uint8)
-                    self._zombies.append((w.tag_recv_with_handle(Array(junk), res), junk))
-                    continue
-                buf = np.empty(max(res.length, 1), np.uint8)
-                self._ctrl_recvs.append((w.tag_recv_with_handle(Array(buf), res), buf, res.length))
-        # In arrival order: an ANNOUNCE still streaming in must not be overtaken by its DONE.
-        while self._ctrl_recvs and self._ctrl_recvs[0][0].completed:
-            req, buf, length = self._ctrl_recvs.pop(0)
-            self._acts += 1
-            try:
-                req.check_error()
-                sender, secret, msgs = parse_batch(buf[:length].tobytes(), self.max_control_bytes)
-            except Exception as e:
-                self.grants.reject("?", f"malformed message: {type(e).__name__}: {e}"[:200])
-                continue
-            for m in msgs:
-                try:
-                    self._on_message(sender, secret, m)
-                except Exception as e:   # a bug met by one message: counted, the loop goes on
-                    log.exception("UCX transport %s: handling a control message", self.id[:8])
-                    self.grants.reject("?", f"internal error: {type(e).__name__}")
-
-    def _on_message(self, sender: str, secret: bytes, raw) -> None:
-        """One control message from a batch: who sent it, then what it is, then act on it."""
-        p = self._peers.get(sender)
-        if p is None and kind_of(raw) == HELLO:
-            if len(self._peers) >= self.max_peers:
-                self.grants.reject("?", f"too many peers: {len(self._peers)} already")
-                return
-            try:
-                hello = parse_message(raw, self.max_control_bytes)
-                assert isinstance(hello, Hello)  # kind_of(raw) == HELLO
-                # Error handling as the sender's endpoint has it (a peer in another host or
-                # network namespace): its death is then seen here too.
-                p = self._add_peer(sender, hello.address, hello.secret, False, hello.err)
-            except Exception as e:   # Malformed, or an address UCX refuses
-                self.grants.reject("?", f"malformed message: HELLO: {e}"[:200])
-                return
-        if p is None and (r := self._retired.get(sender)) is not None and hmac.compare_digest(secret, r[0]):
-            return   # a peer we disconnected, before it took our BYE: nothing to do with us any more
-        if p is None or not hmac.compare_digest(secret, p.secret):
-            self.grants.reject("?", f"unknown peer: message from {sender[:40]!r} without its channel")
-            return
+    def _on_message(self, p: Peer, raw) -> None:
+        """One control message of a batch from ``p`` (its channel checked): what it is, then act."""
         try:
             m = parse_message(raw, self.max_control_bytes)
         except Malformed as e:
             if e.answer is not None:
+                # An ANNOUNCE with valid ids and a bad field: counted and dropped like any
+                # malformed message, and never used to end the request it names (that would let
+                # anyone fail a live request by its id). Its sender's transfer fails (FAIL, which
+                # reads the same for live and unknown ids: no oracle); the request goes on.
                 xid, rid = e.answer
-                self._refuse(p, xid, rid, 0, b"", self.grants.reject(rid, str(e)))
+                self._refuse(p, xid, rid, 0, b"", self.grants.reject(rid, str(e)), quiet=True)
             else:
                 self.grants.reject("?", str(e)[:200])
             return
         p.clock.touch()
-        p.answered = True
         back = p.gone
         if back:   # back after silence: whatever we sent it may be lost; flush, then re-handshake
             p.gone = False
@@ -305,8 +265,11 @@ class UCXControl:
                 return
             self._on_announce(p, m)
         elif isinstance(m, Hello):
+            p.tag_out = m.ctag
             self._on_hello(p, m)
-            self._send(p, Ping())   # at once: its connect() waits for a round trip over this path
+            self._send(p, Welcome(self._address, p.tag_in))   # its connect() waits for a round trip here
+        elif isinstance(m, Welcome):
+            self._on_welcome(p, m)
         elif isinstance(m, (Go, Ack, Fail)):
             o = self._out.get(m.xid)
             if isinstance(m, Fail) and m.why.startswith(FENCED):
@@ -417,15 +380,20 @@ class UCXControl:
                                               f"({o.state.replace('_', ' ')})"))
         for i in [i for i in self._in.values() if now > i.deadline]:
             self._fail_in(i, self.grants.reject(i.rid, "deadline passed: the sender did not finish in time"))
+        # peers that memory here waits for: their death is looked for every tick, silent or not
+        # (a killed sender on this kernel is proven dead by its pid a tick later, not after peer_timeout)
+        waited = {k[0] for k in self._landing} | {e[0] for e in self._draining} if self._landing or \
+            self._draining else set()
         for p in list(self._peers.values()):
             if p.rehello is not None:
                 self._check_rehello(p)
             if not p.gone and p.clock.silent(now, self.peer_timeout):
                 self._peer_gone(p, f"peer silent for {p.clock.silent_for(now):.1f}s (dead or stalled)")
-            if p.gone or p.fenced:
+            if p.gone or p.fenced or p.id in waited:
                 self._fence_check(p, now)
             # Ping only once the last message left: sends to a dead peer may never complete.
-            if now >= p.next_ping and (p.last_send is None or p.last_send.completed) and not p.closing:
+            if now >= p.next_ping and (p.last_send is None or p.last_send.completed) and not p.closing \
+                    and not p.joining:   # joining: its front worker takes our HELLO only
                 p.next_ping = now + self.heartbeat
                 self._send(p, Ping())
         if self.quarantine_timeout is not None:

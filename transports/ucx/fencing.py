@@ -66,6 +66,7 @@ class UCXFencing:
     _fail_in: Callable[..., None]             # UCXReceiver._fail_in(i, reason, tell=True, puts_left=True)
     _landed: Callable[[str], None]
     _unfence_peer: Callable[[Peer], None]      # UCXEager
+    _drop_peer: Callable[[Peer], None]         # UCXJoin
     _expire_fences: Callable[[float, float], None]
 
     def fencing(self) -> dict:
@@ -182,7 +183,7 @@ class UCXFencing:
             o.handle.finish(PeerError(f"request {o.handle.request_id}: peer {why}"), release=True)
         ucp.destroy_rkeys(p.rkeys)
         p.rkeys, p.outbox, p.waiting, p.rehello = ucp.EMPTY_TABLE, [], [], None
-        self._peers.pop(p.id, None)
+        self._drop_peer(p)
         self._fence_released += 1
 
     def _expire_quarantine(self, now: float) -> None:
@@ -210,7 +211,7 @@ class UCXFencing:
             {key[0] for key in (*self._in, *self._landing)} | {e[0] for e in self._draining} | set(self._unflushed)
         for p in [p for p in self._peers.values() if p.bye_at is not None and now - p.bye_at > self.peer_timeout
                   and p.id not in busy and p.clock.heard <= p.bye_at]:
-            del self._peers[p.id]
+            self._drop_peer(p)
             ucp.destroy_rkeys(p.rkeys)
             p.rkeys, p.outbox = ucp.EMPTY_TABLE, []
             close_endpoint(p)   # no flush: the peer is gone

@@ -25,6 +25,7 @@ and ``_poll_data`` (I/O thread) do the same on the other side.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 _I8 = np.int64
 
@@ -171,6 +172,58 @@ class HeldSlot:
     @property
     def done(self) -> bool:
         return bool(self.req.completed) or not self.held()
+
+
+class RingSpill:
+    """Receive-ring capacity that held slots took away, given back (issue 35). A slot is held
+    while a frame receive of an ended transfer may still write it (``UCXReceiver._hold_slots``):
+    until the receive completes, or its sender is proven dead, or ``quarantine_timeout``. A
+    sender that cannot be proven dead (alive but silent, or gone without a trace) would hold its
+    slots for good, and a few such senders the whole ring. So while slots are held, frames of
+    their own ("spill") stand in for them, as many in use as are held: the ring never shrinks, and
+    what a silent sender keeps is its own share (the frames it had in flight, at most the ring).
+    I/O thread only."""
+    __slots__ = ("frame_bytes", "live", "held")
+
+    def __init__(self, frame_bytes: int):
+        self.frame_bytes = frame_bytes
+        self.live: dict[int, torch.Tensor] = {}   # spill frames in use, held ones too, by address
+        self.held: list = []                      # (until, spill frame or None) of held slots
+
+    def prune(self) -> None:
+        """Forget holds that ended (I/O thread, each turn while any is kept)."""
+        if self.held:
+            keep = []
+            for until, frame in self.held:
+                if not until.done:
+                    keep.append((until, frame))
+                elif frame is not None:
+                    self.live.pop(frame.data_ptr(), None)
+            self.held = keep
+
+    def room(self) -> bool:
+        """May a spill frame be taken now (the ring has none free)?"""
+        self.prune()
+        return len(self.live) - sum(1 for _, f in self.held if f is not None) < len(self.held)
+
+    def get(self, device) -> torch.Tensor:
+        frame = torch.empty(self.frame_bytes, dtype=torch.uint8, device=device)
+        self.live[frame.data_ptr()] = frame
+        return frame
+
+    def owns(self, slot: torch.Tensor) -> bool:
+        return self.live.get(slot.data_ptr()) is slot
+
+    def put(self, frame: torch.Tensor) -> None:
+        """A spill frame landed: gone."""
+        self.live.pop(frame.data_ptr(), None)
+
+    def hold(self, until, frame: torch.Tensor | None = None) -> None:
+        """A slot (a ring slot, or spill ``frame``) is held until ``until.done``."""
+        self.held.append((until, frame))
+
+    def stats(self) -> dict:   # any thread: a snapshot, as of the I/O thread's last turn
+        return {"spill": len(self.live), "held": len(self.held)}
 
 
 class StagedFrames:

@@ -1,8 +1,7 @@
-"""Start-up, connect and shutdown of a UCX transport, on its I/O thread.
+"""Start-up, disconnect and shutdown of a UCX transport, on its I/O thread (connect: ``join``).
 
 ``UCXLifecycle`` is a mixin of ``UCXTransport``: ``_do_register`` maps the regions for RMA,
-``_do_connect`` makes an endpoint to a receiver and unpacks its rkeys, ``_do_disconnect`` and
-``_retire_closing`` end one peer, ``_shutdown`` fails what is open, says BYE and frees every UCX
+``_do_disconnect`` and ``_retire_closing`` end one peer, ``_shutdown`` fails what is open, says BYE and frees every UCX
 resource, ``_free`` drops the objects themselves.
 
 Disconnect (one peer; the transport lives on). Its transfers fail at once, with a reason, and
@@ -20,10 +19,8 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
-import os
 import select
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +33,7 @@ from kvxfer.grant import GrantTable
 from kvxfer.transport.kit import CommandQueue, IOThread, StagingPool
 
 from . import bindings as ucp
-from .protocol import SECRET_BYTES, Abort, Bye, Fail, Hello
-from .settings import FAR_TLS, far_path
+from .protocol import Abort, Bye, Fail
 from .state import Outgoing, Peer
 
 if TYPE_CHECKING:
@@ -74,20 +70,6 @@ def failure_of(ep) -> str:
     return ""
 
 
-def _ep_closed(transport_ref: weakref.ref, peer_ref: weakref.ref) -> None:
-    """ucxx's close callback of an ``err`` endpoint (inside a worker progress call, on the I/O
-    thread): only queue the peer for ``UCXFencing._check_failed``. It also comes when we close the
-    endpoint ourselves; the handler skips a peer already forgotten. Never raises into UCX."""
-    try:
-        t, p = transport_ref(), peer_ref()
-        if p is not None:
-            p.eph = 0   # ucxx closed it: as its handle reads from now on
-        if t is not None and p is not None:
-            t._failed_eps.append(p)
-    except Exception:   # pragma: no cover - nothing here raises; UCX must never see it
-        pass
-
-
 class UCXLifecycle:
     """Start-up and shutdown half of ``UCXTransport`` (I/O thread)."""
 
@@ -108,7 +90,13 @@ class UCXLifecycle:
     _far_ctx: Any
     _far_worker: Any
     _far_address: bytes
+    _front_ctx: Any
+    _front_worker: Any
+    _shm_settings: dict[str, str]
+    _by_tag: dict[int, Peer]
     _workers: list
+    _poller: Any                       # select.poll over the workers' event fds (``_idle``)
+    _polled: int
     _host_id: str
     _pid: int
     _start_ticks: int
@@ -152,6 +140,8 @@ class UCXLifecycle:
     _landing: dict
     _failed_eps: collections.deque
     _rehello: Callable[[Peer], None]
+    _bind_tag: Callable[[Peer], None]           # UCXJoin
+    _drop_peer: Callable[[Peer], None]
     _landed: Callable[[str], None]
     _send: Callable[[Peer, Message], None]
     _flush_outboxes: Callable[[], None]
@@ -216,42 +206,15 @@ class UCXLifecycle:
                 ucp.mem_unmap(self._ctx.handle, m)
         self._memh, self._params, self._rkeys_packed = [], [], []
 
-    def _do_connect(self, peer_id, addr, base, sizes, rkeys, where: str = "unknown") -> str:
-        p = self._peers.get(peer_id)
-        if p is not None and p.closing:   # connected again while its disconnect was pending
-            p.closing = p.fenced_all_said = False
-            self._closing.remove(p)
-            if p.close_flush is not None:
-                self._zombies.append((p.close_flush, None))
-                p.close_flush = None
-            self._rehello(p)   # it heard BYE and fenced us: flush, then HELLO with a new epoch
-        if p is None:
-            secret, epoch = self._retired.pop(peer_id, (os.urandom(SECRET_BYTES), -1))
-            far = far_path(where, self._tls_explicit)
-            p = self._add_peer(peer_id, addr, secret, far, err=far)
-            p.my_epoch = epoch + 1   # above every HELLO it had from us: lifts a fence it may hold
-            lanes = self._log_path(p, where)
-            # With error handling on, UCX has no zero-copy put over TCP: it emulates puts with
-            # active messages (32 KiB puts between namespaces 1.1 vs 3.2 GB/s without error
-            # handling), so every run to such a peer travels in packed frames. RDMA keeps its puts.
-            p.pack_all = p.err and bool(lanes) and all(t == "tcp" for t, _ in lanes)
-        if p.sizes is None:
-            handles = []
-            for k in rkeys:
-                h = ctypes.c_void_p()
-                if k:
-                    ucp.check(ucp.rkey_unpack(p.eph, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
-                handles.append(h.value or 0)
-            p.base, p.sizes, p.rkeys = base, sizes, np.array(handles, np.uint64)
-            p.base_list, p.sizes_list = base.tolist(), sizes.tolist()
-            self._send(p, self._hello(p))
-        return peer_id
-
     def _do_disconnect(self, peer_id: str) -> None:
         """Fail ``peer_id``'s transfers, say BYE, and free it once the fencing rules allow
         (``_retire_closing``). Unknown or already disconnecting: nothing to do."""
         p = self._peers.get(peer_id)
         if p is None or p.closing:
+            return
+        if p.joining:   # never welcomed: nothing of it here, nothing of ours there
+            self._drop_peer(p)
+            close_endpoint(p)
             return
         p.closing, p.closing_since = True, time.monotonic()
         why = "the peer was disconnected"
@@ -289,7 +252,7 @@ class UCXLifecycle:
                 continue
             if p.close_flush.ptr is not None:
                 self._zombies.append((p.close_flush, None))
-            del self._peers[p.id]
+            self._drop_peer(p)
             ucp.destroy_rkeys(p.rkeys)
             p.rkeys, p.close_flush = ucp.EMPTY_TABLE, None
             close_endpoint(p)   # flushed, or the peer is silent: no put of ours is in flight to it
@@ -299,58 +262,15 @@ class UCXLifecycle:
                 self._retired.popitem(last=False)
         self._closing = left
 
-    def _far(self) -> Any:
-        """The FAR_TLS worker, made on first use (its own context: its transports differ)."""
-        if self._far_worker is None:
-            self._far_ctx = ucx_api.UCXContext({**self._config, "TLS": FAR_TLS},
-                                               feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
-                                                              ucx_api.Feature.WAKEUP))
-            w = ucx_api.UCXWorker(self._far_ctx)
-            w.init_blocking_progress_mode()
-            self._far_address, self._far_worker = w.address.tobytes(), w
-            self._workers = [self._worker, w]
-        return self._far_worker
-
-    def _log_path(self, p: Peer, where: str) -> list[tuple[str, str]]:
-        """Say which transports reach ``p`` (INFO), and warn when another host is reached by TCP;
-        returns them ((transport, device) per lane)."""
-        lanes = ucp.ep_transports(p.eph)
-        said = ", ".join(f"{t}/{d}" for t, d in lanes) or "unknown transports"
-        place = {"same": "this host", "netns": "this host, another network namespace", "host": "another host"}.get(
-            where, "a place it did not say")
-        log.info("UCX transport %s: peer %s (%s) over %s%s", self.id[:8], p.id[:8], place, said,
-                 " (no shared memory or cma: they do not reach it)" if p.far else "")
-        if where == "host" and lanes and all(t == "tcp" for t, _ in lanes):
-            log.warning("UCX transport %s: peer %s on another host is reached over TCP only (no RDMA transport "
-                        "in this UCX; RAPIDS_LIBUCX_PREFER_SYSTEM_LIBRARY=true uses a system UCX)",
-                        self.id[:8], p.id[:8])
-        return lanes
-
-    def _hello(self, p: Peer) -> Hello:
-        return Hello(self._far_address if p.far else self._address, p.secret, p.my_epoch, self._host_id, self._pid,
-                     self._start_ticks, p.err, eager=True)
-
-    def _add_peer(self, peer_id: str, addr: bytes, secret: bytes, far: bool = False, err: bool = False) -> Peer:
-        """An endpoint to ``addr`` (through the FAR_TLS worker when ``far``) and its ``Peer``.
-        ``err``: UCX endpoint error handling on (``UCP_ERR_HANDLING_MODE_PEER``), for a peer in
-        another host or network namespace only: it excludes shared memory and cma, which such a
-        peer cannot use anyway. UCX then reports the failure of its connection (reset or closed:
-        its process is gone) through the close callback, queued here and handled by
-        ``UCXFencing._check_failed`` on the I/O loop's next tick (nothing runs inside UCX's call)."""
-        worker = self._far() if far else self._worker
-        ep = worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(addr), err)
-        p = self._peers[peer_id] = Peer(peer_id, ep, secret, far=far, err=err, eph=ep.handle)
-        if err:   # weak references: ucxx holds the callback in C++, where no collector sees a cycle
-            ep.set_close_callback(_ep_closed, (weakref.ref(self), weakref.ref(p)))
-        return p
-
     def _idle(self, ms: int) -> None:
-        """Sleep until a worker has an event (or a command signals the main one), at most ``ms``."""
-        if self._far_worker is None:
-            self._worker.progress_worker_event(ms)
-        elif self._worker.arm() and self._far_worker.arm():   # False: events pending, do not sleep
-            select.select([self._worker.epoll_file_descriptor, self._far_worker.epoll_file_descriptor], [], [],
-                          ms / 1000)
+        """Sleep until a worker has an event (or a command signals the main one), at most ``ms``.
+        ``poll``, not ``select``: a process with many fds gives workers numbers past 1024."""
+        if all(w.arm() for w in self._workers):   # False: events pending, do not sleep
+            if self._poller is None or self._polled != len(self._workers):   # the FAR_TLS worker joined
+                self._poller, self._polled = select.poll(), len(self._workers)
+                for w in self._workers:
+                    self._poller.register(w.epoll_file_descriptor, select.POLLIN)
+            self._poller.poll(ms)
 
     def memory_types(self) -> list[str]:
         """What UCX registered each region as ("host", "cuda", ...; "" for an empty region), as
@@ -387,7 +307,8 @@ class UCXLifecycle:
             p.outbox = [m for m in p.outbox if isinstance(m, (Abort, Fail))]
         self._fenced_all()   # eager: nothing of ours in flight any more, if so
         for p in self._peers.values():
-            self._send(p, Bye())
+            if not p.joining:   # a joining one's endpoint goes to its front worker, which takes HELLOs only
+                self._send(p, Bye())
         self._flush_outboxes()
         self._run_later()   # the arrivals of what failed here
         end = time.monotonic() + 0.2  # let BYE leave; a dead peer never takes it
@@ -426,5 +347,7 @@ class UCXLifecycle:
         self._ctrl_sends, self._ctrl_recvs = [], []
         self._staging.clear()
         self._whandle = None
-        self._workers, self._far_worker, self._far_ctx = [], None, None
+        self._by_tag = {}
+        self._workers, self._far_worker, self._far_ctx, self._poller = [], None, None, None
+        self._front_worker = self._front_ctx = None
         self._worker = self._ctx = None

@@ -3,18 +3,25 @@
 On the wire a control message is a msgpack list ``[kind, field...]`` (never pickle). Messages
 to one peer leave as one tagged batch per I/O-loop turn::
 
-    [sender id, channel secret, [message, ...]]        tag CTRL_TAG
+    [sender id, channel secret, [message, ...]]        tag CTRL_TAG | control tag
 
-The secret is 16 random bytes the connecting side makes per peer and sends in its HELLO; both
-directions carry it afterwards, so a third party that knows a transport's id (it is in the
-descriptor) cannot speak for it. The first HELLO from an id binds its secret (trust on first
-use; the control plane that handed out the descriptor is what authenticates peers).
+Joining. A transport's ``descriptor()`` names its *front* worker (no shared memory, no cma, no
+RMA: ``join``), never the worker that moves data. A sender's first batch goes there, control
+tag 0, and holds one HELLO: its data address, the channel secret (16 random bytes the
+connecting side makes per peer; both directions carry it afterwards, so a third party that
+knows a transport's id cannot speak for it), its shared-memory settings, the admission token
+(``Transport.admit``) and the control tag the receiver must put on its messages to it. The
+receiver checks it (admitted, settings equal where shared memory could be used) before it makes
+anything for the peer, then answers WELCOME from its data worker: that worker's address and the
+control tag the sender must use. Every later batch travels between the data workers under those
+tags; a batch under a tag this side did not hand out is dropped unread.
 
 ``parse_batch`` checks the outer shape; ``parse_message`` checks one message against exact
 types (a bool is no int, a float no id), ranges and sizes, and returns its dataclass or raises
 ``Malformed``. ``Malformed.answer`` is (transfer id, request id) when the message was an
-ANNOUNCE whose ids are valid (the receiver refuses it with a FAIL and a failed arrival); any
-other bad message cannot be answered, and is counted and dropped.
+ANNOUNCE whose ids are valid (the receiver answers its sender with a FAIL, counts it, and
+touches no request: anyone could name a live one); any other bad message cannot be answered,
+and is counted and dropped.
 
 Data frames carry no header: tag ``DATA_BIT | dtag << FRAME_BITS | frame index``, dtag from GO.
 Which bytes frame ``k`` holds follows from the ANNOUNCE alone (``frames.cut`` when ``staged``,
@@ -28,10 +35,13 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from kvxfer.transport.base import MAX_TOKEN
+
 CTRL_TAG, DATA_BIT, KIND_MASK = 1 << 63, 1 << 62, 3 << 62
 FRAME_BITS = 24  # data tag = DATA_BIT | dtag << FRAME_BITS | frame index
 MAX_DTAG = 1 << (62 - FRAME_BITS)
-HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE, PREGRANT, FENCE, FENCED = range(12)
+HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE, PREGRANT, FENCE, FENCED, WELCOME = range(13)
+MAX_CTAG = 1 << 62          # control tags: CTRL_TAG | tag, 1 <= tag < MAX_CTAG (0: a HELLO to a front worker)
 MAX_ID = 1 << 63
 MAX_REQUEST_ID = 4096      # characters
 MAX_NOTIFY = 1 << 20       # bytes
@@ -40,6 +50,8 @@ MAX_WHY = 1024             # characters of a failure reason (longer ones are cut
 MAX_TIMEOUT = 86400.0
 SECRET_BYTES = 16
 MAX_CAPABILITY = 64        # bytes of a grant capability (kvxfer.grant.MAX_CAPABILITY)
+SHM_FIELDS = 4             # shared-memory settings a HELLO carries (``settings.MUST_MATCH``, in order)
+MAX_SETTING = 64           # characters of one
 MAX_HOST = 256             # characters of a host identity
 MAX_RIDS = 4096            # request ids in one PREGRANT, FENCE or FENCED
 MAX_PREGRANT_BYTES = 1 << 20   # of one request's granted ranges in a PREGRANT (65,536 intervals)
@@ -57,13 +69,16 @@ class Malformed(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Hello:
-    """Connecting side -> peer: its worker address and channel secret. ``epoch`` counts the
+    """Connecting side -> peer: its data worker's address and the channel secret; first to the
+    peer's front worker (control tag 0), then again over the data path. ``epoch`` counts the
     handshakes on this channel: a sender that was silent to the peer (or fenced by it) flushes
     its endpoint and only then sends a HELLO with a higher epoch, which therefore also says
     "every put I issued before this has landed". ``host`` (boot id and PID-namespace) and
     ``pid`` let a receiver on the same kernel prove the sender dead (``UCXControl``). ``err``:
     the sender's endpoint has UCX error handling on; the receiver's to it must match (endpoints
-    of both modes do not talk)."""
+    of both modes do not talk). ``token``: what ``admit`` gave the receiver's owner for us;
+    ``shm``: our ``settings.MUST_MATCH`` values; ``ctag``: the control tag the peer's messages
+    to us must carry."""
     address: bytes
     secret: bytes
     epoch: int = 0
@@ -72,10 +87,25 @@ class Hello:
     start: int = 0       # the process's start time (clock ticks since boot): pids are reused
     err: bool = False
     eager: bool = False  # it takes PREGRANTs and answers FENCEs (``eager``)
+    token: bytes = b""
+    shm: tuple[str, ...] = ("",) * SHM_FIELDS
+    ctag: int = 1
 
     def wire(self) -> list:
         return [HELLO, self.address, self.secret, self.epoch, self.host, self.pid, self.start, int(self.err),
-                int(self.eager)]
+                int(self.eager), self.token, list(self.shm), self.ctag]
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """Receiver -> the sender of a HELLO it accepted, over the data path: the address of its data
+    worker (the sender's data endpoint goes there) and the control tag every later batch of the
+    sender must carry. Also the answer to a HELLO over the data path (a round trip there)."""
+    address: bytes
+    ctag: int
+
+    def wire(self) -> list:
+        return [WELCOME, self.address, self.ctag]
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,7 +227,7 @@ class Bye:
         return [BYE]
 
 
-Message = Hello | Announce | Go | Done | Ack | Fail | Abort | Ping | Bye | Pregrant | Fence | Fenced
+Message = Hello | Announce | Go | Done | Ack | Fail | Abort | Ping | Bye | Pregrant | Fence | Fenced | Welcome
 
 
 def pack_batch(sender: str, secret: bytes, msgs: list[Message]) -> bytes:
@@ -240,10 +270,11 @@ def _str(v, limit: int, what: str) -> str:
     return v
 
 
-# Lengths a message may have: HELLO and ANNOUNCE without their newer fields are kvxfer's
-# older wire (epoch 0, no identity; no capability, which a grant with one refuses).
-_SIZES = {HELLO: (3, 7, 8, 9), ANNOUNCE: (9, 10, 11, 12), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,),
-          PING: (1,), BYE: (1,), PREGRANT: (3,), FENCE: (2,), FENCED: (3,)}
+# Lengths a message may have: ANNOUNCE without its newer fields is kvxfer's older wire (no
+# capability, which a grant with one refuses). A HELLO has every field: one without settings,
+# token or control tag cannot join.
+_SIZES = {HELLO: (12,), ANNOUNCE: (9, 10, 11, 12), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,),
+          PING: (1,), BYE: (1,), PREGRANT: (3,), FENCE: (2,), FENCED: (3,), WELCOME: (3,)}
 
 
 def _rids(v) -> tuple[str, ...]:
@@ -260,12 +291,16 @@ def parse_message(m, limit: int) -> Message:
     try:
         if kind == HELLO:
             address, secret = _bytes(m[1], MAX_ADDRESS, "address"), _bytes(m[2], SECRET_BYTES, "secret")
-            if len(m) == 3:
-                return Hello(address, secret)
+            shm = m[10]
+            if type(shm) is not list or len(shm) != SHM_FIELDS:
+                raise ValueError(f"shared-memory settings are not a list of {SHM_FIELDS}")
             return Hello(address, secret, _int(m[3], 0, MAX_ID, "epoch"), _str(m[4], MAX_HOST, "host"),
                          _int(m[5], 0, 1 << 31, "pid"), _int(m[6], 0, MAX_ID, "start time"),
-                         len(m) >= 8 and _int(m[7], 0, 2, "error handling") == 1,
-                         len(m) == 9 and _int(m[8], 0, 2, "eager flag") == 1)
+                         _int(m[7], 0, 2, "error handling") == 1, _int(m[8], 0, 2, "eager flag") == 1,
+                         _bytes(m[9], MAX_TOKEN, "token"), tuple(_str(v, MAX_SETTING, "setting") for v in shm),
+                         _int(m[11], 1, MAX_CTAG, "control tag"))
+        if kind == WELCOME:
+            return Welcome(_bytes(m[1], MAX_ADDRESS, "address"), _int(m[2], 1, MAX_CTAG, "control tag"))
         if kind == PING:
             return Ping()
         if kind == BYE:

@@ -6,7 +6,8 @@ and the regions before GO (an eager one, after its puts: ``eager``); ``_poll_dat
 packed frames (in place for host memory; for CUDA, and staged host frames unless
 ``stage_host="never"``, into the receive ring, each frame scattered as it lands:
 ``_land_frames``); ``_try_finish`` acknowledges; ``_fail_in`` ends a transfer and keeps the
-grant's memory marked (``writes_pending``) while puts or posted receives may land.
+grant's memory marked (``writes_pending``) while puts or posted receives may land, and ring slots
+held while frame receives may still write them (``frames.RingSpill`` stands in for those).
 
 No oracle: the FAIL a peer gets for a refusal because of the grant (unknown, ended or live
 request, runs outside it) reads the same; only the local counters and arrivals tell them apart.
@@ -14,7 +15,7 @@ request, runs outside it) reads the same; only the local counters and arrivals t
 from __future__ import annotations
 
 import collections
-import itertools
+import secrets
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 from ucxx._lib import libucxx as ucx_api
-from ucxx._lib.arr import Array
 
 from kvxfer.copy import copy_runs
 from kvxfer.plan import FEW_RUNS, Runs
@@ -30,8 +30,8 @@ from kvxfer.transport.base import Arrival
 from kvxfer.transport.kit import peer_reason
 
 from . import bindings as ucp
-from .frames import HeldSlot, RingHold, StagedFrames, Stream, byte_cut, cut, stream_iovs
-from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, Ack, Announce, Fail, Go
+from .frames import HeldSlot, RingHold, RingSpill, StagedFrames, Stream, byte_cut, cut, stream_iovs
+from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, MAX_DTAG, Ack, Announce, Fail, Go
 from .sender import ucx_buffer
 from .state import Incoming, Peer
 
@@ -65,14 +65,16 @@ class UCXReceiver:
     _all_host: bool
     _cuda_devices: set[torch.device]
     _in: dict[tuple[str, int], Incoming]
+    _peers: dict[str, Peer]
     _by_dtag: dict[int, Incoming]
     _landing: dict[tuple[str, int], tuple[str, int, float]]
     _landing_rids: collections.Counter
     _open_rids: collections.Counter
     _draining: list
     _zombies: list
-    _dtags: itertools.count[int]
+    _drop: Callable[[Any, Any, str], None]        # UCXInbox
     _rx_ring: StagingPool
+    _spill: RingSpill
     frame_bytes: int
     stage_host: str
     _acts: int
@@ -91,7 +93,10 @@ class UCXReceiver:
         # answer: no oracle; grants.check and is_live refuse it) but with no arrival: it never
         # fails or completes the request.
         quiet = not self.grants.capability_ok(rid, m.cap)
-        if len(self._in) >= self.max_incoming or p.open_in >= self.max_incoming_per_peer:
+        # Each peer its own share: max_incoming_per_peer, and past max_incoming in all, no more than
+        # an equal part of it among the peers with transfers open (so at most 2 x max_incoming open).
+        if p.open_in >= self.max_incoming_per_peer or len(self._in) >= self.max_incoming and \
+                p.open_in >= self.max_incoming // max(1, sum(1 for q in self._peers.values() if q.open_in)):
             return self._refuse(p, xid, rid, 0, m.notify, self.grants.reject(
                 rid, f"too many transfers: {len(self._in)} open, {p.open_in} from this peer"), quiet)
         # An empty transfer writes nothing: acknowledged whatever its request id (no oracle)
@@ -153,13 +158,18 @@ class UCXReceiver:
         if nput == 0 and not i.frames:  # all here already: ACK without GO and DONE
             i.done = True
             return self._try_finish(i)
-        i.dtag = next(self._dtags)
+        # The data tag names this transfer: 38 random bits, unused here, told only to its sender
+        # (GO, on its channel). A frame lands only under its exact tag (posted receive, or the
+        # ring's lookup below), so a third party's sprayed frame hits one of the N frames open
+        # here with probability N / 2**62.
+        while (dtag := secrets.randbelow(MAX_DTAG - 1) + 1) in self._by_dtag:
+            pass
+        i.dtag = dtag
+        self._by_dtag[dtag] = i
         if i.iov is not None:   # posted before GO: no frame of it can arrive unexpected
             i.iov.recv(self._whandle, DATA_BIT | i.dtag << FRAME_BITS)
             if i.iov.error:
                 return self._fail_in(i, f"posting receives failed: {i.iov.error}")
-        elif i.frames:
-            self._by_dtag[i.dtag] = i
         self._send(p, Go(xid, i.dtag))
 
     def _refuse(self, p, xid: int, rid: str, nbytes: int, notify: bytes, reason: str, quiet: bool = False) -> None:
@@ -176,17 +186,21 @@ class UCXReceiver:
             tag = res.sender_tag.value
             i, k = self._by_dtag.get((tag & ~KIND_MASK) >> FRAME_BITS), tag & ((1 << FRAME_BITS) - 1)
             want = -1 if i is None or i.staging is None or k >= i.frames or i.staging.seen[k] else i.staging.size(k)
-            if res.length == want and not self._rx_ring.available():   # back-pressure: next turn
+            ring_free = res.length != want or self._rx_ring.available()
+            if not ring_free and not self._spill.room():   # back-pressure: next turn
                 break
-            res = probe(want_tag, mask, remove=True)   # the same message, now ours to receive
+            res = probe(want_tag, mask, remove=True)   # the same message (UCX adds only inside progress)
             self._acts += 1
-            if i is None or i.staging is None or res.length != want or res.sender_tag.value != tag:
-                if i is not None:   # a frame of an ended transfer, or one that does not fit: drop it
+            if res.length != want:
+                # Under a tag nobody here has: dropped and counted, no transfer touched. Under a live
+                # transfer's tag (only its sender has it) but not a frame still to come in the ring
+                # (received in place, past the end, a second copy, the wrong size): that sender's
+                # mistake fails the transfer.
+                if i is not None:
                     self._fail_in(i, self.grants.reject(i.rid, f"malformed frame: {k} of {res.length} bytes"))
-                junk = np.empty(1, np.uint8)   # a 1-byte receive: UCX truncates and drops the rest
-                self._zombies.append((self._worker.tag_recv_with_handle(Array(junk), res), junk))
+                self._drop(self._worker, res, "frame")
                 continue
-            slot = self._rx_ring.get(want, i.staging.device)
+            slot = self._rx_ring.get(want, i.staging.device) if ring_free else self._spill.get(i.staging.device)
             i.staging.seen[k] = True
             i.staging.reqs.append((self._worker.tag_recv_with_handle(ucx_buffer(slot), res), k, slot))
         for i in [i for i in self._in.values() if i.iov is not None and i.got < i.frames]:
@@ -201,6 +215,8 @@ class UCXReceiver:
                 self._try_finish(i)
         if self._draining:
             self._reap_draining()
+        if self._spill.held:
+            self._spill.prune()
         for i in [i for i in self._in.values() if i.staging is not None and i.staging.reqs]:
             self._land_frames(i)
         self._zombies = [z for z in self._zombies if not z[0].completed]
@@ -224,15 +240,22 @@ class UCXReceiver:
             part = st.part(k)
             if reason is None and (reason := self.grants.check(i.rid, *part, i.cap)) is None:
                 self._land(part, slot)   # in place (CUDA: the copies completed) before the slot is free
-            self._rx_ring.put(slot)
+            self._free_slot(slot)
             if reason is not None:
                 for _, _, s in done[j + 1:]:
-                    self._rx_ring.put(s)
+                    self._free_slot(s)
                 return self._fail_in(i, reason)
             i.got += 1
         if i.got == i.frames:
             i.packed = None   # landed, frame by frame
             self._try_finish(i)
+
+    def _free_slot(self, slot: torch.Tensor) -> None:
+        """A frame landed: its ring slot is free again (a spill frame is let go)."""
+        if self._spill.owns(slot):
+            self._spill.put(slot)
+        else:
+            self._rx_ring.put(slot)
 
     def _try_finish(self, i: Incoming) -> None:
         if not i.done or i.got < i.frames:
@@ -294,7 +317,12 @@ class UCXReceiver:
         def held() -> bool:
             return any(e[2] is hold for e in self._draining)
         for req, _, slot in st.reqs:
-            self._rx_ring.put(slot, HeldSlot(req, held))
+            until = HeldSlot(req, held)
+            if self._spill.owns(slot):
+                self._spill.hold(until, slot)
+            else:
+                self._rx_ring.put(slot, until)
+                self._spill.hold(until)   # while held, a spill frame may stand in for it
             self._zombies.append((req, slot))
         key = ("ring slots", i.rid)
         self._draining.append((i.peer.id, key, hold, sum(int(s.numel()) for _, _, s in st.reqs), time.monotonic()))

@@ -55,11 +55,30 @@ def shared_memory_settings(config: dict[str, str], environ: Mapping[str, str]) -
     return {k: str(config.get(k, environ.get(f"UCX_{k}", ""))) for k in MUST_MATCH}
 
 
+def settings_differ(mine: Mapping[str, str], theirs: Mapping[str, str]) -> list[str]:
+    """Each ``MUST_MATCH`` setting that differs, in words ("UCX_SYSV_FIFO_SIZE 4096 here, 256 at
+    the peer"); [] when they agree."""
+    return [f"UCX_{k} {mine.get(k) or 'unset'} here, {theirs.get(k) or 'unset'} at the peer"
+            for k in MUST_MATCH if str(theirs.get(k, "")) != str(mine.get(k, ""))]
+
+
 # Transports for a peer on another host or in another network namespace of this kernel: every
 # one but shared memory and cma. Namespaces of one kernel share IPC, so UCX would pick sysv/posix
 # shared memory for them, whose queues never deliver across network namespaces (docs: UCX.md,
 # "Across hosts"); on another host they do not reach at all.
 FAR_TLS = "^sm,cma"
+
+
+def front_tls(tls: str | None) -> str:
+    """``UCX_TLS`` of the front worker (``join``): no shared memory and no cma (``FAR_TLS``), within
+    what the user chose (``tls``: an explicit setting, or None). A user's choice without TCP
+    (``"sm,self"``) is kept as it is: then nothing else reaches the peers."""
+    if not tls:
+        return FAR_TLS
+    names = [x.strip() for x in tls.strip().lstrip("^").split(",") if x.strip()]
+    if tls.strip().startswith("^"):
+        return tls if "tcp" in names else "^" + ",".join(dict.fromkeys(["sm", "cma", *names]))
+    return "tcp" if "tcp" in names or "all" in names else tls
 
 
 def tls_explicit(tls: str | None, ucx_config: dict | None, environ: Mapping[str, str]) -> bool:

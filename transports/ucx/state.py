@@ -3,6 +3,7 @@ transfer (receiver side) and an ``Outgoing`` one (sender side). Plain state, no 
 control, sender and receiver modules all import it, and it imports none of them."""
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,16 @@ class Peer:
     failed_at: float | None = None   # ``err``: its endpoint reported a failure at
     pack_all: bool = False           # every run travels packed (``err`` over TCP only: UCX emulates puts there)
     failure: str = ""                # what the failure was (``lifecycle.failure_of``): "reset" proves writes over
-    answered: bool = False           # a message of it came through (connect() waits for one)
+    answered: bool = False           # sender: its WELCOME answered our HELLO over the data path (connect() waits)
+    tag_in: int = 0                  # the control tag its batches to us carry (we chose it: ``join``)
+    tag_out: int = 0                 # the control tag of ours to it (its WELCOME or HELLO chose it; 0: its front)
+    joining: bool = False            # sender: our HELLO went to its front worker; no WELCOME yet (``join``)
+    admitted: bool = False           # receiver: it joined with an admission token (``join``)
+    ctrl_bytes: int = 0              # its control batches being received or handled (``inbox``)
+    ctrl_wait: collections.deque = field(default_factory=collections.deque)   # its batches waiting for that budget
+    where: str = "unknown"           # sender: where it is (``settings.reach``), from its descriptor
+    token: bytes = b""               # sender: its owner's admission token for us, sent in every HELLO
+    rkeys_packed: list = field(default_factory=list)   # sender while joining: unpacked at its WELCOME
     outbox: list = field(default_factory=list)
     last_send: Any = None            # the latest control send to it
     next_ping: float = 0.0
