@@ -2,10 +2,12 @@
 complete instance, watch for changes) and ``Registration`` (what keeps a prefill rank registered).
 Standard library only: ranks need no event loop and no aiohttp to register or look up.
 
-One interface; the backend is chosen by the URL's scheme here and nowhere else:
+One interface, two backends, chosen by the URL's scheme here and nowhere else:
 
     http://host:port, https://...          the embedded registry (``kvxfer bootstrap``, or
                                            ``BootstrapServer`` in a prefill rank)
+    etcd://host:2379[,host2:2379...][/prefix]   etcd (v3, through its HTTP/JSON gateway): leases
+                                           kept alive on one connection, watches, replicas
 
 Ranks see the same ``RankInfo`` records and run the same checks either way: every record read is
 parsed by ``RankInfo.from_dict``, and every layout fetched by digest is checked against its digest
@@ -33,6 +35,7 @@ from ..errors import ConnectError
 from ..metrics import record_registration_lost
 from .auth import as_secret
 from .discovery import WHOLE, Backend, Backoff, Snapshot, bare_record, digest_of, is_digest, transient
+from .etcd_registry import EtcdRegistry
 from .http_registry import HttpRegistry
 from .records import RankInfo, check_layout_record
 
@@ -53,8 +56,11 @@ class BootstrapClient:
         self.backend: Backend
         if scheme in ("http", "https"):
             self.backend = HttpRegistry(self.url, self.secret, timeout, source)
+        elif scheme == "etcd":
+            self.backend = EtcdRegistry(self.url, timeout, source)
         else:
-            raise ValueError(f"registry URL {url!r}: use http://HOST:PORT (what `kvxfer bootstrap` prints)")
+            raise ValueError(f"registry URL {url!r}: use http://HOST:PORT (what `kvxfer bootstrap` prints) or "
+                             f"etcd://HOST:2379[,HOST2:2379...]")
         self._layouts: collections.OrderedDict[str, Mapping] = collections.OrderedDict()
         self._lock = threading.Lock()
 
