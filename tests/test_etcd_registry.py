@@ -20,6 +20,7 @@ from kvxfer.control.records import RankInfo
 from kvxfer.endpoint.recovery import PeerRecovery
 from kvxfer.errors import ConnectError
 from kvxfer.layout import page_major_layout
+from kvxfer.metrics import REGISTRATIONS_LOST
 
 LAYOUT = page_major_layout(layers=4, heads=2, head_dim=16, dtype="fp8_e4m3", num_pages=8, page_size=4).to_dict()
 _n = iter(range(1, 1 << 30))
@@ -66,6 +67,25 @@ def test_a_restarted_rank_takes_its_key_when_the_predecessors_lease_expires(etcd
     try:
         assert [r.control for r in BootstrapClient(url).topology("take")[1]] == ["tcp://127.0.0.1:21000"]
         assert not old.client.heartbeat(old.key, old.owner), "the predecessor's lease outlived its TTL"
+    finally:
+        new.stop()
+
+
+def test_a_takeover_keeps_the_key_it_took(etcd):  # noqa: F811
+    """The successor's lease is granted at its first try and its registration waits a whole TTL for the
+    predecessor's lease: the lease is kept alive at each try, so the key it finally writes does not
+    vanish with a lease about to run out (before: lost at once, registered again)."""
+    p = prefix()
+    url = etcd.url(p)
+    old = Registration(BootstrapClient(url), info("keep"), ttl=3.0, interval=1.0).start()
+    time.sleep(1.5)
+    old.stop(deregister=False)
+    before = REGISTRATIONS_LOST.labels("expired")._value.get()
+    new = Registration(BootstrapClient(url), info("keep", port=23000), ttl=3.0, interval=1.0).start()
+    try:
+        time.sleep(2.5)
+        assert new.state == "registered" and REGISTRATIONS_LOST.labels("expired")._value.get() == before
+        assert etcd.keys(f"{p}/ranks/")[f"{p}/ranks/keep/dp0/pp0/tp0"]["json"]["control"] == "tcp://127.0.0.1:23000"
     finally:
         new.stop()
 

@@ -12,7 +12,7 @@ install, and the same few calls a gRPC client would make. Keys, under ``prefix``
                                                   first rank that needs it, shared, never rewritten
 
 A rank registers under a lease (``ttl`` seconds) and keeps it alive on one connection
-(``heartbeat``: one keep-alive call, then a check that the key is still its own). The key is
+(``heartbeat``: one keep-alive call; every third also checks that the key is still on the lease). The key is
 written only when it is free or already on this lease (one transaction), so a restarted rank
 takes its key over exactly when its predecessor's lease expired: etcd's TTL, no probe. Decode
 ranks watch their instances' prefix (``changes``: a watch from the version they know; only the
@@ -42,6 +42,7 @@ log = logging.getLogger("kvxfer.control.bootstrap")
 
 MAX_LINE = 64 << 20      # bytes of one watch message
 MAX_RECORDS = 1 << 16    # records one read returns
+CHECK_EVERY = 3          # heartbeats per check that the key is still on the rank's lease
 
 
 def _b64(s: str | bytes) -> str:
@@ -75,6 +76,7 @@ class EtcdRegistry:
         self.prefix = urllib.parse.urlsplit(self.url).path.strip("/") or "kvxfer"
         self.link = HttpLink(endpoints(self.url, {"etcd": "http"}, 2379), timeout, f"etcd {self.url}", source)
         self._leases: dict[str, str] = {}      # owner -> its lease id
+        self._beats: dict[str, int] = {}       # owner -> heartbeats so far
 
     # -- the gateway ------------------------------------------------------------------------
     def _rpc(self, path: str, body: dict) -> dict:
@@ -142,27 +144,36 @@ class EtcdRegistry:
                            transient=True)
 
     def _lease(self, owner: str, ttl: float) -> str:
-        """``owner``'s lease (granted with ``ttl`` seconds the first time)."""
+        """``owner``'s lease, kept alive just now (so that it outlives the write that follows: a
+        registration may wait a whole TTL for a predecessor's key), or a new one of ``ttl`` seconds."""
         lease = self._leases.get(owner)
-        if lease is None:
-            lease = str(self._rpc("lease/grant", {"TTL": max(int(round(ttl)), 1)}).get("ID", ""))
-            if not lease.isdigit():
-                raise ConnectError(f"etcd {self.url}: lease/grant answered no lease", transient=True)
-            self._leases[owner] = lease
+        if lease is not None and int(self._rpc("lease/keepalive", {"ID": lease}).get("TTL", 0) or 0) > 0:
+            return lease
+        lease = str(self._rpc("lease/grant", {"TTL": max(int(round(ttl)), 1)}).get("ID", ""))
+        if not lease.isdigit():
+            raise ConnectError(f"etcd {self.url}: lease/grant answered no lease", transient=True)
+        self._leases[owner] = lease
         return lease
 
     def heartbeat(self, key: str, owner: str) -> bool:
+        """The lease kept alive; every ``CHECK_EVERY``th beat (once a ttl at ttl / 3 a beat) also a
+        check that the key is still on it: nothing but an explicit delete (an operator's, or anyone's
+        with write access) takes a key off a live lease, and that costs etcd a read per beat."""
         lease = self._leases.get(owner)
         if lease is None:
             return False
         if int(self._rpc("lease/keepalive", {"ID": lease}).get("TTL", 0) or 0) <= 0:
             self._leases.pop(owner, None)        # expired: the next registration takes a new lease
             return False
+        self._beats[owner] = beat = self._beats.get(owner, 0) + 1
+        if beat % CHECK_EVERY:
+            return True
         mine = {"key": _b64(self._ranks(key)), "target": "LEASE", "lease": lease}
         return self._rpc("kv/txn", {"compare": [mine]}).get("succeeded") is True
 
     def deregister(self, key: str, owner: str) -> None:
         lease = self._leases.pop(owner, None)
+        self._beats.pop(owner, None)
         if lease is None:
             return
         k = _b64(self._ranks(key))
