@@ -85,6 +85,8 @@ BENCHES = [
     Bench(name="peers", script="bench_peers.py", needs_peers_flag=True),
     # sender CPU per run of a 1.3 M-run plan, kvxfer UCX next to NIXL (with --peers)
     Bench(name="posting", script="bench_posting.py", needs_peers_flag=True),
+    # discovery at 128 / 512 / 1,024 simulated ranks a role, embedded registry and etcd (quick: 128)
+    Bench(name="registry", script="bench_registry.py"),
 ]
 
 

@@ -51,7 +51,7 @@ class BootstrapClient:
 
     def __init__(self, url: str, secret: str | bytes | None = None, timeout: float = 5.0, *,
                  source: str | None = None):
-        self.url, self.secret, self.timeout = url.rstrip("/"), as_secret(secret), timeout
+        self.url, self.secret, self.timeout, self.source = url.rstrip("/"), as_secret(secret), timeout, source
         scheme = urllib.parse.urlsplit(self.url).scheme
         self.backend: Backend
         if scheme in ("http", "https"):
@@ -159,6 +159,11 @@ class BootstrapClient:
             return json.dumps(self.health())
         except ConnectError as e:
             return str(e)
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this client read from its registry so far (answers: status lines, headers, bodies)."""
+        return self.backend.link.received
 
     def interrupt(self) -> None:
         """Any thread: end a held ``changes`` call now (it raises a transient ConnectError)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..errors import ConnectError
+from .httplink import HttpLink
 from .records import RankInfo
 
 DIGEST_HEX = 64                 # characters of a layout digest (hex SHA-256)
@@ -138,8 +139,10 @@ class Backend(Protocol):
     """A registry backend, chosen by ``BootstrapClient`` from its URL's scheme. Every call blocks at
     most its ``timeout`` (plus ``wait`` for ``changes``); network failures and answers worth trying
     again (busy, full, a key still held by a predecessor) raise ``ConnectError(transient=True)``,
-    refusals that will not change raise ``ConnectError`` (transient False)."""
+    refusals that will not change raise ``ConnectError`` (transient False). ``link``: its
+    connections (``link.received``: bytes read so far)."""
     url: str
+    link: HttpLink
 
     def register(self, record: dict, layout: Mapping, owner: str, ttl: float) -> str: ...
 

@@ -57,6 +57,7 @@ class HttpLink:
         self._cut: set[http.client.HTTPConnection] = set()     # cut by ``interrupt``: never tried again
         self._lock = threading.Lock()
         self._closed = False
+        self.received = 0      # bytes of answers read: status lines, headers and bodies (metrics, benches)
 
     # -- connections ----------------------------------------------------------------------
     def _fresh(self, timeout: float) -> http.client.HTTPConnection:
@@ -129,6 +130,7 @@ class HttpLink:
                     with self._lock:
                         self._long.discard(conn)
                         self._cut.discard(conn)
+            self._count(resp, len(data))
             if resp.will_close:
                 conn.close()
             else:
@@ -136,10 +138,18 @@ class HttpLink:
             return resp.status, data
         raise AssertionError("unreachable")
 
+    def _count(self, resp: http.client.HTTPResponse, body: int) -> None:
+        self.add_received(17 + sum(len(k) + len(v) + 4 for k, v in resp.getheaders()) + 2 + body)   # status, headers
+
+    def add_received(self, n: int) -> None:
+        with self._lock:
+            self.received += n
+
     @contextlib.contextmanager
     def stream(self, method: str, path: str, body: bytes, wait: float):
-        """A streamed answer read line by line (``readline``), for at most ``wait`` seconds of
-        silence; its connection is closed after (a stream ends only by closing)."""
+        """A streamed answer read line by line (``readline``: the bytes it returns are counted in
+        ``received``), for at most ``wait`` seconds of silence; its connection is closed after (a
+        stream ends only by closing)."""
         conn = self._fresh(self.timeout)
         try:
             conn.sock.settimeout(wait)
@@ -147,7 +157,8 @@ class HttpLink:
                 self._long.add(conn)
             conn.request(method, path, body=body, headers={"Content-Type": "application/json"})
             resp = conn.getresponse()
-            yield resp
+            self._count(resp, 0)
+            yield _Counted(resp, self)
         except (OSError, http.client.HTTPException) as e:
             raise ConnectError(f"{self.name} unreachable: {type(e).__name__}: {e}", transient=True) from None
         finally:
@@ -171,6 +182,18 @@ class HttpLink:
         for conn in idle:
             conn.close()
         self.interrupt()
+
+
+class _Counted:
+    """A streamed answer whose lines are counted in their link's ``received``."""
+
+    def __init__(self, resp: http.client.HTTPResponse, link: HttpLink):
+        self.resp, self.link = resp, link
+
+    def readline(self, limit: int = -1) -> bytes:
+        line = self.resp.readline(limit)
+        self.link.add_received(len(line))
+        return line
 
 
 __all__ = ["HttpLink", "MAX_REPLY", "endpoints"]

@@ -33,7 +33,7 @@ class RegistryWatch:
 
     def __init__(self, client: BootstrapClient, on_change: Callable[[], None], wait: float = WAIT):
         # a client of its own: ``follow`` cuts its held call, and no one else's
-        self.client = BootstrapClient(client.url, client.secret, client.timeout)
+        self.client = BootstrapClient(client.url, client.secret, client.timeout, source=client.source)
         self.on_change, self.wait = on_change, wait
         self.reads = 0                                     # answers read from the registry
         self.healthy = False                               # the last call was answered
@@ -56,6 +56,11 @@ class RegistryWatch:
                 self._records.pop(gone, None)
         if added:
             self.client.interrupt()
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the registry by this watch so far."""
+        return self.client.bytes_read
 
     def view(self) -> tuple[dict[str, RankInfo], float]:
         """(every followed prefill rank's record by key, the time the view is current as of)."""

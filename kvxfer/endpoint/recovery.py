@@ -77,7 +77,13 @@ class PeerRecovery:
         """Answers read from the registries so far (tests, metrics)."""
         return sum(w.reads for w in list(self._watches.values()))
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the registries so far (tests, benches)."""
+        return sum(w.bytes_read for w in list(self._watches.values()))
+
     def start(self) -> "PeerRecovery":
+        self._wake.set()       # the first pass at once: it starts the watches
         self._thread.start()
         return self
 
