@@ -227,7 +227,8 @@ def registries(request):
         r.close()
 
 
-@pytest.fixture(params=["embedded", "etcd"])
+@pytest.fixture(params=["embedded", pytest.param("etcd", marks=pytest.mark.slow)])
 def registry(request, registries):
-    """``registries`` for one kind per test run: ``registry(ttl, own=False)`` -> ``Registry``."""
+    """``registries`` for one kind per test run: ``registry(ttl, own=False)`` -> ``Registry`` (the
+    etcd runs are in the slow tier: they start a process)."""
     return lambda ttl=5.0, own=False: registries(request.param, ttl, own)

@@ -2,6 +2,8 @@
 connection, a restarted rank's takeover when its predecessor's lease expires, watches instead of
 reads, layouts written once, and records read back with the same checks as from the embedded
 registry. What etcd holds is looked at, and written by an attacker, through its gateway by hand.
+
+Slow tier: etcd is a process of its own.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from kvxfer.errors import ConnectError
 from kvxfer.layout import page_major_layout
 from kvxfer.metrics import REGISTRATIONS_LOST
 
+pytestmark = pytest.mark.slow
 LAYOUT = page_major_layout(layers=4, heads=2, head_dim=16, dtype="fp8_e4m3", num_pages=8, page_size=4).to_dict()
 _n = iter(range(1, 1 << 30))
 

@@ -4,6 +4,8 @@ Written from outside: raw HTTP (http.client, sockets), a counting relay and a co
 addresses of our choosing (``registry_helpers``); kvxfer's own client classes only where the test is
 about what they do (``Registration``, ``wait_ready``, ``PeerRecovery``). Each test states what it
 would have seen on the registry before issue 38.
+
+Slow tier: each takes seconds, and some start processes (a flood, a load).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from kvxfer.errors import ConnectError
 from kvxfer.layout import page_major_layout, token_major_layout
 from kvxfer.metrics import REGISTRATIONS_LOST
 
+pytestmark = pytest.mark.slow
 SMALL = token_major_layout(layers=2, heads=2, head_dim=8, dtype="float16", num_slots=64, page_size=4).to_dict()
 
 
@@ -56,7 +59,6 @@ def lost() -> float:
 # ------------------------------------------------------------------------------------
 # Sizes and connections
 # ------------------------------------------------------------------------------------
-@pytest.mark.slow
 def test_1024_ranks_of_an_80_layer_fp8_page_major_model_fit_the_defaults(server):
     """Before: every rank stored its own 67 KB layout and max_total_bytes (64 MiB) held ~900 of them
     (507 "registry full" after that). Now the layout is held once, by digest."""
@@ -158,7 +160,6 @@ def test_a_flood_from_many_addresses_leaves_room_for_registered_ranks(server):
 # ------------------------------------------------------------------------------------
 # Reads that cannot starve heartbeats
 # ------------------------------------------------------------------------------------
-@pytest.mark.slow
 def test_bulk_reads_do_not_starve_heartbeats(server):
     """256 ranks of 67 KB layouts: the whole topology is 14.6 MiB. Before: each /topology was encoded
     on the event loop (json.dumps of every record), so 16 readers in a loop held it for seconds at a
