@@ -54,7 +54,12 @@ class TransportError(KVXferError):
 
 
 class ConnectError(TransportError):
-    """A peer could not be reached, or the transport is not installed."""
+    """A peer could not be reached, or the transport is not installed. ``transient``: trying again
+    may work (the registry was unreachable or busy, or a key is still held by a predecessor)."""
+
+    def __init__(self, *args, transient: bool = False):
+        super().__init__(*args)
+        self.transient = transient
 
 
 class TransferTimeout(TransportError):

@@ -1,4 +1,5 @@
-"""The bootstrap registry: register, look up, health, expiry by heartbeat, HMAC, the CLI."""
+"""The bootstrap registry: register, look up, health, expiry by heartbeat, HMAC, the CLI (the
+rank-side cases against etcd too: ``etcd_server.registry``)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,8 @@ import urllib.request
 
 import pytest
 import request_peer as rp
+from etcd_server import etcd, registries, registry  # noqa: F401
+from waiting import until
 
 from kvxfer.control import bootstrap
 from kvxfer.control.auth import AUTH_HEADER, sign_http
@@ -94,17 +97,15 @@ def test_registrations_expire_without_heartbeats(server):
     assert c.topology()[1] == []          # stop() deregisters
 
 
-def test_registration_survives_a_registry_restart(server):
-    s = server(ttl=5.0)
-    port = s.port
-    reg = Registration(BootstrapClient(s.url), rank(0, tp_size=1), interval=0.1).start()
+def test_registration_survives_a_registry_restart(registry):  # noqa: F811
+    """The embedded registry restarted (it forgot every rank) or etcd killed with -9 and restarted:
+    the rank is registered again by its heartbeats."""
+    r = registry(ttl=5.0, own=True)
+    reg = Registration(BootstrapClient(r.url), rank(0, tp_size=1), interval=0.1, ttl=5.0).start()
     try:
-        s.stop()
-        s2 = server(ttl=5.0, port=port)
-        deadline = time.monotonic() + 5
-        while get(s2.url + "/health")[0] != 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert get(s2.url + "/health")[0] == 200
+        r.down().up()
+        assert until(lambda: BootstrapClient(r.url).health().get("status") == "ready", 5), "not registered again"
+        assert reg.state == "registered"
     finally:
         reg.stop()
 

@@ -6,19 +6,21 @@
   decode handshakes with it by itself, and the next request lands byte-exact.
 - the bootstrap server killed and restarted on its port: ranks register again, requests keep
   working during the outage and after, and decode never takes the empty registry for a loss.
+
+Each runs against the embedded registry (over zmq and UCX) and against etcd (over zmq: the
+registry is what differs; etcd killed with -9 and restarted on its data for the second case).
 """
 from __future__ import annotations
 
-import socket
 import time
 
 import numpy as np
 import pytest
 import request_peer as rp
 import torch
+from etcd_server import etcd, registries  # noqa: F401
 from waiting import until
 
-from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.client import BootstrapClient
 from kvxfer.endpoint import KVPoll
 from kvxfer.endpoint.recovery import MIN_GAP, REJOIN_HELLO
@@ -29,6 +31,13 @@ HB = [0.2, 1.0]
 TIMEOUTS = {"bootstrap": 20.0, "waiting": 20.0, "transfer": 3.0, "lease": 5.0, "heartbeat": HB, "registry": 1.0}
 KEY = "default/dp0/pp0/tp0"
 WAIT, XFER, FAILED = KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Failed
+CASES = pytest.mark.parametrize("transport,backend", [("zmq", "embedded"), ("ucx", "embedded"), ("zmq", "etcd")])
+
+
+def usable(transport: str) -> None:
+    why = rp.transport_skip_reason(transport)
+    if why:
+        pytest.skip(why)
 
 
 def cfg(transport: str) -> dict:
@@ -62,13 +71,14 @@ def made():
     things = []
     yield things
     for t in reversed(things):
-        t.close() if not isinstance(t, BootstrapServer) else t.stop()
+        t.close()
 
 
-def test_prefill_killed_mid_transfer_then_restarted_on_a_new_port(made, transport):
+@CASES
+def test_prefill_killed_mid_transfer_then_restarted_on_a_new_port(registries, made, transport, backend):  # noqa: F811
+    usable(transport)
     c = cfg(transport)
-    server = BootstrapServer(BootstrapConfig(ttl=2.0)).start()
-    made.append(server)
+    server = registries(backend, ttl=2.0)
     P = rp.Peer("prefill", {**c, "bootstrap": server.url})
     made.append(P)
     D = rp.Side("decode", c, server.url)
@@ -114,27 +124,22 @@ def test_prefill_killed_mid_transfer_then_restarted_on_a_new_port(made, transpor
     assert D.ep.recovery.reads - reads <= (time.monotonic() - t2) / MIN_GAP + 2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_bootstrap_restarted_ranks_register_again_and_requests_keep_working(made, transport):
+@CASES
+def test_bootstrap_restarted_ranks_register_again_and_requests_keep_working(registries, made, transport,  # noqa: F811
+                                                                          backend):
+    usable(transport)
     c = cfg(transport)
-    port = free_port()
-    server = BootstrapServer(BootstrapConfig(port=port, ttl=2.0)).start()
+    server = registries(backend, ttl=2.0, own=True)
     P = rp.Peer("prefill", {**c, "bootstrap": server.url})
     made.append(P)
     D = rp.Side("decode", c, server.url)
     made.append(D)
     one_request(P, D, 1, c)
-    server.stop()
+    down = server.down()
     one_request(P, D, 2, c)                    # the registry is down: nothing changes for requests
     time.sleep(TIMEOUTS["registry"] + MIN_GAP)  # decode tried to re-read it meanwhile
-    server = BootstrapServer(BootstrapConfig(port=port, ttl=2.0)).start()
-    made.append(server)
-    one_request(P, D, 3, c)                    # the registry is up but empty: still nothing changes
+    down.up()
+    one_request(P, D, 3, c)                    # the registry is up (the embedded one empty): nothing changes
     assert until(lambda: [r.spec.key for r in BootstrapClient(server.url).topology()[1]] == [KEY], 10), \
         "the prefill rank did not register again"
     one_request(P, D, 4, c)

@@ -1,13 +1,13 @@
 """A rank notices when its registration expired (it registers again) or was taken by another owner
-(issue 34): ``Registration.state``, the log, and ``kvxfer_registrations_lost{why}``."""
+(issue 34): ``Registration.state``, the log, and ``kvxfer_registrations_lost{why}``; against the
+embedded registry and against etcd (``etcd_server.registry``)."""
 from __future__ import annotations
 
 import logging
 
-import pytest
+from etcd_server import etcd, registries, registry  # noqa: F401
 from waiting import until
 
-from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.client import BootstrapClient, Registration
 from kvxfer.control.records import RankInfo
 from kvxfer.metrics import REGISTRATIONS_LOST
@@ -17,38 +17,33 @@ INFO = RankInfo(spec=RankSpec(role="prefill", num_kv_heads=2, num_layers=2, inst
                 control="tcp://127.0.0.1:5999")
 
 
-@pytest.fixture
-def server():
-    srv = BootstrapServer(BootstrapConfig(ttl=5.0)).start()
-    yield srv
-    srv.stop()
-
-
 def lost(why: str) -> float:
     return REGISTRATIONS_LOST.labels(why)._value.get()
 
 
-def test_an_expired_registration_is_noticed_and_renewed(server, caplog):
-    reg = Registration(BootstrapClient(server.url), INFO, interval=0.1, ttl=5.0).start()
+def test_an_expired_registration_is_noticed_and_renewed(registry, caplog):  # noqa: F811
+    reg_ = registry(ttl=5.0)
+    reg = Registration(BootstrapClient(reg_.url), INFO, interval=0.1, ttl=5.0).start()
     try:
         assert reg.state == "registered"
         before = lost("expired")
-        BootstrapClient(server.url).deregister(INFO.spec.key, reg.owner)   # the registry forgets it
+        reg_.expire(INFO.spec.key, reg.owner)                           # the registry forgets it
         with caplog.at_level(logging.WARNING, "kvxfer.control.bootstrap"):
             assert until(lambda: lost("expired") == before + 1, 3)
             assert until(lambda: reg.state == "registered", 3)
         assert any("expired" in r.getMessage() for r in caplog.records)
-        assert [r.spec.key for r in BootstrapClient(server.url).topology()[1]] == [INFO.spec.key]
+        assert [r.spec.key for r in BootstrapClient(reg_.url).topology()[1]] == [INFO.spec.key]
     finally:
         reg.stop()
 
 
-def test_a_taken_key_is_noticed(server, caplog):
-    reg = Registration(BootstrapClient(server.url), INFO, interval=0.1, ttl=5.0).start()
-    thief = BootstrapClient(server.url)
+def test_a_taken_key_is_noticed(registry, caplog):  # noqa: F811
+    reg_ = registry(ttl=5.0)
+    reg = Registration(BootstrapClient(reg_.url), INFO, interval=0.1, ttl=5.0).start()
+    thief = BootstrapClient(reg_.url)
     try:
         before = lost("taken")
-        thief.deregister(INFO.spec.key, reg.owner)                   # the key lapses ...
+        reg_.forget(INFO.spec.key, reg.owner)                         # the key lapses ...
         thief.register(INFO, "t" * 32)                                # ... and another owner takes it
         with caplog.at_level(logging.ERROR, "kvxfer.control.bootstrap"):
             assert until(lambda: reg.state == "taken", 3), reg.state
@@ -56,3 +51,4 @@ def test_a_taken_key_is_noticed(server, caplog):
         assert any("another owner" in r.getMessage() for r in caplog.records)
     finally:
         reg.stop(deregister=False)
+        thief.deregister(INFO.spec.key, "t" * 32)

@@ -129,7 +129,7 @@ def test_registrations_and_record_size_are_capped(server):
 
 
 def test_slow_headers_are_cut_and_connections_are_capped(server):
-    s = server(max_connections=4, header_timeout=0.5)
+    s = server(max_connections=4, reserved_connections=0, header_timeout=0.5)
     idle = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(4)]
     for c in idle:
         c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")       # headers never finish
@@ -268,3 +268,55 @@ def test_a_body_that_never_comes_is_cut(server):
     reply = c.recv(4096)
     c.close()
     assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t0 < 3.0, reply[:100]
+
+
+# ------------------------------------------------------------------------------------
+# The scale API (issue 38): watches, layouts by digest
+# ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("body", [
+    {}, {"since": []}, {"since": {}}, {"since": {"a b": 0}}, {"since": {"x": "1"}}, {"since": {"x": True}},
+    {"since": {f"i{n}": 0 for n in range(1025)}}, {"since": {"x": 0}, "wait": -1}, {"since": {"x": 0}, "wait": "9"},
+])
+def test_bad_watch_bodies_are_short_400s(server, body):
+    s = server()
+    status, reply = http(s.url + "/watch", "POST", body)
+    assert status == 400 and len(reply) < 1024 and json.loads(reply)["code"] == "bad", (status, reply[:200])
+
+
+def test_a_watch_is_held_until_its_instance_changes_and_never_past_max_wait(server):
+    s = server(max_wait=1.0)
+    t0 = time.monotonic()
+    status, reply = http(s.url + "/watch", "POST", {"since": {"w": 0}, "wait": 3600})
+    assert status == 200 and json.loads(reply)["changed"] == {} and time.monotonic() - t0 < 3.0
+    assert http(s.url + "/register", "PUT", record(instance="w"))[0] == 200
+    status, reply = http(s.url + "/watch", "POST", {"since": {"w": 0}, "wait": 30})
+    snap = json.loads(reply)["changed"]["w"]
+    assert snap["ready"] and snap["version"] > 0 and snap["ranks"][0]["layout_digest"]
+    assert "layout" not in snap["ranks"][0]
+    # an epoch from another life of the registry: everything is answered again, at once
+    status, reply = http(s.url + "/watch", "POST", {"since": {"w": snap["version"]}, "epoch": "stale", "wait": 30})
+    assert json.loads(reply)["changed"]["w"]["version"] == snap["version"]
+
+
+def test_layouts_are_named_by_their_digest(server):
+    """A record naming a layout by digest the registry does not hold is 428 (send it); a layout sent
+    with a digest that is not its own is refused; a stored layout hashes to its name."""
+    s = server()
+    rec = record()
+    layout = rec.pop("layout")
+    digest = hashlib.sha256(json.dumps(layout, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    status, reply = http(s.url + "/register", "PUT", {**rec, "layout_digest": digest})
+    assert status == 428 and json.loads(reply)["code"] == "layout"
+    status, reply = http(s.url + "/register", "PUT", {**rec, "layout": layout, "layout_digest": "0" * 64})
+    assert status == 400
+    status, reply = http(s.url + "/register", "PUT", {**rec, "layout": layout})
+    assert status == 200 and json.loads(reply)["layout_digest"] == digest
+    other = {**rec, "tp_rank": 1, "tp_size": 2}
+    assert http(s.url + "/register", "PUT", {**record(instance="B", tp_rank=1, tp_size=2), "layout_digest": digest}
+                )[0] == 200, other
+    status, raw = http(s.url + f"/layout?digest={digest}")
+    assert status == 200 and hashlib.sha256(raw).hexdigest() == digest
+    for bad_digest in ("0" * 64, "../../etc", "A" * 64, ""):
+        assert http(s.url + f"/layout?digest={bad_digest}")[0] == 404
+    status, reply = http(s.url + "/topology?instance=default")
+    assert json.loads(reply)["ranks"][0]["layout"] == layout, "operators' /topology keeps the layout in its records"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvxfer.errors import PeerError
+from kvxfer.errors import ConfigError, PeerError
 from kvxfer.grant import ByteRanges
 from kvxfer.plan import TransferPlan
 from kvxfer.transport.base import DEFAULT_TIMEOUT, Arrival, TransferHandle, Transport
@@ -50,7 +50,7 @@ class FaultyTransport(Transport):
 
     def __init__(self, *, inner: str = "local", inner_options: dict | None = None, faults: Faults | None = None):
         if inner == self.name:
-            raise ValueError("a faulty transport cannot wrap another one by name")
+            raise ConfigError("a faulty transport cannot wrap another one by name")
         self.inner = get_transport(inner, **(inner_options or {}))
         self.faults = faults or Faults()
         self.dropped = 0

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from kvxfer.copy import byte_view, copy_runs
-from kvxfer.errors import ConnectError
+from kvxfer.errors import ConfigError, ConnectError
 from kvxfer.grant import GrantTable
 from kvxfer.plan import TransferPlan
 from kvxfer.transport.admission import Admissions
@@ -40,7 +40,7 @@ class LocalTransport(Transport):
 
     def __init__(self, *, admission: str = "open", **_options):
         if admission not in ("open", "required"):
-            raise ValueError(f"admission {admission!r} must be 'open' or 'required'")
+            raise ConfigError(f"admission {admission!r} must be 'open' or 'required'")
         self.admissions = Admissions(admission == "required")
         self.id = uuid.uuid4().hex
         self.regions: list[torch.Tensor] = []

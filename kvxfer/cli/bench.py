@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import ConfigError
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "scripts"
 LOG_FLOOR = 1e-3   # the chart's log axis starts here; smaller ratios draw as this
@@ -85,6 +87,8 @@ BENCHES = [
     Bench(name="peers", script="bench_peers.py", needs_peers_flag=True),
     # sender CPU per run of a 1.3 M-run plan, kvxfer UCX next to NIXL (with --peers)
     Bench(name="posting", script="bench_posting.py", needs_peers_flag=True),
+    # discovery at 128 / 512 / 1,024 simulated ranks a role, embedded registry and etcd (quick: 128)
+    Bench(name="registry", script="bench_registry.py"),
 ]
 
 
@@ -151,7 +155,7 @@ def run_bench(b: Bench, quick: bool, peers: bool, timeout: float, verbose: bool)
             if out_json.exists():
                 res.data = json.loads(out_json.read_text())
                 if "rows" not in res.data and b.from_json is None:
-                    raise ValueError("its JSON has no rows")
+                    raise ConfigError("its JSON has no rows")
                 res.rows = res.data["rows"] if "rows" in res.data else b.from_json(res.data)
             else:
                 res.rows = [{"name": b.name, "error": "wrote no JSON"}]

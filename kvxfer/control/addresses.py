@@ -200,9 +200,11 @@ def rank_addresses(bind: str | None, advertise: str | None, bootstrap: str) -> t
     interface or host name), else the bind address, else the address this host reaches the bootstrap
     from. ValueError, naming the flag, when peers could not reach what would be advertised (a
     wildcard, or loopback to a bootstrap on another host)."""
-    url = urllib.parse.urlsplit(bootstrap)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise ConfigError(f"--bootstrap {bootstrap}: use http://HOST:PORT (what `kvxfer bootstrap` prints)")
+    scheme = urllib.parse.urlsplit(bootstrap).scheme
+    url = urllib.parse.urlsplit("//" + urllib.parse.urlsplit(bootstrap).netloc.split(",")[0])   # etcd: the first host
+    if scheme not in ("http", "https", "etcd") or not url.hostname:
+        raise ConfigError(f"--bootstrap {bootstrap}: use http://HOST:PORT (what `kvxfer bootstrap` prints) or "
+                         f"etcd://HOST:2379[,HOST2:2379...]")
     try:
         boot_ip = socket.gethostbyname(url.hostname)
     except OSError:

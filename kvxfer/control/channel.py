@@ -36,7 +36,7 @@ from typing import cast
 import msgpack
 import zmq
 
-from ..errors import ConnectError
+from ..errors import ConfigError, ConnectError
 from ..ranks import check_address, split_address
 from ..transport.kit import IOThread, PipeWaker
 from .addresses import advertise_address
@@ -58,7 +58,7 @@ class Heartbeat:
 
     def __post_init__(self):
         if not 0 < self.interval < self.timeout:
-            raise ValueError(f"heartbeat interval {self.interval}s must be > 0 and below timeout {self.timeout}s")
+            raise ConfigError(f"heartbeat interval {self.interval}s must be > 0 and below timeout {self.timeout}s")
 
 
 class ControlChannel:
@@ -88,7 +88,7 @@ class ControlChannel:
         self.identity = identity
         self._me = identity or f"anon-{os.urandom(8).hex()}"    # what our DEALERs sign as sender
         if len(self._me.encode()) > MAX_IDENTITY:
-            raise ValueError(f"identity of {len(self._me.encode())} bytes: at most {MAX_IDENTITY}")
+            raise ConfigError(f"identity of {len(self._me.encode())} bytes: at most {MAX_IDENTITY}")
         self.on_dead, self.check_recipient = on_dead, check_recipient
         self.dropped: collections.Counter[Drop] = collections.Counter()
         self._ctx = zmq.Context(io_threads=1)

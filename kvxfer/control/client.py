@@ -1,106 +1,158 @@
-"""The registry's client side, used by every rank: ``BootstrapClient`` (register, look up,
-wait for a complete topology) and ``Registration`` (heartbeats that keep a rank registered).
-No aiohttp here: ranks import only the standard library's urllib.
+"""The registry's client side, used by every rank: ``BootstrapClient`` (register, look up, wait for a
+complete instance, watch for changes) and ``Registration`` (what keeps a prefill rank registered).
+Standard library only: ranks need no event loop and no aiohttp to register or look up.
+
+One interface, two backends, chosen by the URL's scheme here and nowhere else:
+
+    http://host:port, https://...          the embedded registry (``kvxfer bootstrap``, or
+                                           ``BootstrapServer`` in a prefill rank)
+    etcd://host:2379[,host2:2379...][/prefix]   etcd (v3, through its HTTP/JSON gateway): leases
+                                           kept alive on one connection, watches, replicas
+
+Ranks see the same ``RankInfo`` records and run the same checks either way: every record read is
+parsed by ``RankInfo.from_dict``, and every layout fetched by digest is checked against its digest
+(``kvxfer.control.discovery``) before use.
+
+Who calls what: ``PrefillEndpoint.register`` makes a ``Registration``; a decode endpoint's connect
+thread calls ``instances`` / ``wait_ready`` (``kvxfer.endpoint.instances.find_ranks``) and its
+recovery thread watches through ``changes`` (``kvxfer.control.watch``); tools call ``topology``.
+Every call blocks at most the client's ``timeout`` (``wait_ready`` and ``changes``: their own
+deadline); calls from several threads are fine (each takes its own connection).
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import logging
 import os
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
+from collections.abc import Mapping
 
-from ..errors import ConnectError
+from ..errors import ConfigError, ConnectError
 from ..metrics import record_registration_lost
-from .auth import AUTH_HEADER, as_secret, sign_http
-from .records import RankInfo
+from .auth import as_secret
+from .discovery import WHOLE, Backend, Backoff, Snapshot, bare_record, digest_of, is_digest, transient
+from .etcd_registry import EtcdRegistry
+from .http_registry import HttpRegistry
+from .records import RankInfo, check_layout_record
 
 log = logging.getLogger("kvxfer.control.bootstrap")
 
+LAYOUTS_CACHED = 64          # layouts a client keeps by digest
+WAIT_SLICE = 25.0            # seconds one held request of ``wait_ready`` lasts (the server caps it at 30)
 
-MAX_REPLY = 256 << 20    # bytes of one /topology answer we read (the server caps what it holds at 64 MiB)
 
-
-# ------------------------------------------------------------------------------------
-# Client side (stdlib HTTP: ranks need no event loop to register or look up)
-# ------------------------------------------------------------------------------------
 class BootstrapClient:
-    """Talks to a ``BootstrapServer``. Each call blocks at most ``timeout`` seconds."""
+    """A registry client; the backend follows the URL's scheme (see the module docstring).
+    ``source``: the local address to connect from (a host with several interfaces)."""
 
-    def __init__(self, url: str, secret: str | bytes | None = None, timeout: float = 5.0):
-        self.url, self.secret, self.timeout = url.rstrip("/"), as_secret(secret), timeout
+    def __init__(self, url: str, secret: str | bytes | None = None, timeout: float = 5.0, *,
+                 source: str | None = None):
+        self.url, self.secret, self.timeout, self.source = url.rstrip("/"), as_secret(secret), timeout, source
+        scheme = urllib.parse.urlsplit(self.url).scheme
+        self.backend: Backend
+        if scheme in ("http", "https"):
+            self.backend = HttpRegistry(self.url, self.secret, timeout, source)
+        elif scheme == "etcd":
+            self.backend = EtcdRegistry(self.url, timeout, source)
+        else:
+            raise ConfigError(f"registry URL {url!r}: use http://HOST:PORT (what `kvxfer bootstrap` prints) or "
+                             f"etcd://HOST:2379[,HOST2:2379...]")
+        self._layouts: collections.OrderedDict[str, Mapping] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
-    def _call(self, method: str, path: str, body: dict | None = None) -> tuple[int, dict]:
-        raw = b"" if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=raw if body is not None else None, method=method,
-                                     headers={"Content-Type": "application/json"})
-        if self.secret is not None and method != "GET":
-            req.add_header(AUTH_HEADER, sign_http(self.secret, method, path.split("?")[0], raw))
-        try:
-            with urllib.request.urlopen(req, timeout=self.timeout) as r:
-                body = json.loads(r.read(MAX_REPLY) or b"{}")
-                return r.status, body if isinstance(body, dict) else {}
-        except urllib.error.HTTPError as e:
-            try:
-                body = json.loads(e.read(1 << 16) or b"{}")
-                return e.code, body if isinstance(body, dict) else {"error": str(body)[:256]}
-            except (ValueError, RecursionError):
-                return e.code, {"error": e.reason}
-        except (OSError, ValueError, RecursionError) as e:
-            raise ConnectError(f"bootstrap server {self.url} unreachable: {e}") from None
-
-    def register(self, info: RankInfo, owner: str | None = None) -> str:
-        """Register ``info``; ``owner`` (16-64 of [A-Za-z0-9_-]) is the token that owns the key: the
-        registry refuses the key to any other owner while this registration lives."""
-        status, body = self._call("PUT", "/register", {**info.to_dict(), **({"owner": owner} if owner else {})})
-        if status != 200:
-            raise ConnectError(f"bootstrap {self.url} refused the registration of {info.spec.key} "
-                               f"(HTTP {status}): {body.get('error', body)}")
-        key = body.get("key")
-        if not isinstance(key, str) or key != info.spec.key:
-            raise ConnectError(f"bootstrap {self.url} answered the registration with key {str(key)[:80]!r}")
-        return key
+    # -- writes (prefill ranks, through ``Registration``) -----------------------------------
+    def register(self, info: RankInfo, owner: str | None = None, ttl: float = 10.0) -> str:
+        """Register ``info`` once (no retry: ``Registration.start`` retries); ``owner`` (16-64 of
+        [A-Za-z0-9_-]) owns the key: it is refused to any other owner while this registration lives.
+        ``ttl``: how long it lives without a heartbeat where the backend takes it from the client
+        (etcd's lease; the embedded registry has its own)."""
+        return self.backend.register(bare_record(info), info.layout, owner or "", ttl)
 
     def heartbeat(self, key: str, owner: str | None = None) -> bool:
-        """True when the server still knows ``key`` (as ``owner``'s); False means register again."""
-        status, body = self._call("POST", "/heartbeat", {"key": key, **({"owner": owner} if owner else {})})
-        if status == 401:
-            raise ConnectError(f"bootstrap {self.url} refused the heartbeat: {body.get('error')}")
-        return status == 200
+        """True when the registry still holds ``key`` (as ``owner``'s); False means register again."""
+        return self.backend.heartbeat(key, owner or "")
 
     def deregister(self, key: str, owner: str | None = None) -> None:
-        self._call("DELETE", "/register", {"key": key, **({"owner": owner} if owner else {})})
+        self.backend.deregister(key, owner or "")
 
-    def health(self) -> dict:
-        return self._call("GET", "/health")[1]
+    # -- reads ------------------------------------------------------------------------------
+    def health(self, instance: str | None = None) -> dict:
+        return self.backend.health(instance)
+
+    def instances(self) -> list[str]:
+        """The names of the prefill instances registered now."""
+        return self.backend.instances()
 
     def topology(self, instance: str | None = None) -> tuple[bool, list[RankInfo]]:
-        status, body = self._call("GET", "/topology" + (f"?instance={instance}" if instance else ""))
-        if status != 200:
-            raise ConnectError(f"bootstrap {self.url}: GET /topology answered HTTP {status}")
-        ranks = body.get("ranks", [])
-        if not isinstance(ranks, list):
-            raise ConnectError(f"bootstrap {self.url}: GET /topology answered a malformed body")
-        try:
-            return body.get("ready") is True, [RankInfo.from_dict(r) for r in ranks]
-        except ValueError as e:
-            raise ConnectError(f"bootstrap {self.url}: GET /topology holds an invalid rank record: {e}") from None
+        """(ready, the prefill ranks of ``instance`` (None: every one)), read now."""
+        snap = self.backend.snapshot(instance or WHOLE)
+        return snap.ready, self.ranks_of(snap)
 
-    def wait_ready(self, timeout: float = 60.0, instance: str | None = None, poll: float = 0.1) -> list[RankInfo]:
-        """Block until every expected rank registered; the prefill ranks (of ``instance``)."""
-        deadline = time.monotonic() + timeout
+    def changes(self, since: Mapping[str, int], wait: float, ready: bool = False) -> dict[str, Snapshot]:
+        """The instances of ``since`` whose version passed the one given (-1: any), as snapshots; the
+        registry holds the call up to ``wait`` seconds for a change (``ready``: and for the instance
+        to be complete) and answers {} when nothing changed. ``ranks_of`` reads a snapshot."""
+        return self.backend.changes(since, wait, ready)
+
+    def wait_ready(self, timeout: float = 60.0, instance: str | None = None) -> list[RankInfo]:
+        """Block until every expected rank (of ``instance``; None: of the registry) registered; the
+        prefill ranks. The registry holds each request until then; an unreachable registry is asked
+        again with backoff until ``timeout``."""
+        name = instance or WHOLE
+        back = Backoff(time.monotonic() + timeout, cap=1.0)
         while True:
             try:
-                ready, ranks = self.topology(instance)
-            except ConnectError:
-                ready, ranks = False, []
-            if ready and ranks:
-                return ranks
-            if time.monotonic() > deadline:
-                raise ConnectError(f"bootstrap {self.url} not ready after {timeout}s: {self.health_or_error()}")
-            time.sleep(poll)
+                snap = self.changes({name: 0}, min(max(back.left(), 0.0), WAIT_SLICE), ready=True).get(name)
+                if snap is not None and snap.ready and snap.records:
+                    return self.ranks_of(snap)
+                if back.left() <= 0:
+                    raise ConnectError(f"bootstrap {self.url} not ready after {timeout}s: {self.health_or_error()}")
+                continue
+            except ConnectError as e:
+                if not transient(e):
+                    raise
+                if not back.sleep():
+                    raise ConnectError(f"bootstrap {self.url} not ready after {timeout}s: {e}") from None
+
+    def ranks_of(self, snap: Snapshot) -> list[RankInfo]:
+        """The records of ``snap`` as ``RankInfo``s, each with its layout (fetched once per digest and
+        checked against it); ConnectError naming the first invalid record."""
+        out = []
+        for rec in snap.records:
+            digest = rec.get("layout_digest")
+            if not is_digest(digest):
+                raise ConnectError(f"bootstrap {self.url}: a record of {snap.instance or 'the registry'} names "
+                                   f"no layout digest")
+            try:
+                bare = RankInfo.from_dict({k: v for k, v in rec.items() if k != "layout_digest"})
+            except ValueError as e:
+                raise ConnectError(f"bootstrap {self.url}: the registry holds an invalid rank record: {e}") from None
+            out.append(dataclasses.replace(bare, layout=self._layout(digest)))
+        return out
+
+    def _layout(self, digest: str) -> Mapping:
+        with self._lock:
+            hit = self._layouts.get(digest)
+            if hit is not None:
+                self._layouts.move_to_end(digest)
+                return hit
+        raw = self.backend.layout(digest)
+        if digest_of(raw) != digest:
+            raise ConnectError(f"bootstrap {self.url}: layout {digest[:16]}... does not match its digest")
+        try:
+            layout = json.loads(raw)
+            check_layout_record(layout)
+        except (ValueError, RecursionError) as e:
+            raise ConnectError(f"bootstrap {self.url}: layout {digest[:16]}... is invalid: {e}") from None
+        with self._lock:
+            self._layouts[digest] = layout
+            while len(self._layouts) > LAYOUTS_CACHED:
+                self._layouts.popitem(last=False)
+        return layout
 
     def health_or_error(self) -> str:
         try:
@@ -108,59 +160,68 @@ class BootstrapClient:
         except ConnectError as e:
             return str(e)
 
+    @property
+    def bytes_read(self) -> int:
+        """Bytes this client read from its registry so far (answers: status lines, headers, bodies)."""
+        return self.backend.link.received
+
+    def interrupt(self) -> None:
+        """Any thread: end a held ``changes`` call now (it raises a transient ConnectError)."""
+        self.backend.interrupt()
+
+    def close(self) -> None:
+        self.backend.close()
+
 
 class Registration:
-    """A prefill rank's registration, kept alive by heartbeats from a daemon thread. It owns its
-    key (a random ``owner`` token sent with every write): another process cannot replace or
-    delete it while it lives. ``start`` waits up to 1.5 x ``ttl`` for a predecessor's registration
-    of the same key (a restarted rank) to go, then fails loudly.
+    """A prefill rank's registration, kept alive by heartbeats from a daemon thread (one kept-alive
+    connection; with etcd, the keep-alive of its lease). It owns its key (a random ``owner`` token
+    sent with every write; with etcd, its lease): another process cannot replace or delete it while
+    it lives. ``start`` tries until ``timeout`` (default 3 x ``ttl``) through every transient failure
+    (the registry unreachable or busy, a predecessor's registration of the same key still held),
+    with backoff and jitter, then fails loudly; a refusal that will not change fails at once.
 
-    The registry hands the key over before the predecessor's registration expires once that
+    The embedded registry hands the key over before the predecessor's registration expires once that
     predecessor is provably gone: silent for ``BootstrapConfig.takeover_silence`` (ttl / 2: a live
     rank heartbeats every ttl / 3) and its control address refuses connections (nothing listens
-    there). Not at once, and not on refusal alone: a rank may heartbeat while its control port
-    refuses the registry (starting up, or a firewall rejecting the registry's host), and telling
-    two processes apart at one address would take a signed identity probe on the control channel
-    that the registry does not speak. A predecessor that still listens (a live rank, or this
-    restarted rank on the same fixed port) is never replaced early: the key then expires at ttl."""
+    there). A predecessor that still heartbeats is never replaced. With etcd the key follows the
+    lease: it is free once the predecessor's lease expired (etcd's own TTL).
+
+    ``state``: "starting", "registered", "expired" (registering again) or "taken" (another owner
+    has the key: logged as an error, counted in ``kvxfer_registrations_lost{why}``)."""
 
     def __init__(self, client: BootstrapClient, info: RankInfo, interval: float | None = None, ttl: float = 10.0):
         self.client, self.info, self.ttl = client, info, ttl
         self.interval = ttl / 3 if interval is None else interval
         self.owner = os.urandom(16).hex()
         self.key: str | None = None
-        self.state = "starting"   # "registered", "expired" (registering again) or "taken" (another owner has the key)
+        self.state = "starting"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> "Registration":
-        deadline = time.monotonic() + self.ttl * 1.5
-        while True:   # fails loudly at launch: bad secret, bad record, a key another live rank owns
+    def start(self, timeout: float | None = None) -> "Registration":
+        back = Backoff(time.monotonic() + (3 * self.ttl if timeout is None else timeout), cap=min(1.0, self.ttl / 4))
+        while True:
             try:
-                self.key = self.client.register(self.info, self.owner)
+                self.key = self.client.register(self.info, self.owner, self.ttl)
                 break
             except ConnectError as e:
-                if "HTTP 409" not in str(e) or "another owner" not in str(e) or time.monotonic() > deadline:
+                if not transient(e) or not back.sleep():
                     raise
-                time.sleep(min(0.5, self.ttl / 4))
+                log.debug("registering %s: %s (trying again)", self.info.spec.key, e)
         self.state = "registered"
         self._thread = threading.Thread(target=self._run, name="kvxfer-heartbeat", daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        back = Backoff(float("inf"), cap=min(1.0, self.interval))
+        pause = self.interval
+        while not self._stop.wait(pause):
             try:
-                if self.client.heartbeat(self.key, self.owner):
-                    self.state = "registered"
-                    continue
-                log.warning("bootstrap %s forgot %s (its registration expired): registering again",
-                            self.client.url, self.info.spec.key)
-                record_registration_lost("expired")
-                self.state = "expired"
-                self.key = self.client.register(self.info, self.owner)
-                self.state = "registered"
-            except ConnectError as e:   # the registry may be restarting: keep trying
+                self._beat()
+                back.tries, pause = 0, self.interval
+            except ConnectError as e:   # the registry may be restarting or busy: try again soon
                 if "another owner" in str(e):
                     if self.state != "taken":
                         log.error("bootstrap %s gave the key of %s to another owner while this rank lives: decode "
@@ -168,8 +229,21 @@ class Registration:
                                   self.info.spec.key, self.interval)
                         record_registration_lost("taken")
                     self.state = "taken"
+                    pause = self.interval
                 else:
                     log.warning("heartbeat for %s failed: %s", self.info.spec.key, e)
+                    pause = back.pause()
+
+    def _beat(self) -> None:
+        if self.state == "registered" and self.client.heartbeat(self.key, self.owner):
+            return
+        if self.state == "registered":
+            log.warning("bootstrap %s forgot %s (its registration expired): registering again",
+                        self.client.url, self.info.spec.key)
+            record_registration_lost("expired")
+            self.state = "expired"
+        self.key = self.client.register(self.info, self.owner, self.ttl)
+        self.state = "registered"
 
     def stop(self, deregister: bool = True) -> None:
         self._stop.set()
@@ -180,3 +254,6 @@ class Registration:
                 self.client.deregister(self.key, self.owner)
             except ConnectError:
                 pass
+
+
+__all__ = ["BootstrapClient", "Registration"]

@@ -66,14 +66,18 @@ def check_one_instance(ranks: Sequence[RankInfo], where: str = "") -> str:
 
 def find_ranks(client: BootstrapClient, name: str | None, deadline: float) -> tuple[str, list[RankInfo]]:
     """Blocking, until ``deadline`` (``time.monotonic``): the instance's name and its prefill ranks,
-    once the registry holds every rank it expects. ``name`` None: the only instance there."""
+    once the registry holds every rank it expects (one request the registry holds until then; an
+    unreachable registry is asked again with backoff). ``name`` None: the only instance there (the
+    registry's list of names is read first, a few bytes; never every record)."""
     if name is None:
         try:
-            early = client.topology()[1]
+            names = client.instances()
         except ConnectError:   # not up yet: wait_ready below says so if it stays down
-            early = []
-        if early:
-            name = check_one_instance(early, f" at {client.url}")
+            names = []
+        if len(names) == 1:
+            name = names[0]
+        elif names:            # several: the error names them all
+            check_one_instance(client.topology()[1], f" at {client.url}")
     ranks = client.wait_ready(max(deadline - time.monotonic(), 0.0), name)
     ranks = [r for r in ranks if r.spec.role == "prefill" and (name is None or r.spec.instance == name)]
     return name or check_one_instance(ranks, f" at {client.url}"), ranks

@@ -4,15 +4,17 @@ with the replacement without a restart.
 Who calls what, and when
 ------------------------
 ``DecodeEndpoint`` starts one ``PeerRecovery`` (a daemon thread) once its first prefill instance
-answered its handshake, and ``DecodeEndpoint.close`` stops it. It watches every instance the
-endpoint handshook with, each against its own registry. The endpoint calls
-``poke()`` (any thread, never blocks) when a prefill rank went silent (``on_peer_lost``) or a
-request failed: the thread then re-reads the registry at once, at most every ``MIN_GAP``
-seconds; without a poke it re-reads every ``Timeouts.registry`` seconds.
+answered its handshake, and ``DecodeEndpoint.close`` stops it. It follows every instance the
+endpoint handshook with, each on its own registry, through one ``RegistryWatch`` per registry
+(``kvxfer.control.watch``: a call the registry holds until something changed, so the view is
+current without re-reading anything). The endpoint calls ``poke()`` (any thread, never blocks)
+when a prefill rank went silent (``on_peer_lost``) or a request failed: the thread then looks at
+once, at most every ``MIN_GAP`` seconds; a watch pokes it when the registry changed; without
+either it looks every ``Timeouts.registry`` seconds (no network: the view is kept current).
 
-The thread, per pass, reads each instance's registry (``DecodeEndpoint.registries()``) and, for
-every prefill rank the endpoint handshook with (``DecodeEndpoint.known_peers()``), compares the
-registry's record with the one it handshook with:
+The thread, per pass, takes each registry's view (instances from ``DecodeEndpoint.registries()``)
+and, for every prefill rank the endpoint handshook with (``DecodeEndpoint.known_peers()``),
+compares the registry's record with the one it handshook with:
 
 - a different record (a restarted rank: a new port, a new transport id): the rank was replaced;
   ``DecodeEndpoint.rejoin(key, record, replaced=True)`` fails what was running with the old one,
@@ -25,7 +27,8 @@ registry's record with the one it handshook with:
 
 ``rejoin`` blocks (one HELLO round trip, at most ``REJOIN_HELLO`` seconds) and never raises; a
 rank it could not reach stays lost (new requests to it fail at once, with the reason) and is
-tried again later. The thread touches the endpoint only through these public methods.
+tried again later. ``read_at`` (what a failed rejoin may fail) is the time the views are current
+as of. The thread touches the endpoint only through these public methods.
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from typing import Protocol
 
 from ..control.client import BootstrapClient
 from ..control.records import RankInfo
-from ..errors import ConnectError
+from ..control.watch import RegistryWatch
 
 log = logging.getLogger("kvxfer.request")
 
@@ -64,26 +67,40 @@ class PeerRecovery:
     def __init__(self, ep: RejoiningEndpoint, interval: float, retry: float):
         self.ep = ep
         self.interval, self.retry = interval, retry
-        self.reads = 0                               # registry reads done (tests, metrics)
         self._wake, self._stop = threading.Event(), threading.Event()
         self._retry_at: dict[str, float] = {}       # rank key -> earliest next rejoin after a failed one
+        self._watches: dict[str, RegistryWatch] = {}   # registry URL -> its watch
         self._thread = threading.Thread(target=self._run, name="kvxfer-decode-recovery", daemon=True)
 
+    @property
+    def reads(self) -> int:
+        """Answers read from the registries so far (tests, metrics)."""
+        return sum(w.reads for w in list(self._watches.values()))
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the registries so far (tests, benches)."""
+        return sum(w.bytes_read for w in list(self._watches.values()))
+
     def start(self) -> "PeerRecovery":
+        self._wake.set()       # the first pass at once: it starts the watches
         self._thread.start()
         return self
 
     def poke(self) -> None:
-        """Any thread, never blocks: re-read the registry soon (a peer went silent, a request failed)."""
+        """Any thread, never blocks: look again soon (a peer went silent, a request failed, the
+        registry changed)."""
         self._wake.set()
 
     def stop(self) -> None:
-        """``DecodeEndpoint.close``, before the channel closes: the thread ends within one HELLO or
-        one registry call."""
+        """``DecodeEndpoint.close``, before the channel closes: the thread ends within one HELLO, and
+        the watches with their held calls."""
         self._stop.set()
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(REJOIN_HELLO + 5.0 + 1.0)
+        for w in list(self._watches.values()):
+            w.stop()
 
     def _run(self) -> None:
         last = 0.0
@@ -102,25 +119,29 @@ class PeerRecovery:
             log.exception("decode recovery thread died")
             self.ep.break_endpoint(f"recovery thread died: {e!r}")
 
-    def _read(self, client: BootstrapClient | None, instance: str) -> dict[str, RankInfo]:
-        if client is None:
-            return {}
-        try:
-            _, ranks = client.topology(instance)
-        except ConnectError as e:   # the registry may be restarting: keep what we know
-            log.debug("registry re-read failed: %s", e)
-            return {}
-        finally:
-            self.reads += 1
-        return {r.spec.key: r for r in ranks if r.spec.role == "prefill"}
+    def _views(self) -> tuple[dict[str, RankInfo], float]:
+        """Every followed prefill rank's record, and the time the views are current as of (a watch
+        per registry URL, following the instances the endpoint uses there)."""
+        wanted: dict[str, tuple[BootstrapClient, set[str]]] = {}
+        for instance, client in self.ep.registries().items():
+            if client is not None:
+                wanted.setdefault(client.url, (client, set()))[1].add(instance)
+        for url in set(self._watches) - set(wanted):
+            self._watches.pop(url).stop()
+        registry: dict[str, RankInfo] = {}
+        read_at = time.monotonic()
+        for url, (client, names) in wanted.items():
+            w = self._watches.get(url)
+            if w is None:
+                w = self._watches[url] = RegistryWatch(client, self.poke)
+            w.follow(names)
+            records, as_of = w.view()
+            registry.update(records)
+            read_at = min(read_at, as_of)
+        return registry, read_at
 
     def _pass(self) -> None:
-        read_at = time.monotonic()   # requests that wait for a rank since before this read are answered by it
-        registry: dict[str, RankInfo] = {}
-        for instance, client in self.ep.registries().items():
-            if self._stop.is_set():
-                return
-            registry.update(self._read(client, instance))
+        registry, read_at = self._views()   # requests that wait for a rank since before then are answered by it
         lost = self.ep.lost_peers
         now = time.monotonic()
         for key, known in self.ep.known_peers().items():

@@ -25,6 +25,8 @@ import itertools
 import secrets
 import threading
 
+from ..errors import ConfigError
+
 TOKEN_BYTES = 32
 MAX_TOKEN = 64          # the contract's bound on a token (``Transport.admit``)
 MAX_SENDER_ID = 255     # bytes of a sender id (a ZMTP PLAIN user name holds at most 255)
@@ -35,7 +37,7 @@ class Admissions:
 
     def __init__(self, required: bool, capacity: int = 4096):
         if capacity < 1:
-            raise ValueError(f"admission capacity {capacity} must be >= 1")
+            raise ConfigError(f"admission capacity {capacity} must be >= 1")
         self.required, self.capacity = required, capacity
         self._lock = threading.Lock()
         self._by_id: collections.OrderedDict[str, tuple[bytes, str]] = collections.OrderedDict()
@@ -45,7 +47,7 @@ class Admissions:
     def admit(self, sender_id: str) -> bytes:
         """A fresh token for ``sender_id`` (b"" when admission is not required)."""
         if not isinstance(sender_id, str) or not 0 < len(sender_id.encode()) <= MAX_SENDER_ID:
-            raise ValueError(f"a sender id is a string of 1..{MAX_SENDER_ID} bytes, got {sender_id!r:.80}")
+            raise ConfigError(f"a sender id is a string of 1..{MAX_SENDER_ID} bytes, got {sender_id!r:.80}")
         if not self.required:
             return b""
         token = secrets.token_bytes(TOKEN_BYTES)

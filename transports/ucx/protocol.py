@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from kvxfer.errors import ProtocolError
 from kvxfer.transport.base import MAX_TOKEN
 
 CTRL_TAG, DATA_BIT, KIND_MASK = 1 << 63, 1 << 62, 3 << 62
@@ -59,7 +60,7 @@ RUN_BYTES = 24
 _I8 = np.dtype("<i8")
 
 
-class Malformed(ValueError):
+class Malformed(ProtocolError):
     """A message that is not one of ours; ``answer``: (xid, request id) if it can be refused."""
 
     def __init__(self, why: str, answer: tuple[int, str] | None = None):
@@ -188,7 +189,7 @@ class Pregrant:
 
     def __post_init__(self):
         if len(self.rids) != len(self.grants):
-            raise ValueError("a PREGRANT carries one grant per request id")
+            raise ProtocolError("a PREGRANT carries one grant per request id")
 
     def wire(self) -> list:
         return [PREGRANT, list(self.rids), list(self.grants)]
@@ -240,10 +241,10 @@ def parse_batch(buf: bytes, limit: int) -> tuple[str, bytes, list]:
         batch = msgpack.unpackb(buf, raw=False, strict_map_key=True, max_str_len=MAX_REQUEST_ID,
                                 max_bin_len=limit, max_array_len=1 << 20, max_map_len=0, max_ext_len=0)
     except Exception as e:  # msgpack raises many types on hostile input
-        raise ValueError(f"not msgpack ({type(e).__name__})") from None
+        raise ProtocolError(f"not msgpack ({type(e).__name__})") from None
     if not (type(batch) is list and len(batch) == 3 and type(batch[0]) is str and type(batch[1]) is bytes
             and type(batch[2]) is list):
-        raise ValueError("not [sender, secret, [messages]]")
+        raise ProtocolError("not [sender, secret, [messages]]")
     return batch[0], batch[1], batch[2]
 
 
@@ -254,19 +255,19 @@ def kind_of(m) -> int | None:
 
 def _int(v, lo: int, hi: int, what: str) -> int:
     if type(v) is not int or not lo <= v < hi:
-        raise ValueError(f"{what} is not an integer in [{lo}, {hi})")
+        raise ProtocolError(f"{what} is not an integer in [{lo}, {hi})")
     return v
 
 
 def _bytes(v, limit: int, what: str) -> bytes:
     if type(v) is not bytes or len(v) > limit:
-        raise ValueError(f"{what} is not bytes of at most {limit}")
+        raise ProtocolError(f"{what} is not bytes of at most {limit}")
     return v
 
 
 def _str(v, limit: int, what: str) -> str:
     if type(v) is not str or len(v) > limit:
-        raise ValueError(f"{what} is not a string of at most {limit} characters")
+        raise ProtocolError(f"{what} is not a string of at most {limit} characters")
     return v
 
 
@@ -279,7 +280,7 @@ _SIZES = {HELLO: (12,), ANNOUNCE: (9, 10, 11, 12), GO: (3,), DONE: (2,), ACK: (2
 
 def _rids(v) -> tuple[str, ...]:
     if type(v) is not list or len(v) > MAX_RIDS:
-        raise ValueError(f"request ids are not a list of at most {MAX_RIDS}")
+        raise ProtocolError(f"request ids are not a list of at most {MAX_RIDS}")
     return tuple(_str(r, MAX_REQUEST_ID, "request id") for r in v)
 
 
@@ -293,7 +294,7 @@ def parse_message(m, limit: int) -> Message:
             address, secret = _bytes(m[1], MAX_ADDRESS, "address"), _bytes(m[2], SECRET_BYTES, "secret")
             shm = m[10]
             if type(shm) is not list or len(shm) != SHM_FIELDS:
-                raise ValueError(f"shared-memory settings are not a list of {SHM_FIELDS}")
+                raise ProtocolError(f"shared-memory settings are not a list of {SHM_FIELDS}")
             return Hello(address, secret, _int(m[3], 0, MAX_ID, "epoch"), _str(m[4], MAX_HOST, "host"),
                          _int(m[5], 0, 1 << 31, "pid"), _int(m[6], 0, MAX_ID, "start time"),
                          _int(m[7], 0, 2, "error handling") == 1, _int(m[8], 0, 2, "eager flag") == 1,
@@ -308,10 +309,10 @@ def parse_message(m, limit: int) -> Message:
         if kind == PREGRANT:
             rids, grants = _rids(m[1]), m[2]
             if type(grants) is not list or len(grants) != len(rids):
-                raise ValueError("grants are not a list of one per request id")
+                raise ProtocolError("grants are not a list of one per request id")
             grants = tuple(_bytes(g, MAX_PREGRANT_BYTES, "grant") for g in grants)
             if any(len(g) % 16 for g in grants):
-                raise ValueError("a grant is not int64 (start, end) pairs")
+                raise ProtocolError("a grant is not int64 (start, end) pairs")
             return Pregrant(rids, grants)
         if kind == FENCE:
             return Fence(_rids(m[1]))
@@ -336,11 +337,11 @@ def parse_message(m, limit: int) -> Message:
     try:
         timeout = m[3]
         if type(timeout) not in (int, float) or not (math.isfinite(timeout) and 0 <= timeout <= MAX_TIMEOUT):
-            raise ValueError(f"timeout {timeout!r}")
+            raise ProtocolError(f"timeout {timeout!r}")
         notify = _bytes(m[4], MAX_NOTIFY, "notify")
         runs = _bytes(m[5], limit, "run array")
         if len(runs) % RUN_BYTES:
-            raise ValueError("run array is not 3 rows of int64")
+            raise ProtocolError("run array is not 3 rows of int64")
         nput = _int(m[6], 0, len(runs) // RUN_BYTES + 1, "put run count")
         frame = _int(m[7], 4096, 1 << 32, "frame size")
         inline = _bytes(m[8], limit, "inline bytes")
@@ -348,7 +349,7 @@ def parse_message(m, limit: int) -> Message:
         staged = _int(m[10], 0, 2, "staged flag") if len(m) >= 11 else 0
         eager = _int(m[11], 0, 2, "eager flag") if len(m) == 12 else 0
         if eager and staged:
-            raise ValueError("an eager announce carries puts and inline bytes only, no frames")
+            raise ProtocolError("an eager announce carries puts and inline bytes only, no frames")
     except ValueError as e:
         raise Malformed(f"malformed header: {e}", (xid, rid)) from None
     return Announce(xid, rid, float(timeout), notify, runs, nput, frame, inline, cap, bool(staged), bool(eager))

@@ -10,6 +10,7 @@ from typing import cast
 
 import zmq
 
+from kvxfer.errors import ConfigError
 from kvxfer.ranks import split_address
 
 
@@ -20,9 +21,9 @@ def check_ports(endpoint: str, ports: tuple[int, int] | None) -> tuple[int, int]
         return None
     if not (isinstance(ports, (tuple, list)) and len(ports) == 2 and all(type(p) is int for p in ports)
             and 1 <= ports[0] <= ports[1] <= 65535):
-        raise ValueError(f"ports={ports!r}: give (first, last) with 1 <= first <= last <= 65535")
+        raise ConfigError(f"ports={ports!r}: give (first, last) with 1 <= first <= last <= 65535")
     if kind != "tcp" or port != 0:
-        raise ValueError(f"ports={ports!r} needs a tcp:// endpoint with port 0 (the range picks it), not {endpoint!r}")
+        raise ConfigError(f"ports={ports!r} needs a tcp:// endpoint with port 0 (the range picks it), not {endpoint!r}")
     return int(ports[0]), int(ports[1])
 
 

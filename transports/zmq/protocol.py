@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from kvxfer.errors import ProtocolError
+
 RUN_BYTES = 24                  # one run on the wire: region, offset, nbytes as int64
 MAX_PARTS = 1024                # payload parts per message
 MAX_ID = 1 << 63                # transfer ids and ping nonces lie in [0, MAX_ID)
@@ -109,28 +111,28 @@ class Nack:
 
 def _map(buf, limit: int, max_array: int) -> dict:
     if len(buf) > limit:
-        raise ValueError(f"header of {len(buf)} bytes exceeds {limit}")
+        raise ProtocolError(f"header of {len(buf)} bytes exceeds {limit}")
     try:
         h = msgpack.unpackb(buf, raw=False, strict_map_key=True, max_str_len=MAX_REQUEST_ID, max_bin_len=limit,
                             max_array_len=max_array, max_map_len=16, max_ext_len=0)
     except Exception as e:  # msgpack raises many types on hostile input
-        raise ValueError(f"not msgpack ({type(e).__name__})") from None
+        raise ProtocolError(f"not msgpack ({type(e).__name__})") from None
     if not isinstance(h, dict) or type(h.get("t")) is not str:
-        raise ValueError("not a header map with a known type")
+        raise ProtocolError("not a header map with a known type")
     return h
 
 
 def _field(h: dict, name: str, *types: type):
     v = h.get(name)
     if type(v) not in types:
-        raise ValueError(f"field {name!r} missing or of the wrong type")
+        raise ProtocolError(f"field {name!r} missing or of the wrong type")
     return v
 
 
 def _id(h: dict, name: str) -> int:
     v = _field(h, name, int)
     if not 0 <= v < MAX_ID:
-        raise ValueError("transfer id out of range")
+        raise ProtocolError("transfer id out of range")
     return v
 
 
@@ -145,19 +147,19 @@ def parse_data(buf, limit: int) -> Data | Ping:
     if h["t"] == "p":
         return Ping(_nonce(h))
     if h["t"] != "d":
-        raise ValueError("not a header map with a known type")
+        raise ProtocolError("not a header map with a known type")
     request_id, xid = _field(h, "r", str), _id(h, "x")
     dl, runs = _field(h, "dl", int, float), _field(h, "runs", bytes)
     if not math.isfinite(dl):
-        raise ValueError("deadline not finite")
+        raise ProtocolError("deadline not finite")
     cap = h.get("c", b"")
     if type(cap) is not bytes or len(cap) > MAX_CAPABILITY:
-        raise ValueError("capability is not bytes of at most 64")
+        raise ProtocolError("capability is not bytes of at most 64")
     end = None
     if h.keys() & {"nruns", "nbytes", "notify"}:
         nruns, nbytes, notify = _field(h, "nruns", int), _field(h, "nbytes", int), _field(h, "notify", bytes)
         if not (0 <= nruns < MAX_ID and 0 <= nbytes < MAX_ID and len(notify) <= MAX_NOTIFY):
-            raise ValueError("totals out of range")
+            raise ProtocolError("totals out of range")
         end = End(nruns, nbytes, notify)
     return Data(request_id, xid, min(float(dl), MAX_DEADLINE), runs, end, cap)
 
@@ -173,4 +175,4 @@ def parse_reply(buf, limit: int = MAX_REPLY) -> Ack | Nack | Ping:
         return Nack(_id(h, "x"), _field(h, "why", str))
     if t == "p":
         return Ping(_nonce(h))
-    raise ValueError("not a reply with a known type")
+    raise ProtocolError("not a reply with a known type")

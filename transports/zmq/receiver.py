@@ -28,6 +28,7 @@ import torch
 import zmq
 
 from kvxfer.copy import scatter_runs
+from kvxfer.errors import ProtocolError
 from kvxfer.grant import GrantTable
 from kvxfer.transport.admission import Admissions
 from kvxfer.transport.base import Arrival
@@ -133,7 +134,7 @@ class Receiver:
     def _on_message(self, rid: bytes, peer: str | bytes, parts: list) -> None:
         try:
             if not parts:
-                raise ValueError("empty message")
+                raise ProtocolError("empty message")
             h = parse_data(parts[0].buffer, self.options.max_message_bytes)
         except ValueError as e:
             self.grants.reject("?", f"malformed header: {e}")

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from ...errors import TransportError
+from ...errors import ConfigError, TransportError
 from ...metrics import record_staging
 
 
@@ -46,7 +46,7 @@ class StagingPool:
         self._spare: list[tuple[torch.Tensor, Any]] = []
         self.keep, self.pin = keep, pin
         if frames < 0 or (frames and frame_bytes <= 0):
-            raise ValueError(f"a staging ring needs frames >= 1 and frame_bytes >= 1 (got {frames}, {frame_bytes})")
+            raise ConfigError(f"a staging ring needs frames >= 1 and frame_bytes >= 1 (got {frames}, {frame_bytes})")
         self.frames, self.frame_bytes, self.name = int(frames), int(frame_bytes), name
         self._ring: list[torch.Tensor] = []
         self._index: dict[int, int] = {}          # block address -> ring slot
@@ -111,7 +111,7 @@ class StagingPool:
             if not self._ring:
                 self.allocate(self.pin)
             if not _same_device(device, self.device) or nbytes > self.frame_bytes:
-                raise ValueError(f"a staging ring holds frames of {self.frame_bytes} bytes on {self.device}: "
+                raise ConfigError(f"a staging ring holds frames of {self.frame_bytes} bytes on {self.device}: "
                                  f"{nbytes} bytes on {device} do not fit")
             with self._lock:
                 self._reap()
