@@ -53,6 +53,7 @@ def test_errors_for_bad_input_are_value_errors() -> None:
     assert issubclass(PlanError, ValueError) and issubclass(PlanError, KVXferError)
 
 
+@pytest.mark.slow   # a subprocess
 def test_import_kvxfer_loads_no_transport() -> None:
     """In a fresh interpreter (this one may have loaded transports for other tests)."""
     code = ("import sys, json, kvxfer\n"

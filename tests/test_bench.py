@@ -14,6 +14,8 @@ import pytest
 
 from kvxfer.cli import bench
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 
 def read_png(path: Path) -> tuple[int, int]:
     """Check a PNG chunk by chunk (signature, CRCs, IHDR, IDAT size); return (width, height)."""

@@ -156,6 +156,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow   # a subprocess
 def test_cli_serves_until_sigterm():
     port = _free_port()
     proc = rp.context().Process(target=bootstrap.main, args=(["--host", "127.0.0.1", "--port", str(port),
@@ -219,6 +220,7 @@ def test_a_listening_predecessor_is_never_taken_over(server):
         assert _topology_controls(s.url) == [address]
 
 
+@pytest.mark.slow   # seconds
 def test_registration_start_takes_over_well_before_the_ttl(server):
     s = server(ttl=4.0)                                   # takeover after ttl / 2 of silence
     c = BootstrapClient(s.url)

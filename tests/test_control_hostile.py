@@ -307,6 +307,7 @@ def test_a_huge_hello_is_answered_in_milliseconds(victim, tp):
         peer.close()
 
 
+@pytest.mark.slow   # waits seconds for what never comes
 def test_a_layout_of_the_wrong_types_gets_a_refuse(victim):
     p = victim()
     rec = _record()
@@ -324,6 +325,7 @@ def test_a_layout_of_the_wrong_types_gets_a_refuse(victim):
 # ------------------------------------------------------------------------------------
 # Replay and ownership
 # ------------------------------------------------------------------------------------
+@pytest.mark.slow   # seconds
 def test_a_replayed_hello_does_not_make_peers(victim):
     """One captured HELLO replayed from 20 identities (and again from its own) gets one WELCOME."""
     p = victim(SECRET.decode())

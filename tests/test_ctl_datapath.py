@@ -151,6 +151,7 @@ def _until(cond, timeout: float) -> bool:
 
 
 @pytest.mark.parametrize("name", ["local", "zmq"])
+@pytest.mark.slow   # seconds
 def test_a_restarted_decode_rank_leaves_one_data_peer(server, name):
     """50 restarts of one decode rank (each a new endpoint, a new data peer, a new HELLO): each
     earlier data peer is disconnected once its process is silent, so the prefill transport ends

@@ -147,6 +147,7 @@ def test_a_blocking_reload_does_not_wait_for_queued_offloads() -> None:
         mgr.drain(30)
 
 
+@pytest.mark.slow   # a subprocess
 def test_gpu_check_skips_cleanly_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("CUDA is present: the script runs for real (see scripts/gpu_check.py)")
@@ -155,6 +156,7 @@ def test_gpu_check_skips_cleanly_without_cuda() -> None:
     assert out.stdout.startswith("SKIPPED: no CUDA device")
 
 
+@pytest.mark.slow   # seconds
 def test_gpu_check_dry_run_on_cpu_passes() -> None:
     """The script's own smoke test: its checks that need no GPU run on host memory."""
     out = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--only", "mha-hnd"],

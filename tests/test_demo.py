@@ -10,6 +10,8 @@ import sys
 import pytest
 from support.deps import need
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 
 @pytest.mark.parametrize("transport", ["zmq", "ucx"])
 def test_demo_verifies_every_request(transport, tmp_path):

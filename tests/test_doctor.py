@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from kvxfer.cli import COMMANDS, doctor
 
 RDMA_HOST = """# Memory domain: mlx5_0
@@ -26,6 +28,7 @@ RDMA_HOST = """# Memory domain: mlx5_0
 """
 
 
+@pytest.mark.slow   # seconds
 def test_doctor_is_a_command_and_reports_this_machine() -> None:
     assert "doctor" in COMMANDS
     out = subprocess.run([sys.executable, "-m", "kvxfer.cli", "doctor"], capture_output=True, text=True, timeout=120)
@@ -61,6 +64,7 @@ def test_doctor_without_ucx_still_reports(monkeypatch, capsys) -> None:
     assert "UCX           not found" in out and "falls back to TCP" in out
 
 
+@pytest.mark.slow   # seconds
 def test_doctor_works_without_ucxx() -> None:
     code = ("import sys; sys.modules['ucxx'] = None; from kvxfer.cli import doctor; "
             "sys.exit(doctor.main([]))")

@@ -201,6 +201,7 @@ def test_prefill_refuses_too(prefill):
 
 
 @pytest.mark.parametrize("d_secret", [None, "wrong"])
+@pytest.mark.slow   # waits seconds for what never comes
 def test_wrong_or_missing_secret_is_refused(prefill, d_secret):
     p, url = prefill(secret="s3cret")
     d = _decode(secret=d_secret)

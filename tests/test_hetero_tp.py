@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from support.deps import missing
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 WORKER = Path(__file__).with_name("hetero_tp_worker.py")
 TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
 MODELS = ["mha8", "gqa2", "mla"]

@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                               reason="transformers is not installed: pip install 'kvxfer[hf]'")
 

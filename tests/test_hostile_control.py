@@ -29,6 +29,8 @@ from kvxfer.endpoint.base import KVPoll
 from kvxfer.errors import ConnectError
 from kvxfer.pools import MHAPool
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 SECRET = "hostile-test-secret"
 
 

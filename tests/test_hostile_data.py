@@ -19,6 +19,8 @@ from waiting import until
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.endpoint.base import KVPoll
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 xids = itertools.count(1 << 50)
 
 

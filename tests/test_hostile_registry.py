@@ -25,6 +25,8 @@ from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.client import BootstrapClient
 from kvxfer.control.records import RankInfo
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 SECRET = b"registry-secret"
 _names = itertools.count(1)
 

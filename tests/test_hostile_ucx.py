@@ -26,7 +26,7 @@ try:
     _NO_UCX = ""
 except Exception as e:  # ImportError, or a missing libucx underneath
     _NO_UCX = f"import ucxx failed: {type(e).__name__}: {e}"
-pytestmark = pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX or "ucxx imports")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX or "ucxx imports")]
 
 import hostile_ucx_wire as hw  # noqa: E402
 from hostile_victims import fds, rss  # noqa: E402

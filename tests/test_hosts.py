@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from hosts import TestHosts, hosts_fixture, hosts_skip_reason, qdisc_available, sweep_stale
 
-pytestmark = [pytest.mark.multihost, pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason()))]
+pytestmark = [pytest.mark.slow, pytest.mark.multihost,
+              pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason()))]
 
 HERE = Path(__file__).parent
 three = hosts_fixture(3)

@@ -19,6 +19,8 @@ import pytest
 
 from kvxfer import get_transport
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 WORKER = Path(__file__).with_name("offload_tp_worker.py")
 WORLD = 4
 

@@ -26,6 +26,8 @@ from kvxfer.cli import pattern
 from kvxfer.cli import rank as cli
 from kvxfer.cli import rank_serve as serve
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 RANK = [sys.executable, "-m", "kvxfer.cli.rank"]
 BOOTSTRAP = [sys.executable, "-m", "kvxfer.cli", "bootstrap"]
 SMALL = ["--layers", "2", "--kv-heads", "8", "--head-dim", "64", "--pages", "64", "--log-level", "WARNING"]

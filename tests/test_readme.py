@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -15,6 +17,7 @@ def integration_example() -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+@pytest.mark.slow   # a subprocess
 def test_the_integration_example_runs_and_moves_the_kv_byte_exact(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(integration_example())

@@ -152,6 +152,7 @@ def test_a_thousand_concurrent_requests(transport):
         c.close()
 
 
+@pytest.mark.slow   # seconds
 def test_eager_writes_end_to_end():
     """Decode's UCX transport pregrants its requests (``eager_writes``), to the request's prefill
     rank only: it puts without the ANNOUNCE/GO round trip. Bytes, releases and the slots' return

@@ -20,6 +20,8 @@ from waiting import until
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.endpoint.base import KVPoll, Outcome
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 DEADLINE = 1.5                      # every phase
 HEARTBEAT = [0.2, 1.0]              # interval, timeout
 SLACK = 1.0                         # scheduling on a loaded 2-core machine

@@ -2,7 +2,7 @@
 
 Network transports run sender and receiver as two processes (``tests/xfer_peer.py``) talking
 over 127.0.0.1; in-process transports ("local") run both ends in this process. A transport
-whose module does not import (an optional dependency, or not written yet) is skipped.
+whose optional dependency is missing (ucxx) is skipped; one that is broken fails.
 
 Every transfer test fills the receiver's regions with a canary byte, moves seeded source
 bytes, and compares each destination region whole (sha256) with the image the reference
@@ -24,6 +24,7 @@ from importlib.metadata import entry_points
 import numpy as np
 import pytest
 import torch
+from support.deps import need
 from waiting import until
 from xfer_peer import (
     CANARY,
@@ -52,11 +53,10 @@ NETWORK = [n for n in NAMES if n not in IN_PROCESS]
 
 
 def _importable(name: str) -> None:
-    ep = {e.name: e for e in entry_points(group=ENTRY_POINT_GROUP)}[name]
-    try:
-        ep.load()
-    except Exception as e:  # not installed, not written yet, or broken at import
-        pytest.skip(f"transport {name!r} does not import: {type(e).__name__}: {e}")
+    """Skip only when the transport's optional dependency is missing; a transport that is broken at
+    import fails here, loudly."""
+    need(name)
+    {e.name: e for e in entry_points(group=ENTRY_POINT_GROUP)}[name].load()
 
 
 @lru_cache(maxsize=8)
@@ -148,7 +148,8 @@ class Pair:
                 p.close()
 
 
-@pytest.fixture(scope="module", params=NAMES)
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=() if n in IN_PROCESS else pytest.mark.slow)
+                                        for n in NAMES])   # a network pair is two processes: the full tier
 def pair(request, tmp_path_factory):
     _importable(request.param)
     p = Pair(request.param, SIZES, tmp_path_factory.mktemp(request.param))
@@ -169,6 +170,7 @@ def forced(request, tmp_path_factory):
     p.close()
 
 
+@pytest.mark.slow   # seconds
 def test_both_run_paths(forced):
     """The transfers that reach the few-runs and the array paths, each forced down the other."""
     pair, rng = forced, np.random.default_rng(11)
@@ -344,6 +346,7 @@ KILL_BYTES, DEADLINE, SLACK = 256 * MiB, 4.0, 2.0
 QUICK_SILENCE = {"zmq": {"heartbeat_timeout": 2.0}, "ucx": {"peer_timeout": 2.0}}
 
 
+@pytest.mark.slow   # seconds
 def test_source_released_only_when_nothing_reads_it(pair, tmp_path):
     """The receiver stops mid-transfer (SIGSTOP) long before its deadline. The sender fails the
     transfer when the receiver goes silent and, while it is still stopped, releases the source
@@ -421,6 +424,7 @@ def _kill_mid_transfer(p: Pair, tx, peer: str, victim, timeout: float = DEADLINE
     pytest.fail("the transfer finished before its peer could be stopped, three times")
 
 
+@pytest.mark.slow   # seconds
 def test_sender_killed_mid_transfer(pair):
     """SIGKILL the sender mid-transfer: the receiver reports a failed arrival within the
     deadline and releases the grant exactly once."""
@@ -436,6 +440,7 @@ def test_sender_killed_mid_transfer(pair):
     assert not pair.rx.call("forget", request_id=rid)["live"]
 
 
+@pytest.mark.slow   # seconds
 def test_receiver_killed_mid_transfer(pair, tmp_path):
     """SIGKILL the receiver mid-transfer: the sender's handle fails within its deadline."""
     if pair.name in IN_PROCESS:
@@ -459,6 +464,7 @@ def _ranges(plan: TransferPlan) -> ByteRanges:
 
 
 @pytest.mark.parametrize("name", NAMES)
+@pytest.mark.slow   # seconds
 def test_disconnect_frees_the_peer(name):
     """Connect/disconnect one peer 200 times (a decode rank re-handshaking): fds and threads stay
     flat, a transfer after is byte-exact, one in flight at disconnect fails with a reason."""

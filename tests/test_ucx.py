@@ -145,7 +145,8 @@ def peers():
         p.stop()
 
 
-@pytest.fixture(scope="module", params=sorted(TLS))
+@pytest.fixture(scope="module", params=[pytest.param(n, marks=() if n == "default" else pytest.mark.slow)
+                                        for n in sorted(TLS)])   # the fast tier keeps UCX's default path
 def pair(request, peers):
     """(local sender transport, its source pool, remote receiver Peer, peer id) for one TLS."""
     tls, peer = TLS[request.param], peers[request.param]

@@ -21,6 +21,8 @@ from kvxfer.grant import ByteRanges  # noqa: E402
 from kvxfer.plan import RunGroup, TransferPlan  # noqa: E402
 from kvxfer.transport.registry import get_transport  # noqa: E402
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 POOL, CANARY = 8 << 20, 0xA5
 
 

@@ -18,7 +18,7 @@ try:
     _NO_UCX = ""
 except Exception as e:  # ImportError, or a missing libucx underneath
     _NO_UCX = f"import ucxx failed: {type(e).__name__}: {e}"
-pytestmark = pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX or "ucxx imports")
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX or "ucxx imports")]
 
 import torch  # noqa: E402
 from waiting import arrivals_of, until  # noqa: E402

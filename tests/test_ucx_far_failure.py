@@ -28,6 +28,8 @@ from kvxfer.transport.registry import get_transport  # noqa: E402
 from kvxfer_transports.ucx.lifecycle import failure_of  # noqa: E402
 from kvxfer_transports.ucx.state import Peer  # noqa: E402
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 
 class FailedEndpoint:
     """An endpoint UCX reported failed with ``error`` (``alive`` False, so never closed again)."""

@@ -324,6 +324,8 @@ def test_io_thread_death_fails_its_transfers_and_marks_the_transport_broken(pair
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 FUZZ_GRANT = (64 * KiB, 64 * KiB)   # the fuzz request may write [64 KiB, 128 KiB) of the pool
 _values = st.one_of(
     st.integers(-3, 3), st.sampled_from([2**31, 2**63 - 1, 2**63, 2**64 - 1, -(2**63)]),

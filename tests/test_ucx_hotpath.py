@@ -103,6 +103,7 @@ print(hotpath.take_cma_failures(), hotpath.take_cma_failures())
 """
 
 
+@pytest.mark.slow   # a subprocess
 def test_cma_fatal_line_is_stopped_and_counted():
     """Without the handler, UCX's own one aborts the process on this FATAL line."""
     out = subprocess.run([sys.executable, "-c", _CMA_LINE], capture_output=True, text=True, timeout=60)

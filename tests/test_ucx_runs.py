@@ -18,6 +18,8 @@ from kvxfer.grant import ByteRanges  # noqa: E402
 from kvxfer.plan import FEW_RUNS  # noqa: E402
 from kvxfer.transport.base import TransferStatus  # noqa: E402
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 peers, pair = test_ucx.peers, test_ucx.pair   # the same fixtures (this module gets its own peer processes)
 
 

@@ -84,6 +84,7 @@ def test_contract_edges():
     assert h.poll() == TransferStatus.FAILED
 
 
+@pytest.mark.slow   # seconds
 def test_no_ucx_warning_noise_at_start_up():
     """ucxx sets UCX_MEMTYPE_CACHE for old UCX releases; the bundled UCX warns about it at every
     context unless the transport drops it: a rank's log starts clean."""

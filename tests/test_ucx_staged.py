@@ -23,6 +23,8 @@ from kvxfer.grant import ByteRanges  # noqa: E402
 from kvxfer.metrics import REGISTRY  # noqa: E402
 from kvxfer.transport.registry import get_transport  # noqa: E402
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 FRAME, ROW, GAP = 16 << 10, 512, 256
 # Rendezvous for every frame: a send completes only once the receiver took it, so a small send
 # ring runs out (what a slow network does), deterministically.

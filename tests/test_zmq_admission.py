@@ -128,6 +128,7 @@ def test_only_an_admitted_sender_with_its_token_gets_past_the_handshake(victim, 
     victim.check()
 
 
+@pytest.mark.slow   # waits seconds for what never comes
 def test_a_sender_without_a_token_cannot_connect():
     v = Victim(connect_timeout=1.0)
     try:

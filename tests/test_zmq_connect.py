@@ -19,6 +19,8 @@ from kvxfer.errors import ConnectError
 from kvxfer.grant import ByteRanges
 from kvxfer.transport.registry import get_transport
 
+pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
+
 QUICK = 1.0   # connect_timeout in these tests
 
 

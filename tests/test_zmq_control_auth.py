@@ -14,6 +14,8 @@ import zmq
 from kvxfer.control.channel import ControlChannel, Heartbeat
 from kvxfer.control.messages import Drop, Ping
 
+pytestmark = pytest.mark.slow   # handshakes that fail, waited for (seconds)
+
 SECRET = b"zmtp-secret"
 
 

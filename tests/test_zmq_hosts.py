@@ -12,7 +12,8 @@ import sys
 import pytest
 from hosts import hosts_fixture, hosts_skip_reason
 
-pytestmark = [pytest.mark.multihost, pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason()))]
+pytestmark = [pytest.mark.slow, pytest.mark.multihost,
+              pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason()))]
 
 two = hosts_fixture(2)
 

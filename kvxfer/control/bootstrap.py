@@ -152,7 +152,7 @@ class BootstrapServer:
     # -- lifecycle ------------------------------------------------------------------------
     async def _start(self) -> None:
         self._runner = web.AppRunner(self.api.app(), access_log=None, keepalive_timeout=self.config.idle_timeout,
-                                     handle_signals=False)
+                                     handle_signals=False, shutdown_timeout=0.25)   # stop(): held watches end now
         await self._runner.setup()
         factory = self._runner.server
         self._server = await asyncio.get_running_loop().create_server(
