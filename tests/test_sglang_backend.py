@@ -12,7 +12,7 @@ decode through SGLang's own per-layer views against a pattern both sides compute
 decode's pools outside the granted rows is checked unchanged; SGLang's allocator, the metadata
 slots and kvxfer's grants all come back.
 
-What cannot run here, and why (see kvxfer/integrations/sglang/README.md): SGLang's server (its
+What cannot run here, and why (see README.md, "Using kvxfer with SGLang"): SGLang's server (its
 ``sgl_kernel`` needs ``libcuda``), CUDA pools, the unified pool's hybrid forms (full + SWA
 sub-pools alias one buffer, which ``EnginePool`` refuses).
 """

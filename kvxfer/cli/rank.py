@@ -77,7 +77,8 @@ def parser() -> argparse.ArgumentParser:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     a = ap.add_argument_group("who")
     a.add_argument("--role", choices=["prefill", "decode"], required=True)
-    a.add_argument("--bootstrap", required=True, metavar="URL", help="the registry, e.g. http://10.0.0.1:8998")
+    a.add_argument("--bootstrap", required=True, metavar="URL",
+                   help="the registry: http://HOST:PORT (kvxfer bootstrap) or etcd://HOST:2379[,...]")
     a.add_argument("--secret", help="shared HMAC secret (visible in ps: prefer --secret-file)")
     a.add_argument("--secret-file", metavar="FILE", help="file holding the shared HMAC secret")
     a.add_argument("--instance", default="default", help="serving instance name (default: default)")
