@@ -21,12 +21,14 @@ import time
 import hostile_wire as hw
 import numpy as np
 import pytest
+import torch
 from hostile_victims import Pair, bounded, snapshot
 from waiting import until
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.endpoint import KVPoll
 from kvxfer.endpoint.peers import MAX_QUEUED
+from kvxfer.transport.registry import get_transport
 
 pytestmark = pytest.mark.slow   # endpoints with heartbeats, waits of seconds
 
@@ -43,23 +45,36 @@ def pair(registry):
     p = Pair(registry.url)
     yield p
     p.close()
+    while _EVIL:
+        _EVIL.pop().close()
 
 
 def after_attack(pair: Pair, before, attacker: hw.CtlClient | None = None) -> None:
     if attacker is not None:
         assert attacker.alive(), "the prefill control thread no longer answers"
     assert pair.alive(), f"victim threads died: {pair.dead()}"
+    while _EVIL:   # the attackers' own receivers live in this process: not the victim's fds
+        _EVIL.pop().close()
     assert pair.honest(), "an honest request no longer completes"
     assert pair.intact(), "decode's pool changed outside the honest grants"
     grew = bounded(before)
     assert not grew, grew
 
 
+_EVIL: list = []   # the attackers' own data receivers (closed by the pair fixture)
+
+
 def record(pair: Pair, instance: str | None = None) -> dict:
-    """The honest decode rank's record as a dict (a copy, or one renamed to another instance)."""
+    """The honest decode rank's record as a dict: a copy, or (``instance``) a rank of the attacker's
+    own whose data port is an open zmq receiver of the attacker's (the honest rank's port admits only
+    the prefill ranks it said HELLO to)."""
     rec = copy.deepcopy(pair.d.ep.info.to_dict())
     if instance is not None:
         rec["instance"] = instance
+        evil = get_transport("zmq", admission="open")
+        evil.register([torch.zeros(n, dtype=torch.uint8) for n in rec["data"]["zmq"]["region_sizes"]])
+        _EVIL.append(evil)
+        rec["data"] = {"zmq": evil.descriptor()}
     return rec
 
 
@@ -184,3 +199,27 @@ def test_a_welcomed_peer_that_stays_silent_is_retired(pair):
     finally:
         for att in atts:
             att.close()
+
+
+def test_a_withdrawn_request_ends_its_later_sender_and_only_its_own(pair):
+    """A decode peer asks for a room before prefill made its sender, then aborts it: the sender ends
+    as soon as the engine makes it (it does not hold the KV to its bootstrap deadline). A third
+    party's REQ and ABORT for a room an honest decode rank also asked for change nothing for it."""
+    before = snapshot()
+    att = hw.CtlClient(pair.p.ep.info.control)
+    try:
+        reply = hello(att, record(pair, pair.name + "-quitter"))
+        assert reply is not None and reply["t"] == "welcome", reply
+        req(att, 555_555, 1, np.arange(4, 12))
+        att.send({"t": "abort", "room": 555_555, "gen": 1, "why": "client went away"})
+        assert att.alive()                                   # both handled
+        s = pair.p.ep.sender(555_555)
+        assert s.wait(2) == KVPoll.Failed and "client went away" in s.reason, s
+        r, d_slots = pair.receiver()                         # honest REQ queued before the sender exists
+        req(att, r.room, 7, np.arange(4, 12))
+        att.send({"t": "abort", "room": r.room, "gen": 7, "why": "not mine"})
+        assert att.alive()
+        assert pair.finish(r, d_slots), r.reason
+        after_attack(pair, before, att)
+    finally:
+        att.close()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Sequence
 
 from ..errors import CompatibilityError, ConfigError, LayoutError, PlanError
@@ -221,7 +222,15 @@ def _span(layers) -> str:
 def require_compatible(pairs: Sequence[tuple[RankInfo, RankInfo]], transport: str | None = None) -> None:
     """Raise ``CompatibilityError`` with the mismatches of every pair (each reason once)."""
     seen: dict[str, None] = {}
+    checked: set = set()
     for p, d in pairs:
+        # the ranks of one instance differ in TP rank only and share their layout record (a registry
+        # client keeps one per digest): one check per kind of pair, not one per rank
+        kind = (id(p.layout), id(d.layout), dataclasses.replace(p.spec, tp_rank=0, head_map=None), p.spec.head_map,
+                d.spec, p.protocol, d.protocol, tuple(sorted(p.data)))
+        if kind in checked:
+            continue
+        checked.add(kind)
         for m in check_pair(p, d, transport):
             seen.setdefault(m, None)
     if seen:

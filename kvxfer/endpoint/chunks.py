@@ -23,6 +23,7 @@ from ..control.records import RankInfo
 from ..errors import LayoutError, RequestError
 from ..layout import STATE, SWA, Layout
 from ..plan import Planner, TransferPlan
+from .aux import AuxRecord
 
 
 class DecodePeer:
@@ -63,6 +64,26 @@ class Chunk:
 
     def what(self) -> str:
         return f"the chunk of tokens {self.start}..{self.start + len(self.slots) - 1}"
+
+
+def chunk_aux(aux, aux_row, last: bool, rows, aux_bytes: int):
+    """``send()``'s aux arguments, checked: the bytes (an ``AuxRecord`` packed to ``aux_bytes``), or
+    the row ``aux_row`` of the endpoint's ``AuxRows`` ``rows`` (read when the chunk is submitted), or
+    None; RequestError naming what is wrong."""
+    if isinstance(aux, AuxRecord):
+        aux = aux.pack(aux_bytes)
+    if aux is not None and aux_row is not None:
+        raise RequestError("send() takes aux= (bytes) or aux_row= (a row of this endpoint's AuxRows), not both")
+    if aux_row is not None:
+        if rows is None:
+            raise RequestError("aux_row= needs the endpoint's aux buffers: PrefillEndpoint(aux=AuxRows([...]))")
+        rows.check_row(aux_row)
+        if not last:
+            raise RequestError("aux rows go with the last chunk")
+        return aux_row
+    if aux is not None and len(aux) != aux_bytes:
+        raise RequestError(f"aux record is {len(aux)} bytes, this endpoint's aux rows are {aux_bytes} bytes")
+    return aux
 
 
 def plan_chunk(c: Chunk, t: Target, *, next_pos: int, token_space: str, hybrid: bool, kv_planners: list[Planner],

@@ -43,9 +43,9 @@ from ..plan import Planner
 from ..pools import KVPool
 from ..ranks import RankSpec
 from ..transport.base import TransferStatus, Transport
-from .aux import AUX_BYTES, AuxRecord, AuxRows
+from .aux import AUX_BYTES, AuxRows
 from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts
-from .chunks import Chunk, DecodePeer, Target, plan_chunk, request_slots
+from .chunks import Chunk, DecodePeer, Target, chunk_aux, plan_chunk, request_slots
 from .decode_links import DecodeLinks
 from .peers import QueuedRequests
 from .sender import KVSender, SenderHost, call_on_request, count_transfers, stalled
@@ -88,6 +88,7 @@ class PrefillEndpoint(SenderHost):
         self._senders: dict[Room, KVSender] = {}              # room -> live sender
         self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
         self._pending = QueuedRequests()                      # REQs that came before the sender
+        self._withdrawn: dict[Room, tuple[str, float]] = {}   # rooms whose only REQ its peer aborted, no sender yet
         self._busy: set[KVSender] = set()                     # senders with transfers in flight
         self._unready: set[KVSender] = set()                  # senders whose next chunk waits for its event
         self._held: set[KVSender] = set()                     # ended, KV not yet released
@@ -128,6 +129,9 @@ class PrefillEndpoint(SenderHost):
                 raise RequestError(f"room {room} already has a live sender ({old.state.name})")
             s = KVSender(self, room, on_release)
             self._senders[room] = s
+            withdrawn = self._withdrawn.pop(room, None)
+            if withdrawn is not None and not self._pending.get(room):
+                self.end_request(s, Outcome.Aborted, withdrawn[0], later)
             for target, _ in self._pending.take(room).values():
                 self._bind(s, target, later)
             return s
@@ -156,7 +160,9 @@ class PrefillEndpoint(SenderHost):
         """A decode peer's ABORT ends only what that peer itself asked for: the sender its REQ of this
         very request (room and generation) is bound to, or that REQ while it waits for its sender.
         A third party's ABORT, one for another generation, or one for a room the peer never asked
-        for changes nothing (a sender nobody asked for yet ends at its bootstrap deadline)."""
+        for changes nothing (a sender nobody asked for yet ends at its bootstrap deadline). A REQ
+        withdrawn so before its sender exists, with no other REQ for the room, ends that sender as
+        soon as the engine makes it (within ``Timeouts.bootstrap``)."""
         room, why = msg.room, f"decode rank {peer}: {msg.why[:512]}"
         s = self._grants.get((peer, f"{room}.{msg.gen}"))
         if s is not None:
@@ -165,6 +171,8 @@ class PrefillEndpoint(SenderHost):
         queued = self._pending.get(room).get(peer)
         if queued is not None and queued[0].gen == msg.gen:
             self._pending.drop(room, peer)
+            if room not in self._senders and not self._pending.get(room):   # it asked, then gave up first:
+                self._withdrawn[room] = (why, self.clock())                 # the sender, once made, ends
 
     def retire_requests(self, peer: str, why: str, later) -> None:
         """``DecodeLinks``, under the lock: decode peer ``peer`` is gone; what it asked for ends."""
@@ -259,18 +267,7 @@ class PrefillEndpoint(SenderHost):
         swa = np.array(self._kv_pool.space_slots(SWA, slots), dtype=np.int64) if self.swa_window else None
         if st is not None and not last:
             raise RequestError("state goes with the last chunk")
-        if isinstance(aux, AuxRecord):
-            aux = aux.pack(self.aux_bytes)
-        if aux is not None and aux_row is not None:
-            raise RequestError("send() takes aux= (bytes) or aux_row= (a row of this endpoint's AuxRows), not both")
-        if aux_row is not None:
-            if self.aux_rows is None:
-                raise RequestError("aux_row= needs the endpoint's aux buffers: PrefillEndpoint(aux=AuxRows([...]))")
-            self.aux_rows.check_row(aux_row)
-            if not last:
-                raise RequestError("aux rows go with the last chunk")
-        elif aux is not None and len(aux) != self.aux_bytes:
-            raise RequestError(f"aux record is {len(aux)} bytes, this endpoint's aux rows are {self.aux_bytes} bytes")
+        aux = chunk_aux(aux, aux_row, last, self.aux_rows, self.aux_bytes)
         with self.guard() as later:
             if s.state in END_STATES:
                 return False
@@ -282,7 +279,7 @@ class PrefillEndpoint(SenderHost):
             s.next_pos = max(s.next_pos, begin + len(slots))
             s.last_sent = bool(last)
             s.queued.append(Chunk(slots, begin, None if layers is None else frozenset(int(x) for x in layers),
-                                   bool(last), aux if aux_row is None else aux_row, st, swa, ready))
+                                   bool(last), aux, st, swa, ready))
             self._pump(s, later)
             return s.state != KVPoll.Failed
 
@@ -402,6 +399,8 @@ class PrefillEndpoint(SenderHost):
                                                       f"deadline", later)
             for s in list(self._held):
                 self._settle(s, now, later)
+            for room in [r for r, (_, since) in self._withdrawn.items() if now - since > self.timeouts.bootstrap]:
+                del self._withdrawn[room]
             for room, peer, t in self._pending.expired(now, self.timeouts.bootstrap):
                 self.channel.send(peer, Nack(room=room, gen=t.gen,
                                              why=cut(f"no prefill request for room {room} on {self.spec.key}")))

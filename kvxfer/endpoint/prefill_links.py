@@ -36,7 +36,7 @@ from .recovery import REJOIN_HELLO, PeerRecovery
 log = logging.getLogger("kvxfer.request")
 
 MAX_INSTANCES = 1024     # setting: prefill instances one decode endpoint keeps
-HELLO_FANOUT = 16        # HELLOs one instance's handshake has in flight at once
+HELLO_FANOUT = 64        # HELLOs in flight at once (all instances' handshakes together)
 RETRY_FAILED = 1.0       # seconds before a request may try an instance whose handshake failed again
 BUSY_RETRY = 0.25        # seconds between HELLOs to a rank that refused for now
 
@@ -55,6 +55,9 @@ class PrefillLinks:
         self._connects = concurrent.futures.ThreadPoolExecutor(max_workers=4,
                                                                thread_name_prefix="kvxfer-decode-connect")
         self.recovery: PeerRecovery | None = None
+        # one pool for every handshake's HELLOs (threads are made as they are needed, kept after)
+        self._hellos = concurrent.futures.ThreadPoolExecutor(max_workers=HELLO_FANOUT,
+                                                             thread_name_prefix="kvxfer-decode-hello")
 
     # -- instances ------------------------------------------------------------------------------
     def connect(self, url: str | None, peers: Sequence[RankInfo] | None, instance: str | None,
@@ -170,9 +173,8 @@ class PrefillLinks:
                     log.info("%s", e)
                     time.sleep(BUSY_RETRY)
 
-        with concurrent.futures.ThreadPoolExecutor(max_workers=min(HELLO_FANOUT, max(len(records), 1)),
-                                                   thread_name_prefix="kvxfer-decode-hello") as pool:
-            done = {key: pool.submit(one, key) for key in records}
+        done = {key: self._hellos.submit(one, key) for key in records}
+        concurrent.futures.wait(done.values())
         errors = [e for e in (f.exception() for f in done.values()) if e is not None]
         if errors:
             raise next((e for e in errors if isinstance(e, CompatibilityError)), errors[0])
@@ -287,6 +289,7 @@ class PrefillLinks:
         if self.recovery is not None:   # first: it uses the channel
             self.recovery.stop()
         self._connects.shutdown(wait=False, cancel_futures=True)
+        self._hellos.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = ["PrefillLinks", "MAX_INSTANCES", "HELLO_FANOUT", "RETRY_FAILED"]
