@@ -102,3 +102,22 @@ class Pair:
                 side.close()
             except Exception:
                 pass
+
+
+def attacker_record(pair: "Pair", instance: str, made: list) -> dict:
+    """A decode rank record of the attacker's own (``instance``), shaped like the victim decode rank's,
+    whose data port is an open zmq receiver of the attacker's (``made`` keeps it, to be closed): the
+    victim decode rank's own port admits only the prefill ranks it said HELLO to, so a copy of its
+    descriptor gets no data path."""
+    import copy
+
+    import torch
+
+    from kvxfer.transport.registry import get_transport
+    rec = copy.deepcopy(pair.d.ep.info.to_dict())
+    rec["instance"] = instance
+    evil = get_transport("zmq", admission="open")
+    evil.register([torch.zeros(n, dtype=torch.uint8) for n in rec["data"]["zmq"]["region_sizes"]])
+    made.append(evil)
+    rec["data"] = {"zmq": evil.descriptor()}
+    return rec

@@ -197,10 +197,14 @@ def data_header(rid: str, xid: int, runs: bytes = b"", dl: float = 10.0, end: tu
 class DataClient:
     """A raw DEALER on a zmq transport's ROUTER (its descriptor's "endpoint")."""
 
-    def __init__(self, endpoint: str):
+    def __init__(self, endpoint: str, user: str | None = None, token: bytes = b""):
+        """``user``/``token``: a sender id the receiver admitted and its admission token (ZMQ PLAIN:
+        what a receiver with ``admission="required"`` checks at the handshake); None: NULL."""
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
+        if user is not None:
+            self.sock.plain_username, self.sock.plain_password = user.encode(), token
         self.sock.connect(endpoint)
 
     def exchange(self, parts: list[bytes], timeout: float = 5.0) -> list[dict] | None:

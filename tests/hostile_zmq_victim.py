@@ -104,8 +104,8 @@ class ControlVictim:
         if extra:   # what the endpoints are to pass to their channels (see the report of issue 34)
             for module in (prefill, decode):
                 module.ControlChannel = functools.partial(ControlChannel, **extra)   # type: ignore[misc]
-        secret = options.get("secret", "flood-secret")
-        self.registry = BootstrapServer(BootstrapConfig(ttl=30.0, secret=secret.encode())).start()
+        secret = options.get("secret", "flood-secret") or None   # "": an open deployment (no secret)
+        self.registry = BootstrapServer(BootstrapConfig(ttl=30.0, secret=secret.encode() if secret else None)).start()
         self.pair = hostile_victims.Pair(self.registry.url, secret=secret)
         self.ports = {"control": self.pair.p.ep.info.control}
 

@@ -40,9 +40,23 @@ def pair(registry):
 
 @pytest.fixture
 def attacker(pair):
-    c = hw.DataClient(pair.d.ep.info.data["zmq"]["endpoint"])
+    """An admitted sender (another prefill rank decode said HELLO to: an insider) with no grant and no
+    capability for the live requests it attacks; a stranger never gets past the ZMTP handshake
+    (``test_a_stranger_gets_no_answer_at_all``)."""
+    token = pair.d.ep.transport.admit({"id": "mallory-prefill"})
+    c = hw.DataClient(pair.d.ep.info.data["zmq"]["endpoint"], user="mallory-prefill", token=token)
     yield c
     c.close()
+
+
+def test_a_stranger_gets_no_answer_at_all(pair):
+    before = snapshot()
+    c = hw.DataClient(pair.d.ep.info.data["zmq"]["endpoint"])
+    try:
+        assert c.exchange([hw.data_header("1.1", 1, dl=5.0)], timeout=1.0) is None   # not even its ping
+    finally:
+        c.close()
+    after_attack(pair, before)
 
 
 def after_attack(pair, before) -> None:

@@ -21,14 +21,12 @@ import time
 import hostile_wire as hw
 import numpy as np
 import pytest
-import torch
-from hostile_victims import Pair, bounded, snapshot
+from hostile_victims import Pair, attacker_record, bounded, snapshot
 from waiting import until
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.endpoint import KVPoll
 from kvxfer.endpoint.peers import MAX_QUEUED
-from kvxfer.transport.registry import get_transport
 
 pytestmark = pytest.mark.slow   # endpoints with heartbeats, waits of seconds
 
@@ -66,16 +64,10 @@ _EVIL: list = []   # the attackers' own data receivers (closed by the pair fixtu
 
 def record(pair: Pair, instance: str | None = None) -> dict:
     """The honest decode rank's record as a dict: a copy, or (``instance``) a rank of the attacker's
-    own whose data port is an open zmq receiver of the attacker's (the honest rank's port admits only
-    the prefill ranks it said HELLO to)."""
-    rec = copy.deepcopy(pair.d.ep.info.to_dict())
+    own (``hostile_victims.attacker_record``)."""
     if instance is not None:
-        rec["instance"] = instance
-        evil = get_transport("zmq", admission="open")
-        evil.register([torch.zeros(n, dtype=torch.uint8) for n in rec["data"]["zmq"]["region_sizes"]])
-        _EVIL.append(evil)
-        rec["data"] = {"zmq": evil.descriptor()}
-    return rec
+        return attacker_record(pair, instance, _EVIL)
+    return copy.deepcopy(pair.d.ep.info.to_dict())
 
 
 def hello(att: hw.CtlClient, rec: dict) -> dict | None:

@@ -101,7 +101,7 @@ def test_bootstrap_restarted_ranks_register_again(three):
         c["boot"] = RankProc(three[0], "bootstrap", expect=P_TP, port=BOOT_PORT)
         time.sleep(3.0)                                    # prefill heartbeats register them again
         ok(c, 3)
-        # a fresh decode rank finds both prefill ranks in the new registry (it connects at start)
-        RankProc(three[2], "decode", tp_rank=0, tp_size=1, layout="token_major", **c["common"]).close()
+        # a fresh decode rank finds both prefill ranks in the new registry (it connects at start; a rank not live yet)
+        RankProc(three[2], "decode", tp_rank=1, tp_size=2, layout="token_major", **c["common"]).close()
     finally:
         stop(c)

@@ -19,6 +19,7 @@ import pytest
 import request_peer as rp
 import torch
 from etcd_server import etcd, registries  # noqa: F401
+from support.deps import need
 from waiting import until
 
 from kvxfer.control.client import BootstrapClient
@@ -35,9 +36,7 @@ CASES = pytest.mark.parametrize("transport,backend", [("zmq", "embedded"), ("ucx
 
 
 def usable(transport: str) -> None:
-    why = rp.transport_skip_reason(transport)
-    if why:
-        pytest.skip(why)
+    need(transport)   # skipped only when its optional dependency is missing
 
 
 def cfg(transport: str) -> dict:

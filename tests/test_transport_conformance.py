@@ -356,9 +356,10 @@ def test_source_released_only_when_nothing_reads_it(pair, tmp_path):
         pytest.skip("an in-process transport has no process to stop")
     tx = PeerProcess(tmp_path / "sender3.log")
     try:
-        tx.call("init", transport=pair.name, sizes=SIZES, fill="seed", seed=SEED,
-                options=QUICK_SILENCE.get(pair.name, {}))
-        peer = tx.call("connect", descriptor=pair.rx_descriptor)["peer"]
+        tx_desc = tx.call("init", transport=pair.name, sizes=SIZES, fill="seed", seed=SEED,
+                          options=QUICK_SILENCE.get(pair.name, {}))["descriptor"]
+        token = pair.rx.call("admit", descriptor=tx_desc)["token"]
+        peer = tx.call("connect", descriptor=pair.rx_descriptor, token=token)["peer"]
         rid, _ = _kill_mid_transfer(pair, tx, peer, pair.rx, timeout=60.0, sig=signal.SIGSTOP)
         try:
             res = tx.call("wait", request_ids=[rid], wait_s=10.0)["results"][rid]
@@ -447,8 +448,9 @@ def test_receiver_killed_mid_transfer(pair, tmp_path):
         pytest.skip("an in-process transport has no process to kill")
     tx = PeerProcess(tmp_path / "sender2.log")
     try:
-        tx.call("init", transport=pair.name, sizes=SIZES, fill="seed", seed=SEED)
-        peer = tx.call("connect", descriptor=pair.rx_descriptor)["peer"]
+        token = pair.rx.call("admit", descriptor=tx.call("init", transport=pair.name, sizes=SIZES, fill="seed",
+                                                        seed=SEED)["descriptor"])["token"]
+        peer = tx.call("connect", descriptor=pair.rx_descriptor, token=token)["peer"]
         rid, _ = _kill_mid_transfer(pair, tx, peer, pair.rx)
         res = tx.call("wait", request_ids=[rid], wait_s=DEADLINE + SLACK)["results"][rid]
         assert res["status"] == "FAILED" and res["error"], res

@@ -201,7 +201,7 @@ def test_a_peer_without_credentials_holds_at_most_one_handshake_frame(request, k
 # residual. Once the attacker's connection closes, the memory goes back to the OS (before: glibc
 # kept it in its arenas, and the transport had raised its trim threshold to 256 MiB).
 # ------------------------------------------------------------------------------------
-OPEN = {"data": {"transport": {"admission": "open"}}, "control": {}}
+OPEN = {"data": {"transport": {"admission": "open"}}, "control": {"secret": ""}}   # no admission, no secret
 RETURNED = 64 * MiB   # RSS above the baseline allowed once the flood's connection closed
 
 

@@ -165,7 +165,8 @@ class PrefillLinks:
                 if left <= 0:
                     raise ConnectError(f"connect timed out before the handshake with {key}")
                 try:
-                    hello(self.ep.channel, key, me, min(self.ep.timeouts.handshake, left), self._tokens(records[key]))
+                    tokens = self._tokens(key, records[key])
+                    hello(self.ep.channel, key, me, min(self.ep.timeouts.handshake, left), tokens)
                     return
                 except Busy as e:
                     if deadline - time.monotonic() < BUSY_RETRY:
@@ -189,11 +190,20 @@ class PrefillLinks:
                     self.known[key] = records[key]
                     self.lost.pop(key, None)
 
-    def _tokens(self, info: RankInfo) -> dict[str, bytes]:
-        """The admission token our transport gives the prefill rank of ``info`` (``Transport.admit``)."""
+    def _tokens(self, key: str, info: RankInfo) -> dict[str, bytes]:
+        """The admission token our transport gives prefill rank ``key`` of ``info`` (``Transport.admit``).
+        ConnectError when another rank we handshook with holds that transport id: admitting it again
+        would void that rank's token (a record that reuses a live rank's id must not cut it off)."""
         desc = info.data.get(self.ep.transport.name)
         if desc is None:
             return {}
+        tid = desc.get("id")
+        with self.ep.guard():
+            owner = next((k for k, known in self.known.items() if k != key and
+                          (known.data.get(self.ep.transport.name) or {}).get("id") == tid), None)
+        if owner is not None:
+            raise ConnectError(f"prefill rank {key}'s {self.ep.transport.name} id {str(tid)[:40]} is prefill rank "
+                               f"{owner}'s: a record that reuses another rank's transport is refused")
         with self.ep.xport_lock:
             token = self.ep.transport.admit(dict(desc))
         return {self.ep.transport.name: token} if token else {}
@@ -258,7 +268,7 @@ class PrefillLinks:
                 require_compatible([(info, ep.info)], ep.transport.name)
                 ep.channel.forget(key)            # a new connection: its replay state, a fresh HELLO
                 ep.channel.connect(key, info.control)
-                hello(ep.channel, key, ep.info, min(ep.timeouts.handshake, REJOIN_HELLO), self._tokens(info))
+                hello(ep.channel, key, ep.info, min(ep.timeouts.handshake, REJOIN_HELLO), self._tokens(key, info))
                 why = ""
             except (ConnectError, CompatibilityError, ValueError) as e:
                 why = f"a new handshake with {info.control} failed: {e}"
