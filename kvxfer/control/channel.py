@@ -23,7 +23,6 @@ peers that never completed a handshake are forgotten after ``idle_timeout``.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import logging
 import os
@@ -33,7 +32,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import cast
 
-import msgpack
 import zmq
 
 from ..errors import ConfigError, ConnectError
@@ -41,24 +39,12 @@ from ..ranks import check_address, split_address
 from ..transport.kit import IOThread, PipeWaker
 from .addresses import advertise_address
 from .messages import Drop, Hello, Message, Ping, Pong, Refuse, WireError, call_id, outgoing
-from .peers import ChannelLimits, ReplayGuard
-from .wire import MAX_IDENTITY, MAX_MESSAGE, Head, open_frames, seal
+from .peers import ChannelLimits, Heartbeat, ReplayGuard
+from .wire import MAX_IDENTITY, MAX_MESSAGE, Head, open_frames, peek_call, recv_bounded, seal
 from .zmtp import ChannelGuard
 
 log = logging.getLogger("kvxfer.control")
 
-
-SMALL_PART = 4096     # bytes of any part but the body (routing id, MAC, head)
-
-
-@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
-class Heartbeat:
-    interval: float = 1.0    # decode pings each prefill rank this often; prefill answers
-    timeout: float = 5.0     # a peer silent this long is lost (its requests fail)
-
-    def __post_init__(self):
-        if not 0 < self.interval < self.timeout:
-            raise ConfigError(f"heartbeat interval {self.interval}s must be > 0 and below timeout {self.timeout}s")
 
 
 class ControlChannel:
@@ -343,29 +329,10 @@ class ControlChannel:
         except zmq.ZMQError as e:   # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
             self._count(Drop.SEND_FAILED, peer, e.strerror)
 
-    def _recv_frames(self, sock: zmq.Socket, parts: int) -> tuple[list[bytes], bool] | None:
-        """One whole message and whether it was too large, keeping at most ``parts`` + 1 parts and
-        one part over ``SMALL_PART`` (the body): ZMQ's MAXMSGSIZE bounds a part, not a message, so
-        the rest is read and discarded one part at a time. None when no message is waiting."""
-        try:
-            part = sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-        frames: list[bytes] = []
-        big, oversized = 0, False
-        while True:
-            big += len(part) > SMALL_PART
-            oversized |= big > 1
-            if len(frames) <= parts and not oversized:
-                frames.append(part)
-            if not sock.getsockopt(zmq.RCVMORE):
-                return frames, oversized
-            part = sock.recv()
-
     def _receive(self, sock: zmq.Socket) -> None:
         router = sock is self._router
         for _ in range(4096):   # bounded, so a flood cannot starve ticks and heartbeats
-            got = self._recv_frames(sock, 4 if router else 3)
+            got = recv_bounded(sock, 4 if router else 3)
             if got is None:
                 return
             frames, oversized = got
@@ -452,14 +419,10 @@ class ControlChannel:
         """A handshake message failed its checks: say why, so launch fails loudly, not by timeout.
         Only the call id is read from the untrusted body; the REFUSE goes out on a one-off nonce,
         so a refused sender leaves no state behind."""
-        try:
-            msg = msgpack.unpackb(body, raw=False, max_str_len=1 << 20, max_bin_len=MAX_MESSAGE,
-                                  max_array_len=1 << 16, max_map_len=1 << 16, max_ext_len=0)
-        except Exception:
+        peeked = peek_call(body)
+        if peeked is None:
             return
-        if not isinstance(msg, dict):
-            return
-        t, i, re = msg.get("t"), msg.get("i"), msg.get("re")
+        t, i, re = peeked
         if router and t == "hello" and type(i) is int and 0 <= i < 1 << 63:
             head = Head(self.address, peer, os.urandom(16), 1)
             try:

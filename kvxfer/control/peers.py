@@ -27,6 +27,16 @@ class ChannelLimits:
             raise ConfigError(f"channel limits must be positive, got {self}")
 
 
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Heartbeat:
+    interval: float = 1.0    # decode pings each prefill rank this often; prefill answers
+    timeout: float = 5.0     # a peer silent this long is lost (its requests fail)
+
+    def __post_init__(self):
+        if not 0 < self.interval < self.timeout:
+            raise ConfigError(f"heartbeat interval {self.interval}s must be > 0 and below timeout {self.timeout}s")
+
+
 REPLAY_WINDOW = 8192    # a message overtaken by more than this many later ones is refused as a replay
 
 

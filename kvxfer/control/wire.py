@@ -12,8 +12,9 @@ and because ``sender`` and ``recipient`` are signed a captured message cannot be
 another identity or to another rank (``ControlChannel`` checks both against the connection).
 
 Who calls what: ``ControlChannel`` calls ``seal`` per message sent and ``open_frames`` per
-message received; ``encode``/``decode`` are the body alone with a MAC over it (two frames), kept
-for tools and tests. Everything raises ``WireError`` (a ValueError) with a fixed ``Drop`` reason.
+message received (``recv_bounded`` reads it off the socket under bounds first; ``peek_call``
+reads the call id of one that failed, to answer a refused handshake); ``encode``/``decode`` are
+the body alone with a MAC over it (two frames), kept for tools and tests. Everything raises ``WireError`` (a ValueError) with a fixed ``Drop`` reason.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import hmac
 from collections.abc import Mapping, Sequence
 
 import msgpack
+import zmq
 
 from ..errors import ProtocolError
 from .auth import mac
@@ -42,6 +44,7 @@ from .messages import (
 MAX_CHUNKS = 1 << 24
 MAX_AUX = 512 << 10         # bytes of one request's aux rows (they ride in the last chunk's metadata)
 MAX_IDENTITY = 255          # bytes of a ZMQ routing identity
+SMALL_PART = 4096           # bytes of any received part but the body (routing id, MAC, head)
 HEAD_VERSION = 1
 
 __all__ = ["MAX_MESSAGE", "MAX_ROOM", "MAX_GEN", "MAX_CHUNKS", "Head", "seal", "open_frames", "encode", "decode",
@@ -111,6 +114,40 @@ def open_frames(frames: Sequence[bytes], secret: bytes | None) -> tuple[Head, Me
 # ------------------------------------------------------------------------------------
 # Body only (two frames [mac, body]): tools and tests
 # ------------------------------------------------------------------------------------
+def recv_bounded(sock: zmq.Socket, parts: int) -> tuple[list[bytes], bool] | None:
+    """One whole message and whether it was too large, keeping at most ``parts`` + 1 parts and
+    one part over ``SMALL_PART`` (the body): ZMQ's MAXMSGSIZE bounds a part, not a message, so
+    the rest is read and discarded one part at a time. None when no message is waiting."""
+    try:
+        part = sock.recv(zmq.NOBLOCK)
+    except zmq.Again:
+        return None
+    frames: list[bytes] = []
+    big, oversized = 0, False
+    while True:
+        big += len(part) > SMALL_PART
+        oversized |= big > 1
+        if len(frames) <= parts and not oversized:
+            frames.append(part)
+        if not sock.getsockopt(zmq.RCVMORE):
+            return frames, oversized
+        part = sock.recv()
+
+
+def peek_call(body: bytes) -> tuple[object, object, object] | None:
+    """The type, call id and reply id (``t``, ``i``, ``re``) of a body that failed its checks,
+    read under bounds and not trusted further (they are checked before use); None when the body
+    is not a msgpack map."""
+    try:
+        msg = msgpack.unpackb(body, raw=False, max_str_len=1 << 20, max_bin_len=MAX_MESSAGE,
+                              max_array_len=1 << 16, max_map_len=1 << 16, max_ext_len=0)
+    except Exception:
+        return None
+    if not isinstance(msg, dict):
+        return None
+    return msg.get("t"), msg.get("i"), msg.get("re")
+
+
 def encode(msg: Mapping | Message, secret: bytes | None) -> list[bytes]:
     body = _pack_body(msg)
     return [mac(secret, body) if secret else b"", body]
