@@ -126,9 +126,10 @@ class Rank:
         self.heads = [0] if cfg.mla else list(self.spec.heads)   # global heads, in the pool's order
         self.pool: KVPool
         need = pool_bytes(cfg, len(layers), len(self.heads))
-        log.warning("%s %s: allocating %.2f GiB of KV pool on %s (%d layers x %d pages x %d tokens x %d head(s)): "
-                    "--pages sets it", cfg.role, self.spec.key, need / (1 << 30), cfg.device, len(layers), cfg.pages,
-                    cfg.page_size, len(self.heads))
+        log.log(logging.WARNING if need >= 1 << 30 else logging.INFO,   # the operator sees what --pages costs
+                "%s %s: allocating %.1f MiB of KV pool on %s (%d layers x %d pages x %d tokens x %d head(s)): "
+                "--pages sets it", cfg.role, self.spec.key, need / (1 << 20), cfg.device, len(layers), cfg.pages,
+                cfg.page_size, len(self.heads))
         if cfg.mla:
             self.pool = MLAPool(layers=layers, kv_lora_rank=cfg.kv_lora_rank, rope_dim=cfg.rope_dim, dtype=cfg.dtype,
                                 num_pages=cfg.pages, page_size=cfg.page_size, device=cfg.device,
