@@ -14,7 +14,8 @@ another identity or to another rank (``ControlChannel`` checks both against the 
 Who calls what: ``ControlChannel`` calls ``seal`` per message sent and ``open_frames`` per
 message received (``recv_bounded`` reads it off the socket under bounds first; ``peek_call``
 reads the call id of one that failed, to answer a refused handshake); ``encode``/``decode`` are
-the body alone with a MAC over it (two frames), kept for tools and tests. Everything raises ``WireError`` (a ValueError) with a fixed ``Drop`` reason.
+the body alone with a MAC over it (two frames), kept for tools and tests. Everything raises
+``WireError`` (a ValueError) with a fixed ``Drop`` reason.
 """
 from __future__ import annotations
 
