@@ -29,14 +29,17 @@ def test_tcp_sends_carry_many_iov_pieces_unless_told_otherwise():
 
 def test_the_tcp_defaults_reach_ucx(monkeypatch):
     """The transport hands ``TCP_DEFAULTS`` to UCX itself: a value UCX refuses (1024 pieces:
-    "AM Zcopy context (16416) must be <= TX segment size") fails start-up; ours starts."""
+    "AM Zcopy context (16416) must be <= TX segment size") fails start-up, as a ``ConfigError``
+    naming the settings (UCX's own error mapped into the tree); ours starts."""
     from ucxx._lib.libucxx import UCXError
 
+    from kvxfer.errors import ConfigError
     from kvxfer_transports.ucx import settings
     monkeypatch.delenv("UCX_TCP_MAX_IOV", raising=False)
     monkeypatch.setattr(settings, "TCP_DEFAULTS", {"TCP_MAX_IOV": "1024"})
-    with pytest.raises(UCXError):
+    with pytest.raises(ConfigError, match="UCX refused the settings .*'TCP_MAX_IOV': '1024'") as e:
         get_transport("ucx", tls="tcp").close()
+    assert isinstance(e.value.__cause__, UCXError)
     monkeypatch.undo()
     get_transport("ucx", tls="tcp").close()
 

@@ -34,8 +34,8 @@ Files: ``bindings`` (ctypes over libucp), ``protocol`` (control messages, valida
 ``sender``, ``receiver``, ``frames`` (the staged frame cut), ``control`` (peers, control batches,
 heartbeats), ``fencing``, ``eager`` (pregrants, FENCEs), ``settings`` (thresholds, UCX settings),
 ``join`` (the front worker, connect, admission), ``inbox`` (control batches in, routed by their
-tag), ``lifecycle`` (start-up, shutdown), ``state`` (records), and this module (options, the
-contract, the I/O loop).
+tag), ``lifecycle`` (start-up, shutdown), ``state`` (records), ``options`` (every option,
+checked), and this module (the contract, the I/O loop).
 
 Trust model: R checks every announced run before it answers GO, so an honest sender (even one
 with a wrong plan) never writes outside a grant (``eager_writes``: S checks its PREGRANT's ranges). A
@@ -43,7 +43,7 @@ with a wrong plan) never writes outside a grant (``eager_writes``: S checks its 
 given to ``register()`` (nothing else) without announcing: give descriptors only to peers
 trusted with the whole pool, as with NIXL or any RDMA transport. Control batches carry a
 per-peer channel secret (``protocol``), so a third party cannot send DONE, ABORT, FAIL or
-FENCED in another peer's name. Caps (options below) bound the control message size, incoming
+FENCED in another peer's name. Caps (``options``) bound the control message size, incoming
 transfers per peer and in total, and peers.
 
 Liveness: endpoints have error handling OFF (on, it excludes shared memory: ~10x slower), so a
@@ -90,6 +90,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,9 +98,9 @@ from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
 
 from kvxfer.copy import byte_view
-from kvxfer.errors import PeerError, PlanError, TransportError
+from kvxfer.errors import ConfigError, PeerError, PlanError, TransportError
 from kvxfer.grant import GrantTable
-from kvxfer.plan import FEW_RUNS, TransferPlan
+from kvxfer.plan import TransferPlan
 from kvxfer.transport.base import DEFAULT_TIMEOUT, Arrival, TransferHandle, Transport
 from kvxfer.transport.kit import Call, Close, CommandQueue, IOThread, StagingPool, Submit, fail_command
 
@@ -109,11 +110,12 @@ from .bindings import frame_iovs
 from .control import UCXControl, host_identity, process_start
 from .eager import UCXEager
 from .fencing import UCXFencing
-from .frames import STAGE_HOST, RingSpill, network_only
+from .frames import RingSpill, network_only
 from .inbox import UCXInbox
 from .join import UCXJoin, make_front
 from .lifecycle import UCXLifecycle
 from .loop import UCXLoop
+from .options import UCXOptions
 from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO
 from .receiver import UCXReceiver
 from .sender import INLINE_BELOW, UCXSender
@@ -128,105 +130,54 @@ from .settings import (
 )
 from .state import Incoming, Outgoing, Peer
 
-__all__ = ["UCXTransport", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLINE_BELOW", "ucx_settings",
+__all__ = ["UCXTransport", "UCXOptions", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLINE_BELOW", "ucx_settings",
            "CTRL_TAG", "DATA_BIT", "FRAME_BITS", "HELLO", "ANNOUNCE", "DONE", "ABORT", "Array", "ucx_api", "frame_iovs"]
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
 class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXEager,
                    UCXSender, UCXReceiver, Transport):
-    """UCX data plane of one rank. Options (keyword only, via ``get_transport("ucx", ...)``):
-
-    tls           ``UCX_TLS`` of this transport ("tcp", "sm,self", ...), for every peer. None:
-                  UCX's choice (shared memory on one host), except that a peer on another host
-                  or in another network namespace (its descriptor says) is connected through a
-                  second worker without shared memory and cma (``FAR_TLS``), whose queues never
-                  deliver across network namespaces. Both peers must share a transport.
-    frame_bytes   big runs are put in pieces of this size; packed blocks go in frames of it.
-                  Staged frames received here must fit it: give both sides one value.
-    staging_frames  slots of each staging ring (send and receive), each ``frame_bytes``:
-                  allocated at register() on the regions' CUDA device, or in host memory at the
-                  first staged frame; never more (exhausted, the I/O thread waits: ``staging()``,
-                  kvxfer.metrics under "ucx-send" / "ucx-recv").
-    stage_host    which host-memory frames the sender stages (``frames.STAGE_HOST``): "network"
-                  (peers reached over the network: another host or network namespace, or a
-                  UCX_TLS without shared memory; measured faster over TCP), "always", "never"
-                  (UCX iovs read in place). A host receiver takes staged frames into its receive
-                  ring, except with "never" (in place).
-    eager_writes  receiver: pregrant each expected request (and its ranges) to the connected peers,
-                  which then put inside them at once, without the ANNOUNCE/GO round trip, and succeed
-                  once their puts are flushed; the announce follows as DONE and is checked then (``eager``). Memory
-                  of a forgotten request waits for every pregranted peer's FENCED. Off: every
-                  transfer is checked before a byte is put.
-    put_below     runs shorter than this are packed, longer ones put (``PUT_BELOW``)
-    put_below_many  the same for plans of more than ``few_runs`` runs (``PUT_BELOW_MANY``)
-    few_runs      plans of at most this many runs are prepared with Python ints (``FEW_RUNS``).
-                  Both paths stay: measured (``_prepare_few`` vs ``_prepare``, 16 KiB runs, this
-                  2-core box) 1 run 16 vs 124 us, 4 runs 16 vs 86, 16 runs 51 vs 127. The
-                  conformance suite forces 0 and 2**20 so each path carries every case.
-    heartbeat     seconds between pings to each peer; ``peer_timeout`` seconds of silence
-                  fail a peer's transfers (a dead peer is silent: error handling is off, except
-                  to a peer elsewhere without ``tls``, whose failed connection is reported at once).
-    max_control_bytes      largest control batch received (larger ones are dropped unread)
-    max_incoming           incoming transfers open at once, all peers together
-    max_incoming_per_peer  incoming transfers open at once from one peer
-    max_peers     peers (sender ids) this transport keeps; a HELLO beyond it is dropped
-    fence_grace   seconds between proving a peer dead (on this kernel: its process gone; elsewhere:
-                  UCX reports its connection failed) and freeing what it held (its writes
-                  already queued here are applied meanwhile)
-    quarantine_timeout  None (default): memory a failed or silent peer could still write is
-                  never given back until that peer flushes, re-handshakes or is proven dead
-                  (elsewhere, without ``tls``: its connection failed).
-                  A number: give it back after that many seconds anyway (counted in
-                  ``fencing()["expired"]``); a late write may then corrupt the next owner.
-    connect_timeout  seconds connect() waits for the peer's answer over the new endpoint (a
-                  round trip on the data path); none: ``ConnectError`` naming the address.
-    ucx_config    more UCX settings, e.g. ``{"RNDV_THRESH": "8192"}``; they replace
-                  ``UCX_DEFAULTS`` (the environment's UCX_* settings do too).
-    admission     None (default): a joining peer needs its latest ``admit`` token once this
-                  transport admitted a peer or was given a token by ``connect``; True: from the
-                  start; False: never (every peer that reaches the front worker may join).
-    """
+    """UCX data plane of one rank. Options: keyword arguments (``get_transport("ucx", ...)``), or
+    ``options=UCXOptions(...)``; each is documented (and checked: ``ConfigError``) in
+    ``transports/ucx/options.py``."""
     name = "ucx"
 
-    def __init__(self, *, tls: str | None = None, frame_bytes: int = 4 << 20, put_below: int = PUT_BELOW,
-                 put_below_many: int = PUT_BELOW_MANY, few_runs: int = FEW_RUNS,
-                 heartbeat: float = 0.5, peer_timeout: float = 5.0, max_control_bytes: int = 64 << 20,
-                 max_incoming: int = 4096, max_incoming_per_peer: int = 1024, max_peers: int = 1024,
-                 fence_grace: float = 1.0, quarantine_timeout: float | None = None,
-                 connect_timeout: float = 10.0, ucx_config: dict | None = None, staging_frames: int = 8,
-                 stage_host: str = "network", eager_writes: bool = False, admission: bool | None = None):
-        if not 4096 <= frame_bytes < 1 << 32:
-            raise TransportError(f"frame_bytes must be in 4 KiB..4 GiB, got {frame_bytes}")
-        if not 1 <= int(staging_frames) <= 4096 or stage_host not in STAGE_HOST:
-            raise TransportError(f"staging_frames {staging_frames} must be in 1..4096 and stage_host "
-                                 f"{stage_host!r} one of {STAGE_HOST}")
-        self.stage_host, self.eager_writes = stage_host, bool(eager_writes)
-        if admission not in (None, True, False):
-            raise TransportError(f"admission must be None, True or False, got {admission!r}")
-        self.admission, self._admission_on = admission, False
+    def __init__(self, options: UCXOptions | None = None, **kwargs: Any):
+        if options is not None and kwargs:
+            raise ConfigError(f"give ucx options as options= or as keywords, not both (keywords {sorted(kwargs)})")
+        opts = self.options = options if options is not None else UCXOptions.of(kwargs)
+        tls, ucx_config = opts.tls, opts.ucx_config
+        self.stage_host, self.eager_writes = opts.stage_host, opts.eager_writes
+        self.admission, self._admission_on = opts.admission, False
         self._admitted: collections.OrderedDict[str, bytes] = collections.OrderedDict()   # id -> token
         self._admit_lock = threading.Lock()
         config = with_tcp_defaults(ucx_settings(tls, ucx_config, os.environ), os.environ)
         self._shm_settings = shared_memory_settings(config, os.environ)
         self.id = uuid.uuid4().hex
-        self.frame_bytes, self.put_below, self.put_below_many = int(frame_bytes), int(put_below), int(put_below_many)
-        self.few_runs, self.heartbeat, self.peer_timeout = int(few_runs), heartbeat, peer_timeout
-        self.max_control_bytes, self.max_incoming = int(max_control_bytes), int(max_incoming)
-        self.max_incoming_per_peer, self.max_peers = int(max_incoming_per_peer), int(max_peers)
-        self.fence_grace, self.connect_timeout = float(fence_grace), float(connect_timeout)
-        self.quarantine_timeout = None if quarantine_timeout is None else float(quarantine_timeout)
+        self.frame_bytes, self.put_below, self.put_below_many = opts.frame_bytes, opts.put_below, opts.put_below_many
+        self.few_runs, self.heartbeat, self.peer_timeout = opts.few_runs, opts.heartbeat, opts.peer_timeout
+        self.max_control_bytes, self.max_incoming = opts.max_control_bytes, opts.max_incoming
+        self.max_incoming_per_peer, self.max_peers = opts.max_incoming_per_peer, opts.max_peers
+        self.fence_grace, self.connect_timeout = opts.fence_grace, opts.connect_timeout
+        self.quarantine_timeout = opts.quarantine_timeout
         self._host_id, self._pid = host_identity(), os.getpid()
         self._start_ticks = process_start(self._pid) or 0
         self._fence_released = self._fence_expired = 0
-        self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
-                                                              ucx_api.Feature.WAKEUP))
-        self._worker = ucx_api.UCXWorker(self._ctx)
-        self._worker.init_blocking_progress_mode()  # so the idle I/O thread can sleep on the worker fd
+        try:   # UCX's own errors end here, mapped into the tree
+            self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
+                                                                  ucx_api.Feature.WAKEUP))
+            self._worker = ucx_api.UCXWorker(self._ctx)
+            self._worker.init_blocking_progress_mode()  # so the idle I/O thread can sleep on the worker fd
+            # The front worker: what descriptor() names; it takes one HELLO per peer (``join``).
+            self._front_ctx, self._front_worker = make_front(config, config.get("TLS") if tls_explicit(
+                tls, ucx_config, os.environ) else None)
+        except (ucx_api.UCXConfigError, ucx_api.UCXInvalidParamError) as e:
+            raise ConfigError(f"UCX refused the settings {config} (ucx options tls and ucx_config, defaults, and "
+                              f"UCX_* in the environment; UCX's log says which): {type(e).__name__}: {e}") from e
+        except ucx_api.UCXError as e:
+            raise TransportError(f"cannot start a UCX transport with the settings {config}: "
+                                 f"{type(e).__name__}: {e}") from e
         self._whandle, self._address = self._worker.handle, self._worker.address.tobytes()
-        # The front worker: what descriptor() names; it takes one HELLO per peer (``join``).
-        self._front_ctx, self._front_worker = make_front(config, config.get("TLS") if tls_explicit(
-            tls, ucx_config, os.environ) else None)
         # A second worker (FAR_TLS: no shared memory, no cma), made at the first peer on another
         # host or network namespace; the I/O thread progresses and sleeps on both.
         self._config, self._tls_explicit = config, tls_explicit(tls, ucx_config, os.environ)
@@ -278,15 +229,15 @@ class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXCo
         self._retired: collections.OrderedDict[str, tuple[bytes, int]] = collections.OrderedDict()
         # Peers whose error-handling endpoint UCX closed (failure) or we closed, queued by the close
         # callback for the I/O loop (``UCXFencing._check_failed``); stale ones are skipped there.
-        self._failed_eps: collections.deque = collections.deque(maxlen=4 * max_peers)
+        self._failed_eps: collections.deque = collections.deque(maxlen=4 * opts.max_peers)
         self._xids = itertools.count(1)
         self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
         self._later: list[Callable[[], object]] = []   # see _deliver
         self._flush_param = ucp.RequestParam()
         self._far_put_param = ucp.RequestParam(op_attr_mask=ucp.OP_ATTR_MULTI_SEND)   # see register()
-        self._staging = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-send")
-        self._rx_ring = StagingPool(frames=int(staging_frames), frame_bytes=self.frame_bytes, name="ucx-recv")
+        self._staging = StagingPool(frames=opts.staging_frames, frame_bytes=self.frame_bytes, name="ucx-send")
+        self._rx_ring = StagingPool(frames=opts.staging_frames, frame_bytes=self.frame_bytes, name="ucx-recv")
         self._spill = RingSpill(self.frame_bytes)   # frames standing in for held ring slots (``frames``)
         # UCX_TLS in the environment counts too: UCX reads it where the config sets none
         self._network_only = network_only(config.get("TLS") or os.environ.get("UCX_TLS", ""))

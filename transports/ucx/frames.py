@@ -29,7 +29,7 @@ import torch
 
 _I8 = np.int64
 
-# Where host memory is staged (``UCXTransport(stage_host=...)``): "network" stages packed frames
+# Where host memory is staged (``UCXOptions.stage_host``): "network" stages packed frames
 # for peers reached over the network (a peer on another host or network namespace, reached
 # through the FAR_TLS worker, or any peer of a transport whose UCX_TLS has no shared memory),
 # "always" stages every one, "never" none. Unstaged host frames are UCX iovs read and written
@@ -39,7 +39,6 @@ _I8 = np.int64
 # TP 2 -> 4, 64 MiB, idle box, medians of 6-9 vs raw TCP in the same run: 0.57x not staged,
 # 0.57x staged by the sender only (the receiver's iovs in place), 0.74x staged and taken
 # through the receiver's ring, so a receiver takes staged host frames through its ring).
-STAGE_HOST = ("network", "always", "never")
 # "network" stages only pieces this small on average (on the side with more of them): over TCP
 # a piece costs UCX an iov entry, cheap for pages, dear for 512 B rows. Measured the same way:
 # TP 1 -> 1 (32 KiB runs) 0.85x in place vs 0.71x staged; TP 2 -> 4 (512 B rows) 0.53x vs 0.80x.

@@ -37,7 +37,7 @@ TCP_DEFAULTS = {"TCP_MAX_IOV": "128"}
 MUST_MATCH = ("SYSV_FIFO_SIZE", "SYSV_SEG_SIZE", "POSIX_FIFO_SIZE", "POSIX_SEG_SIZE")
 
 
-def ucx_settings(tls: str | None, ucx_config: dict | None, environ: Mapping[str, str]) -> dict[str, str]:
+def ucx_settings(tls: str | None, ucx_config: Mapping[str, str] | None, environ: Mapping[str, str]) -> dict[str, str]:
     """The settings a transport hands UCX (names without ``UCX_``): ``UCX_DEFAULTS`` the
     environment does not set, then ``ucx_config``, then ``tls``."""
     return {**{k: v for k, v in UCX_DEFAULTS.items() if f"UCX_{k}" not in environ},
@@ -81,7 +81,7 @@ def front_tls(tls: str | None) -> str:
     return "tcp" if "tcp" in names or "all" in names else tls
 
 
-def tls_explicit(tls: str | None, ucx_config: dict | None, environ: Mapping[str, str]) -> bool:
+def tls_explicit(tls: str | None, ucx_config: Mapping[str, str] | None, environ: Mapping[str, str]) -> bool:
     """The user chose UCX's transports (the ``tls`` option, ``ucx_config["TLS"]`` or UCX_TLS):
     then every peer is reached with them, as told."""
     return bool(tls) or "TLS" in (ucx_config or {}) or "UCX_TLS" in environ
