@@ -76,8 +76,8 @@ def granted_mask(base: int = 0) -> np.ndarray:
 
 
 @pytest.fixture
-def rx():
-    t = get_transport("ucx", **RX_OPTS)
+def rx(request):
+    t = get_transport("ucx", **{**RX_OPTS, **getattr(request, "param", {})})   # a test's own options: indirect
     region = torch.full((REGION,), CANARY, dtype=torch.uint8)
     t.register([region])
     t.region = region
@@ -157,7 +157,7 @@ def test_stalled_sender_keeps_memory_fenced_until_it_flushes(rx, tx):
 def test_killed_sender_is_proven_dead_and_nothing_leaks(rx, tx):
     rx.expect("k.1", grant())
     tx.call("submit", peer=tx.peer, request_id="k.1", plan=plan_json(), timeout=30.0, stall_s=60.0)
-    assert until(lambda: len(rx._in) == 1, 5.0), "the announce did not arrive"
+    assert until(lambda: len(rx.receiver.incoming) == 1, 5.0), "the announce did not arrive"
     tx.signal(signal.SIGKILL)
     tx.proc.wait(10)
     failed_arrival(rx, "k.1", 5.0)
@@ -168,8 +168,8 @@ def test_killed_sender_is_proven_dead_and_nothing_leaks(rx, tx):
     assert (rx.region.numpy() == CANARY).all(), "a dead sender wrote"
 
 
+@pytest.mark.parametrize("rx", [{"quarantine_timeout": 1.0}], ids=["quarantine 1 s"], indirect=True)
 def test_quarantine_timeout_gives_memory_back(tx, rx):
-    rx.quarantine_timeout = 1.0
     rx.expect("q.1", grant())
     tx.call("submit", peer=tx.peer, request_id="q.1", plan=plan_json(), timeout=8.0, stall_s=4.0)
     failed_arrival(rx, "q.1", 3.0)
@@ -201,7 +201,7 @@ def test_writes_pending_right_after_forget(rx, tx):
     the other chunks of the request are still open) must already get True."""
     rx.expect("f.1", grant())
     tx.call("submit", peer=tx.peer, request_id="f.1", plan=plan_json(), timeout=8.0, stall_s=2.0)
-    assert until(lambda: len(rx._in) == 1, 5.0), "the announce did not arrive"
+    assert until(lambda: len(rx.receiver.incoming) == 1, 5.0), "the announce did not arrive"
     rx.commands.put(__import__("kvxfer.transport.kit", fromlist=["Call"]).Call(time.sleep, (0.3,)))  # I/O busy
     rx.forget("f.1")
     assert rx.writes_pending("f.1"), "released while a transfer with GO was still open"

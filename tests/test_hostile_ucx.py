@@ -56,8 +56,8 @@ def one_run_plan(src: int, dst: int, n: int) -> TransferPlan:
 
 
 @pytest.fixture
-def victim():
-    t = get_transport("ucx", **OPTS)
+def victim(request):
+    t = get_transport("ucx", **{**OPTS, **getattr(request, "param", {})})   # a test's own options: indirect
     region = torch.full((REGION,), CANARY, dtype=torch.uint8)
     t.register([region])
     t.expect(GRANTED, ByteRanges(np.array([0]), np.array([0]), np.array([64 << 10])))
@@ -187,16 +187,15 @@ def test_a_spoofed_abort_keeps_writes_pending(victim):
     after_attack(victim)
 
 
-@pytest.fixture
-def eager_victim(victim):
-    victim.eager_writes = True   # pregrants to eager peers from the next expect on
-    return victim
+# a victim that pregrants to eager peers (``eager_writes``)
+eager = pytest.mark.parametrize("victim", [{"eager_writes": True}], ids=["eager"], indirect=True)
 
 
-def test_malformed_eager_messages_are_refused(eager_victim):
+@eager
+def test_malformed_eager_messages_are_refused(victim):
     """PREGRANT / FENCE / FENCED of the wrong shape, and an eager ANNOUNCE nobody pregranted:
     counted and dropped (the ANNOUNCE refused), the victim's thread and memory intact."""
-    v = eager_victim
+    v = victim
     c = join(v, "mallory", eager=True)
     eager_put = announce_put(4) + [b"", 0, 1]    # 12 fields: puts done, flushed
     unsorted = struct.pack("<4q", 100, 200, 0, 10)   # ranges: (start, end) pairs out of order
@@ -210,10 +209,11 @@ def test_malformed_eager_messages_are_refused(eager_victim):
     after_attack(v)
 
 
-def test_a_spoofed_fenced_keeps_a_forgotten_grant_held(eager_victim):
+@eager
+def test_a_spoofed_fenced_keeps_a_forgotten_grant_held(victim):
     """Only the pregranted peer's own FENCED (its channel secret) ends the fence of a forgotten
     request: a third party's, under its id, does not."""
-    v = eager_victim
+    v = victim
     s = join(v, "sender-s", eager=True)
     third = join(v, "third")
     third.front = v.descriptor()["address"]

@@ -161,10 +161,10 @@ def test_eager_writes_end_to_end():
     c = Cluster("ucx", eager=True)
     try:
         t, eager, told = c.D.ep.transport, [], []
-        orig = t._on_announce
-        t._on_announce = lambda p, m: (eager.append(m.eager), orig(p, m))[1]
-        pregrant = t._pregrant
-        t._pregrant = lambda rid, senders=None: (told.append(senders), pregrant(rid, senders))[1]
+        orig = t.receiver.on_announce
+        t.receiver.on_announce = lambda p, m: (eager.append(m.eager), orig(p, m))[1]
+        pregrant = t.pregrants.pregrant
+        t.pregrants.pregrant = lambda rid, senders=None: (told.append(senders), pregrant(rid, senders))[1]
         rooms = list(range(3000, 3200))
         c.P.post("serve", rooms=rooms, tokens=4, timeout=60)
         recvs = {room: c.D.receiver(room, 4) for room in rooms}
@@ -177,7 +177,7 @@ def test_eager_writes_end_to_end():
         # decode named the request's prefill rank: only it was told (its transport id, a peer here)
         (prefill_id,) = {d["ucx"]["id"] for d in (i.data for i in c.D.ep.links.known_peers().values())}
         assert len(told) == len(rooms) and set(told) == {frozenset({prefill_id})}, set(told)
-        assert prefill_id in t._peers
+        assert prefill_id in t.peers
         _finish(c, rooms)
         assert t.fencing()["eager_fences"] == 0, t.fencing()
     finally:

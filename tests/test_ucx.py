@@ -60,10 +60,10 @@ def _serve(conn, tls, pool_bytes: int, opts: dict) -> None:
             conn.send(t.writes_pending(a[0]))
             continue
         elif cmd == "open_in":   # xids of the incoming transfers open now (read off the I/O thread)
-            conn.send(sorted(k[1] for k in list(t._in)))
+            conn.send(sorted(k[1] for k in list(t.receiver.incoming)))
             continue
         elif cmd == "dtag":      # the data tag GO gave an incoming transfer (0: none yet)
-            conn.send(next((i.dtag for i in list(t._in.values()) if i.xid == a[0]), 0))
+            conn.send(next((i.dtag for i in list(t.receiver.incoming.values()) if i.xid == a[0]), 0))
             continue
         elif cmd == "arrivals":
             got, end = [], time.monotonic() + a[0]
@@ -84,7 +84,7 @@ def _serve(conn, tls, pool_bytes: int, opts: dict) -> None:
             continue
         elif cmd == "submit":
             if a[4]:  # a sender frozen after GO (as if it stopped mid-transfer): never puts, never DONE
-                t._start_puts = lambda out, dtag: setattr(out, "state", "stalled")
+                t.sender.start_puts = lambda out, dtag: setattr(out, "state", "stalled")
             handles[a[1]] = t.submit(a[0], a[1], plan_of(a[2]), timeout=a[3])
         elif cmd == "close":
             t.close()
@@ -242,12 +242,12 @@ def test_writes_outside_grant_are_rejected_whole(pair):
 def _send_tagged(t, pid: str, tag: int, wire: bytes) -> None:
     """Send raw bytes with ``tag`` from ``t`` to its connected peer, on ``t``'s I/O thread."""
     from kvxfer_transports.ucx import Array, ucx_api
-    p = t._peers[pid]
+    p = t.peers[pid]
 
     def send():
         buf = np.frombuffer(wire, np.uint8)
-        t._ctrl_sends.append((p.ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)), buf))
-    t._call(send)
+        t.outbox.sends.append((p.ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)), buf))
+    t.call_io(send)
 
 
 def _raw(t, pid: str, msg, sender: str | None = None) -> None:
@@ -256,9 +256,9 @@ def _raw(t, pid: str, msg, sender: str | None = None) -> None:
     ``msg`` is one message (sent as a batch of one from ``sender``, default ``t``) or raw bytes.
     """
     from kvxfer_transports.ucx import CTRL_TAG
-    secret = t._peers[pid].secret
+    secret = t.peers[pid].secret
     wire = msg if isinstance(msg, bytes) else msgpack.packb([sender or t.id, secret, [msg]], use_bin_type=True)
-    _send_tagged(t, pid, CTRL_TAG | t._peers[pid].tag_out, wire)
+    _send_tagged(t, pid, CTRL_TAG | t.peers[pid].tag_out, wire)
 
 
 def test_hostile_announces_are_rejected_and_counted(pair):
@@ -419,7 +419,7 @@ def test_adjacent_runs_go_as_one_put(pair):
     k = 40  # more than FEW_RUNS: the vectorized path
     so, do = np.r_[np.arange(k // 2), 100 + np.arange(k // 2)] * 64 * KiB, np.arange(k) * 64 * KiB
     plan = plan_of([(so, do, 64 * KiB, False)])
-    puts, runs, nput, _ = t._prepare(t._peers[pid], plan)
+    puts, runs, nput, _ = t.planner.prepare(t.peers[pid], plan)
     # two merged runs of 1.25 MiB, each cut at frame_bytes (1 MiB here)
     sizes = np.frombuffer(puts, "<i8").reshape(-1, 5)[:, 2].tolist()   # rows of (src, dst, nbytes, sreg, dreg)
     assert sizes == [MiB, 256 * KiB] * 2 and nput == k == len(runs) // 24
@@ -441,9 +441,9 @@ def test_small_scattered_runs_travel_as_iov_frames(pair):
     rng = np.random.default_rng(3)
     so = rng.choice(POOL // (8 * KiB), k, replace=False) * 8 * KiB
     do = rng.choice(POOL // (8 * KiB), k, replace=False) * 8 * KiB
-    n = rng.integers(1, t.put_below, k)             # ~2.3 MiB: three frames of 1 MiB
+    n = rng.integers(1, t.options.put_below, k)             # ~2.3 MiB: three frames of 1 MiB
     plan = plan_of([(so, do, n, False)])
-    puts, _, nput, packed = t._prepare(t._peers[pid], plan)
+    puts, _, nput, packed = t.planner.prepare(t.peers[pid], plan)
     assert not puts and nput == 0 and len(packed[2]) == k
     peer("expect", "r-iov", whole(POOL))
     h = t.submit(pid, "r-iov", plan, timeout=30)

@@ -10,7 +10,7 @@ handling on, as the transport makes them for a peer in another host or network n
   (``transports/ucx/control.py``, "Fencing").
 - When the peer's process dies (``kill -9``), our endpoint's close callback fires within a
   fraction of a second, no socket to it is left, and nothing of it lands afterwards: the
-  transport counts that as writes impossible (``UCXFencing._check_failed``).
+  transport counts that as writes impossible (``Fencing.check_failed``).
 """
 from __future__ import annotations
 

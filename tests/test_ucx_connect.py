@@ -75,11 +75,11 @@ def test_a_live_peer_connects_and_a_transfer_lands(rx, tx):
     rx.call("expect", request_id="c.1", ranges={"region": enc(np.array([0])), "start": enc(np.array([0])),
                                                  "nbytes": enc(np.array([SIZE]))})
     peer = tx.connect(rx.desc)
-    assert tx._peers[peer].answered
+    assert tx.peers[peer].answered
     z = np.zeros(1, np.int64)
     h = tx.submit(peer, "c.1", raw_plan(z, z, z, z, np.array([SIZE], np.int64)), timeout=10)
     assert h.wait(10), h.error
-    assert rx.call("digest", regions=[0])["digests"]["0"] == hashlib.sha256(tx._regions[0].numpy()).hexdigest()
+    assert rx.call("digest", regions=[0])["digests"]["0"] == hashlib.sha256(tx.regions.tensors[0].numpy()).hexdigest()
 
 
 def test_admission_binds_an_id_to_the_latest_token(rx, tx):

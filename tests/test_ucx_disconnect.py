@@ -70,12 +70,12 @@ def test_connect_disconnect_200_times_leaks_nothing(pair):
     base = None
     for k in range(200):
         tx.disconnect(peer)
-        assert until(lambda: peer not in tx._peers, 5.0), f"cycle {k}: the disconnected peer was never freed"
+        assert until(lambda: peer not in tx.peers, 5.0), f"cycle {k}: the disconnected peer was never freed"
         assert tx.connect(desc) == peer
         if k == 9:   # UCX allocates some things once: measure after a few cycles
-            base = (fds(), threading.active_count(), len(rx._peers))
-    assert (fds(), threading.active_count(), len(rx._peers)) <= (base[0] + 2, base[1], base[2]), (base, fds())
-    assert len(tx._peers) == 1 and len(tx._retired) == 0 and not tx._closing
+            base = (fds(), threading.active_count(), len(rx.peers))
+    assert (fds(), threading.active_count(), len(rx.peers)) <= (base[0] + 2, base[1], base[2]), (base, fds())
+    assert len(tx.peers) == 1 and len(tx.peers.retired) == 0 and not tx.lifecycle.closing
     transfer_lands(rx, tx, peer, src, dst, "d.1")
     assert sum(rx.grants.rejected.values()) == 0, rx.grants.rejected   # no HELLO refused on the way
 
@@ -96,7 +96,7 @@ def test_disconnect_fails_in_flight_transfers_and_frees_after_the_flush(pair):
         assert until(lambda: h.source_released, 5.0), tx.fencing()
         rx.forget("x.1")
         assert until(lambda: not rx.writes_pending("x.1"), 5.0), f"no ABORT or FENCED came: {rx.fencing()}"
-    assert until(lambda: peer not in tx._peers, 5.0), "never freed"
+    assert until(lambda: peer not in tx.peers, 5.0), "never freed"
     assert tx.fencing()["sources"] == 0
     # Submitting to a disconnected peer fails at once; connect() brings it back.
     h2 = tx.submit(peer, "x.2", plan(4096), timeout=5)
@@ -112,13 +112,13 @@ def test_a_pregrant_still_on_its_way_at_disconnect_holds_nothing(pair, monkeypat
     memory once forgotten. Without it the receiver waits for a FENCED no one sends (forever: no
     quarantine_timeout). Seen under load: the in-flight test above, 5 failures in 14 runs."""
     rx, tx, src, dst = pair
-    monkeypatch.setattr(tx, "_on_pregrant", lambda p, m: None)
+    monkeypatch.setattr(tx.sender, "on_pregrant", lambda p, m: None)
     peer = tx.connect(rx.descriptor())
-    assert until(lambda: any(p.sends_eager for p in rx._peers.values()), 5.0), "no HELLO"   # it may pregrant us
+    assert until(lambda: any(p.sends_eager for p in rx.peers.values()), 5.0), "no HELLO"   # it may pregrant us
     rx.expect("p.1", ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
-    assert until(lambda: rx._pregrants.get("p.1"), 1.0), "no PREGRANT sent"
+    assert until(lambda: rx.pregrants.granted.get("p.1"), 1.0), "no PREGRANT sent"
     tx.disconnect(peer)
-    assert until(lambda: peer not in tx._peers, 5.0), "never freed"
+    assert until(lambda: peer not in tx.peers, 5.0), "never freed"
     rx.forget("p.1")
     assert until(lambda: not rx.writes_pending("p.1"), 5.0), f"the memory stays held: {rx.fencing()}"
 
@@ -131,14 +131,14 @@ def test_after_a_failed_flush_the_receiver_keeps_the_memory(pair, monkeypatch):
     rx, tx, src, dst = pair
     peer = tx.connect(rx.descriptor())
     transfer_lands(rx, tx, peer, src, dst, "f.0")   # pregranted, eager: the receiver expects FENCEDs of us
-    ep, real = tx._peers[peer].ep.handle, bindings.ep_flush
+    ep, real = tx.peers[peer].ep.handle, bindings.ep_flush
     monkeypatch.setattr(bindings, "ep_flush", lambda e, param: 2**64 - 3 if e == ep else real(e, param))
     rx.expect("f.1", ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
     h = tx.submit(peer, "f.1", plan(64 << 10), timeout=5)
     assert h.wait(5) is False and "flush failed" in str(h.error), h.error
     rx.forget("f.1")
     tx.disconnect(peer)
-    assert until(lambda: peer not in tx._peers, 5.0), "never freed"
+    assert until(lambda: peer not in tx.peers, 5.0), "never freed"
     time.sleep(0.5)
     assert rx.writes_pending("f.1"), f"FENCED after a failed flush: {rx.fencing()}"
     monkeypatch.undo()
@@ -155,7 +155,7 @@ def test_disconnect_is_idempotent_unknown_is_a_noop_and_connect_may_come_at_once
     transfer_lands(rx, tx, peer, src, dst, "i.1")
     assert rx.fencing()["fenced_peers"] == 0, rx.fencing()
     tx.disconnect(peer)
-    assert until(lambda: peer not in tx._peers, 5.0)
+    assert until(lambda: peer not in tx.peers, 5.0)
     # The receiver had our BYE and fenced us; reconnecting re-handshakes with a higher epoch.
     assert tx.connect(desc) == peer
     transfer_lands(rx, tx, peer, src, dst, "i.2")
@@ -169,13 +169,13 @@ def test_disconnect_holds_the_source_until_the_puts_are_flushed(tmp_path):
     from xfer_peer import digest_of, stalled_receiver
     with stalled_receiver(tmp_path) as (tx, rx, peer, region, plan):
         h = tx.submit(peer, "t.1", plan, timeout=20.0)
-        assert until(lambda: any(o.state == "flushing" for o in list(tx._out.values())), 5.0), "no GO came"
+        assert until(lambda: any(o.state == "flushing" for o in list(tx.sender.outgoing.values())), 5.0), "no GO came"
         tx.disconnect(peer)
         assert h.wait(2.0) is False and "disconnected" in str(h.error), h.error
         time.sleep(1.5)   # past peer_timeout, the receiver still stalled
         assert not h.source_released, "the source was released while puts of it were in flight"
-        assert peer in tx._peers, "the endpoint was closed while puts of it were in flight"
+        assert peer in tx.peers, "the endpoint was closed while puts of it were in flight"
         assert until(lambda: h.source_released, 15.0), f"never released after the receiver woke: {tx.fencing()}"
-        assert until(lambda: peer not in tx._peers, 5.0), "the peer was never freed"
+        assert until(lambda: peer not in tx.peers, 5.0), "the peer was never freed"
         assert rx.call("digest", regions=[0])["digests"]["0"] == digest_of(region), \
             "the stalled receiver did not get every put once it woke"

@@ -61,14 +61,14 @@ def src() -> np.ndarray:
 
 
 @pytest.fixture
-def rx():
-    t = get_transport("ucx", **RX_OPTS)
+def rx(request):
+    t = get_transport("ucx", **{**RX_OPTS, **getattr(request, "param", {})})   # a test's own options: indirect
     region = torch.full((REGION,), CANARY, dtype=torch.uint8)
     t.register([region])
     t.region = region
     sent: list[str] = []
-    orig = t._send
-    t._send = lambda p, m: (sent.append(type(m).__name__), orig(p, m))[1]   # what the receiver answers
+    orig = t.outbox.send
+    t.outbox.send = lambda p, m: (sent.append(type(m).__name__), orig(p, m))[1]   # what the receiver answers
     t.sent = sent
     yield t
     t.close()
@@ -213,8 +213,9 @@ def test_forget_mid_transfer_holds_until_the_flush(rx, tx):
         assert np.array_equal(rx.region.numpy(), after), "a write landed after FENCED"
 
 
+@pytest.mark.parametrize("rx", [{"peer_timeout": 0.8}], ids=["silent after 0.8 s"], indirect=True)
 def test_killed_sender_is_proven_dead_and_its_fences_end(rx, tx):
-    rx.peer_timeout = 0.8   # silent, then proven dead (its pid is gone)
+    # peer_timeout 0.8: silent, then proven dead (its pid is gone)
     offs, n = runs(0)
     rx.expect("k.1", grant(offs, n))
     pregranted(tx, rx, "k.1")

@@ -25,7 +25,7 @@ from ucxx._lib import libucxx as ucx_api  # noqa: E402
 from waiting import until  # noqa: E402
 
 from kvxfer.transport.registry import get_transport  # noqa: E402
-from kvxfer_transports.ucx.lifecycle import failure_of  # noqa: E402
+from kvxfer_transports.ucx.peers import failure_of  # noqa: E402
 from kvxfer_transports.ucx.state import Peer  # noqa: E402
 
 pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
@@ -62,12 +62,12 @@ def test_only_a_reset_releases_what_a_far_peer_could_write(error, still_held):
         p = Peer("far-peer", FailedEndpoint(error), b"s" * 16, far=True, err=True, next_ping=math.inf)
 
         def inject() -> None:     # on the I/O thread, as the close callback's queue is read there
-            t._peers[p.id] = p
-            t._landing[(p.id, 1)] = ("room-1", 4096, time.monotonic())
-            t._landing_rids["room-1"] += 1
-            t._failed_eps.append(p)
-        t._call(inject)
-        assert until(lambda: p.id not in t._peers, 5.0), "the failed peer was never forgotten"
+            t.peers.add(p)
+            t.landing.puts[(p.id, 1)] = ("room-1", 4096, time.monotonic())
+            t.landing.rids["room-1"] += 1
+            t.peers.failed.append(p)
+        t.call_io(inject)
+        assert until(lambda: p.id not in t.peers, 5.0), "the failed peer was never forgotten"
         assert p.failure == ("reset" if error is ucx_api.UCXConnectionResetError else "UCXXEndpointTimeoutError")
         time.sleep(0.3)            # more ticks: nothing else releases it
         assert t.writes_pending("room-1") is still_held

@@ -67,7 +67,7 @@ def transfer_lands(rx, tx, peer, src, dst, rid: str) -> None:
     assert torch.equal(dst[4096: 4096 + N], src[:N]), "bytes differ"
     assert bool((dst[:4096] == CANARY).all()) and bool((dst[4096 + N:] == CANARY).all())
     assert rx.fencing()["fenced_peers"] == 0, rx.fencing()
-    assert tx._peers[peer].my_epoch >= 1, "the sender never re-handshook"
+    assert tx.peers[peer].my_epoch >= 1, "the sender never re-handshook"
 
 
 def test_announce_right_after_the_fence_is_announced_again_after_the_rehandshake(pair):
@@ -81,7 +81,7 @@ def test_receiver_tells_a_fenced_sender_before_its_next_announce(pair):
     stall_sender(rx, tx)
     # The sender wakes and pings; the receiver answers "fenced" at once, so the sender
     # re-handshakes before it has anything to announce.
-    assert until(lambda: tx._peers[peer].my_epoch >= 1, 5.0), "the sender never learned it was fenced"
+    assert until(lambda: tx.peers[peer].my_epoch >= 1, 5.0), "the sender never learned it was fenced"
     assert until(lambda: rx.fencing()["fenced_peers"] == 0, 5.0), rx.fencing()
     transfer_lands(rx, tx, peer, src, dst, "heal.2")
 
@@ -95,8 +95,8 @@ def test_a_go_for_an_announce_older_than_the_rehandshake_puts_nothing(pair):
     rx.expect("old.1", ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
     rx.commands.put(Call(time.sleep, (0.5,)))     # the receiver answers the announce only later
     h = tx.submit(peer, "old.1", plan(N), timeout=10)
-    assert until(lambda: any(o.state == "wait_go" for o in list(tx._out.values())), 2.0)
-    tx._call(tx._rehello, tx._peers[peer])
+    assert until(lambda: any(o.state == "wait_go" for o in list(tx.sender.outgoing.values())), 2.0)
+    tx.call_io(tx.rehandshake.begin, tx.peers[peer])
     assert h.wait(10) is False and "re-handshaking" in str(h.error), h.error
     assert bool((dst == CANARY).all()), "a put of the old epoch landed"
     rx.forget("old.1")

@@ -61,14 +61,14 @@ class Pair:
         the control tag the receiver gave it (its WELCOME) unless ``tag`` is given."""
         from ucxx._lib import libucxx as ucx_api
         from ucxx._lib.arr import Array
-        t, p = self.tx, self.tx._peers[self.pid]
+        t, p = self.tx, self.tx.peers[self.pid]
         tag = CTRL_TAG | p.tag_out if tag is None else tag
         wire = batch if isinstance(batch, bytes) else msgpack.packb(batch, use_bin_type=True)
 
         def send():
             buf = np.frombuffer(wire, np.uint8)
-            t._ctrl_sends.append((p.ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)), buf))
-        t._call(send)
+            t.outbox.sends.append((p.ep.tag_send(Array(buf), ucx_api.UCXXTag(tag)), buf))
+        t.call_io(send)
 
     def honest(self, n: int = 256 * KiB) -> None:
         """An honest transfer lands byte-exact, and nothing around it changes."""
@@ -104,7 +104,7 @@ def test_announce_with_float_xid_is_dropped_and_the_outbox_stays_usable(pair):
     Before, its FAIL reply could not be packed and every later message to that peer was stuck."""
     tx, rx = pair.tx, pair.rx
     pair.rx.expect("victim", grant())
-    secret = tx._peers[pair.pid].secret
+    secret = tx.peers[pair.pid].secret
     runs = np.array([[0], [0], [4096]], "<i8").tobytes()
     before = _count(rx, "malformed message")
     for xid in (1e30, 2**64 - 1, -1, True, "7"):
@@ -122,11 +122,11 @@ def test_a_third_party_cannot_speak_for_a_peer(pair):
     bytes for a transfer whose puts never came, and writes_pending stays true after forget."""
     tx, rx = pair.tx, pair.rx
     rx.expect("stalled", grant())
-    tx._start_puts = lambda out, dtag: setattr(out, "state", "stalled")   # GO comes, no put, no DONE
+    tx.sender.start_puts = lambda out, dtag: setattr(out, "state", "stalled")   # GO comes, no put, no DONE
     try:
         h = tx.submit(pair.pid, "stalled", plan(0, 0, 256 * KiB), timeout=3)
-        assert until(lambda: any(o.state == "stalled" for o in list(tx._out.values())), 5.0)
-        xid = next(o.xid for o in list(tx._out.values()) if o.state == "stalled")
+        assert until(lambda: any(o.state == "stalled" for o in list(tx.sender.outgoing.values())), 5.0)
+        xid = next(o.xid for o in list(tx.sender.outgoing.values()) if o.state == "stalled")
         before = _count(rx, "unknown peer")
         for secret in (b"\0" * 16, b"", b"x" * 15):
             pair.raw([tx.id, secret, [[DONE, xid]]])
@@ -138,10 +138,10 @@ def test_a_third_party_cannot_speak_for_a_peer(pair):
         assert until(lambda: _count(rx, "unknown peer") == before + 4, 5.0), rx.rejected
         assert rx.writes_pending("stalled"), "a forged message cleared writes_pending"
         assert not h.wait(5)
-        pair.raw([tx.id, tx._peers[pair.pid].secret, [[DONE, xid]]])   # the same DONE with the secret
+        pair.raw([tx.id, tx.peers[pair.pid].secret, [[DONE, xid]]])   # the same DONE with the secret
         assert until(lambda: not rx.writes_pending("stalled"), 5.0), "the test's DONE is not one the receiver takes"
     finally:
-        del tx._start_puts
+        del tx.sender.start_puts
     rx.arrivals(1.0)
     assert bool((pair.dst == CANARY).all())
     pair.honest()
@@ -152,7 +152,7 @@ def test_control_message_size_is_capped():
     p = Pair(rx_opts={"max_control_bytes": 64 * KiB})
     try:
         before = _count(p.rx, "too large")
-        p.raw([p.tx.id, p.tx._peers[p.pid].secret, [[7, b"x" * (256 * KiB)]]])
+        p.raw([p.tx.id, p.tx.peers[p.pid].secret, [[7, b"x" * (256 * KiB)]]])
         assert until(lambda: _count(p.rx, "too large") == before + 1, 5.0), p.rx.rejected
         p.honest()
     finally:
@@ -163,13 +163,13 @@ def test_incoming_transfers_per_peer_are_capped():
     p = Pair(rx_opts={"max_incoming_per_peer": 2})
     try:
         p.rx.expect("many", grant())
-        p.tx._start_puts = lambda out, dtag: setattr(out, "state", "stalled")
+        p.tx.sender.start_puts = lambda out, dtag: setattr(out, "state", "stalled")
         hs = [p.tx.submit(p.pid, "many", plan(k * 64 * KiB, k * 64 * KiB, 64 * KiB), timeout=2) for k in range(3)]
         assert until(lambda: _count(p.rx, "too many transfers") == 1, 5.0), p.rx.rejected
         assert not hs[2].wait(5) and "too many transfers" in str(hs[2].error)
         assert [h.wait(5) for h in hs[:2]] == [False, False]   # stalled: they time out
-        del p.tx._start_puts
-        assert until(lambda: not p.rx._in, 10.0)   # the receiver fails them at their deadline too
+        del p.tx.sender.start_puts
+        assert until(lambda: not p.rx.receiver.incoming, 10.0)   # the receiver fails them at their deadline too
         p.rx.forget("many")
         assert sorted(a.ok for a in collect_arrivals(p.rx, lambda got: len(got) >= 3, 5.0)) == [False] * 3
         assert bool((p.dst == CANARY).all())
@@ -189,9 +189,9 @@ def test_a_peer_past_its_share_does_not_take_another_peers_share():
         other.register([p.src])
         opid = other.connect(p.rx.descriptor())
         p.rx.expect("many", grant())
-        p.tx._start_puts = lambda out, dtag: setattr(out, "state", "stalled")
+        p.tx.sender.start_puts = lambda out, dtag: setattr(out, "state", "stalled")
         hs = [p.tx.submit(p.pid, "many", plan(k * 64 * KiB, k * 64 * KiB, 64 * KiB), timeout=3) for k in range(4)]
-        assert until(lambda: len(p.rx._in) == 4, 5.0)
+        assert until(lambda: len(p.rx.receiver.incoming) == 4, 5.0)
         p.dst.fill_(CANARY)
         p.rx.expect("fair", grant())
         h = other.submit(opid, "fair", plan(0, 1 << 20, 256 * KiB), timeout=10)
@@ -201,8 +201,8 @@ def test_a_peer_past_its_share_does_not_take_another_peers_share():
         assert not extra.wait(5) and "too many transfers" in str(extra.error), extra.error
         for x in hs:
             x.wait(5)
-        del p.tx._start_puts
-        assert until(lambda: not p.rx._in, 10.0)
+        del p.tx.sender.start_puts
+        assert until(lambda: not p.rx.receiver.incoming, 10.0)
         for rid in ("many", "fair"):
             p.rx.forget(rid)
         collect_arrivals(p.rx, lambda got: len(got) >= 6, 5.0)
@@ -222,7 +222,7 @@ def test_peers_are_capped():
         with pytest.raises(ConnectError, match="did not answer"):
             other.connect(p.rx.descriptor())
         assert until(lambda: _count(p.rx, "too many peers") == 1, 5.0), p.rx.rejected
-        assert len(p.rx._peers) == 1
+        assert len(p.rx.peers) == 1
         p.honest()
     finally:
         other.close()
@@ -257,7 +257,7 @@ def test_closed_peers_are_forgotten_so_the_cap_does_not_lock_out_new_ones():
     try:
         p.honest()
         p.tx.close()
-        assert until(lambda: not p.rx._peers, 5.0), "a closed peer was kept"
+        assert until(lambda: not p.rx.peers, 5.0), "a closed peer was kept"
         p.tx = get_transport("ucx", **OPTS)
         p.tx.register([p.src])
         p.pid = p.tx.connect(p.rx.descriptor())
@@ -305,9 +305,9 @@ def test_close_frees_ucx_resources_without_the_garbage_collector():
 def test_io_thread_death_fails_its_transfers_and_marks_the_transport_broken(pair):
     tx, rx = pair.tx, pair.rx
     rx.expect("doomed", grant())
-    tx._start_puts = lambda out, dtag: setattr(out, "state", "stalled")
+    tx.sender.start_puts = lambda out, dtag: setattr(out, "state", "stalled")
     h = tx.submit(pair.pid, "doomed", plan(0, 0, 256 * KiB), timeout=30)
-    assert until(lambda: any(o.state == "stalled" for o in list(tx._out.values())), 5.0)
+    assert until(lambda: any(o.state == "stalled" for o in list(tx.sender.outgoing.values())), 5.0)
     start = time.monotonic()
     tx.commands.put(Crash(RuntimeError("injected bug")))
     assert not h.wait(5) and time.monotonic() - start < 5
@@ -357,7 +357,7 @@ def fuzz_pair():
 @given(msgs=st.lists(_message, min_size=1, max_size=4), wrap=st.sampled_from(["ok", "secret", "shape"]))
 def test_fuzzed_control_messages_never_kill_the_thread_or_write_outside_a_grant(fuzz_pair, msgs, wrap):
     p = fuzz_pair
-    secret = p.tx._peers[p.pid].secret
+    secret = p.tx.peers[p.pid].secret
     try:
         batch = {"ok": [p.tx.id, secret, msgs], "secret": [p.tx.id, b"\0" * 16, msgs],
                  "shape": [p.tx.id, msgs]}[wrap]

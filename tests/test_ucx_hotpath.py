@@ -73,8 +73,8 @@ def test_tables_of_the_wrong_size_are_refused():
 def test_posted_puts_land_exactly(pair, memh):
     """Rows of both sizes (below and above the GIL-holding threshold) land byte-exact, nothing else moves."""
     rx, tx, pid, src, dst = pair
-    p = tx._peers[pid]
-    param = tx._params[0] if memh else ucp.RequestParam()   # the region's own, or as far peers have
+    p = tx.peers[pid]
+    param = tx.regions.params[0] if memh else ucp.RequestParam()   # the region's own, or as far peers have
     params = np.array([ctypes.addressof(param)], np.uint64)
     rows = [(src.data_ptr() + s, int(p.base[0]) + d, n, 0, 0)
             for s, d, n in [(0, 4096, 100), (8192, 16384, 4096), (64 * KiB, 128 * KiB, 96 * KiB)]]
@@ -83,10 +83,10 @@ def test_posted_puts_land_exactly(pair, memh):
         posted, status = hotpath.post_puts(p.ep.handle, _rows(*rows), p.rkeys, params)
         f = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(param)))
         while f.poll() is None:
-            tx._progress()
+            tx.workers.progress()
         return posted, status, f.status
 
-    assert tx._call(post) == (3, 0, 0)
+    assert tx.call_io(post) == (3, 0, 0)
     want = np.full(REGION, CANARY, np.uint8)
     for s, d, n, _, _ in rows:
         want[d - int(p.base[0]): d - int(p.base[0]) + n] = src.numpy()[s - src.data_ptr(): s - src.data_ptr() + n]
@@ -122,9 +122,9 @@ def test_a_transfer_whose_puts_cannot_be_posted_fails_whole(pair):
     """The peer's rkeys are gone (as once it is released): the transfer fails with the reason,
     its source is released, the receiver is told (ABORT) and not a byte lands."""
     rx, tx, pid, src, dst = pair
-    p = tx._peers[pid]
-    keys = tx._call(lambda: p.rkeys)
-    tx._call(setattr, p, "rkeys", ucp.EMPTY_TABLE)
+    p = tx.peers[pid]
+    keys = tx.call_io(lambda: p.rkeys)
+    tx.call_io(setattr, p, "rkeys", ucp.EMPTY_TABLE)
     z = np.zeros(1, np.int64)
     plan = TransferPlan((RunGroup(z, z, z, z, np.array([0]), np.array([0]), np.array([64 * KiB]), False),))
     rx.expect("r.1", ByteRanges(z, z, np.full(1, REGION, np.int64)))
@@ -134,4 +134,4 @@ def test_a_transfer_whose_puts_cannot_be_posted_fails_whole(pair):
     (arr,) = rx.arrivals(timeout=10)
     assert not arr.ok and arr.request_id == "r.1", arr
     assert bool((dst == CANARY).all())
-    tx._call(setattr, p, "rkeys", keys)
+    tx.call_io(setattr, p, "rkeys", keys)

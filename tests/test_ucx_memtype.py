@@ -69,7 +69,7 @@ def test_a_region_registered_as_another_memory_type_is_refused(monkeypatch):
     try:
         with pytest.raises(TransportError, match="region 1 on cpu as cuda memory, not host"):
             t.register([torch.zeros(4096, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)])
-        assert t._memh == [] and t._rkeys_packed == [] and t._regions == []
+        assert t.regions.memh == [] and t.regions.rkeys_packed == [] and t.regions.tensors == []
     finally:
         t.close()
 
@@ -87,6 +87,6 @@ def test_a_region_ucx_cannot_map_is_named(monkeypatch):
     try:
         with pytest.raises(TransportError, match=r"ucp_mem_map of region 1 \(host memory on cpu, 4096 bytes\)"):
             t.register([torch.zeros(8192, dtype=torch.uint8), torch.zeros(4096, dtype=torch.uint8)])
-        assert t._memh == [] and t._rkeys_packed == []
+        assert t.regions.memh == [] and t.regions.rkeys_packed == []
     finally:
         t.close()

@@ -1,5 +1,5 @@
 """UCX control messages that carry request ids (PREGRANT, FENCE, FENCED) join the one before them
-when it is of their kind, within a turn (``UCXControl._send``): a turn of forgets costs the sender
+when it is of their kind, within a turn (``Outbox.send``): a turn of forgets costs the sender
 one endpoint flush and one FENCED, not one per request. On an in-process pair: the merge itself,
 and eager transfers whose forgets are merged, byte-exact, fenced (writes_pending False) after."""
 from __future__ import annotations
@@ -36,21 +36,21 @@ def pair():
 
 
 def test_consecutive_id_messages_join(pair):
-    from kvxfer_transports.ucx.control import MERGE_RIDS
+    from kvxfer_transports.ucx.outbox import MERGE_RIDS
     from kvxfer_transports.ucx.protocol import Fence, Fenced, Ping, Pregrant
     rx, tx, pid, _, _ = pair
 
     def sends():   # on the I/O thread, inside one turn; the outbox is read and emptied before it leaves
-        p = tx._peers[pid]
+        p = tx.peers[pid]
         p.outbox = []
         for m in (Fence(("a",)), Fence(("b",)), Ping(), Fence(("c",)), Fenced((), True), Fenced(("x",)),
                   Fenced(("y",)), Fenced((), True), Pregrant(tuple(map(str, range(MERGE_RIDS))), (b"",) * MERGE_RIDS),
                   Pregrant(("z",), (b"",))):
-            tx._send(p, m)
+            tx.outbox.send(p, m)
         out, p.outbox = p.outbox, []
         return out
 
-    out = tx._call(sends)
+    out = tx.call_io(sends)
     assert [type(m).__name__ for m in out] == ["Fence", "Ping", "Fence", "Fenced", "Fenced", "Fenced", "Pregrant",
                                                "Pregrant"]
     assert out[0].rids == ("a", "b") and out[2].rids == ("c",)
@@ -64,7 +64,7 @@ def test_eager_transfers_whose_forgets_merge_are_fenced_and_exact(pair):
     rids = [f"m{k}" for k in range(40)]
     for k, rid in enumerate(rids):   # each request its own 4 KiB of the pool
         rx.expect(rid, ByteRanges(z, np.array([k * 4 * KiB]), np.array([4 * KiB])))
-    assert until(lambda: all(r in tx._peers[pid].pregranted for r in rids), 10.0), "PREGRANTs never came"
+    assert until(lambda: all(r in tx.peers[pid].pregranted for r in rids), 10.0), "PREGRANTs never came"
     so = np.random.default_rng(2).choice(POOL // (4 * KiB), len(rids), replace=False) * 4 * KiB
     hs = [tx.submit(pid, rid, TransferPlan((RunGroup(z, z, z, z, np.array([s]), np.array([k * 4 * KiB]),
                                                      np.array([4 * KiB]), False),)), timeout=30)

@@ -34,8 +34,8 @@ def pair():
     tx.register([src])
     pid = tx.connect(rx.descriptor())
     sent: list[str] = []
-    orig = rx._send
-    rx._send = lambda p, m: (sent.append(type(m).__name__), orig(p, m))[1]   # what the receiver sends
+    orig = rx.outbox.send
+    rx.outbox.send = lambda p, m: (sent.append(type(m).__name__), orig(p, m))[1]   # what the receiver sends
     yield rx, tx, pid, src, dst, sent
     tx.close()
     rx.close()
@@ -53,7 +53,7 @@ def plan(src_offs, dst_offs, n) -> TransferPlan:
 
 
 def pregranted(tx, pid, rid) -> None:
-    assert until(lambda: rid in tx._peers[pid].pregranted, 10.0), "no PREGRANT reached the sender"
+    assert until(lambda: rid in tx.peers[pid].pregranted, 10.0), "no PREGRANT reached the sender"
 
 
 def reset(dst) -> None:
@@ -163,8 +163,8 @@ def test_grant_too_large_to_send_is_announced_and_exact(pair, monkeypatch):
     rx.expect("big.1", grant(offs, np.full(17, 4 * KiB)))
     rx.expect("small.1", grant([1 * MiB], [4 * KiB]))   # after it: its PREGRANT shows big.1's was handled
     pregranted(tx, pid, "small.1")
-    assert len(tx._peers[pid].pregranted["big.1"]) == 0   # a PREGRANT without ranges: announce
-    monkeypatch.setattr(tx, "pregrant_wait", 60.0)   # so it must not wait for another one
+    assert len(tx.peers[pid].pregranted["big.1"]) == 0   # a PREGRANT without ranges: announce
+    monkeypatch.setattr(tx.eager, "pregrant_wait", 60.0)   # so it must not wait for another one
     del sent[:]
     h = tx.submit(pid, "big.1", plan(offs + 2 * MiB, offs, np.full(17, 4 * KiB)), timeout=10)
     assert h.wait(10), h.error
@@ -188,42 +188,42 @@ def test_sender_bounds_what_it_remembers_and_refuses_bad_ranges(pair, monkeypatc
     before = tx.grants.rejected["malformed message"]
 
     def feed():
-        p = tx._peers[pid]
+        p = tx.peers[pid]
         for k in range(30):
-            tx._on_pregrant(p, Pregrant((f"b{k}",), (ten,)))
-        tx._on_pregrant(p, Pregrant(("bad",), (bad,)))
+            tx.sender.on_pregrant(p, Pregrant((f"b{k}",), (ten,)))
+        tx.sender.on_pregrant(p, Pregrant(("bad",), (bad,)))
         return list(p.pregranted), p.pregranted_bytes
 
-    ids, used = tx._call(feed)
-    assert used <= 100 * eager.INTERVAL_COST and used == sum(len(tx._peers[pid].pregranted[r]) for r in ids) * 96
+    ids, used = tx.call_io(feed)
+    assert used <= 100 * eager.INTERVAL_COST and used == sum(len(tx.peers[pid].pregranted[r]) for r in ids) * 96
     assert [r for r in ids if r.startswith("b")][-10:] == [f"b{k}" for k in range(20, 30)]   # the newest kept
     assert "bad" not in ids and tx.grants.rejected["malformed message"] == before + 1
-    tx._call(lambda: tx._on_fence(tx._peers[pid], __import__("kvxfer_transports.ucx.protocol",
+    tx.call_io(lambda: tx.sender.on_fence(tx.peers[pid], __import__("kvxfer_transports.ucx.protocol",
                                                                   fromlist=["Fence"]).Fence(tuple(ids))))
-    assert tx._call(lambda: tx._peers[pid].pregranted_bytes) == 0
+    assert tx.call_io(lambda: tx.peers[pid].pregranted_bytes) == 0
     # a re-handshake forgets every pregrant, and what they took
-    tx._call(lambda: [tx._on_pregrant(tx._peers[pid], Pregrant((f"c{k}",), (ten,))) for k in range(3)])
-    tx._call(lambda: tx._rehello(tx._peers[pid]))
-    assert tx._call(lambda: (dict(tx._peers[pid].pregranted), tx._peers[pid].pregranted_bytes)) == ({}, 0)
-    assert until(lambda: tx._call(lambda: tx._peers[pid].rehello is None), 10.0), "the re-handshake never ended"
+    tx.call_io(lambda: [tx.sender.on_pregrant(tx.peers[pid], Pregrant((f"c{k}",), (ten,))) for k in range(3)])
+    tx.call_io(lambda: tx.rehandshake.begin(tx.peers[pid]))
+    assert tx.call_io(lambda: (dict(tx.peers[pid].pregranted), tx.peers[pid].pregranted_bytes)) == ({}, 0)
+    assert until(lambda: tx.call_io(lambda: tx.peers[pid].rehello is None), 10.0), "the re-handshake never ended"
 
 
 def test_pregrants_join_within_the_byte_bound(pair):
-    from kvxfer_transports.ucx.control import MERGE_GRANT_BYTES
+    from kvxfer_transports.ucx.outbox import MERGE_GRANT_BYTES
     from kvxfer_transports.ucx.protocol import Ping, Pregrant
     rx, tx, pid, *_ = pair
     half = b"\0" * (MERGE_GRANT_BYTES // 2)
 
     def sends():   # on the I/O thread, inside one turn; the outbox is read and emptied before it leaves
-        p = tx._peers[pid]
+        p = tx.peers[pid]
         p.outbox = []
         for m in (Pregrant(("a",), (half,)), Pregrant(("b",), (half,)), Pregrant(("c",), (b"\0" * 16,)), Ping(),
                   Pregrant(("d",), (b"",)), Pregrant(("e",), (b"\0" * 32,))):
-            tx._send(p, m)
+            tx.outbox.send(p, m)
         out, p.outbox = p.outbox, []
         return out
 
-    out = tx._call(sends)
+    out = tx.call_io(sends)
     assert [m.rids for m in out[:2]] == [("a", "b"), ("c",)] and out[0].grants == (half, half)
     assert out[3].rids == ("d", "e") and out[3].grants == (b"", b"\0" * 32)
 
@@ -236,7 +236,7 @@ def warm(rx, tx, pid) -> None:
 
 
 def parked(tx) -> int:
-    return tx._call(lambda: sum(map(len, tx._parked.values())) + len(tx._park_order))
+    return tx.call_io(lambda: sum(map(len, tx.eager.parked.values())) + len(tx.eager.park_order))
 
 
 @pytest.mark.parametrize("size,runs", [(96 * KiB, 3), (4 * KiB, 1)], ids=["3 runs of 96 KiB", "one 4 KiB run"])
@@ -248,11 +248,11 @@ def test_submit_before_its_pregrant_waits_for_it_and_goes_eager(pair, monkeypatc
     rx, tx, pid, src, dst, sent = pair
     warm(rx, tx, pid)
     reset(dst)
-    monkeypatch.setattr(tx, "pregrant_wait", 60.0)
+    monkeypatch.setattr(tx.eager, "pregrant_wait", 60.0)
     rid = f"race.{size}"
     offs = np.array([0, 512 * KiB, 2 * MiB])[:runs]
     h = tx.submit(pid, rid, plan(offs + 64 * KiB, offs, np.full(runs, size)), timeout=30)
-    assert until(lambda: tx._call(lambda: (pid, rid) in tx._parked), 10.0), "the transfer did not wait"
+    assert until(lambda: tx.call_io(lambda: (pid, rid) in tx.eager.parked), 10.0), "the transfer did not wait"
     del sent[:]
     rx.expect(rid, grant(offs, np.full(runs, size)))
     assert h.wait(10), h.error
@@ -273,7 +273,7 @@ def test_wait_for_a_pregrant_is_bounded(pair, monkeypatch):
     rx, tx, pid, src, dst, sent = pair
     warm(rx, tx, pid)
     reset(dst)
-    monkeypatch.setattr(tx, "pregrant_wait", 0.2)
+    monkeypatch.setattr(tx.eager, "pregrant_wait", 0.2)
     h = tx.submit(pid, "never.1", plan([0], [0], [64 * KiB]), timeout=60)
     assert not h.wait(20) and "refused" in str(h.error), h.error
     assert (dst.numpy() == CANARY).all()
@@ -286,11 +286,11 @@ def test_transfer_failing_while_it_waits_sends_no_abort(pair, monkeypatch):
     rx, tx, pid, src, dst, _ = pair
     warm(rx, tx, pid)
     reset(dst)
-    monkeypatch.setattr(tx, "pregrant_wait", 60.0)
+    monkeypatch.setattr(tx.eager, "pregrant_wait", 60.0)
     from kvxfer.errors import TransferTimeout
     tx_sent: list[str] = []
-    orig = tx._send
-    monkeypatch.setattr(tx, "_send", lambda p, m: (tx_sent.append(type(m).__name__), orig(p, m))[1])
+    orig = tx.outbox.send
+    monkeypatch.setattr(tx.outbox, "send", lambda p, m: (tx_sent.append(type(m).__name__), orig(p, m))[1])
     h = tx.submit(pid, "late.1", plan([0], [0], [64 * KiB]), timeout=0.5)
     assert not h.wait(20) and isinstance(h.error, TransferTimeout), h.error
     assert until(lambda: parked(tx) == 0, 5.0), "a failed transfer stayed parked"
@@ -305,10 +305,10 @@ def test_fence_ends_the_wait(pair, monkeypatch):
     rx, tx, pid, src, dst, _ = pair
     warm(rx, tx, pid)
     reset(dst)
-    monkeypatch.setattr(tx, "pregrant_wait", 60.0)
+    monkeypatch.setattr(tx.eager, "pregrant_wait", 60.0)
     h = tx.submit(pid, "fenced.1", plan([0], [0], [64 * KiB]), timeout=30)
-    assert until(lambda: tx._call(lambda: (pid, "fenced.1") in tx._parked), 10.0)
-    tx._call(lambda: tx._on_fence(tx._peers[pid], Fence(("fenced.1",))))
+    assert until(lambda: tx.call_io(lambda: (pid, "fenced.1") in tx.eager.parked), 10.0)
+    tx.call_io(lambda: tx.sender.on_fence(tx.peers[pid], Fence(("fenced.1",))))
     assert not h.wait(10) and "refused" in str(h.error), h.error
     assert (dst.numpy() == CANARY).all() and parked(tx) == 0
 
@@ -327,8 +327,8 @@ def test_pregrants_go_only_to_the_named_senders(pair):
         rx.expect("all.1", grant([1 * MiB], [4 * KiB]))
         pregranted(other, opid, "all.1")   # PREGRANTs to one peer go in order: named.1's came first, if any
         pregranted(tx, pid, "named.1")
-        assert "named.1" not in other._peers[opid].pregranted
-        assert rx._call(lambda: dict(rx._pregrants)) == {"named.1": {tx.id}, "all.1": {tx.id, other.id}}
+        assert "named.1" not in other.peers[opid].pregranted
+        assert rx.call_io(lambda: dict(rx.pregrants.granted)) == {"named.1": {tx.id}, "all.1": {tx.id, other.id}}
         h = other.submit(opid, "named.1", plan([128 * KiB], [0], [64 * KiB]), timeout=10)
         assert h.wait(10), h.error
         assert arrivals_of(rx, "named.1")[0].ok

@@ -62,10 +62,10 @@ def test_a_peer_elsewhere_goes_over_transports_that_reach_it(part, tls, caplog):
         tx.register([src])
         with caplog.at_level(logging.INFO, logger="kvxfer.transport.ucx"):
             peer = tx.connect(elsewhere(rx.descriptor(), part))
-        p = tx._peers[peer]
-        lanes = tx._call(lambda: ucp.ep_transports(p.ep.handle))
+        p = tx.peers[peer]
+        lanes = tx.call_io(lambda: ucp.ep_transports(p.ep.handle))
         if tls:   # the user's choice stands
-            assert not p.far and tx._far_worker is None
+            assert not p.far and tx.workers.far_worker is None
             assert {t for t, _ in lanes} <= {"sysv", "posix", "self", "cma"}, lanes
         else:
             assert p.far and lanes and {t for t, _ in lanes} == {"tcp"}, lanes

@@ -27,14 +27,14 @@ def test_mid_size_runs_are_put_in_small_plans_and_packed_in_large_ones(pair):
     """16 KiB runs: a plan of a few is put (no frame's rendezvous); a plan of many travels
     packed (no system call per run). Both land exactly, nothing else changes."""
     t, src, peer, pid = pair
-    assert t.put_below <= 16 * KiB < t.put_below_many
+    assert t.options.put_below <= 16 * KiB < t.options.put_below_many
     rng = np.random.default_rng(8)
     for k, rid in ((4, "r-mid-few"), (48, "r-mid-many")):
         so = rng.choice(POOL // (16 * KiB), k, replace=False) * 16 * KiB
         do = rng.choice(POOL // (16 * KiB), k, replace=False) * 16 * KiB
         plan = plan_of([(so, do, 16 * KiB, False)])
-        prepare = t._prepare_few if k <= FEW_RUNS else t._prepare
-        _, _, nput, packed = prepare(t._peers[pid], plan)[:4]   # _prepare_few: and the inline bytes
+        prepare = t.planner.prepare_few if k <= FEW_RUNS else t.planner.prepare
+        _, _, nput, packed = prepare(t.peers[pid], plan)[:4]   # prepare_few: and the inline bytes
         assert (nput, packed is None) == ((k, True) if k <= FEW_RUNS else (0, False))
         peer("expect", rid, whole(POOL))
         h = t.submit(pid, rid, plan, timeout=30)
@@ -61,7 +61,7 @@ def test_head_slice_rows_announce_whole_pages(pair, strided):
     n = np.full(len(so), 512)
     big = ([POOL - 64 * KiB], [POOL - 64 * KiB], [64 * KiB], False)   # one put
     plan = plan_of([(so, do, n, False), big])
-    puts, announced, nput, packed = t._prepare(t._peers[pid], plan)
+    puts, announced, nput, packed = t.planner.prepare(t.peers[pid], plan)
     runs = np.frombuffer(announced, "<i8").reshape(3, -1)
     assert nput == 1 and len(puts) == 40   # one put: a row of 5 int64
     assert runs.shape[1] == 1 + (40 if strided == "source" else 640)   # the put, then the packed runs
@@ -90,16 +90,16 @@ def test_killed_peer_mid_transfer_fails_both_ways(pair):
     my_id = peer("connect", t.descriptor())
     peer("submit", my_id, "r-from-dead", [([0], [0], [MiB], False)], 30.0, True)
     end = time.monotonic() + 10
-    while not t._in and time.monotonic() < end:  # its ANNOUNCE arrived and we answered GO
+    while not t.receiver.incoming and time.monotonic() < end:  # its ANNOUNCE arrived and we answered GO
         time.sleep(0.005)
-    assert t._in, "the peer's transfer never started"
+    assert t.receiver.incoming, "the peer's transfer never started"
     peer("expect", "r-to-dead", whole(POOL))
-    real_start_puts = t._start_puts
+    real_start_puts = t.sender.start_puts
 
     def kill_then_put(out, dtag):
         peer.kill()
         real_start_puts(out, dtag)
-    t._start_puts = kill_then_put
+    t.sender.start_puts = kill_then_put
     start = time.monotonic()
     h = t.submit(pid, "r-to-dead", plan_of([([0], [0], [8 * MiB], False), ([0], [9 * MiB], [4 * KiB], True)]),
                  timeout=30)
@@ -110,6 +110,6 @@ def test_killed_peer_mid_transfer_fails_both_ways(pair):
         got = t.arrivals(0.1)
     assert [(a.request_id, a.ok) for a in got] == [("r-from-dead", False)], got
     assert time.monotonic() - start < 10, "a dead peer must be noticed by heartbeats, well before the deadline"
-    t._start_puts = real_start_puts
+    t.sender.start_puts = real_start_puts
     h2 = t.submit(pid, "r-to-dead", plan_of([([0], [0], [4096], False)]), timeout=2)
     assert not h2.wait(10) and h2.poll() == TransferStatus.FAILED

@@ -93,7 +93,7 @@ def test_staged_transfers_far_larger_than_the_ring_are_byte_exact(way):
         rid, so, do = jobs[0]
         h = tx.submit(peer, rid, raw_plan(z, so, z, do, np.full(rows, ROW)), timeout=60)
         assert h.wait(60), h.error
-        ring = {side: [b.data_ptr() for b in r._ring] for side, r in (("send", tx._staging), ("recv", rx._rx_ring))}
+        ring = {side: [b.data_ptr() for b in r._ring] for side, r in (("send", tx.send_ring), ("recv", rx.recv_ring))}
         frames = _frames("ucx-send"), _frames("ucx-recv")
         hs = [tx.submit(peer, rid, raw_plan(z, so, z, do, np.full(rows, ROW)), timeout=60) for rid, so, do in jobs[1:]]
         for h in hs:
@@ -108,8 +108,8 @@ def test_staged_transfers_far_larger_than_the_ring_are_byte_exact(way):
         assert r["recv"]["in_use"] == 0, r
         assert s["recv"]["frames"] == r["send"]["frames"] == 0, "a ring that moved nothing was allocated"
         # the very same slots: the rings never grew or were replaced
-        assert [b.data_ptr() for b in tx._staging._ring] == ring["send"]
-        assert [b.data_ptr() for b in rx._rx_ring._ring] == ring["recv"]
+        assert [b.data_ptr() for b in tx.send_ring._ring] == ring["send"]
+        assert [b.data_ptr() for b in rx.recv_ring._ring] == ring["recv"]
         assert (_frames("ucx-send"), _frames("ucx-recv")) == frames
     finally:
         tx.close()
@@ -176,7 +176,7 @@ def test_a_frame_sent_twice_does_not_stand_in_for_another():
         so, do = _rows(1024, 2, 4 << 20)   # 512 KiB: 32 frames of 16 KiB
         z = np.zeros(len(so), np.int64)
         rx.expect("dup.1", ByteRanges(z[:1], z[:1], np.full(1, dst.numel(), np.int64)))
-        pump, again = tx._pump_frames, [True]
+        pump, again = tx.sender.pump_frames, [True]
 
         def repeat(o):   # once the first frames left: back to frame 0
             done = pump(o)
@@ -185,7 +185,7 @@ def test_a_frame_sent_twice_does_not_stand_in_for_another():
                 o.staging.next = 0
                 return False
             return done
-        tx._pump_frames = repeat
+        tx.sender.pump_frames = repeat
         h = tx.submit(peer, "dup.1", raw_plan(z, so, z, do, np.full(len(so), ROW)), timeout=20)
         assert not h.wait(20) and "malformed frame" in str(h.error), h.error
         arr = arrivals_of(rx, "dup.1")
@@ -206,12 +206,12 @@ def test_a_transfer_that_times_out_mid_stream_gives_every_slot_back():
         rx.register([dst])
         tx.register([src])
         peer = tx.connect(rx.descriptor())
-        land = rx._land
+        land = rx.receiver.land
 
         def slow(packed, data):
             time.sleep(0.004)
             land(packed, data)
-        rx._land = slow
+        rx.receiver.land = slow
         so, do = _rows(16384, 13, 16 << 20)   # 512 frames: ~2 s at 4 ms a frame
         z, zz = np.zeros(len(so), np.int64), np.zeros(1, np.int64)
         rx.expect("t.1", ByteRanges(zz, zz, np.full(1, dst.numel(), np.int64)))
@@ -219,7 +219,7 @@ def test_a_transfer_that_times_out_mid_stream_gives_every_slot_back():
         assert not h.wait(10) and "deadline" in str(h.error), h.error
         assert until(lambda: tx.staging()["send"]["in_use"] == 0 and rx.staging()["recv"]["in_use"] == 0, 10), \
             (tx.staging(), rx.staging())
-        del rx._land
+        del rx.receiver.land
         rx.forget("t.1")
         dst.fill_(CANARY)
         so, do = _rows(4096, 14, 16 << 20)
@@ -255,12 +255,12 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
             p.call("init", transport="ucx", sizes=[size], fill="seed", seed=seed, options=opts)
             return p, p.call("connect", descriptor=rx.descriptor())["peer"]
 
-        land = rx._land
+        land = rx.receiver.land
 
         def slow(packed, data):   # a slow receiver (4 ms a frame): the kill finds frames streaming
             time.sleep(0.004)
             land(packed, data)
-        rx._land = slow
+        rx.receiver.land = slow
         rows = 32768                               # 16 MiB of rows: 1024 frames
         so, do = _rows(rows, 3, size)
         z, zz = np.zeros(rows, np.int64), np.zeros(1, np.int64)
@@ -294,13 +294,13 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
             if held:
                 break
             rx.forget(rid)
-        ring = rx._rx_ring
+        ring = rx.recv_ring
         assert held, "in 3 kills no receive of the killed sender was left in flight: nothing was tested"
         for _ in range(50):   # while the I/O thread runs: never a free slot under a live receive
             rx.staging()   # frees every slot whose receive completed (or whose hold ended)
             with ring._lock:
                 free = {ring._ring[k].data_ptr() for k in ring._free}
-            live = {slot.data_ptr() for req, slot in list(rx._zombies) if isinstance(slot, torch.Tensor)
+            live = {slot.data_ptr() for req, slot in list(rx.leftovers.zombies) if isinstance(slot, torch.Tensor)
                     and slot.numel() > 1 and not req.completed}
             assert not free & live, "a slot a receive may still write is free for reuse"
             time.sleep(0.01)
@@ -309,7 +309,7 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
         assert until(lambda: rx.fencing()["released"] >= 1 and rx.staging()["recv"]["in_use"] == 0, 10), \
             (rx.fencing(), rx.staging())
         rx.forget(rid)
-        del rx._land
+        del rx.receiver.land
         dst.fill_(CANARY)
         # a new sender: byte-exact through the same ring
         tx2, peer2 = sender()
@@ -331,7 +331,7 @@ def test_a_sender_killed_mid_stream_leaves_no_written_slot_free(tmp_path):
 def receiving(rx) -> bool:
     """A receive of a staged frame is posted and not complete (read from the test's thread)."""
     return any(i.staging is not None and any(not r[0].completed for r in list(i.staging.reqs))
-               for i in list(rx._in.values()))
+               for i in list(rx.receiver.incoming.values()))
 
 
 def test_ucx_tls_from_the_environment_counts_as_network_only(monkeypatch):
@@ -375,7 +375,7 @@ def test_runs_to_a_far_peer_over_tcp_travel_packed():
         z, zz = np.zeros(4, np.int64), np.zeros(1, np.int64)
         rx.expect("far.1", ByteRanges(zz, zz, np.full(1, dst.numel(), np.int64)))
         plan = raw_plan(z, so, z, do, np.full(4, n))
-        puts, _, nput, packed = tx._prepare(tx._peers[peer], plan)
+        puts, _, nput, packed = tx.planner.prepare(tx.peers[peer], plan)
         assert (puts, nput) == (b"", 0) and packed is not None and len(packed[2]) == 4, (puts, nput)
         h = tx.submit(peer, "far.1", plan, timeout=30)
         assert h.wait(30), h.error

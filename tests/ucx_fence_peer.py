@@ -32,7 +32,7 @@ from ucxx._lib import libucxx as u
 from ucxx._lib.arr import Array
 
 from kvxfer_transports.ucx import bindings as ucp
-from kvxfer_transports.ucx.lifecycle import failure_of
+from kvxfer_transports.ucx.peers import failure_of
 from kvxfer_transports.ucx.settings import FAR_TLS
 
 N, WATCH = 64 << 20, 4.0

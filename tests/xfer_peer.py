@@ -173,7 +173,7 @@ class Peer:
 
     def op_peers(self):
         """UCX: the peer ids this transport keeps."""
-        return {"peers": self.t._call(lambda: sorted(self.t._peers))}
+        return {"peers": self.t.call_io(lambda: sorted(self.t.peers))}
 
     def op_expect(self, request_id: str, ranges: dict, capability: str = ""):
         from kvxfer.grant import ByteRanges
@@ -199,14 +199,14 @@ class Peer:
         from kvxfer.transport.kit import Call
         t, pl = self.t, plan_from_json(plan)
         h = self.handles[request_id] = TransferHandle(request_id, pl.nbytes, timeout, holds_source=True)
-        out = t._prepare_transfer(t._peers[peer], h, pl, base64.b64decode(notify), kw.get("capability", b""))
+        out = t.planner.prepare_transfer(t.peers[peer], h, pl, base64.b64decode(notify), kw.get("capability", b""))
 
         def stall():
-            t._start_out(out)
-            t._flush_outboxes()
+            t.sender.start_out(out)
+            t.outbox.flush()
             end = time.monotonic() + 0.05
             while time.monotonic() < end:   # the ANNOUNCE leaves
-                t._worker.progress()
+                t.workers.worker.progress()
             time.sleep(stall_s)
         t.commands.put(Call(stall, ()))
 
@@ -277,29 +277,29 @@ class Peer:
         """UCX: after the next ANNOUNCE is answered (GO sent), the I/O thread stops for ``seconds``
         (a receiver that stops taking the puts it just allowed)."""
         t = self.t
-        orig = t._on_announce
+        orig = t.receiver.on_announce
 
         def hooked(p, m):
-            del t._on_announce   # once
+            del t.receiver.on_announce   # once
             orig(p, m)
-            t._flush_outboxes()
+            t.outbox.flush()
             end = time.monotonic() + 0.05
             while p.last_send is not None and not p.last_send.completed and time.monotonic() < end:
-                t._worker.progress()   # the GO leaves
+                t.workers.worker.progress()   # the GO leaves
             time.sleep(seconds)
-        t._on_announce = hooked
+        t.receiver.on_announce = hooked
 
     def op_pregranted(self, peer: str):
         """UCX: the request ids ``peer`` pregranted us (eager writes)."""
-        return {"rids": self.t._call(lambda: list(self.t._peers[peer].pregranted))}
+        return {"rids": self.t.call_io(lambda: list(self.t.peers[peer].pregranted))}
 
     def op_pregrant(self, peer: str, request_id: str):
         """UCX: behave as if ``peer`` pregranted ``request_id``, all of its memory (a buggy sender)."""
         from kvxfer.grant import ByteRanges
-        p = self.t._peers[peer]
+        p = self.t.peers[peer]
         sizes = np.asarray(p.sizes, np.int64)
         everything = ByteRanges(np.arange(len(sizes)), np.zeros(len(sizes), np.int64), sizes)
-        self.t._call(lambda: p.pregranted.__setitem__(request_id, everything))
+        self.t.call_io(lambda: p.pregranted.__setitem__(request_id, everything))
 
     def op_fencing(self):
         return {"fencing": self.t.fencing(), "staging": self.t.staging() if hasattr(self.t, "staging") else {}}

@@ -30,12 +30,39 @@ One transfer (S sender, R receiver, each on its own I/O thread)::
 With ``eager_writes`` R pregrants each request at ``expect`` (``eager``): S, pregranted, puts at
 once, then sends the ANNOUNCE as DONE once flushed (its handle DONE then); R checks it and ACKs.
 
-Files: ``bindings`` (ctypes over libucp), ``protocol`` (control messages, validated once),
-``sender``, ``receiver``, ``frames`` (the staged frame cut), ``control`` (peers, control batches,
-heartbeats), ``fencing``, ``eager`` (pregrants, FENCEs), ``settings`` (thresholds, UCX settings),
-``join`` (the front worker, connect, admission), ``inbox`` (control batches in, routed by their
-tag), ``lifecycle`` (start-up, shutdown), ``state`` (records), ``options`` (every option,
-checked), and this module (the contract, the I/O loop).
+``UCXTransport`` is a facade over parts that each own their state and get their collaborators
+in their constructor; every part but ``Planner`` and the any-thread reads works on the I/O thread.
+Who calls whom (each part only calls parts below it)::
+
+    UCXTransport -> Planner (submit), Join (connect), Admission (admit), Calls (register, disconnect),
+                    Pregrants and Receiver (expect, forget), Landing and Pregrants (writes_pending),
+                    Fencing (fencing), Inbox (rejected)
+    Loop         -> Inbox, Receiver, Sender, EagerSends, Outbox, Rehandshake, Fencing, Lifecycle
+    Inbox        -> Join (a front HELLO), Control (every checked message)
+    Control      -> Receiver, Sender, Join, Rehandshake, Fencing, Pregrants, Landing, Outbox
+    Join         -> Admission, Lifecycle, Peers, Workers, Outbox
+    Admission    -> Fencing, Sender, Receiver, Peers
+    Fencing      -> Sender, Receiver, Landing, Pregrants, Peers, Workers
+    Lifecycle    -> Sender, Receiver, Rehandshake, Landing, EagerSends, Regions, Peers, Outbox
+    Rehandshake  -> Sender, Outbox, Workers
+    Receiver     -> Landing, Pregrants, Regions, Outbox;   Sender -> EagerSends, Regions, Outbox
+    Pregrants, EagerSends -> Peers, Outbox;   Outbox -> Peers;   Regions -> Workers
+
+Files: ``options`` (every option, checked), ``bindings`` (ctypes over libucp), ``protocol``
+(control messages, validated once), ``state`` (the records: ``Peer``, ``Incoming``,
+``Outgoing``), ``turn`` (the loop's turn, leftover requests, calls to the I/O thread),
+``workers`` (contexts, workers, identity), ``regions`` (registration), ``peers`` (the peer table),
+``outbox`` (control batches out), ``inbox`` (control batches in, routed by their tag), ``control``
+(what each message does; the fencing rules), ``join`` (the front worker, connect), ``admission``,
+``planner`` (a transfer prepared in the caller's thread), ``sender``, ``receiver``, ``landing``
+(what may still land), ``frames`` (the staged frame cut), ``eager`` (pregrants, FENCEs),
+``rehandshake``, ``fencing``, ``lifecycle`` (disconnect, shutdown), ``loop``, ``settings``
+(thresholds, UCX settings), and this module (the contract).
+
+Tests and diagnostics may read the parts through the transport's attributes (``peers``,
+``sender``, ``receiver``, ``landing``, ``pregrants``, ``eager``, ``outbox``, ``regions``,
+``workers``, ...) and run a function on the I/O thread with ``call_io``; a part's attributes and
+methods without a leading underscore are its public names.
 
 Trust model: R checks every announced run before it answers GO, so an honest sender (even one
 with a wrong plan) never writes outside a grant (``eager_writes``: S checks its PREGRANT's ranges). A
@@ -78,21 +105,16 @@ waits for the garbage collector.
 from __future__ import annotations
 
 import atexit
-import collections
 import functools
-import itertools
 import logging
-import os
 import queue
 import socket
-import threading
 import uuid
 import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
 import torch
 from ucxx._lib import libucxx as ucx_api
 from ucxx._lib.arr import Array
@@ -104,39 +126,37 @@ from kvxfer.plan import TransferPlan
 from kvxfer.transport.base import DEFAULT_TIMEOUT, Arrival, TransferHandle, Transport
 from kvxfer.transport.kit import Call, Close, CommandQueue, IOThread, StagingPool, Submit, fail_command
 
-from . import bindings as ucp
-from .admission import UCXAdmission
+from .admission import Admission
 from .bindings import frame_iovs
-from .control import UCXControl, host_identity, process_start
-from .eager import UCXEager
-from .fencing import UCXFencing
-from .frames import RingSpill, network_only
-from .inbox import UCXInbox
-from .join import UCXJoin, make_front
-from .lifecycle import UCXLifecycle
-from .loop import UCXLoop
+from .control import Control
+from .eager import EagerSends, Pregrants
+from .fencing import Fencing
+from .inbox import Inbox
+from .join import Join
+from .landing import Landing
+from .lifecycle import Lifecycle
+from .loop import Loop
 from .options import UCXOptions
+from .outbox import Outbox
+from .peers import Peers
+from .planner import INLINE_BELOW, Planner
 from .protocol import ABORT, ANNOUNCE, CTRL_TAG, DATA_BIT, DONE, FRAME_BITS, HELLO
-from .receiver import UCXReceiver
-from .sender import INLINE_BELOW, UCXSender
-from .settings import (
-    PUT_BELOW,
-    PUT_BELOW_MANY,
-    UCX_DEFAULTS,
-    shared_memory_settings,
-    tls_explicit,
-    ucx_settings,
-    with_tcp_defaults,
-)
-from .state import Incoming, Outgoing, Peer
+from .receiver import Receiver
+from .regions import Regions
+from .rehandshake import Rehandshake
+from .sender import Sender
+from .settings import PUT_BELOW, PUT_BELOW_MANY, UCX_DEFAULTS, ucx_settings
+from .turn import Calls, Leftovers, Turn
+from .workers import Workers
 
-__all__ = ["UCXTransport", "UCXOptions", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLINE_BELOW", "ucx_settings",
-           "CTRL_TAG", "DATA_BIT", "FRAME_BITS", "HELLO", "ANNOUNCE", "DONE", "ABORT", "Array", "ucx_api", "frame_iovs"]
+__all__ = ["UCXTransport", "UCXOptions", "UCX_DEFAULTS", "PUT_BELOW", "PUT_BELOW_MANY", "INLINE_BELOW",
+           "ucx_settings", "CTRL_TAG", "DATA_BIT", "FRAME_BITS", "HELLO", "ANNOUNCE", "DONE", "ABORT", "Array",
+           "ucx_api", "frame_iovs"]
 
 log = logging.getLogger("kvxfer.transport.ucx")
 
-class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXControl, UCXFencing, UCXEager,
-                   UCXSender, UCXReceiver, Transport):
+
+class UCXTransport(Transport):
     """UCX data plane of one rank. Options: keyword arguments (``get_transport("ucx", ...)``), or
     ``options=UCXOptions(...)``; each is documented (and checked: ``ConfigError``) in
     ``transports/ucx/options.py``."""
@@ -146,104 +166,41 @@ class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXCo
         if options is not None and kwargs:
             raise ConfigError(f"give ucx options as options= or as keywords, not both (keywords {sorted(kwargs)})")
         opts = self.options = options if options is not None else UCXOptions.of(kwargs)
-        tls, ucx_config = opts.tls, opts.ucx_config
-        self.stage_host, self.eager_writes = opts.stage_host, opts.eager_writes
-        self.admission, self._admission_on = opts.admission, False
-        self._admitted: collections.OrderedDict[str, bytes] = collections.OrderedDict()   # id -> token
-        self._admit_lock = threading.Lock()
-        config = with_tcp_defaults(ucx_settings(tls, ucx_config, os.environ), os.environ)
-        self._shm_settings = shared_memory_settings(config, os.environ)
         self.id = uuid.uuid4().hex
-        self.frame_bytes, self.put_below, self.put_below_many = opts.frame_bytes, opts.put_below, opts.put_below_many
-        self.few_runs, self.heartbeat, self.peer_timeout = opts.few_runs, opts.heartbeat, opts.peer_timeout
-        self.max_control_bytes, self.max_incoming = opts.max_control_bytes, opts.max_incoming
-        self.max_incoming_per_peer, self.max_peers = opts.max_incoming_per_peer, opts.max_peers
-        self.fence_grace, self.connect_timeout = opts.fence_grace, opts.connect_timeout
-        self.quarantine_timeout = opts.quarantine_timeout
-        self._host_id, self._pid = host_identity(), os.getpid()
-        self._start_ticks = process_start(self._pid) or 0
-        self._fence_released = self._fence_expired = 0
-        try:   # UCX's own errors end here, mapped into the tree
-            self._ctx = ucx_api.UCXContext(config, feature_flags=(ucx_api.Feature.TAG, ucx_api.Feature.RMA,
-                                                                  ucx_api.Feature.WAKEUP))
-            self._worker = ucx_api.UCXWorker(self._ctx)
-            self._worker.init_blocking_progress_mode()  # so the idle I/O thread can sleep on the worker fd
-            # The front worker: what descriptor() names; it takes one HELLO per peer (``join``).
-            self._front_ctx, self._front_worker = make_front(config, config.get("TLS") if tls_explicit(
-                tls, ucx_config, os.environ) else None)
-        except (ucx_api.UCXConfigError, ucx_api.UCXInvalidParamError) as e:
-            raise ConfigError(f"UCX refused the settings {config} (ucx options tls and ucx_config, defaults, and "
-                              f"UCX_* in the environment; UCX's log says which): {type(e).__name__}: {e}") from e
-        except ucx_api.UCXError as e:
-            raise TransportError(f"cannot start a UCX transport with the settings {config}: "
-                                 f"{type(e).__name__}: {e}") from e
-        self._whandle, self._address = self._worker.handle, self._worker.address.tobytes()
-        # A second worker (FAR_TLS: no shared memory, no cma), made at the first peer on another
-        # host or network namespace; the I/O thread progresses and sleeps on both.
-        self._config, self._tls_explicit = config, tls_explicit(tls, ucx_config, os.environ)
-        self._far_ctx = self._far_worker = None
-        self._far_address = b""
-        self._workers = [self._worker, self._front_worker]
-        self._poller, self._polled = None, 0   # ``lifecycle._idle``
         self.grants = GrantTable()
-        self._regions: list[torch.Tensor] = []
-        self._base, self._base_list, self._region_sizes = np.zeros(0, np.int64), [], np.zeros(0, np.int64)
-        self._is_host, self._host_list, self._host_views, self._all_host = np.zeros(0, bool), [], [], True
-        self._cuda_devices: set[torch.device] = set()
-        self._memh: list[int | None] = []
-        self._params: list[ucp.RequestParam] = []
-        self._put_params = self._put_params_far = ucp.EMPTY_TABLE   # see register()
-        self._rkeys_packed: list[bytes] = []
-        self._peers: dict[str, Peer] = {}
-        self._by_tag: dict[int, Peer] = {}   # control tag -> the peer whose batches carry it (``join``)
-        self._retired_tags: collections.OrderedDict[int, None] = collections.OrderedDict()
-        self._junk: collections.Counter = collections.Counter()   # messages dropped unread, by why (``rejected``)
-        self._out: dict[int, Outgoing] = {}
-        self._in: dict[tuple[str, int], Incoming] = {}
-        self._by_dtag: dict[int, Incoming] = {}   # data tag (random: ``receiver._on_announce``) -> transfer
-        self._unflushed: dict[str, list] = {}   # puts issued this turn, per peer
-        self._flushing: list = []               # flushed, DONE not sent yet
-        self._holding: list = []                # failed with puts maybe in flight: source not released
-        self._ctrl_sends: list = []  # (request, buffer): buffers live until sent
-        self._ctrl_recvs: list = []  # (request, buffer, length, peer or None: front) in arrival order
-        self._ctrl_bytes, self._ctrl_waiting, self._front_inflight = 0, set(), 0   # ``inbox`` budgets (bytes)
-        self._zombies: list = []     # requests of ended transfers that still own buffers
-        # Receiver: ended transfers whose sender had GO, so puts of theirs may still land, until
-        # its DONE or ABORT (sent once its puts are flushed), its re-handshake, or proof that it
-        # is dead (never its silence): (peer, xid) -> (rid, nbytes, since).
-        self._landing: dict[tuple[str, int], tuple[str, int, float]] = {}
-        self._landing_rids: collections.Counter = collections.Counter()
-        self._open_rids: collections.Counter = collections.Counter()   # request id -> open incoming transfers
-        # Receiver: ended transfers whose posted frame receives may still land:
-        # (peer, rid, frames, nbytes, since).
-        self._draining: list = []
-        # Eager writes (``eager``): request id -> peers pregranted; forgotten -> (peers yet to say
-        # FENCED, since); forgotten, not yet fenced by the I/O thread (any thread adds).
-        self._pregrants: dict[str, set[str]] = {}
-        self._fences: dict[str, tuple[set[str], float]] = {}
-        self._fence_queued: set[str] = set()
-        self._fence_flushing: list[Peer] = []
-        self._parked, self._park_order = {}, collections.deque()   # waiting for a PREGRANT (``eager._park``)
-        self._closing: list[Peer] = []   # disconnected, freed once nothing of them is held
-        # Channel secret and epoch of disconnected peers (at most max_peers), for a later connect.
-        self._retired: collections.OrderedDict[str, tuple[bytes, int]] = collections.OrderedDict()
-        # Peers whose error-handling endpoint UCX closed (failure) or we closed, queued by the close
-        # callback for the I/O loop (``UCXFencing._check_failed``); stale ones are skipped there.
-        self._failed_eps: collections.deque = collections.deque(maxlen=4 * opts.max_peers)
-        self._xids = itertools.count(1)
-        self.commands = CommandQueue(self._wake)
         self._arrivals: queue.Queue[Arrival] = queue.Queue()
-        self._later: list[Callable[[], object]] = []   # see _deliver
-        self._flush_param = ucp.RequestParam()
-        self._far_put_param = ucp.RequestParam(op_attr_mask=ucp.OP_ATTR_MULTI_SEND)   # see register()
-        self._staging = StagingPool(frames=opts.staging_frames, frame_bytes=self.frame_bytes, name="ucx-send")
-        self._rx_ring = StagingPool(frames=opts.staging_frames, frame_bytes=self.frame_bytes, name="ucx-recv")
-        self._spill = RingSpill(self.frame_bytes)   # frames standing in for held ring slots (``frames``)
-        # UCX_TLS in the environment counts too: UCX reads it where the config sets none
-        self._network_only = network_only(config.get("TLS") or os.environ.get("UCX_TLS", ""))
-        self._closed = self._stop = self._sleeping = False
-        self._next_tick, self._acts = 0.0, 0
-        self.io = IOThread(f"kvxfer-ucx-{self.id[:6]}", self._loop, on_crash=self._crashed, on_exit=self._exit)
+        self.workers = workers = Workers(opts)   # UCX refused its settings: ConfigError / TransportError here
+        self.turn, self.leftovers = turn, leftovers = Turn(), Leftovers()
+        self.commands = commands = CommandQueue(workers.wake)
+        self.io = IOThread(f"kvxfer-ucx-{self.id[:6]}", lambda: self.loop.run(), on_crash=self._crashed,
+                           on_exit=lambda: self.loop.free())
+        self.calls = calls = Calls(commands, self.io, turn)
+        rings = (StagingPool(frames=opts.staging_frames, frame_bytes=opts.frame_bytes, name="ucx-send"),
+                 StagingPool(frames=opts.staging_frames, frame_bytes=opts.frame_bytes, name="ucx-recv"))
+        self.send_ring, self.recv_ring = rings
+        self.regions = regions = Regions(workers, self.grants)
+        self.peers = peers = Peers(opts, leftovers)
+        self.outbox = outbox = Outbox(self.id, opts, peers, turn)
+        self.pregrants = Pregrants(self.grants, peers, outbox)
+        self.eager = EagerSends(opts.few_runs, self.grants, peers, outbox, workers)
+        self.landing = Landing(self.grants, leftovers)
+        self.planner = Planner(opts, regions, workers, self.send_ring)
+        self.sender = Sender(regions, workers, peers, outbox, self.eager, self.send_ring, leftovers, turn)
+        self.receiver = Receiver(opts, self.grants, regions, workers, peers, self.landing, self.pregrants, outbox,
+                                 self.recv_ring, leftovers, turn, self._deliver)
+        self.rehandshake = Rehandshake(self.sender, outbox, workers)
+        self.lifecycle = Lifecycle(opts, workers, regions, peers, outbox, self.sender, self.receiver, self.landing,
+                                   self.eager, self.rehandshake, commands, leftovers, turn)
+        self.fence = Fencing(self.id, opts, self.grants, workers, peers, self.sender, self.receiver, self.landing,
+                             self.pregrants)
+        self.admission = Admission(self.id, opts, peers, self.fence, self.sender, self.receiver, calls)
+        self.join = Join(self.id, opts, self.grants, workers, peers, outbox, self.admission, self.lifecycle, calls)
+        self.control = Control(opts, self.grants, workers, outbox, self.sender, self.receiver, self.landing,
+                               self.pregrants, self.rehandshake, self.fence, self.join)
+        self.inbox = Inbox(self.id, opts, self.grants, workers, peers, self.join, self.control, leftovers, turn)
+        self.loop = Loop(opts, commands, calls, turn, workers, peers, outbox, self.inbox, self.sender, self.eager,
+                         self.receiver, self.landing, self.rehandshake, self.fence, self.lifecycle, leftovers, rings)
+        self._closed = False
         self.io.start()
         _LIVE.add(self)
 
@@ -253,48 +210,45 @@ class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXCo
         return self.io.broken
 
     # ---- called from user threads ---------------------------------------------------------
-    def _call(self, fn, *args):
-        """Run ``fn`` on the I/O thread and wait for it (start-up and shutdown only)."""
-        if self._stop or self.broken:
-            raise TransportError(f"UCX transport is {'broken: ' + self.broken if self.broken else 'closed'}")
-        fut: Future = Future()
-        self.commands.put(Call(fn, args, fut))
-        return fut.result(timeout=60)
-
-    def _wake(self) -> None:
-        """After queueing a command: signal the worker if the I/O thread sleeps (or is about to).
-
-        The thread sets ``_sleeping`` before its last look at the queue, so a command queued
-        while the flag is unset is seen by that look, and one queued later sees the flag."""
-        h = self._whandle
-        if self._sleeping and h is not None:
-            ucp.worker_signal(h)
+    def call_io(self, fn: Callable[..., Any], *args) -> Any:
+        """Run ``fn(*args)`` on the I/O thread and wait for its result: for tests and diagnostics,
+        which read or change the parts there (every part but ``planner`` is the I/O thread's)."""
+        return self.calls.call(fn, *args)
 
     def register(self, regions: Sequence[torch.Tensor]) -> None:
         """Both sides, once, before descriptor(): map every region for RMA (blocks briefly), and
         allocate the staging rings on the regions' CUDA device (host rings: at first use)."""
-        self._call(self._do_register, [byte_view(t) for t in regions])
-        cuda = [t.device for t in self._regions if t.is_cuda]
+        self.calls.call(self.regions.register, [byte_view(t) for t in regions])
+        cuda = [t.device for t in self.regions.tensors if t.is_cuda]
         if cuda:   # on the I/O thread, whose streams use them
-            for ring in (self._staging, self._rx_ring):
-                self._call(ring.allocate, False, cuda[0])
+            for ring in (self.send_ring, self.recv_ring):
+                self.calls.call(ring.allocate, False, cuda[0])
+
+    def memory_types(self) -> list[str]:
+        """What UCX registered each region as ("host", "cuda", ...; "" for an empty region)."""
+        return self.calls.call(self.regions.memory_types)
 
     def staging(self) -> dict:
         """Any thread: each staging ring's frames, in use, peak and waits (``send``, ``recv``; for
         ``recv`` also ``held`` slots and the ``spill`` frames standing in for them)."""
-        return {"send": self._staging.stats(), "recv": {**self._rx_ring.stats(), **self._spill.stats()}}
-
-    def _exit(self) -> None:   # IOThread.on_exit: the UCX objects, then the receive ring
-        self._free()
-        self._rx_ring.clear()
+        return {"send": self.send_ring.stats(), "recv": {**self.recv_ring.stats(), **self.receiver.spill.stats()}}
 
     def descriptor(self) -> dict:
         """Plain JSON-safe data a peer needs: the front worker's address (``join``), region
         addresses, sizes, rkeys, where this process runs and its shared-memory settings."""
-        return {"transport": self.name, "id": self.id, "address": self._front_worker.address.tobytes().hex(),
-                "hostname": socket.gethostname()[:255], "host": self._host_id,
-                "region_base": [int(b) for b in self._base], "region_sizes": list(self.grants.region_sizes),
-                "rkeys": [k.hex() for k in self._rkeys_packed], "shm_settings": self._shm_settings}
+        w, r = self.workers, self.regions
+        return {"transport": self.name, "id": self.id, "address": w.front_worker.address.tobytes().hex(),
+                "hostname": socket.gethostname()[:255], "host": w.host_id,
+                "region_base": [int(b) for b in r.base], "region_sizes": list(self.grants.region_sizes),
+                "rkeys": [k.hex() for k in r.rkeys_packed], "shm_settings": w.shm_settings}
+
+    def admit(self, descriptor: dict) -> bytes:
+        """Receiver, any thread: the peer with ``descriptor["id"]`` may join (``admission``)."""
+        return self.admission.admit(descriptor)
+
+    def connect(self, descriptor: dict, token: bytes = b"") -> str:
+        """Sender, once per receiver: join it and make our data endpoint to it (``join``)."""
+        return self.join.connect(descriptor, token)
 
     def disconnect(self, peer: str) -> None:
         """Sender or receiver: end ``peer`` (an id from connect(), or a sender of ours). Its
@@ -303,22 +257,23 @@ class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXCo
         ``lifecycle``). Idempotent; an unknown peer is a no-op; connect() may follow."""
         if self._closed or self.broken or not self.io.alive:
             return
-        self._call(self._do_disconnect, str(peer))
+        self.calls.call(self.lifecycle.disconnect, str(peer))
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
         """Sender, per chunk: plans runs and gathers packed ones here; never waits on the network.
         ``capability``: the grant's (decode's REQ); the ANNOUNCE carries it."""
         handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
-        p = self._peers.get(peer)
+        p = self.peers.get(peer)
         why = (f"transport is broken: {self.broken}" if self.broken else "transport closed" if self._closed
                else f"peer {peer!r} is not connected" if p is None or p.sizes is None or p.closing
                else f"peer {peer} is silent (dead or stalled)" if p.gone else None)
         if why:
             handle.finish(PeerError(f"request {request_id}: {why}"), release=True)
             return handle
+        assert p is not None
         try:
-            out = self._prepare_transfer(p, handle, plan, bytes(notify), bytes(capability))
+            out = self.planner.prepare_transfer(p, handle, plan, bytes(notify), bytes(capability))
         except (PlanError, TransportError) as e:
             handle.finish(e, release=True)
             return handle
@@ -332,17 +287,37 @@ class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXCo
         its PREGRANTs next, to ``senders`` only when given (never waited for here: decode calls
         this under its own lock, which an arrival callback on the I/O thread may be waiting for)."""
         super().expect(request_id, ranges, capability)
-        if self.eager_writes and not self._closed and not self.broken:
-            self.commands.put(Call(self._pregrant, (request_id, None if senders is None else frozenset(senders))))
+        if self.options.eager_writes and not self._closed and not self.broken:
+            self.commands.put(Call(self.pregrants.pregrant,
+                                   (request_id, None if senders is None else frozenset(senders))))
 
     def forget(self, request_id: str) -> bool:
         """Receiver: the request ended; its transfers in flight fail, later writes are dropped."""
-        if self.eager_writes:   # writes_pending until its pregranted peers said FENCED (``eager``)
-            self._fence_queued.add(request_id)
+        if self.options.eager_writes:   # writes_pending until its pregranted peers said FENCED (``eager``)
+            self.pregrants.queue(request_id)
         live = self.grants.forget(request_id)
         if not self._closed and not self.broken:
-            self.commands.put(Call(self._drop_request, (request_id,)))
+            self.commands.put(Call(self.receiver.drop_request, (request_id,)))
         return live
+
+    def writes_pending(self, request_id: str) -> bool:
+        """Decode's endpoint, any thread, after ``forget``: True while a sender that had GO for this
+        request has not proven its puts flushed (DONE or ABORT after its flush, or a re-handshake),
+        or frames posted into the grant are not done, and the sender is not proven dead. A silent
+        sender keeps it True (silence is not death); see ``fencing()``. Until it is False the
+        grant's memory must not be reused. Transfers of the request still open here count too:
+        ``forget`` fails them on the I/O thread a moment later. Eager: until FENCED (``eager``)."""
+        return self.landing.pending(request_id) or self.pregrants.pending(request_id)
+
+    def fencing(self) -> dict:
+        """Any thread: what is held because a failed or silent peer could still write or read it
+        (``Fencing.snapshot``)."""
+        return self.fence.snapshot()
+
+    @property
+    def rejected(self) -> Counter:
+        """Rejected incoming writes and messages by reason (``Inbox.rejected``)."""
+        return self.inbox.rejected()
 
     def close(self) -> None:
         """Fail what is in flight, say BYE, free every UCX resource (worker, context, endpoints,
@@ -355,8 +330,13 @@ class UCXTransport(UCXLoop, UCXLifecycle, UCXAdmission, UCXJoin, UCXInbox, UCXCo
         self.io.join(timeout=10)
         _LIVE.discard(self)
 
+    def _crashed(self, why: str) -> None:
+        """The loop died of a bug (``IOThread.on_crash``): every transfer it owned fails."""
+        self._closed = True
+        self.lifecycle.shutdown(why)
+
     def _deliver(self, arrival: Arrival) -> None:   # after the turn's sends: a woken reader would take the GIL
-        self._later.append(functools.partial(super()._deliver, arrival))
+        self.turn.later.append(functools.partial(super()._deliver, arrival))
 
     def __del__(self):
         if not getattr(self, "_closed", True):

@@ -18,9 +18,9 @@ of unstaged frames (host iov) use; the ANNOUNCE's ``staged`` flag says which one
 ``Stream.part(lo, hi)`` is the runs of one side holding stream bytes ``[lo, hi)``: the
 sender's source runs (which its own merging cut elsewhere) and the receiver's destination runs.
 
-Who calls what: ``UCXSender._prepare_transfer`` (caller's thread) builds a ``Stream`` and
-bounds; ``UCXSender._pump_frames`` (I/O thread) gathers and sends; ``UCXReceiver._on_announce``
-and ``_poll_data`` (I/O thread) do the same on the other side.
+Who calls what: ``Planner.prepare_transfer`` (caller's thread) builds a ``Stream`` and
+bounds; ``Sender.pump_frames`` (I/O thread) gathers and sends; ``Receiver.on_announce``
+and ``Receiver.poll_data`` (I/O thread) do the same on the other side.
 """
 from __future__ import annotations
 
@@ -130,6 +130,12 @@ class Stream:
         return reg, off, n
 
 
+def ucx_buffer(t: torch.Tensor):
+    """ucxx buffer for a uint8 tensor (a ring slot): numpy for host memory, CUDA array interface otherwise."""
+    from ucxx._lib.arr import Array
+    return Array(t.numpy() if t.device.type == "cpu" else t)
+
+
 class Completes:
     """``until`` for ``StagingPool.put``: a ring slot is free once this UCX request completed
     (a send still reads it; a receive still writes it)."""
@@ -145,7 +151,7 @@ class Completes:
 
 class RingHold:
     """The frame receives of an ended transfer that still write receive-ring slots: the object
-    of its ``_draining`` entry (``fencing``: released once they completed, or once the sender is
+    of its ``Landing.draining`` entry (``fencing``: released once they completed, or once the sender is
     proven dead). Its slots are free again when their own receive completed, or the entry is gone."""
     __slots__ = ("reqs",)
 
@@ -175,7 +181,7 @@ class HeldSlot:
 
 class RingSpill:
     """Receive-ring capacity that held slots took away, given back (issue 35). A slot is held
-    while a frame receive of an ended transfer may still write it (``UCXReceiver._hold_slots``):
+    while a frame receive of an ended transfer may still write it (``receiver``):
     until the receive completes, or its sender is proven dead, or ``quarantine_timeout``. A
     sender that cannot be proven dead (alive but silent, or gone without a trace) would hold its
     slots for good, and a few such senders the whole ring. So while slots are held, frames of

@@ -1,94 +1,128 @@
 """The I/O loop of a UCX transport: one turn runs commands, progresses the workers, reads control
 and data, advances transfers, keeps time, sends, and sleeps when nothing happened.
 
-``UCXLoop`` is a mixin of ``UCXTransport``; ``_loop`` is the body of its ``kit.IOThread``.
+Who calls what: ``UCXTransport`` makes the ``Loop`` with the parts it drives and runs ``run`` as
+the body of its ``kit.IOThread``, ``free`` as the thread's ``on_exit``. Everything here runs on
+that thread. ``tick`` (a few times a second) fails transfers past their deadline, pings peers,
+ends those silent past ``peer_timeout`` and looks at what fenced peers hold (``Fencing``).
 """
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Callable
-from typing import Any
 
-from kvxfer.transport.kit import CommandQueue, dispatch
+from kvxfer.transport.kit import CommandQueue, StagingPool, dispatch
 
-from .state import Outgoing
+from . import bindings as ucp
+from .eager import EagerSends
+from .fencing import Fencing
+from .inbox import Inbox
+from .landing import Landing
+from .lifecycle import Lifecycle
+from .options import UCXOptions
+from .outbox import Outbox
+from .peers import Peers
+from .protocol import Ping
+from .receiver import Receiver
+from .rehandshake import Rehandshake
+from .sender import Sender
+from .turn import Calls, Leftovers, Turn
+from .workers import Workers
 
-log = logging.getLogger("kvxfer.transport.ucx")
 
+class Loop:
+    """The I/O thread's turn over the parts (see the module docstring)."""
 
-class UCXLoop:
-    """I/O-loop half of ``UCXTransport``."""
+    def __init__(self, options: UCXOptions, commands: CommandQueue, calls: Calls, turn: Turn, workers: Workers,
+                 peers: Peers, outbox: Outbox, inbox: Inbox, sender: Sender, eager: EagerSends, receiver: Receiver,
+                 landing: Landing, rehandshake: Rehandshake, fencing: Fencing, lifecycle: Lifecycle,
+                 leftovers: Leftovers, rings: tuple[StagingPool, StagingPool]):
+        self.options, self.commands, self.calls, self.turn, self.workers = options, commands, calls, turn, workers
+        self.peers, self.outbox, self.inbox, self.sender, self.eager = peers, outbox, inbox, sender, eager
+        self.receiver, self.landing, self.rehandshake, self.fencing = receiver, landing, rehandshake, fencing
+        self.lifecycle, self.leftovers, self.rings = lifecycle, leftovers, rings
+        self.next_tick = 0.0
 
-    # Declared for the type checker only (set in ``UCXTransport.__init__`` or by the other halves).
-    heartbeat: float
-    commands: CommandQueue
-    _stop: bool
-    _acts: int
-    _sleeping: bool
-    _next_tick: float
-    _workers: list
-    _later: list[Callable[[], object]]
-    _out: dict
-    _in: dict
-    _ctrl_recvs: list
-    _fence_flushing: list
-    _park_order: Any
-    _closing: list
-    _start_out: Callable[[Outgoing], None]
-    _shutdown: Callable[[str], None]
-    _poll_ctrl: Callable[[], None]
-    _poll_data: Callable[[], None]
-    _flush_puts: Callable[[], None]
-    _advance: Callable[[], None]
-    _check_fence_flushes: Callable[[], None]
-    _housekeeping: Callable[[float], None]
-    _unpark_due: Callable[[float], None]
-    _flush_outboxes: Callable[[], None]
-    _retire_closing: Callable[[], None]
-    _idle: Callable[[int], None]
-
-    # ---- I/O thread: the loop -------------------------------------------------------------
-    def _loop(self) -> None:
+    def run(self) -> None:
         """Run commands, progress, read control and data, check deadlines; sleep when idle."""
-        while not self._stop:
-            self._acts = 0
+        turn, workers, sender, eager, lifecycle = self.turn, self.workers, self.sender, self.eager, self.lifecycle
+        tick_every = min(self.options.heartbeat, 0.1)
+        while not turn.stopped:
+            turn.acts = 0
             self._run_commands()
-            if self._stop:  # closed by a command: the endpoints are gone
+            if turn.stopped:  # closed by a command: the endpoints are gone
                 break
-            for w in self._workers:
-                w.progress()
-            self._poll_ctrl()   # after the commands: before them, one run of 1 MiB took ~15% longer
-            self._poll_data()
-            self._flush_puts()
-            self._advance()
-            if self._fence_flushing:
-                self._check_fence_flushes()
+            workers.progress()
+            self.inbox.poll()   # after the commands: before them, one run of 1 MiB took ~15% longer
+            self.receiver.poll_data()
+            sender.flush_puts()
+            sender.advance()
+            if eager.flushing:
+                eager.check_flushes()
             now = time.monotonic()
-            if now >= self._next_tick:
-                self._housekeeping(now)
-                self._next_tick = now + min(self.heartbeat, 0.1)
-            if self._park_order:
-                self._unpark_due(now)
-            self._flush_outboxes()
-            if self._later:
-                self._run_later()
-            if self._closing:
-                self._retire_closing()
-            if not self._acts:
-                self._sleeping = True
+            if now >= self.next_tick:
+                self.tick(now)
+                self.next_tick = now + tick_every
+            if eager.park_order:
+                sender.unpark_due(now)
+            self.outbox.flush()
+            if turn.later:
+                turn.run_later()
+            if lifecycle.closing:
+                lifecycle.retire_closing()
+            if not turn.acts:
+                workers.sleeping = True
                 if self.commands.empty():
-                    busy = self._out or self._in or self._ctrl_recvs or self._fence_flushing  # wake every ms
-                    self._idle(1 if busy else max(1, int((self._next_tick - now) * 1000)))
-                self._sleeping = False
-
-    def _run_later(self) -> None:
-        later, self._later = self._later, []
-        for fn in later:
-            fn()
+                    busy = sender.outgoing or self.receiver.incoming or self.inbox.recvs or eager.flushing  # every ms
+                    workers.idle(1 if busy else max(1, int((self.next_tick - now) * 1000)))
+                workers.sleeping = False
 
     def _run_commands(self) -> None:
         cmds = self.commands.take()
-        self._acts += len(cmds)
-        dispatch(cmds, submit=lambda cmd: self._start_out(cmd.work), close=lambda: self._shutdown("transport closed"))
+        self.turn.acts += len(cmds)
+        dispatch(cmds, submit=lambda cmd: self.sender.start_out(cmd.work),
+                 close=lambda: self.lifecycle.shutdown("transport closed"))
 
+    def tick(self, now: float) -> None:
+        """Deadlines, heartbeats and fencing, a few times a second."""
+        ucp.log_cma_failures()
+        fencing, options = self.fencing, self.options
+        fencing.check_failed(now)
+        self.sender.settle_held()
+        self.sender.check_deadlines(now)
+        self.receiver.check_deadlines(now)
+        # peers that memory here waits for: their death is looked for every tick, silent or not
+        # (a killed sender on this kernel is proven dead by its pid a tick later, not after peer_timeout)
+        waited = self.landing.waited()
+        for p in list(self.peers.values()):
+            if p.rehello is not None:
+                self.rehandshake.check(p)
+            if not p.gone and p.clock.silent(now, options.peer_timeout):
+                fencing.peer_gone(p, f"peer silent for {p.clock.silent_for(now):.1f}s (dead or stalled)")
+            if p.gone or p.fenced or p.id in waited:
+                fencing.fence_check(p, now)
+            # Ping only once the last message left: sends to a dead peer may never complete.
+            if now >= p.next_ping and (p.last_send is None or p.last_send.completed) and not p.closing \
+                    and not p.joining:   # joining: its front worker takes our HELLO only
+                p.next_ping = now + options.heartbeat
+                self.outbox.send(p, Ping())
+        if options.quarantine_timeout is not None:
+            fencing.expire_quarantine(now)
+        fencing.drop_closed_peers(now)
+
+    def free(self) -> None:
+        """Drop every UCX object (``IOThread.on_exit``): endpoints, requests, then the worker and
+        context themselves, so their fds and shared memory go now, cycle or no cycle; then the
+        receive ring."""
+        self.commands.fail_all(self.calls.io.broken or "transport closed")
+        self.peers.clear()
+        self.sender.clear()
+        self.receiver.clear()
+        self.leftovers.zombies = []
+        self.landing.clear()
+        self.lifecycle.closing = []
+        self.outbox.sends = []
+        self.inbox.clear()
+        send_ring, recv_ring = self.rings
+        send_ring.clear()
+        self.workers.free()
+        recv_ring.clear()

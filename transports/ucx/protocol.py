@@ -44,6 +44,8 @@ MAX_DTAG = 1 << (62 - FRAME_BITS)
 HELLO, ANNOUNCE, GO, DONE, ACK, FAIL, ABORT, PING, BYE, PREGRANT, FENCE, FENCED, WELCOME = range(13)
 MAX_CTAG = 1 << 62          # control tags: CTRL_TAG | tag, 1 <= tag < MAX_CTAG (0: a HELLO to a front worker)
 MAX_ID = 1 << 63
+MAX_SENDER = 256           # characters of a sender id a front worker takes (ours are 32)
+FRONT_BYTES = 256 << 10    # the largest batch a front worker takes: one HELLO (its address is at most 64 KiB)
 MAX_REQUEST_ID = 4096      # characters
 MAX_NOTIFY = 1 << 20       # bytes
 MAX_ADDRESS = 1 << 16      # bytes of a worker address
@@ -75,7 +77,7 @@ class Hello:
     handshakes on this channel: a sender that was silent to the peer (or fenced by it) flushes
     its endpoint and only then sends a HELLO with a higher epoch, which therefore also says
     "every put I issued before this has landed". ``host`` (boot id and PID-namespace) and
-    ``pid`` let a receiver on the same kernel prove the sender dead (``UCXControl``). ``err``:
+    ``pid`` let a receiver on the same kernel prove the sender dead (``Fencing``). ``err``:
     the sender's endpoint has UCX error handling on; the receiver's to it must match (endpoints
     of both modes do not talk). ``token``: what ``admit`` gave the receiver's owner for us;
     ``shm``: our ``settings.MUST_MATCH`` values; ``ctag``: the control tag the peer's messages

@@ -1,7 +1,9 @@
-"""Settings of a UCX transport: the put/pack thresholds, the UCX settings it changes, and the
-shared-memory settings both peers must agree on. Plain functions and constants, no UCX calls."""
+"""Settings of a UCX transport: the put/pack thresholds, the UCX settings it changes, the
+shared-memory settings both peers must agree on, and where a process runs (``host_identity``,
+``reach``). Plain functions and constants, no UCX calls."""
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 # Runs shorter than PUT_BELOW are packed, longer ones put; in a plan of more than FEW_RUNS runs,
@@ -101,3 +103,24 @@ def far_path(where: str, explicit: bool) -> bool:
     """Connect through the ``FAR_TLS`` worker? Only when the peer said where it is, is not in
     our network namespace, and the user did not choose the transports."""
     return not explicit and where in ("host", "netns")
+
+
+def host_identity() -> str:
+    """This process's kernel and namespaces (boot id, PID and network namespace): a peer with the
+    same identity can tell whether our process is alive by its pid."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> int | None:
+    """Start time (clock ticks since boot) of process ``pid``, or None when there is none."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None

@@ -1,6 +1,7 @@
-"""The records the three halves of ``UCXTransport`` share: a connected ``Peer``, an ``Incoming``
-transfer (receiver side) and an ``Outgoing`` one (sender side). Plain state, no behaviour: the
-control, sender and receiver modules all import it, and it imports none of them."""
+"""The records the parts of ``UCXTransport`` share: a connected ``Peer``, an ``Incoming`` transfer
+(receiver side) and an ``Outgoing`` one (sender side). Plain state, no behaviour: the parts all
+import it, and it imports none of them. Each record is owned by the part that keeps it (``Peers``,
+``Receiver.incoming``, ``Sender.outgoing``); the others read and mark it on the I/O thread."""
 from __future__ import annotations
 
 import collections
@@ -64,7 +65,7 @@ class Peer:
     pid: int = 0
     start: int = 0
     dead_since: float | None = None  # proven dead (process gone) at; held memory is freed after a grace
-    closing: bool = False            # disconnect(): freed once nothing of it is held (``_retire_closing``)
+    closing: bool = False            # disconnect(): freed once nothing of it is held (``Lifecycle.retire_closing``)
     close_flush: ucp.Flush | None = None   # the endpoint flush before it is closed
     closing_since: float = 0.0
     # eager writes (``eager``)
@@ -72,7 +73,7 @@ class Peer:
     pregranted: dict = field(default_factory=dict)     # sender: request id -> ByteRanges it may put to now (ordered)
     pregranted_bytes: int = 0        # sender: what those take (``eager.INTERVAL_COST`` an interval)
     fence_flushes: list = field(default_factory=list)  # sender: (flush, request ids) to answer FENCED after
-    fence_answers: bool = False      # sender: it pregranted us once (``_park`` waits for its PREGRANTs)
+    fence_answers: bool = False      # sender: it pregranted us once (``EagerSends.park`` waits for its PREGRANTs)
     fenced_all_said: bool = False    # sender: we told it FENCED-all (closing, or disconnecting it)
     flush_failed: bool = False       # sender: a flush of our puts to it failed (never FENCED-all then)
 
@@ -116,4 +117,4 @@ class Outgoing:
     abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
     stale: bool = False              # announced before a re-handshake began: a GO for it is refused
     eager: bool = False              # put without GO (pregranted); the announce follows the flush, as DONE
-    parked: bool = False             # it waited for its PREGRANT once (``eager._park``): never again
+    parked: bool = False             # it waited for its PREGRANT once (``EagerSends.park``): never again

@@ -1,0 +1,69 @@
+"""Control messages out: queued per peer during a turn, sent as one tagged batch per peer.
+
+Who calls what (I/O thread): every part that answers or tells a peer something calls ``send``;
+the loop calls ``flush`` once a turn (and ``Lifecycle.shutdown`` before it says BYE). ``sends``
+holds each batch's request and buffer until UCX sent it.
+"""
+from __future__ import annotations
+
+import numpy as np
+from ucxx._lib import libucxx as ucx_api
+from ucxx._lib.arr import Array
+
+from .options import UCXOptions
+from .peers import Peers
+from .protocol import CTRL_TAG, Fence, Fenced, Message, Pregrant, pack_batch
+from .state import Peer
+from .turn import Turn
+
+_MERGED = (Pregrant, Fence, Fenced)   # consecutive ones to a peer in a turn go as one (``send``)
+MERGE_RIDS = 512   # ids per merged message (joining copies the tuple: bounded, and below MAX_RIDS)
+MERGE_GRANT_BYTES = 1 << 20   # PREGRANTs join while their grants stay this small (one may be MAX_PREGRANT_BYTES)
+
+
+class Outbox:
+    """Each peer's control messages of this turn (``Peer.outbox``), and the batches UCX still sends."""
+
+    def __init__(self, transport_id: str, options: UCXOptions, peers: Peers, turn: Turn):
+        self.id, self.max_control_bytes, self.peers, self.turn = transport_id, options.max_control_bytes, peers, turn
+        self.sends: list = []   # (request, buffer): buffers live until sent
+
+    def send(self, p: Peer, msg: Message) -> None:
+        """Queue a control message; each peer's queue leaves as one tagged message per turn. A
+        PREGRANT, FENCE or FENCED (not "all") right after one of its kind joins it, up to
+        ``MERGE_RIDS`` ids: the sender answers each FENCE with an endpoint flush and a FENCED, and
+        the receiver sends one per forgotten request (a turn of forgets: one flush, not one each)."""
+        if not p.outbox:
+            self.turn.acts += 1
+        elif isinstance(msg, _MERGED) and not (isinstance(msg, Fenced) and msg.all):
+            last = p.outbox[-1]
+            same = type(last) is type(msg) and not (isinstance(last, Fenced) and last.all)
+            if same and len(last.rids) + len(msg.rids) <= MERGE_RIDS:
+                if not isinstance(msg, Pregrant):
+                    p.outbox[-1] = type(msg)(last.rids + msg.rids)
+                    return
+                if sum(map(len, last.grants)) + sum(map(len, msg.grants)) <= MERGE_GRANT_BYTES:
+                    p.outbox[-1] = Pregrant(last.rids + msg.rids, last.grants + msg.grants)
+                    return
+        p.outbox.append(msg)
+
+    def flush(self) -> None:
+        """Send every peer's queue (once a turn), and forget the batches UCX has sent."""
+        for p in self.peers.values():
+            if p.outbox:
+                self._send_batch(p, p.outbox)
+                p.outbox = []
+        self.sends = [s for s in self.sends if not s[0].completed]
+
+    def _send_batch(self, p: Peer, msgs: list) -> None:
+        """One tagged control message, or several when one would pass ``max_control_bytes``; under
+        the control tag ``p`` gave us (0 while we join it: its front worker)."""
+        wire = pack_batch(self.id, p.secret, msgs)
+        if len(wire) > self.max_control_bytes and len(msgs) > 1:
+            half = len(msgs) // 2
+            self._send_batch(p, msgs[:half])
+            self._send_batch(p, msgs[half:])
+            return
+        buf = np.frombuffer(wire, np.uint8)
+        p.last_send = p.ep.tag_send(Array(buf), ucx_api.UCXXTag(CTRL_TAG | p.tag_out))
+        self.sends.append((p.last_send, buf))
