@@ -1,6 +1,11 @@
 """Victims for the hostile-peer tests: real endpoints in this process, and what every test
 checks after an attack (threads alive, an honest request lands byte-exact, the canary
-outside grants untouched, fds/threads bounded)."""
+outside grants untouched, fds/threads bounded).
+
+Two kinds of victim: ``Pair``, a zmq prefill and decode rank found through a registry, whose
+honest requests are checked byte for byte (``after_attack``); and ``local_prefill`` /
+``local_decode``, endpoints on the local transport that start in milliseconds, for the
+in-process tier (``still_serves`` checks them)."""
 from __future__ import annotations
 
 import itertools
@@ -10,7 +15,12 @@ import threading
 import request_peer as rp
 
 # kvxfer names used by the hostile tests' victims (update here after a module move)
-from kvxfer.endpoint.base import KVPoll
+from kvxfer.control.channel import Heartbeat
+from kvxfer.endpoint.base import KVPoll, Timeouts
+from kvxfer.endpoint.decode import DecodeEndpoint
+from kvxfer.endpoint.prefill import PrefillEndpoint
+from kvxfer.pools import MHAPool
+from kvxfer.ranks import RankSpec
 
 TIMEOUTS = {"bootstrap": 4.0, "waiting": 4.0, "transfer": 4.0, "lease": 4.0, "handshake": 3.0}
 _names = itertools.count(1)
@@ -121,3 +131,47 @@ def attacker_record(pair: "Pair", instance: str, made: list) -> dict:
     made.append(evil)
     rec["data"] = {"zmq": evil.descriptor()}
     return rec
+
+
+def after_attack(pair: Pair, before, attacker=None) -> None:
+    """What every test against a ``Pair`` checks once the attack is over; ``attacker`` (a
+    ``hostile_wire.CtlClient``) probes that prefill's control thread still answers."""
+    if attacker is not None:
+        assert attacker.alive(), "the prefill control thread no longer answers"
+    assert pair.alive(), f"victim threads died: {pair.dead()}"
+    assert pair.honest(), "an honest request no longer completes"
+    assert pair.intact(), "decode's pool differs from the honest moves (a byte outside a grant changed?)"
+    assert not bounded(before), bounded(before)
+
+
+# ------------------------------------------------------------------------------------
+# Local-transport victims: the in-process tier
+# ------------------------------------------------------------------------------------
+FAST = Timeouts(handshake=3.0, heartbeat=Heartbeat(interval=0.2, timeout=2.0))
+
+
+def _pool() -> MHAPool:
+    return MHAPool(layers=4, heads=4, head_dim=8, dtype="float16", num_pages=16, page_size=4)
+
+
+def local_prefill(secret: str | None = None) -> PrefillEndpoint:
+    """A prefill endpoint on the local transport (the caller closes it)."""
+    return PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=4, num_layers=4), _pool(), transport="local",
+                           timeouts=FAST, secret=secret)
+
+
+def local_decode(secret: str | None = None) -> DecodeEndpoint:
+    """A decode endpoint that tests say HELLO for by hand: its data port admits anyone (no token)."""
+    return DecodeEndpoint(RankSpec(role="decode", num_kv_heads=4, num_layers=4), _pool(), transport="local",
+                          timeouts=FAST, secret=secret, transport_options={"admission": "open"})
+
+
+def still_serves(p: PrefillEndpoint, secret: str | None = None) -> None:
+    """The victim's channel thread lives and an honest decode rank handshakes with it."""
+    assert p.channel.alive
+    d = local_decode(secret)
+    try:
+        d.connect(peers=[p.info], timeout=5)
+    finally:
+        d.close()
+    assert p.channel.alive

@@ -112,6 +112,17 @@ class CtlClient:
     def send(self, msg=None, *, body: bytes | None = None, frames: list[bytes] | None = None) -> None:
         self.sock.send_multipart(frames if frames is not None else self.frames(msg, body=body))
 
+    def legacy(self, msg) -> list[bytes]:
+        """``msg`` in the envelope of protocol 1, [mac, body] (mac = HMAC-SHA256(secret, body) or b""):
+        the same input reaches the parser of either version."""
+        body = msgpack.packb(msg, use_bin_type=True)
+        return [hmac.new(self.secret, body, hashlib.sha256).digest() if self.secret else b"", body]
+
+    def send_both(self, msg) -> None:
+        """``msg`` in the old envelope, then in the current one."""
+        self.sock.send_multipart(self.legacy(msg))
+        self.send(msg)
+
     def recv_frames(self, timeout: float = 2.0) -> list[bytes] | None:
         if not self.sock.poll(int(timeout * 1000)):
             return None
@@ -121,6 +132,15 @@ class CtlClient:
         """The next message's body, decoded (None on timeout)."""
         frames = self.recv_frames(timeout)
         return None if frames is None else msgpack.unpackb(frames[-1], raw=False)
+
+    def replies(self, wait: float = 1.0, until: str | None = None) -> list:
+        """Every reply within ``wait`` seconds (or up to the first of type ``until``)."""
+        out, end = [], time.monotonic() + wait
+        while (m := self.recv(max(0.0, end - time.monotonic()))) is not None:
+            out.append(m)
+            if until is not None and isinstance(m, dict) and m.get("t") == until:
+                break
+        return out
 
     def alive(self, timeout: float = 2.0) -> bool:
         """True when the ROUTER's thread answers a probe HELLO (so it handled all before it)."""

@@ -1,1 +1,2 @@
-"""Helpers the tests share (one place each): ``deps`` says which optional dependency is missing."""
+"""Helpers the tests share (one place each): ``deps`` says which optional dependency is missing,
+``ports`` finds free ports, ``channels`` is a control-channel owner of the test's own."""
