@@ -19,13 +19,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 
 import pytest
+from support.ports import free_port
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.client import BootstrapClient
@@ -40,18 +40,12 @@ def skip_reason() -> str:
     return ""
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Etcd:
     """One etcd process on 127.0.0.1 (see the module docstring)."""
 
     def __init__(self):
         self.dir = tempfile.mkdtemp(prefix="kvxfer-etcd-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-        self.client_port, self.peer_port = _port(), _port()
+        self.client_port, self.peer_port = free_port(), free_port()
         self.proc: subprocess.Popen | None = None
 
     @property

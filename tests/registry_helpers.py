@@ -248,12 +248,6 @@ class Flood:
         self._thread.join(5)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="flood a port with connections (FloodProcess), or load a registry "
                                              "(LoadProcess)")

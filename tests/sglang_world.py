@@ -9,14 +9,14 @@ from __future__ import annotations
 import json
 import os
 import queue
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from support.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,22 +47,6 @@ def engine_python() -> tuple[str | None, str]:
     if p.returncode != 0:
         return None, f"scripts/engine_venv sglang failed (SGLang cannot be installed here): {p.stderr[-2000:]}"
     return p.stdout.strip().splitlines()[-1], ""
-
-
-def free_port(taken: set) -> int:
-    """A free port below the kernel's ephemeral range (32768-60999 here), where the workers' own
-    port-0 binds cannot take it before its bootstrap server binds it."""
-    while True:
-        port = random.randrange(20000, 32000)
-        if port in taken:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        taken.add(port)
-        return port
 
 
 class Worker:

@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 import request_peer as rp
 from etcd_server import etcd, registries, registry  # noqa: F401
+from support.ports import free_port
 from waiting import until
 
 from kvxfer.control import bootstrap
@@ -150,15 +151,9 @@ def test_registrations_need_the_secret(server):
     assert get(s.url + "/health")[0] == 200          # reads stay open for operators
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.slow   # a subprocess
 def test_cli_serves_until_sigterm():
-    port = _free_port()
+    port = free_port()
     proc = rp.context().Process(target=bootstrap.main, args=(["--host", "127.0.0.1", "--port", str(port),
                                                                "--ttl", "5"],))
     proc.start()
@@ -181,7 +176,7 @@ def test_cli_serves_until_sigterm():
 
 def _dead_address() -> str:
     """A control address nothing listens on: connections to it are refused."""
-    return f"tcp://127.0.0.1:{_free_port()}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def _topology_controls(url: str) -> list[str]:

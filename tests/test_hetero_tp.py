@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from support.deps import missing
+from support.ports import free_port
 
 pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
 
@@ -31,12 +31,6 @@ PAIRINGS = {"same": ("token_major", 4, 4), "page_to_token": ("page_major", 4, 4)
 def transports() -> tuple[str, ...]:
     """The transports whose optional dependencies are here (a broken one fails, it is not left out)."""
     return tuple(name for name in ("zmq", "ucx") if missing(name) is None)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _subs(models, pairings, transports_):
@@ -62,9 +56,9 @@ def _launch_all() -> dict[tuple[str, str], list[dict]] | AssertionError:
     n = max(cfg["p_tp"] * cfg.get("p_pp", 1) + cfg["d_tp"] for cfg in launches.values())
     env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as out_dir:
-        cfg = {"launches": launches, "bootstrap_port": _port(), "out_dir": out_dir}
+        cfg = {"launches": launches, "bootstrap_port": free_port(), "out_dir": out_dir}
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={n}",
-                               f"--master_port={_port()}", str(WORKER), "--config", json.dumps(cfg)],
+                               f"--master_port={free_port()}", str(WORKER), "--config", json.dumps(cfg)],
                               capture_output=True, text=True, timeout=900, env=env)
         lines = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
     if proc.returncode != 0 or len(lines) != n:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.ports import free_port
 
 from kvxfer import get_transport
 
@@ -23,12 +23,6 @@ pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
 
 WORKER = Path(__file__).with_name("offload_tp_worker.py")
 WORLD = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(args: list[list[str]], env_of, timeout: float = 120):

@@ -21,6 +21,7 @@ import urllib.request
 import numpy as np
 import pytest
 from hosts import hosts_fixture, hosts_skip_reason
+from support.ports import free_port
 
 from kvxfer.cli import pattern
 from kvxfer.cli import rank as cli
@@ -230,13 +231,6 @@ def procs():
     yield started
     for p in reversed(started):
         p.kill()
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def unix_call(path: str, cmd: dict) -> dict:

@@ -15,7 +15,8 @@ import threading
 import time
 
 import pytest
-from registry_helpers import Conn, CountingRelay, FloodProcess, LoadProcess, free_port, record
+from registry_helpers import Conn, CountingRelay, FloodProcess, LoadProcess, record
+from support.ports import free_port
 from waiting import until
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer

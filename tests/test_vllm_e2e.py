@@ -19,10 +19,10 @@ blocks back while a write could land.
 """
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
+from support.ports import free_port
 from vllm_helpers import Engine, make_model, until
 
 pytestmark = pytest.mark.slow
@@ -40,12 +40,6 @@ PROMPTS = {                                    # lengths: under a block, whole b
     "after": [(29 * i) % 300 + 31 for i in range(77)],
 }
 EXTRA = {"transport": "faulty", "transport_options": {"inner": "zmq"}}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

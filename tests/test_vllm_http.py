@@ -10,25 +10,19 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
 import pytest
+from support.ports import free_port
 from vllm_helpers import engine_python, make_model
 
 pytestmark = pytest.mark.slow
 
 FLAGS = ["--enforce-eager", "--block-size", "32", "--disable-hybrid-kv-cache-manager", "--max-model-len", "512",
          "--dtype", "float32", "--seed", "0", "--served-model-name", "m"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kv_config(role: str, **extra) -> str:

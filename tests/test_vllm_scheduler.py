@@ -6,12 +6,12 @@ Requests are stand-ins with the attributes the scheduler reads (``request_id``,
 """
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
+from support.ports import free_port
 
 from kvxfer.integrations.vllm.plan import BOOTSTRAP, INSTANCE, ROOM
 from kvxfer.integrations.vllm.scheduler import KvxferScheduler
@@ -83,12 +83,6 @@ def test_a_load_aborted_in_flight_is_aborted_in_kvxfer_and_finishes_when_release
     assert plan.abort_recv == ["a"] and s.pending()
     s.output(None, ["a"])                             # the worker reports it once kvxfer released it
     assert not s.pending()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_prefill_holds_a_finished_request_and_says_where_decode_finds_it():

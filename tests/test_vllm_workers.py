@@ -14,13 +14,13 @@ not granted are left as they were.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import vllm_worker_peer as peer
+from support.ports import free_port
 
 from kvxfer.integrations.vllm.scheduler import KvxferScheduler
 from kvxfer.integrations.vllm.settings import parse
@@ -28,12 +28,6 @@ from kvxfer.integrations.vllm.settings import parse
 pytestmark = pytest.mark.slow
 
 LAYERS, HEADS, HEAD, P_BLOCK, D_BLOCK, D_TP = 2, 4, 32, 16, 32, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

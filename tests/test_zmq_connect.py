@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import torch
 import zmq
+from support.ports import free_port
 from waiting import until
 from xfer_peer import raw_plan
 
@@ -26,12 +27,6 @@ QUICK = 1.0   # connect_timeout in these tests
 
 def _fds() -> int:
     return len(os.listdir("/proc/self/fd"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
@@ -54,7 +49,7 @@ def _refused(tx, endpoint: str) -> None:
 def test_nothing_listens(tx):
     before = _fds()
     for _ in range(3):
-        _refused(tx, f"tcp://127.0.0.1:{_free_port()}")
+        _refused(tx, f"tcp://127.0.0.1:{free_port()}")
     assert until(lambda: _fds() <= before, 5), "a failed connect left its socket open"
 
 
