@@ -12,23 +12,15 @@ import itertools
 
 import hostile_wire as hw
 import pytest
-from hostile_victims import Pair, bounded, snapshot
+from hostile_victims import Pair, after_attack, snapshot
 from waiting import until
 
 # kvxfer names used here (update here after a module move)
-from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.endpoint.base import KVPoll
 
 pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
 
 xids = itertools.count(1 << 50)
-
-
-@pytest.fixture(scope="module")
-def registry():
-    srv = BootstrapServer(BootstrapConfig(ttl=30.0)).start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture
@@ -57,13 +49,6 @@ def test_a_stranger_gets_no_answer_at_all(pair):
     finally:
         c.close()
     after_attack(pair, before)
-
-
-def after_attack(pair, before) -> None:
-    assert pair.alive(), f"victim threads died: {pair.dead()}"
-    assert pair.honest(), "an honest request no longer completes"
-    assert pair.intact(), "decode's pool differs from the honest moves (a byte outside a grant changed?)"
-    assert not bounded(before), bounded(before)
 
 
 def test_frames_for_an_unknown_request_write_nothing(pair, attacker):

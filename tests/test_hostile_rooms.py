@@ -24,19 +24,11 @@ import pytest
 from hostile_victims import Pair, attacker_record, bounded, snapshot
 from waiting import until
 
-from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.endpoint import KVPoll
 from kvxfer.endpoint.decode_links import HANDSHAKE_THREADS
 from kvxfer.endpoint.peers import MAX_QUEUED
 
 pytestmark = pytest.mark.slow   # endpoints with heartbeats, waits of seconds
-
-
-@pytest.fixture(scope="module")
-def registry():
-    srv = BootstrapServer(BootstrapConfig(ttl=30.0)).start()
-    yield srv
-    srv.stop()
 
 
 @pytest.fixture

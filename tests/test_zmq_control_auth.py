@@ -10,6 +10,7 @@ import time
 import msgpack
 import pytest
 import zmq
+from support.channels import Quiet
 
 from kvxfer.control.channel import ControlChannel, Heartbeat
 from kvxfer.control.messages import Drop, Ping
@@ -19,22 +20,8 @@ pytestmark = pytest.mark.slow   # handshakes that fail, waited for (seconds)
 SECRET = b"zmtp-secret"
 
 
-class _Handler:
-    def __init__(self):
-        self.got: list = []
-
-    def on_message(self, peer, msg):
-        self.got.append((peer, msg))
-
-    def on_peer_lost(self, peer, why):
-        pass
-
-    def on_tick(self, now):
-        return 0.05
-
-
-def _router(**kw) -> tuple[ControlChannel, _Handler]:
-    h = _Handler()
+def _router(**kw) -> tuple[ControlChannel, Quiet]:
+    h = Quiet()
     return ControlChannel(h, secret=SECRET, heartbeat=Heartbeat(), bind="tcp://127.0.0.1:0", identity="p0",
                           **kw), h
 
@@ -50,7 +37,7 @@ def _until(cond, timeout: float = 5.0) -> bool:
 
 def test_channels_with_the_same_secret_talk():
     server, _ = _router(zmtp_auth=True)
-    client = ControlChannel(_Handler(), secret=SECRET, heartbeat=Heartbeat(interval=0.1, timeout=1.0),
+    client = ControlChannel(Quiet(), secret=SECRET, heartbeat=Heartbeat(interval=0.1, timeout=1.0),
                             identity="d0", zmtp_auth=True)
     try:
         client.connect("p0", server.address)
@@ -65,7 +52,7 @@ def test_channels_with_the_same_secret_talk():
                          ids=["another-secret", "no-zmtp-auth", "no-secret"])
 def test_a_channel_that_cannot_authenticate_is_told_at_once(secret, zmtp_auth):
     server, handler = _router(zmtp_auth=True)
-    client = ControlChannel(_Handler(), secret=secret, heartbeat=Heartbeat(interval=0.1, timeout=1.0),
+    client = ControlChannel(Quiet(), secret=secret, heartbeat=Heartbeat(interval=0.1, timeout=1.0),
                             identity="d1", zmtp_auth=zmtp_auth)
     try:
         client.connect("p0", server.address)   # it pings at once, and every heartbeat
@@ -103,9 +90,9 @@ def test_a_raw_peer_without_the_secret_is_never_answered():
 
 
 def test_without_a_secret_zmtp_auth_changes_nothing():
-    h = _Handler()
+    h = Quiet()
     server = ControlChannel(h, secret=None, heartbeat=Heartbeat(), bind="tcp://127.0.0.1:0", zmtp_auth=True)
-    client = ControlChannel(_Handler(), secret=None, heartbeat=Heartbeat(interval=0.1, timeout=1.0), identity="d2")
+    client = ControlChannel(Quiet(), secret=None, heartbeat=Heartbeat(interval=0.1, timeout=1.0), identity="d2")
     try:
         client.connect("p0", server.address)
         client.send("p0", Ping())
