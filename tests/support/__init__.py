@@ -1,2 +1,3 @@
 """Helpers the tests share (one place each): ``deps`` says which optional dependency is missing,
-``ports`` finds free ports, ``channels`` is a control-channel owner of the test's own."""
+``ports`` finds free ports, ``channels`` is a control-channel owner of the test's own, ``fixtures``
+holds the fixtures several files use (registered by ``conftest.py``)."""
