@@ -347,13 +347,12 @@ QUICK_SILENCE = {"zmq": {"heartbeat_timeout": 2.0}, "ucx": {"peer_timeout": 2.0}
 
 
 @pytest.mark.slow   # seconds
+@pytest.mark.parametrize("pair", NETWORK, indirect=True)   # it stops or kills a peer process
 def test_source_released_only_when_nothing_reads_it(pair, tmp_path):
     """The receiver stops mid-transfer (SIGSTOP) long before its deadline. The sender fails the
     transfer when the receiver goes silent and, while it is still stopped, releases the source
     (nothing queued or in flight reads it any more). Bytes written to the source after that
     must never reach the receiver once it runs again; its grant is still live then."""
-    if pair.name in IN_PROCESS:
-        pytest.skip("an in-process transport has no process to stop")
     tx = PeerProcess(tmp_path / "sender3.log")
     try:
         tx_desc = tx.call("init", transport=pair.name, sizes=SIZES, fill="seed", seed=SEED,
@@ -426,11 +425,10 @@ def _kill_mid_transfer(p: Pair, tx, peer: str, victim, timeout: float = DEADLINE
 
 
 @pytest.mark.slow   # seconds
+@pytest.mark.parametrize("pair", NETWORK, indirect=True)   # it stops or kills a peer process
 def test_sender_killed_mid_transfer(pair):
     """SIGKILL the sender mid-transfer: the receiver reports a failed arrival within the
     deadline and releases the grant exactly once."""
-    if pair.name in IN_PROCESS:
-        pytest.skip("an in-process transport has no process to kill")
     rid, t0 = _kill_mid_transfer(pair, pair.tx, pair.peer, pair.tx)
     arrived = pair.arrivals(1, timeout=DEADLINE + SLACK)
     took = time.monotonic() - t0
@@ -442,10 +440,9 @@ def test_sender_killed_mid_transfer(pair):
 
 
 @pytest.mark.slow   # seconds
+@pytest.mark.parametrize("pair", NETWORK, indirect=True)   # it stops or kills a peer process
 def test_receiver_killed_mid_transfer(pair, tmp_path):
     """SIGKILL the receiver mid-transfer: the sender's handle fails within its deadline."""
-    if pair.name in IN_PROCESS:
-        pytest.skip("an in-process transport has no process to kill")
     tx = PeerProcess(tmp_path / "sender2.log")
     try:
         token = pair.rx.call("admit", descriptor=tx.call("init", transport=pair.name, sizes=SIZES, fill="seed",
