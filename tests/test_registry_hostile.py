@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from kvxfer.control.addresses import advertise_address, routable_address
+from kvxfer.addresses import advertise_address, routable_address
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import ControlChannel, Heartbeat
 from kvxfer.control.client import BootstrapClient, Registration
