@@ -84,3 +84,9 @@ class RequestError(KVXferError):
 
 class StorageError(KVXferError):
     """A stored record is missing, truncated, corrupt, or was written for another layout."""
+
+
+def short(v) -> str:
+    """``repr(v)`` cut to 80 characters: a value from a caller or a peer, quoted in an error message."""
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."

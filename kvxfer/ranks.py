@@ -1,20 +1,18 @@
 """Who a rank is: ``RankSpec`` (its place in the deployment and the model shape the topology
-needs), the default head placement (``heads_held``) and the address syntax every layer checks
-(``split_address``, ``check_address``). What a rank tells the registry and its peers
-(``RankInfo``) is in ``kvxfer.control.records``. Every field is checked on the way in (exact
-types, bounded sizes) and raises nothing but ValueError.
+needs), and the default head placement (``heads_held``). What a rank tells the registry and its
+peers (``RankInfo``) is in ``kvxfer.control.records``; address syntax and policy in
+``kvxfer.addresses``. Every field is checked on the way in (exact types, bounded sizes) and
+raises nothing but ValueError.
 
-Who calls what: ``RankSpec`` is made by every endpoint and parsed from every peer's record;
-``check_address`` runs on every control address a rank advertises or connects to.
+Who calls what: ``RankSpec`` is made by every endpoint and parsed from every peer's record.
 """
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from .errors import ConfigError, LayoutError, PlanError
+from .errors import ConfigError, LayoutError, PlanError, short
 from .layout import SWA
 from .pools import KVPool
 
@@ -25,8 +23,6 @@ MAX_HEAD_IDS = 1 << 16       # setting: head ids in one explicit head map (a rec
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
-_HOST = re.compile(r"[A-Za-z0-9_.\-]{1,253}")
-WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]"})
 
 
 # ------------------------------------------------------------------------------------
@@ -37,49 +33,6 @@ def int_field(d: Mapping, name: str, lo: int, hi: int, default: int | None = Non
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise ConfigError(f"field {name!r} must be an integer in {lo}..{hi}, got {short(v)}")
     return v
-
-
-def short(v) -> str:
-    r = repr(v)
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
-def split_address(address: str) -> tuple[str, str, int]:
-    """``tcp://host:port`` -> ("tcp", host, port); ``ipc://path`` -> ("ipc", path, 0); port 0 or
-    ``*`` (bind: any free port) -> 0. ValueError
-    naming the address when it is not one (an IPv6 host is written ``[::1]``)."""
-    if not isinstance(address, str) or len(address) > 256:
-        raise ConfigError(f"an address must be a string of at most 256 characters, got {short(address)}")
-    if address.startswith("ipc://"):
-        path = address[6:]
-        if not path or "\0" in path or not path.isprintable():
-            raise ConfigError(f"address {address!r}: ipc:// needs a printable path")
-        return "ipc", path, 0
-    if not address.startswith("tcp://"):
-        raise ConfigError(f"address {short(address)} must be tcp://host:port or ipc://path")
-    host, sep, port = address[6:].rpartition(":")
-    if not sep or not (port == "*" or port.isdigit() and port.isascii() and int(port) <= 65535):
-        raise ConfigError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
-    if host.startswith("[") and host.endswith("]"):
-        try:
-            ipaddress.IPv6Address(host[1:-1])
-        except ValueError:
-            raise ConfigError(f"address {address!r}: {host} is not an IPv6 address") from None
-    elif host != "*" and not _HOST.fullmatch(host):
-        raise ConfigError(f"address {address!r}: host {host!r} is not an IP address, interface or host name")
-    return "tcp", host, 0 if port == "*" else int(port)
-
-
-def check_address(address: str, *, advertised: bool = True) -> str:
-    """``address`` if a peer can connect to it; ``advertised=True`` also refuses a wildcard host
-    (``0.0.0.0``, ``*``, ``::``), which binds every interface but reaches none."""
-    kind, host, port = split_address(address)
-    if kind == "tcp" and port == 0:
-        raise ConfigError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
-    if advertised and kind == "tcp" and host in WILDCARDS:
-        raise ConfigError(f"address {address!r} is a wildcard: bind it, but advertise a routable address "
-                         f"(see kvxfer.control.addresses.advertise_address)")
-    return address
 
 
 def heads_held(num_kv_heads: int, tp_size: int, tp_rank: int) -> range:

@@ -27,6 +27,7 @@ raises answers ``{"error": "..."}``. Commands (``room`` an int, ``rooms`` a list
     digest   {room}                   sha256 per "layer/kind/global head" of the room's tokens
     canary   {keep}                   bytes != 0xCD outside the slots of rooms ``keep`` (decode)
     stats                             allocator and release counts
+    fencing                           the transport's ``fencing()`` (memory a failed peer still pins)
     exit
 
 Prefill pools hold seeded random bytes (seed x TP rank x region), decode pools the canary
@@ -86,8 +87,9 @@ def transport_options(a) -> dict:
     if a.transport == "zmq":
         return {"endpoint": f"tcp://{a.host}:0", "heartbeat_ivl": a.hb[0], "heartbeat_timeout": a.hb[1]}
     if a.transport == "ucx":   # UCX_TLS comes from the environment (hosts.UCX_ENV)
-        return {"heartbeat": a.hb[0], "peer_timeout": a.hb[1]} | ({"stage_host": a.ucx_stage_host}
-                                                                   if a.ucx_stage_host else {})
+        return ({"heartbeat": a.hb[0], "peer_timeout": a.hb[1]}
+                | ({"stage_host": a.ucx_stage_host} if a.ucx_stage_host else {})
+                | ({"eager_writes": True} if a.ucx_eager else {}))
     return {}
 
 
@@ -217,6 +219,8 @@ def serve(a) -> None:
                 with lock:
                     res = {"free_pages": alloc.free_pages, "capacity": alloc.capacity,
                            "releases": {str(k): v for k, v in releases.items()}}
+            elif op == "fencing":
+                res = ep.transport.fencing()
             elif op == "exit":
                 reply({})
                 break
@@ -361,6 +365,7 @@ def parse(argv=None):
     ap.add_argument("--timeouts", type=float, nargs=4, default=[30, 60, 30, 60],
                     metavar=("BOOTSTRAP", "WAITING", "TRANSFER", "LEASE"))
     ap.add_argument("--hb", type=float, nargs=2, default=[0.5, 5.0], metavar=("INTERVAL", "TIMEOUT"))
+    ap.add_argument("--ucx-eager", type=int, default=0, help="UCX: eager_writes (pregranted puts)")
     ap.add_argument("--ucx-stage-host", default="", help="UCX: stage_host (never, network, always; \"\": default)")
     return ap.parse_args(argv)
 

@@ -22,6 +22,7 @@ from test_request_faults import (
 from waiting import until
 
 from kvxfer.control.client import BootstrapClient
+from kvxfer.control.messages import Ping
 from kvxfer.errors import RequestError
 
 pytestmark = pytest.mark.slow
@@ -53,7 +54,7 @@ def test_prefill_channel_thread_dies(pairs, monkeypatch):
     assert len(registered(pair.server.url)) == 1
     t0 = time.monotonic()
     monkeypatch.setattr(ep, "on_tick", _bug)
-    ep.channel.send("nobody", {"t": "ping"})            # wake the thread: its next turn ticks
+    ep.channel.send("nobody", Ping())            # wake the thread: its next turn ticks
     assert_ended(reqs, t0, REASON, limit=2.0)
     assert ep.broken is not None and "injected bug" in ep.broken
     assert not ep.channel.alive
@@ -74,7 +75,7 @@ def test_decode_channel_thread_dies(pairs, monkeypatch):
     reqs = decode_states(pair, 100)
     t0 = time.monotonic()
     monkeypatch.setattr(ep, "on_tick", _bug)
-    ep.channel.send("default/dp0/pp0/tp0", {"t": "ping"})   # the prefill rank: wake the thread
+    ep.channel.send("default/dp0/pp0/tp0", Ping())   # the prefill rank: wake the thread
     assert_ended(reqs, t0, REASON, limit=2.0)
     assert ep.broken is not None and not ep.channel.alive
     assert_released_once(pair.local, reqs)

@@ -19,6 +19,7 @@ import torch
 # kvxfer names used here (update here after a module move)
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
+from kvxfer.control.messages import Fin
 from kvxfer.control.wire import ChunkMeta
 from kvxfer.copy import execute_plan
 from kvxfer.endpoint import KVPoll, Timeouts
@@ -144,7 +145,7 @@ def test_a_forged_fin_with_zero_bytes_does_not_complete_the_request(topo):
     target = _granted_target(s)
     expected = 16 * _per_token_bytes(d_kv)
     # "the last chunk moved no bytes: 0 chunks, 0 bytes", from the right peer, with the right secret
-    pe.channel.send(target.peer, {"t": "fin", "meta": ChunkMeta(5, target.gen, pe.source, 0, 0, 0).pack()})
+    pe.channel.send(target.peer, Fin(meta=ChunkMeta(5, target.gen, pe.source, 0, 0, 0).pack()))
     assert r.wait(5) == KVPoll.Failed, f"{r.poll()!r} {r.reason}"
     assert "declared 0 bytes" in r.reason and f"expected {expected}" in r.reason and "tp0/pp0" in r.reason, r.reason
     assert all(torch.equal(a, b) for a, b in zip(d_kv.buffers, t.before[0])), "no byte was sent, none may change"
@@ -163,7 +164,7 @@ def test_a_forged_fin_after_part_of_the_kv_does_not_complete_the_request(topo):
         time.sleep(0.01)
     half, full = 8 * _per_token_bytes(d_kv), 16 * _per_token_bytes(d_kv)
     assert target.nbytes == half
-    pe.channel.send(target.peer, {"t": "fin", "meta": ChunkMeta(6, target.gen, pe.source, 1, 1, half).pack()})
+    pe.channel.send(target.peer, Fin(meta=ChunkMeta(6, target.gen, pe.source, 1, 1, half).pack()))
     assert r.wait(5) == KVPoll.Failed, f"{r.poll()!r} {r.reason}"
     assert f"declared {half} bytes" in r.reason and f"expected {full}" in r.reason, r.reason
 

@@ -13,6 +13,7 @@ from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
 from kvxfer.control.compat import check_pair, require_compatible
 from kvxfer.control.handshake import hello
+from kvxfer.control.messages import from_map
 from kvxfer.control.records import RankInfo
 from kvxfer.control.wire import ChunkMeta, decode, encode
 from kvxfer.endpoint.base import Timeouts
@@ -234,8 +235,8 @@ def test_unauthenticated_requests_are_dropped(prefill):
     s.linger = 0
     s.connect(p.info.control)
     before = sum(p.channel.dropped.values())
-    s.send_multipart(encode({"t": "req", "room": 1, "gen": 1, "kv": b"", "prefix": 0, "state": b"", "aux": False,
-                             "dummy": True}, b"not-the-secret"))
+    s.send_multipart(encode(from_map({"t": "req", "room": 1, "gen": 1, "kv": b"", "prefix": 0, "state": b"",
+                                      "aux": False, "dummy": True}), b"not-the-secret"))
     time.sleep(1.0)
     assert sum(p.channel.dropped.values()) == before   # refused below the channel: nothing read
     assert not p._pending and len(p.links.peers) == 0
@@ -251,9 +252,10 @@ REQ = {"t": "req", "room": 5, "gen": 2, "kv": np.arange(8, 12, dtype="<i8").toby
 
 
 def test_round_trip_and_auth():
-    assert decode(encode(REQ, b"k"), b"k").to_dict() == REQ
-    assert decode(encode(REQ, None), None).to_dict() == REQ
-    for frames, secret in ((encode(REQ, b"k"), b"other"), (encode(REQ, None), b"k")):
+    req = from_map(REQ)
+    assert decode(encode(req, b"k"), b"k").to_dict() == REQ
+    assert decode(encode(req, None), None).to_dict() == REQ
+    for frames, secret in ((encode(req, b"k"), b"other"), (encode(req, None), b"k")):
         with pytest.raises(ValueError, match="authentication"):
             decode(frames, secret)
 

@@ -18,7 +18,7 @@ from support.channels import Quiet
 
 # kvxfer names used here (update here after a module move)
 from kvxfer.control.channel import ChannelLimits, ControlChannel, Heartbeat
-from kvxfer.control.messages import Drop
+from kvxfer.control.messages import Drop, Hello, Ping
 from kvxfer.control.records import RankInfo
 from kvxfer.errors import ConnectError
 
@@ -64,7 +64,7 @@ def test_a_thread_that_dies_of_a_bug_tells_its_owner():
         assert isinstance(seen[0], RuntimeError) and not ch.alive and ch.broken is seen[0]
         t0 = time.monotonic()
         with pytest.raises(ConnectError, match="broken"):
-            ch.call("p", {"t": "hello", "info": {}, "nonce": b"x" * 16}, 5.0)
+            ch.call("p", lambda i: Hello(i=i, info={}, nonce=b"x" * 16), 5.0)
         assert time.monotonic() - t0 < 1.0, "a call on a dead channel fails at once"
     finally:
         ch.close()
@@ -179,12 +179,12 @@ def test_forgetting_a_peer_whose_message_is_waiting_keeps_the_thread_alive():
     a = ControlChannel(gate, secret=None, heartbeat=Heartbeat(), identity="d0")
     try:
         a.connect("p0", b.address)
-        a.send("p0", {"t": "ping"})
+        a.send("p0", Ping())
         _until(lambda: b.peers != 0)
         assert b.peers == 1
         gate.armed = True
         assert gate.entered.wait(3)
-        b.send("d0", {"t": "ping"})      # lands in a's DEALER while a's thread is held
+        b.send("d0", Ping())      # lands in a's DEALER while a's thread is held
         time.sleep(0.3)
         a.forget("p0")                    # queued for the same turn
         gate.release.set()

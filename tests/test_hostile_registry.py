@@ -28,7 +28,7 @@ from hostile_victims import bounded, snapshot
 from support.channels import Quiet
 
 # kvxfer names used here (update here after a module move)
-from kvxfer.control.addresses import advertise_address, routable_address
+from kvxfer.addresses import advertise_address, routable_address
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import ControlChannel, Heartbeat
 from kvxfer.control.client import BootstrapClient, Registration

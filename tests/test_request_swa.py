@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import time
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -19,7 +20,7 @@ import torch
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import Heartbeat
 from kvxfer.control.compat import check_pair, layout_record
-from kvxfer.control.messages import as_message
+from kvxfer.control.messages import from_map
 from kvxfer.control.records import RankInfo
 from kvxfer.control.wire import decode, encode
 from kvxfer.copy import execute_plan
@@ -351,12 +352,12 @@ def test_check_pair_names_window_and_layer_mismatches():
 
 def test_window_fields_are_type_checked_on_the_wire():
     req = {"t": "req", "room": 1, "gen": 1, "kv": b"", "prefix": 0, "state": b"", "aux": False, "dummy": False}
-    assert decode(encode(req, None), None).to_dict() == req       # a plain request: no window fields
+    assert decode(encode(from_map(req), None), None).to_dict() == req       # a plain request: no window fields
     ok = {**req, "swa": np.arange(4, 6, dtype="<i8").tobytes(), "swa_n": 2}
-    assert decode(encode(ok, None), None).to_dict() == ok
+    assert decode(encode(from_map(ok), None), None).to_dict() == ok
     for bad in ({**req, "swa_n": "2"}, {**req, "swa_n": -1}, {**req, "swa": 5}):
-        with pytest.raises(ValueError, match="swa"):
-            decode(encode(bad, None), None)
+        with pytest.raises(ValueError, match="swa"):     # as a peer would send it: msgpack, no MAC
+            decode([b"", msgpack.packb(bad, use_bin_type=True)], None)
 
 
 @pytest.mark.parametrize("swa,count,why", [
@@ -375,7 +376,7 @@ def test_prefill_checks_the_window_slots_it_is_sent(cluster_of, swa, count, why)
            "state": b"", "aux": False, "dummy": False, "swa": swa.astype("<i8").tobytes()}
     if count is not None:
         msg["swa_n"] = count
-    pe.on_message(de.channel.identity, as_message(msg))
+    pe.on_message(de.channel.identity, from_map(msg))
     assert r.wait(10) == KVPoll.Failed
     assert "bad request" in r.reason and re.search(why, r.reason), r.reason
     assert pe.sender(40).poll() == KVPoll.Bootstrapping        # the request was not queued for a sender

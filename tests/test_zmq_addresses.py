@@ -8,10 +8,10 @@ import torch
 import zmq
 from xfer_peer import raw_plan
 
+from kvxfer.addresses import split_address
 from kvxfer.errors import ConnectError
 from kvxfer.grant import ByteRanges
 from kvxfer.plan import TransferPlan
-from kvxfer.ranks import split_address
 from kvxfer.transport.registry import get_transport
 
 

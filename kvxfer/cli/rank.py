@@ -56,7 +56,7 @@ import sys
 import threading
 from collections.abc import Mapping
 
-from ..control.addresses import rank_addresses
+from ..addresses import rank_addresses
 from ..control.auth import OPEN_DEPLOYMENT
 from .rank_serve import RankConfig
 
@@ -285,7 +285,7 @@ def _head_map(args, kv_heads: int, tp_size: int) -> tuple[tuple[int, ...], ...] 
 
 
 def addresses(bind: str | None, advertise: str | None, bootstrap: str) -> tuple[str, str]:
-    """(bind, advertise) addresses of a rank (``kvxfer.control.addresses.rank_addresses``); UsageError
+    """(bind, advertise) addresses of a rank (``kvxfer.addresses.rank_addresses``); UsageError
     naming the flag when peers could not reach what would be advertised."""
     try:
         return rank_addresses(bind, advertise, bootstrap)

@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from ..addresses import advertise_host
 from ..errors import ConfigError, ConnectError
-from .addresses import advertise_host
 from .admission import Admission, Guard
 from .auth import OPEN_DEPLOYMENT, as_secret
 from .bootstrap_api import RegistryApi

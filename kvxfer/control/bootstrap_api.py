@@ -39,9 +39,8 @@ import time
 
 from aiohttp import web
 
+from ..addresses import is_loopback, split_address
 from ..errors import ProtocolError
-from ..ranks import split_address
-from .addresses import is_loopback
 from .auth import AUTH_HEADER, AUTH_SKEW, check_http
 from .discovery import WHOLE, canonical, digest_of, is_digest
 from .records import RankInfo, check_layout_record

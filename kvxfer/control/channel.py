@@ -23,23 +23,20 @@ peers that never completed a handshake are forgotten after ``idle_timeout``.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from collections.abc import Callable
 from typing import cast
 
 import zmq
 
+from ..addresses import advertise_address, check_address, split_address
 from ..errors import ConfigError, ConnectError
-from ..ranks import check_address, split_address
 from ..transport.kit import IOThread, PipeWaker
-from .addresses import advertise_address
-from .messages import Drop, Hello, Message, Ping, Pong, Refuse, WireError, call_id, outgoing
-from .peers import ChannelLimits, Heartbeat, ReplayGuard
+from .messages import Drop, Hello, Message, Ping, Pong, Refuse, WireError, call_id
+from .peers import ChannelLimits, Heartbeat, PendingCalls, ReplayGuard
 from .wire import MAX_IDENTITY, MAX_MESSAGE, Head, open_frames, peek_call, recv_bounded, seal
 from .zmtp import ChannelGuard
 
@@ -52,7 +49,7 @@ class ControlChannel:
 
     ``bind`` (prefill): where the ROUTER listens (``tcp://0.0.0.0:0`` binds every interface);
     ``advertise``: the address or interface name peers are told (``address``), see
-    ``kvxfer.control.addresses.advertise_address``. Decode passes no ``bind`` and ``connect``s.
+    ``kvxfer.addresses.advertise_address``. Decode passes no ``bind`` and ``connect``s.
     ``check_recipient``: the ROUTER refuses a message signed for anyone but itself: DEALERs sign
     the name they ``connect``ed the peer under (a rank's key), which the ROUTER knows as its
     ``identity`` (or its addresses), so a message captured on its way to one rank cannot be
@@ -90,8 +87,7 @@ class ControlChannel:
         self._rx = ReplayGuard(limits)                                                   # (side, peer)
         self._tx: dict[tuple[str, str], list] = {}                                          # -> [nonce, seq]
         self._outbox: collections.deque = collections.deque()
-        self._calls: dict[int, tuple[str, Future]] = {}
-        self._ids = itertools.count(1)
+        self._calls = PendingCalls()
         self._logged: dict[Drop, float] = {}
         self._waker = PipeWaker()
         self._poller.register(self._waker.fd, zmq.POLLIN)
@@ -149,31 +145,32 @@ class ControlChannel:
         self._outbox.append(("connect", peer, address))
         self._wake()
 
-    def send(self, peer: str, msg: Mapping | Message, urgent: bool = True) -> None:
+    def send(self, peer: str, msg: Message, urgent: bool = True) -> None:
         """Queue a message for ``peer``; never blocks. Lost if the peer is gone (heartbeats tell).
         ``urgent=False`` leaves it for the channel's next turn (within a tick, <= 50 ms) instead of
         waking the channel thread, which costs the caller a GIL hand-over on the hot path.
-        ValueError (WireError) at once when ``msg`` does not fit its schema (a bug of the caller);
-        reasons (``why``) longer than their bound are cut, not refused."""
-        self._outbox.append(("send", peer, outgoing(msg)))
+        ``msg`` was checked against its schema when it was built; TypeError for anything else."""
+        if not isinstance(msg, Message):
+            raise TypeError(f"send() takes a control message object (kvxfer.control.messages), got "
+                            f"{type(msg).__name__}")
+        self._outbox.append(("send", peer, msg))
         if urgent:
             self._wake()
 
-    def call(self, peer: str, msg: dict, timeout: float) -> Message:
-        """Send ``msg`` and wait for the reply that names it (``re``); ConnectError on timeout."""
-        fut: Future = Future()
-        i = next(self._ids)
-        self._calls[i] = (peer, fut)
+    def call(self, peer: str, build: Callable[[int], Message], timeout: float) -> Message:
+        """Send ``build(call_id)`` and wait for the reply that names that id (``re``); ConnectError
+        on timeout."""
+        i, fut = self._calls.open(peer)
         try:
             if self.broken is not None:
                 raise ConnectError(f"control channel is broken: {self.broken!r}")
-            self.send(peer, {**msg, "i": i})
+            self.send(peer, build(i))
             return fut.result(timeout)
         except TimeoutError:
             where = self._dealer_at.get(peer, "")
             raise ConnectError(f"no answer from {peer}{f' at {where}' if where else ''} within {timeout}s") from None
         finally:
-            self._calls.pop(i, None)
+            self._calls.close(i)
 
     def watch(self, peer: str) -> None:
         """Start heartbeat accounting for ``peer`` (prefill: after an accepted HELLO)."""
@@ -228,9 +225,7 @@ class ControlChannel:
             self._died(self.broken)
 
     def _died(self, exc: BaseException) -> None:
-        for _, fut in list(self._calls.values()):
-            if not fut.done():
-                fut.set_exception(ConnectError(f"control channel thread died: {exc!r}"))
+        self._calls.fail(ConnectError(f"control channel thread died: {exc!r}"))
         if self.on_dead is not None:
             try:
                 self.on_dead(exc)
@@ -286,9 +281,7 @@ class ControlChannel:
                f"need the same secret and zmtp_auth on")
         self._bad_address[peer] = why
         self._count(Drop.AUTH, peer, why)
-        for p, fut in list(self._calls.values()):
-            if p == peer and not fut.done():
-                fut.set_exception(ConnectError(f"control channel to {peer}: {why}"))
+        self._calls.fail(ConnectError(f"control channel to {peer}: {why}"), peer)
 
     def _drop_peer(self, peer: str) -> None:
         s = self._dealers.pop(peer, None)
@@ -322,10 +315,10 @@ class ControlChannel:
                                             zmq.NOBLOCK)
             else:
                 self._count(Drop.UNKNOWN_PEER, peer, self._bad_address.get(peer, ""))
-                i = msg.i if isinstance(msg, Hello) else None
-                if i is not None and i in self._calls and not self._calls[i][1].done():
-                    self._calls[i][1].set_exception(ConnectError(
-                        f"control channel to {peer}: {self._bad_address.get(peer, 'not connected')}"))
+                fut = self._calls.waiting(peer, msg.i) if isinstance(msg, Hello) else None
+                if fut is not None:
+                    fut.set_exception(ConnectError(f"control channel to {peer}: "
+                                                   f"{self._bad_address.get(peer, 'not connected')}"))
         except zmq.ZMQError as e:   # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
             self._count(Drop.SEND_FAILED, peer, e.strerror)
 
@@ -403,11 +396,8 @@ class ControlChannel:
             if router:
                 self._count(Drop.UNEXPECTED, peer, msg.T)
                 return
-            call = self._calls.get(re)
-            if call is None or call[0] != peer:
+            if not self._calls.answer(peer, re, msg):
                 self._count(Drop.UNEXPECTED, peer, msg.T)
-            elif not call[1].done():
-                call[1].set_result(msg)
             return
         try:
             self.handler.on_message(peer, msg)
@@ -430,12 +420,10 @@ class ControlChannel:
                                             zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
-        elif not router and type(re) is int and re in self._calls:
-            call = self._calls.get(re)
-            if call is not None and call[0] == peer and not call[1].done():
-                call[1].set_exception(ConnectError(
-                    f"prefill rank {peer} at {self._dealer_at.get(peer, '?')} answered the handshake with a message "
-                    f"that fails our checks ({why}): is the shared secret the same on both sides?"))
+        elif not router and (fut := self._calls.waiting(peer, re)) is not None:
+            fut.set_exception(ConnectError(
+                f"prefill rank {peer} at {self._dealer_at.get(peer, '?')} answered the handshake with a message "
+                f"that fails our checks ({why}): is the shared secret the same on both sides?"))
 
     def _heartbeat(self, now: float) -> None:
         for peer in self._dealers:

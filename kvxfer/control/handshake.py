@@ -47,11 +47,9 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float,
           tokens: Mapping[str, bytes] | None = None) -> RankInfo:
     """Decode side: HELLO -> the prefill rank's RankInfo, or CompatibilityError / ConnectError.
     ``tokens``: per transport, what ``Transport.admit`` gave for this prefill rank."""
-    msg = {"t": "hello", "info": d_info.to_dict(), "nonce": os.urandom(16)}
-    if tokens:
-        msg["tokens"] = dict(tokens)
+    info, nonce, toks = d_info.to_dict(), os.urandom(16), dict(tokens) if tokens else None
     try:
-        reply = channel.call(peer, msg, timeout)
+        reply = channel.call(peer, lambda i: Hello(i=i, info=info, nonce=nonce, tokens=toks), timeout)
     except ConnectError as e:
         if channel.secret is None and "no answer" in str(e):   # a secured rank never answers one without it
             raise ConnectError(f"{e} (if the prefill rank has a shared secret, this rank needs the same one: its "

@@ -10,8 +10,8 @@ metadata (``wire(...)``); the wire name of a type is its ``T``.
 Who calls what
 --------------
 ``ControlChannel`` (``kvxfer.control.channel``) parses every received body with ``parse`` and
-checks every outgoing one with ``outgoing``. The endpoints build message objects
-(``Req(room=..., gen=...)``) and ``match`` on their classes; a field a peer may omit is None.
+sends only message objects. The endpoints build them (``Req(room=..., gen=...)``: each is checked
+against its schema when built) and ``match`` on their classes; a field a peer may omit is None.
 Reasons (``why``) are cut to their bound with ``cut`` before a message is built.
 """
 from __future__ import annotations
@@ -327,13 +327,12 @@ def parse(body: bytes) -> Message:
                               max_array_len=1 << 16, max_map_len=1 << 16, max_ext_len=0)
     except Exception as e:  # msgpack raises several types on hostile input (also nesting too deep)
         raise WireError(Drop.NOT_MSGPACK, type(e).__name__) from None
-    return as_message(msg)
+    return from_map(msg)
 
 
-def as_message(msg: Mapping | Message) -> Message:
-    """A ``Message`` from a dict with a ``"t"`` (or the message itself); WireError when malformed."""
-    if isinstance(msg, Message):
-        return msg
+def from_map(msg: object) -> Message:
+    """A received map (a body msgpack-decoded) -> its ``Message``: a ``"t"`` naming a type, then
+    exactly that type's fields; WireError when malformed."""
     if not isinstance(msg, Mapping):
         raise WireError(Drop.TYPE, f"a message must be a map, got {type(msg).__name__}")
     t = msg.get("t")
@@ -346,15 +345,3 @@ def as_message(msg: Mapping | Message) -> Message:
 def call_id(msg: Message) -> int | None:
     """The call id a reply names (``re``), or None for a message that is not a reply."""
     return msg.re if isinstance(msg, (Welcome, Refuse)) else None
-
-
-def outgoing(msg: Mapping | Message) -> Message:
-    """``as_message`` for what we send: reasons (``why``) in a dict are cut to their bounds first
-    (message objects are built with ``cut``). Anything else malformed raises."""
-    if isinstance(msg, Mapping) and "why" in msg:
-        why = msg["why"]
-        if isinstance(why, str):
-            msg = {**msg, "why": cut(why)}
-        elif isinstance(why, list):
-            msg = {**msg, "why": [cut(w) if isinstance(w, str) else w for w in why[:MAX_WHYS]]}
-    return as_message(msg)

@@ -3,12 +3,16 @@ numbers each connection has used, and the nonces of connections already forgotte
 
 Who calls what: only ``ControlChannel`` (``kvxfer.control.channel``), on its thread, once per
 message received (``admit``), per heartbeat (``evict_idle``) and when a peer is dropped (``drop``).
+``PendingCalls``: the calls a channel's caller waits on (``ControlChannel.call`` opens one in the
+caller's thread; the channel thread answers or fails it).
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from ..errors import ConfigError
 from .messages import Drop, WireError
@@ -131,3 +135,42 @@ class ReplayGuard:
                 if force:
                     break
         return out
+
+
+class PendingCalls:
+    """Calls waiting for the reply that names them (``re``), by call id: each is (peer, future).
+    ``open``/``close`` run in the caller's thread, the rest on the channel thread; a dict's single
+    operations are atomic, so no lock is needed."""
+
+    def __init__(self) -> None:
+        self._calls: dict[int, tuple[str, Future]] = {}
+        self._ids = itertools.count(1)
+
+    def open(self, peer: str) -> tuple[int, Future]:
+        i, fut = next(self._ids), Future[object]()
+        self._calls[i] = (peer, fut)
+        return i, fut
+
+    def close(self, i: int) -> None:
+        self._calls.pop(i, None)
+
+    def waiting(self, peer: str, i: object) -> Future | None:
+        """The future of call ``i`` to ``peer`` if it is still waiting (``i`` comes from a peer: any value)."""
+        call = self._calls.get(i) if type(i) is int else None
+        return call[1] if call is not None and call[0] == peer and not call[1].done() else None
+
+    def answer(self, peer: str, i: object, reply: object) -> bool:
+        """Give call ``i`` its reply; False when ``peer`` has no such call (a late duplicate of an
+        answered one is ignored, True)."""
+        call = self._calls.get(i) if type(i) is int else None
+        if call is None or call[0] != peer:
+            return False
+        if not call[1].done():
+            call[1].set_result(reply)
+        return True
+
+    def fail(self, exc: Exception, peer: str | None = None) -> None:
+        """Fail every waiting call (to ``peer``, or to anyone) with ``exc``."""
+        for p, fut in list(self._calls.values()):
+            if (peer is None or p == peer) and not fut.done():
+                fut.set_exception(exc)

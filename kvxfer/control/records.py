@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ..errors import ProtocolError
-from ..ranks import RankSpec, check_address, int_field, short
+from ..addresses import check_address
+from ..errors import ProtocolError, short
+from ..ranks import RankSpec, int_field
 from .messages import PROTOCOL
 from .wire import MAX_AUX
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import msgpack
 import zmq
@@ -36,7 +36,6 @@ from .messages import (
     Message,
     Room,
     WireError,
-    as_message,
     check_field,
     check_room,
     parse,
@@ -50,10 +49,6 @@ HEAD_VERSION = 1
 
 __all__ = ["MAX_MESSAGE", "MAX_ROOM", "MAX_GEN", "MAX_CHUNKS", "Head", "seal", "open_frames", "encode", "decode",
            "ChunkMeta", "WireError", "Drop"]
-
-
-def _pack_body(msg: Mapping | Message) -> bytes:
-    return as_message(msg).pack()
 
 
 # ------------------------------------------------------------------------------------
@@ -94,9 +89,9 @@ def _mac(secret: bytes, head: bytes, body: bytes) -> bytes:
     return mac(secret, len(head).to_bytes(4, "little"), head, body)
 
 
-def seal(msg: Mapping | Message, head: Head, secret: bytes | None) -> list[bytes]:
+def seal(msg: Message, head: Head, secret: bytes | None) -> list[bytes]:
     """The three frames of ``msg`` (WireError if ``msg`` itself is malformed: a bug of ours)."""
-    body, raw_head = _pack_body(msg), head.pack()
+    body, raw_head = msg.pack(), head.pack()
     return [_mac(secret, raw_head, body) if secret else b"", raw_head, body]
 
 
@@ -149,8 +144,8 @@ def peek_call(body: bytes) -> tuple[object, object, object] | None:
     return msg.get("t"), msg.get("i"), msg.get("re")
 
 
-def encode(msg: Mapping | Message, secret: bytes | None) -> list[bytes]:
-    body = _pack_body(msg)
+def encode(msg: Message, secret: bytes | None) -> list[bytes]:
+    body = msg.pack()
     return [mac(secret, body) if secret else b"", body]
 
 

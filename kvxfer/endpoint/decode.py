@@ -40,7 +40,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..control.addresses import check_reachable
+from ..addresses import check_reachable
 from ..control.channel import ControlChannel
 from ..control.compat import aux_format, aux_mismatch
 from ..control.messages import CAP_BYTES, Abort, Ack, Done, Fin, Message, Nack, Req, Room, cut
@@ -108,7 +108,7 @@ class DecodeEndpoint(ReceiverHost):
         if peers is None and url is None:
             raise ConfigError("connect needs bootstrap= (a registry URL) or peers= (RankInfo records)")
         if peers is None:
-            check_reachable(self.info, url)
+            check_reachable(self.info.spec.role, self.info.control, self.info.data, url)
         self.links.connect(url, peers, instance, time.monotonic() + timeout)
 
     @property

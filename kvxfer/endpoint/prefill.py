@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from ..control.addresses import check_reachable
+from ..addresses import check_reachable
 from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient, Registration
 from ..control.compat import aux_format, aux_mismatch
@@ -66,7 +66,7 @@ class PrefillEndpoint(SenderHost):
         """``bind``: where the control ROUTER listens (``tcp://0.0.0.0:5555``: every interface; default
         ``tcp://{host}:{port}``); ``advertise``: the address, host name or interface name (``eth0``)
         decode ranks are told (``info.control``, what ``register`` publishes); default: the bind
-        host, or a routable interface for a wildcard bind (``kvxfer.control.addresses``).
+        host, or a routable interface for a wildcard bind (``kvxfer.addresses``).
         ``on_request(room, tokens)``: called on the channel thread, outside the endpoint lock, when
         a decode rank's request arrives for a room with no live sender (``tokens``: how many it
         asks for, 0 for a silent replica's dummy request); once per decode rank that asks. It must
@@ -109,7 +109,9 @@ class PrefillEndpoint(SenderHost):
         ValueError, naming the setting, when a bootstrap on another host would be told an address
         of this rank that only this host reaches (loopback; see ``check_reachable``)."""
         self.check_usable()
-        check_reachable(self.info, bootstrap, advertise=self._advertise, bound=self.channel.bound)
+        info = self.info
+        check_reachable(info.spec.role, info.control, info.data, bootstrap, advertise=self._advertise,
+                        bound=self.channel.bound)
         self._registration = Registration(BootstrapClient(bootstrap, self.secret), self.info, ttl=ttl).start()
         return self._registration
 

@@ -10,16 +10,22 @@ their constructor and read it; nothing changes it afterwards.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any, Literal, get_args
 
 from kvxfer.errors import ConfigError
 from kvxfer.plan import FEW_RUNS
+from kvxfer.transport.options import check_kind, check_within, options_of
 
 from .settings import PUT_BELOW, PUT_BELOW_MANY
 
 StageHost = Literal["network", "always", "never"]
 STAGE_HOST: tuple[str, ...] = get_args(StageHost)   # see ``frames`` for what each one measured
+
+
+_kind = functools.partial(check_kind, "ucx")
+_within = functools.partial(check_within, "ucx")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -149,19 +155,4 @@ class UCXOptions:
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> "UCXOptions":
         """Options from a mapping (an endpoint's ``transport_options``); ConfigError names an unknown key."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown ucx option(s) {unknown}; known: {sorted(known)}")
-        return cls(**options)
-
-
-def _kind(name: str, value: Any, *types: type) -> None:
-    if type(value) not in types:   # exact: a bool is no int
-        allowed = " or ".join("None" if t is type(None) else t.__name__ for t in types)
-        raise ConfigError(f"ucx option {name}={value!r:.200}: give {allowed}, not {type(value).__name__}")
-
-
-def _within(name: str, value: float, low: float, high: float, allowed: str, low_open: bool = False) -> None:
-    if not (low < value <= high if low_open else low <= value <= high):
-        raise ConfigError(f"ucx option {name}={value!r}: must be {allowed}")
+        return options_of(cls, "ucx", options)

@@ -1,6 +1,6 @@
 """Where the zmq data socket binds: a fixed port, any free one, or the first free one of a range.
 
-What peers are told (``advertise``) is ``kvxfer.control.addresses.advertise_address`` of the
+What peers are told (``advertise``) is ``kvxfer.addresses.advertise_address`` of the
 bound address, as for the control channel: never a wildcard, never loopback for ``remote`` peers.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import cast
 
 import zmq
 
+from kvxfer.addresses import split_address
 from kvxfer.errors import ConfigError
-from kvxfer.ranks import split_address
 
 
 def check_ports(endpoint: str, ports: tuple[int, int] | None) -> tuple[int, int] | None:

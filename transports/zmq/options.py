@@ -10,17 +10,23 @@ before a socket or thread exists. (The UCX transport's options are to follow the
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 from kvxfer.errors import ConfigError
 from kvxfer.plan import FEW_RUNS
+from kvxfer.transport.options import check_kind, check_within, options_of
 
 from .addresses import check_ports
 from .protocol import MAX_NOTIFY, MAX_PARTS, RUN_BYTES
 
 HEADER_ROOM = MAX_PARTS * RUN_BYTES + 4096   # the largest header of a zero-copy message our sender makes
 PART_ROOM = MAX_NOTIFY + (64 << 10)          # a header part: the notify, plus ids and fields
+
+
+_kind = functools.partial(check_kind, "zmq")
+_within = functools.partial(check_within, "zmq")
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,11 +151,7 @@ class ZMQOptions:
     @classmethod
     def of(cls, options: Mapping[str, Any]) -> "ZMQOptions":
         """Options from a mapping (an endpoint's ``transport_options``); ConfigError names an unknown key."""
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(f"unknown zmq option(s) {unknown}; known: {sorted(known)}")
-        return cls(**options)
+        return options_of(cls, "zmq", options)
 
     @property
     def part_limit(self) -> int:
@@ -158,14 +160,3 @@ class ZMQOptions:
         frame_bytes long (a staging frame's size, frames_per_message + 1 frames); a header holds
         fewer run bytes than that, plus its notify and ids."""
         return min(self.max_message_bytes, self.frame_bytes * (self.frames_per_message + 1) + PART_ROOM)
-
-
-def _kind(name: str, value: Any, *types: type) -> None:
-    if type(value) not in types:   # exact: a bool is no int
-        allowed = " or ".join(t.__name__ for t in types)
-        raise ConfigError(f"zmq option {name}={value!r}: give {allowed}, not {type(value).__name__}")
-
-
-def _within(name: str, value: float, low: float, high: float, allowed: str, low_open: bool = False) -> None:
-    if not (low < value <= high if low_open else low <= value <= high):
-        raise ConfigError(f"zmq option {name}={value!r}: must be {allowed}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import zmq
 
-from kvxfer.control.addresses import advertise_address
+from kvxfer.addresses import advertise_address
 from kvxfer.transport.admission import Admissions
 from kvxfer.transport.zmqguard import FreeAfterClose, ZapHandler, server_socket
 

@@ -1,25 +1,71 @@
-"""Bind and advertise: where a socket listens, and the address peers are told to reach.
+"""Addresses, in one place: their syntax (``split_address``, ``check_address``), where a socket
+listens (``bind``, which may be a wildcard such as ``0.0.0.0``: every interface) and what peers are
+told to reach (``advertise``: never a wildcard, and never loopback for a peer on another host).
 
-``bind`` may be a wildcard (``0.0.0.0``: every interface); what a rank advertises (its
-``RankInfo.control``, the bootstrap server's ``url``) must be an address a peer can reach, so
-never a wildcard, and never loopback for a peer on another host.
-
-Who calls what: ``ControlChannel`` (after binding, with its ``advertise`` setting) and
-``BootstrapServer`` (its ``url``) call ``advertise_host``; the registry calls ``is_loopback``
-on every record registered from another host. Everything raises ``ValueError`` naming the
-address tried and the setting to change.
+Who calls what: every layer that takes an address checks it here: ``RankInfo`` and
+``ControlChannel.connect`` (``check_address``), the transports' data endpoints and the bootstrap
+API (``split_address``); ``ControlChannel`` (after binding, with its ``advertise`` setting) and
+``BootstrapServer`` (its ``url``) call ``advertise_address``; the registry calls ``is_loopback``
+on every record registered from another host; the endpoints call ``check_reachable`` at start-up
+and ``kvxfer rank`` calls ``rank_addresses``. Everything raises ``ConfigError`` (a ValueError)
+naming the address tried and the setting to change.
 """
 from __future__ import annotations
 
 import fcntl
 import ipaddress
+import re
 import socket
 import struct
 import urllib.parse
+from collections.abc import Mapping
 
-from ..errors import ConfigError
-from ..ranks import WILDCARDS, split_address
-from .records import RankInfo
+from .errors import ConfigError, short
+
+_HOST = re.compile(r"[A-Za-z0-9_.\-]{1,253}")
+WILDCARDS = frozenset({"*", "0.0.0.0", "::", "[::]"})
+
+
+# ------------------------------------------------------------------------------------
+# Syntax: what an address is, and one a peer can connect to
+# ------------------------------------------------------------------------------------
+def split_address(address: str) -> tuple[str, str, int]:
+    """``tcp://host:port`` -> ("tcp", host, port); ``ipc://path`` -> ("ipc", path, 0); port 0 or
+    ``*`` (bind: any free port) -> 0. ValueError
+    naming the address when it is not one (an IPv6 host is written ``[::1]``)."""
+    if not isinstance(address, str) or len(address) > 256:
+        raise ConfigError(f"an address must be a string of at most 256 characters, got {short(address)}")
+    if address.startswith("ipc://"):
+        path = address[6:]
+        if not path or "\0" in path or not path.isprintable():
+            raise ConfigError(f"address {address!r}: ipc:// needs a printable path")
+        return "ipc", path, 0
+    if not address.startswith("tcp://"):
+        raise ConfigError(f"address {short(address)} must be tcp://host:port or ipc://path")
+    host, sep, port = address[6:].rpartition(":")
+    if not sep or not (port == "*" or port.isdigit() and port.isascii() and int(port) <= 65535):
+        raise ConfigError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            raise ConfigError(f"address {address!r}: {host} is not an IPv6 address") from None
+    elif host != "*" and not _HOST.fullmatch(host):
+        raise ConfigError(f"address {address!r}: host {host!r} is not an IP address, interface or host name")
+    return "tcp", host, 0 if port == "*" else int(port)
+
+
+def check_address(address: str, *, advertised: bool = True) -> str:
+    """``address`` if a peer can connect to it; ``advertised=True`` also refuses a wildcard host
+    (``0.0.0.0``, ``*``, ``::``), which binds every interface but reaches none."""
+    kind, host, port = split_address(address)
+    if kind == "tcp" and port == 0:
+        raise ConfigError(f"address {address!r} needs a port in 1..65535 (tcp://host:port)")
+    if advertised and kind == "tcp" and host in WILDCARDS:
+        raise ConfigError(f"address {address!r} is a wildcard: bind it, but advertise a routable address "
+                         f"(see kvxfer.addresses.advertise_address)")
+    return address
+
 
 _SIOCGIFADDR = 0x8915
 
@@ -136,17 +182,19 @@ def on_another_host(host: str) -> bool:
     return not addrs & (set(interfaces().values()) | {"127.0.0.1", "::1"})
 
 
-def check_reachable(info: RankInfo, bootstrap: str, *, advertise: str | None = None, bound: str = "") -> None:
+def check_reachable(role: str, control: str, data: Mapping, bootstrap: str, *, advertise: str | None = None,
+                    bound: str = "") -> None:
     """Start-up (``PrefillEndpoint.register``, ``DecodeEndpoint.connect``): ValueError, naming the
-    setting to change, when the bootstrap at ``bootstrap`` is on another host and ``info``
-    advertises an address its peers there cannot reach: loopback or a wildcard, for the control
-    address (``advertise=``) or a transport's data ``endpoint`` (``transport_options``)."""
+    setting to change, when the bootstrap at ``bootstrap`` is on another host and a rank (its
+    ``RankInfo``'s ``role``, ``control`` address and ``data`` descriptors) advertises an address
+    its peers there cannot reach: loopback or a wildcard, for the control address
+    (``advertise=``) or a transport's data ``endpoint`` (``transport_options``)."""
     host = urllib.parse.urlsplit(bootstrap).hostname
     if not host or not on_another_host(host):
         return
-    checks = [(info.control, f"PrefillEndpoint(advertise=) (now {advertise!r}; bound {bound or '?'}; "
-                             f"kvxfer rank --advertise)")] if info.control else []
-    for name, d in info.data.items():
+    checks = [(control, f"PrefillEndpoint(advertise=) (now {advertise!r}; bound {bound or '?'}; "
+                             f"kvxfer rank --advertise)")] if control else []
+    for name, d in data.items():
         ep = d.get("endpoint") if isinstance(d, dict) else None
         if isinstance(ep, str) and ep.startswith("tcp://"):
             checks.append((ep, f"transport_options['endpoint'] of the {name} transport (kvxfer rank --bind / "
@@ -157,7 +205,7 @@ def check_reachable(info: RankInfo, bootstrap: str, *, advertise: str | None = N
         except ValueError:
             continue
         if h in WILDCARDS or is_loopback(h):
-            raise ConfigError(f"this {info.spec.role} rank would advertise {address} to the bootstrap {bootstrap} on "
+            raise ConfigError(f"this {role} rank would advertise {address} to the bootstrap {bootstrap} on "
                              f"another host, which only {'no host' if h in WILDCARDS else 'this host'} can reach: "
                              f"set {setting} to an address or interface name peers can reach")
 
