@@ -213,9 +213,9 @@ def decode_side(transport: str, out: Path) -> None:
                 tr = get_transport(transport)
                 tr.register(host.regions())    # the host pool is the destination, like a device pool
             except Exception as e:
-                (out / f"{transport}-skip").write_bytes(b"")
-                write(out, f"decode-{transport}", {"skip": f"{transport} transport does not work here: "
-                                                           f"{type(e).__name__}: {e}"})
+                (out / f"{transport}-failed").write_bytes(b"")    # the prefill side stops waiting
+                write(out, f"decode-{transport}", {"error": f"{transport} transport failed to register the host "
+                                                            f"pool: {type(e).__name__}: {e}"})
                 return
             mgr = DecodeOffloadManager(dpool, host, OffloadConfig(stride=STRIDE))
             grant = mgr.receive_to_host(rid, toks)
@@ -272,8 +272,8 @@ def prefill_side(transport: str, out: Path) -> None:
             tr = get_transport(transport)
             tr.register(pool.regions())
             pools.append(pool), trs.append(tr), pslots.append(s)
-        got = wait_for(out / f"{transport}-pair{i}.msgpack", out / f"{transport}-skip")
-        if got.name.endswith("skip"):
+        got = wait_for(out / f"{transport}-pair{i}.msgpack", out / f"{transport}-failed")
+        if got.name.endswith("failed"):
             return
         handles = []
         for d, info in enumerate(msgpack.unpackb(got.read_bytes(), raw=False)):
