@@ -110,7 +110,8 @@ class DecodeLinks:
             sources = peer_sources(ep.spec, d_info.spec)
             desc = d_info.data[ep.transport.name]
         except KeyError:
-            return Refuse(re=msg.i, why=[f"transport: P uses {ep.transport.name!r}, D offers {sorted(d_info.data)}"])
+            offered = sorted(d_info.data)
+            return Refuse(re=msg.i, why=[cut(f"transport: P uses {ep.transport.name!r}, D offers {offered}")])
         except (LayoutError, PlanError) as e:
             return Refuse(re=msg.i, why=[cut(f"prefill {ep.spec.key}: {e}")])
         token = (msg.tokens or {}).get(ep.transport.name, b"")
