@@ -138,8 +138,9 @@ class FloodProcess:
 
 class LoadProcess:
     """Another program that loads the registry at ``url``: ``readers`` threads each GET ``path`` in a
-    loop on a kept-alive connection, reading every answer whole, and one thread that heartbeats
-    ``keys`` (as ``owner``) every ``beat`` seconds. ``stop`` returns the sizes of the answers read.
+    loop on a kept-alive connection, reading every answer whole, and ``KEEPERS`` threads that
+    heartbeat ``keys`` (as ``owner``, a share each) every ``beat`` seconds. ``stop`` returns the
+    sizes of the answers read.
     (Readers and heartbeats belong in different processes: readers of large answers hold the GIL
     often enough to delay a heartbeat thread of their own process by seconds.)"""
 
@@ -155,6 +156,9 @@ class LoadProcess:
         return json.loads(out.strip().splitlines()[-1])
 
 
+KEEPERS = 8     # heartbeat connections of a LoadProcess
+
+
 def _load(url: str, readers: int, path: str, keys: list[str], owner: str, beat: float) -> None:
     done, sizes = threading.Event(), []
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -164,14 +168,16 @@ def _load(url: str, readers: int, path: str, keys: list[str], owner: str, beat: 
         while not done.is_set():
             sizes.append(len(c.call("GET", path)[1]))
 
-    def keep():
+    def keep(mine: list[str]):
         c = Conn(url, timeout=60)
         while not done.wait(beat):
-            for k in keys:
+            for k in mine:
                 c.call("POST", "/heartbeat", {"key": k, "owner": owner})
     threads = [threading.Thread(target=read, daemon=True) for _ in range(readers)]
-    if keys:
-        threads.append(threading.Thread(target=keep, daemon=True))
+    # ranks heartbeat from several connections, as ranks of several hosts do: one connection for
+    # 256 keys would take a round longer than a short ttl whenever the server is busy
+    threads += [threading.Thread(target=keep, args=(keys[i::KEEPERS],), daemon=True)
+                for i in range(min(KEEPERS, len(keys)))]
     for t in threads:
         t.start()
     print("loading", flush=True)

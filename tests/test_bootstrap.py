@@ -18,7 +18,6 @@ from waiting import until
 
 from kvxfer.control import bootstrap
 from kvxfer.control.auth import AUTH_HEADER, sign_http
-from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.client import BootstrapClient, Registration
 from kvxfer.control.records import RankInfo
 from kvxfer.errors import ConnectError
@@ -42,18 +41,6 @@ def get(url: str) -> tuple[int, dict]:
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
 
-
-@pytest.fixture
-def server():
-    made = []
-
-    def make(**kw):
-        s = BootstrapServer(BootstrapConfig(**kw)).start()
-        made.append(s)
-        return s
-    yield make
-    for s in made:
-        s.stop()
 
 
 def test_not_ready_until_every_rank_registered(server):

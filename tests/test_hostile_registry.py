@@ -62,19 +62,6 @@ def controls(url: str, instance: str) -> list[str]:
     return [i.control for i in BootstrapClient(url).topology(instance)[1]]
 
 
-@pytest.fixture
-def server():
-    """``server(**BootstrapConfig fields)`` -> a registry of the test's own, stopped after it."""
-    made = []
-
-    def make(**kw):
-        s = BootstrapServer(BootstrapConfig(**kw)).start()
-        made.append(s)
-        return s
-    yield make
-    for s in made:
-        s.stop()
-
 
 @pytest.fixture(scope="module")
 def signed_registry():

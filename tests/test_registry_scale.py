@@ -19,7 +19,6 @@ from registry_helpers import Conn, CountingRelay, FloodProcess, LoadProcess, rec
 from support.ports import free_port
 from waiting import until
 
-from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.client import BootstrapClient, Registration
 from kvxfer.control.records import RankInfo
 from kvxfer.endpoint.recovery import PeerRecovery
@@ -39,18 +38,6 @@ def big_layout() -> dict:
 
 BIG = big_layout()
 
-
-@pytest.fixture
-def server():
-    made = []
-
-    def make(**kw):
-        s = BootstrapServer(BootstrapConfig(**kw)).start()
-        made.append(s)
-        return s
-    yield make
-    for s in made:
-        s.stop()
 
 
 def lost() -> float:
