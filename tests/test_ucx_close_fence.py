@@ -59,7 +59,7 @@ class Side:
 
 
 def pair(mode: str) -> tuple[Side, Side]:
-    r, s = Side("R", mode), Side("S")
+    r, s = Side("R", mode), Side("S", mode)
     s.put(r.get())
     r.put(s.get())
     before = r.get()["before"]

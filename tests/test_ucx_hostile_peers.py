@@ -323,6 +323,10 @@ def test_an_admitted_id_cannot_be_squatted_and_unadmitted_hellos_make_nothing(tm
         assert tx_desc["id"] in peers and not [p for p in peers if p.startswith("fresh-")], peers
         check(v, "after 1,000 unadmitted HELLOs")
         tx.call("disconnect", peer=peer)
+        end = time.monotonic() + 20.0   # retired, not pending: a connect then would take the old channel back
+        while peer in tx.call("peers")["peers"]:
+            assert time.monotonic() < end, "the disconnect never ended"
+            time.sleep(0.05)
         token2 = v.proc.call("admit", descriptor=tx_desc)["token"]
         with pytest.raises(RuntimeError, match="refused our HELLO"):
             tx.call("connect", descriptor=v.descriptor, token=token)
