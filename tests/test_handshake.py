@@ -239,7 +239,7 @@ def test_unauthenticated_requests_are_dropped(prefill):
                                       "aux": False, "dummy": True}), b"not-the-secret"))
     time.sleep(1.0)
     assert sum(p.channel.dropped.values()) == before   # refused below the channel: nothing read
-    assert not p._pending and len(p.links.peers) == 0
+    assert not p.requests.pending and len(p.links.peers) == 0
     s.close()
     ctx.term()
 

@@ -484,7 +484,7 @@ def test_a_third_party_abort_does_not_fail_another_peers_request(pair):
         m = c.recv(3.0)
         assert m is not None and m.get("t") == "welcome", f"the attacker's HELLO was not welcomed: {m!r}"
         r, d_slots = pair.receiver()
-        assert until(lambda: pair.p.ep._pending.get(r.room), 3.0), "the honest REQ did not reach prefill"
+        assert until(lambda: pair.p.ep.requests.pending.get(r.room), 3.0), "the honest REQ did not reach prefill"
         c.send({"t": "abort", "room": r.room, "gen": r.gen + 1, "why": "mallory"})
         assert c.alive()
         assert pair.finish(r, d_slots), "the honest request failed after a third party's ABORT"

@@ -139,7 +139,7 @@ def test_requests_waiting_for_a_sender_are_charged_per_peer(pair):
             req(att, 10_000_000 + room, 1, slots)
         refused = nacks(att, 3.0)
         assert len(refused) >= 50 and all("wait for their sender" in m["why"] for m in refused), refused[:2]
-        assert len(pair.p.ep._pending) <= MAX_QUEUED
+        assert len(pair.p.ep.requests.pending) <= MAX_QUEUED
         after_attack(pair, before, att)
     finally:
         att.close()

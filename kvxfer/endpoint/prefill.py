@@ -18,6 +18,9 @@ Who calls what, and when (the whole contract is in ``kvxfer.endpoint.base``):
 Readiness (when a chunk may be read) is ``KVSender.send``'s contract: ``kvxfer.endpoint.sender``.
 Chunks may be any number of tokens; what chunk sizes cost is in ``kvxfer.endpoint.chunks``.
 
+Which decode REQ is bound to which sender, and who may end what: ``kvxfer.endpoint.prefill_requests``
+(``RequestTable``); the endpoint keeps the chunks, the transfers in flight and the leases.
+
 A sender ends once (``end_request``): counted in ``kvxfer.metrics``, its KV then held under a
 lease until decode confirms ("done"), no transfer still reads it, or the lease runs out.
 """
@@ -33,8 +36,7 @@ import numpy as np
 from ..addresses import check_reachable
 from ..control.channel import ControlChannel
 from ..control.client import BootstrapClient, Registration
-from ..control.compat import aux_format, aux_mismatch
-from ..control.messages import Abort, Ack, Bye, Done, Fin, Hello, Message, Nack, Req, Room, cut
+from ..control.messages import Abort, Bye, Done, Fin, Hello, Message, Req, Room
 from ..control.wire import ChunkMeta
 from ..errors import ConfigError, LayoutError, PlanError, RequestError
 from ..layout import STATE, SWA
@@ -45,10 +47,10 @@ from ..ranks import RankSpec
 from ..transport.base import TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRows
 from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts
-from .chunks import Chunk, DecodePeer, Target, chunk_aux, plan_chunk, request_slots
+from .chunks import Chunk, DecodePeer, Target, chunk_aux, plan_chunk
 from .decode_links import DecodeLinks
-from .peers import QueuedRequests
-from .sender import KVSender, SenderHost, call_on_request, count_transfers, stalled
+from .prefill_requests import RequestTable
+from .sender import KVSender, SenderHost, count_transfers, stalled
 
 log = logging.getLogger("kvxfer.request")   # one logger for the control plane, both sides
 
@@ -82,13 +84,9 @@ class PrefillEndpoint(SenderHost):
         super().__init__(spec, kv, state=state, transport=transport, transport_options=transport_options,
                          timeouts=timeouts, secret=secret, aux=aux, aux_bytes=aux_bytes, clock=clock)
         self.source = (spec.tp_rank, spec.pp_rank)
-        self.on_request = on_request
         self._advertise = advertise
         self.links = DecodeLinks(self)                        # decode peers and their HELLOs
-        self._senders: dict[Room, KVSender] = {}              # room -> live sender
-        self._grants: dict[tuple[str, str], KVSender] = {}    # (peer, request_id) -> sender, until released
-        self._pending = QueuedRequests()                      # REQs that came before the sender
-        self._withdrawn: dict[Room, tuple[str, float]] = {}   # rooms whose only REQ its peer aborted, no sender yet
+        self.requests = RequestTable(self, self.links, on_request)   # REQs, senders, grants
         self._busy: set[KVSender] = set()                     # senders with transfers in flight
         self._unready: set[KVSender] = set()                  # senders whose next chunk waits for its event
         self._held: set[KVSender] = set()                     # ended, KV not yet released
@@ -126,16 +124,8 @@ class PrefillEndpoint(SenderHost):
         reuse the request's KV; ``kv_releasable`` turns True after it returned."""
         self.check_usable()
         with self.guard() as later:
-            old = self._senders.get(room)
-            if old is not None:
-                raise RequestError(f"room {room} already has a live sender ({old.state.name})")
             s = KVSender(self, room, on_release)
-            self._senders[room] = s
-            withdrawn = self._withdrawn.pop(room, None)
-            if withdrawn is not None and not self._pending.get(room):
-                self.end_request(s, Outcome.Aborted, withdrawn[0], later)
-            for target, _ in self._pending.take(room).values():
-                self._bind(s, target, later)
+            self.requests.add(s, later)
             return s
 
     # -- handshake and requests (channel thread) -----------------------------------------------
@@ -146,100 +136,21 @@ class PrefillEndpoint(SenderHost):
         with self.guard() as later:
             match msg:
                 case Req():
-                    self._on_req(peer, msg, later)
-                case Done(room=room, gen=gen):
-                    s = self._grants.get((peer, f"{room}.{gen}"))
+                    self.requests.on_req(peer, msg, later)
+                case Done():
+                    s = self.requests.on_done(peer, msg)
                     if s is not None:
-                        for tg in s.targets.values():
-                            tg.confirmed |= tg.peer == peer and tg.gen == gen
                         self._settle(s, self.clock(), later)
                 case Abort():
-                    self._on_abort(peer, msg, later)
+                    self.requests.on_abort(peer, msg, later)
                 case Bye():   # a closing decode endpoint: retired at once (outside the lock, below)
                     later.append(lambda: self.links.retire(peer, f"decode rank {peer} closed (BYE)"))
 
-    def _on_abort(self, peer: str, msg: Abort, later) -> None:
-        """A decode peer's ABORT ends only what that peer itself asked for: the sender its REQ of this
-        very request (room and generation) is bound to, or that REQ while it waits for its sender.
-        A third party's ABORT, one for another generation, or one for a room the peer never asked
-        for changes nothing (a sender nobody asked for yet ends at its bootstrap deadline). A REQ
-        withdrawn so before its sender exists, with no other REQ for the room, ends that sender as
-        soon as the engine makes it (within ``Timeouts.bootstrap``)."""
-        room, why = msg.room, f"decode rank {peer}: {msg.why[:512]}"
-        s = self._grants.get((peer, f"{room}.{msg.gen}"))
-        if s is not None:
-            self.end_request(s, Outcome.Aborted, why, later)
-            return
-        queued = self._pending.get(room).get(peer)
-        if queued is not None and queued[0].gen == msg.gen:
-            self._pending.drop(room, peer)
-            if room not in self._senders and not self._pending.get(room):   # it asked, then gave up first:
-                self._withdrawn[room] = (why, self.clock())                 # the sender, once made, ends
-
     def retire_requests(self, peer: str, why: str, later) -> None:
         """``DecodeLinks``, under the lock: decode peer ``peer`` is gone; what it asked for ends."""
-        self._pending.drop_peer(peer)
-        for s in [s for s in self._senders.values() if any(t.peer == peer for t in s.targets.values())]:
-            self.end_request(s, Outcome.Failed, why, later)
+        self.requests.retire_peer(peer, why, later)
 
-    def _on_req(self, peer: str, msg: Req, later) -> None:
-        nack = lambda why: self.channel.send(peer, Nack(room=msg.room, gen=msg.gen, why=cut(why)))  # noqa: E731
-        dp = self.links.peers.get(peer)
-        if dp is None:
-            nack(f"prefill {self.spec.key} has no handshake with {peer}")
-            return
-        try:
-            kv, st, swa = request_slots(dp, msg, self.token_space, self.swa_window, self.spec.key)
-        except LayoutError as e:
-            nack(f"bad request: {e}")
-            return
-        target = Target(peer, dp.info.spec.tp_rank, msg, kv, st, swa)
-        s = self._senders.get(msg.room)
-        if s is None or self._claimed(s, target, dp):   # a live room claimed by another: as for no sender
-            full = self._pending.add(msg.room, peer, target, self.clock())
-            if full:
-                nack(full)
-                return
-            if s is None and self.on_request is not None:
-                tokens = 0 if target.dummy else len(kv)
-                later.append(functools.partial(call_on_request, self.on_request, msg.room, tokens))
-        else:
-            self._bind(s, target, later)
-
-    def _bind(self, s: KVSender, t: Target, later) -> None:
-        dp = self.links.peers.get(t.peer)
-        why = None
-        if dp is None:
-            why = "decode rank is gone"
-        elif self._claimed(s, t, dp):   # answered as a room with no sender: nothing tells a live room apart
-            why = f"no prefill request for room {s.room} on {self.spec.key}"
-        elif t.d_rank not in dp.expected:
-            why = f"decode rank {t.d_rank} does not pull from prefill {self.spec.key}"
-        elif t.aux:
-            why = aux_mismatch(self.spec.key, self.aux_format, dp.info.spec.key, aux_format(dp.info))
-            if why:   # the request cannot complete: both sides fail it now, with the reason
-                self.channel.send(t.peer, Nack(room=s.room, gen=t.gen, why=cut(why)))
-                self.end_request(s, Outcome.Failed, why, later)
-                return
-        if why or dp is None:
-            self.channel.send(t.peer, Nack(room=s.room, gen=t.gen, why=cut(why or "")))
-            return
-        if t.d_rank not in s.targets:
-            s.group, s.expected = dp.group, dp.expected
-            s.targets[t.d_rank] = t
-            self._grants[(t.peer, t.request_id)] = s
-        self.channel.send(t.peer, Ack(room=s.room, gen=t.gen))
-        if s.state == KVPoll.Bootstrapping and set(s.targets) >= s.expected:
-            s.advance(KVPoll.WaitingForInput, self.clock() + self.timeouts.waiting)
-            self._pump(s, later)
-
-    @staticmethod
-    def _claimed(s: KVSender, t: Target, dp: DecodePeer) -> bool:
-        """``s`` is bound to another decode group, or has another grant from ``t``'s decode rank."""
-        old = s.targets.get(t.d_rank)
-        return s.group is not None and dp.group != s.group or old is not None and (old.peer, old.gen) != (t.peer, t.gen)
-
-    def _pump(self, s: KVSender, later) -> None:
+    def pump(self, s: KVSender, later) -> None:
         """Submit the queued chunks of a bound sender, in order, up to the first whose ready event
         has not completed (that sender is then polled again at every tick)."""
         while s.queued and s.state not in END_STATES and s.state != KVPoll.Bootstrapping:
@@ -282,7 +193,7 @@ class PrefillEndpoint(SenderHost):
             s.last_sent = bool(last)
             s.queued.append(Chunk(slots, begin, None if layers is None else frozenset(int(x) for x in layers),
                                    bool(last), aux, st, swa, ready))
-            self._pump(s, later)
+            self.pump(s, later)
             return s.state != KVPoll.Failed
 
     def _planners_for(self, dp: DecodePeer, layers: frozenset | None, kinds: list) -> list[Planner]:
@@ -379,8 +290,7 @@ class PrefillEndpoint(SenderHost):
                 log.debug("room %s: lease of %ss over without confirmation from decode; releasing its KV",
                           s.room, self.timeouts.lease)
             self._held.discard(s)
-            for t in s.targets.values():
-                self._grants.pop((t.peer, t.request_id), None)
+            self.requests.release(s)
             later.append(s.run_release)
 
     def on_peer_lost(self, peer: str, why: str) -> None:
@@ -390,41 +300,36 @@ class PrefillEndpoint(SenderHost):
 
     def _tick(self, now: float, later) -> float:
         for s in list(self._unready):
-            self._pump(s, later)
+            self.pump(s, later)
         for s in list(self._busy):
             self._settle(s, now, later)
         real = time.monotonic()   # the scan's cadence is CPU cost, not a deadline: real time
         if real >= self._next_scan:
             self._next_scan = real + 0.05
-            for s in [s for s in self._senders.values() if now > s.deadline]:
+            for s in [s for s in self.requests.senders.values() if now > s.deadline]:
                 self.end_request(s, Outcome.TimedOut, f"timed out in {s.state.name}: {stalled(s)} within the "
                                                       f"deadline", later)
             for s in list(self._held):
                 self._settle(s, now, later)
-            for room in [r for r, (_, since) in self._withdrawn.items() if now - since > self.timeouts.bootstrap]:
-                del self._withdrawn[room]
-            for room, peer, t in self._pending.expired(now, self.timeouts.bootstrap):
-                self.channel.send(peer, Nack(room=room, gen=t.gen,
-                                             why=cut(f"no prefill request for room {room} on {self.spec.key}")))
+            self.requests.expire(now)
         return 0.005 if self._busy or self._unready else 0.05   # reaping is not on decode's critical path
 
     def _live(self) -> list[KVSender]:
-        return list(self._senders.values())
+        return list(self.requests.senders.values())
 
     def end_request(self, s: KVSender, outcome: Outcome, reason: str, later) -> None:
         """End ``s`` once (under ``guard``): tell decode on failure, count it, hold its KV under the lease."""
         if not s.mark_ended(outcome, reason):
             return
         self._unready.discard(s)
-        if self._senders.get(s.room) is s:
-            del self._senders[s.room]
+        unbound = self.requests.forget(s)
         if outcome != Outcome.Success:
             notified = {t.peer for t in s.targets.values()}
             for t in s.targets.values():
                 self.channel.send(t.peer, Abort(room=s.room, gen=t.gen, why=reason[:1024]))
-            for peer, (t, _) in self._pending.take(s.room).items():
+            for peer, gen in unbound:
                 if peer not in notified:
-                    self.channel.send(peer, Abort(room=s.room, gen=t.gen, why=reason[:1024]))
+                    self.channel.send(peer, Abort(room=s.room, gen=gen, why=reason[:1024]))
         now = self.clock()
         s.lease_end = now + self.timeouts.lease
         self._held.add(s)

@@ -30,7 +30,8 @@ log = logging.getLogger("kvxfer.request")
 
 
 class SenderHost(EndpointBase):
-    """What a ``KVSender`` and the ``DecodeLinks`` call on their endpoint (``PrefillEndpoint`` is the one)."""
+    """What a ``KVSender``, the ``DecodeLinks`` and the ``RequestTable`` call on their endpoint
+    (``PrefillEndpoint`` is the one)."""
 
     @abc.abstractmethod
     def retire_requests(self, peer: str, why: str, later: list) -> None:
@@ -40,6 +41,14 @@ class SenderHost(EndpointBase):
     def send_chunk(self, s: "KVSender", kv_slots, start, layers, last, aux, state_slots, ready,
                    aux_row=None) -> bool:
         """The body of ``KVSender.send``."""
+
+    @abc.abstractmethod
+    def pump(self, s: "KVSender", later: list) -> None:
+        """Under the endpoint lock: submit what bound sender ``s`` queued, up to a chunk not ready."""
+
+    @abc.abstractmethod
+    def end_request(self, s: "KVSender", outcome: Outcome, reason: str, later: list) -> None:
+        """Under the endpoint lock: end ``s`` once with ``outcome`` and ``reason``."""
 
 
 class KVSender(RequestBase):

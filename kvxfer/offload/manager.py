@@ -44,7 +44,7 @@ only their window. Records are keyed by a hash chain over token ids
 under LRU. Replicated KV (MLA): each record is stored by one rank of the group, chosen
 from its key; the others keep a *phantom* and receive the bytes by broadcast on reload.
 
-This module keeps the requests and their records; ``copier`` moves the bytes, ``group``
+This module keeps the requests; ``recorder`` makes their records, ``copier`` moves the bytes, ``group``
 talks to the TP group, ``config`` holds the settings and result types (re-exported here).
 """
 from __future__ import annotations
@@ -52,7 +52,6 @@ from __future__ import annotations
 import hashlib
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -64,25 +63,10 @@ from ..pools import KVPool
 from .config import HostGrant, OffloadConfig, PollResult, check_ready
 from .copier import Copier, concat_slots
 from .group import TPGroup, check_cpu_group, group_min
+from .recorder import OffloadRequest, Recorder
 from .records import DONE, GONE, Record, RecordMeta, State, key_seed, page_keys, tail_key
 from .store import FileStore
 from .tiers import OffloadStats, Tiers
-
-EMPTY = np.zeros(0, np.int64)
-
-
-@dataclass(slots=True, eq=False)
-class _Request:
-    rid: str
-    chain: list[bytes] = field(default_factory=list)   # page keys of positions [0, streamed)
-    streamed: int = 0                                   # positions [0, streamed) are in chunks
-    chunks: list[Record] = field(default_factory=list)
-    tail: Record | None = None
-    phase: str = "running"                              # running | releasing | offloaded | receiving
-
-    @property
-    def records(self) -> list[Record]:
-        return self.chunks + ([self.tail] if self.tail is not None else [])
 
 
 class DecodeOffloadManager:
@@ -119,9 +103,12 @@ class DecodeOffloadManager:
         self.tiers = Tiers(host, store)
         self.stats: OffloadStats = self.tiers.stats
         self._cond = self.tiers.cond
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, OffloadRequest] = {}
         self._releasing: list[str] = []
         self._copier = Copier(pool, host, self.tiers, rank=self.rank)
+        self._recorder = Recorder(pool, self.tiers, stride=config.stride, stream=self.stream, snapshot=self.snapshot,
+                                  kps=self._kps, seed=self._seed, rank=self.rank, size=self.size,
+                                  replicated=self.replicated)
 
     # ---------------------------------------------------------------- engine calls
     def step(self, batch: Iterable[tuple[str, Sequence[int], Sequence[int]]], *, ready=None) -> int:
@@ -133,11 +120,11 @@ class DecodeOffloadManager:
         check_ready(ready)
         queued = []
         for rid, token_ids, slots in batch:
-            req = self._requests.get(rid) or self._requests.setdefault(rid, _Request(rid))
+            req = self._requests.get(rid) or self._requests.setdefault(rid, OffloadRequest(rid))
             if req.phase != "running":
                 raise RequestError(f"step: request {rid} is {req.phase}, not running (reload it first)")
             while self.stream and req.streamed + self.config.stride <= len(token_ids):
-                queued.append(self._chunk(req, token_ids, slots))
+                queued.append(self._recorder.chunk(req, token_ids, slots))
         return self._enqueue(queued, ready)
 
     def release(self, rid: str, token_ids: Sequence[int], slots: Sequence[int], *, ready=None) -> None:
@@ -145,13 +132,13 @@ class DecodeOffloadManager:
         host yet. Its device slots stay the engine's until ``poll()`` lists it. ``ready``: as
         for ``step`` (the last KV writes of ``rid``)."""
         check_ready(ready)
-        req = self._requests.get(rid) or self._requests.setdefault(rid, _Request(rid))
+        req = self._requests.get(rid) or self._requests.setdefault(rid, OffloadRequest(rid))
         if req.phase != "running":
             raise RequestError(f"release: request {rid} is {req.phase}, not running")
         queued = []
         while self.stream and req.streamed + self.config.stride <= len(token_ids):
-            queued.append(self._chunk(req, token_ids, slots))
-        queued.append(self._tail(req, token_ids, slots))
+            queued.append(self._recorder.chunk(req, token_ids, slots))
+        queued.append(self._recorder.tail(req, token_ids, slots))
         self._enqueue(queued, ready)
         req.phase = "releasing"
         self._releasing.append(rid)
@@ -273,7 +260,7 @@ class DecodeOffloadManager:
             if lo == -neg_hi:
                 break
             agreed = lo
-        req = _Request(rid, phase="offloaded")
+        req = OffloadRequest(rid, phase="offloaded")
         if count:
             req.chunks, req.tail, req.streamed, req.chain = found, tail, pos, chain[:pos // self._kps]
         with self._cond:
@@ -291,11 +278,11 @@ class DecodeOffloadManager:
         if rid in self._requests:
             raise RequestError(f"receive_to_host: request {rid} is already known")
         tok = np.asarray(token_ids, dtype=np.int64)
-        req = self._requests[rid] = _Request(rid, phase="receiving")
+        req = self._requests[rid] = OffloadRequest(rid, phase="receiving")
         ident = np.arange(len(tok), dtype=np.int64)
         while self.stream and req.streamed + self.config.stride <= len(tok):
-            self._chunk(req, tok, ident, receive=True)
-        self._tail(req, tok, ident, snap={s: np.asarray(v, np.int64) for s, v in (positions or {}).items()})
+            self._recorder.chunk(req, tok, ident, receive=True)
+        self._recorder.tail(req, tok, ident, snap={s: np.asarray(v, np.int64) for s, v in (positions or {}).items()})
         mine = [r for r in req.records if r.state == State.RECEIVING]
         try:
             for rec in mine:
@@ -342,83 +329,17 @@ class DecodeOffloadManager:
     def __exit__(self, *exc):
         self.close()
 
-    # ---------------------------------------------------------------- records of a request
-    def _storer(self, first: bytes) -> int:
-        return int.from_bytes(first[:8], "little") % self.size if self.replicated else self.rank
-
-    def _chunk(self, req: _Request, token_ids, slots, receive: bool = False) -> Record | None:
-        """The next ``stride`` positions of the streamed spaces become a record, or reuse an
-        equal one (same prefix). Returns the record to copy, if any."""
-        a, n = req.streamed, self.config.stride
-        keys = page_keys(req.chain[-1] if req.chain else self._seed, np.asarray(token_ids[a:a + n]), self._kps)
-        req.chain.extend(keys)
-        req.streamed = a + n
-        # worked out before taking the lock, which the background thread holds while it allocates:
-        # the scheduler thread waits for it as little as it can
-        src = {s: np.asarray(self.pool.space_slots(s, np.asarray(slots[a:a + n], np.int64)), np.int64)
-               for s in self.stream}
-        pos = np.arange(a, a + n, dtype=np.int64)
-        with self._cond:
-            if not receive:
-                for old in self.tiers.index.get(keys[0], ()):   # only finished records: a queued copy
-                    if old.start == a and old.page_keys == tuple(keys) and old.state in DONE:  # reads its own slots
-                        old.refs += 1
-                        req.chunks.append(old)
-                        self.stats.records_deduped += 1
-                        self.tiers.touch_locked(old)
-                        return None
-            rec = self._new(keys[-1], keys[0], "chunk", a, {s: pos for s in self.stream}, tuple(keys), src, receive)
-        req.chunks.append(rec)
-        return rec if rec.state == State.QUEUED else None
-
-    def _tail(self, req: _Request, token_ids, slots, snap=None) -> Record | None:
-        """The last partial stride plus the snapshot spaces: at release, the slots mapped now
-        (a window, a state slot); for a receive, ``snap``'s positions."""
-        if not self.snapshot and snap is None and req.streamed == len(token_ids):   # nothing left over
-            self._supersede_tail(req)
-            return None
-        a, s_all, tok = req.streamed, np.asarray(slots, dtype=np.int64), np.asarray(token_ids, dtype=np.int64)
-        positions = {s: np.arange(a, len(tok), dtype=np.int64) for s in self.stream}
-        src = {s: np.asarray(self.pool.space_slots(s, s_all[a:len(tok)]), np.int64) for s in self.stream}
-        for s in self.snapshot:
-            if snap is not None:
-                positions[s], src[s] = snap.get(s, EMPTY), EMPTY
-            else:
-                mapped = np.asarray(self.pool.space_slots(s, s_all), np.int64)
-                positions[s] = np.flatnonzero(mapped != 0)
-                src[s] = mapped[positions[s]]
-        positions = {s: p for s, p in positions.items() if len(p)}
-        self._supersede_tail(req)
-        if not positions:
-            return None
-        key = tail_key(req.chain[-1] if req.chain else self._seed, tok[a:], len(tok))
-        with self._cond:
-            req.tail = self._new(key, key, "tail", a, positions, (), {s: src[s] for s in positions}, snap is not None)
-        return req.tail if req.tail.state == State.QUEUED else None
-
-    def _supersede_tail(self, req: _Request) -> None:
-        if req.tail is not None:   # the previous release's tail is superseded
-            with self._cond:
-                req.tail.refs -= 1
-            req.tail = None
-
-    def _new(self, key, first, kind, start, positions, keys, src, receive) -> Record:
-        storer = self._storer(first)
-        state = State.PHANTOM if storer != self.rank else State.RECEIVING if receive else State.QUEUED
-        return self.tiers.add_locked(Record(key=key, first=first, kind=kind, start=start, positions=positions,
-                                            page_keys=keys, state=state, storer=storer,
-                                            src=None if receive else src))
 
     def _enqueue(self, recs: list[Record | None], ready=None) -> int:
         return self._copier.enqueue(recs, ready)
 
-    def _vote(self, req: _Request) -> int:
+    def _vote(self, req: OffloadRequest) -> int:
         """1: every record of ``req`` is safe on this rank; 0: not yet; -1: failed."""
         if any(r.state in GONE for r in req.records):
             return -1
         return int(all(r.state in DONE for r in req.records))
 
-    def _get(self, rid: str) -> _Request:
+    def _get(self, rid: str) -> OffloadRequest:
         if rid not in self._requests:
             raise RequestError(f"request {rid} is not known to this offload manager")
         return self._requests[rid]
@@ -427,7 +348,7 @@ class DecodeOffloadManager:
     def _find(self, first: bytes, chain: list[bytes] | None = None, pos: int = 0) -> Record | None:
         """A usable record starting with key ``first``. Replicated KV: its storing rank looks and
         broadcasts what it found, so every rank gets the same answer (collective)."""
-        storer = self._storer(first)
+        storer = self._recorder.storer(first)
         found = self.tiers.find(first, chain, pos, self._kps, self.rank) if storer == self.rank else None
         if not (self.replicated and self.size > 1):
             return found
