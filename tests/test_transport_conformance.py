@@ -408,7 +408,7 @@ def _kill_mid_transfer(p: Pair, tx, peer: str, victim, timeout: float = DEADLINE
                        sig: int = signal.SIGKILL) -> tuple[str, float]:
     """Send 256 MiB into the receiver's region 4 and SIGKILL ``victim`` (or leave it stopped:
     ``sig`` SIGSTOP) while it is in flight. Returns the request id and when it was submitted."""
-    watch = int(np.flatnonzero(source(4, BIG).numpy()[:KILL_BYTES] != CANARY)[0])
+    watch = int(np.argmax(source(4, BIG).numpy()[:KILL_BYTES] != CANARY))   # the first byte that shows a landing
     for _ in range(3):   # another try only when the transfer won the race against SIGSTOP
         p.reset([4])
         rid = p.rid("kill")
