@@ -22,7 +22,9 @@ from kvxfer.endpoint.prefill import PrefillEndpoint
 from kvxfer.pools import MHAPool
 from kvxfer.ranks import RankSpec
 
-TIMEOUTS = {"bootstrap": 4.0, "waiting": 4.0, "transfer": 4.0, "lease": 4.0, "handshake": 3.0}
+# bootstrap: a REQ waits that long for its sender (and decode for the ACK); 15 s keeps a loaded machine
+# from ending the REQs an attack case queues before it checks them
+TIMEOUTS = {"bootstrap": 15.0, "waiting": 4.0, "transfer": 4.0, "lease": 4.0, "handshake": 3.0}
 _names = itertools.count(1)
 
 

@@ -68,7 +68,8 @@ class CountingRelay:
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._stop = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
 
     def _accept(self) -> None:
         while not self._stop:
@@ -84,8 +85,12 @@ class CountingRelay:
             with self._lock:
                 self.connections += 1
                 self._socks += [a, b]
-            threading.Thread(target=self._pump, args=(a, b, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(b, a, False), daemon=True).start()
+            pumps = [threading.Thread(target=self._pump, args=(a, b, True), daemon=True),
+                     threading.Thread(target=self._pump, args=(b, a, False), daemon=True)]
+            with self._lock:
+                self._threads += pumps
+            for t in pumps:
+                t.start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, up: bool) -> None:
         try:
@@ -112,11 +117,20 @@ class CountingRelay:
             return self.connections, self.requests, self.bytes_back
 
     def close(self) -> None:
+        """Stop accepting, end every relayed connection and wait for the relay's threads (a close
+        alone wakes no thread blocked in accept or recv: shutdown does)."""
         self._stop = True
-        self.srv.close()
         with self._lock:
-            for s in self._socks:
-                s.close()
+            socks, threads = [self.srv, *self._socks], list(self._threads)
+        for s in socks:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in threads:
+            t.join(5.0)
+        for s in socks:
+            s.close()
 
 
 class FloodProcess:

@@ -149,9 +149,13 @@ def test_an_unknown_instance_fails_its_request_with_the_reason(world):
     r = de.receiver(1, instance="nobody")
     r.init(pool.allocator().alloc(4))
     assert r.wait(15) == KVPoll.Failed and "nobody" in r.reason, r.reason
-    with pytest.raises(ConnectError, match="names no prefill instance"):
-        DecodeEndpoint(RankSpec(role="decode", num_kv_heads=KV_HEADS, num_layers=LAYERS), pool, transport="zmq",
-                       aux_bytes=0).receiver(2)
+    bare = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=KV_HEADS, num_layers=LAYERS), pool, transport="zmq",
+                          aux_bytes=0)
+    try:
+        with pytest.raises(ConnectError, match="names no prefill instance"):
+            bare.receiver(2)
+    finally:
+        bare.close()
 
 
 def aux_buffers(rows: int, seed: int) -> list[torch.Tensor]:

@@ -32,7 +32,8 @@ from kvxfer.addresses import advertise_address, routable_address
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
 from kvxfer.control.channel import ControlChannel, Heartbeat
 from kvxfer.control.client import BootstrapClient, Registration
-from kvxfer.control.records import RankInfo
+from kvxfer.control.records import MAX_LAYOUT_ITEMS, RankInfo
+from kvxfer.errors import ProtocolError
 from kvxfer.layout import token_major_layout
 from kvxfer.ranks import RankSpec
 
@@ -113,6 +114,16 @@ def test_a_layout_of_the_wrong_types_is_refused(server):
     rec["layout"]["parts"][0]["layer"] = "0"
     status, reply, _ = hw.http(s.url, "PUT", "/register", rec)
     assert status == 400 and "layer" in json.loads(reply)["error"], reply
+
+
+def test_a_layout_of_more_items_than_the_bound_is_refused_before_any_part_is_read():
+    """A rank record (as a HELLO or the registry reads it) whose layout lists more spaces, regions
+    and parts than ``MAX_LAYOUT_ITEMS`` is refused by its count, naming the bound."""
+    rec = record()
+    part = dict(rec["layout"]["parts"][0])
+    rec["layout"] = {**rec["layout"], "parts": [{**part, "layer": k} for k in range(MAX_LAYOUT_ITEMS)]}
+    with pytest.raises(ProtocolError, match=f"more than {MAX_LAYOUT_ITEMS} spaces, regions and parts"):
+        RankInfo.from_dict(rec)
 
 
 @pytest.mark.slow   # the shared signed registry, attacked for seconds

@@ -106,7 +106,9 @@ def test_prefill_killed_mid_transfer_then_restarted_on_a_new_port(registries, ma
     r4, _ = D.receiver(4, 8)
     assert r4.wait(REJOIN_HELLO + 3.0) == FAILED, f"a request to a dead rank does not fail: {r4}"
     assert f"prefill rank {KEY} is lost" in r4.reason and "handshake" in r4.reason, r4.reason
-    assert time.monotonic() - t1 < REJOIN_HELLO + 3.0 and D.releases.get(4) == 1 and D.full()
+    assert time.monotonic() - t1 < REJOIN_HELLO + 3.0
+    # its slots go back just after it ends (the release runs once the endpoint's lock is let go)
+    assert until(lambda: D.releases.get(4) == 1, 2) and D.full(), D.releases
     assert KEY in D.ep.lost_peers
     # the rank restarts (a new process, a new port): the first request after it succeeds, issued as
     # soon as the rank registered (decode handshakes with it first, then grants)

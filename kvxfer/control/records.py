@@ -18,7 +18,9 @@ from ..ranks import RankSpec, int_field
 from .messages import PROTOCOL
 from .wire import MAX_AUX
 
-MAX_LAYOUT_ITEMS = 1 << 16   # setting: spaces + regions + parts of one layout record
+MAX_LAYOUT_ITEMS = 1 << 13   # setting: spaces + regions + parts of one layout record (a 126-layer FP8 pool
+                             # with scales has ~510 parts; a peer's record is checked per part, so this
+                             # bounds what one HELLO costs a handshake thread)
 MAX_AUX_BUFFERS = 64         # aux buffers of one rank (``AuxRows``)
 MAX_AUX_ROW = MAX_AUX        # bytes of one request's aux rows, all buffers together
 

@@ -145,6 +145,11 @@ class DecodeLinks:
         if forget:
             ep.channel.forget(old)
 
+    def handshaking(self) -> int:
+        """Any thread: HELLOs queued for a handshake thread or being answered now."""
+        with self._lock:
+            return len(self._busy)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 

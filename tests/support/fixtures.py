@@ -5,8 +5,14 @@
 module; the hostile-peer suites find their victims through it.
 ``server``: ``server(**BootstrapConfig fields)`` makes a registry of the test's own, stopped after
 the test (the registry tests: each needs its own settings).
+``no_threads_left`` (every module, automatic): a test module leaves no thread of its own behind
+once its fixtures are torn down (an endpoint, transport or relay a test forgot to close keeps its
+threads, sockets and memory for the rest of the run, and is collected later on any thread).
 """
 from __future__ import annotations
+
+import threading
+import time
 
 import pytest
 
@@ -33,3 +39,13 @@ def server():
     yield make
     for s in made:
         s.stop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_threads_left():
+    before = set(threading.enumerate())
+    yield
+    end = time.monotonic() + 10.0
+    while (left := [t for t in threading.enumerate() if t not in before and t.is_alive()]) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not left, f"threads this module started are still running after its teardown: {sorted(t.name for t in left)}"
