@@ -95,7 +95,11 @@ def rank_scenarios(names: list[str], out: Path) -> None:
 
 
 def rank_scenario(name: str, out: Path, rank: int, world: int, groups: dict, real_copy) -> None:
-    cfg = OffloadConfig(stride=STRIDE, group_timeout_s=5.0)
+    # The whole world's group times out in 5 s; the pairs' in 20: when a rank dies, each survivor
+    # finds out in its own time in the world's collectives (at most one timeout per manager, two
+    # managers), so the other pair's members may reach their next collective ~10 s apart and
+    # must wait for each other (stop 43: a 5 s pair timeout failed so on a loaded machine).
+    cfgs = {t: OffloadConfig(stride=STRIDE, group_timeout_s=5.0 if t == world else 20.0) for t in groups}
     mgrs, pools, allocs = {}, {}, {}
     for tp, group in sorted(groups.items()):
         r = dist.get_rank(group)
@@ -107,7 +111,8 @@ def rank_scenario(name: str, out: Path, rank: int, world: int, groups: dict, rea
         fill(pools[f"tp{tp}/mla"], 7 + tp)      # MLA: identical on every rank of a group
         for k in ("mha", "mla"):
             key = f"tp{tp}/{k}"
-            mgrs[key] = DecodeOffloadManager(pools[key], HostPool.for_pool(pools[key], size=256), cfg, group=group)
+            mgrs[key] = DecodeOffloadManager(pools[key], HostPool.for_pool(pools[key], size=256), cfgs[tp],
+                                             group=group)
             allocs[key] = PageAllocator(64, PAGE)
     doomed = name.startswith("kill") and rank == world - 1
 

@@ -36,7 +36,7 @@ from ..addresses import advertise_address, check_address, split_address
 from ..errors import ConfigError, ConnectError
 from ..transport.kit import IOThread, PipeWaker
 from .messages import Drop, Hello, Message, Ping, Pong, Refuse, WireError, call_id
-from .peers import ChannelLimits, Heartbeat, PendingCalls, ReplayGuard
+from .peers import Call, ChannelLimits, Heartbeat, PendingCalls, ReplayGuard
 from .wire import MAX_IDENTITY, MAX_MESSAGE, Head, open_frames, peek_call, recv_bounded, seal
 from .zmtp import ChannelGuard
 
@@ -160,17 +160,21 @@ class ControlChannel:
     def call(self, peer: str, build: Callable[[int], Message], timeout: float) -> Message:
         """Send ``build(call_id)`` and wait for the reply that names that id (``re``); ConnectError
         on timeout."""
-        i, fut = self._calls.open(peer)
-        try:
-            if self.broken is not None:
-                raise ConnectError(f"control channel is broken: {self.broken!r}")
-            self.send(peer, build(i))
-            return fut.result(timeout)
-        except TimeoutError:
-            where = self._dealer_at.get(peer, "")
-            raise ConnectError(f"no answer from {peer}{f' at {where}' if where else ''} within {timeout}s") from None
-        finally:
-            self._calls.close(i)
+        with self.start_call(peer, build) as c:
+            return c.result(timeout)
+
+    def start_call(self, peer: str, build: Callable[[int], Message]) -> Call:
+        """``call`` without the wait: send ``build(call_id)`` now; the ``Call``'s future gets the
+        reply. Many calls go out from one thread and are waited for together; the caller closes each."""
+        if self.broken is not None:
+            raise ConnectError(f"control channel is broken: {self.broken!r}")
+        c = self._calls.open(peer, lambda t: self._no_answer(peer, t))
+        self.send(peer, build(c.id))
+        return c
+
+    def _no_answer(self, peer: str, timeout: float) -> ConnectError:
+        where = self._dealer_at.get(peer, "")
+        return ConnectError(f"no answer from {peer}{f' at {where}' if where else ''} within {timeout}s")
 
     def watch(self, peer: str) -> None:
         """Start heartbeat accounting for ``peer`` (prefill: after an accepted HELLO)."""

@@ -1,20 +1,26 @@
 """The HELLO exchange: decode sends its ``RankInfo``, prefill checks the pair and answers
 WELCOME (its own info) or REFUSE (every mismatch in words).
 
-Who calls what: the decode endpoint calls ``hello`` from ``connect()`` (blocking, once per
-prefill rank); the prefill endpoint calls ``answer_hello`` on its channel thread for each HELLO
+Who calls what: the decode endpoint sends its HELLOs from ``connect()`` (``start_hello`` for every
+prefill rank at once, then ``welcome_info`` for each answer; ``hello`` for one, blocking); the
+prefill endpoint calls ``answer_hello`` on its channel thread for each HELLO
 (never raises: a record that fails any check is a REFUSE with the reason).
 """
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import logging
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 
 from ..errors import CompatibilityError, ConnectError
 from .channel import ControlChannel
 from .compat import check_pair, head_map_mismatch
 from .messages import MAX_WHY, MAX_WHYS, Hello, Message, Refuse, Welcome
+from .peers import Call
 from .records import RankInfo
 
 log = logging.getLogger("kvxfer.control")
@@ -47,14 +53,33 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float,
           tokens: Mapping[str, bytes] | None = None) -> RankInfo:
     """Decode side: HELLO -> the prefill rank's RankInfo, or CompatibilityError / ConnectError.
     ``tokens``: per transport, what ``Transport.admit`` gave for this prefill rank."""
+    with start_hello(channel, peer, d_info, tokens) as c:
+        try:
+            reply = c.result(timeout)
+        except ConnectError as e:
+            raise unanswered(channel, e) from None
+    return welcome_info(peer, reply)
+
+
+def start_hello(channel: ControlChannel, peer: str, d_info: RankInfo,
+                tokens: Mapping[str, bytes] | None = None) -> Call:
+    """``hello`` without the wait: the HELLO is sent; its ``Call`` gets the reply (read it with
+    ``welcome_info``; a call that timed out: ``unanswered``). The caller closes the call."""
     info, nonce, toks = d_info.to_dict(), os.urandom(16), dict(tokens) if tokens else None
-    try:
-        reply = channel.call(peer, lambda i: Hello(i=i, info=info, nonce=nonce, tokens=toks), timeout)
-    except ConnectError as e:
-        if channel.secret is None and "no answer" in str(e):   # a secured rank never answers one without it
-            raise ConnectError(f"{e} (if the prefill rank has a shared secret, this rank needs the same one: its "
-                               f"control port takes no connection without it)") from None
-        raise
+    return channel.start_call(peer, lambda i: Hello(i=i, info=info, nonce=nonce, tokens=toks))
+
+
+def unanswered(channel: ControlChannel, e: ConnectError) -> ConnectError:
+    """A HELLO's ConnectError, saying why no answer may have come."""
+    if channel.secret is None and "no answer" in str(e):   # a secured rank never answers one without it
+        return ConnectError(f"{e} (if the prefill rank has a shared secret, this rank needs the same one: its "
+                            f"control port takes no connection without it)")
+    return e
+
+
+def welcome_info(peer: str, reply: Message) -> RankInfo:
+    """The answer to a HELLO -> the prefill rank's RankInfo; ``Busy`` (try again soon),
+    ConnectError or CompatibilityError (every mismatch in words) otherwise."""
     if isinstance(reply, Refuse):
         why = [str(w)[:1024] for w in reply.why]
         if any(w.startswith(BUSY) for w in why):
@@ -69,6 +94,70 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float,
         return RankInfo.from_dict(reply.info)
     except ValueError as e:
         raise ConnectError(f"prefill rank {peer} sent an invalid rank record: {e}") from None
+
+
+def hello_all(channel: ControlChannel, peers: Mapping[str, str], d_info: RankInfo, timeout: float,
+              deadline: float, tokens: Callable[[str], Mapping[str, bytes]], fanout: int,
+              busy_retry: float) -> list[Exception]:
+    """Decode side, from one thread: HELLO every prefill rank of ``peers`` (key -> control address)
+    at once, at most ``fanout`` in flight, each answer read as it comes (``hello`` for each, without
+    a thread each). A rank that refuses for now (``Busy``) is asked again ``busy_retry`` s later,
+    while ``deadline`` (``time.monotonic``) allows. ``tokens(key)`` gives the admission tokens of a
+    HELLO (it may raise ConnectError). Returns the error of every rank that did not welcome us."""
+    todo, errors = collections.deque(peers), list[Exception]()
+    again: list[tuple[float, str]] = []                     # (when, key): busy, asked again then
+    flying: dict[Future, tuple[str, Call, float, float]] = {}   # future -> (key, call, ends at, its timeout)
+    connected: set[str] = set()
+    try:
+        while todo or again or flying:
+            now = time.monotonic()
+            todo.extend(k for t, k in again if t <= now)
+            again = [(t, k) for t, k in again if t > now]
+            while todo and len(flying) < fanout:
+                key = todo.popleft()
+                left = deadline - now
+                if left <= 0:
+                    errors.append(ConnectError(f"connect timed out before the handshake with {key}"))
+                    continue
+                try:
+                    if key not in connected:
+                        channel.connect(key, peers[key])
+                        connected.add(key)
+                    c = start_hello(channel, key, d_info, tokens(key))
+                except ConnectError as e:
+                    errors.append(e)
+                    continue
+                flying[c.future] = (key, c, now + min(timeout, left), min(timeout, left))
+            wake = min([end for _, _, end, _ in flying.values()] + [t for t, _ in again], default=now)
+            if flying:
+                concurrent.futures.wait(list(flying), max(0.0, wake - time.monotonic()),
+                                        concurrent.futures.FIRST_COMPLETED)
+            else:
+                time.sleep(max(0.0, wake - time.monotonic()))
+            now = time.monotonic()
+            for fut, (key, c, end, t) in list(flying.items()):
+                if not fut.done() and now < end:
+                    continue
+                del flying[fut]
+                c.close()
+                try:
+                    if not fut.done():
+                        raise c.timed_out(t)
+                    welcome_info(key, fut.result())
+                except Busy as e:
+                    if deadline - now < busy_retry:
+                        errors.append(e)
+                    else:
+                        log.info("%s", e)
+                        again.append((now + busy_retry, key))
+                except ConnectError as e:
+                    errors.append(unanswered(channel, e))
+                except Exception as e:   # CompatibilityError: every mismatch in words
+                    errors.append(e)
+    finally:
+        for _, c, _, _ in flying.values():
+            c.close()
+    return errors
 
 
 def _refuse(i: int, why: list[str]) -> Refuse:

@@ -137,6 +137,36 @@ class ReplayGuard:
         return out
 
 
+class Call:
+    """One call in flight (``ControlChannel.start_call``): ``future`` gets the reply, or the
+    channel's ConnectError; ``close`` forgets it (a reply after that is dropped). A context manager."""
+
+    def __init__(self, calls: "PendingCalls", peer: str, i: int, future: Future,
+                 no_answer: Callable[[float], Exception]):
+        self.peer, self.id, self.future = peer, i, future
+        self._calls, self._no_answer = calls, no_answer
+
+    def result(self, timeout: float):
+        """Wait for the reply; ConnectError ("no answer from ...") when none came within ``timeout`` s."""
+        try:
+            return self.future.result(timeout)
+        except TimeoutError:
+            raise self._no_answer(timeout) from None
+
+    def timed_out(self, timeout: float) -> Exception:
+        """The error of this call when its reply did not come within ``timeout`` seconds."""
+        return self._no_answer(timeout)
+
+    def close(self) -> None:
+        self._calls.close(self.id)
+
+    def __enter__(self) -> "Call":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class PendingCalls:
     """Calls waiting for the reply that names them (``re``), by call id: each is (peer, future).
     ``open``/``close`` run in the caller's thread, the rest on the channel thread; a dict's single
@@ -146,10 +176,10 @@ class PendingCalls:
         self._calls: dict[int, tuple[str, Future]] = {}
         self._ids = itertools.count(1)
 
-    def open(self, peer: str) -> tuple[int, Future]:
+    def open(self, peer: str, no_answer: Callable[[float], Exception]) -> Call:
         i, fut = next(self._ids), Future[object]()
         self._calls[i] = (peer, fut)
-        return i, fut
+        return Call(self, peer, i, fut, no_answer)
 
     def close(self, i: int) -> None:
         self._calls.pop(i, None)

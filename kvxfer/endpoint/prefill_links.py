@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from ..control.client import BootstrapClient
 from ..control.compat import require_compatible
-from ..control.handshake import Busy, hello
+from ..control.handshake import hello, hello_all
 from ..control.messages import Bye
 from ..control.records import RankInfo
 from ..errors import CompatibilityError, ConnectError
@@ -36,7 +36,7 @@ from .recovery import REJOIN_HELLO, PeerRecovery
 log = logging.getLogger("kvxfer.request")
 
 MAX_INSTANCES = 1024     # setting: prefill instances one decode endpoint keeps
-HELLO_FANOUT = 64        # HELLOs in flight at once (all instances' handshakes together)
+HELLO_FANOUT = 64        # HELLOs in flight at once, per instance handshake
 RETRY_FAILED = 1.0       # seconds before a request may try an instance whose handshake failed again
 BUSY_RETRY = 0.25        # seconds between HELLOs to a rank that refused for now
 
@@ -55,9 +55,6 @@ class PrefillLinks:
         self._connects = concurrent.futures.ThreadPoolExecutor(max_workers=4,
                                                                thread_name_prefix="kvxfer-decode-connect")
         self.recovery: PeerRecovery | None = None
-        # one pool for every handshake's HELLOs (threads are made as they are needed, kept after)
-        self._hellos = concurrent.futures.ThreadPoolExecutor(max_workers=HELLO_FANOUT,
-                                                             thread_name_prefix="kvxfer-decode-hello")
 
     # -- instances ------------------------------------------------------------------------------
     def connect(self, url: str | None, peers: Sequence[RankInfo] | None, instance: str | None,
@@ -156,27 +153,11 @@ class PrefillLinks:
                 self.recovery = PeerRecovery(self, self.ep.timeouts.registry, retry).start()
 
     def _hello_all(self, groups: Groups, records: dict[str, RankInfo], me: RankInfo, deadline: float) -> None:
-        """HELLO every rank of ``records`` at once (at most ``HELLO_FANOUT`` in flight), then keep what
-        each answered. The first refusal raises (CompatibilityError before ConnectError)."""
-        def one(key: str) -> None:
-            self.ep.channel.connect(key, records[key].control)
-            while True:   # a rank busy for now (or still holding our earlier process) is asked again
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ConnectError(f"connect timed out before the handshake with {key}")
-                try:
-                    tokens = self._tokens(key, records[key])
-                    hello(self.ep.channel, key, me, min(self.ep.timeouts.handshake, left), tokens)
-                    return
-                except Busy as e:
-                    if deadline - time.monotonic() < BUSY_RETRY:
-                        raise
-                    log.info("%s", e)
-                    time.sleep(BUSY_RETRY)
-
-        done = {key: self._hellos.submit(one, key) for key in records}
-        concurrent.futures.wait(done.values())
-        errors = [e for e in (f.exception() for f in done.values()) if e is not None]
+        """HELLO every rank of ``records`` at once from this thread (at most ``HELLO_FANOUT`` in
+        flight), then keep what each answered. A refusal raises (CompatibilityError before ConnectError)."""
+        errors = hello_all(self.ep.channel, {k: r.control for k, r in records.items()}, me,
+                           self.ep.timeouts.handshake, deadline, lambda k: self._tokens(k, records[k]),
+                           HELLO_FANOUT, BUSY_RETRY)
         if errors:
             raise next((e for e in errors if isinstance(e, CompatibilityError)), errors[0])
         ep, dl = self.ep, self.ep.layout
@@ -299,7 +280,6 @@ class PrefillLinks:
         if self.recovery is not None:   # first: it uses the channel
             self.recovery.stop()
         self._connects.shutdown(wait=False, cancel_futures=True)
-        self._hellos.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = ["PrefillLinks", "MAX_INSTANCES", "HELLO_FANOUT", "RETRY_FAILED"]
