@@ -2,7 +2,7 @@
 WELCOME (its own info) or REFUSE (every mismatch in words).
 
 Who calls what: the decode endpoint sends its HELLOs from ``connect()`` (``start_hello`` for every
-prefill rank at once, then ``welcome_info`` for each answer; ``hello`` for one, blocking); the
+prefill rank at once, then ``welcomed`` for each answer; ``hello`` for one, blocking); the
 prefill endpoint calls ``answer_hello`` on its channel thread for each HELLO
 (never raises: a record that fails any check is a REFUSE with the reason).
 """
@@ -53,7 +53,7 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float,
           tokens: Mapping[str, bytes] | None = None) -> RankInfo:
     """Decode side: HELLO -> the prefill rank's RankInfo, or CompatibilityError / ConnectError.
     ``tokens``: per transport, what ``Transport.admit`` gave for this prefill rank."""
-    with start_hello(channel, peer, d_info, tokens) as c:
+    with start_hello(channel, peer, d_info.to_dict(), tokens) as c:
         try:
             reply = c.result(timeout)
         except ConnectError as e:
@@ -61,11 +61,12 @@ def hello(channel: ControlChannel, peer: str, d_info: RankInfo, timeout: float,
     return welcome_info(peer, reply)
 
 
-def start_hello(channel: ControlChannel, peer: str, d_info: RankInfo,
+def start_hello(channel: ControlChannel, peer: str, info: dict,
                 tokens: Mapping[str, bytes] | None = None) -> Call:
-    """``hello`` without the wait: the HELLO is sent; its ``Call`` gets the reply (read it with
-    ``welcome_info``; a call that timed out: ``unanswered``). The caller closes the call."""
-    info, nonce, toks = d_info.to_dict(), os.urandom(16), dict(tokens) if tokens else None
+    """``hello`` without the wait: the HELLO (``info``: our ``RankInfo.to_dict()``) is sent; its
+    ``Call`` gets the reply (read it with ``welcomed``; a call that timed out: ``unanswered``).
+    The caller closes the call."""
+    nonce, toks = os.urandom(16), dict(tokens) if tokens else None
     return channel.start_call(peer, lambda i: Hello(i=i, info=info, nonce=nonce, tokens=toks))
 
 
@@ -78,8 +79,17 @@ def unanswered(channel: ControlChannel, e: ConnectError) -> ConnectError:
 
 
 def welcome_info(peer: str, reply: Message) -> RankInfo:
-    """The answer to a HELLO -> the prefill rank's RankInfo; ``Busy`` (try again soon),
-    ConnectError or CompatibilityError (every mismatch in words) otherwise."""
+    """The answer to a HELLO -> the prefill rank's RankInfo (``welcomed``, then its record read)."""
+    w = welcomed(peer, reply)
+    try:
+        return RankInfo.from_dict(w.info)
+    except ValueError as e:
+        raise ConnectError(f"prefill rank {peer} sent an invalid rank record: {e}") from None
+
+
+def welcomed(peer: str, reply: Message) -> Welcome:
+    """The answer to a HELLO, when it is a WELCOME; ``Busy`` (try again soon), ConnectError or
+    CompatibilityError (every mismatch in words) otherwise."""
     if isinstance(reply, Refuse):
         why = [str(w)[:1024] for w in reply.why]
         if any(w.startswith(BUSY) for w in why):
@@ -90,10 +100,7 @@ def welcome_info(peer: str, reply: Message) -> RankInfo:
         raise CompatibilityError(why)
     if not isinstance(reply, Welcome):
         raise ConnectError(f"prefill rank {peer} answered HELLO with {reply.T!r}")
-    try:
-        return RankInfo.from_dict(reply.info)
-    except ValueError as e:
-        raise ConnectError(f"prefill rank {peer} sent an invalid rank record: {e}") from None
+    return reply
 
 
 def hello_all(channel: ControlChannel, peers: Mapping[str, str], d_info: RankInfo, timeout: float,
@@ -103,8 +110,9 @@ def hello_all(channel: ControlChannel, peers: Mapping[str, str], d_info: RankInf
     at once, at most ``fanout`` in flight, each answer read as it comes (``hello`` for each, without
     a thread each). A rank that refuses for now (``Busy``) is asked again ``busy_retry`` s later,
     while ``deadline`` (``time.monotonic``) allows. ``tokens(key)`` gives the admission tokens of a
-    HELLO (it may raise ConnectError). Returns the error of every rank that did not welcome us."""
-    todo, errors = collections.deque(peers), list[Exception]()
+    HELLO (it may raise ConnectError). Returns the error of every rank that did not welcome us
+    (a WELCOME's record is not read: the caller has each rank's record from its registry)."""
+    todo, errors, info = collections.deque(peers), list[Exception](), d_info.to_dict()
     again: list[tuple[float, str]] = []                     # (when, key): busy, asked again then
     flying: dict[Future, tuple[str, Call, float, float]] = {}   # future -> (key, call, ends at, its timeout)
     connected: set[str] = set()
@@ -123,7 +131,7 @@ def hello_all(channel: ControlChannel, peers: Mapping[str, str], d_info: RankInf
                     if key not in connected:
                         channel.connect(key, peers[key])
                         connected.add(key)
-                    c = start_hello(channel, key, d_info, tokens(key))
+                    c = start_hello(channel, key, info, tokens(key))
                 except ConnectError as e:
                     errors.append(e)
                     continue
@@ -143,7 +151,7 @@ def hello_all(channel: ControlChannel, peers: Mapping[str, str], d_info: RankInf
                 try:
                     if not fut.done():
                         raise c.timed_out(t)
-                    welcome_info(key, fut.result())
+                    welcomed(key, fut.result())
                 except Busy as e:
                     if deadline - now < busy_retry:
                         errors.append(e)
