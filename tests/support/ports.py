@@ -13,14 +13,11 @@ _LOW = (20000, 32000)
 
 
 def free_port(taken: set[int] | None = None) -> int:
-    """A port nobody had bound a moment ago. Without ``taken``: one the kernel hands out (port 0).
-    With ``taken``: one from below the ephemeral range, not in ``taken``, which it joins: for
-    servers that bind later, while the test's own workers bind port 0 (so the kernel cannot give
-    one of them that port first)."""
-    if taken is None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    """A port nobody had bound a moment ago, from below the ephemeral range (never one the kernel
+    hands out: a server that binds it seconds later, a vLLM engine after its start-up, must not
+    find it taken by some process's outgoing connection, as one did in stop 43); with ``taken``,
+    one not in that set, which it joins (the ports of one test's servers, all different)."""
+    taken = set() if taken is None else taken
     while True:
         port = random.randrange(*_LOW)
         if port in taken:
