@@ -38,7 +38,14 @@ from kvxfer.topology import heads_held, stage_layers
 
 LAYERS, HEAD_DIM, CANARY = 4, 8, 0xA5
 KV_HEADS = {"mha8": 8, "gqa2": 2, "mla": 1}
-TIMEOUTS = Timeouts(bootstrap=60, waiting=60, transfer=30, lease=60)
+# Slack for a loaded 2-core machine (5-6 processes of one launch share it): a HELLO waits 40 s for
+# its answer and a prefill rank's UCX connect to decode 30 s (decode's HELLO to one of four UCX
+# prefill ranks went unanswered for 10 s, the default of both, once in a fresh-clone run).
+TIMEOUTS = Timeouts(bootstrap=60, waiting=60, transfer=30, lease=60, handshake=40)
+
+
+def options(transport: str) -> dict:
+    return {"connect_timeout": 30.0} if transport == "ucx" else {}
 
 
 def value(layer: int, kind: str, token, head, dim):
@@ -80,7 +87,8 @@ def run_prefill(sub: dict, cfg: dict, rank: int, url: str, instance: str) -> dic
                     tp_rank=tp_rank, tp_size=p_tp, pp_rank=pp_rank, pp_size=p_pp, replicated=sub["model"] == "mla")
     alloc = PageAllocator(pool.layout.spaces[0].num_pages, ps)
     alloc.alloc(3 * ps)                      # so prefill slots differ from decode's
-    ep = PrefillEndpoint(spec, pool, transport=sub["transport"], timeouts=TIMEOUTS)
+    ep = PrefillEndpoint(spec, pool, transport=sub["transport"],
+                        transport_options=options(sub["transport"]), timeouts=TIMEOUTS)
     ep.register(url)
     senders = []
     for room, n in requests(ps):
@@ -110,7 +118,8 @@ def run_decode(sub: dict, cfg: dict, rank: int, url: str, instance: str, group) 
         b.fill_(CANARY)
     spec = RankSpec(role="decode", num_kv_heads=KV_HEADS[sub["model"]], num_layers=LAYERS, instance=instance,
                     tp_rank=d_rank, tp_size=d_tp, replicated=sub["model"] == "mla")
-    ep = DecodeEndpoint(spec, pool, transport=sub["transport"], timeouts=TIMEOUTS)
+    ep = DecodeEndpoint(spec, pool, transport=sub["transport"],
+                        transport_options=options(sub["transport"]), timeouts=TIMEOUTS)
     ep.connect(bootstrap=url, instance=instance, timeout=60)
     alloc = PageAllocator(pool.layout.spaces[0].num_pages, ps)
     recvs, slots = [], []

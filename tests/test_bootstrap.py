@@ -60,6 +60,27 @@ def test_not_ready_until_every_rank_registered(server):
     assert status == 200 and body["ready"] and len(body["ranks"]) == 2 and body["ranks"][0]["layout"] == LAYOUT
 
 
+def test_topology_reads_again_when_a_rank_leaves_between_its_record_and_its_layout(server):
+    """A rank read in the records that deregisters before its layout is read (its layout goes with
+    it): the snapshot was stale, so ``topology`` reads it again and answers what is registered now."""
+    s = server()
+    c = BootstrapClient(s.url)
+    c.register(rank(0))
+    reader = BootstrapClient(s.url)
+    fetch = reader.backend.layout
+    leaves = []
+
+    def layout_after_a_leave(digest):
+        if not leaves:
+            leaves.append(digest)
+            c.deregister("default/dp0/pp0/tp0")
+        return fetch(digest)
+
+    reader.backend.layout = layout_after_a_leave
+    assert reader.topology() == (False, [])
+    assert leaves, "the layout was never read"
+
+
 def test_expect_overrides_the_sizes(server):
     s = server(expect=3)
     c = BootstrapClient(s.url)

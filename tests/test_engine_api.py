@@ -25,6 +25,7 @@ from kvxfer.endpoint.aux import AuxRows
 from kvxfer.errors import ConnectError
 from kvxfer.pools import MHAPool
 from kvxfer.ranks import RankSpec, heads_held
+from kvxfer_transports.faulty import Faults
 
 KV_HEADS, LAYERS, DIM, PAGE = 4, 2, 16, 4
 FAST = Timeouts(bootstrap=10, waiting=10, transfer=10, lease=10, handshake=5, registry=0.5,
@@ -264,3 +265,53 @@ def test_a_waiting_request_is_granted_once_its_instance_answers(world):
     inst.send("early", np.arange(PAGE, PAGE + 6))
     assert r.wait(15) == KVPoll.Success, r.reason
     assert landed(inst, np.arange(PAGE, PAGE + 6), pool, d_slots)
+
+
+def test_a_decode_rank_that_confirmed_and_closed_does_not_fail_its_group_s_request(world):
+    """Prefill TP 1, decode TP 2: one sender serves both decode ranks. Rank 0's part lands, it
+    confirms and closes (BYE) while rank 1's part is still on its way (held 5 s in the prefill's
+    transport): the request goes on and rank 1 gets its heads (the BYE fails only what that rank
+    had not confirmed). Seen with the launcher: a decode rank done with its self-test exits first."""
+    server, made = world
+    p_pool = MHAPool(layers=LAYERS, heads=KV_HEADS, head_dim=DIM, dtype="float16", num_pages=32, page_size=PAGE,
+                     layout="page_major")
+    pattern(p_pool, 7)
+    faults = Faults()
+    pe = PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=KV_HEADS, num_layers=LAYERS, instance="px"), p_pool,
+                         transport="faulty", transport_options={"inner": "zmq", "faults": faults}, timeouts=FAST,
+                         aux_bytes=0)
+    made.append(pe)
+    pe.register(server.url, ttl=2.0)
+    ranks = []
+    for r in range(2):
+        pool = MHAPool(layers=LAYERS, heads=2, head_dim=DIM, dtype="float16", num_pages=16, page_size=PAGE)
+        ep = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=KV_HEADS, num_layers=LAYERS, tp_size=2, tp_rank=r),
+                            pool, transport="faulty", transport_options={"inner": "zmq"}, timeouts=FAST,
+                            bootstrap=server.url, aux_bytes=0)
+        made.append(ep)
+        ranks.append((ep, pool, pool.allocator().alloc(6)))
+    recvs = [ep.receiver("shared", instance="px") for ep, _, _ in ranks]
+    faults.delay_requests[recvs[1].request_id] = 5.0
+    for r, (_, _, slots) in zip(recvs, ranks):
+        r.init(slots)
+    p_slots = np.arange(PAGE, PAGE + 6)
+    s = pe.sender("shared")
+    s.send(p_slots, last=True)
+
+    def heads_landed(r: int) -> bool:
+        _, pool, slots = ranks[r]
+        held = heads_held(KV_HEADS, 2, r)
+        for layer in range(LAYERS):
+            want, got = p_pool.get_kv_buffer(layer, p_slots), pool.get_kv_buffer(layer, slots)
+            if not all(torch.equal(a[:, held].view(torch.uint8), b.view(torch.uint8)) for a, b in zip(want, got)):
+                return False
+        return True
+
+    assert recvs[0].wait(10) == KVPoll.Success, recvs[0].reason
+    assert heads_landed(0)
+    ranks[0][0].close()                                   # BYE, with rank 1's part still held
+    assert until(lambda: len(pe.links.peers) == 1, 4), "prefill did not retire the closed decode rank"
+    assert s.poll() == KVPoll.Transferring and recvs[1].poll() != KVPoll.Success   # the order this case needs
+    assert recvs[1].wait(15) == KVPoll.Success, recvs[1].reason
+    assert heads_landed(1)
+    assert s.wait(5) == KVPoll.Success, s.reason

@@ -207,6 +207,16 @@ class Proc:
         rc = self.p.wait(timeout)
         return rc
 
+    def rest(self, timeout: float = 5.0) -> list[str]:
+        """The stdout lines not read yet, once the process has ended (why a self-test failed)."""
+        self.p.wait(timeout)
+        out = []
+        while True:
+            try:
+                out.append(self.lines.get(timeout=0.5))
+            except queue.Empty:
+                return out
+
     def kill(self) -> None:
         if self.p.poll() is None:
             self.p.kill()
@@ -363,5 +373,6 @@ def test_three_hosts_tp2_page_major_to_tp4_token_major(three, procs, transport):
     procs.extend(ds)
     for r, d in enumerate(ds):
         out = d.line_with("kvxfer rank --selftest", 180)
-        assert d.end(60) == 0, (out, d.err[-10:])
+        rc = d.end(60)
+        assert rc == 0, "\n".join([out, *d.rest(), "stderr:", *d.err[-20:]])
         assert f"3/3 requests byte-exact on default/dp0/pp0/tp{r}" in out

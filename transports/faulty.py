@@ -5,6 +5,7 @@ Tests build it instead of monkeypatching a transport instance::
     t = get_transport("faulty", inner="zmq", inner_options={...})
     t.faults.fail_submits = 1                 # the next submit fails at once
     t.faults.submit_delay = 0.5               # submits reach the inner transport 0.5 s late
+    t.faults.delay_requests["rid"] = 2.0      # submits of "rid" reach it 2 s late
     t.faults.hold_pending.add("rid")          # writes_pending("rid") stays True until removed
     t.faults.drop_arrivals.add("rid")         # arrivals of "rid" are dropped (counted in .dropped)
     t.crash_io(RuntimeError("bug"))           # the inner transport's I/O thread dies, as of a bug
@@ -39,6 +40,7 @@ class Faults:
     fail_submits: int = 0                        # the next N submits fail at once
     fail_requests: set[str] = field(default_factory=set)   # submits of these request ids fail
     submit_delay: float = 0.0                    # seconds before a submit reaches the inner transport
+    delay_requests: dict[str, float] = field(default_factory=dict)   # the same, for these request ids
     hold_pending: set[str] = field(default_factory=set)    # writes_pending says True for these
     drop_arrivals: set[str] = field(default_factory=set)   # arrivals of these are dropped
 
@@ -98,11 +100,12 @@ class FaultyTransport(Transport):
             fail = f.fail_submits > 0 or request_id in f.fail_requests
             if f.fail_submits > 0:
                 f.fail_submits -= 1
+            delay = f.delay_requests.get(request_id, f.submit_delay)
         if fail:
             handle = TransferHandle(request_id, plan.nbytes, timeout)
             handle.finish(PeerError(f"request {request_id}: {INJECTED}: submit failed"), release=True)
             return handle
-        if f.submit_delay <= 0:
+        if delay <= 0:
             return self.inner.submit(peer, request_id, plan, timeout=timeout, notify=notify,
                                      capability=capability)
         # Late: the caller gets a handle now; the inner transfer starts after the delay, with what
@@ -114,7 +117,7 @@ class FaultyTransport(Transport):
             inner = self.inner.submit(peer, request_id, plan, timeout=max(left, 0.001), notify=notify,
                                       capability=capability)
             _follow(inner, handle)
-        timer = threading.Timer(f.submit_delay, start)
+        timer = threading.Timer(delay, start)
         timer.daemon = True
         with self._lock:
             self._timers = [t for t in self._timers if t.is_alive()] + [timer]

@@ -88,7 +88,16 @@ class BootstrapClient:
         return self.backend.instances()
 
     def topology(self, instance: str | None = None) -> tuple[bool, list[RankInfo]]:
-        """(ready, the prefill ranks of ``instance`` (None: every one)), read now."""
+        """(ready, the prefill ranks of ``instance`` (None: every one)), read now. A layout that went
+        between reading the records and reading it (its last rank deregistered) means the snapshot
+        is stale: it is read again, up to three times."""
+        for _ in range(2):
+            snap = self.backend.snapshot(instance or WHOLE)
+            try:
+                return snap.ready, self.ranks_of(snap)
+            except ConnectError as e:
+                if not transient(e):
+                    raise
         snap = self.backend.snapshot(instance or WHOLE)
         return snap.ready, self.ranks_of(snap)
 

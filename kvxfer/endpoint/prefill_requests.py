@@ -144,9 +144,12 @@ class RequestTable:
                 self.withdrawn[room] = (why, self.ep.clock())               # the sender, once made, ends
 
     def retire_peer(self, peer: str, why: str, later) -> None:
-        """Decode peer ``peer`` is gone: what it asked for ends."""
+        """Decode peer ``peer`` is gone: what it asked for and did not confirm ends. A sender serves
+        every decode rank of a TP group; one whose part that peer confirmed (DONE: its bytes landed)
+        goes on for the others (a decode rank that finished and closed owes that request nothing)."""
         self.pending.drop_peer(peer)
-        for s in [s for s in self.senders.values() if any(t.peer == peer for t in s.targets.values())]:
+        for s in [s for s in self.senders.values()
+                  if any(t.peer == peer and not t.confirmed for t in s.targets.values())]:
             self.ep.end_request(s, Outcome.Failed, why, later)
 
     def expire(self, now: float) -> None:
