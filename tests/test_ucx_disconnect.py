@@ -74,7 +74,9 @@ def test_connect_disconnect_200_times_leaks_nothing(pair):
         assert tx.connect(desc) == peer
         if k == 9:   # UCX allocates some things once: measure after a few cycles
             base = (fds(), threading.active_count(), len(rx.peers))
-    assert (fds(), threading.active_count(), len(rx.peers)) <= (base[0] + 2, base[1], base[2]), (base, fds())
+    # closing endpoints give their sockets back on UCX's own time: a leak stays, a close settles
+    settled = until(lambda: (fds(), threading.active_count(), len(rx.peers)) <= (base[0] + 2, base[1], base[2]), 5.0)
+    assert settled, (base, (fds(), threading.active_count(), len(rx.peers)))
     assert len(tx.peers) == 1 and len(tx.peers.retired) == 0 and not tx.lifecycle.closing
     transfer_lands(rx, tx, peer, src, dst, "d.1")
     assert sum(rx.grants.rejected.values()) == 0, rx.grants.rejected   # no HELLO refused on the way
