@@ -9,11 +9,12 @@ default settings, or one etcd node), for N = 128, 512 and 1,024.
 Deployment: N/8 prefill instances x TP 8 (real ``RankInfo`` records: an 80-layer FP8 page-major
 pool, 30 KB of layout each) and N/8 decode instances x TP 8, decode instance i pulling from prefill
 instance i. Every 8 ranks are one host, connecting from a loopback address of its own (127.10.x.y
-prefill, 127.20.x.y decode) as 8-GPU hosts would. A prefill rank is a ``Registration`` (ttl 10 s,
-a heartbeat every ttl / 3); a decode rank runs ``find_ranks`` (what a decode endpoint's connect
-runs), then a ``PeerRecovery`` following its instance (a decode endpoint's recovery thread, over a
-stand-in endpoint whose rejoin records what it was given and says no HELLO). Ranks live in worker
-processes of at most 256 ranks (this script with --worker).
+prefill, 127.20.x.y decode) as 8-GPU hosts would. A prefill rank is a ``Registration`` (the
+registry's default ttl: 10 s embedded, 30 s etcd; a heartbeat every ttl / 3); a decode rank runs
+``find_ranks`` (what a decode endpoint's connect runs), then a ``PeerRecovery`` following its
+instance (a decode endpoint's recovery thread, over a stand-in endpoint whose rejoin records what
+it was given and says no HELLO). Ranks live in worker processes of at most 256 ranks (this script
+with --worker).
 
 Phases, one registry per (backend, N), in order:
   start-up  all N prefill ranks start at once: how many failed to register (goal 0)
@@ -55,7 +56,6 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TTL = 10.0
 PER_WORKER = 256
 CONNECT_WITHIN = 30.0
 
@@ -161,7 +161,7 @@ def worker(role: str, url: str, lo: int, hi: int) -> None:
     def start(rank: int, port: int) -> float:
         t0 = time.monotonic()
         client = BootstrapClient(url, timeout=10.0, source=host_of("prefill", rank))
-        regs[rank] = Registration(client, rank_info(rank, port, lay), ttl=TTL).start()
+        regs[rank] = Registration(client, rank_info(rank, port, lay)).start()
         return time.monotonic() - t0
 
     def failures(res: list) -> dict:
@@ -270,7 +270,7 @@ def free_port() -> int:
 
 
 class Embedded:
-    """``kvxfer bootstrap`` with its defaults (but --ttl), on a port of its own."""
+    """``kvxfer bootstrap`` with its defaults, on a port of its own."""
     name = "embedded"
 
     def __init__(self, tmp: str):
@@ -279,7 +279,7 @@ class Embedded:
 
     def start(self) -> None:
         self.p = subprocess.Popen([sys.executable, "-m", "kvxfer.cli", "bootstrap", "--host", "127.0.0.1", "--port",
-                                   str(self.port), "--ttl", str(TTL)], stdout=subprocess.PIPE, stderr=self.log,
+                                   str(self.port)], stdout=subprocess.PIPE, stderr=self.log,
                                   text=True, cwd=ROOT)
         line = self.p.stdout.readline()
         assert "advertised as " in line, line
@@ -359,7 +359,7 @@ class LivePair:
         for b in self.p_pool.buffers:
             b.view(torch.uint8).copy_(torch.randint(0, 256, b.view(torch.uint8).shape, dtype=torch.uint8))
         self.p = PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=2, num_layers=2, instance="live"), self.p_pool)
-        self.p.register(url, ttl=TTL)
+        self.p.register(url)
         self.d = DecodeEndpoint(RankSpec(role="decode", num_kv_heads=2, num_layers=2, instance="livedecode"),
                                 self.d_pool, bootstrap=url)
         self.d.connect(instance="live", timeout=60)
@@ -418,8 +418,10 @@ def lost(prefill: list[Worker]) -> int:
 
 def run_size(backend: str, n: int, steady: float, tmp: str) -> dict:
     """Every phase for one registry of ``backend`` and ``n`` ranks a role (see the module docstring)."""
+    from kvxfer.control.client import BootstrapClient
     reg = (Embedded if backend == "embedded" else Etcd)(tmp)
-    out: dict = {"backend": backend, "n": n}
+    ttl = BootstrapClient(reg.url).default_ttl      # the registry's default, as every rank here uses
+    out: dict = {"backend": backend, "n": n, "ttl": ttl}
     slices = [(lo, min(lo + PER_WORKER, n)) for lo in range(0, n, PER_WORKER)]
     prefill = [Worker("prefill", reg.url, lo, hi) for lo, hi in slices]
     decode = [Worker("decode", reg.url, lo, hi) for lo, hi in slices]
@@ -434,7 +436,7 @@ def run_size(backend: str, n: int, steady: float, tmp: str) -> dict:
         out["connect_ready"] = n - sum(r["failed"] for r in res)
         out["connect_seconds"] = max(r["seconds"] for r in res)
         out["connect_errors"] = sorted({e for r in res for e in r["errors"]})[:3]
-        time.sleep(TTL / 3 + 1)                   # a lost registration is noticed at the next heartbeat
+        time.sleep(ttl / 3 + 1)                   # a lost registration is noticed at the next heartbeat
         out["connect_lost"] = lost(prefill) - before
 
         everyone(decode, op="recover")
@@ -451,7 +453,7 @@ def run_size(backend: str, n: int, steady: float, tmp: str) -> dict:
         killed = time.time()
         res = everyone(prefill, op="restart", ranks=churn)
         out["churn_restart_failed"] = sum(r["failed"] for r in res)
-        end, seen = killed + 2 * TTL + 10, {"delays": [], "missing": len(churn) * 8}
+        end, seen = killed + 2 * ttl + 10, {"delays": [], "missing": len(churn) * 8}
         while time.time() < end:
             got = everyone(decode, op="seen", want=want, since=killed)
             seen = {"delays": [d for g in got for d in g["delays"]], "missing": sum(g["missing"] for g in got)}
@@ -461,7 +463,7 @@ def run_size(backend: str, n: int, steady: float, tmp: str) -> dict:
         out["churn_pairs"] = len(churn) * 8
         out["churn_missing"] = seen["missing"]
         out["churn_max_seen"] = max(seen["delays"], default=float("nan"))
-        time.sleep(TTL / 3 + 1)
+        time.sleep(ttl / 3 + 1)
         out["churn_lost"] = lost(prefill) - before
 
         pair = LivePair(reg.url)
@@ -520,7 +522,7 @@ def fanout_prefill(url: str, peers: int, lo: int, hi: int) -> None:
         pool = MHAPool(layers=2, heads=64 // peers, head_dim=32, dtype="bfloat16", num_pages=16, page_size=8)
         ep = PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=64, num_layers=2, instance=f"fan{peers}",
                                       tp_rank=r, tp_size=peers), pool)
-        ep.register(url, ttl=TTL)
+        ep.register(url)
         eps.append(ep)
     print("ready", flush=True)
     sys.stdin.read()
@@ -546,7 +548,7 @@ def run_fanout(reps: int = 5) -> dict:
     from kvxfer.endpoint.decode import DecodeEndpoint
     from kvxfer.pools import MHAPool
     from kvxfer.ranks import RankSpec
-    server = BootstrapServer(BootstrapConfig(ttl=TTL)).start()
+    server = BootstrapServer(BootstrapConfig()).start()
     out: dict = {}
     try:
         for peers in (8, 64):
@@ -614,8 +616,8 @@ def rows_of(r: dict) -> list[dict]:
             r["steady_cpu_pct"] <= 10 if n >= 1024 else None),
         row("steady bytes read per decode rank", r["steady_bytes_per_rank_min"], "B/min", "~0 (< 2 KiB)",
             r["steady_bytes_per_rank_min"] < 2048),
-        row("churn: slowest replacement seen", r["churn_max_seen"], "s", f"<= {2 * TTL:g}",
-            r["churn_missing"] == 0 and r["churn_max_seen"] <= 2 * TTL),
+        row("churn: slowest replacement seen", r["churn_max_seen"], "s", f"<= {2 * r['ttl']:g}",
+            r["churn_missing"] == 0 and r["churn_max_seen"] <= 2 * r["ttl"]),
         row("churn: other registrations lost", r["churn_lost"], "", "0", r["churn_lost"] == 0),
         row("restart: all registered again after", r["restart_reregistered_s"], "s", "",
             r["restart_registered"] >= n + 1),
@@ -625,12 +627,12 @@ def rows_of(r: dict) -> list[dict]:
 
 
 def table(runs: list[dict], fits: list[dict], fan: dict | None) -> str:
-    cols = ["backend", "N", "start fail", "ready/30s", "lost@conn", "CPU %", "B/rank/min", "churn seen s",
+    cols = ["backend", "ttl s", "N", "start fail", "ready/30s", "lost@conn", "CPU %", "B/rank/min", "churn seen s",
             "missing", "lost@churn", "re-reg s", "req ok/fail"]
     lines = [" | ".join(cols)]
     for r in runs:
         lines.append(" | ".join([
-            r["backend"], str(r["n"]), str(r["startup_failed"]), f"{r['connect_ready']}/{r['n']}",
+            r["backend"], f"{r['ttl']:g}", str(r["n"]), str(r["startup_failed"]), f"{r['connect_ready']}/{r['n']}",
             str(r["connect_lost"]), f"{r['steady_cpu_pct']:.1f}", f"{r['steady_bytes_per_rank_min']:.0f}",
             f"{r['churn_max_seen']:.1f}", str(r["churn_missing"]), str(r["churn_lost"]),
             f"{r['restart_reregistered_s']:.1f}", f"{r['restart_requests_ok']}/{r['restart_requests_failed']}"]))

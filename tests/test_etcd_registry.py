@@ -112,6 +112,24 @@ def test_layouts_are_written_once_and_checked_against_their_digest(etcd):  # noq
             r.stop()
 
 
+def test_a_rank_that_names_no_ttl_takes_etcd_s_default_lease_and_beats_a_third_of_it(etcd):  # noqa: F811
+    """Keep-alives are most of what etcd spends: a rank that names no ttl gets a 30 s lease (the
+    embedded registry's default stays 10 s), renewed every 10 s."""
+    from kvxfer.control.etcd_registry import ETCD_TTL
+    p = prefix()
+    client = BootstrapClient(etcd.url(p))
+    reg = Registration(client, info("dflt"))
+    assert client.default_ttl == ETCD_TTL == 30.0 and reg.ttl == 30.0 and reg.interval == 10.0
+    assert BootstrapClient("http://127.0.0.1:1").default_ttl == 10.0
+    reg.start()
+    try:
+        lease = etcd.keys(f"{p}/ranks/")[f"{p}/ranks/dflt/dp0/pp0/tp0"]["lease"]
+        granted = etcd.rpc("lease/timetolive", {"ID": lease})
+        assert int(granted["grantedTTL"]) == 30 and 25 <= int(granted["TTL"]) <= 30, granted
+    finally:
+        reg.stop()
+
+
 def test_a_record_under_another_ranks_key_is_dropped(etcd):  # noqa: F811
     p = prefix()
     url = etcd.url(p)

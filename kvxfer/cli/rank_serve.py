@@ -167,7 +167,7 @@ class Rank:
             start_exporter(self.cfg.metrics_port, self.cfg.bind)
         from ..endpoint.prefill import PrefillEndpoint
         if isinstance(self.ep, PrefillEndpoint):
-            self.ep.register(self.cfg.bootstrap, ttl=10.0)
+            self.ep.register(self.cfg.bootstrap)
         else:
             self.ep.connect(bootstrap=self.cfg.bootstrap, instance=self.cfg.instance,
                             timeout=self.cfg.connect_timeout)

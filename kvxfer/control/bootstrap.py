@@ -45,6 +45,7 @@ from ..errors import ConfigError, ConnectError
 from .admission import Admission, Guard
 from .auth import OPEN_DEPLOYMENT, as_secret
 from .bootstrap_api import RegistryApi
+from .discovery import REGISTRY_TTL
 from .registry import Registry
 
 log = logging.getLogger("kvxfer.control.bootstrap")
@@ -58,7 +59,7 @@ class BootstrapConfig:
     host: str = "127.0.0.1"           # where to bind ("0.0.0.0": every interface)
     port: int = 0                     # 0: pick a free port (see BootstrapServer.url)
     advertise: str | None = None      # address or interface name in ``url``; None: host, or a routable one
-    ttl: float = 10.0                 # a registration expires this long after its last heartbeat
+    ttl: float = REGISTRY_TTL         # a registration expires this long after its last heartbeat
     expect: int | None = None         # ranks to wait for; None: tp_size * pp_size * dp_size per instance
     secret: bytes | None = None       # HMAC key for writes; None: open registry (trusted network only)
     max_ranks: int = 4096             # registrations held at once
@@ -229,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--advertise", default=None, help="address or interface name to advertise (default: --host, "
                                                       "or a routable interface address when --host is a wildcard)")
     ap.add_argument("--port", type=int, default=8998)
-    ap.add_argument("--ttl", type=float, default=10.0, help="seconds a registration lives without heartbeat")
+    ap.add_argument("--ttl", type=float, default=REGISTRY_TTL, help="seconds a registration lives without heartbeat")
     ap.add_argument("--expect", type=int, default=None, help="ranks to wait for (default: from their sizes)")
     ap.add_argument("--secret-file", default=None, help="file holding the shared HMAC secret")
     ap.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,

@@ -65,12 +65,20 @@ class BootstrapClient:
         self._lock = threading.Lock()
 
     # -- writes (prefill ranks, through ``Registration``) -----------------------------------
-    def register(self, info: RankInfo, owner: str | None = None, ttl: float = 10.0) -> str:
+    @property
+    def default_ttl(self) -> float:
+        """Seconds a registration lives without a heartbeat unless its rank says otherwise: the
+        embedded registry's default (10 s; the server's ``--ttl`` decides), etcd's lease (30 s:
+        ``kvxfer.control.etcd_registry.ETCD_TTL`` says why)."""
+        return self.backend.default_ttl
+
+    def register(self, info: RankInfo, owner: str | None = None, ttl: float | None = None) -> str:
         """Register ``info`` once (no retry: ``Registration.start`` retries); ``owner`` (16-64 of
         [A-Za-z0-9_-]) owns the key: it is refused to any other owner while this registration lives.
         ``ttl``: how long it lives without a heartbeat where the backend takes it from the client
-        (etcd's lease; the embedded registry has its own)."""
-        return self.backend.register(bare_record(info), info.layout, owner or "", ttl)
+        (etcd's lease; the embedded registry has its own); None: ``default_ttl``."""
+        return self.backend.register(bare_record(info), info.layout, owner or "",
+                                     self.default_ttl if ttl is None else ttl)
 
     def heartbeat(self, key: str, owner: str | None = None) -> bool:
         """True when the registry still holds ``key`` (as ``owner``'s); False means register again."""
@@ -194,14 +202,18 @@ class Registration:
     predecessor is provably gone: silent for ``BootstrapConfig.takeover_silence`` (ttl / 2: a live
     rank heartbeats every ttl / 3) and its control address refuses connections (nothing listens
     there). A predecessor that still heartbeats is never replaced. With etcd the key follows the
-    lease: it is free once the predecessor's lease expired (etcd's own TTL).
+    lease: it is free once the predecessor's lease expired (etcd's own TTL: 30 s unless ``ttl``
+    says otherwise, so a rank restarted at once registers up to 30 s after its predecessor's last
+    keep-alive).
 
     ``state``: "starting", "registered", "expired" (registering again) or "taken" (another owner
     has the key: logged as an error, counted in ``kvxfer_registrations_lost{why}``)."""
 
-    def __init__(self, client: BootstrapClient, info: RankInfo, interval: float | None = None, ttl: float = 10.0):
-        self.client, self.info, self.ttl = client, info, ttl
-        self.interval = ttl / 3 if interval is None else interval
+    def __init__(self, client: BootstrapClient, info: RankInfo, interval: float | None = None,
+                 ttl: float | None = None):
+        self.client, self.info = client, info
+        self.ttl = client.default_ttl if ttl is None else ttl      # None: the registry's default
+        self.interval = self.ttl / 3 if interval is None else interval
         self.owner = os.urandom(16).hex()
         self.key: str | None = None
         self.state = "starting"

@@ -38,6 +38,7 @@ from .records import RankInfo
 DIGEST_HEX = 64                 # characters of a layout digest (hex SHA-256)
 MAX_MISSING = 64                # missing keys a readiness answer lists (the count is exact)
 WHOLE = ""                      # the instance name that stands for the whole registry in ``changes``
+REGISTRY_TTL = 10.0             # seconds the embedded registry keeps a registration without a heartbeat
 
 
 def canonical(obj) -> bytes:
@@ -143,6 +144,7 @@ class Backend(Protocol):
     connections (``link.received``: bytes read so far)."""
     url: str
     link: HttpLink
+    default_ttl: float     # seconds a registration lives without a heartbeat unless its rank says
 
     def register(self, record: dict, layout: Mapping, owner: str, ttl: float) -> str: ...
 

@@ -11,8 +11,9 @@ install, and the same few calls a gRPC client would make. Keys, under ``prefix``
     <prefix>/layouts/<digest>                     a layout (canonical JSON), written once by the
                                                   first rank that needs it, shared, never rewritten
 
-A rank registers under a lease (``ttl`` seconds) and keeps it alive on one connection
-(``heartbeat``: one keep-alive call; every third also checks that the key is still on the lease). The key is
+A rank registers under a lease (``ttl`` seconds, default ``ETCD_TTL``) and keeps it alive on one
+connection (``heartbeat``: one keep-alive call every ttl / 3, etcd's own client's period; every
+third also checks that the key is still on the lease). The key is
 written only when it is free or already on this lease (one transaction), so a restarted rank
 takes its key over exactly when its predecessor's lease expired: etcd's TTL, no probe. Decode
 ranks watch their instances' prefix (``changes``: a watch from the version they know; only the
@@ -43,6 +44,15 @@ log = logging.getLogger("kvxfer.control.bootstrap")
 MAX_LINE = 64 << 20      # bytes of one watch message
 MAX_RECORDS = 1 << 16    # records one read returns
 CHECK_EVERY = 3          # heartbeats per check that the key is still on the rank's lease
+# A lease's default ttl, in seconds. Keep-alives are most of what etcd spends on a deployment (one
+# lease per rank, renewed every ttl / 3): 1,024 leases of 10 s cost one etcd 3.4 node ~9% of a core
+# for keep-alives alone (a bare client, gRPC or gateway alike), 1,024 ranks with their decode
+# ranks' watches 17.7% in all; with 30 s, 7.2% (scripts/bench_registry.py). What a longer ttl
+# costs: a rank killed and restarted takes its key over up to ttl after its last keep-alive (the
+# key follows the lease); a dead rank's record stays that long, which decode ranks do not rely
+# on (a lost peer is found by its transport and its control channel). Kubernetes renews node
+# leases of 40 s every 10 s; etcd's own sessions default to 60 s.
+ETCD_TTL = 30.0
 
 
 def _b64(s: str | bytes) -> str:
@@ -70,6 +80,7 @@ def _key_of(rec: dict) -> str | None:
 
 class EtcdRegistry:
     """etcd's client side (``Backend``; see the module docstring)."""
+    default_ttl = ETCD_TTL
 
     def __init__(self, url: str, timeout: float, source: str | None = None):
         self.url = url.rstrip("/")

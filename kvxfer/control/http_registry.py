@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from ..errors import ConnectError
 from .auth import AUTH_HEADER, sign_http
-from .discovery import Snapshot, canonical
+from .discovery import REGISTRY_TTL, Snapshot, canonical
 from .httplink import HttpLink, endpoints
 
 RETRY_CODES = ("owned", "full")          # error codes the server says are worth trying again
@@ -48,7 +48,10 @@ def snapshot_of(name: str, d) -> Snapshot:
 
 
 class HttpRegistry:
-    """``kvxfer bootstrap``'s client side (``Backend``)."""
+    """``kvxfer bootstrap``'s client side (``Backend``). The server keeps a registration ``--ttl``
+    seconds without a heartbeat; ``default_ttl`` is its default (a rank's heartbeat period is a
+    third of the ttl it is given)."""
+    default_ttl = REGISTRY_TTL
 
     def __init__(self, url: str, secret: bytes | None, timeout: float, source: str | None = None):
         self.url, self.secret = url.rstrip("/"), secret

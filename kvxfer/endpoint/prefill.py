@@ -102,8 +102,9 @@ class PrefillEndpoint(SenderHost):
                 self._close_transport()
             raise
 
-    def register(self, bootstrap: str, ttl: float = 10.0) -> Registration:
-        """Register with the bootstrap registry and keep the registration alive (heartbeats).
+    def register(self, bootstrap: str, ttl: float | None = None) -> Registration:
+        """Register with the bootstrap registry and keep the registration alive (heartbeats every
+        ttl / 3; ``ttl`` None: the registry's default, ``BootstrapClient.default_ttl``).
         ValueError, naming the setting, when a bootstrap on another host would be told an address
         of this rank that only this host reaches (loopback; see ``check_reachable``)."""
         self.check_usable()
