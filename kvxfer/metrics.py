@@ -46,6 +46,10 @@ STAGING_FRAMES = Gauge("kvxfer_staging_frames", "Staging ring frames allocated (
 STAGING_IN_USE = Gauge("kvxfer_staging_in_use", "Staging ring frames in use", ["transport"], registry=REGISTRY)
 STAGING_WAITS = Counter("kvxfer_staging_waits", "Times an I/O path waited for a free staging frame (ring exhausted)",
                         ["transport"], registry=REGISTRY)
+PREGRANTED_BYTES = Gauge("kvxfer_pregranted_bytes", "Receive memory pregranted to peers (eager writes) and not yet "
+                         "fenced, all transports of the process", registry=REGISTRY)
+PREGRANTED_REQUESTS = Gauge("kvxfer_pregranted_requests", "Requests pregranted to peers and not yet fenced (one "
+                            "per request and peer)", registry=REGISTRY)
 
 
 REGISTRATIONS_LOST = Counter("kvxfer_registrations_lost", "Times a rank found its registry key expired (registered "
@@ -95,6 +99,13 @@ def record_request_end(role: str, room: int | str, outcome, reason: str = "", *,
 
 def record_offload(direction: str, nbytes: int) -> None:
     OFFLOAD_BYTES.labels(direction).inc(nbytes)
+
+
+def record_pregrant(nbytes: int, requests: int) -> None:
+    """A receiver's pregrants (``transports/ucx/eager.py``): memory and requests pregranted to a
+    peer (+) or fenced (-). Each peer's window bounds its part (``Transport.fencing()``)."""
+    PREGRANTED_BYTES.inc(nbytes)
+    PREGRANTED_REQUESTS.inc(requests)
 
 
 def record_staging(transport: str, *, frames: int = 0, in_use: int = 0, waits: int = 0) -> None:

@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         r, cells = results.get(peer, {"error": "not run"}), []
         for c in cases:
             ck = ceiling_for(peer, c["name"]) if peer != "tcp raw" else None   # a ceiling has none
-            row = {"name": f"peers {'ceiling ' if ck is None else ''}{peer}, {c['name']}", "unit": "GB/s"}
+            row = {"name": f"peers {'busy caller ' if args.busy_caller else ''}{'ceiling ' if ck is None else ''}"
+                           f"{peer}, {c['name']}", "unit": "GB/s"}
             if "error" in r:
                 row["error"] = r["error"]
                 cells.append("-")

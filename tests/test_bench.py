@@ -102,6 +102,32 @@ time.sleep(120)
     assert "boom: no device" in table and "0.50x" in table
 
 
+def test_the_busy_caller_table_runs_with_peers(tmp_path, monkeypatch):
+    """``--peers`` adds the peer rows measured beside a busy thread; a plain run leaves them out."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    _script(scripts, "p.py", """ap = argparse.ArgumentParser()
+ap.add_argument("--json")
+ap.add_argument("--peers", action="store_true")
+ap.add_argument("--busy-caller", action="store_true")
+a = ap.parse_args()
+open(a.json, "w").write(json.dumps({"rows": [{"name": f"busy={a.busy_caller} peers={a.peers}", "value": 1.0}]}))
+""")
+    busy = next(b for b in bench.BENCHES if b.name == "peers-busy")     # the real entry's settings
+    assert busy.script == "bench_peers.py" and busy.peers_only and busy.extra == ("--busy-caller",)
+    monkeypatch.setattr(bench, "SCRIPTS", scripts)
+    monkeypatch.setattr(bench, "BENCHES", [bench.Bench(name="peers", script="p.py", needs_peers_flag=True),
+                                           bench.Bench(name="peers-busy", script="p.py", extra=busy.extra,
+                                                       needs_peers_flag=True, peers_only=True)])
+    out = tmp_path / "b.json"
+
+    def names(*argv):
+        assert bench.main([*argv, "--json", str(out), "--chart", str(tmp_path / "c.png")]) == 0
+        return sorted(r["name"] for r in json.loads(out.read_text())["rows"])
+    assert names() == ["busy=False peers=False"]
+    assert names("--peers") == ["busy=False peers=True", "busy=True peers=True"]
+
+
 def test_without_matplotlib_the_bench_says_how_to_get_the_chart(tmp_path, monkeypatch, capsys):
     """No package is installed at run time: the chart comes with the ``bench`` extra."""
     import sys

@@ -21,7 +21,7 @@ except Exception as e:  # ImportError, or a missing libucx underneath
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(bool(_NO_UCX), reason=_NO_UCX or "ucxx imports")]
 
 import torch  # noqa: E402
-from waiting import arrivals_of, until  # noqa: E402
+from waiting import arrivals_of, collect_arrivals, until  # noqa: E402
 from xfer_peer import CANARY, PeerProcess, pattern, plan_to_json, raw_plan, region_seed  # noqa: E402
 
 from kvxfer.grant import ByteRanges  # noqa: E402
@@ -243,3 +243,51 @@ def test_closing_sender_says_fenced_for_everything(rx, tx):
     tx.send("close")
     assert until(lambda: not rx.writes_pending("c.1") and not rx.writes_pending("c.2"), 10.0), rx.fencing()
     assert (rx.region.numpy() == CANARY).all()
+
+
+@pytest.mark.parametrize("rx", [{"pregrant_window_bytes": (5 << 20) // 2}, {"pregrant_window_requests": 2}],
+                         ids=["bytes", "requests"], indirect=True)
+def test_a_stalled_sender_holds_at_most_its_window_and_requests_beyond_it_complete(rx, tx):
+    """Exposure is bounded: a receiver pregrants a peer at most its window (2.5 MiB, or 2
+    requests; four 1 MiB requests here), counted until that peer says FENCED. While the sender
+    stalls, forgetting its requests keeps their memory held, still within the window, and a new
+    request is not pregranted to it. Requests beyond the window are announced (GO) and land
+    byte-exact, as the pregranted ones do, once the sender wakes."""
+    from kvxfer.metrics import PREGRANTED_BYTES
+    gauge = PREGRANTED_BYTES._value.get
+    base = gauge()
+    rids = [f"w.{k}" for k in range(4)]
+    grants = {rid: runs(k * (2 << 20)) for k, rid in enumerate(rids)}
+    for rid in rids:
+        rx.expect(rid, grant(*grants[rid]))
+    pregranted(tx, rx, "w.1")
+    snap = rx.fencing()
+    assert snap["pregranted_peer_max_requests"] == 2 and snap["pregranted_peer_max_bytes"] == 2 << 20, snap
+    assert gauge() - base == 2 << 20, "kvxfer_pregranted_bytes"
+    assert sorted(rx.call_io(lambda: list(rx.pregrants.granted))) == ["w.0", "w.1"]
+    tx.call("stall", seconds=2.0)                     # stalled, as a hung prefill process is
+    for rid in rids:
+        tx.call("submit", peer=tx.peer, request_id=rid, plan=plan_json(*grants[rid]), timeout=15.0)
+    rx.forget("w.0")                                  # decode gave up on one: held until FENCED
+    rx.expect("w.4", grant(*runs(7 << 20)))
+    time.sleep(0.5)
+    snap = rx.fencing()
+    assert rx.writes_pending("w.0") and snap["pregranted_peer_max_requests"] == 2, snap
+    assert "w.4" not in rx.call_io(lambda: list(rx.pregrants.granted)), "pregranted beyond the window"
+    res = tx.call("wait", request_ids=rids, wait_s=20)["results"]
+    assert res["w.0"]["status"] in ("DONE", "FAILED") and all(res[r]["status"] == "DONE" for r in rids[1:]), res
+    region, m0 = rx.region.numpy(), mask(*grants["w.0"])
+    assert (region[m0] == CANARY).all() or np.array_equal(region[m0], src()[m0]), "w.0 holds part of a transfer"
+    got = collect_arrivals(rx, lambda got: {a.request_id for a in got} >= set(rids[1:]), 10.0)
+    assert sorted((a.request_id, a.ok) for a in got if a.request_id != "w.0") == [(r, True) for r in rids[1:]], got
+    for rid in rids[1:]:
+        m = mask(*grants[rid])
+        assert np.array_equal(region[m], src()[m]), f"{rid}: bytes differ"
+    every = np.logical_or.reduce([mask(*g) for g in grants.values()])
+    assert (region[~every] == CANARY).all(), "a byte outside the grants changed"
+    assert "Go" in rx.sent, "the requests beyond the window were not announced"
+    assert until(lambda: not rx.writes_pending("w.0"), 10.0), rx.fencing()
+    for rid in rids[1:] + ["w.4"]:
+        rx.forget(rid)
+    assert until(lambda: rx.fencing()["pregranted_bytes"] == 0, 10.0), rx.fencing()
+    assert gauge() == base, "kvxfer_pregranted_bytes"

@@ -37,6 +37,8 @@ BAD = [
     ({"fence_grace": -0.5}, ["fence_grace=-0.5", "at least 0"]),
     ({"quarantine_timeout": 0}, ["quarantine_timeout=0", "None or above 0"]),
     ({"tls": 5}, ["tls=5", "str or None"]),
+    ({"pregrant_window_bytes": -1}, ["pregrant_window_bytes=-1", "at least 0"]),
+    ({"pregrant_window_requests": 2.5}, ["pregrant_window_requests=2.5", "give int"]),
     ({"ucx_config": {"RNDV_THRESH": 8192}}, ["ucx_config=", "string values"]),
 ]
 

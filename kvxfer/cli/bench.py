@@ -4,7 +4,9 @@
 
 Each benchmark is a script in ``scripts/`` run as its own process, one after the other
 (they measure, so they must not share the cores): with ``--quick`` when the script has it
-and ``--json`` to a temporary file when it has that. A script that fails, times out or
+and ``--json`` to a temporary file when it has that. ``--peers`` adds NIXL and Mooncake next to
+kvxfer, and a second table of the peer rows with a thread busy in Python beside each initiator
+(as an engine's scheduler is: ``--busy-caller``). A script that fails, times out or
 writes nothing readable becomes a row with the reason; the others still run.
 
 A script's JSON carries its own rows (every script but ``bench_transport.py`` does)::
@@ -73,6 +75,7 @@ class Bench:
     quick_extra: tuple[str, ...] = ()      # with --quick, when the script understands them
     extra: tuple[str, ...] = ()
     needs_peers_flag: bool = False
+    peers_only: bool = False               # runs with ``--peers`` (or when ``--only`` names it)
 
 
 BENCHES = [
@@ -85,6 +88,9 @@ BENCHES = [
     Bench(name="request", script="bench_request.py",
           quick_fallback=("--requests", "100", "--throughput-requests", "300")),
     Bench(name="peers", script="bench_peers.py", needs_peers_flag=True),
+    # the same, each initiator beside a thread busy in Python (an engine's scheduler): with --peers
+    Bench(name="peers-busy", script="bench_peers.py", extra=("--busy-caller",), needs_peers_flag=True,
+          peers_only=True),
     # sender CPU per run of a 1.3 M-run plan, kvxfer UCX next to NIXL (with --peers)
     Bench(name="posting", script="bench_posting.py", needs_peers_flag=True),
     # discovery at 128 / 512 / 1,024 simulated ranks a role, embedded registry and etcd (quick: 128)
@@ -251,8 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     timeout = args.timeout or (600 if args.quick else 1800)
     outcomes: dict[str, Outcome] = {}
     t_all = time.monotonic()
-    for k, b in enumerate(b for b in BENCHES if b.name in only):
-        print(f"[{k + 1}/{len(only)}] {b.name}: scripts/{b.script} ...", flush=True)
+    chosen = [b for b in BENCHES if b.name in only and (args.peers or not b.peers_only or args.only)]
+    for k, b in enumerate(chosen):
+        print(f"[{k + 1}/{len(chosen)}] {b.name}: scripts/{b.script} ...", flush=True)
         outcomes[b.name] = o = run_bench(b, args.quick, args.peers, timeout, args.verbose)
         for r in o.rows:
             r.setdefault("bench", b.name)

@@ -181,7 +181,8 @@ class UCXTransport(Transport):
         self.regions = regions = Regions(workers, self.grants)
         self.peers = peers = Peers(opts, leftovers)
         self.outbox = outbox = Outbox(self.id, opts, peers, turn)
-        self.pregrants = Pregrants(self.grants, peers, outbox)
+        self.pregrants = Pregrants(self.grants, peers, outbox, opts.pregrant_window_bytes,
+                                   opts.pregrant_window_requests)
         self.eager = EagerSends(opts.few_runs, self.grants, peers, outbox, workers)
         self.landing = Landing(self.grants, leftovers)
         self.planner = Planner(opts, regions, workers, self.send_ring)

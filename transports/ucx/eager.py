@@ -17,6 +17,10 @@ receiver
                       ``Pregrants.granted[rid]`` remembers them. A grant of more than
                       ``MAX_PREGRANT_BYTES // 16`` intervals is not pregranted: its PREGRANT
                       carries no ranges (announced, GO), so the sender does not wait for one.
+                      Nor is one that would take a peer beyond its window
+                      (``pregrant_window_bytes`` / ``_requests``: what is pregranted to it and
+                      not yet FENCED): that peer gets a PREGRANT without ranges, so a stalled
+                      peer holds at most its window (``held``, ``window_snapshot``).
   ``fence(rid)``      after ``forget`` (``Receiver.drop_request``): FENCE(rid) to each of them (the
                       FENCEs of one turn leave as one message: ``Outbox.send``).
                       ``writes_pending(rid)`` stays True from ``forget`` until each answered
@@ -58,6 +62,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from kvxfer.grant import ByteRanges, GrantTable
+from kvxfer.metrics import record_pregrant
 
 from . import bindings as ucp
 from .outbox import Outbox
@@ -83,14 +88,20 @@ class Pregrants:
     """Receiver side (see the module docstring). ``granted``: request id -> ids of the peers
     pregranted; ``fences``: forgotten request id -> (peers yet to say FENCED, since); ``queued``:
     forgotten, not yet fenced by the I/O thread (``queue``, any thread); ``expired``: fences
-    given up by ``quarantine_timeout``."""
+    given up by ``quarantine_timeout``; ``held``: peer id -> {request id: granted bytes} of what
+    is pregranted to it and not yet FENCED (in ``granted`` or ``fences``), ``held_bytes`` their
+    sums: each peer's use of its window (``window_bytes``, ``window_requests``)."""
 
-    def __init__(self, grants: GrantTable, peers: Peers, outbox: Outbox):
+    def __init__(self, grants: GrantTable, peers: Peers, outbox: Outbox, window_bytes: int = 1 << 30,
+                 window_requests: int = 256):
         self.grants, self.peers, self.outbox = grants, peers, outbox
+        self.window_bytes, self.window_requests = window_bytes, window_requests
         self.granted: dict[str, set[str]] = {}
         self.fences: dict[str, tuple[set[str], float]] = {}
         self.queued: set[str] = set()
         self.expired = 0
+        self.held: dict[str, dict[str, int]] = {}
+        self.held_bytes: dict[str, int] = {}
 
     def pregrant(self, rid: str, senders: frozenset[str] | None = None) -> None:
         ids = {p.id for p in self.peers.values() if p.sends_eager and p.bye_at is None
@@ -98,11 +109,51 @@ class Pregrants:
         ranges = self.grants.ranges_of(rid)
         if not ids or ranges is None:
             return   # forgotten meanwhile
-        self.granted.setdefault(rid, set()).update(ids)
+        nbytes = ranges.nbytes
+        within = {pid for pid in ids if rid in self.held.get(pid, ()) or (
+            len(self.held.get(pid, ())) < self.window_requests
+            and self.held_bytes.get(pid, 0) + nbytes <= self.window_bytes)}
+        for pid in within:
+            if rid not in (h := self.held.setdefault(pid, {})):
+                h[rid] = nbytes
+                self.held_bytes[pid] = self.held_bytes.get(pid, 0) + nbytes
+                record_pregrant(nbytes, 1)
+        if within:
+            self.granted.setdefault(rid, set()).update(within)
         # too large a grant to send: no ranges (its sender announces at once, GO), fenced as any
         msg = Pregrant((rid,), (ranges.packed() if len(ranges) * 16 <= MAX_PREGRANT_BYTES else b"",))
-        for pid in ids:
+        for pid in within:
             self.outbox.send(self.peers[pid], msg)
+        if beyond := ids - within:   # beyond its window: no ranges (announced, GO), nothing held for it
+            empty = Pregrant((rid,), (b"",))
+            for pid in beyond:
+                self.outbox.send(self.peers[pid], empty)
+
+    def _release(self, pid: str, rid: str) -> None:
+        """``pid`` no longer holds ``rid`` of its window, unless still pregranted or unfenced."""
+        if pid in self.granted.get(rid, ()) or pid in self.fences.get(rid, ((), 0.0))[0]:
+            return
+        if (h := self.held.get(pid)) is not None and (n := h.pop(rid, None)) is not None:
+            self.held_bytes[pid] -= n
+            record_pregrant(-n, -1)
+            if not h:
+                del self.held[pid], self.held_bytes[pid]
+
+    def clear(self) -> None:
+        """The transport is gone (``Loop.free``): nothing it pregranted is held any more."""
+        record_pregrant(-sum(self.held_bytes.values()), -sum(len(h) for h in self.held.values()))
+        self.held.clear()
+        self.held_bytes.clear()
+        self.granted.clear()
+
+    def window_snapshot(self) -> dict:
+        """Any thread: the window and the most any peer holds of it (a snapshot)."""
+        held = list(self.held_bytes.items())
+        counts = [len(h) for h in list(self.held.values())]
+        return {"pregrant_window_bytes": self.window_bytes, "pregrant_window_requests": self.window_requests,
+                "pregranted_bytes": sum(n for _, n in held), "pregranted_requests": sum(counts),
+                "pregranted_peer_max_bytes": max((n for _, n in held), default=0),
+                "pregranted_peer_max_requests": max(counts, default=0)}
 
     def pregranted(self, rid: str, peer_id: str) -> bool:
         """Was ``rid`` pregranted to ``peer_id`` (an eager announce needs it)?"""
@@ -134,10 +185,13 @@ class Pregrants:
                 entry[0].discard(p.id)
                 if not entry[0]:
                     del self.fences[rid]
+                self._release(p.id, rid)
         if m.all:   # its transport is closing: no more pregrants to it
             p.sends_eager = False
             for ids in self.granted.values():
                 ids.discard(p.id)
+            for rid in list(self.held.get(p.id, ())):
+                self._release(p.id, rid)
 
     def refence(self, p: Peer) -> None:
         """``p`` re-handshook: a FENCE it may not have had goes again (it answers each once flushed)."""
@@ -155,8 +209,10 @@ class Pregrants:
 
     def expire(self, now: float, limit: float) -> None:
         for rid in [rid for rid, (_, since) in self.fences.items() if now - since > limit]:
-            del self.fences[rid]
+            ids = self.fences.pop(rid)[0]
             self.expired += 1
+            for pid in ids:
+                self._release(pid, rid)
 
 
 class EagerSends:

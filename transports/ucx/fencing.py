@@ -52,13 +52,17 @@ class Fencing:
         ``requests``, ``bytes``, ``transfers``) or read it (sender: ``sources``, ``source_bytes``);
         ``fenced_peers``; ``released`` (peers proven dead and freed), ``expired`` (quarantines
         given up by ``quarantine_timeout``); ``eager_fences`` (forgotten requests a pregranted
-        peer has not said FENCED for). A snapshot; the I/O thread changes it."""
+        peer has not said FENCED for); the pregrant window (``pregrant_window_bytes`` /
+        ``_requests``) and what is pregranted against it (``pregranted_bytes`` / ``_requests`` in
+        all, ``pregranted_peer_max_bytes`` / ``_requests``: the most any one peer holds). A
+        snapshot; the I/O thread changes it."""
         held = self.landing.snapshot()
         holding = list(self.sender.holding)
         return {**held, "sources": len(holding), "source_bytes": sum(o.handle.nbytes for o in holding),
                 "fenced_peers": sum(1 for p in list(self.peers.values()) if p.fenced),
                 "released": self.released, "expired": self.landing.expired + self.pregrants.expired,
-                "eager_fences": len(self.pregrants.fences)}   # forgotten requests waiting for FENCED (``eager``)
+                "eager_fences": len(self.pregrants.fences),   # forgotten requests waiting for FENCED (``eager``)
+                **self.pregrants.window_snapshot()}
 
     def holds(self, p: Peer) -> bool:
         """Does memory here wait for ``p`` (its writes may land, our puts to it may read, or a forgotten

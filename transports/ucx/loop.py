@@ -119,6 +119,7 @@ class Loop:
         self.receiver.clear()
         self.leftovers.zombies = []
         self.landing.clear()
+        self.fencing.pregrants.clear()
         self.lifecycle.closing = []
         self.outbox.sends = []
         self.inbox.clear()

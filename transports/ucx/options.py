@@ -113,6 +113,17 @@ class UCXOptions:
     request waits for every pregranted peer's FENCED. Off: every transfer is checked before a byte
     is put."""
 
+    pregrant_window_bytes: int = 1 << 30
+    """Receiver, with ``eager_writes``: the most memory pregranted to any one peer at once (granted
+    bytes of its pregranted requests, counted from the PREGRANT until that peer said FENCED after
+    ``forget``, or was proven dead). A request that would go beyond it is not pregranted to that
+    peer (its transfer is announced, GO), so a peer that stalls forever holds at most this much of
+    the pool. ``fencing()`` shows what is held against it."""
+
+    pregrant_window_requests: int = 256
+    """Receiver, with ``eager_writes``: the most requests pregranted to any one peer at once (as
+    ``pregrant_window_bytes``)."""
+
     admission: bool | None = None
     """None: a joining peer needs its latest ``admit`` token once this transport admitted a peer or
     was given a token by ``connect``; True: from the start; False: never (every peer that reaches
@@ -121,7 +132,8 @@ class UCXOptions:
     def __post_init__(self) -> None:
         _kind("tls", self.tls, str, type(None))
         for name in ("frame_bytes", "put_below", "put_below_many", "few_runs", "max_control_bytes", "max_incoming",
-                     "max_incoming_per_peer", "max_peers", "staging_frames"):
+                     "max_incoming_per_peer", "max_peers", "staging_frames", "pregrant_window_bytes",
+                     "pregrant_window_requests"):
             _kind(name, getattr(self, name), int)
         for name in ("heartbeat", "peer_timeout", "fence_grace", "connect_timeout"):
             _kind(name, getattr(self, name), int, float)
@@ -138,6 +150,8 @@ class UCXOptions:
         _within("staging_frames", self.staging_frames, 1, 4096, "in 1..4096")
         for name in ("put_below", "put_below_many", "few_runs"):
             _within(name, getattr(self, name), 0, 1 << 62, "at least 0")
+        for name in ("pregrant_window_bytes", "pregrant_window_requests"):
+            _within(name, getattr(self, name), 0, 1 << 62, "at least 0 (0: nothing is pregranted)")
         for name in ("max_incoming", "max_incoming_per_peer", "max_peers"):
             _within(name, getattr(self, name), 1, 1 << 62, "at least 1")
         _within("max_control_bytes", self.max_control_bytes, 4096, 1 << 62, "at least 4096 (a HELLO must fit)")
