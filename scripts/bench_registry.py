@@ -420,7 +420,7 @@ def run_size(backend: str, n: int, steady: float, tmp: str) -> dict:
     """Every phase for one registry of ``backend`` and ``n`` ranks a role (see the module docstring)."""
     from kvxfer.control.client import BootstrapClient
     reg = (Embedded if backend == "embedded" else Etcd)(tmp)
-    ttl = BootstrapClient(reg.url).default_ttl      # the registry's default, as every rank here uses
+    ttl = BootstrapClient(reg.url).default_ttl      # the registry's default, as every rank here uses (no I/O)
     out: dict = {"backend": backend, "n": n, "ttl": ttl}
     slices = [(lo, min(lo + PER_WORKER, n)) for lo in range(0, n, PER_WORKER)]
     prefill = [Worker("prefill", reg.url, lo, hi) for lo, hi in slices]

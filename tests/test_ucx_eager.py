@@ -253,8 +253,10 @@ def test_a_stalled_sender_holds_at_most_its_window_and_requests_beyond_it_comple
     stalls, forgetting its requests keeps their memory held, still within the window, and a new
     request is not pregranted to it. Requests beyond the window are announced (GO) and land
     byte-exact, as the pregranted ones do, once the sender wakes."""
-    from kvxfer.metrics import PREGRANTED_BYTES
-    gauge = PREGRANTED_BYTES._value.get
+    from kvxfer.metrics import REGISTRY
+
+    def gauge() -> float:
+        return REGISTRY.get_sample_value("kvxfer_pregranted_bytes") or 0.0
     base = gauge()
     rids = [f"w.{k}" for k in range(4)]
     grants = {rid: runs(k * (2 << 20)) for k, rid in enumerate(rids)}

@@ -92,8 +92,7 @@ class Pregrants:
     is pregranted to it and not yet FENCED (in ``granted`` or ``fences``), ``held_bytes`` their
     sums: each peer's use of its window (``window_bytes``, ``window_requests``)."""
 
-    def __init__(self, grants: GrantTable, peers: Peers, outbox: Outbox, window_bytes: int = 1 << 30,
-                 window_requests: int = 256):
+    def __init__(self, grants: GrantTable, peers: Peers, outbox: Outbox, window_bytes: int, window_requests: int):
         self.grants, self.peers, self.outbox = grants, peers, outbox
         self.window_bytes, self.window_requests = window_bytes, window_requests
         self.granted: dict[str, set[str]] = {}
