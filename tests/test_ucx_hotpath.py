@@ -8,6 +8,7 @@ import ctypes
 import logging
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -83,7 +84,7 @@ def test_posted_puts_land_exactly(pair, memh):
         posted, status = hotpath.post_puts(p.ep.handle, _rows(*rows), p.rkeys, params)
         f = ucp.Flush(ucp.ep_flush(p.ep.handle, ctypes.byref(param)))
         while f.poll() is None:
-            tx.workers.progress()
+            tx.workers.progress(True)
         return posted, status, f.status
 
     assert tx.call_io(post) == (3, 0, 0)
@@ -135,3 +136,21 @@ def test_a_transfer_whose_puts_cannot_be_posted_fails_whole(pair):
     assert not arr.ok and arr.request_id == "r.1", arr
     assert bool((dst == CANARY).all())
     tx.call_io(setattr, p, "rkeys", keys)
+
+
+def test_progress_checks_its_workers_and_returns_when_nothing_moves(pair):
+    """``progress`` refuses a NULL worker or too many of them; over idle workers it returns 0 at
+    once, whatever its budget (a bound, not a wait)."""
+    rx, tx, _, _, _ = pair
+    with pytest.raises(ValueError, match="worker 0 is NULL"):
+        hotpath.progress((0,), 1000, True)
+    with pytest.raises(ValueError, match="at most 8"):
+        hotpath.progress(tuple(range(1, 10)), 1000, True)
+
+    def idle():
+        hotpath.progress(tx.workers.handles, 10**9, True)   # what is left of the connect
+        t = time.monotonic()
+        moved = hotpath.progress(tx.workers.handles, 10**10, False)   # 10 s: a bound, not a wait
+        return moved, time.monotonic() - t
+    moved, took = tx.call_io(idle)
+    assert moved == 0 and took < 5, (moved, took)

@@ -131,8 +131,9 @@ def _address(lib, name: str) -> int:
 # before UCX's default one (which abort()s on FATAL lines), it stops the FATAL line cma logs for a
 # failed process_vm_writev/readv to a dead pid (the call then returns UCS_ERR_IO_ERROR instead).
 hotpath.set_calls(_address(_ucp, "ucp_put_nbx"), _address(_ucp, "ucp_request_free"),
-                  _address(_ucs, "ucs_log_push_handler"))
+                  _address(_ucp, "ucp_worker_progress"), _address(_ucs, "ucs_log_push_handler"))
 post_puts = hotpath.post_puts
+progress = hotpath.progress
 EMPTY_TABLE: np.ndarray = np.zeros(0, np.uint64)   # rkeys / put parameter blocks of none (``post_puts``)
 
 

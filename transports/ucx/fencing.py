@@ -145,7 +145,7 @@ class Fencing:
         except Exception:
             log.exception("closing the endpoint of peer %s", p.id[:8])
         for _ in range(16):
-            self.workers.progress()
+            self.workers.settle()
         if writes_impossible:
             self.pregrants.unfence_peer(p)
             self.landing.writes_impossible(p)

@@ -2,27 +2,33 @@
  *
  * - post_puts: every put of one transfer in one call (ucp_put_nbx with the source region's parameter
  *   block), instead of one ctypes call per put.
+ * - progress: the I/O loop's progress of its workers, bounded in time (ucxx's own progress drains
+ *   until nothing moves: one such call ran 5.6 s while a transfer's puts faulted in cold pages, and
+ *   the loop sent no heartbeat meanwhile), with the GIL released only while there is work.
  * - a UCS log handler that needs no GIL: UCX's async thread may log while it holds a lock that a
  *   UCX call made with the GIL held waits for; a handler that took the GIL would deadlock there.
  *
  * libucp is not linked: bindings.py hands over the addresses of the few functions used (set_calls),
- * taken from the libucp that ucxx loaded. Only the UCX transport's I/O thread calls post_puts (a
- * worker is not thread-safe); the log handler runs on any thread.
+ * taken from the libucp that ucxx loaded. Only the UCX transport's I/O thread calls post_puts and
+ * progress (a worker is not thread-safe); the log handler runs on any thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdarg.h>
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 typedef void *(*put_nbx_fn)(void *ep, const void *buf, size_t n, uint64_t raddr, void *rkey, const void *param);
 typedef void (*request_free_fn)(void *req);
+typedef unsigned (*worker_progress_fn)(void *worker);
 typedef int (*log_fn)(const char *file, unsigned line, const char *function, int level, const void *comp,
                       const char *fmt, va_list ap);
 typedef void (*push_handler_fn)(log_fn);
 
 static put_nbx_fn put_nbx;
 static request_free_fn request_free;
+static worker_progress_fn worker_progress;
 static unsigned long cma_failures, cma_last_line;   /* read and reset by take_cma_failures */
 
 #define PTR_ERR_MIN ((uintptr_t)-100)   /* UCS_PTR_IS_ERR: status pointers -100..-1 */
@@ -57,18 +63,19 @@ static int address_of(PyObject *o, void **out)
 
 static PyObject *set_calls(PyObject *self, PyObject *args)
 {
-    PyObject *nbx, *rfree, *push;
-    void *b, *c, *d;
-    if (!PyArg_ParseTuple(args, "OOO", &nbx, &rfree, &push))
+    PyObject *nbx, *rfree, *wprog, *push;
+    void *b, *c, *e, *d;
+    if (!PyArg_ParseTuple(args, "OOOO", &nbx, &rfree, &wprog, &push))
         return NULL;
-    if (!address_of(nbx, &b) || !address_of(rfree, &c) || !address_of(push, &d))
+    if (!address_of(nbx, &b) || !address_of(rfree, &c) || !address_of(wprog, &e) || !address_of(push, &d))
         return NULL;
-    if (!b || !c || !d) {
+    if (!b || !c || !e || !d) {
         PyErr_SetString(PyExc_ValueError, "set_calls: a function address is NULL");
         return NULL;
     }
     put_nbx = (put_nbx_fn)b;
     request_free = (request_free_fn)c;
+    worker_progress = (worker_progress_fn)e;
     ((push_handler_fn)d)(log_hook);
     Py_RETURN_NONE;
 }
@@ -165,10 +172,70 @@ out:
     return Py_BuildValue("(ni)", done, status);
 }
 
+static long long now_ns(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+#define MAX_WORKERS 8
+
+/* progress(workers, budget_ns, hold) -> events
+ *   workers: a tuple of ucp_worker_h addresses (at most MAX_WORKERS)
+ * Progresses every worker, round after round, until a round moves nothing or budget_ns passed,
+ * and returns how many events moved. hold: take the first round with the GIL held (nothing in
+ * flight: it moves a message or two, and a thread busy in Python would otherwise make the I/O
+ * thread wait its switch interval to take the GIL back); the rest run without it. */
+static PyObject *progress(PyObject *self, PyObject *args)
+{
+    PyObject *ws;
+    long long budget;
+    int hold;
+    void *w[MAX_WORKERS];
+    if (!PyArg_ParseTuple(args, "O!Lp", &PyTuple_Type, &ws, &budget, &hold))
+        return NULL;
+    if (!worker_progress) {
+        PyErr_SetString(PyExc_RuntimeError, "progress: set_calls was not called");
+        return NULL;
+    }
+    Py_ssize_t n = PyTuple_GET_SIZE(ws), i;
+    if (n > MAX_WORKERS) {
+        PyErr_Format(PyExc_ValueError, "progress: %zd workers, at most %d", n, MAX_WORKERS);
+        return NULL;
+    }
+    for (i = 0; i < n; i++)
+        if (!address_of(PyTuple_GET_ITEM(ws, i), &w[i]) || !w[i]) {
+            if (!PyErr_Occurred())
+                PyErr_Format(PyExc_ValueError, "progress: worker %zd is NULL", i);
+            return NULL;
+        }
+    unsigned long long events = 0, moved = 1;
+    if (hold) {
+        moved = 0;
+        for (i = 0; i < n; i++)
+            moved += worker_progress(w[i]);
+        events = moved;
+    }
+    if (moved) {
+        PyThreadState *ts = PyEval_SaveThread();
+        long long end = now_ns() + budget;
+        do {
+            moved = 0;
+            for (i = 0; i < n; i++)
+                moved += worker_progress(w[i]);
+            events += moved;
+        } while (moved && now_ns() < end);
+        PyEval_RestoreThread(ts);
+    }
+    return PyLong_FromUnsignedLongLong(events);
+}
+
 static PyMethodDef methods[] = {
     {"set_calls", set_calls, METH_VARARGS,
-     "set_calls(put_nbx, request_free, ucs_log_push_handler): the libucp/libucs function "
-     "addresses to call; installs the GIL-free log handler."},
+     "set_calls(put_nbx, request_free, worker_progress, ucs_log_push_handler): the libucp/libucs "
+     "function addresses to call; installs the GIL-free log handler."},
+    {"progress", progress, METH_VARARGS, "progress(workers, budget_ns, hold) -> events moved"},
     {"post_puts", post_puts, METH_VARARGS, "post_puts(ep, puts, rkeys, params) -> (posted, status)"},
     {"take_cma_failures", take_cma_failures, METH_NOARGS,
      "take_cma_failures() -> (count, last line): cma copy failures the log handler stopped since the last call"},

@@ -126,7 +126,7 @@ class Lifecycle:
         # release the receiver's memory; a peer that cannot take it keeps it fenced.
         end = time.monotonic() + min(1.0, self.options.peer_timeout)
         while sender.holding and time.monotonic() < end:
-            workers.progress()
+            workers.settle()
             sender.settle_held()
         for p in self.peers.values():
             p.outbox = [m for m in p.outbox if isinstance(m, (Abort, Fail))]
@@ -138,7 +138,7 @@ class Lifecycle:
         self.turn.run_later()   # the arrivals of what failed here
         end = time.monotonic() + 0.2  # let BYE leave; a dead peer never takes it
         while self.outbox.sends and time.monotonic() < end:
-            workers.progress()
+            workers.settle()
             self.outbox.sends = [s for s in self.outbox.sends if not s[0].completed]
         workers.cancel_inflight()
         for p in self.peers.values():
@@ -151,7 +151,7 @@ class Lifecycle:
             close_endpoint(p)
         end = time.monotonic() + 0.1
         while time.monotonic() < end:
-            workers.progress()
+            workers.settle()
         self.landing.reap()   # cancelled receives: free their requests
         for o in sender.holding:   # endpoints closed: no put of theirs is in flight any more
             o.handle.release_source()

@@ -51,7 +51,7 @@ class Loop:
             self._run_commands()
             if turn.stopped:  # closed by a command: the endpoints are gone
                 break
-            workers.progress()
+            workers.progress(self._in_flight())
             self.inbox.poll()   # after the commands: before them, one run of 1 MiB took ~15% longer
             self.receiver.poll_data()
             sender.flush_puts()
@@ -71,10 +71,12 @@ class Loop:
                 lifecycle.retire_closing()
             if not turn.acts:
                 workers.sleeping = True
-                if self.commands.empty():
-                    busy = sender.outgoing or self.receiver.incoming or self.inbox.recvs or eager.flushing  # every ms
-                    workers.idle(1 if busy else max(1, int((self.next_tick - now) * 1000)))
+                if self.commands.empty():   # every ms while something is in flight
+                    workers.idle(1 if self._in_flight() else max(1, int((self.next_tick - now) * 1000)))
                 workers.sleeping = False
+
+    def _in_flight(self) -> bool:
+        return bool(self.sender.outgoing or self.receiver.incoming or self.inbox.recvs or self.eager.flushing)
 
     def _run_commands(self) -> None:
         cmds = self.commands.take()
@@ -85,6 +87,7 @@ class Loop:
     def tick(self, now: float) -> None:
         """Deadlines, heartbeats and fencing, a few times a second."""
         ucp.log_cma_failures()
+        self.workers.cancel_inflight()   # what ucxx's own progress would cancel (``Workers.progress``)
         fencing, options = self.fencing, self.options
         fencing.check_failed(now)
         self.sender.settle_held()

@@ -7,6 +7,12 @@ peer's data endpoint but a far one), the front worker (``front_worker``: TCP onl
 namespace, the far worker (``far()``: ``settings.FAR_TLS``, no shared memory or cma). ``all``
 lists those that exist: the loop progresses each and sleeps on their fds (``idle``).
 
+``progress`` is the compiled helper's (``hotpath.progress``), bounded by ``PROGRESS_BUDGET``:
+ucxx's own drains a worker until nothing moves, and one such call ran 5.6 s while a transfer's
+puts faulted in the receiver's cold pages (no tick, no heartbeat: the receiver called the sender
+silent). ucxx's progress also cancels the requests of failed endpoints; ``cancel_inflight`` does
+that part, each tick, and ``settle`` both, where endpoints close.
+
 Who calls what: ``UCXTransport`` makes ``Workers`` first (a UCX error there is mapped into the
 error tree: ``ConfigError`` when UCX refuses a setting, else ``TransportError``); its
 ``CommandQueue`` wakes the I/O thread through ``wake`` (any thread). Everything else runs on the
@@ -40,6 +46,9 @@ from .settings import (
     with_tcp_defaults,
 )
 from .state import Peer
+
+PROGRESS_BUDGET = 0.01   # seconds one turn's progress may take before the loop's other work runs
+_BUDGET_NS = int(PROGRESS_BUDGET * 1e9)
 
 _DATA_FEATURES = (ucx_api.Feature.TAG, ucx_api.Feature.RMA, ucx_api.Feature.WAKEUP)
 
@@ -86,6 +95,7 @@ class Workers:
         self.far_worker: Any = None
         self.far_address = b""
         self.all: list = [self.worker, self.front_worker]
+        self.handles: tuple[int, ...] = (self.whandle, self.front_worker.handle)   # ``all``'s, for ``progress``
         self.poller: Any = None   # select.poll over the workers' event fds (``idle``)
         self.polled = 0
         self.sleeping = False   # set by the loop around its last look at the commands (``wake``)
@@ -107,6 +117,7 @@ class Workers:
             w.init_blocking_progress_mode()
             self.far_address, self.far_worker = w.address.tobytes(), w
             self.all.append(w)
+            self.handles += (w.handle,)
         return self.far_worker
 
     @staticmethod
@@ -121,9 +132,11 @@ class Workers:
                      self.start_ticks, p.err, eager=True, token=p.token,
                      shm=tuple(self.shm_settings[k] for k in MUST_MATCH), ctag=p.tag_in)
 
-    def progress(self) -> None:
-        for w in self.all:
-            w.progress()
+    def progress(self, busy: bool) -> int:
+        """Progress every worker for at most ``PROGRESS_BUDGET``; how many events moved. ``busy``:
+        something is in flight (its first round runs without the GIL too: a put into cold memory
+        can take a while)."""
+        return ucp.progress(self.handles, _BUDGET_NS, not busy)
 
     def idle(self, ms: int) -> None:
         """Sleep until a worker has an event (or a command signals the main one), at most ``ms``.
@@ -135,7 +148,16 @@ class Workers:
                     self.poller.register(w.epoll_file_descriptor, select.POLLIN)
             self.poller.poll(ms)
 
+    def settle(self) -> None:
+        """What ucxx's own progress does, each step bounded: progress, cancel the requests of failed
+        or closed endpoints, progress again (their cancellations complete). Closing paths call it."""
+        self.progress(True)
+        self.cancel_inflight()
+        self.progress(True)
+
     def cancel_inflight(self) -> None:
+        """Cancel the requests ucxx scheduled for cancelling (those of an endpoint that failed or
+        closed); they complete at a later progress. Each tick, and at shutdown."""
         for w in self.all:
             w.cancel_inflight_requests()
 
@@ -143,6 +165,6 @@ class Workers:
         """Drop the workers and contexts (``IOThread.on_exit``, after the endpoints went), so their fds
         and shared memory go now, cycle or no cycle."""
         self.whandle = None
-        self.all, self.far_worker, self.far_ctx, self.poller = [], None, None, None
+        self.all, self.handles, self.far_worker, self.far_ctx, self.poller = [], (), None, None, None
         self.front_worker = self.front_ctx = None
         self.worker = self.ctx = None
