@@ -10,9 +10,11 @@ Cases (pools of 1 GiB, 256 MiB with --quick, on both sides):
   one run      one 16 MiB contiguous run, and one of 1 MiB
 
 Peers, each the way its users drive it:
-  kvxfer zmq / ucx  one ``submit`` of a plan with the runs; done when the receiver acked
-  kvxfer ucx eager  the receiver pregrants the request (``eager_writes``): the sender puts at
-                    once and is done when its puts are flushed, as NIXL's is
+  kvxfer zmq        one ``submit`` of a plan with the runs; done when the receiver acked
+  kvxfer ucx        the same, with UCX's defaults: the receiver pregrants the request
+                    (``eager_writes``), the sender announces and puts at once and is done when
+                    its puts are flushed, as NIXL's is
+  kvxfer ucx announced  ``eager_writes=False``: announced, put after GO, done at the ACK
   gloo              gather the pages (``index_select``), send in 1 MiB messages (gloo slows
                     on multi-MiB ones), receiver scatters, then acks with a 1-byte send
   NIXL              descriptor lists per transfer, one WRITE (``initialize_xfer`` + ``transfer``),
@@ -271,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = json.loads(Path(args.spec).read_text())
         if args.worker.startswith("kvxfer"):
             spec["transport"] = args.worker.split()[1]
-            spec["options"] = {"eager_writes": True} if args.worker.endswith("eager") else {}
+            spec["options"] = {"eager_writes": False} if args.worker.endswith("announced") else {}
         # stdout carries only our lines; whatever a library prints goes to stderr (the log)
         proto = os.fdopen(os.dup(1), "w", buffering=1)
         os.dup2(2, 1)

@@ -328,7 +328,7 @@ class KvxferPeer(Peer):
         self.t.close()
 
 
-PEERS = {"tcp raw": TcpRaw, "kvxfer zmq": KvxferPeer, "kvxfer ucx": KvxferPeer, "kvxfer ucx eager": KvxferPeer,
+PEERS = {"tcp raw": TcpRaw, "kvxfer zmq": KvxferPeer, "kvxfer ucx": KvxferPeer, "kvxfer ucx announced": KvxferPeer,
          "gloo": GlooPeer,
          "nixl ucx": NixlPeer, "mooncake tcp": MooncakePeer}
 

@@ -89,7 +89,7 @@ def transport_options(a) -> dict:
     if a.transport == "ucx":   # UCX_TLS comes from the environment (hosts.UCX_ENV)
         return ({"heartbeat": a.hb[0], "peer_timeout": a.hb[1]}
                 | ({"stage_host": a.ucx_stage_host} if a.ucx_stage_host else {})
-                | ({"eager_writes": True} if a.ucx_eager else {}))
+                | ({} if a.ucx_eager < 0 else {"eager_writes": bool(a.ucx_eager)}))
     return {}
 
 
@@ -365,7 +365,8 @@ def parse(argv=None):
     ap.add_argument("--timeouts", type=float, nargs=4, default=[30, 60, 30, 60],
                     metavar=("BOOTSTRAP", "WAITING", "TRANSFER", "LEASE"))
     ap.add_argument("--hb", type=float, nargs=2, default=[0.5, 5.0], metavar=("INTERVAL", "TIMEOUT"))
-    ap.add_argument("--ucx-eager", type=int, default=0, help="UCX: eager_writes (pregranted puts)")
+    ap.add_argument("--ucx-eager", type=int, default=-1, choices=(-1, 0, 1),
+                    help="UCX: eager_writes (pregranted puts): 1, 0 (announced), -1 the transport's default")
     ap.add_argument("--ucx-stage-host", default="", help="UCX: stage_host (never, network, always; \"\": default)")
     return ap.parse_args(argv)
 

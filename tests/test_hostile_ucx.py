@@ -197,15 +197,18 @@ def test_malformed_eager_messages_are_refused(victim):
     counted and dropped (the ANNOUNCE refused), the victim's thread and memory intact."""
     v = victim
     c = join(v, "mallory", eager=True)
-    eager_put = announce_put(4) + [b"", 0, 1]    # 12 fields: puts done, flushed
+    eager_put = announce_put(4) + [b"", 0, 1]       # 12 fields: puts done, flushed
+    started_put = announce_put(4) + [b"", 0, 2]     # puts started, DONE to follow
     unsorted = struct.pack("<4q", 100, 200, 0, 10)   # ranges: (start, end) pairs out of order
     for m in ([hw.PREGRANT, "x"], [hw.FENCE, [1, 2]], [hw.FENCED, [], 5], [hw.FENCED, ["a" * 5000], 0],
-              [hw.FENCE, ["r"] * 5000], [hw.FENCED], eager_put, [hw.PREGRANT, ["p"]],
-              [hw.PREGRANT, ["p"], [b"\0" * 15]], [hw.PREGRANT, ["p", "q"], [b""]],
+              [hw.FENCE, ["r"] * 5000], [hw.FENCED], eager_put, started_put, announce_put(4) + [b"", 0, 3],
+              [hw.PREGRANT, ["p"]], [hw.PREGRANT, ["p"], [b"\0" * 15]], [hw.PREGRANT, ["p", "q"], [b""]],
               [hw.PREGRANT, ["p"], [unsorted]]):
         c.send([m])   # one batch each: a 5000-character id fails the whole batch
-    assert until(lambda: sum(v.rejected.values()) >= 11, 3), dict(v.rejected)
-    assert v.rejected["malformed header"] >= 1, dict(v.rejected)   # the eager ANNOUNCE without a pregrant
+    assert until(lambda: sum(v.rejected.values()) >= 13, 3), dict(v.rejected)
+    # the eager ANNOUNCEs without a pregrant, flushed or started, and one with an eager flag of 3
+    assert v.rejected["malformed header"] >= 3, dict(v.rejected)
+    assert not v.receiver.incoming, "an eager ANNOUNCE nobody pregranted opened a transfer"
     after_attack(v)
 
 

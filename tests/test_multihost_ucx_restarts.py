@@ -1,7 +1,8 @@
 """Eight ``kill -9``s of a prefill rank across test hosts, each restarted, in each UCX mode
-(issue 35): no setting, ``UCX_TLS=tcp``, eager writes. Bootstrap in host A, prefill TP 1
-page-major in host B, decode TP 1 token-major in host C (head-slice runs: packed frames, staged
-through decode's receive ring across hosts), every rank a real process (``multihost_rank.py``).
+(issue 35): no setting (eager writes, the default), ``UCX_TLS=tcp``, announced
+(``eager_writes=False``). Bootstrap in host A, prefill TP 1 page-major in host B, decode TP 1
+token-major in host C (head-slice runs: packed frames, staged through decode's receive ring
+across hosts), every rank a real process (``multihost_rank.py``).
 
 Each round: a 16 MiB request in flight (host B's egress shaped so it is), prefill killed, then
 - decode's request ends with a reason, and everything the dead peer pinned comes back within
@@ -27,7 +28,7 @@ pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.timeout(900)]
 
 three = hosts_fixture(3)
-MODES = {"default": ({}, 0), "tcp": (UCX_ENV, 0), "eager": ({}, 1)}   # env, eager_writes
+MODES = {"default": ({}, -1), "tcp": (UCX_ENV, -1), "announced": ({}, 0)}   # env, eager_writes (-1: default)
 KILLS = 8
 # 2 layers x K,V x 8 heads x 128 dims x bf16 = 8 KiB a token: 2048 tokens 16 MiB, 8192 tokens 64 MiB.
 IN_FLIGHT, SMALL, BIG = 2048, 256, 8192

@@ -55,6 +55,7 @@ def config(*flags: str, env: dict | None = None) -> cli.RankConfig:
     (["--role", "decode", "--ucx-tls", "tcp"], {}, "--transport ucx"),
     (["--role", "decode", "--ucx-eager-writes"], {}, "decode ranks started with --transport ucx"),
     (["--role", "prefill", "--transport", "ucx", "--ucx-eager-writes"], {}, "pass it to decode ranks"),
+    (["--role", "prefill", "--transport", "ucx", "--no-ucx-eager-writes"], {}, "--no-ucx-eager-writes given"),
 ])
 def test_bad_flags_are_named_with_the_fix(flags, env, words):
     with pytest.raises(cli.UsageError, match=words.replace("+", r"\+").replace(".", r"\.")):
@@ -62,12 +63,16 @@ def test_bad_flags_are_named_with_the_fix(flags, env, words):
 
 
 def test_ucx_eager_writes_reach_the_decode_transport():
-    """--ucx-eager-writes becomes the decode transport's ``eager_writes``; without it nothing changes."""
+    """--[no-]ucx-eager-writes becomes the decode transport's ``eager_writes``; without either, the
+    transport's default (eager) holds."""
+    from kvxfer_transports.ucx.options import UCXOptions
     hb = serve.timeouts_of((30.0, 300.0, 30.0, 30.0), (1.0, 5.0)).heartbeat
     on = config("--role", "decode", "--transport", "ucx", "--ucx-eager-writes")
-    off = config("--role", "decode", "--transport", "ucx")
-    assert serve.transport_options_of(on, hb) == {**serve.transport_options_of(off, hb), "eager_writes": True}
-    assert "eager_writes" not in serve.transport_options_of(off, hb)
+    no = config("--role", "decode", "--transport", "ucx", "--no-ucx-eager-writes")
+    default = config("--role", "decode", "--transport", "ucx")
+    assert serve.transport_options_of(on, hb) == {**serve.transport_options_of(default, hb), "eager_writes": True}
+    assert serve.transport_options_of(no, hb) == {**serve.transport_options_of(default, hb), "eager_writes": False}
+    assert "eager_writes" not in serve.transport_options_of(default, hb) and UCXOptions().eager_writes
     assert "eager_writes" not in serve.transport_options_of(config("--role", "prefill", "--transport", "ucx"), hb)
 
 
@@ -288,9 +293,10 @@ def test_selftest_prefill_to_decode_byte_exact_then_sigterm_deregisters(procs, t
 
 
 @pytest.mark.slow
-def test_selftest_over_ucx_with_eager_writes_is_byte_exact(procs):
-    """Decode ranks started with --ucx-eager-writes pregrant their requests; the self-test's KV
-    lands byte-exact and every slot comes back."""
+@pytest.mark.parametrize("eager", [[], ["--no-ucx-eager-writes"]], ids=["eager (default)", "announced"])
+def test_selftest_over_ucx_is_byte_exact(procs, eager):
+    """Decode ranks pregrant their requests by default, or announce them (--no-ucx-eager-writes);
+    either way the self-test's KV lands byte-exact and every slot comes back."""
     from kvxfer.transport.registry import available_transports
     if "ucx" not in available_transports():
         pytest.skip("ucx is not installed (KVXFER_NO_UCX)")
@@ -299,7 +305,7 @@ def test_selftest_over_ucx_with_eager_writes_is_byte_exact(procs):
     p = Proc([*RANK, "--role", "prefill", "--bootstrap", url, "--transport", "ucx", "--seed", "5", *SMALL])
     procs.append(p)
     assert "ready" in p.line_with("ready"), p.err
-    d = Proc([*RANK, "--role", "decode", "--bootstrap", url, "--transport", "ucx", "--ucx-eager-writes", "--seed", "5",
+    d = Proc([*RANK, "--role", "decode", "--bootstrap", url, "--transport", "ucx", *eager, "--seed", "5",
               "--serve", *SMALL], stdin=subprocess.PIPE)
     procs.append(d)
     assert json.loads(d.line())["ready"]

@@ -173,7 +173,8 @@ def test_eager_writes_end_to_end():
         served = c.P.reply(60)
         assert all(s["state"] == SUCCESS for s in served["status"].values())
         _check(c, [(served["slots"][str(room)], recvs[room][1]) for room in rooms])
-        assert sum(eager) >= len(rooms) // 2, f"only {sum(eager)} of {len(eager)} transfers were eager"
+        went = sum(map(bool, eager))
+        assert went >= len(rooms) // 2, f"only {went} of {len(eager)} transfers were eager"
         # decode named the request's prefill rank: only it was told (its transport id, a peer here)
         (prefill_id,) = {d["ucx"]["id"] for d in (i.data for i in c.D.ep.links.known_peers().values())}
         assert len(told) == len(rooms) and set(told) == {frozenset({prefill_id})}, set(told)

@@ -20,7 +20,17 @@ from kvxfer.transport.base import TransferStatus  # noqa: E402
 
 pytestmark = pytest.mark.slow   # processes, waits of seconds (the full tier)
 
-peers, pair = test_ucx.peers, test_ucx.pair   # the same fixtures (this module gets its own peer processes)
+pair = test_ucx.pair   # the same fixture, over this module's own peer processes:
+
+
+@pytest.fixture(scope="module")
+def peers():
+    """Receivers without eager writes: the killed-peer case is white box about GO (the peer dies
+    after its GO, before our puts). ``test_ucx.py`` runs the same receivers with the default."""
+    started = {name: test_ucx.Peer(tls, eager_writes=False) for name, tls in test_ucx.TLS.items()}
+    yield started
+    for p in started.values():
+        p.stop()
 
 
 def test_mid_size_runs_are_put_in_small_plans_and_packed_in_large_ones(pair):

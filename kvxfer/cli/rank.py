@@ -102,9 +102,10 @@ def parser() -> argparse.ArgumentParser:
     net = ap.add_argument_group("network")
     net.add_argument("--transport", choices=["zmq", "ucx"], default="zmq")
     net.add_argument("--ucx-tls", default=None, help="UCX_TLS for this rank, e.g. tcp between containers")
-    net.add_argument("--ucx-eager-writes", action="store_true",
-                     help="decode: pregrant each request to its prefill ranks, which then put at once, without the "
-                          "ANNOUNCE/GO round trip, and succeed at their flush (UCX eager_writes; README)")
+    net.add_argument("--ucx-eager-writes", action=argparse.BooleanOptionalAction, default=None,
+                     help="decode: pregrant each request to its prefill ranks, which then put at once, without "
+                          "waiting for GO, and succeed at their flush (UCX eager_writes, the default; "
+                          "--no-ucx-eager-writes: announce and wait for GO; README)")
     net.add_argument("--bind", default=None, help="address or interface the sockets bind (0.0.0.0: all)")
     net.add_argument("--advertise", default=None, help="address, hostname or interface peers are told")
     net.add_argument("--port", type=int, default=0, help="prefill control port (0: any; torchrun: + LOCAL_RANK)")
@@ -244,8 +245,9 @@ def resolve(args, env: Mapping[str, str] | None = None) -> RankConfig:
         raise UsageError(f"--serve {args.serve}: use --serve (stdin) or --serve unix:/path/to.sock")
     if args.transport != "ucx" and args.ucx_tls:
         raise UsageError("--ucx-tls given with --transport zmq: drop it or pass --transport ucx")
-    if args.ucx_eager_writes and (args.transport != "ucx" or args.role != "decode"):
-        raise UsageError(f"--ucx-eager-writes given to a {args.role} rank with --transport {args.transport}: it is a "
+    if args.ucx_eager_writes is not None and (args.transport != "ucx" or args.role != "decode"):
+        flag = "--ucx-eager-writes" if args.ucx_eager_writes else "--no-ucx-eager-writes"
+        raise UsageError(f"{flag} given to a {args.role} rank with --transport {args.transport}: it is a "
                          "decode rank's choice over UCX (its prefill ranks follow it): pass it to decode ranks "
                          "started with --transport ucx")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):

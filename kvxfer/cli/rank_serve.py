@@ -76,7 +76,7 @@ class RankConfig:
     serve: str | None
     connect_timeout: float
     head_map: tuple[tuple[int, ...], ...] | None = None   # RankSpec.head_map (--head-map); None: contiguous
-    ucx_eager_writes: bool = False   # decode over UCX: pregrant (--ucx-eager-writes)
+    ucx_eager_writes: bool | None = None   # decode over UCX: pregrant or not (--[no-]ucx-eager-writes); None: default
 
     @property
     def mla(self) -> bool:
@@ -91,7 +91,7 @@ def transport_options_of(cfg: RankConfig, hb) -> dict:
         return {"endpoint": f"tcp://{cfg.bind}:{cfg.data_port}", "advertise": cfg.advertise or None,
                 "heartbeat_ivl": hb.interval, "heartbeat_timeout": hb.timeout}
     return {"tls": cfg.ucx_tls, "heartbeat": hb.interval, "peer_timeout": hb.timeout,
-            **({"eager_writes": True} if cfg.ucx_eager_writes else {})}
+            **({} if cfg.ucx_eager_writes is None else {"eager_writes": cfg.ucx_eager_writes})}
 
 
 def timeouts_of(phases: Sequence[float], heartbeat: Sequence[float]):

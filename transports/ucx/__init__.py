@@ -14,7 +14,8 @@ scatters each frame as it lands (a host receiver with ``stage_host="never"`` pos
 place: iovs cut the same way). A transfer of any size takes at most the rings. Control
 messages (``protocol``) are batched per peer and loop turn into one tagged message.
 
-One transfer (S sender, R receiver, each on its own I/O thread)::
+One transfer announced (S sender, R receiver, each on its own I/O thread; ``eager_writes=False``,
+or a grant R did not pregrant)::
 
     S -> R  ANNOUNCE  request id, deadline, every destination run (one int64 array; packed runs
                       that continue each other at R as one), packed bytes inline when few
@@ -27,8 +28,10 @@ One transfer (S sender, R receiver, each on its own I/O thread)::
     R       every frame received (in place; staged: into a receive-ring slot as one is free,
             re-checked against the grant and scattered), Arrival(ok=True)
     R -> S  ACK       only now is the handle DONE
-With ``eager_writes`` R pregrants each request at ``expect`` (``eager``): S, pregranted, puts at
-once, then sends the ANNOUNCE as DONE once flushed (its handle DONE then); R checks it and ACKs.
+By default (``eager_writes``) R pregrants each request at ``expect`` (``eager``): S, pregranted,
+sends the ANNOUNCE and puts at once, without waiting for GO, and sends DONE once flushed (its handle
+DONE then: the bytes are in R's memory); R checks the ANNOUNCE as above, tracks the transfer (its
+deadline, S's death) and, at DONE, delivers its arrival and ACKs. No control round trip.
 
 ``UCXTransport`` is a facade over parts that each own their state and get their collaborators
 in their constructor; every part but ``Planner`` and the any-thread reads works on the I/O thread.

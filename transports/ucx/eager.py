@@ -1,11 +1,12 @@
-"""Eager writes: a sender puts into a request's grant without the ANNOUNCE/GO round trip, and its
-handle succeeds once those puts are flushed (remote completion), as NIXL's and Mooncake's do; the
-receiver checks what landed when the announce arrives, which then doubles as DONE.
+"""Eager writes: a sender puts into a request's grant without waiting for GO (no control round
+trip), and its handle succeeds once those puts are flushed (remote completion), as NIXL's and
+Mooncake's do. Its ANNOUNCE leaves ahead of the puts (``EAGER_STARTED``): the receiver checks it
+as any other, tracks the transfer (deadline, the sender's death) and completes it at DONE.
 
-Opt-in on the receiving side (``UCXOptions.eager_writes``). Two parts, one per side, each owning its
-state; every method here runs on the I/O thread: ``Pregrants`` (receiver: what it told whom, and
-the FENCEs it waits for) and ``EagerSends`` (sender: what receivers pregranted us, transfers
-waiting for a PREGRANT, FENCEs waiting for their flush). ``Sender`` asks ``EagerSends`` whether a
+The default; the receiving side decides (``UCXOptions.eager_writes``). Two parts, one per side,
+each owning its state; every method here runs on the I/O thread: ``Pregrants`` (receiver: what it
+told whom, and the FENCEs it waits for) and ``EagerSends`` (sender: what receivers pregranted us,
+transfers waiting for a PREGRANT, FENCEs waiting for their flush). ``Sender`` asks ``EagerSends`` whether a
 transfer goes eager (``eager_ok``) or waits (``park``), and restarts the transfers it hands back.
 
 Who calls what, when:

@@ -106,12 +106,13 @@ class UCXOptions:
     TCP), "always", "never" (UCX iovs read in place). A host receiver takes staged frames into its
     receive ring, except with "never" (in place)."""
 
-    eager_writes: bool = False
-    """Receiver: pregrant each expected request (and its ranges) to the connected peers, which then
-    put inside them at once, without the ANNOUNCE/GO round trip, and succeed once their puts are
-    flushed; the announce follows as DONE and is checked then (``eager``). Memory of a forgotten
-    request waits for every pregranted peer's FENCED. Off: every transfer is checked before a byte
-    is put."""
+    eager_writes: bool = True
+    """Receiver (the default): pregrant each expected request (and its ranges) to the connected
+    peers, which then announce and put inside them at once, without waiting for GO, and succeed
+    once their puts are flushed; DONE follows the flush (``eager``). Memory of a forgotten request
+    waits for every pregranted peer's FENCED; a peer holds at most its pregrant window. False:
+    every transfer is announced and checked before a byte is put (GO), and a sender succeeds at
+    the receiver's ACK."""
 
     pregrant_window_bytes: int = 1 << 30
     """Receiver, with ``eager_writes``: the most memory pregranted to any one peer at once (granted

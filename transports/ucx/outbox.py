@@ -1,8 +1,9 @@
 """Control messages out: queued per peer during a turn, sent as one tagged batch per peer.
 
-Who calls what (I/O thread): every part that answers or tells a peer something calls ``send``;
-the loop calls ``flush`` once a turn (and ``Lifecycle.shutdown`` before it says BYE). ``sends``
-holds each batch's request and buffer until UCX sent it.
+Who calls what (I/O thread): every part that answers or tells a peer something calls ``send``
+(``Sender`` an eager ANNOUNCE: ``send_now``); the loop calls ``flush`` once a turn (and
+``Lifecycle.shutdown`` before it says BYE). ``sends`` holds each batch's request and buffer until
+UCX sent it.
 """
 from __future__ import annotations
 
@@ -46,6 +47,13 @@ class Outbox:
                     p.outbox[-1] = Pregrant(last.rids + msg.rids, last.grants + msg.grants)
                     return
         p.outbox.append(msg)
+
+    def send_now(self, p: Peer, msg: Message) -> None:
+        """Send ``msg`` now, after what this turn queued for ``p`` (an eager ANNOUNCE: it must
+        leave before the transfer's puts)."""
+        self.send(p, msg)
+        self._send_batch(p, p.outbox)
+        p.outbox = []
 
     def flush(self) -> None:
         """Send every peer's queue (once a turn), and forget the batches UCX has sent."""

@@ -59,6 +59,10 @@ MAX_HOST = 256             # characters of a host identity
 MAX_RIDS = 4096            # request ids in one PREGRANT, FENCE or FENCED
 MAX_PREGRANT_BYTES = 1 << 20   # of one request's granted ranges in a PREGRANT (65,536 intervals)
 RUN_BYTES = 24
+# An ANNOUNCE's eager flag (pregranted puts, without GO: ``eager``). STARTED: sent with the puts,
+# DONE follows their flush (the receiver tracks the transfer: its deadline, its sender's death).
+# FLUSHED: sent after the flush, announce and DONE at once (what senders before STARTED send).
+EAGER_FLUSHED, EAGER_STARTED = 1, 2
 _I8 = np.dtype("<i8")
 
 
@@ -124,13 +128,13 @@ class Announce:
     inline: bytes
     cap: bytes = b""     # the grant's capability (decode's REQ): checked before anything else
     staged: bool = False  # packed frames cut by ``frames.cut`` (whole runs), else every frame_bytes
-    eager: bool = False   # its puts were issued without GO and are flushed: announce and DONE at once
+    eager: int = 0        # pregranted, without GO (``eager``): EAGER_STARTED, or EAGER_FLUSHED (older senders)
 
     def wire(self) -> list:
         head = [ANNOUNCE, self.xid, self.request_id, self.timeout, self.notify, self.runs, self.nput,
                 self.frame_bytes, self.inline, self.cap]
         if self.eager:
-            return head + [int(self.staged), 1]
+            return head + [int(self.staged), self.eager]
         return head + [1] if self.staged else head   # unstaged: the older wire, which older peers read
 
     def run_array(self) -> np.ndarray:
@@ -349,9 +353,9 @@ def parse_message(m, limit: int) -> Message:
         inline = _bytes(m[8], limit, "inline bytes")
         cap = _bytes(m[9], MAX_CAPABILITY, "capability") if len(m) >= 10 else b""
         staged = _int(m[10], 0, 2, "staged flag") if len(m) >= 11 else 0
-        eager = _int(m[11], 0, 2, "eager flag") if len(m) == 12 else 0
+        eager = _int(m[11], 0, EAGER_STARTED + 1, "eager flag") if len(m) == 12 else 0
         if eager and staged:
             raise ProtocolError("an eager announce carries puts and inline bytes only, no frames")
     except ValueError as e:
         raise Malformed(f"malformed header: {e}", (xid, rid)) from None
-    return Announce(xid, rid, float(timeout), notify, runs, nput, frame, inline, cap, bool(staged), bool(eager))
+    return Announce(xid, rid, float(timeout), notify, runs, nput, frame, inline, cap, bool(staged), eager)

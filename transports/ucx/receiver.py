@@ -1,7 +1,8 @@
 """UCX receiving side: check an ANNOUNCE whole, answer GO, land packed frames, ACK after DONE.
 
 Every method runs on the I/O thread. ``on_announce`` (``Control``) checks every announced run
-against the grant and the regions before GO (an eager one, after its puts: ``eager``);
+against the grant and the regions before GO (an eager one, sent as its puts started, is checked
+the same and gets no GO; DONE follows their flush: ``eager``);
 ``poll_data`` (the loop, each turn) receives packed frames (in place for host memory; for CUDA,
 and staged host frames unless ``stage_host="never"``, into the receive ring, each frame scattered
 as it lands: ``land_frames``); ``on_end`` (``Control``: DONE or ABORT) and ``try_finish``
@@ -36,7 +37,7 @@ from .landing import Landing
 from .options import UCXOptions
 from .outbox import Outbox
 from .peers import Peers
-from .protocol import DATA_BIT, FRAME_BITS, KIND_MASK, MAX_DTAG, Abort, Ack, Announce, Done, Fail, Go
+from .protocol import DATA_BIT, EAGER_FLUSHED, FRAME_BITS, KIND_MASK, MAX_DTAG, Abort, Ack, Announce, Done, Fail, Go
 from .regions import Regions
 from .state import Incoming, Peer
 from .turn import Leftovers, Turn
@@ -109,7 +110,7 @@ class Receiver:
         if reason is not None:
             ok = len(n) and (n > 0).all() and (n < 1 << 40).all()
             return self.refuse(p, xid, rid, int(n.sum()) if ok else 0, m.notify, reason, quiet)
-        if m.eager:   # its puts are flushed (``eager``): checked above, now it is done
+        if m.eager == EAGER_FLUSHED:   # its puts are flushed (an older sender): checked above, now it is done
             if inline:
                 self.land_inline(tuple(packed), inline)
             self.deliver(Arrival(rid, nbytes, True, "", m.notify))
@@ -134,6 +135,8 @@ class Receiver:
         if nput == 0 and not i.frames:  # all here already: ACK without GO and DONE
             i.done = True
             return self.try_finish(i)
+        if m.eager:   # its puts are on their way already (no frames: ``eager``): DONE follows their flush
+            return
         # The data tag names this transfer: 38 random bits, unused here, told only to its sender
         # (GO, on its channel). A frame lands only under its exact tag (posted receive, or the
         # ring's lookup below), so a third party's sprayed frame hits one of the N frames open

@@ -1,6 +1,6 @@
 """UCX sending side on the I/O thread: announce, put after GO, flush, DONE; and the ends of transfers.
 
-A transfer comes prepared (``planner``) in a ``Submit``. ``start_out`` sends its ANNOUNCE (or,
+A transfer comes prepared (``planner``) in a ``Submit``. ``start_out`` sends its ANNOUNCE (and,
 pregranted, puts at once: ``eager``); ``on_answer`` takes the receiver's GO, ACK or FAIL;
 ``start_puts`` issues every put and iov frame when GO comes; ``flush_puts`` flushes once per peer
 and turn; ``advance`` gathers staged frames into the send ring as its slots free (``pump_frames``)
@@ -30,7 +30,7 @@ from .eager import EagerSends
 from .frames import Completes, ucx_buffer
 from .outbox import Outbox
 from .peers import Peers
-from .protocol import DATA_BIT, FRAME_BITS, Abort, Ack, Announce, Done, Fail, Fence, Go, Pregrant
+from .protocol import DATA_BIT, EAGER_STARTED, FRAME_BITS, Abort, Ack, Announce, Done, Fail, Fence, Go, Pregrant
 from .regions import Regions
 from .state import Outgoing, Peer
 from .turn import Leftovers, Turn
@@ -64,10 +64,12 @@ class Sender:
         self.outgoing[o.xid] = o
         a, eager = o.announce, self.eager.eager_ok(o)   # relative deadline: clocks differ across hosts
         o.announce = Announce(a.xid, a.request_id, max(o.handle.deadline - time.monotonic(), 0.0), a.notify, a.runs,
-                              a.nput, a.frame_bytes, a.inline, a.cap, a.staged, eager)   # not replace(): ~3x dearer
-        if eager:   # pregranted: put now, announce after the flush (``eager``)
+                              a.nput, a.frame_bytes, a.inline, a.cap, a.staged,
+                              EAGER_STARTED if eager else 0)   # not replace(): ~3x dearer
+        if eager:   # pregranted: announce and put now, DONE after the flush (``eager``)
             o.eager = True
-            return self.start_puts(o, 0)   # ``advance`` sends it (as DONE) once the flush completed
+            self.outbox.send_now(o.peer, o.announce)   # ahead of the puts: the receiver tracks it from here
+            return self.start_puts(o, 0)
         if self.eager.park(o):   # its PREGRANT is on its way (``eager``)
             return
         self.outbox.send(o.peer, o.announce)
@@ -89,7 +91,7 @@ class Sender:
                 _, status = ucp.post_puts(ep, o.puts, o.peer.rkeys, self.regions.put_params_far if o.peer.far
                                           else self.regions.put_params)
             except ValueError as e:   # checked before any was posted (the peer's rkeys gone, say): none in flight
-                return self.fail_out(o, PeerError(f"request {o.handle.request_id}: {e}"), tell=not o.eager)
+                return self.fail_out(o, PeerError(f"request {o.handle.request_id}: {e}"))
             if status:
                 return self._fail_issued(o, f"put failed: {ucp.why(status)}")
         if o.iov is not None:
@@ -170,7 +172,7 @@ class Sender:
             else:
                 o.handle.release_source()   # every put is remotely visible: the source is read
                 o.staging, o.state = None, "wait_ack"
-                self.outbox.send(o.peer, o.announce if o.eager else Done(o.xid))
+                self.outbox.send(o.peer, Done(o.xid))
                 if o.eager and not o.announce.inline:   # flushed: in the receiver's memory (``eager``)
                     del self.outgoing[o.xid]
                     o.state = "done"
@@ -266,7 +268,7 @@ class Sender:
         o.handle.release_source()
         if o.flush is not None and o.flush.poll() != 0:   # what it covered may still land: no ABORT, no FENCED
             o.peer.flush_failed = True
-        elif not o.eager:   # an eager one was never announced
+        else:
             self.outbox.send(o.peer, Abort(o.xid, o.abort))
 
     def settle_held(self) -> None:

@@ -116,5 +116,5 @@ class Outgoing:
     flush: ucp.Flush | None = None
     abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
     stale: bool = False              # announced before a re-handshake began: a GO for it is refused
-    eager: bool = False              # put without GO (pregranted); the announce follows the flush, as DONE
+    eager: bool = False              # put without GO (pregranted): announced with its puts, DONE after the flush
     parked: bool = False             # it waited for its PREGRANT once (``EagerSends.park``): never again
