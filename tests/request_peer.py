@@ -80,7 +80,8 @@ def transport_options(name: str, cfg: dict) -> dict:
     if name == "zmq":
         return {"heartbeat_ivl": hb[0], "heartbeat_timeout": hb[1]}
     if name == "ucx":
-        return {"heartbeat": hb[0], "peer_timeout": hb[1], **({"eager_writes": True} if cfg.get("eager") else {})}
+        return {"heartbeat": hb[0], "peer_timeout": hb[1],   # ``eager``: set, or the transport's default
+                **({"eager_writes": bool(cfg["eager"])} if cfg.get("eager") is not None else {})}
     return {}
 
 

@@ -321,6 +321,9 @@ def test_rejected_write_lands_nowhere(pair, case):
         pair.expect(rid, [1], [0], [100])       # grants bytes 0..99 of region 1 only
     if case == "after forget":
         assert pair.rx.call("forget", request_id=rid)["live"]
+        # The contract: bytes may land in a forgotten grant while ``writes_pending`` (a sender it
+        # was pregranted to, UCX's eager writes, has not answered its FENCE yet); none after.
+        assert until(lambda: not pair.rx.call("pending", request_id=rid)["pending"], 10.0), "writes still pending"
         plan = raw_plan([0], [0], [1], [0], [100])
     before = pair.rejected()
     pair.submit(rid, plan, timeout=20)
@@ -350,9 +353,10 @@ QUICK_SILENCE = {"zmq": {"heartbeat_timeout": 2.0}, "ucx": {"peer_timeout": 2.0}
 @pytest.mark.parametrize("pair", NETWORK, indirect=True)   # it stops or kills a peer process
 def test_source_released_only_when_nothing_reads_it(pair, tmp_path):
     """The receiver stops mid-transfer (SIGSTOP) long before its deadline. The sender fails the
-    transfer when the receiver goes silent and, while it is still stopped, releases the source
-    (nothing queued or in flight reads it any more). Bytes written to the source after that
-    must never reach the receiver once it runs again; its grant is still live then."""
+    transfer when the receiver goes silent (or, UCX's eager puts, completes it at their flush)
+    and, while it is still stopped, releases the source (nothing queued or in flight reads it).
+    Bytes written to the source after that must never reach the receiver once it runs again; its
+    grant is still live then."""
     tx = PeerProcess(tmp_path / "sender3.log")
     try:
         tx_desc = tx.call("init", transport=pair.name, sizes=SIZES, fill="seed", seed=SEED,
@@ -362,7 +366,9 @@ def test_source_released_only_when_nothing_reads_it(pair, tmp_path):
         rid, _ = _kill_mid_transfer(pair, tx, peer, pair.rx, timeout=60.0, sig=signal.SIGSTOP)
         try:
             res = tx.call("wait", request_ids=[rid], wait_s=10.0)["results"][rid]
-            assert res["status"] == "FAILED", res
+            # UCX's eager puts into a stopped process can complete: the sender succeeds at its
+            # flush (its bytes are in the receiver's memory, its source is free); otherwise it fails
+            assert res["status"] == "FAILED" or (res["status"] == "DONE" and pregranting(pair.name)), res
             assert until(lambda: tx.call("status", request_ids=[rid])["released"][rid], 10.0), \
                 "the source of a failed transfer was not released while its receiver was stopped"
             tx.call("fill", regions=[4], fill=0x3C)   # the sender reuses its memory
@@ -377,6 +383,14 @@ def test_source_released_only_when_nothing_reads_it(pair, tmp_path):
         pair.rx.call("forget", request_id=rid)
     finally:
         tx.close()
+
+
+def pregranting(name: str) -> bool:
+    """Does this transport's receiver pregrant, so its senders put without waiting (UCX's default)?"""
+    if name != "ucx":
+        return False
+    from kvxfer_transports.ucx.options import UCXOptions
+    return UCXOptions().eager_writes
 
 
 def _stop_mid_transfer(tx, rx, victim, rid: str, watch: int) -> bool:
@@ -442,7 +456,8 @@ def test_sender_killed_mid_transfer(pair):
 @pytest.mark.slow   # seconds
 @pytest.mark.parametrize("pair", NETWORK, indirect=True)   # it stops or kills a peer process
 def test_receiver_killed_mid_transfer(pair, tmp_path):
-    """SIGKILL the receiver mid-transfer: the sender's handle fails within its deadline."""
+    """SIGKILL the receiver mid-transfer: the sender's handle fails within its deadline (or, eager
+    puts, which need nothing of the receiver, succeeds once they are flushed into its memory)."""
     tx = PeerProcess(tmp_path / "sender2.log")
     try:
         token = pair.rx.call("admit", descriptor=tx.call("init", transport=pair.name, sizes=SIZES, fill="seed",
@@ -450,9 +465,12 @@ def test_receiver_killed_mid_transfer(pair, tmp_path):
         peer = tx.call("connect", descriptor=pair.rx_descriptor, token=token)["peer"]
         rid, _ = _kill_mid_transfer(pair, tx, peer, pair.rx)
         res = tx.call("wait", request_ids=[rid], wait_s=DEADLINE + SLACK)["results"][rid]
-        assert res["status"] == "FAILED" and res["error"], res
+        # eager puts (RDMA or shared memory) can all be flushed into the stopped receiver's memory
+        # before the kill: then the sender's Success is right
+        ended = ("FAILED", "DONE") if pregranting(pair.name) else ("FAILED",)
+        assert res["status"] in ended and (res["error"] or res["status"] == "DONE"), res
         assert res["elapsed"] <= DEADLINE + SLACK, res
-        assert tx.call("status", request_ids=[rid])["status"][rid] == "FAILED"   # the sender is still alive
+        assert tx.call("status", request_ids=[rid])["status"][rid] == res["status"]   # the sender is still alive
     finally:
         tx.close()
 

@@ -31,7 +31,8 @@ from kvxfer.transport.registry import get_transport  # noqa: E402
 KiB, MiB = 1 << 10, 1 << 20
 POOL = 24 * MiB
 CANARY = 0xA5
-OPTS = {"frame_bytes": 1 * MiB, "heartbeat": 0.2, "peer_timeout": 1.5}
+OPTS = {"frame_bytes": 1 * MiB, "heartbeat": 0.2, "peer_timeout": 1.5,
+        "eager_writes": False}   # the announced protocol (ANNOUNCE, GO); eager writes: test_ucx_eager.py
 TLS = {"default": None, "tcp": "tcp"}
 
 

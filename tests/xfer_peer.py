@@ -15,6 +15,7 @@ Commands (``{"op": ..., **arguments}``; a failing command replies ``{"error": ".
     peers    -> peers                                  UCX: the peer ids the transport keeps
     expect   request_id, ranges               ranges: encoded (region, start, nbytes) arrays
     forget   request_id -> live, grants_live  grants_live: GrantTable.live() when the transport has one
+    pending  request_id -> pending                     ``writes_pending`` (after forget: may bytes still land?)
     submit   peer, request_id, plan, timeout, notify     returns at once; the handle is kept
     wait     request_ids, wait_s -> results {id: {status, error, elapsed}}
     status   request_ids -> status {id: name}, released {id: source_released}   never blocks
@@ -184,6 +185,9 @@ class Peer:
         grants = getattr(self.t, "grants", None)
         live = self.t.forget(request_id)
         return {"live": live, "grants_live": grants.live() if grants is not None else None}
+
+    def op_pending(self, request_id: str):
+        return {"pending": self.t.writes_pending(request_id)}
 
     def op_submit(self, peer: str, request_id: str, plan: list, timeout: float = 30.0, notify: str = "",
                   capability: str = "", stall_s: float = 0.0):
