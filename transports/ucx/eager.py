@@ -1,7 +1,8 @@
 """Eager writes: a sender puts into a request's grant without waiting for GO (no control round
 trip), and its handle succeeds once those puts are flushed (remote completion), as NIXL's and
-Mooncake's do. Its ANNOUNCE leaves ahead of the puts (``EAGER_STARTED``): the receiver checks it
-as any other, tracks the transfer (deadline, the sender's death) and completes it at DONE.
+Mooncake's do. Its ANNOUNCE (``EAGER_STARTED``) leaves ahead of the puts, or, below
+``sender.ANNOUNCE_AHEAD`` bytes, with the turn's batch after them: the receiver checks it as any
+other, tracks the transfer (deadline, the sender's death) and completes it at DONE.
 
 The default; the receiving side decides (``UCXOptions.eager_writes``). Two parts, one per side,
 each owning its state; every method here runs on the I/O thread: ``Pregrants`` (receiver: what it
