@@ -15,6 +15,7 @@ import time
 import pytest
 import request_peer as rp
 import torch
+from support.deps import pregrants
 from waiting import until
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
@@ -157,15 +158,6 @@ def test_kill_decode(transport, pairs):
     assert all(s.kv_releasable for s in reqs.values())
 
 
-def pregranted(transport: str) -> bool:
-    """Does decode's transport pregrant its requests to prefill (UCX's eager writes, its default)?
-    Then a stopped prefill rank may still put into them (silence is not death)."""
-    if transport != "ucx":
-        return False
-    from kvxfer_transports.ucx.options import UCXOptions
-    return UCXOptions().eager_writes
-
-
 def test_stop_prefill_past_the_deadline(transport, pairs):
     """Decode's requests end while prefill is stopped. Their slots come back at once when prefill
     could only write after a GO; pregranted to it (eager writes), they stay held while it is
@@ -178,7 +170,7 @@ def test_stop_prefill_past_the_deadline(transport, pairs):
     pair.remote.stop()
     pair.remote.post("send", room=302, range=[4, 8], last=True)   # runs late, when the peer resumes
     assert_ended(reqs, t0, r"silent|timed out")
-    if pregranted(transport):
+    if pregrants(transport):
         time.sleep(HEARTBEAT[1])
         assert 302 not in pair.local.releases, "pregranted slots released while their sender could still put"
         pair.remote.cont()
@@ -203,7 +195,7 @@ def test_stop_decode_past_the_deadline(transport, pairs):
     pair.remote.stop()
     reqs[402].send(pair.local.slots[402][4:], last=True)     # into a stopped peer
     failing = reqs
-    if pregranted(transport):   # eager puts into a stopped process can complete: then 402 succeeds
+    if pregrants(transport):   # eager puts into a stopped process can complete: then 402 succeeds
         assert reqs[402].wait(LIMIT) in (KVPoll.Success, KVPoll.Failed), reqs[402]   # at its flush;
         failing = {room: r for room, r in reqs.items() if room != 402 or r.poll() == KVPoll.Failed}
     assert_ended(failing, t0, r"silent|timed out|transfer failed")   # decode's verdict decides (below)

@@ -24,7 +24,7 @@ from importlib.metadata import entry_points
 import numpy as np
 import pytest
 import torch
-from support.deps import need
+from support.deps import need, pregrants
 from waiting import until
 from xfer_peer import (
     CANARY,
@@ -368,7 +368,7 @@ def test_source_released_only_when_nothing_reads_it(pair, tmp_path):
             res = tx.call("wait", request_ids=[rid], wait_s=10.0)["results"][rid]
             # UCX's eager puts into a stopped process can complete: the sender succeeds at its
             # flush (its bytes are in the receiver's memory, its source is free); otherwise it fails
-            assert res["status"] == "FAILED" or (res["status"] == "DONE" and pregranting(pair.name)), res
+            assert res["status"] == "FAILED" or (res["status"] == "DONE" and pregrants(pair.name)), res
             assert until(lambda: tx.call("status", request_ids=[rid])["released"][rid], 10.0), \
                 "the source of a failed transfer was not released while its receiver was stopped"
             tx.call("fill", regions=[4], fill=0x3C)   # the sender reuses its memory
@@ -383,14 +383,6 @@ def test_source_released_only_when_nothing_reads_it(pair, tmp_path):
         pair.rx.call("forget", request_id=rid)
     finally:
         tx.close()
-
-
-def pregranting(name: str) -> bool:
-    """Does this transport's receiver pregrant, so its senders put without waiting (UCX's default)?"""
-    if name != "ucx":
-        return False
-    from kvxfer_transports.ucx.options import UCXOptions
-    return UCXOptions().eager_writes
 
 
 def _stop_mid_transfer(tx, rx, victim, rid: str, watch: int) -> bool:
@@ -467,7 +459,7 @@ def test_receiver_killed_mid_transfer(pair, tmp_path):
         res = tx.call("wait", request_ids=[rid], wait_s=DEADLINE + SLACK)["results"][rid]
         # eager puts (RDMA or shared memory) can all be flushed into the stopped receiver's memory
         # before the kill: then the sender's Success is right
-        ended = ("FAILED", "DONE") if pregranting(pair.name) else ("FAILED",)
+        ended = ("FAILED", "DONE") if pregrants(pair.name) else ("FAILED",)
         assert res["status"] in ended and (res["error"] or res["status"] == "DONE"), res
         assert res["elapsed"] <= DEADLINE + SLACK, res
         assert tx.call("status", request_ids=[rid])["status"][rid] == res["status"]   # the sender is still alive

@@ -29,3 +29,13 @@ def need(name: str) -> None:
     why = missing(name)
     if why:
         pytest.skip(why)
+
+
+def pregrants(name: str) -> bool:
+    """Does transport ``name``'s receiver pregrant its requests by default (UCX's eager writes), so
+    that its senders put without waiting for it: into a stopped receiver too, and a stopped sender
+    may still put into what it was pregranted?"""
+    if name != "ucx":
+        return False
+    from kvxfer_transports.ucx.options import UCXOptions
+    return UCXOptions().eager_writes
