@@ -267,6 +267,7 @@ def test_a_waiting_request_is_granted_once_its_instance_answers(world):
     assert landed(inst, np.arange(PAGE, PAGE + 6), pool, d_slots)
 
 
+@pytest.mark.slow   # holds rank 1's part 5 s: the full tier
 def test_a_decode_rank_that_confirmed_and_closed_does_not_fail_its_group_s_request(world):
     """Prefill TP 1, decode TP 2: one sender serves both decode ranks. Rank 0's part lands, it
     confirms and closes (BYE) while rank 1's part is still on its way (held 5 s in the prefill's
