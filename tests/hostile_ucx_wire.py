@@ -32,7 +32,7 @@ Formats (the UCX transport, as read):
     control batch   msgpack [sender id, channel secret (16 bytes), [message, ...]], tag
                     CTRL_TAG (1 << 63) | control tag; a HELLO to a transport's descriptor address
                     goes with control tag 0, everything else with the tag its WELCOME named.
-    HELLO           [0, address, secret, epoch, host, pid, start, err, eager, token, shm, ctag]
+    HELLO           [0, address, secret, epoch, host, pid, start, err, eager, token, shm, ctag(, drained)]
                     (full form; older forms stop after the secret, the start time, err or eager).
                     shm: [SYSV_FIFO_SIZE, SYSV_SEG_SIZE, POSIX_FIFO_SIZE, POSIX_SEG_SIZE] as strings
                     ("" for UCX's default); ctag: the control tag our messages to the peer carry.
@@ -91,9 +91,13 @@ def identity() -> dict:
 
 
 def hello_forms(address: bytes, secret: bytes, **kw) -> list[list]:
-    """Every HELLO shape an attacker may try: the older forms (3, 7, 8, 9 fields) and the full one."""
+    """Every HELLO shape an attacker may try: the older forms (3, 7, 8, 9 fields), the full one,
+    and the full one with a ``drained`` epoch (a re-handshake on a new endpoint): below its
+    epoch, equal, past it (malformed), negative, not an int, and one field more."""
     full = hello(address, secret, **kw)
-    return [full[:3], full[:7], full[:8], full[:9], full]
+    epoch = full[3]
+    drained = [full + [d] for d in (max(epoch - 1, 0), epoch, epoch + 1, -1, "0", 1 << 63)]
+    return [full[:3], full[:7], full[:8], full[:9], full, *drained, full + [epoch, 0]]
 
 
 def announce(xid: int, rid: str, runs: bytes, nput: int, *, frame: int = 4096, inline: bytes = b"",

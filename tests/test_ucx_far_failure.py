@@ -63,7 +63,7 @@ def test_only_a_reset_releases_what_a_far_peer_could_write(error, still_held):
 
         def inject() -> None:     # on the I/O thread, as the close callback's queue is read there
             t.peers.add(p)
-            t.landing.puts[(p.id, 1)] = ("room-1", 4096, time.monotonic())
+            t.landing.puts[(p.id, 1)] = ("room-1", 4096, time.monotonic(), 0)
             t.landing.rids["room-1"] += 1
             t.peers.failed.append(p)
         t.call_io(inject)

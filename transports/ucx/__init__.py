@@ -47,7 +47,7 @@ Who calls whom (each part only calls parts below it)::
     Admission    -> Fencing, Sender, Receiver, Peers
     Fencing      -> Sender, Receiver, Landing, Pregrants, Peers, Workers
     Lifecycle    -> Sender, Receiver, Rehandshake, Landing, EagerSends, Regions, Peers, Outbox
-    Rehandshake  -> Sender, Outbox, Workers
+    Rehandshake  -> Sender, Outbox, Workers, Peers
     Receiver     -> Landing, Pregrants, Regions, Outbox;   Sender -> EagerSends, Regions, Outbox
     Pregrants, EagerSends -> Peers, Outbox;   Outbox -> Peers;   Regions -> Workers
 
@@ -192,7 +192,7 @@ class UCXTransport(Transport):
         self.sender = Sender(regions, workers, peers, outbox, self.eager, self.send_ring, leftovers, turn)
         self.receiver = Receiver(opts, self.grants, regions, workers, peers, self.landing, self.pregrants, outbox,
                                  self.recv_ring, leftovers, turn, self._deliver)
-        self.rehandshake = Rehandshake(self.sender, outbox, workers)
+        self.rehandshake = Rehandshake(self.sender, outbox, workers, peers)
         self.lifecycle = Lifecycle(opts, workers, regions, peers, outbox, self.sender, self.receiver, self.landing,
                                    self.eager, self.rehandshake, commands, leftovers, turn)
         self.fence = Fencing(self.id, opts, self.grants, workers, peers, self.sender, self.receiver, self.landing,
@@ -234,8 +234,9 @@ class UCXTransport(Transport):
 
     def staging(self) -> dict:
         """Any thread: each staging ring's frames, in use, peak and waits (``send``, ``recv``; for
-        ``recv`` also ``held`` slots and the ``spill`` frames standing in for them)."""
-        return {"send": self.send_ring.stats(), "recv": {**self.recv_ring.stats(), **self.receiver.spill.stats()}}
+        both also ``held`` slots and the ``spill`` frames standing in for them)."""
+        return {"send": {**self.send_ring.stats(), **self.sender.spill.stats()},
+                "recv": {**self.recv_ring.stats(), **self.receiver.spill.stats()}}
 
     def descriptor(self) -> dict:
         """Plain JSON-safe data a peer needs: the front worker's address (``join``), region

@@ -137,6 +137,22 @@ progress = hotpath.progress
 EMPTY_TABLE: np.ndarray = np.zeros(0, np.uint64)   # rkeys / put parameter blocks of none (``post_puts``)
 
 
+def unpack_rkeys(ep: int, packed: list[bytes]) -> np.ndarray:
+    """Unpack a peer's packed rkeys on our endpoint ``ep`` to it (b"": an empty region, none):
+    uint64 handles, one per region (rkeys are per endpoint)."""
+    handles = []
+    try:
+        for k in packed:
+            h = ctypes.c_void_p()
+            if k:
+                check(rkey_unpack(ep, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
+            handles.append(h.value or 0)
+    except ConnectError:
+        destroy_rkeys(np.array(handles, np.uint64))
+        raise
+    return np.array(handles, np.uint64)
+
+
 def destroy_rkeys(handles: np.ndarray) -> None:
     """Destroy unpacked rkeys (0: an empty region had none); nothing may put with them after."""
     for h in handles.tolist():

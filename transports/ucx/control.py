@@ -33,7 +33,9 @@ both sides within their deadlines, but what it could still write or read stays h
   endpoint flush completes (then ABORT), or until the peer is proven dead (then our endpoint
   to it is closed, which cancels every local read, and the peer must be connected anew).
   When a silent peer speaks again, or fences us, we flush our endpoint to it and re-handshake
-  (``Rehandshake``): announces wait for that HELLO, so no write of the old epoch follows it.
+  (``Rehandshake``): announces wait for that HELLO, so no write of the old epoch follows it. To
+  a peer elsewhere (``err``) a new endpoint carries the HELLO at once instead, while the old one
+  drains: the HELLO's ``drained`` says which epochs' writes may still land.
   Silence is seen per direction, so a receiver may fence a sender that never saw it silent:
   hearing a peer it fenced, the receiver tells it (FAIL, transfer id 0, "peer fenced"); an
   announce it refused as fenced fails no request there and goes again after the new HELLO
@@ -152,11 +154,17 @@ class Control:
 
     def on_hello(self, p: Peer, m: Hello) -> None:
         """A HELLO from a known peer (same channel secret). With a higher epoch it re-handshakes:
-        it sent it only after a flush of its endpoint to us completed, so every put it issued
-        before has landed. The fence lifts and its held transfers are released."""
+        the fence lifts. What it may still write is released up to its ``drained`` epoch: every
+        put it issued in an epoch below that has landed (it flushed the endpoints they went
+        over). A HELLO that says an older epoch still drains came over a new endpoint
+        (``Rehandshake.renew``): ours to it moves too (``renew_control``), and a later HELLO with
+        the same epoch and a higher ``drained`` releases the rest."""
         p.host, p.pid, p.start, p.sends_eager = m.host, m.pid, m.start, m.eager
-        if m.epoch <= p.epoch:
-            return
-        p.epoch, p.fenced, p.dead_since = m.epoch, False, None
-        self.landing.rehandshaked(p)
-        self.pregrants.refence(p)   # eager: a FENCE it may have missed while silent goes again
+        if m.epoch > p.epoch:
+            p.epoch, p.fenced, p.dead_since = m.epoch, False, None
+            if m.drained < m.epoch:
+                self.rehandshake.renew_control(p)
+            self.pregrants.refence(p)   # eager: a FENCE it may have missed while silent goes again
+        if m.drained > p.drained:
+            p.drained = m.drained
+            self.landing.drained(p, m.drained)

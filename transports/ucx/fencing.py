@@ -27,7 +27,7 @@ from . import bindings as ucp
 from .eager import Pregrants
 from .landing import Landing
 from .options import UCXOptions
-from .peers import Peers, close_endpoint, failure_of
+from .peers import Peers, close_endpoint, close_retired, failure_of
 from .receiver import Receiver
 from .sender import Sender
 from .settings import process_start
@@ -142,6 +142,7 @@ class Fencing:
         self.receiver.fail_peer(p, why, tell=False, puts_left=not writes_impossible)
         try:
             close_endpoint(p)   # one UCX reported failed is closed already (``Peer.err``)
+            close_retired(p)
         except Exception:
             log.exception("closing the endpoint of peer %s", p.id[:8])
         for _ in range(16):
@@ -176,6 +177,7 @@ class Fencing:
             ucp.destroy_rkeys(p.rkeys)
             p.rkeys, p.outbox = ucp.EMPTY_TABLE, []
             close_endpoint(p)   # no flush: the peer is gone
+            close_retired(p)
 
     def peer_gone(self, p: Peer, why: str) -> None:
         """``p`` went silent (or said BYE): its transfers fail on both sides, but silence is not

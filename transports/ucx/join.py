@@ -42,7 +42,6 @@ with any settings, and against every message of ours a peer can forge.
 """
 from __future__ import annotations
 
-import ctypes
 import hmac
 import logging
 import os
@@ -201,7 +200,7 @@ class Join:
         w = self.workers
         front = p.ep
         p.ep = w.endpoint(w.far() if p.far else w.worker, m.address, p.err)
-        p.eph = p.ep.handle
+        p.eph, p.addr = p.ep.handle, m.address
         if p.err:
             self.peers.watch(p)
         try:
@@ -254,15 +253,9 @@ class Join:
         """Unpack ``p``'s rkeys on our data endpoint to it (``p.rkeys_packed``: regions' base,
         sizes, packed rkeys); from here on transfers to it may be submitted."""
         base, sizes, rkeys = p.rkeys_packed
-        handles = []
-        for k in rkeys:
-            h = ctypes.c_void_p()
-            if k:
-                ucp.check(ucp.rkey_unpack(p.eph, k, ctypes.byref(h)), "ucp_ep_rkey_unpack")
-            handles.append(h.value or 0)
-        p.base, p.sizes, p.rkeys = base, sizes, np.array(handles, np.uint64)
+        p.base, p.sizes, p.rkeys = base, sizes, ucp.unpack_rkeys(p.eph, rkeys)
         p.base_list, p.sizes_list = base.tolist(), sizes.tolist()
-        p.rkeys_packed = []
+        p.rkeys_src, p.rkeys_packed = p.rkeys_packed, []   # kept: a new endpoint unpacks them again
 
     def _log_path(self, p: Peer, where: str) -> list[tuple[str, str]]:
         """Say which transports reach ``p`` (INFO), and warn when another host is reached by TCP;
@@ -290,7 +283,7 @@ class Join:
         has it)."""
         w = self.workers
         ep = w.endpoint(w.far() if far else w.worker, addr, err and not front)
-        p = self.peers.add(Peer(peer_id, ep, secret, far=far, err=err, eph=ep.handle))
+        p = self.peers.add(Peer(peer_id, ep, secret, far=far, err=err, eph=ep.handle, addr=b"" if front else addr))
         if err and not front:
             self.peers.watch(p)
         return p

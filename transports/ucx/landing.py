@@ -3,9 +3,10 @@
 ``Landing`` is the receiver's ledger behind ``writes_pending`` and ``fencing()``:
 
 * ``puts``: ended transfers whose sender had GO, so puts of theirs may still land, until its
-  DONE or ABORT (sent once its puts are flushed: ``end``), its re-handshake (``rehandshaked``),
-  proof that it is dead (``writes_impossible``), or ``quarantine_timeout`` (``expire``); never its
-  silence: ``(peer id, xid) -> (request id, nbytes, since)``.
+  DONE or ABORT (sent once its puts are flushed: ``end``), a HELLO that says their epoch drained
+  (``drained``: after a flush of the endpoint they went over), proof that it is dead
+  (``writes_impossible``), or ``quarantine_timeout`` (``expire``); never its silence:
+  ``(peer id, xid) -> (request id, nbytes, since, the sender's epoch when it was announced)``.
 * ``draining``: ended transfers whose posted frame receives may still land (into the grant, or
   into receive-ring slots the ``Receiver`` holds): ``(peer id, key, requests, nbytes, since)``,
   ended when the receives completed (``reap``).
@@ -32,7 +33,7 @@ class Landing:
 
     def __init__(self, grants: GrantTable, leftovers: Leftovers):
         self.grants, self.leftovers = grants, leftovers
-        self.puts: dict[tuple[str, int], tuple[str, int, float]] = {}
+        self.puts: dict[tuple[str, int], tuple[str, int, float, int]] = {}
         self.draining: list = []
         self.rids: collections.Counter = collections.Counter()
         self.open: collections.Counter = collections.Counter()
@@ -51,7 +52,7 @@ class Landing:
 
     def hold_puts(self, i: Incoming) -> None:
         """``i`` ended after its GO: its sender's puts may still land until it proves otherwise."""
-        self.puts[(i.peer.id, i.xid)] = (i.rid, i.nbytes, time.monotonic())
+        self.puts[(i.peer.id, i.xid)] = (i.rid, i.nbytes, time.monotonic(), i.epoch)
         self.rids[i.rid] += 1
 
     def drain(self, peer_id: str, key, reqs, nbytes: int) -> None:
@@ -69,9 +70,12 @@ class Landing:
         self.landed(e[0])
         return True
 
-    def rehandshaked(self, p: Peer) -> None:
-        """``p`` sent a HELLO with a higher epoch (after a flush of its endpoint): its puts landed."""
-        for key in [k for k in self.puts if k[0] == p.id]:
+    def drained(self, p: Peer, below: int) -> None:
+        """``p``'s HELLO says every put it issued in an epoch below ``below`` landed (it flushed the
+        endpoints that carried them): those entries end. An entry records the epoch ``p`` had here
+        when its transfer was announced: a late announce from an older endpoint only counts as
+        newer, so it is released later, never sooner."""
+        for key in [k for k, e in self.puts.items() if k[0] == p.id and e[3] < below]:
             self.landed(self.puts.pop(key)[0])
 
     def writes_impossible(self, p: Peer) -> None:
@@ -97,7 +101,7 @@ class Landing:
         """``quarantine_timeout``: give up entries older than ``limit`` s (counted in ``expired``);
         returns the request ids of the expired puts (the caller logs them)."""
         rids = []
-        for key, (rid, _n, since) in list(self.puts.items()):
+        for key, (rid, _n, since, _e) in list(self.puts.items()):
             if now - since > limit:
                 del self.puts[key]
                 self.landed(rid)

@@ -31,7 +31,7 @@ from .eager import EagerSends
 from .landing import Landing
 from .options import UCXOptions
 from .outbox import Outbox
-from .peers import Peers, close_endpoint
+from .peers import Peers, close_endpoint, close_retired
 from .protocol import Abort, Bye, Fail
 from .receiver import Receiver
 from .regions import Regions
@@ -92,7 +92,8 @@ class Lifecycle:
         for p in self.closing:
             if self.peers.get(p.id) is not p:   # released meanwhile (proven dead)
                 continue
-            if self.sender.uses(p) or p.rehello is not None or p.outbox or self.receiver.opens(p) \
+            if self.sender.uses(p) or p.rehello is not None or any(r.ep is not None for r in p.old) or p.outbox \
+                    or self.receiver.opens(p) \
                     or any(k[0] == p.id for k in self.landing.puts) \
                     or any(e[0] == p.id for e in self.landing.draining):
                 left.append(p)   # a put may still read our source, or one of its may still land here
@@ -149,6 +150,7 @@ class Lifecycle:
         # spin forever on a dead peer (error handling is off).
         for p in self.peers.values():
             close_endpoint(p)
+            close_retired(p)
         end = time.monotonic() + 0.1
         while time.monotonic() < end:
             workers.settle()

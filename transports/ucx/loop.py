@@ -99,6 +99,8 @@ class Loop:
         for p in list(self.peers.values()):
             if p.rehello is not None:
                 self.rehandshake.check(p)
+            if p.old:
+                self.rehandshake.check_old(p)
             if not p.gone and p.clock.silent(now, options.peer_timeout):
                 fencing.peer_gone(p, f"peer silent for {p.clock.silent_for(now):.1f}s (dead or stalled)")
             if p.gone or p.fenced or p.id in waited:

@@ -19,10 +19,31 @@ from collections.abc import Iterator
 
 from ucxx._lib import libucxx as ucx_api
 
+from . import bindings as ucp
 from .options import UCXOptions
 from .protocol import MAX_CTAG
 from .state import Peer
 from .turn import Leftovers
+
+
+def close_ep(ep, err: bool) -> None:
+    """Close ``ep`` (I/O thread) unless UCX reported it failed (``err`` endpoints: ucxx closed it
+    itself; see ``close_endpoint``)."""
+    if err and not ep.alive:
+        return
+    ep.close()
+
+
+def close_retired(p: Peer) -> None:
+    """Close the endpoints a re-handshake replaced (``Rehandshake.renew``, ``renew_control``) and
+    destroy their rkeys: the peer is freed, or its writes are proven impossible."""
+    for r in p.old:
+        if r.ep is not None:
+            close_ep(r.ep, p.err)
+        ucp.destroy_rkeys(r.rkeys)
+    for ep in p.old_ctrl:
+        close_ep(ep, p.err)
+    p.old, p.old_ctrl = [], []
 
 
 def close_endpoint(p: Peer) -> None:
@@ -32,10 +53,7 @@ def close_endpoint(p: Peer) -> None:
     progress call, which this thread makes, so nothing changes between the check and the close.
     Error handling on (``Peer.err``): ucxx closes in force mode (no flush); off: a flush-close
     that does not wait for a dead peer here, as ucxx runs it."""
-    if p.err and not p.ep.alive:
-        p.eph = 0
-        return
-    p.ep.close()
+    close_ep(p.ep, p.err)
     p.eph = 0   # as ucxx's handle reads once closed
 
 
@@ -53,15 +71,18 @@ def failure_of(ep) -> str:
     return ""
 
 
-def _ep_closed(peers_ref: weakref.ref, peer_ref: weakref.ref) -> None:
+def _ep_closed(peers_ref: weakref.ref, peer_ref: weakref.ref, eph: int) -> None:
     """ucxx's close callback of an ``err`` endpoint (inside a worker progress call, on the I/O
     thread): only queue the peer for ``Fencing.check_failed``. It also comes when we close the
-    endpoint ourselves; the handler skips a peer already forgotten. Never raises into UCX."""
+    endpoint ourselves; the handler skips a peer already forgotten. One a re-handshake replaced
+    (``eph`` is not the peer's endpoint any more) is not the peer's failure: its flush says what
+    became of it (``Rehandshake.check_old``). Never raises into UCX."""
     try:
         peers, p = peers_ref(), peer_ref()
-        if p is not None:
-            p.eph = 0   # ucxx closed it: as its handle reads from now on
-        if peers is not None and p is not None:
+        if p is None or p.eph != eph:
+            return
+        p.eph = 0   # ucxx closed it: as its handle reads from now on
+        if peers is not None:
             peers.failed.append(p)
     except Exception:   # pragma: no cover - nothing here raises; UCX must never see it
         pass
@@ -141,7 +162,7 @@ class Peers:
         queued in ``failed`` and handled by ``Fencing.check_failed`` on the I/O loop's next tick
         (nothing runs inside UCX's call). Weak references: ucxx holds the callback in C++, where
         no collector sees a cycle."""
-        p.ep.set_close_callback(_ep_closed, (weakref.ref(self), weakref.ref(p)))
+        p.ep.set_close_callback(_ep_closed, (weakref.ref(self), weakref.ref(p), p.eph))
 
     def clear(self) -> None:
         """At the I/O thread's exit: every record dropped (endpoints with them)."""

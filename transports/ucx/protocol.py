@@ -85,7 +85,10 @@ class Hello:
     the sender's endpoint has UCX error handling on; the receiver's to it must match (endpoints
     of both modes do not talk). ``token``: what ``admit`` gave the receiver's owner for us;
     ``shm``: our ``settings.MUST_MATCH`` values; ``ctag``: the control tag the peer's messages
-    to us must carry."""
+    to us must carry. ``drained``: every put the sender issued in an epoch below it has landed
+    (or never will); ``epoch`` after a flush, lower after a re-handshake on a new endpoint while
+    the old one drains (``Rehandshake.renew``: a HELLO with the same epoch and a higher
+    ``drained`` follows its flush). A HELLO without it (older senders) means ``epoch``."""
     address: bytes
     secret: bytes
     epoch: int = 0
@@ -97,10 +100,16 @@ class Hello:
     token: bytes = b""
     shm: tuple[str, ...] = ("",) * SHM_FIELDS
     ctag: int = 1
+    drained: int = -1    # -1: ``epoch``
+
+    def __post_init__(self):
+        if self.drained < 0:
+            object.__setattr__(self, "drained", self.epoch)
 
     def wire(self) -> list:
-        return [HELLO, self.address, self.secret, self.epoch, self.host, self.pid, self.start, int(self.err),
-                int(self.eager), self.token, list(self.shm), self.ctag]
+        w = [HELLO, self.address, self.secret, self.epoch, self.host, self.pid, self.start, int(self.err),
+             int(self.eager), self.token, list(self.shm), self.ctag]
+        return w + [self.drained] if self.drained != self.epoch else w   # the older wire when it says nothing new
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,9 +287,9 @@ def _str(v, limit: int, what: str) -> str:
 
 
 # Lengths a message may have: ANNOUNCE without its newer fields is kvxfer's older wire (no
-# capability, which a grant with one refuses). A HELLO has every field: one without settings,
-# token or control tag cannot join.
-_SIZES = {HELLO: (12,), ANNOUNCE: (9, 10, 11, 12), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,),
+# capability, which a grant with one refuses). A HELLO has every field but ``drained`` (older
+# senders: ``epoch``): one without settings, token or control tag cannot join.
+_SIZES = {HELLO: (12, 13), ANNOUNCE: (9, 10, 11, 12), GO: (3,), DONE: (2,), ACK: (2,), FAIL: (3,), ABORT: (3,),
           PING: (1,), BYE: (1,), PREGRANT: (3,), FENCE: (2,), FENCED: (3,), WELCOME: (3,)}
 
 
@@ -301,11 +310,13 @@ def parse_message(m, limit: int) -> Message:
             shm = m[10]
             if type(shm) is not list or len(shm) != SHM_FIELDS:
                 raise ProtocolError(f"shared-memory settings are not a list of {SHM_FIELDS}")
-            return Hello(address, secret, _int(m[3], 0, MAX_ID, "epoch"), _str(m[4], MAX_HOST, "host"),
+            epoch = _int(m[3], 0, MAX_ID, "epoch")
+            return Hello(address, secret, epoch, _str(m[4], MAX_HOST, "host"),
                          _int(m[5], 0, 1 << 31, "pid"), _int(m[6], 0, MAX_ID, "start time"),
                          _int(m[7], 0, 2, "error handling") == 1, _int(m[8], 0, 2, "eager flag") == 1,
                          _bytes(m[9], MAX_TOKEN, "token"), tuple(_str(v, MAX_SETTING, "setting") for v in shm),
-                         _int(m[11], 1, MAX_CTAG, "control tag"))
+                         _int(m[11], 1, MAX_CTAG, "control tag"),
+                         _int(m[12], 0, epoch + 1, "drained epoch") if len(m) > 12 else epoch)
         if kind == WELCOME:
             return Welcome(_bytes(m[1], MAX_ADDRESS, "address"), _int(m[2], 1, MAX_CTAG, "control tag"))
         if kind == PING:

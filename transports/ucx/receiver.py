@@ -121,7 +121,7 @@ class Receiver:
             staging = StagedFrames(Stream(*packed), bounds, self.ring.device)
         i = Incoming(p, xid, rid, time.monotonic() + m.timeout, nbytes, m.notify, tuple(packed), staging,
                      m.frame_bytes, 0 if inline else staging.count if staging else -(-total // m.frame_bytes),
-                     puts=nput, cap=m.cap)
+                     puts=nput, cap=m.cap, epoch=p.epoch)
         self.landing.open[rid] += 1   # writes_pending until forget_in (forget() fails it asynchronously)
         self.incoming[(p.id, xid)] = i
         p.open_in += 1

@@ -27,7 +27,7 @@ from kvxfer.transport.kit import StagingPool
 
 from . import bindings as ucp
 from .eager import EagerSends
-from .frames import Completes, ucx_buffer
+from .frames import Completes, RingSpill, ucx_buffer
 from .outbox import Outbox
 from .peers import Peers
 from .protocol import DATA_BIT, EAGER_STARTED, FRAME_BITS, Abort, Ack, Announce, Done, Fail, Fence, Go, Pregrant
@@ -59,6 +59,11 @@ class Sender:
                  send_ring: StagingPool, leftovers: Leftovers, turn: Turn):
         self.regions, self.workers, self.peers, self.outbox, self.eager = regions, workers, peers, outbox, eager
         self.ring, self.leftovers, self.turn = send_ring, leftovers, turn
+        # Send-ring slots a failed transfer's frames still occupy (their sends may wait on a
+        # connection in retransmit backoff, a silent peer's, for a long while) are stood in for by
+        # spill frames, as many as are held: the ring never shrinks for peers that are heard.
+        self.spill = RingSpill(send_ring.frame_bytes)
+        self.spilling: list = []   # (request, spill frame) of live transfers' sends
         self.outgoing: dict[int, Outgoing] = {}
         self.unflushed: dict[str, list] = {}
         self.flushing: list = []
@@ -113,7 +118,7 @@ class Sender:
             if o.iov.error:
                 return self._fail_issued(o, f"sending frames failed: {o.iov.error}")
         o.dtag = dtag   # staged frames leave from pump_frames, as ring slots free
-        o.state = "flushing"
+        o.state, o.eph, o.peer.ep_used = "flushing", ep, True
         self.unflushed.setdefault(o.peer.id, []).append(o)
 
     def _fail_issued(self, o: Outgoing, why: str) -> None:
@@ -127,11 +132,20 @@ class Sender:
     def flush_puts(self) -> None:
         """One ep flush per peer covers every put issued to it this turn."""
         for outs in self.unflushed.values():
-            f = ucp.Flush(ucp.ep_flush(outs[0].peer.eph, ctypes.byref(self.workers.flush_param)))
-            for o in outs:
-                o.flush = f
-            self.flushing += outs
+            self._flush(outs)
         self.unflushed.clear()
+
+    def flush_peer(self, p: Peer) -> None:
+        """Flush now what was issued to ``p`` this turn (its endpoint is about to be replaced:
+        ``Rehandshake.renew``)."""
+        if (outs := self.unflushed.pop(p.id, None)) is not None:
+            self._flush(outs)
+
+    def _flush(self, outs: list[Outgoing]) -> None:
+        f = ucp.Flush(ucp.ep_flush(outs[0].peer.eph, ctypes.byref(self.workers.flush_param)))
+        for o in outs:
+            o.flush = f
+        self.flushing += outs
 
     def pump_frames(self, o: Outgoing) -> bool:
         """Every turn, for a transfer past GO with staged frames: gather its next frames into free
@@ -151,17 +165,22 @@ class Sender:
                 self.fail_out(o, PeerError(f"request {o.handle.request_id}: sending frame {r[1]} failed: {e}"))
                 return False
         st.reqs = left
-        ring = self.ring
+        ring, spill = self.ring, self.spill
         while st.next < st.count:
-            if not ring.available():   # back-pressure: looked at again next turn
+            free = ring.available()
+            if not free and not spill.room():   # back-pressure: looked at again next turn
                 return False
             k, size = st.next, st.size(st.next)
-            slot = ring.get(size, st.device)
-            gather_runs(self.regions.tensors, *st.part(k), out=slot)
+            slot = ring.get(size, st.device) if free else spill.get(st.device)   # a spill frame: whole
+            view = slot if free else slot[:size]
+            gather_runs(self.regions.tensors, *st.part(k), out=view)
             if slot.is_cuda:   # UCX reads the slot at once: the gather must be complete
                 torch.cuda.current_stream(slot.device).synchronize()
-            req = o.peer.ep.tag_send(ucx_buffer(slot), ucx_api.UCXXTag(DATA_BIT | o.dtag << FRAME_BITS | k))
-            ring.put(slot, Completes(req))
+            req = o.peer.ep.tag_send(ucx_buffer(view), ucx_api.UCXXTag(DATA_BIT | o.dtag << FRAME_BITS | k))
+            if free:
+                ring.put(slot, Completes(req))
+            else:
+                self.spilling.append((req, slot))
             st.reqs.append((req, k, slot))
             st.next += 1
             self.turn.acts += 1
@@ -170,6 +189,8 @@ class Sender:
     def advance(self) -> None:
         """DONE for every flushed transfer whose packed frames left too (in the turn of its flush
         when that completes at once, as it does for shared-memory puts)."""
+        if self.spilling or self.spill.held:
+            self.prune_spill()
         waiting = []
         for o in self.flushing:
             if o.state != "flushing":  # failed meanwhile
@@ -252,12 +273,40 @@ class Sender:
                 self.outbox.send(o.peer, Abort(o.xid, str(err)))
         o.state = "failed"
         if o.staging is not None:   # frames still being sent keep their ring slots (``Completes``)
-            self.leftovers.zombies.extend((r, slot) for r, _, slot in o.staging.reqs)
-            o.staging.reqs, o.staging.next = [], o.staging.count
+            self._hold_frames(o)
         if o.iov is not None and o.iov.reqs:
             self.leftovers.keep(o.iov)   # their requests are freed as they complete
         if o.flush is not None and o.flush.ptr is not None:
             self.leftovers.keep(o.flush)
+
+    def _hold_frames(self, o: Outgoing) -> None:
+        """Failed ``o``'s frames still being sent keep their slots until their sends complete; a
+        spill frame may stand in for each meanwhile (``frames.RingSpill``)."""
+        st = o.staging
+        assert st is not None
+        for req, _, slot in st.reqs:
+            self.leftovers.zombies.append((req, slot))
+            if req.completed:
+                continue
+            if self.spill.owns(slot):
+                self.spilling = [(r, f) for r, f in self.spilling if f is not slot]
+                self.spill.hold(Completes(req), slot)
+            else:
+                self.spill.hold(Completes(req))
+        st.reqs, st.next = [], st.count
+
+    def prune_spill(self) -> None:
+        """Each turn while spill frames are out: those whose sends completed are let go."""
+        if self.spilling:
+            left = []
+            for req, frame in self.spilling:
+                if req.completed:
+                    self.spill.put(frame)
+                else:
+                    left.append((req, frame))
+            self.spilling = left
+        if self.spill.held:
+            self.spill.prune()
 
     def fail_peer(self, p: Peer, why: str, tell: bool = True) -> None:
         """Every transfer to ``p`` that is open here fails with ``why`` (ABORT once flushed, if ``tell``)."""
@@ -309,6 +358,13 @@ class Sender:
             for p in self.peers.values():
                 self.eager.say_fenced_all(p)
 
+    def sends_on(self, eph: int) -> bool:
+        """May a put or frame of ours still be in flight over endpoint ``eph`` (``Rehandshake.check_old``
+        keeps a replaced endpoint open until none may: one closed under a frame in UCX's rendezvous
+        leaves it never completed)? A transfer's on it (under way or failed), or any ended work's
+        (its endpoint is not recorded: while any is in flight, every replaced endpoint stays)."""
+        return any(o.eph == eph for o in (*self.holding, *self.flushing)) or bool(self.leftovers.zombies)
+
     def holds(self, p: Peer) -> bool:
         """Does a put of ours to ``p`` maybe still read a source?"""
         return any(o.peer is p for o in self.holding)
@@ -325,3 +381,4 @@ class Sender:
     def clear(self) -> None:
         """At the I/O thread's exit (the endpoints are gone): nothing of ours is in flight."""
         self.outgoing, self.flushing, self.holding, self.unflushed = {}, [], [], {}
+        self.spill, self.spilling = RingSpill(self.ring.frame_bytes), []

@@ -61,6 +61,13 @@ class Peer:
     my_epoch: int = 0                # sender: the epoch of our latest HELLO to it
     rehello: ucp.Flush = None           # sender: the endpoint flush after which we send HELLO(my_epoch + 1)
     waiting: list = field(default_factory=list)   # sender: transfers to announce after that HELLO
+    # re-handshake on a new endpoint (``err`` peers: ``Rehandshake.renew``)
+    addr: bytes = b""                # its data worker's address (our endpoint to it goes there)
+    rkeys_src: list = field(default_factory=list)   # sender: its regions' base, sizes, packed rkeys (kept)
+    old: list = field(default_factory=list)   # sender: ``Retired`` endpoints whose puts may still be on their way
+    old_ctrl: list = field(default_factory=list)   # receiver: endpoints ``renew_control`` replaced (kept open)
+    ep_used: bool = False            # sender: a put or frame of ours went over ``ep``
+    drained: int = 0                 # receiver: its latest HELLO's ``drained`` (its epochs below have landed)
     host: str = ""                   # its HELLO's identity: same kernel and namespaces as ours?
     pid: int = 0
     start: int = 0
@@ -97,6 +104,20 @@ class Incoming:
     cap: bytes = b""                 # the capability its ANNOUNCE carried (checked against the grant)
     got: int = 0
     done: bool = False
+    epoch: int = 0                   # the sender's epoch when it was announced (``Landing``: what a HELLO drains)
+
+
+@dataclass(eq=False)
+class Retired:
+    """Sender: an endpoint a re-handshake replaced (``Rehandshake.renew``). What we put or sent over
+    it may still be on its way (a TCP connection in retransmit backoff after a partition) until
+    its flush completes; until then the peer holds what those writes may land in."""
+    ep: Any
+    eph: int
+    rkeys: np.ndarray
+    flush: Any                       # ucp.Flush; None once it ended
+    epoch: int                       # the epoch it carried
+    drained: bool = False            # its flush completed: what it carried has landed (or never will)
 
 
 @dataclass(eq=False)
@@ -117,4 +138,5 @@ class Outgoing:
     abort: str = ""                  # why it failed, for the ABORT sent once its puts are flushed
     stale: bool = False              # announced before a re-handshake began: a GO for it is refused
     eager: bool = False              # put without GO (pregranted): announced with its puts, DONE after the flush
+    eph: int = 0                     # the endpoint its puts and frames went over (``Rehandshake.check_old``)
     parked: bool = False             # it waited for its PREGRANT once (``EagerSends.park``): never again

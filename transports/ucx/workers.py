@@ -127,10 +127,12 @@ class Workers:
 
     def hello(self, p: Peer) -> Hello:
         """The HELLO we send ``p``: our data worker's address (the far one's for a far peer), where
-        we run, our shared-memory settings, and what ``p`` holds of us (secret, epoch, token, tag)."""
+        we run, our shared-memory settings, and what ``p`` holds of us (secret, epoch, token, tag),
+        and the lowest epoch whose endpoint may still carry puts of ours (``Rehandshake.renew``)."""
         return Hello(self.far_address if p.far else self.address, p.secret, p.my_epoch, self.host_id, self.pid,
                      self.start_ticks, p.err, eager=True, token=p.token,
-                     shm=tuple(self.shm_settings[k] for k in MUST_MATCH), ctag=p.tag_in)
+                     shm=tuple(self.shm_settings[k] for k in MUST_MATCH), ctag=p.tag_in,
+                     drained=min((r.epoch for r in p.old if not r.drained), default=p.my_epoch))
 
     def progress(self, busy: bool) -> int:
         """Progress every worker for at most ``PROGRESS_BUDGET``; how many events moved. ``busy``:
