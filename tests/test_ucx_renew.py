@@ -13,8 +13,8 @@ import pytest
 pytest.importorskip("ucxx")
 
 from kvxfer.grant import GrantTable  # noqa: E402
-from kvxfer_transports.ucx import peers as peers_mod  # noqa: E402
 from kvxfer_transports.ucx.landing import Landing  # noqa: E402
+from kvxfer_transports.ucx.peers import ep_closed  # noqa: E402
 from kvxfer_transports.ucx.protocol import SHM_FIELDS, Hello, Malformed, parse_message  # noqa: E402
 from kvxfer_transports.ucx.state import Incoming, Peer  # noqa: E402
 from kvxfer_transports.ucx.turn import Leftovers  # noqa: E402
@@ -70,7 +70,7 @@ def test_a_replaced_endpoint_s_close_is_not_its_peer_s_failure():
         failed: collections.deque = collections.deque()
     table = Table()
     p = Peer("far", _Ep(), b"s" * 16, eph=0x2000)
-    peers_mod._ep_closed(weakref.ref(table), weakref.ref(p), 0x1000)   # the endpoint ``renew`` replaced
+    ep_closed(weakref.ref(table), weakref.ref(p), 0x1000)   # the endpoint ``renew`` replaced
     assert p.eph == 0x2000 and not table.failed
-    peers_mod._ep_closed(weakref.ref(table), weakref.ref(p), 0x2000)   # its own endpoint
+    ep_closed(weakref.ref(table), weakref.ref(p), 0x2000)   # its own endpoint
     assert p.eph == 0 and list(table.failed) == [p]

@@ -71,7 +71,7 @@ def failure_of(ep) -> str:
     return ""
 
 
-def _ep_closed(peers_ref: weakref.ref, peer_ref: weakref.ref, eph: int) -> None:
+def ep_closed(peers_ref: weakref.ref, peer_ref: weakref.ref, eph: int) -> None:
     """ucxx's close callback of an ``err`` endpoint (inside a worker progress call, on the I/O
     thread): only queue the peer for ``Fencing.check_failed``. It also comes when we close the
     endpoint ourselves; the handler skips a peer already forgotten. One a re-handshake replaced
@@ -162,7 +162,7 @@ class Peers:
         queued in ``failed`` and handled by ``Fencing.check_failed`` on the I/O loop's next tick
         (nothing runs inside UCX's call). Weak references: ucxx holds the callback in C++, where
         no collector sees a cycle."""
-        p.ep.set_close_callback(_ep_closed, (weakref.ref(self), weakref.ref(p), p.eph))
+        p.ep.set_close_callback(ep_closed, (weakref.ref(self), weakref.ref(p), p.eph))
 
     def clear(self) -> None:
         """At the I/O thread's exit: every record dropped (endpoints with them)."""
