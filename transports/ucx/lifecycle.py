@@ -112,6 +112,7 @@ class Lifecycle:
             ucp.destroy_rkeys(p.rkeys)
             p.rkeys, p.close_flush = ucp.EMPTY_TABLE, None
             close_endpoint(p)   # flushed, or the peer is silent: no put of ours is in flight to it
+            close_retired(p)
             self.peers.retire(p)
         self.closing = left
 
