@@ -24,6 +24,7 @@ import time
 import pytest
 from hosts import UCX_ENV, hosts_fixture, hosts_skip_reason
 from multihost_rank import RankProc, byte_exact, ended, submit
+from test_multihost import stop_cluster
 
 pytestmark = [pytest.mark.multihost, pytest.mark.slow,
               pytest.mark.skipif(bool(hosts_skip_reason()), reason=str(hosts_skip_reason())),
@@ -54,14 +55,9 @@ def cluster(hosts, setting: str) -> dict:
         c["prefill"] = [RankProc(hosts[1], "prefill", env=env, layout="page_major", seed=7, **common)]
         c["decode"] = [RankProc(hosts[2], "decode", env=env, layout="token_major", **common)]
     except BaseException:
-        close(c)
+        stop_cluster(c)
         raise
     return c
-
-
-def close(c: dict) -> None:
-    for r in c["decode"] + c["prefill"] + [c["boot"]]:
-        r.close()
 
 
 def pinned(r: RankProc) -> dict:
@@ -119,4 +115,4 @@ def test_the_first_request_after_a_35s_partition_heals_lands_in_every_setting(th
         print(f"{CUT:.0f} s partition, heal:", report)
         three[1].tc("qdisc", "del", "dev", "veth0", "root", check=False)
         for c in cs.values():
-            close(c)
+            stop_cluster(c)
