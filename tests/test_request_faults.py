@@ -223,6 +223,9 @@ def test_dropped_control_messages(transport, pairs):
     assert until(lambda: reqs[502].poll() == XFER, 3)
     t0 = time.monotonic()
     reqs[502].abort("dropped-abort test")              # prefill never hears of it
+    # Released at once, or (eager writes: pregranted to prefill, which may put into them without
+    # asking) once prefill answered decode's FENCE: only then do the slots "belong to someone else".
+    assert until(lambda: D.releases.get(502) == 1, LIMIT), D.releases
     canary = fill_canary(D)
     P.call("send", room=502, range=[4, 8], last=True)  # a late write: the grant is gone
     D.clock.advance(DEADLINE + 0.1)                    # past the bootstrap deadline on both sides
