@@ -89,6 +89,7 @@ def test_expect_overrides_the_sizes(server):
     assert get(s.url + "/health")[1]["missing"] == ["1 more rank(s)"]
 
 
+@pytest.mark.slow   # waits ~1 s for a timeout: the full tier (keeps the fast tier under 90 s)
 def test_registrations_expire_without_heartbeats(server):
     s = server(ttl=0.5)
     c = BootstrapClient(s.url)

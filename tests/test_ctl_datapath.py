@@ -207,6 +207,7 @@ def test_a_new_epoch_of_a_decode_peer_ends_its_earlier_requests(server):
         tx.close()
 
 
+@pytest.mark.slow   # waits ~1 s for a timeout: the full tier (keeps the fast tier under 90 s)
 def test_another_hello_with_a_live_ranks_record_does_not_cut_it_off(server):
     """A second process says HELLO with the record of a decode rank that still lives (heartbeats):
     it is refused for now, naming the live process (a rank is one process at a time: identity before
@@ -230,6 +231,7 @@ def test_another_hello_with_a_live_ranks_record_does_not_cut_it_off(server):
             ep.close()
 
 
+@pytest.mark.slow   # waits ~1 s for a timeout: the full tier (keeps the fast tier under 90 s)
 def test_a_retired_peer_does_not_take_a_shared_data_peer_with_it(server):
     """Two handshakes with one data peer (another rank's HELLO that carried a live rank's data
     descriptor, then the rank's own): when the impostor goes silent and is retired, the shared data

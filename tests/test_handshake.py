@@ -225,6 +225,7 @@ def test_right_secret_connects(prefill):
         d.close()
 
 
+@pytest.mark.slow   # waits ~1 s for a timeout: the full tier (keeps the fast tier under 90 s)
 def test_unauthenticated_requests_are_dropped(prefill):
     """A peer without the secret gets nothing past the ZMTP handshake (CURVE keys from the secret):
     its message never reaches the channel, and nothing changes on the prefill side."""

@@ -1,11 +1,13 @@
 """A decode rank's HELLOs to its prefill ranks go out at once from one thread (issue 38: connect
 time flat as peers grow, no thread per peer): ``handshake.hello_all`` over a channel whose replies
-the test gives by hand (``PendingCalls``, as the channel thread does). Fast tier."""
+the test gives by hand (``PendingCalls``, as the channel thread does). Fast tier, but for the
+test that waits out a timeout."""
 from __future__ import annotations
 
 import threading
 import time
 
+import pytest
 from waiting import until
 
 from kvxfer.control.handshake import BUSY, hello_all
@@ -79,6 +81,7 @@ def test_every_hello_goes_out_before_any_answer_and_each_answer_is_read_as_it_co
     assert out == [[]]
 
 
+@pytest.mark.slow   # waits ~1 s for a timeout: the full tier (keeps the fast tier under 90 s)
 def test_busy_is_asked_again_a_silent_rank_times_out_and_a_mismatch_is_named():
     ch = HandChannel()
     t, out = run(ch, ["ok", "busy", "silent", "other"])

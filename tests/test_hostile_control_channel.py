@@ -98,6 +98,7 @@ class _Watcher(Quiet):
         self.channel.watch(peer)
 
 
+@pytest.mark.slow   # waits ~1 s for a timeout: the full tier (keeps the fast tier under 90 s)
 def test_peers_lost_long_ago_make_room_for_new_ones():
     """With max_peers 2, two watched peers that went silent do not lock out a third."""
     h = _Watcher()

@@ -425,6 +425,7 @@ def test_bad_watch_bodies_are_short_400s(server, body):
     assert status == 400 and len(reply) < 1024 and json.loads(reply)["code"] == "bad", (status, reply[:200])
 
 
+@pytest.mark.slow   # waits ~1 s for a timeout: the full tier (keeps the fast tier under 90 s)
 def test_a_watch_is_held_until_its_instance_changes_and_never_past_max_wait(server):
     s = server(max_wait=1.0)
     t0 = time.monotonic()

@@ -143,6 +143,7 @@ def test_a_sender_without_a_token_cannot_connect():
         v.close()
 
 
+@pytest.mark.slow   # waits ~1 s for a timeout: the full tier (keeps the fast tier under 90 s)
 def test_admitting_again_stops_the_old_token(ctx):
     v = Victim(heartbeat_timeout=2.0)
     try:
