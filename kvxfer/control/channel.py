@@ -95,7 +95,7 @@ class ControlChannel:
         self.bound = ""
         self._names: set[str] = set()
         if bind is not None:
-            self._router = self._guard.router(heartbeat.interval, heartbeat.timeout)
+            self._router = self._guard.router(heartbeat.timeout)
             try:
                 split_address(bind)
                 self._router.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)

@@ -14,7 +14,7 @@ loopback: 107k small messages/s against 132k without, a 6 MiB message ~9 ms slow
 Both ends must agree: a CURVE client cannot talk to a plain ROUTER, nor the reverse.
 
 Who calls what: ``ControlChannel`` only. On construction, ``ChannelGuard(ctx, poller, secret,
-zmtp_auth)``; then ``guard.router(heartbeat)`` before its ROUTER binds (``guard.bound(router)``
+zmtp_auth)``; then ``guard.router(heartbeat_timeout)`` before its ROUTER binds (``guard.bound(router)``
 after) and ``guard.dealer(peer)`` for each DEALER (``guard.connected(peer, sock)`` after its
 ``connect``). The guard puts its own sockets in the channel's poller; the channel thread hands each
 readable socket to ``guard.handle(sock)`` first (ZAP requests, ended connections, handshakes),
@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import zmq
 from zmq.utils import z85
 
-from ..transport.zmqguard import FreeAfterClose, ZapHandler, server_socket
+from ..transport.zmqguard import FreeAfterClose, ZapHandler, close_vanished, server_socket
 
 RECEIVE_QUEUE = 16    # whole messages libzmq queues per connection before it stops reading that
                       # peer: at most 16 x the largest part (1 GiB) of complete messages; a burst
@@ -131,7 +131,7 @@ class ChannelGuard:
         s.setsockopt(zmq.MAXMSGSIZE, self._max_part)   # one part (a body, and CURVE's box around it)
         return s
 
-    def router(self, heartbeat_ivl: float, heartbeat_timeout: float) -> zmq.Socket:
+    def router(self, heartbeat_timeout: float) -> zmq.Socket:
         """The ROUTER, not bound yet: the ZAP handler first (without one it would refuse everyone)."""
         if self.keys is not None:
             self._zap = ZapHandler(self._ctx, self.keys.check)
@@ -145,9 +145,7 @@ class ChannelGuard:
         # Taking another's identity gains nothing: every message is checked against the signed
         # sender, so without the secret a thief only cuts that peer off until it reconnects.
         r.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # ZMTP heartbeats close connections whose peer vanished, so their fds are freed
-        r.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_ivl * 1000))
-        r.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(heartbeat_timeout * 1000))
+        close_vanished(r, heartbeat_timeout)   # a vanished peer's connection closes: its fd is freed
         r.setsockopt(zmq.HANDSHAKE_IVL, int(max(heartbeat_timeout, 10.0) * 1000))
         return r
 

@@ -16,7 +16,7 @@ import zmq
 
 from kvxfer.addresses import advertise_address
 from kvxfer.transport.admission import Admissions
-from kvxfer.transport.zmqguard import FreeAfterClose, ZapHandler, server_socket
+from kvxfer.transport.zmqguard import FreeAfterClose, ZapHandler, close_vanished, server_socket
 
 from .addresses import bind
 from .options import ZMQOptions
@@ -45,13 +45,12 @@ class Sockets:
         # Data flows DEALER -> ROUTER, bounded by the window. Replies flow back and must never
         # meet a high-water mark: there a ROUTER drops them silently (a lost ack).
         s.sndhwm, s.rcvhwm = (o.window, _REPLY_HWM) if kind == zmq.DEALER else (_REPLY_HWM, o.window)
-        s.setsockopt(zmq.HEARTBEAT_IVL, int(o.heartbeat_ivl * 1000))
-        # A DEALER's ZMTP timeout is twice ours: the sender closes a silent peer's DEALER (linger 0)
-        # at heartbeat_timeout, and libzmq 4.3.5 aborts the process (session_base.cpp clean_pipes,
-        # EAGAIN) when its own timeout ends the connection while that close is under way and a
-        # multipart message is half sent (the peer stopped reading). Seen 1 in 2 suite runs.
-        zmtp_timeout = o.heartbeat_timeout * (2 if kind == zmq.DEALER else 1)
-        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(zmtp_timeout * 1000))
+        # A vanished peer's connection closes (its fd is freed), by TCP. A DEALER's timeout is twice
+        # ours: the sender closes a silent peer's DEALER (linger 0) at heartbeat_timeout, and
+        # libzmq 4.3.5 aborts the process (session_base.cpp clean_pipes, EAGAIN) when the
+        # connection ends while that close is under way and a multipart message is half sent
+        # (the peer stopped reading). Seen 1 in 2 suite runs, with ZMTP heartbeats' timeout.
+        close_vanished(s, o.heartbeat_timeout * (2 if kind == zmq.DEALER else 1))
         s.setsockopt(zmq.MAXMSGSIZE, o.part_limit if kind == zmq.ROUTER else MAX_REPLY)
         return s
 
