@@ -122,6 +122,13 @@ def run(conn, cfg_json: str) -> None:
 
     if role == "prefill":
         ep = PrefillEndpoint(spec, kv, **common)
+        if cfg.get("hello_delay"):   # a slow rank (starting, a loaded host): each HELLO answered late
+            answer, delay = ep.links.on_hello, cfg["hello_delay"]
+
+            def slow_hello(peer, msg):
+                time.sleep(delay)
+                answer(peer, msg)
+            ep.links.on_hello = slow_hello
         ep.register(cfg["bootstrap"], ttl=cfg.get("ttl", 3.0))
     else:
         ep = DecodeEndpoint(spec, kv, aux=AuxBuffer(64), **common)

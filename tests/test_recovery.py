@@ -24,7 +24,7 @@ from waiting import until
 
 from kvxfer.control.client import BootstrapClient
 from kvxfer.endpoint import KVPoll
-from kvxfer.endpoint.recovery import MIN_GAP, REJOIN_HELLO
+from kvxfer.endpoint.recovery import MIN_GAP, REJOIN_HELLO, REPLACED_HELLO
 
 pytestmark = pytest.mark.slow
 
@@ -71,6 +71,28 @@ def made():
     yield things
     for t in reversed(things):
         t.close()
+
+
+def test_a_restarted_rank_slow_to_answer_its_hello_serves_the_first_request(registries, made):  # noqa: F811
+    """A prefill rank restarted on a host so loaded that it answers each HELLO 1.6 s late (past
+    ``REJOIN_HELLO``, what a lost rank at its old record gets): the registry holds its new record,
+    so decode waits up to ``REPLACED_HELLO`` for it, and the first request after the restart lands.
+    With 1 s for it too, this fails as CI's vLLM case did (the first request after a prefill
+    engine's restart failed on a loaded machine): "no answer ... within 1.0s"."""
+    delay = 1.6
+    assert REJOIN_HELLO < delay < REPLACED_HELLO
+    c = cfg("zmq")
+    server = registries("embedded", ttl=2.0)
+    P = rp.Peer("prefill", {**c, "bootstrap": server.url})
+    made.append(P)
+    D = rp.Side("decode", c, server.url)
+    made.append(D)
+    one_request(P, D, 1, c)
+    P.kill()
+    assert until(lambda: KEY in D.ep.lost_peers, HB[1] + 3), "the killed rank was not marked lost"
+    P2 = rp.Peer("prefill", {**c, "bootstrap": server.url, "hello_delay": delay})
+    made.append(P2)
+    one_request(P2, D, 2, c, within=15)
 
 
 @CASES

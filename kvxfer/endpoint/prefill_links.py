@@ -31,7 +31,7 @@ from ..errors import CompatibilityError, ConnectError
 from ..plan import Planner
 from .instances import Groups, Phase, PrefillInstance, check_one_instance, find_ranks, plan_groups
 from .receiver import ReceiverHost
-from .recovery import REJOIN_HELLO, PeerRecovery
+from .recovery import REJOIN_HELLO, REPLACED_HELLO, PeerRecovery
 
 log = logging.getLogger("kvxfer.request")
 
@@ -228,12 +228,12 @@ class PrefillLinks:
         self.ep.break_endpoint(why)
 
     def rejoin(self, key: str, info: RankInfo, *, replaced: bool, read_at: float = float("inf")) -> bool:
-        """Recovery thread, blocking (one HELLO, at most ``REJOIN_HELLO`` s): handshake again with
-        prefill rank ``key`` at ``info.control``. ``replaced``: the registry holds a new record for
-        it (a restarted rank), so what ran with the old one fails now. ``read_at``: when the
-        registry was read (``time.monotonic``); a failed handshake fails only the requests that
-        waited since before then (a later one gets a fresh read). True once it answered; False (it
-        stays lost, with the reason) otherwise. Never raises."""
+        """Recovery thread, blocking (one HELLO, at most ``REJOIN_HELLO`` s, ``REPLACED_HELLO`` when
+        ``replaced``): handshake again with prefill rank ``key`` at ``info.control``. ``replaced``:
+        the registry holds a new record for it (a restarted rank), so what ran with the old one
+        fails now. ``read_at``: when the registry was read (``time.monotonic``); a failed handshake
+        fails only the requests that waited since before then (a later one gets a fresh read).
+        True once it answered; False (it stays lost, with the reason) otherwise. Never raises."""
         ep = self.ep
         with ep.guard() as later:
             old = self.known.get(key)
@@ -249,7 +249,8 @@ class PrefillLinks:
                 require_compatible([(info, ep.info)], ep.transport.name)
                 ep.channel.forget(key)            # a new connection: its replay state, a fresh HELLO
                 ep.channel.connect(key, info.control)
-                hello(ep.channel, key, ep.info, min(ep.timeouts.handshake, REJOIN_HELLO), self._tokens(key, info))
+                wait = REPLACED_HELLO if replaced else REJOIN_HELLO
+                hello(ep.channel, key, ep.info, min(ep.timeouts.handshake, wait), self._tokens(key, info))
                 why = ""
             except (ConnectError, CompatibilityError, ValueError) as e:
                 why = f"a new handshake with {info.control} failed: {e}"
