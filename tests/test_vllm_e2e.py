@@ -120,13 +120,19 @@ def idle(engine, what: str) -> int:
     return engine.call("free")["free"]
 
 
+def kvxfer_lines(engine, n: int = 30) -> str:
+    """The engine log's last ``n`` lines from kvxfer (requests ended, prefill ranks lost or back)."""
+    lines = [x for x in engine.tail(100000).splitlines() if x.startswith("kvxfer ")]
+    return "\n".join(lines[-n:])
+
+
 def assert_same_bytes(pair, names) -> None:
     """The KV blocks that landed on decode hold exactly the bytes prefill sent (per block, every layer)."""
     sent, landed = pair.p.call("digests")["digests"], pair.d.call("digests")["digests"]
     for n in names:
         p = [v for k, v in sent.items() if k.rsplit("-", 1)[0] == n]
         d = [v for k, v in landed.items() if k.rsplit("-", 1)[0] == n]
-        assert len(p) == 1 and len(d) == 1 and p[0] and p[0] == d[0], (n, p, d)
+        assert len(p) == 1 and len(d) == 1 and p[0] and p[0] == d[0], (n, p, d, kvxfer_lines(pair.d))
 
 
 def test_decode_reproduces_the_plain_engine_token_for_token(pair, plain):

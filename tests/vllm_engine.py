@@ -240,6 +240,15 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     args = ap.parse_args()
     faulthandler.enable()   # a crash in native code prints every thread's Python stack to the log
+    # kvxfer's own record of each request's end and each prefill rank lost or back, stamped, in the
+    # engine's log: what a failed case is read from
+    import logging
+    h = logging.StreamHandler(sys.stderr)
+    h.setFormatter(logging.Formatter("kvxfer %(asctime)s %(name)s %(levelname)s %(message)s"))
+    kv = logging.getLogger("kvxfer")
+    kv.addHandler(h)
+    kv.setLevel(logging.INFO)
+    kv.propagate = False
     if args.what == "model":
         make_model(args.path)
         return
