@@ -1,6 +1,8 @@
 """Benchmark across test hosts: one 64 MiB request host B -> host C, TP 1 -> 1 and TP 2 -> 4
 (page-major prefill, token-major decode: head slices), over zmq and UCX-tcp, next to a raw TCP
-stream (sendall / recv_into) between the same two namespaces, before and after (same run).
+stream (sendall / recv_into) between the same two namespaces, before and after (same run), and
+the TP shape's own raw ceiling: as many sending and receiving processes as ranks, the same
+bytes per connection (``raw tcp TP 2->4``).
 Prints the median of ``--repeat`` runs (default 3) in GB/s. Root only (network namespaces).
 
     .venv/bin/python scripts/bench_hosts.py [--mib 64] [--repeat 3] [--transports zmq,ucx] [--tp 1:1,2:4]
@@ -53,6 +55,21 @@ t = time.perf_counter(); c.sendall(data); c.recv(1); print(time.perf_counter() -
 """
 
 
+# The same shape raw (``raw_tcp_tp``): a client process per prefill rank connects to the server
+# process of each decode rank it feeds, waits for "go" on stdin, then sends N bytes on each
+# connection at once (a thread each) and prints the seconds until every server answered.
+RAW_TP_CLIENT = r"""
+import os, socket, sys, threading, time
+n = int(sys.argv[1]); data = os.urandom(1 << 20) * (n >> 20)
+conns = [socket.create_connection((a.rsplit(":", 1)[0], int(a.rsplit(":", 1)[1]))) for a in sys.argv[2:]]
+def one(c):
+    c.sendall(data); c.recv(1)
+print("ready", flush=True); sys.stdin.readline()
+t = time.perf_counter(); ts = [threading.Thread(target=one, args=(c,)) for c in conns]
+[x.start() for x in ts]; [x.join() for x in ts]; print(time.perf_counter() - t, flush=True)
+"""
+
+
 def raw_tcp(hosts, nbytes: int, repeat: int) -> list[float]:
     srv = hosts[2].popen([sys.executable, "-c", RAW_SERVER, hosts[2].addr, str(nbytes)], stdout=subprocess.PIPE,
                          text=True)
@@ -62,6 +79,39 @@ def raw_tcp(hosts, nbytes: int, repeat: int) -> list[float]:
         r = hosts[1].run([sys.executable, "-c", RAW_CLIENT, hosts[2].addr, str(port), str(nbytes)], timeout=120)
         out.append(nbytes / float(r.stdout) / 1e9)
     srv.kill()
+    return out
+
+
+def raw_tcp_tp(hosts, nbytes: int, repeat: int, p_tp: int, d_tp: int) -> list[float]:
+    """The ceiling of the TP ``p_tp`` -> ``d_tp`` shape on these hosts: ``p_tp`` sending processes on
+    host B, ``d_tp`` receiving ones on host C, raw TCP, each receiver fed ``nbytes / d_tp`` by the
+    one sender whose heads it takes (with ``p_tp`` < ``d_tp``, as kvxfer's head slices go);
+    GB/s of the whole ``nbytes`` until the slowest sender is done."""
+    if p_tp > d_tp or d_tp % p_tp:
+        raise ValueError(f"raw TP {p_tp} -> {d_tp}: a decode TP that is a multiple of prefill's")
+    per = nbytes // d_tp
+    srvs = [hosts[2].popen([sys.executable, "-c", RAW_SERVER, hosts[2].addr, str(per)], stdout=subprocess.PIPE,
+                           text=True) for _ in range(d_tp)]
+    ports = [json.loads(s.stdout.readline())["port"] for s in srvs]
+    fan = d_tp // p_tp
+    out = []
+    try:
+        for _ in range(repeat):
+            cls = [hosts[1].popen([sys.executable, "-c", RAW_TP_CLIENT, str(per),
+                                   *[f"{hosts[2].addr}:{port}" for port in ports[r * fan:(r + 1) * fan]]],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for r in range(p_tp)]
+            for c in cls:
+                assert c.stdout.readline().strip() == "ready"
+            for c in cls:
+                c.stdin.write("go\n")
+                c.stdin.flush()
+            took = max(float(c.stdout.readline()) for c in cls)
+            for c in cls:
+                c.wait(30)
+            out.append(per * d_tp / took / 1e9)
+    finally:
+        for srv in srvs:
+            srv.kill()
     return out
 
 
@@ -136,6 +186,9 @@ def main() -> int:
         for _ in range(a.rounds):
             rows.setdefault("raw tcp", []).extend(raw_tcp(hosts, a.mib << 20, a.repeat))
             for p_tp, d_tp in pairs:
+                if (p_tp, d_tp) != (1, 1):   # the shape's own ceiling, raw: as many processes as ranks
+                    rows.setdefault(f"raw tcp TP {p_tp}->{d_tp}", []).extend(
+                        raw_tcp_tp(hosts, a.mib << 20, a.repeat, p_tp, d_tp))
                 for t in a.transports.split(","):
                     if t == "ucx" and importlib.util.find_spec("ucxx") is None:
                         print("ucx: ucxx does not import, skipped")
@@ -151,7 +204,10 @@ def main() -> int:
           f"median of {a.repeat} x {a.rounds} rounds; ratio to the raw TCP median of this run ({raw:.2f} GB/s):")
     for name, v in rows.items():
         m = statistics.median(v)
-        print(f"  {name:34s} {m:6.2f} GB/s  {m / raw:5.2f}x   runs: {', '.join(f'{x:.2f}' for x in v)}")
+        shape = name.rsplit(" TP ", 1)[-1] if " TP " in name and not name.startswith("raw") else ""
+        ceiling = rows.get(f"raw tcp TP {shape}")
+        vs = f"  {m / statistics.median(ceiling):5.2f}x of raw TP {shape}" if ceiling else ""
+        print(f"  {name:34s} {m:6.2f} GB/s  {m / raw:5.2f}x{vs}   runs: {', '.join(f'{x:.2f}' for x in v)}")
     return 0
 
 
