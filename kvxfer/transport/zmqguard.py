@@ -58,25 +58,26 @@ Check = Callable[[bytes, Sequence[bytes]], "str | None"]
 
 
 def close_vanished(sock: zmq.Socket, timeout: float) -> None:
-    """Close ``sock``'s connections to peers that vanished (host down, cable cut) in about
-    ``timeout`` s, so their fds are freed: TCP keepalive probes an idle one (``timeout``, then 3
-    probes 1 s apart), and data left unacknowledged for ``timeout`` s ends one that is not idle
-    (``TCP_MAXRT``: Linux's ``TCP_USER_TIMEOUT``). The kernel answers both, so a peer process that
-    is only stopped keeps its connections: whether it is dead is the heartbeats' business
-    (silence is not death).
+    """Close ``sock``'s connections to peers that vanished (host down, cable cut), so their fds
+    are freed: TCP keepalive probes an idle one (after ``timeout``, 1 s apart), and ``TCP_MAXRT``
+    (Linux's ``TCP_USER_TIMEOUT``: 3 x ``timeout``) ends one whose data or probes went
+    unacknowledged that long. The kernel answers both, so a peer process that is only stopped
+    keeps its connections: whether it is dead is the heartbeats' business (silence is not death).
+    3 x ``timeout``, not less: Linux also ends a connection whose peer advertised a zero window
+    (back-pressure: the peer reads slower than we write) for that long.
 
     Not ZMTP heartbeats (``ZMQ_HEARTBEAT_IVL``): libzmq 4.3.5 aborts the process with them
     (``Assertion failed: !_io_error (src/stream_engine_base.cpp:310)``) when a connection whose
     input is stopped by the high-water mark is reset and the heartbeat timer fires next: the
     reset marks the engine failed without ending it, and the timer writes a PING on it
-    (``tests/test_zmq_reset.py``: 7-8 of 8 victims aborted; seen in CI when a partition healed).
+    (``tests/test_zmq_reset.py``: 8 of 8 victims aborted; seen in CI when a partition healed).
     A peer that stops reading is exactly what the high-water mark is for, so that must not kill
     us."""
     sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, max(1, round(timeout)))
     sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, 1)
     sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, 3)
-    sock.setsockopt(zmq.TCP_MAXRT, max(1000, int(timeout * 1000)))
+    sock.setsockopt(zmq.TCP_MAXRT, max(1000, int(3 * timeout * 1000)))
 
 
 def server_socket(sock: zmq.Socket) -> None:
