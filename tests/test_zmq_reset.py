@@ -5,7 +5,8 @@ Seen in CI: a prefill rank died with ``Assertion failed: !_io_error
 whose messages reach the high-water mark (the owner reads slower than the peer writes); a reset
 then marks that connection failed without ending it, and with ZMTP heartbeats on, the heartbeat
 timer writes a PING on it next: the assertion. Measured before the fix, with this test's attack:
-7-8 of 8 victims aborted within one heartbeat interval; with heartbeats off, 0 of 10.
+8 of 8 victims (4 of each kind) aborted within two heartbeat intervals; plain pyzmq ROUTERs with
+heartbeats off, 0 of 10.
 
 Each victim is a process of its own holding one ROUTER made by kvxfer's own code, and its owner
 does not read it (a busy thread): the control channel (its thread stalled in a handler), and the
