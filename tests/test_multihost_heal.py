@@ -14,6 +14,9 @@ in for slots held by stuck sends). Then:
 - that request succeeds in every cluster, byte-exact;
 - what decode held for the cut transfers comes back once the old connections drain: measured
   and printed per setting, within TCP's bound (the cut plus its 120 s maximum backoff);
+- what decode said over those connections during the cut (a "peer fenced" sent before it read
+  prefill's new HELLO) arrives when they drain and starts no re-handshake more (issue 35: it
+  did, and failed the transfers waiting for GO at that moment); a request after it lands;
 - no byte outside the grants of requests that succeeded changed (no late write).
 """
 from __future__ import annotations
@@ -38,7 +41,7 @@ SETTINGS = {"zmq": ("zmq", None, None), "ucx": ("ucx", {}, -1), "ucx-tcp": ("ucx
 CUT = 35.0
 # 2 layers x K,V x 8 heads x 128 dims x bf16 = 8 KiB a token: 8192 tokens 64 MiB
 POOL = dict(heads=8, layers=2, head_dim=128, page_size=16, num_pages=(2 * 8192 + 2 * 256) // 16 + 8)
-BIG_ROOMS, BIG, SMALL, FIRST = [11, 12], 8192, 256, 21
+BIG_ROOMS, BIG, SMALL, FIRST, AFTER = [11, 12], 8192, 256, 21, 31
 TIMEOUTS, HB = (30, 60, 10, 60), (0.5, 5.0)   # transfer: 10 s without progress; peer silent: 5 s
 TCP_BOUND = CUT + 120.0 + 10.0   # the old connection retries within the cut + 120 s, then drains
 PINNED = ("requests", "bytes", "transfers", "sources", "source_bytes", "eager_fences")
@@ -63,6 +66,11 @@ def cluster(hosts, setting: str) -> dict:
 def pinned(r: RankProc) -> dict:
     f = r.call("fencing")
     return {k: f[k] for k in PINNED if f.get(k)}
+
+
+def rehandshakes_of(c: dict) -> list:
+    """The new-epoch HELLOs each UCX rank sent (``fencing()["rehandshakes"]``; zmq: none)."""
+    return [r.call("fencing").get("rehandshakes") for r in c["prefill"] + c["decode"]]
 
 
 def test_the_first_request_after_a_35s_partition_heals_lands_in_every_setting(three):
@@ -97,6 +105,7 @@ def test_the_first_request_after_a_35s_partition_heals_lands_in_every_setting(th
         for s, c in cs.items():
             assert all(state == "Success" for state, _ in report[s]["first"]), (s, report)
             byte_exact(c, FIRST)
+        rehandshakes = {s: rehandshakes_of(c) for s, c in cs.items()}
         three[1].tc("qdisc", "del", "dev", "veth0", "root", check=False)
         left = dict(cs)   # what the cut transfers held comes back once their connections drain
         while left and time.monotonic() - healed < TCP_BOUND:
@@ -106,9 +115,17 @@ def test_the_first_request_after_a_35s_partition_heals_lands_in_every_setting(th
                     del left[s]
             time.sleep(0.2)
         assert not left, {s: [pinned(r) for r in c["decode"] + c["prefill"]] for s, c in left.items()}
+        for s, c in cs.items():   # the old connections drained: what decode said over them was stale
+            report[s]["rehandshakes"] = (rehandshakes[s], rehandshakes_of(c))
+            assert rehandshakes_of(c) == rehandshakes[s], (s, report)
+            submit(c, AFTER, SMALL)
+        for s, c in cs.items():
+            sts = ended(c["decode"] + c["prefill"], [AFTER], 30)
+            assert all(st[str(AFTER)]["state"] == "Success" for st in sts), (s, sts)
+            byte_exact(c, AFTER)
         for s, c in cs.items():
             states = ended(c["decode"], BIG_ROOMS, 5)[0]
-            keep = [1, FIRST] + [room for room in BIG_ROOMS if states[str(room)]["state"] == "Success"]
+            keep = [1, FIRST, AFTER] + [room for room in BIG_ROOMS if states[str(room)]["state"] == "Success"]
             res = c["decode"][0].call("canary", keep=keep, timeout=120)
             assert res["bad"] == 0, f"{s}: {res['bad']} decode bytes outside live grants changed: {res}"
     finally:

@@ -203,7 +203,7 @@ def test_sender_bounds_what_it_remembers_and_refuses_bad_ranges(pair, monkeypatc
     assert tx.call_io(lambda: tx.peers[pid].pregranted_bytes) == 0
     # a re-handshake forgets every pregrant, and what they took
     tx.call_io(lambda: [tx.sender.on_pregrant(tx.peers[pid], Pregrant((f"c{k}",), (ten,))) for k in range(3)])
-    tx.call_io(lambda: tx.rehandshake.begin(tx.peers[pid]))
+    tx.call_io(lambda: tx.rehandshake.begin(tx.peers[pid], "the test"))
     assert tx.call_io(lambda: (dict(tx.peers[pid].pregranted), tx.peers[pid].pregranted_bytes)) == ({}, 0)
     assert until(lambda: tx.call_io(lambda: tx.peers[pid].rehello is None), 10.0), "the re-handshake never ended"
 

@@ -1,7 +1,9 @@
 """The parts of a re-handshake on a new endpoint (issue 35, ``Rehandshake.renew``) that can be
 checked without a partition: the HELLO's ``drained`` field on the wire, what the receiver's
-ledger releases for it, and the close callback of a replaced endpoint. The partition itself, a
-35 s cut healed with transfers in flight, is ``test_multihost_heal.py``."""
+ledger releases for it, the close callback of a replaced endpoint, and what a peer said before a
+new epoch (a control tag per epoch, ``Peers.rebind_tag``: a stale BYE or "peer fenced" arriving
+over a replaced endpoint neither fences nor re-handshakes). The partition itself, a 35 s cut
+healed with transfers in flight, is ``test_multihost_heal.py``."""
 from __future__ import annotations
 
 import collections
@@ -14,10 +16,13 @@ pytest.importorskip("ucxx")
 pytestmark = pytest.mark.slow   # the full tier: the fast one measured 90.2 s with it (its limit is 90 s)
 
 from kvxfer.grant import GrantTable  # noqa: E402
+from kvxfer_transports.ucx.control import FENCED, Control  # noqa: E402
+from kvxfer_transports.ucx.join import Join  # noqa: E402
 from kvxfer_transports.ucx.landing import Landing  # noqa: E402
-from kvxfer_transports.ucx.peers import ep_closed  # noqa: E402
-from kvxfer_transports.ucx.protocol import SHM_FIELDS, Hello, Malformed, parse_message  # noqa: E402
-from kvxfer_transports.ucx.state import Incoming, Peer  # noqa: E402
+from kvxfer_transports.ucx.options import UCXOptions  # noqa: E402
+from kvxfer_transports.ucx.peers import OLD_TAGS, Peers, ep_closed  # noqa: E402
+from kvxfer_transports.ucx.protocol import SHM_FIELDS, Bye, Fail, Hello, Malformed, Welcome, parse_message  # noqa: E402
+from kvxfer_transports.ucx.state import Incoming, Outgoing, Peer  # noqa: E402
 from kvxfer_transports.ucx.turn import Leftovers  # noqa: E402
 
 
@@ -75,3 +80,97 @@ def test_a_replaced_endpoint_s_close_is_not_its_peer_s_failure():
     assert p.eph == 0x2000 and not table.failed
     ep_closed(weakref.ref(table), weakref.ref(p), 0x2000)   # its own endpoint
     assert p.eph == 0 and list(table.failed) == [p]
+
+
+def _peers() -> Peers:
+    return Peers(UCXOptions(), Leftovers())
+
+
+def test_a_new_epoch_gives_a_new_tag_and_older_ones_still_route_bounded():
+    peers = _peers()
+    p = peers.add(Peer("far", _Ep(), b"s" * 16))
+    peers.bind_tag(p)
+    first = p.tag_in
+    p.last_tag = first   # an older kvxfer: it says everything under the tag it joined with
+    tags = [first]
+    for _ in range(OLD_TAGS + 3):
+        peers.rebind_tag(p)
+        assert p.tag_in not in tags
+        tags.append(p.tag_in)
+    assert all(peers.by_tag.get(t) is p for t in [first, *tags[-OLD_TAGS:]]), "the latest and the one in use route"
+    assert len(p.old_tags) == OLD_TAGS and first in p.old_tags
+    let_go = [t for t in tags if t not in peers.by_tag]
+    assert len(let_go) == 3 and all(t in peers.retired_tags for t in let_go)   # dropped quietly if they come
+    peers.drop(p)
+    assert not peers.by_tag and all(t in peers.retired_tags for t in tags)
+
+
+class _Calls:
+    """A stand-in for the parts ``Control`` hands messages to: records what was called."""
+
+    def __init__(self):
+        self.calls: list = []
+        self.outgoing: dict = {}
+
+    def __getattr__(self, name):
+        return lambda *a, **k: self.calls.append((name, a))
+
+
+def _control() -> tuple[Control, _Calls, Peers]:
+    calls, peers = _Calls(), _peers()
+    outbox = type("Outbox", (), {"send": lambda self, p, m: p.outbox.append(m)})()
+    workers = type("Workers", (), {"address": b"a" * 8})()
+    c = Control(UCXOptions(), GrantTable(), workers, outbox, calls, calls, calls, calls, calls, calls, calls, peers)
+    return c, calls, peers
+
+
+def _named(calls: _Calls, name: str) -> list:
+    return [a for n, a in calls.calls if n == name]
+
+
+def test_a_bye_said_before_the_peer_s_latest_hello_is_stale():
+    c, calls, peers = _control()
+    p = peers.add(Peer("prefill", _Ep(), b"s" * 16))
+    peers.bind_tag(p)
+    c.handle(p, hello(1))                   # it re-handshakes: our WELCOME gives it a new tag
+    welcome = [m for m in p.outbox if isinstance(m, Welcome)][-1]
+    assert welcome.ctag == p.tag_in and p.old_tags, "the WELCOME names the tag after the rebind"
+    c.handle(p, Bye(), current=False)       # its BYE from before, over the endpoint it replaced
+    assert not _named(calls, "peer_gone") and p.bye_at is None
+    c.handle(p, Bye(), current=True)
+    assert len(_named(calls, "peer_gone")) == 1 and p.bye_at is not None
+    c.handle(p, hello(2))                   # connected again after a BYE: no longer closed
+    assert p.bye_at is None
+
+
+def test_peer_fenced_said_before_our_latest_hello_starts_no_rehandshake():
+    c, calls, peers = _control()
+    p = peers.add(Peer("decode", _Ep(), b"s" * 16))
+    fenced = Fail(0, f"{FENCED}: flush, then HELLO with a new epoch")
+    c.handle(p, fenced, current=False)
+    assert not _named(calls, "begin")
+    c.handle(p, fenced, current=True)
+    assert len(_named(calls, "begin")) == 1
+    o = Outgoing.__new__(Outgoing)   # an announce older than our latest HELLO, refused as fenced
+    o.peer, o.state, o.stale, o.xid = p, "wait_go", True, 7
+    calls.outgoing[7] = o
+    c.handle(p, Fail(7, fenced.why), current=True)
+    assert len(_named(calls, "begin")) == 1 and [a[0] for a in _named(calls, "requeue")] == [o]
+
+
+def test_a_welcome_names_the_tag_only_when_it_answers_our_latest_hello():
+    peers = _peers()
+    j = Join("me", UCXOptions(), GrantTable(), None, peers, None, None, None, None)
+    p = peers.add(Peer("decode", _Ep(), b"s" * 16, tag_out=5))
+    j.on_welcome(p, Welcome(b"a" * 8, 9), current=False)
+    assert p.answered and p.tag_out == 5
+    j.on_welcome(p, Welcome(b"a" * 8, 9), current=True)
+    assert p.tag_out == 9
+
+
+def test_a_hello_queued_fence_hint_is_dropped_when_the_hello_lifts_the_fence():
+    c, _, peers = _control()
+    p = peers.add(Peer("prefill", _Ep(), b"s" * 16, fenced=True))
+    p.outbox.append(Fail(0, f"{FENCED}: flush, then HELLO with a new epoch"))
+    c.handle(p, hello(1))
+    assert not p.fenced and not [m for m in p.outbox if isinstance(m, Fail)]

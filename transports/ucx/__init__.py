@@ -42,7 +42,7 @@ Who calls whom (each part only calls parts below it)::
                     Fencing (fencing), Inbox (rejected)
     Loop         -> Inbox, Receiver, Sender, EagerSends, Outbox, Rehandshake, Fencing, Lifecycle
     Inbox        -> Join (a front HELLO), Control (every checked message)
-    Control      -> Receiver, Sender, Join, Rehandshake, Fencing, Pregrants, Landing, Outbox
+    Control      -> Receiver, Sender, Join, Rehandshake, Fencing, Pregrants, Landing, Outbox, Peers
     Join         -> Admission, Lifecycle, Peers, Workers, Outbox
     Admission    -> Fencing, Sender, Receiver, Peers
     Fencing      -> Sender, Receiver, Landing, Pregrants, Peers, Workers
@@ -200,7 +200,7 @@ class UCXTransport(Transport):
         self.admission = Admission(self.id, opts, peers, self.fence, self.sender, self.receiver, calls)
         self.join = Join(self.id, opts, self.grants, workers, peers, outbox, self.admission, self.lifecycle, calls)
         self.control = Control(opts, self.grants, workers, outbox, self.sender, self.receiver, self.landing,
-                               self.pregrants, self.rehandshake, self.fence, self.join)
+                               self.pregrants, self.rehandshake, self.fence, self.join, peers)
         self.inbox = Inbox(self.id, opts, self.grants, workers, peers, self.join, self.control, leftovers, turn)
         self.loop = Loop(opts, commands, calls, turn, workers, peers, outbox, self.inbox, self.sender, self.eager,
                          self.receiver, self.landing, self.rehandshake, self.fence, self.lifecycle, leftovers, rings)
@@ -316,8 +316,8 @@ class UCXTransport(Transport):
 
     def fencing(self) -> dict:
         """Any thread: what is held because a failed or silent peer could still write or read it
-        (``Fencing.snapshot``)."""
-        return self.fence.snapshot()
+        (``Fencing.snapshot``), and ``rehandshakes``: HELLOs with a new epoch we sent (``Rehandshake``)."""
+        return {**self.fence.snapshot(), "rehandshakes": self.rehandshake.count}
 
     @property
     def rejected(self) -> Counter:

@@ -40,6 +40,8 @@ both sides within their deadlines, but what it could still write or read stays h
   hearing a peer it fenced, the receiver tells it (FAIL, transfer id 0, "peer fenced"); an
   announce it refused as fenced fails no request there and goes again after the new HELLO
   (``Rehandshake.requeue``); a GO for an announce older than the re-handshake starts no put (ABORT).
+  A "peer fenced" said before it read our latest HELLO (under an older control tag, or for an
+  announce older than that HELLO) starts no re-handshake more: that HELLO lifted the fence.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ from .join import Join
 from .landing import Landing
 from .options import UCXOptions
 from .outbox import Outbox
+from .peers import Peers
 from .protocol import (
     Abort,
     Ack,
@@ -82,14 +85,17 @@ class Control:
 
     def __init__(self, options: UCXOptions, grants: GrantTable, workers: Workers, outbox: Outbox, sender: Sender,
                  receiver: Receiver, landing: Landing, pregrants: Pregrants, rehandshake: Rehandshake,
-                 fencing: Fencing, join: Join):
+                 fencing: Fencing, join: Join, peers: Peers):
         self.max_control_bytes = options.max_control_bytes
+        self.peers = peers
         self.grants, self.workers, self.outbox = grants, workers, outbox
         self.sender, self.receiver, self.landing, self.pregrants = sender, receiver, landing, pregrants
         self.rehandshake, self.fencing, self.join = rehandshake, fencing, join
 
-    def on_message(self, p: Peer, raw) -> None:
-        """One control message of a batch from ``p`` (its channel checked): what it is, then act."""
+    def on_message(self, p: Peer, raw, current: bool = True) -> None:
+        """One control message of a batch from ``p`` (its channel checked): what it is, then act.
+        ``current``: its batch came under ``p``'s latest control tag (else ``p`` sent it before it
+        read our latest new-epoch HELLO: ``Peers.rebind_tag``)."""
         try:
             m = parse_message(raw, self.max_control_bytes)
         except Malformed as e:
@@ -107,14 +113,14 @@ class Control:
         back = p.gone
         if back:   # back after silence: whatever we sent it may be lost; flush, then re-handshake
             p.gone = False
-            self.rehandshake.begin(p)
-        self.handle(p, m)
+            self.rehandshake.begin(p, "heard again after silence")
+        self.handle(p, m, current)
         if back and p.fenced and not isinstance(m, Announce):
             # We fenced it; it may not know (its own view of us never went silent). Tell it now,
             # so it re-handshakes before its next announce instead of having that refused.
             self.outbox.send(p, Fail(0, f"{FENCED}: flush, then HELLO with a new epoch"))
 
-    def handle(self, p: Peer, m: Message) -> None:
+    def handle(self, p: Peer, m: Message, current: bool = True) -> None:
         if isinstance(m, Announce):
             if p.fenced:   # a write of the epoch we fenced: refused until the peer re-handshakes
                 # No arrival: the request is not failed here. Its sender re-handshakes and
@@ -124,17 +130,24 @@ class Control:
                 return
             self.receiver.on_announce(p, m)
         elif isinstance(m, Hello):
-            p.tag_out = m.ctag
+            if m.epoch >= p.epoch:   # an older HELLO (over an endpoint it replaced) names an older tag
+                p.tag_out = m.ctag
             self.on_hello(p, m)
             self.outbox.send(p, Welcome(self.workers.address, p.tag_in))   # its connect() waits for a round trip here
         elif isinstance(m, Welcome):
-            self.join.on_welcome(p, m)
+            self.join.on_welcome(p, m, current)
         elif isinstance(m, Fail) and m.why.startswith(FENCED):
             # The receiver fenced us (we never saw it silent, or not yet): flush, then HELLO
             # with a new epoch; an announce it refused for that goes again after the HELLO.
+            # Unless it said so before it read our latest HELLO (under an older tag, or refusing
+            # an announce older than that HELLO): that HELLO lifted the fence already, and one
+            # more re-handshake would fail the transfers waiting for GO.
             o = self.sender.outgoing.get(m.xid)
-            self.rehandshake.begin(p)
-            if o is not None and o.peer is p and o.state == "wait_go":
+            if o is not None and not (o.peer is p and o.state == "wait_go"):
+                o = None
+            if current and not (o is not None and o.stale):
+                self.rehandshake.begin(p, f"it fenced us (FAIL for transfer {m.xid})")
+            if o is not None:
                 self.rehandshake.requeue(o)
         elif isinstance(m, (Go, Ack, Fail)):
             self.sender.on_answer(p, m)
@@ -146,9 +159,12 @@ class Control:
             self.sender.on_fence(p, m)
         elif isinstance(m, Fenced):
             self.pregrants.on_fenced(p, m)
-        elif isinstance(m, Bye):
-            # Its transport closed after flushing (bounded) and sending ABORTs for what it held;
-            # anything still held here was not proven flushed: it stays fenced.
+        elif isinstance(m, Bye) and current:
+            # Its transport closed (or it disconnected us) after flushing (bounded) and sending
+            # ABORTs for what it held; anything still held here was not proven flushed: it stays
+            # fenced. A BYE under an older tag was said before it read our WELCOME to its latest
+            # HELLO, i.e. before it connected again (over an endpoint it replaced, it arrives
+            # when TCP's backoff lets it: measured ~20 s after a heal): stale, dropped.
             p.bye_at = p.clock.heard
             self.fencing.peer_gone(p, "peer closed its transport")
 
@@ -161,6 +177,12 @@ class Control:
         the same epoch and a higher ``drained`` releases the rest."""
         p.host, p.pid, p.start, p.sends_eager = m.host, m.pid, m.start, m.eager
         if m.epoch > p.epoch:
+            # What it says from now on comes under a new tag (our WELCOME to this HELLO gives it):
+            # what it said before, arriving late over an endpoint it replaced, reads as such.
+            self.peers.rebind_tag(p)
+            p.bye_at = None   # connected again: a BYE before this HELLO is over
+            if p.fenced:   # a "peer fenced" hint queued this turn is answered by this HELLO
+                p.outbox = [x for x in p.outbox if not (isinstance(x, Fail) and not x.xid and x.why.startswith(FENCED))]
             p.epoch, p.fenced, p.dead_since = m.epoch, False, None
             if m.drained < m.epoch:
                 self.rehandshake.renew_control(p)

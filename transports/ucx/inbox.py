@@ -48,7 +48,7 @@ FRONT_BUDGET = 4 << 20   # bytes of HELLO batches being received at once on a fr
 
 class Inbox:
     """Control batches being received (see the module docstring). ``recvs``: (request, buffer,
-    length, peer or None: front) in arrival order; ``nbytes``: control bytes being received or
+    length, peer or None: front, tag) in arrival order; ``nbytes``: control bytes being received or
     waiting to be handled, all peers; ``front_inflight``: bytes of HELLO batches being received."""
 
     def __init__(self, transport_id: str, options: UCXOptions, grants: GrantTable, workers: Workers, peers: Peers,
@@ -93,7 +93,7 @@ class Inbox:
             self.drop_junk(w, front)
         # In arrival order: an ANNOUNCE still streaming in must not be overtaken by its DONE.
         while self.recvs and self.recvs[0][0].completed:
-            req, buf, length, p = self.recvs.pop(0)
+            req, buf, length, p, tag = self.recvs.pop(0)
             self.turn.acts += 1
             if p is None:
                 self.front_inflight -= length
@@ -112,8 +112,10 @@ class Inbox:
             if peers.get(p.id) is not p or sender != p.id or not hmac.compare_digest(secret, p.secret):
                 self.grants.reject("?", f"unknown peer: a batch from {sender[:40]!r} without its channel")
                 continue
+            # else sent before the latest new epoch between us took effect there (``Peers.rebind_tag``)
+            current, p.last_tag = tag == p.tag_in, tag
             for m in msgs:
-                self._guarded(self.control.on_message, p, m)
+                self._guarded(self.control.on_message, p, m, current)
         if peers.waiting:
             self._post_waiting()
 
@@ -133,7 +135,8 @@ class Inbox:
     def _post(self, w, res, p: Peer | None) -> None:
         """Receive a probed batch (``p``: whose its tag says; None: a front worker's HELLO)."""
         buf = np.empty(max(res.length, 1), np.uint8)
-        self.recvs.append((w.tag_recv_with_handle(Array(buf), res), buf, res.length, p))
+        self.recvs.append((w.tag_recv_with_handle(Array(buf), res), buf, res.length, p,
+                           res.sender_tag.value & ~KIND_MASK))
         if p is not None:
             p.ctrl_bytes += res.length
             self.nbytes += res.length

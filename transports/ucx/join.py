@@ -191,11 +191,15 @@ class Join:
         return ""
 
     # ---- I/O thread: sender -------------------------------------------------------------------
-    def on_welcome(self, p: Peer, m: Welcome) -> None:
+    def on_welcome(self, p: Peer, m: Welcome, current: bool = True) -> None:
         """The receiver accepted our HELLO. Joining: our data endpoint to its data worker, the
-        rkeys unpacked there, HELLO again over it. Else: the answer to that HELLO (connect() done)."""
+        rkeys unpacked there, HELLO again over it. Else: the answer to that HELLO (connect() done),
+        and the control tag to say what follows under (``current``: the answer to our latest
+        HELLO: the receiver gives a new tag at each new epoch, ``Control.on_hello``)."""
         if not p.joining:
             p.answered = True
+            if current:
+                p.tag_out = m.ctag
             return
         w = self.workers
         front = p.ep

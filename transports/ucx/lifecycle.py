@@ -83,7 +83,7 @@ class Lifecycle:
         if p.close_flush is not None:
             self.leftovers.keep(p.close_flush)
             p.close_flush = None
-        self.rehandshake.begin(p)
+        self.rehandshake.begin(p, "connected again while its disconnect was pending")
 
     def retire_closing(self) -> None:
         """Free disconnected peers that hold nothing any more: flush the endpoint (bounded), close

@@ -2,7 +2,8 @@
 an endpoint means.
 
 ``Peers`` holds every peer by id (``by_id``; read like a mapping), the peers by the control tag
-their batches carry (``by_tag``: ``join`` binds one, ``Inbox`` routes by it), tags of peers let
+their batches carry (``by_tag``: ``join`` binds one, a re-handshake a new one, ``Inbox`` routes by
+it; a peer's last ``OLD_TAGS`` older tags still route to it), tags of peers let
 go (``retired_tags``: their late batches are dropped without a count), the channel secret and
 epoch of disconnected peers (``retired``: a later ``connect`` re-handshakes with a higher epoch),
 the peers whose control batches wait for their budget (``waiting``: ``Inbox``), and the peers
@@ -24,6 +25,8 @@ from .options import UCXOptions
 from .protocol import MAX_CTAG
 from .state import Peer
 from .turn import Leftovers
+
+OLD_TAGS = 8   # older control tags of a peer still routed to it (``rebind_tag``)
 
 
 def close_ep(ep, err: bool) -> None:
@@ -134,6 +137,28 @@ class Peers:
         p.tag_in = tag
         self.by_tag[tag] = p
 
+    def rebind_tag(self, p: Peer) -> None:
+        """A new control tag for ``p`` at a new epoch between us: ours (the HELLO that starts it
+        carries the tag, ``Rehandshake.new_epoch``) or its (our WELCOME to its HELLO does,
+        ``Control.on_hello``). A batch under an older tag was sent before ``p`` read that HELLO or
+        WELCOME (``Inbox`` says so: ``current``), e.g. over an endpoint since replaced. The last
+        ``OLD_TAGS`` still route to ``p`` (what it said before goes on being read); older ones are
+        let go, as a dropped peer's, but for the one its latest batch came under."""
+        if p.tag_in:
+            p.old_tags.append(p.tag_in)
+            if len(p.old_tags) > OLD_TAGS:   # the oldest goes, unless the peer still uses it (an
+                # older kvxfer takes no new tag from a WELCOME: it says everything under its first)
+                self._let_go(p, p.old_tags.pop(1 if p.old_tags[0] == p.last_tag else 0))
+        self.bind_tag(p)
+
+    def _let_go(self, p: Peer, tag: int) -> None:
+        """``tag`` no longer routes to ``p``: its late batches are dropped without a count."""
+        if self.by_tag.get(tag) is p:
+            del self.by_tag[tag]
+            self.retired_tags[tag] = None
+            while len(self.retired_tags) > 4 * self.max_peers:
+                self.retired_tags.popitem(last=False)
+
     def drop(self, p: Peer) -> None:
         """Forget ``p`` (its records only; the caller closed or is closing its endpoint). Its
         control batches waiting for their budget are dropped unread; its control tag is
@@ -144,11 +169,8 @@ class Peers:
             w, res = p.ctrl_wait.popleft()
             self.leftovers.drop(w, res, "quiet")
         self.waiting.discard(p)
-        if p.tag_in and self.by_tag.get(p.tag_in) is p:
-            del self.by_tag[p.tag_in]
-            self.retired_tags[p.tag_in] = None
-            while len(self.retired_tags) > 4 * self.max_peers:
-                self.retired_tags.popitem(last=False)
+        for tag in [*p.old_tags, p.tag_in]:
+            self._let_go(p, tag)
 
     def retire(self, p: Peer) -> None:
         """``p`` was disconnected and freed: keep its channel secret and epoch (bounded)."""

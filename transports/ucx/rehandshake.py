@@ -27,6 +27,11 @@ after the HELLO (``requeue``). Then one of two ways:
   spill frames stand in for them (``Sender.spill``), or the first request would wait for a slot.
   At most ``MAX_RETIRED`` per peer; past it, a re-handshake flushes and waits as above.
 
+Each new epoch's HELLO gives the peer a new control tag to answer under (``new_epoch``): its
+"peer fenced" said before it read that HELLO (under an older tag, e.g. over its old endpoint,
+which drains with TCP's backoff: measured arriving ~20 s after a heal) starts no re-handshake
+more (``Control.handle``); a re-handshake more would fail the transfers waiting for GO.
+
 The receiver's side is ``Control.on_hello``: a HELLO that says an older epoch is still draining
 also moves the receiver's own endpoint to us (``renew_control``): its control messages (GO,
 WELCOME, pings) sit in the same kind of backoff.
@@ -55,11 +60,14 @@ class Rehandshake:
 
     def __init__(self, sender: Sender, outbox: Outbox, workers: Workers, peers: Peers):
         self.sender, self.outbox, self.workers, self.peers = sender, outbox, workers, peers
+        self.count = 0   # HELLOs with a new epoch sent (``fencing()["rehandshakes"]``)
 
-    def begin(self, p: Peer) -> None:
-        """Re-handshake with ``p``: a new endpoint (``renew``) or a flush, then HELLO(epoch + 1)."""
+    def begin(self, p: Peer, why: str) -> None:
+        """Re-handshake with ``p`` (``why``: for the log): a new endpoint (``renew``) or a flush,
+        then HELLO(epoch + 1)."""
         if p.rehello is not None or p.sizes is None or p.closing:   # flushing already, or we never write to it
             return
+        log.info("UCX transport: re-handshake with peer %s (epoch %d): %s", p.id[:8], p.my_epoch + 1, why)
         for o in self.sender.outgoing.values():
             if o.peer is p and o.state == "wait_go":
                 o.stale = True
@@ -91,7 +99,15 @@ class Rehandshake:
             self.peers.watch(p)
             p.last_send = None   # pings wait for the last send to leave: the old endpoint's may not
         # else nothing of ours went over the current endpoint since it was made: a new epoch will do
+        self.new_epoch(p)
+
+    def new_epoch(self, p: Peer) -> None:
+        """HELLO(epoch + 1) to ``p`` under a new control tag (``Peers.rebind_tag``: what it sends
+        under an older one was said before it read this HELLO, ``Control.handle``), then the
+        announces that waited for it."""
         p.my_epoch += 1
+        self.count += 1
+        self.peers.rebind_tag(p)
         self.outbox.send(p, self.workers.hello(p))
         waiting, p.waiting = p.waiting, []
         for o in waiting:
@@ -157,10 +173,6 @@ class Rehandshake:
             return
         p.rehello = None
         if st != 0:   # not flushed: try again (a dead peer never completes one)
-            self.begin(p)
+            self.begin(p, f"the flush failed ({ucp.why(st)}): again")
             return
-        p.my_epoch += 1
-        self.outbox.send(p, self.workers.hello(p))
-        waiting, p.waiting = p.waiting, []
-        for o in waiting:
-            self.sender.start_out(o)
+        self.new_epoch(p)

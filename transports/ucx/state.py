@@ -42,6 +42,8 @@ class Peer:
     failure: str = ""                # what the failure was (``lifecycle.failure_of``): "reset" proves writes over
     answered: bool = False           # sender: its WELCOME answered our HELLO over the data path (connect() waits)
     tag_in: int = 0                  # the control tag its batches to us carry (we chose it: ``join``)
+    old_tags: list = field(default_factory=list)   # tags it had before the latest new epoch (``rebind_tag``)
+    last_tag: int = 0                # the tag its latest batch came under (``inbox``)
     tag_out: int = 0                 # the control tag of ours to it (its WELCOME or HELLO chose it; 0: its front)
     joining: bool = False            # sender: our HELLO went to its front worker; no WELCOME yet (``join``)
     admitted: bool = False           # receiver: it joined with an admission token (``join``)
