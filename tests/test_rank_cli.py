@@ -364,10 +364,12 @@ def test_three_hosts_tp2_page_major_to_tp4_token_major(three, procs, transport):
     # rank 0: no address flags (it advertises the address that reaches the bootstrap);
     # rank 1: binds every interface and advertises its interface by name
     where = [[], ["--bind", "0.0.0.0", "--advertise", "veth0"]]
+    ps = []
     for r in range(2):
         p = Proc([*RANK, "--role", "prefill", "--bootstrap", url, "--tp-size", "2", "--tp-rank", str(r),
                   "--layout", "page_major", *net, *where[r], *SMALL], popen=lambda argv, **kw: b.popen(argv, **kw))
         procs.append(p)
+        ps.append(p)
         ready = p.line_with("ready", 120)
         if transport == "zmq":
             assert ready.count(f"tcp://{b.addr}:") == 2 and "0.0.0.0" not in ready, ready
@@ -380,5 +382,6 @@ def test_three_hosts_tp2_page_major_to_tp4_token_major(three, procs, transport):
     for r, d in enumerate(ds):
         out = d.line_with("kvxfer rank --selftest", 180)
         rc = d.end(60)
-        assert rc == 0, "\n".join([out, *d.rest(), "stderr:", *d.err[-20:]])
+        prefill_err = [line for i, p in enumerate(ps) for line in [f"prefill tp{i} stderr:", *p.err[-10:]]]
+        assert rc == 0, "\n".join([out, *d.rest(), "stderr:", *d.err[-20:], *prefill_err])
         assert f"3/3 requests byte-exact on default/dp0/pp0/tp{r}" in out

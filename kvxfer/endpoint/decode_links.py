@@ -138,6 +138,7 @@ class DecodeLinks:
             dp = self.peers.pop(old)
             if dp is None:
                 return
+            log.warning("decode peer %s retired: %s", old, why)   # its unconfirmed requests fail
             ep.retire_requests(old, why, later)
             shared = self.peers.shares(dp.xpeer)
         if not shared:
