@@ -96,7 +96,7 @@ def test_a_go_for_an_announce_older_than_the_rehandshake_puts_nothing(pair):
     rx.commands.put(Call(time.sleep, (0.5,)))     # the receiver answers the announce only later
     h = tx.submit(peer, "old.1", plan(N), timeout=10)
     assert until(lambda: any(o.state == "wait_go" for o in list(tx.sender.outgoing.values())), 2.0)
-    tx.call_io(tx.rehandshake.begin, tx.peers[peer])
+    tx.call_io(tx.rehandshake.begin, tx.peers[peer], "the test")
     assert h.wait(10) is False and "re-handshaking" in str(h.error), h.error
     assert bool((dst == CANARY).all()), "a put of the old epoch landed"
     rx.forget("old.1")

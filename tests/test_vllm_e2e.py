@@ -132,7 +132,9 @@ def assert_same_bytes(pair, names) -> None:
     for n in names:
         p = [v for k, v in sent.items() if k.rsplit("-", 1)[0] == n]
         d = [v for k, v in landed.items() if k.rsplit("-", 1)[0] == n]
-        assert len(p) == 1 and len(d) == 1 and p[0] and p[0] == d[0], (n, p, d, kvxfer_lines(pair.d))
+        assert len(p) == 1 and len(d) == 1 and p[0] and p[0] == d[0], \
+            f"{n}: sent {p}, landed {d}; decode's load errors {pair.d.call('errors')['errors']}\n" \
+            f"decode's kvxfer lines:\n{kvxfer_lines(pair.d)}\nprefill's:\n{kvxfer_lines(pair.p)}"
 
 
 def test_decode_reproduces_the_plain_engine_token_for_token(pair, plain):

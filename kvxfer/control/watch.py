@@ -37,6 +37,9 @@ class RegistryWatch:
         self.on_change, self.wait = on_change, wait
         self.reads = 0                                     # answers read from the registry
         self.healthy = False                               # the last call was answered
+        # Since when the view may be stale (None: current, within ``LAG``): from the start until
+        # the first answer, and from a failed call until the next answer.
+        self._stale_since: float | None = time.monotonic()
         self._lock = threading.Lock()
         self._names: set[str] = set()
         self._versions: dict[str, int] = {}
@@ -63,10 +66,14 @@ class RegistryWatch:
         return self.client.bytes_read
 
     def view(self) -> tuple[dict[str, RankInfo], float]:
-        """(every followed prefill rank's record by key, the time the view is current as of)."""
+        """(every followed prefill rank's record by key, the time the view is current as of). While
+        the registry does not answer (a restarting prefill engine's embedded registry, a cut), the
+        view is current only as of the failed call: a request that came later is not failed by a
+        handshake the stale view led to (``PeerRecovery``: ``read_at``); the next answer is awaited."""
         with self._lock:
             records = {k: r for recs in self._records.values() for k, r in recs.items()}
-        return records, time.monotonic() - LAG
+            stale = self._stale_since
+        return records, time.monotonic() - LAG if stale is None else stale - LAG
 
     def stop(self) -> None:
         self._stop.set()
@@ -94,6 +101,9 @@ class RegistryWatch:
                     cut = any(n not in since for n in self._names)   # interrupted to add an instance
                 if cut:
                     continue
+                with self._lock:
+                    if self._stale_since is None:
+                        self._stale_since = time.monotonic()
                 self.healthy = False
                 log.debug("registry watch on %s: %s", self.client.url, e)
                 if not transient(e):
@@ -110,6 +120,7 @@ class RegistryWatch:
                 for n, s in snaps.items():
                     if n in self._names:
                         self._versions[n], self._records[n] = s.version, got[n]
+                self._stale_since = None
             if snaps:
                 self.on_change()
 
