@@ -14,9 +14,10 @@ in for slots held by stuck sends). Then:
 - that request succeeds in every cluster, byte-exact;
 - what decode held for the cut transfers comes back once the old connections drain: measured
   and printed per setting, within TCP's bound (the cut plus its 120 s maximum backoff);
-- what decode said over those connections during the cut (a "peer fenced" sent before it read
-  prefill's new HELLO) arrives when they drain and starts no re-handshake more (issue 35: it
-  did, and failed the transfers waiting for GO at that moment); a request after it lands;
+- what was said over those connections during the cut arrives when they drain (prefill's BYE to
+  the decode rank it disconnected, its "peer fenced"), before-the-re-handshake news that neither
+  fences nor starts another re-handshake (issue 35: decode fenced prefill on that stale BYE, and
+  prefill re-handshook, which fails the transfers waiting for GO); a request after it lands;
 - no byte outside the grants of requests that succeeded changed (no late write).
 """
 from __future__ import annotations
@@ -115,7 +116,7 @@ def test_the_first_request_after_a_35s_partition_heals_lands_in_every_setting(th
                     del left[s]
             time.sleep(0.2)
         assert not left, {s: [pinned(r) for r in c["decode"] + c["prefill"]] for s, c in left.items()}
-        for s, c in cs.items():   # the old connections drained: what decode said over them was stale
+        for s, c in cs.items():   # the old connections drained: what they carried predates the re-handshake
             report[s]["rehandshakes"] = (rehandshakes[s], rehandshakes_of(c))
             assert rehandshakes_of(c) == rehandshakes[s], (s, report)
             submit(c, AFTER, SMALL)

@@ -27,10 +27,12 @@ after the HELLO (``requeue``). Then one of two ways:
   spill frames stand in for them (``Sender.spill``), or the first request would wait for a slot.
   At most ``MAX_RETIRED`` per peer; past it, a re-handshake flushes and waits as above.
 
-Each new epoch's HELLO gives the peer a new control tag to answer under (``new_epoch``): its
-"peer fenced" said before it read that HELLO (under an older tag, e.g. over its old endpoint,
-which drains with TCP's backoff: measured arriving ~20 s after a heal) starts no re-handshake
-more (``Control.handle``); a re-handshake more would fail the transfers waiting for GO.
+Each new epoch's HELLO gives the peer a new control tag to answer under (``new_epoch``), and
+the receiver's WELCOME gives us one (``Control.on_hello``): what either side said before the
+other read that HELLO or WELCOME comes under an older tag (e.g. over an endpoint since replaced,
+which drains with TCP's backoff: measured arriving ~20 s after a heal). Such a "peer fenced"
+starts no re-handshake more, and such a BYE fences nothing (``Control.handle``): either did,
+and a re-handshake more fails the transfers waiting for GO.
 
 The receiver's side is ``Control.on_hello``: a HELLO that says an older epoch is still draining
 also moves the receiver's own endpoint to us (``renew_control``): its control messages (GO,
