@@ -95,7 +95,7 @@ class Control:
     def on_message(self, p: Peer, raw, current: bool = True) -> None:
         """One control message of a batch from ``p`` (its channel checked): what it is, then act.
         ``current``: its batch came under ``p``'s latest control tag (else ``p`` sent it before it
-        read our latest new-epoch HELLO: ``Peers.rebind_tag``)."""
+        read our latest new-epoch HELLO, or our WELCOME to its own: ``Peers.rebind_tag``)."""
         try:
             m = parse_message(raw, self.max_control_bytes)
         except Malformed as e:
