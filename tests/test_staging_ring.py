@@ -53,6 +53,31 @@ def test_ring_is_fixed_and_waits_when_exhausted():
     assert _sample("kvxfer_staging_frames", name) == frames0
 
 
+class Flips:
+    """An ``until`` another thread completes between two reads: False the first time, then True."""
+    def __init__(self):
+        self.reads = 0
+
+    @property
+    def done(self) -> bool:
+        self.reads += 1
+        return self.reads > 1
+
+
+def test_a_frame_completed_while_the_ring_reaps_is_not_lost():
+    """``stats()`` reaps from any thread (``fencing()``), while the I/O thread completes what a
+    given-back frame waits for: a frame is either free or still busy, never neither (a receive
+    ring slot was lost so after a killed sender, CI)."""
+    ring = StagingPool(frames=2, frame_bytes=64, name="ring-flip")
+    ring.allocate()
+    a, b = ring.get(64), ring.get(64)
+    ring.put(a, Flips())
+    ring.put(b)                              # done: the reap frees it, and looks at the rest again
+    assert ring.stats()["in_use"] == 1       # a: not done at the reap's one read, still busy
+    assert ring.stats()["in_use"] == 0       # done at the next: free
+    assert len({ring.get(64).data_ptr(), ring.get(64).data_ptr()}) == 2   # both frames again
+
+
 def test_growing_pool_still_works_without_arguments():
     """``StagingPool()`` (what transports/ucx constructs) keeps its get/put API."""
     pool = StagingPool()

@@ -8,6 +8,8 @@ Tests build it instead of monkeypatching a transport instance::
     t.faults.delay_requests["rid"] = 2.0      # submits of "rid" reach it 2 s late
     t.faults.hold_pending.add("rid")          # writes_pending("rid") stays True until removed
     t.faults.drop_arrivals.add("rid")         # arrivals of "rid" are dropped (counted in .dropped)
+    t.faults.late_acks.add("rid")             # handles of "rid" stay PENDING after their bytes landed,
+                                              # until removed, or failed by disconnecting their peer
     t.crash_io(RuntimeError("bug"))           # the inner transport's I/O thread dies, as of a bug
 
 Every other call goes to the inner transport unchanged: the wrapper keeps the contract, so an
@@ -43,6 +45,7 @@ class Faults:
     delay_requests: dict[str, float] = field(default_factory=dict)   # the same, for these request ids
     hold_pending: set[str] = field(default_factory=set)    # writes_pending says True for these
     drop_arrivals: set[str] = field(default_factory=set)   # arrivals of these are dropped
+    late_acks: set[str] = field(default_factory=set)       # the sender hears late that these landed
 
 
 class FaultyTransport(Transport):
@@ -58,6 +61,7 @@ class FaultyTransport(Transport):
         self.dropped = 0
         self._lock = threading.Lock()
         self._timers: list[threading.Timer] = []
+        self._cut: set[str] = set()   # peers disconnected: their late acks fail, as a transport's do
 
     # -- the contract, forwarded ----------------------------------------------------------
     @property
@@ -77,6 +81,8 @@ class FaultyTransport(Transport):
         return self.inner.admit(descriptor)
 
     def disconnect(self, peer: str) -> None:
+        with self._lock:
+            self._cut.add(peer)
         self.inner.disconnect(peer)
 
     def expect(self, request_id: str, ranges: ByteRanges, capability: bytes = b"",
@@ -104,6 +110,13 @@ class FaultyTransport(Transport):
         if fail:
             handle = TransferHandle(request_id, plan.nbytes, timeout)
             handle.finish(PeerError(f"request {request_id}: {INJECTED}: submit failed"), release=True)
+            return handle
+        if request_id in f.late_acks:
+            handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
+            inner = self.inner.submit(peer, request_id, plan, timeout=timeout, notify=notify, capability=capability)
+            _follow(inner, handle, lambda: request_id in f.late_acks and peer not in self._cut,
+                    lambda: PeerError(f"request {request_id}: {INJECTED}: peer {peer} was disconnected before "
+                                      f"its ack") if peer in self._cut else None)
             return handle
         if delay <= 0:
             return self.inner.submit(peer, request_id, plan, timeout=timeout, notify=notify,
@@ -163,11 +176,13 @@ class FaultyTransport(Transport):
         return True
 
 
-def _follow(inner: TransferHandle, outer: TransferHandle) -> None:
-    """Complete ``outer`` as ``inner`` completes (a thread per delayed submit: tests only)."""
+def _follow(inner: TransferHandle, outer: TransferHandle, hold: Callable[[], bool] = lambda: False,
+            error: Callable[[], Exception | None] = lambda: None) -> None:
+    """Complete ``outer`` as ``inner`` completes, once ``hold()`` is false, with ``error()`` if it
+    gives one (a thread per delayed or late-acked submit: tests only)."""
     def wait() -> None:
         inner.wait()
-        while not inner.source_released:   # the caller may reuse the source only after the inner one
+        while not inner.source_released or hold():   # the caller may reuse the source only after the inner one
             time.sleep(0.005)
-        outer.finish(inner.error, release=True)
+        outer.finish(error() or inner.error, release=True)
     threading.Thread(target=wait, daemon=True, name="kvxfer-faulty-follow").start()

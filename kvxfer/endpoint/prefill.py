@@ -239,7 +239,7 @@ class PrefillEndpoint(SenderHost):
             h = self.transport.submit(dp.xpeer, t.request_id, plan, timeout=self.timeouts.transfer, notify=meta.pack(),
                                       capability=t.cap)
         t.chunks, t.nbytes = t.chunks + 1, t.nbytes + plan.nbytes
-        s.handles.append((h, plan.num_runs))
+        s.handles.append((h, plan.num_runs, t))
         s.reading.append(h)
         self._busy.add(s)
 
@@ -247,10 +247,12 @@ class PrefillEndpoint(SenderHost):
     def _settle(self, s: KVSender, now: float, later) -> None:
         """Reap finished transfers, reach Success or Failed, release the KV when the lease allows."""
         pending, failed, done, real = [], None, [], time.monotonic()
-        for h, runs in s.handles:
+        for h, runs, t in s.handles:
             st = h.poll()
             if st == TransferStatus.PENDING:
-                pending.append((h, runs))
+                pending.append((h, runs, t))
+            elif st == TransferStatus.FAILED and t.confirmed:
+                pass   # its decode rank said DONE first (its bytes landed; then it closed): its verdict stands
             elif st == TransferStatus.FAILED:
                 failed = failed or f"transfer failed: {h.error}"
             else:

@@ -63,7 +63,7 @@ class KVSender(RequestBase):
         self.group: tuple[str, int] | None = None      # the decode (instance, dp rank) it is bound to
         self.expected: frozenset[int] = frozenset()     # the decode TP ranks that must ask
         self.queued: list[Chunk] = []   # not submitted yet: not bound, or waiting for a ready event
-        self.handles: list[tuple[TransferHandle, int]] = []   # in flight: (handle, runs in its plan)
+        self.handles: list[tuple[TransferHandle, int, Target]] = []   # in flight: (handle, runs in its plan, to whom)
         self.reading: list[TransferHandle] = []    # handles whose transport may still read the KV
         self.next_pos, self.last_sent, self.lease_end, self.overdue = 0, False, float("inf"), False
 

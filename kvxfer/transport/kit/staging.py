@@ -77,10 +77,11 @@ class StagingPool:
         record_staging(self.name, frames=len(ring))
 
     def _reap(self) -> None:   # lock held: busy frames the network let go of are free again
-        if self._busy:
-            done = [k for k, until in self._busy if until is None or until.done]
+        if self._busy:   # each ``until`` read once: another thread may complete it between two reads
+            ended = [until is None or until.done for _, until in self._busy]
+            done = [k for (k, _), e in zip(self._busy, ended) if e]
             if done:
-                self._busy = [(k, u) for k, u in self._busy if not (u is None or u.done)]
+                self._busy = [b for b, e in zip(self._busy, ended) if not e]
                 self._free += done
                 self.in_use -= len(done)
                 record_staging(self.name, in_use=-len(done))
