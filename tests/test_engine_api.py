@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -268,7 +269,7 @@ def test_a_waiting_request_is_granted_once_its_instance_answers(world):
 
 
 @pytest.mark.slow   # holds rank 1's part 5 s: the full tier
-def test_a_decode_rank_that_confirmed_and_closed_does_not_fail_its_group_s_request(world):
+def test_a_decode_rank_that_confirmed_and_closed_does_not_fail_its_group_s_request(world, caplog):
     """Prefill TP 1, decode TP 2: one sender serves both decode ranks. Rank 0's part lands, it
     confirms and closes (BYE) while rank 1's part is still on its way (held 5 s in the prefill's
     transport): the request goes on and rank 1 gets its heads (the BYE fails only what that rank
@@ -278,6 +279,7 @@ def test_a_decode_rank_that_confirmed_and_closed_does_not_fail_its_group_s_reque
     transfer failing after its confirmation does not fail the request either (CI, the launcher's
     three-host case)."""
     server, made = world
+    caplog.set_level(logging.INFO, logger="kvxfer.request")
     p_pool = MHAPool(layers=LAYERS, heads=KV_HEADS, head_dim=DIM, dtype="float16", num_pages=32, page_size=PAGE,
                      layout="page_major")
     pattern(p_pool, 7)
@@ -317,6 +319,8 @@ def test_a_decode_rank_that_confirmed_and_closed_does_not_fail_its_group_s_reque
     assert heads_landed(0)
     ranks[0][0].close()                                   # BYE, with rank 1's part still held
     assert until(lambda: len(pe.links.peers) == 1, 4), "prefill did not retire the closed decode rank"
+    retired = [r for r in caplog.records if "retired" in r.getMessage()]
+    assert [r.levelname for r in retired] == ["INFO"], retired   # it cost nothing: not a warning
     assert s.poll() == KVPoll.Transferring and recvs[1].poll() != KVPoll.Success   # the order this case needs
     assert recvs[1].wait(15) == KVPoll.Success, recvs[1].reason
     assert heads_landed(1)

@@ -138,8 +138,10 @@ class DecodeLinks:
             dp = self.peers.pop(old)
             if dp is None:
                 return
-            log.warning("decode peer %s retired: %s", old, why)   # its unconfirmed requests fail
-            ep.retire_requests(old, why, later)
+            failed = ep.retire_requests(old, why, later)
+            # a warning when it costs requests (a peer that finished and closed is news to no one)
+            log.log(logging.WARNING if failed else logging.INFO, "decode peer %s retired: %s (%d request(s) it had "
+                    "not confirmed fail)", old, why, failed)
             shared = self.peers.shares(dp.xpeer)
         if not shared:
             ep.transport.disconnect(dp.xpeer)

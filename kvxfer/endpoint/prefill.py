@@ -147,9 +147,9 @@ class PrefillEndpoint(SenderHost):
                 case Bye():   # a closing decode endpoint: retired at once (outside the lock, below)
                     later.append(lambda: self.links.retire(peer, f"decode rank {peer} closed (BYE)"))
 
-    def retire_requests(self, peer: str, why: str, later) -> None:
-        """``DecodeLinks``, under the lock: decode peer ``peer`` is gone; what it asked for ends."""
-        self.requests.retire_peer(peer, why, later)
+    def retire_requests(self, peer: str, why: str, later) -> int:
+        """``DecodeLinks``, under the lock: decode peer ``peer`` is gone; what it asked for ends (how many)."""
+        return self.requests.retire_peer(peer, why, later)
 
     def pump(self, s: KVSender, later) -> None:
         """Submit the queued chunks of a bound sender, in order, up to the first whose ready event

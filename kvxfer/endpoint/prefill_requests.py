@@ -143,14 +143,17 @@ class RequestTable:
             if room not in self.senders and not self.pending.get(room):   # it asked, then gave up first:
                 self.withdrawn[room] = (why, self.ep.clock())               # the sender, once made, ends
 
-    def retire_peer(self, peer: str, why: str, later) -> None:
-        """Decode peer ``peer`` is gone: what it asked for and did not confirm ends. A sender serves
-        every decode rank of a TP group; one whose part that peer confirmed (DONE: its bytes landed)
-        goes on for the others (a decode rank that finished and closed owes that request nothing)."""
+    def retire_peer(self, peer: str, why: str, later) -> int:
+        """Decode peer ``peer`` is gone: what it asked for and did not confirm ends (returns how
+        many requests). A sender serves every decode rank of a TP group; one whose part that peer
+        confirmed (DONE: its bytes landed) goes on for the others (a decode rank that finished and
+        closed owes that request nothing)."""
         self.pending.drop_peer(peer)
-        for s in [s for s in self.senders.values()
-                  if any(t.peer == peer and not t.confirmed for t in s.targets.values())]:
+        ended = [s for s in self.senders.values()
+                 if any(t.peer == peer and not t.confirmed for t in s.targets.values())]
+        for s in ended:
             self.ep.end_request(s, Outcome.Failed, why, later)
+        return len(ended)
 
     def expire(self, now: float) -> None:
         """Every 50 ms: withdrawn rooms and REQs that waited past ``Timeouts.bootstrap`` for their

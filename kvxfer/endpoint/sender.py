@@ -34,8 +34,9 @@ class SenderHost(EndpointBase):
     (``PrefillEndpoint`` is the one)."""
 
     @abc.abstractmethod
-    def retire_requests(self, peer: str, why: str, later: list) -> None:
-        """Under the endpoint lock: decode peer ``peer`` is gone; what it asked for ends with ``why``."""
+    def retire_requests(self, peer: str, why: str, later: list) -> int:
+        """Under the endpoint lock: decode peer ``peer`` is gone; what it asked for ends with ``why``.
+        Returns how many requests ended so."""
 
     @abc.abstractmethod
     def send_chunk(self, s: "KVSender", kv_slots, start, layers, last, aux, state_slots, ready,
