@@ -230,17 +230,29 @@ def test_a_burst_of_costly_hellos_does_not_hold_up_honest_requests(pair):
         part, fixed = dict(rec["layout"]["parts"][0]), len(rec["layout"]["spaces"]) + len(rec["layout"]["regions"])
         rec["layout"] = {**rec["layout"], "parts": [{**part, "layer": 10_000 + k}
                                                     for k in range(MAX_LAYOUT_ITEMS - fixed)]}
+        links, requests = pair.p.ep.links, pair.p.ep.requests
+        at_req: list[int] = []   # HELLOs still being checked when the control thread handles the REQ
+
+        def on_req(peer, msg, later, handle=requests.on_req):
+            if msg.room == 1:
+                at_req.append(links.handshaking())
+            return handle(peer, msg, later)
+        requests.on_req = on_req
         for i, att in enumerate(atts):
             att.send({"t": "hello", "i": 100 + i, "info": {**rec, "instance": f"costly{i}"},
                       "nonce": os.urandom(16)})
+        # The REQ once one HELLO is being checked (a REQ read before any HELLO would prove nothing);
+        # counted when the control thread handles it (counted once the NACK came back, this failed
+        # ~1 run in 10: the handshake threads, holding the GIL, ended every check before this one woke)
+        assert until(lambda: links.handshaking() >= 1, 30.0), "no costly HELLO was ever being checked"
         req(probe, 1, 1, np.arange(4, 12))   # from a peer with no handshake: NACKed by the control thread
         nacked = probe.recv(30.0)
-        checking = pair.p.ep.links.handshaking()
         assert nacked is not None and nacked["t"] == "nack", nacked
+        checking = at_req[0]
         assert checking >= 1, "every costly HELLO was answered before the control thread read the next message"
         t0 = time.monotonic()
         assert pair.honest(timeout=30.0), "an honest request did not complete during the burst"
-        print(f"{checking} of 6 costly HELLOs still being checked at the stranger's NACK; honest request during the "
+        print(f"{checking} of 6 costly HELLOs still being checked at the stranger's REQ; honest request during the "
               f"burst: {time.monotonic() - t0:.2f}s")
         answers = [att.recv(60) for att in atts]
         assert all(a is not None and a["t"] in ("refuse", "welcome") for a in answers), answers
