@@ -15,7 +15,7 @@ Measured:
   1-page latency     sender.send() on prefill -> receiver.wait() returns Success on decode
                      (one clock: CLOCK_MONOTONIC is shared by processes of one host)
   requests/s         1-page requests with ``--inflight`` outstanding, for ``--requests`` requests
-Goal: 1-page latency <= 2x the raw round trip.
+Goal (issue 39): 1-page latency <= 3x the raw round trip.
 """
 from __future__ import annotations
 
@@ -343,7 +343,7 @@ def main() -> None:
     print(f"transport alone, plan+submit -> arrival:    {fmt(bare['latency'])}   "
           f"= {statistics.median(bare['latency']) / rtt_med:.2f}x  (plan+submit() call {fmt(bare['send'])})")
     print(f"1-page request, send -> Success:            {fmt(one['latency'])}   "
-          f"= {lat_med / rtt_med:.2f}x the raw round trip (goal <= 2x), {lat_med / paced_med:.2f}x the paced one")
+          f"= {lat_med / rtt_med:.2f}x the raw round trip (goal <= 3x), {lat_med / paced_med:.2f}x the paced one")
     print(f"  of which: inside send() {fmt(one['send'])}; send -> Success set {fmt(one['to_end'])}; "
           f"Success set -> wait() returns {fmt(one['wake'])}")
     print(f"{args.inflight} in flight: {many['n'] / many['elapsed']:7.0f} requests/s "
