@@ -10,8 +10,8 @@ in their constructor: ``Sockets`` (``sockets``: context, ROUTER behind ZAP, DEAL
 (``sender``: peers and outgoing transfers), ``Framer`` (``frames``: runs cut into messages,
 zero-copy or staged in the staging ring), ``Receiver`` (``receiver``: every message checked whole
 before a byte lands), ``Loop`` (``loop``: the I/O thread's turn). Also: ``options`` (every option,
-checked), ``protocol`` (wire messages, parsed and validated once), ``regions``, ``rows`` (indexed
-copies), ``devsync`` (arrivals wait for device copies), ``addresses`` (bind, ports).
+checked), ``protocol`` (wire messages, parsed and validated once), ``regions``, ``rows`` (device
+gathers, region spans), ``devsync`` (arrivals wait for device copies), ``addresses`` (bind, ports).
 
 Admission (``admission="required"``): only senders ``admit`` let in get past the ZMTP handshake,
 each presenting its current token; see ``options`` and ``kvxfer.transport.zmqguard``.

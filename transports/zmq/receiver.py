@@ -38,7 +38,6 @@ from .devsync import WriteSync
 from .options import ZMQOptions
 from .protocol import MAX_PARTS, RUN_BYTES, Ack, Data, Nack, Ping, parse_data
 from .regions import Regions
-from .rows import region_spans, scatter_host
 from .sockets import Sockets
 
 log = logging.getLogger("kvxfer.transport.zmq")
@@ -283,15 +282,10 @@ class Receiver:
                     # on the transport stream (devsync): an event after it says when it is complete
                     self.regions.tensors[r][o: o + c].copy_(torch.frombuffer(src, dtype=torch.uint8), non_blocking=True)
             return
-        buf = payload[0].buffer
-        spans = region_spans(region)
-        if len(spans) > 64 or any(self.regions.host[region[a]] is None for a, _ in spans):
-            # Runs not sorted by region (not our sender), or a CUDA region: the generic executor.
-            scatter_runs(self.regions.tensors, region, offset, nbytes, torch.frombuffer(buf, dtype=torch.uint8))
-            return
-        data, pos = np.frombuffer(buf, np.uint8), np.concatenate(([0], np.cumsum(nbytes)))
-        for a, b in spans:   # loop per destination region in the frame
-            scatter_host(self.regions.host[region[a]], offset[a:b], nbytes[a:b], data[pos[a]: pos[b]])
+        # One packed part: the executor's scatter (host regions: one compiled call, a memmove per
+        # run, each checked against its region again; a CUDA region: indexed copies on the device)
+        data = torch.frombuffer(payload[0].buffer, dtype=torch.uint8)
+        scatter_runs(self.regions.tensors, region, offset, nbytes, data)
 
     def _fail_in(self, key: tuple, reason: str, quiet: bool = False) -> None:
         """End an incoming transfer: drop its later messages, tell the sender. ``quiet`` (or a

@@ -1,10 +1,10 @@
-"""Runs of one region moved as one indexed copy of rows: the sender's gather into a packed frame,
-the receiver's scatter out of one. Row arithmetic is ``kvxfer.byte_rows``'s (``unit_of``,
-``element_index``); what is here is how zmq's two sides use it. Vectorized: no loop per run.
+"""Runs of one device region gathered as one indexed copy of rows into a packed frame, and the
+stretches of a frame's runs that share their regions. Row arithmetic is ``kvxfer.byte_rows``'s
+(``unit_of``, ``element_index``). Vectorized: no loop per run. Host regions take the compiled
+executor instead (``kvxfer.copy.gather_runs`` / ``scatter_runs``: a memmove per run).
 
-Who calls what: ``Framer`` (``frames.py``) calls ``gather_rows`` and ``region_spans`` per packed
-frame it fills; ``Receiver`` (``receiver.py``) calls ``scatter_host`` and ``region_spans`` per
-packed message it writes into host regions.
+Who calls what: ``Framer`` (``frames.py``) calls ``region_spans`` per packed frame it fills, and
+``gather_rows`` for a frame of CUDA regions.
 """
 from __future__ import annotations
 
@@ -29,26 +29,12 @@ def row_index(off: np.ndarray, n: np.ndarray) -> tuple[int, np.ndarray, bool]:
 
 
 def gather_rows(region: torch.Tensor, off: np.ndarray, n: np.ndarray, out: torch.Tensor) -> None:
-    """out = the region's runs back to back, with one index_select (any device)."""
+    """out = the region's runs back to back, with one index_select (on the region's device)."""
     off, _, n = merge_runs(off, np.cumsum(n) - n, n)   # runs that touch in the region: longer rows
     length, idx, window = row_index(off, n)
     rows = (region.as_strided((region.numel() - length + 1, length), (1, 1)) if window
             else region[: region.numel() // length * length].view(-1, length))
     torch.index_select(rows, 0, torch.from_numpy(idx).to(region.device), out=out.view(-1, length))
-
-
-def scatter_host(region: np.ndarray, off: np.ndarray, n: np.ndarray, data: np.ndarray) -> None:
-    """Write ``data`` (the runs back to back) into a CPU region's runs with one indexed copy.
-
-    Rows are numpy void elements, so each moves as one memcpy (~2.5x a uint8 row at 4 KiB);
-    indexes are bounds-checked by numpy, window view included.
-    """
-    off, _, n = merge_runs(off, np.cumsum(n) - n, n)   # runs that touch in the region: longer rows
-    length, idx, window = row_index(off, n)
-    row = np.dtype((np.void, length))
-    rows = (np.ndarray((region.size - length + 1,), row, buffer=region, strides=(1,)) if window
-            else region[: region.size // length * length].view(row))
-    rows[idx] = data.view(row)
 
 
 def region_spans(*keys: np.ndarray) -> list[tuple[int, int]]:
