@@ -19,14 +19,14 @@ decode rank checks every byte of its heads. Repetitions interleave the TP pairin
 burst of load from other processes hits them alike; best of N.
 
 Ceilings measured in the same run:
-  same TP      TP 2 -> 2 on the same transport and layouts: the goal is hetero >= 0.7x it
+  same TP      TP 2 -> 2 on the same transport and layouts (the reference)
   tcp raw      the same bytes over one loopback TCP socket (1 MiB ``sendall`` / ``recv_into``)
                from the driver to decode rank 0's process: what zmq sits on
   memcpy       one single-thread ``copy_`` of the same bytes: what shared memory (ucx) allows
 
-Control: TP 4 -> 4 is the same TP with as many ranks (processes) as 2 -> 4 and 4 -> 2 on the
-box's two cores. When it drops as much as they do, the cost is the number of ranks sharing
-the cores, not heterogeneity.
+Control: TP 4 -> 4 is the same TP with as many ranks on the larger side as 2 -> 4 and 4 -> 2 on
+the box's two cores. When it drops as much as they do, the cost is the number of ranks sharing
+the cores, not heterogeneity. Issue 39's goal: each heterogeneous pairing >= 0.9x its control.
 
 Run counts per request, per decode rank, next to what SGLang-style head slicing needs: one
 descriptor per (token, layer, K/V) from each source whose heads are a slice on either side,
@@ -50,7 +50,7 @@ from bench_hetero_ranks import CHUNK, DTYPE, HEAD_DIM, HEADS, PAGE, Config, pack
 
 from kvxfer.plan import PACK_BELOW
 
-GOAL = 0.7
+GOAL = 0.9   # issue 39: heterogeneous >= 0.9x its control (TP m -> m, m its larger side)
 
 
 class Rank:
@@ -229,12 +229,17 @@ def rows_of(results: dict, transports: list[str], layouts: list[tuple[str, str]]
                 row = {"name": f"hetero {key} TP {p_tp}->{d_tp}", "unit": "GB/s", "value": r.get("gbps")}
                 if "error" in r:
                     row["error"] = r["error"]
+                m = max(p_tp, d_tp)
+                control = results.get(f"{key} TP {m}->{m}", {}) if (m, m) in pairs else {}
                 if (p_tp, d_tp) == pairs[0]:
                     row.update(ceiling=ceil, ceiling_name=ceil_name)
                 elif p_tp == d_tp:   # a control: same TP with more ranks sharing the cores; no goal
                     row.update(ceiling=ref.get("gbps"), ceiling_name=f"same {same} (control)")
-                else:
-                    row.update(ceiling=ref.get("gbps"), ceiling_name=f"same {same}", goal=f">= {GOAL}x")
+                elif control:   # issue 39's goal: against the control (the same TP on the larger side)
+                    row.update(ceiling=control.get("gbps"), ceiling_name=f"control TP {m}->{m}",
+                               goal=f">= {GOAL}x")
+                else:   # no control measured: against the reference, for information
+                    row.update(ceiling=ref.get("gbps"), ceiling_name=f"same {same}")
                 if row["value"] and row.get("ceiling"):
                     row["ratio"] = row["value"] / row["ceiling"]
                     if "goal" in row:
@@ -335,11 +340,11 @@ def main(argv: list[str] | None = None) -> int:
     worst = min((r["ratio"] for r in rows if "goal" in r and "ratio" in r), default=None)
     if worst is not None:
         met = "met" if worst >= GOAL else "MISSED"
-        print(f"\nworst heterogeneous / same TP: {worst:.2f}x (goal >= {GOAL}x: {met})")
+        print(f"\nworst heterogeneous / its control: {worst:.2f}x (goal >= {GOAL}x: {met})")
     for r in rows:
         if "(control)" in r.get("ceiling_name", "") and r.get("ratio") is not None:
             print(f"control {r['name'][7:]}: {r['ratio']:.2f}x of {pairs[0][0]}->{pairs[0][1]} "
-                  f"(same TP, as many ranks as the heterogeneous cases)")
+                  f"(same TP: the heterogeneous pairings' control)")
     if args.json:
         args.json.write_text(json.dumps({"bench": "hetero", "rows": rows, "results": results,
                                          "model": {"layers": layers, "kv_heads": HEADS, "head_dim": HEAD_DIM,
