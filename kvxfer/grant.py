@@ -42,7 +42,8 @@ _SORT_KEYS_ABOVE = 4096  # covers() sorts more runs than this before searching
 _FEW_PACKED = 32         # packed() / from_packed() of at most this many intervals use Python ints
 
 
-_SPAN_GROUP = 16          # covers() first checks groups of this many neighbouring runs as one span
+_CHAIN_MIN = 32            # covers() of this many runs or more first checks chains of neighbours as one span
+_CHAIN_GAP = 64 << 10      # bytes between two runs of one chain (a head slice's rows skip the other heads)
 
 
 class ByteRanges:
@@ -146,19 +147,22 @@ class ByteRanges:
             return np.zeros(len(region), dtype=bool)
         key = np.where(valid, (region << _REGION_BITS) + np.where(valid, offset, 0), 0)
         end = key + np.where(valid, nbytes, 0)
-        if len(key) < 2 * _SPAN_GROUP:
+        if len(key) < _CHAIN_MIN:
             return valid & self._inside(key, end)
-        # Runs come in stream order: neighbours tend to share a granted interval (a page's rows).
-        # A group of _SPAN_GROUP neighbours whose whole span lies in one interval is covered
-        # run by run (intervals never cross a region); only the other groups are searched run
-        # by run. One announce of 65,536 half rows: 7.1 -> 1.5 ms.
-        m = len(key) // _SPAN_GROUP * _SPAN_GROUP
-        span_ok = (self._inside(key[:m].reshape(-1, _SPAN_GROUP).min(1), end[:m].reshape(-1, _SPAN_GROUP).max(1))
-                   & valid[:m].reshape(-1, _SPAN_GROUP).all(1))
-        out = np.zeros(len(key), dtype=bool)
-        out[:m] = np.repeat(span_ok, _SPAN_GROUP)
+        # Runs come in stream order: a page's rows one after another, ascending. A chain of runs
+        # that ascend with gaps of at most _CHAIN_GAP is checked as one span [its first key, its
+        # largest end): when that lies in one granted interval, so does each of its runs
+        # (intervals never cross a region). Only the runs of other chains are searched one by
+        # one. Where a message cuts a page does not matter: 8,192 half rows cut 7 rows into a
+        # page, 95 us (534 with fixed groups of 16 neighbours, which such a cut misaligns); one
+        # announce of 65,536 half rows, 0.72 ms (7.1 run by run).
+        gap = key[1:] - end[:-1]
+        first = np.concatenate(([0], np.flatnonzero((gap < 0) | (gap > _CHAIN_GAP)) + 1))
+        ok = self._inside(key[first], np.maximum.reduceat(end, first)) & np.logical_and.reduceat(valid, first)
+        out = np.repeat(ok, np.diff(np.append(first, len(key))))
         rest = np.flatnonzero(~out)
-        out[rest] = valid[rest] & self._inside(key[rest], end[rest])
+        if len(rest):
+            out[rest] = valid[rest] & self._inside(key[rest], end[rest])
         return out
 
     def _inside(self, key: np.ndarray, end: np.ndarray) -> np.ndarray:

@@ -244,8 +244,8 @@ def test_byte_ranges_covers_many_runs_as_it_covers_one():
 
 
 def test_byte_ranges_covers_neighbour_groups_run_by_run():
-    """Runs in stream order (a page's rows next to each other) are first checked a group's
-    span at a time: one bad run inside an otherwise granted group is still found, and a span
+    """Runs in stream order (a page's rows next to each other) are first checked a chain's
+    span at a time: one bad run inside an otherwise granted chain is still found, and a span
     over a gap or across regions never passes for its runs."""
     rng = np.random.default_rng(5)
     pages = rng.permutation(4096)[:512]                       # granted 16 KiB pages, scattered
@@ -262,6 +262,21 @@ def test_byte_ranges_covers_neighbour_groups_run_by_run():
     want = [grant.covers_run(int(r), int(o), int(n)) for r, o, n in zip(region, offset, nbytes)]
     assert got.tolist() == want
     assert not got[[100, 300, 411, 412]].any() and int((~got).sum()) <= 5
+    # chains of neighbours cut anywhere (a message's cut mid-page), gaps that pass between two
+    # granted intervals, runs that go back: every answer is still the run's own
+    for seed in range(20):
+        r2 = np.random.default_rng(100 + seed)
+        cut = int(r2.integers(0, 16))
+        off2 = np.tile(rows, 2)[cut: cut + 3000].copy()
+        n2 = np.full(len(off2), 512)
+        pick = r2.integers(0, len(off2), 40)
+        off2[pick[:10]] += r2.integers(-40000, 40000, 10)      # jumps within the chain gap
+        n2[pick[10:20]] = r2.integers(1, 20000, 10)            # runs that reach past their page
+        off2[pick[20:30]] -= 512                               # back onto the other half row
+        off2[pick[30:]] = r2.choice(pages, 10) * 16384 - 1     # one byte before a granted page
+        reg2 = np.zeros(len(off2), np.int64)
+        got = grant.covers(reg2, off2, n2)
+        assert got.tolist() == [grant.covers_run(0, int(o), int(n)) for o, n in zip(off2, n2)], seed
     # a bad run's key reads as 0: a group in a grant that starts at byte 0 must not hide it
     first = ByteRanges([0], [0], [16384])
     offset, nbytes = np.arange(32) * 512, np.full(32, 512)
