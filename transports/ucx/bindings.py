@@ -121,6 +121,7 @@ class TagRecvInfo(ctypes.Structure):  # ucp_tag_recv_info_t
 
 tag_recv_test = _fn(_ucp_held, "ucp_tag_recv_request_test", _status_t, _vp, _P(TagRecvInfo))
 PTR_ERR_MIN = 2**64 - 100  # UCS_PTR_IS_ERR: status pointers -100..-1
+UCS_ERR_NOT_CONNECTED = -29
 
 
 def _address(lib, name: str) -> int:
@@ -175,6 +176,17 @@ def why(status: int) -> str:
 def check(status: int, what: str) -> None:
     if status != 0:
         raise ConnectError(f"{what} failed: {why(status)}")
+
+
+def flush(eph: int, param: RequestParam) -> Flush:
+    """One ``ucp_ep_flush_nbx`` on ``eph``. An endpoint already closed (``eph`` 0: ucxx closes an
+    error-handling endpoint itself when its connection fails) has nothing left to flush: a Flush
+    already failed with ``UCS_ERR_NOT_CONNECTED``, never a call on NULL (SIGSEGV inside UCX;
+    measured: a prefill rank whose TCP connection the kernel gave up on during a partition,
+    after it had disconnected that decode rank)."""
+    if not eph:
+        return Flush(2**64 + UCS_ERR_NOT_CONNECTED)
+    return Flush(ep_flush(eph, ctypes.byref(param)))
 
 
 class Flush:

@@ -21,8 +21,9 @@ both sides within their deadlines, but what it could still write or read stays h
   ``quarantine_timeout``, when that expires (counted in ``fencing()["expired"]``). Proven dead
   (``fencing``): on our kernel, in our PID and network namespaces, its process is gone (pid
   check); elsewhere (another host or network namespace, no user-chosen TLS: ``Peer.err``,
-  endpoints with UCX error handling on both sides) UCX reported its endpoint failed: its
-  connection was reset or closed, which its process's death does. Either way ``fence_grace``
+  endpoints with UCX error handling on both sides) UCX reported its endpoint failed while
+  the peer was not silent: its connection was reset or closed, which its process's death does
+  (after a silence, our own kernel ending the connection reads the same). Either way ``fence_grace``
   s of progress later it is released as *writes impossible* and forgotten: to write again it
   must connect and handshake anew. A peer elsewhere that is alive but silent (a cut link, a
   stall) is NOT released by closing our endpoint to it: measured

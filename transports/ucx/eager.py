@@ -58,7 +58,6 @@ checks catch an honest sender's bug, they never stopped a hostile one.
 from __future__ import annotations
 
 import collections
-import ctypes
 import struct
 import time
 from collections.abc import Callable, Iterable
@@ -309,7 +308,7 @@ class EagerSends:
 
     def flush_fence(self, p: Peer, rids: tuple[str, ...]) -> None:
         """Flush our endpoint to ``p``; FENCED(rids) follows once it completed (``check_flushes``)."""
-        p.fence_flushes.append((ucp.Flush(ucp.ep_flush(p.eph, ctypes.byref(self.workers.flush_param))), rids))
+        p.fence_flushes.append((ucp.flush(p.eph, self.workers.flush_param), rids))
         if p not in self.flushing:
             self.flushing.append(p)
 

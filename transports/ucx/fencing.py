@@ -10,11 +10,16 @@ What proves a peer's writes impossible, where:
   start time); our endpoint to it proves nothing (closing it does not stop a peer's cma
   writes), so that is the only proof there.
 * another host or network namespace, no user-chosen TLS (``Peer.err``): UCX reports its
-  endpoint failed with a connection reset (``check_failed``): the TCP connection its writes
-  travel on was reset or closed by its side. Measured (``tests/test_ucx_close_fence.py``):
-  after its ``kill -9`` the close callback fires in ~0.1 s with a reset, no socket to it is
-  left and nothing lands afterwards. A timeout (a partition) is no proof, nor is closing our
-  endpoint to a live peer: its writes go on landing.
+  endpoint failed with a connection reset (``check_failed``) while the peer was not silent (we
+  heard it within ``peer_timeout``): the TCP connection its writes travel on was reset or
+  closed by its side. Measured (``tests/test_ucx_close_fence.py``): after its ``kill -9`` the
+  close callback fires in ~0.1 s with a reset, no socket to it is left and nothing lands
+  afterwards. A reset after a silence is no proof: our kernel gives up on a connection across
+  a long partition (keepalive, retransmissions) and UCX reports that as a reset too
+  (``tests/test_multihost_kernel_abort.py``); this holds while those kernel and UCX timeouts
+  exceed ``peer_timeout``, as their defaults do (UCX's keepalive: 10 s idle, then 2 s probes).
+  Nor is a timeout (a partition), nor closing our endpoint to a live peer: its writes go on
+  landing.
 * anything else (a user-chosen TLS across hosts, a silent live peer): nothing; its memory
   stays held until it flushes or re-handshakes, or ``quarantine_timeout`` (opt-in, unsafe)."""
 from __future__ import annotations
@@ -101,8 +106,9 @@ class Fencing:
         callback, or seen not alive). Their transfers fail at once; ``fence_grace`` s later (of
         progress: whatever their connection had delivered is applied or dropped by then) they are
         released and forgotten (to write again a peer must connect and handshake anew), as
-        *writes impossible* only when UCX says the connection was reset (``failure_of``): the
-        other side closed it (its process is gone), so nothing more of it is applied here.
+        *writes impossible* only when UCX says the connection was reset (``failure_of``) while the
+        peer was not silent (``_ep_failed``): the other side closed it (its process is gone), so
+        nothing more of it is applied here.
         Measured (``tests/test_ucx_close_fence.py``): after the peer's ``kill -9`` the failure is
         a reset, nothing it had issued lands and no socket to it is left. Any other failure (a
         timeout: a partition, the peer maybe alive with writes on their way) proves nothing:
@@ -123,6 +129,12 @@ class Fencing:
 
     def _ep_failed(self, p: Peer, now: float) -> None:
         p.failed_at, p.failure = now, failure_of(p.ep)
+        if p.failure == "reset" and p.clock.silent(now, self.options.peer_timeout):
+            # Our own kernel ends a connection the same way when a partition outlasts its
+            # keepalive or retransmissions (UCX reports a reset; measured: both sides of a cut link
+            # after ~22 s with net.ipv4.tcp_rto_max_ms=2000): after this much silence a reset says
+            # nothing of the peer's side, whose own connection may still carry its writes.
+            p.failure = f"reset after {p.clock.silent_for(now):.1f}s of silence"
         if p.failure == "reset":
             log.warning("UCX transport %s: the connection of peer %s was reset (its process is gone or its "
                         "transport closed); freeing what it held in %.1fs", self.id[:8], p.id[:8],

@@ -20,7 +20,6 @@ loop calls ``retire_closing`` each turn while peers are closing; ``Join`` calls 
 """
 from __future__ import annotations
 
-import ctypes
 import time
 
 from kvxfer.errors import PeerError
@@ -92,6 +91,9 @@ class Lifecycle:
         for p in self.closing:
             if self.peers.get(p.id) is not p:   # released meanwhile (proven dead)
                 continue
+            if p.failed_at is not None or not p.eph:   # its endpoint failed: ``Fencing.check_failed`` releases it
+                left.append(p)
+                continue
             if self.sender.uses(p) or p.rehello is not None or any(r.ep is not None for r in p.old) or p.outbox \
                     or self.receiver.opens(p) \
                     or any(k[0] == p.id for k in self.landing.puts) \
@@ -102,7 +104,7 @@ class Lifecycle:
                 left.append(p)   # the close flush next turn, once the FENCED left with the outbox
                 continue
             if p.close_flush is None:   # nothing of ours reads a source: flush so ABORTs and BYE leave
-                p.close_flush = ucp.Flush(ucp.ep_flush(p.eph, ctypes.byref(self.workers.flush_param)))
+                p.close_flush = ucp.flush(p.eph, self.workers.flush_param)
             if p.close_flush.poll() is None and now - p.closing_since < self.options.peer_timeout:
                 left.append(p)
                 continue

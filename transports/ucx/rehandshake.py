@@ -43,7 +43,6 @@ Who calls what (I/O thread): ``Control`` (``begin``, ``requeue``, ``renew_contro
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 
 from . import bindings as ucp
@@ -77,7 +76,7 @@ class Rehandshake:
         p.pregranted_bytes = 0
         if p.err and p.addr and p.rkeys_src and len(p.old) < MAX_RETIRED:
             return self.renew(p)
-        p.rehello = ucp.Flush(ucp.ep_flush(p.eph, ctypes.byref(self.workers.flush_param)))
+        p.rehello = ucp.flush(p.eph, self.workers.flush_param)
 
     def renew(self, p: Peer) -> None:
         """Retire our endpoint to ``p`` with its flush, make a new one, HELLO(epoch + 1) over it now."""
@@ -93,9 +92,9 @@ class Rehandshake:
             except Exception as e:   # UCX refused (out of resources): flush and wait instead
                 log.warning("UCX transport: a new endpoint to peer %s failed (%s: %s); flushing the old one",
                             p.id[:8], type(e).__name__, e)
-                p.rehello = ucp.Flush(ucp.ep_flush(p.eph, ctypes.byref(w.flush_param)))
+                p.rehello = ucp.flush(p.eph, w.flush_param)
                 return
-            p.old.append(Retired(p.ep, p.eph, p.rkeys, ucp.Flush(ucp.ep_flush(p.eph, ctypes.byref(w.flush_param))),
+            p.old.append(Retired(p.ep, p.eph, p.rkeys, ucp.flush(p.eph, w.flush_param),
                                  p.my_epoch))
             p.ep, p.eph, p.rkeys, p.ep_used = ep, ep.handle, rkeys, False
             self.peers.watch(p)

@@ -15,7 +15,6 @@ failed transfers whose puts may still read their source (``fencing()``'s "source
 """
 from __future__ import annotations
 
-import ctypes
 import time
 
 import torch
@@ -105,6 +104,9 @@ class Sender:
     def start_puts(self, o: Outgoing, dtag: int) -> None:
         """GO came: issue every put and packed frame at once (all in flight); the turn flushes."""
         ep = o.peer.eph
+        if not ep:   # ucxx closed the endpoint (its connection failed): nothing issued, none in flight
+            return self.fail_out(o, PeerError(f"request {o.handle.request_id}: the connection to peer "
+                                              f"{o.peer.id[:8]} failed"))
         if o.puts:   # every put in one call (the compiled helper): the puts it posted before a failure are in flight
             try:
                 _, status = ucp.post_puts(ep, o.puts, o.peer.rkeys, self.regions.put_params_far if o.peer.far
@@ -142,7 +144,7 @@ class Sender:
             self._flush(outs)
 
     def _flush(self, outs: list[Outgoing]) -> None:
-        f = ucp.Flush(ucp.ep_flush(outs[0].peer.eph, ctypes.byref(self.workers.flush_param)))
+        f = ucp.flush(outs[0].peer.eph, self.workers.flush_param)
         for o in outs:
             o.flush = f
         self.flushing += outs
