@@ -117,17 +117,19 @@ class Framer:
     def _gather(self, sel, pos, base, sr, so, dr, do, n) -> bytes:
         """A packed frame: the runs ``sel`` gathered into ``base``; returns the header's runs.
         Host sources: one compiled call for the whole frame (``kvxfer.copy.gather_runs``: a
-        memmove per run, 1.1-1.5x ``index_select`` of the same rows from a cold pool)."""
+        memmove per run, 1.1-1.8x ``index_select`` of the same rows from a cold pool)."""
         host = bool(self.regions.is_host[sr[sel]].all())
         if host:
             gather_runs(self.regions.tensors, sr[sel], so[sel], n[sel], out=base[: pos[-1]])
         header = []
         for a, b in region_spans(sr[sel], dr[sel]):         # loop per region pair in the frame
-            if not host:   # CUDA: gather on the device, one copy to pinned host memory
+            if not host:   # a frame with CUDA regions: each region pair's runs in one indexed copy
                 region = self.regions.tensors[sr[sel[a]]]
-                out = torch.empty(int(pos[b] - pos[a]), dtype=torch.uint8, device=region.device)
+                out = base[pos[a]: pos[b]] if region.is_cpu else torch.empty(
+                    int(pos[b] - pos[a]), dtype=torch.uint8, device=region.device)
                 gather_rows(region, so[sel[a:b]], n[sel[a:b]], out)
-                base[pos[a]: pos[b]].copy_(out)
+                if not region.is_cpu:   # gathered on the device, then one copy to pinned host memory
+                    base[pos[a]: pos[b]].copy_(out)
             # Runs back to back in the frame and at the receiver are one run there: a head
             # slice of token-major pages gathers 512 B rows into 8 KiB destination runs.
             start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])

@@ -4,7 +4,7 @@ stretches of a frame's runs that share their regions. Row arithmetic is ``kvxfer
 executor instead (``kvxfer.copy.gather_runs`` / ``scatter_runs``: a memmove per run).
 
 Who calls what: ``Framer`` (``frames.py``) calls ``region_spans`` per packed frame it fills, and
-``gather_rows`` for a frame of CUDA regions.
+``gather_rows`` for a frame with CUDA regions.
 """
 from __future__ import annotations
 
