@@ -7,6 +7,7 @@ Prints the median of ``--repeat`` runs (default 3) in GB/s. Root only (network n
 
     .venv/bin/python scripts/bench_hosts.py [--mib 64] [--repeat 3] [--transports zmq,ucx] [--tp 1:1,2:4]
                                             [--ucx-tls tcp] [--ucx-stage never,network] [--rounds 1]
+                                            [--no-raw-ucx]
 
 ``--ucx-stage``: the UCX ranks' ``stage_host`` values to compare (A/B: "never" sends packed rows
 as in-place iovs, "network" gathers them into the staging ring over TCP); ``--rounds`` repeats
@@ -14,6 +15,15 @@ the whole set, interleaved (A, B, A, B, ...), so load that drifts during the run
 
 ``--ucx-tls ""`` sets no UCX_TLS: the ranks reach each other as users get by default (the second
 worker a peer in another network namespace gets, ``settings.FAR_TLS``; TCP here).
+
+``--raw-ucx`` (on by default; ``--no-raw-ucx`` leaves it out): UCX's own ceiling in the same run,
+no kvxfer code: ``raw ucx`` (one process on host B tag-sends N bytes, one contiguous host buffer,
+to one on host C) and ``raw ucx TP 2->4`` (the processes and bytes of ``raw tcp TP 2->4``), with
+ucxx's low-level API (``ucxx._lib.libucxx``) and the UCX settings kvxfer's ranks get for
+``--ucx-tls`` (``transports/ucx/settings.py``: ``ucx_settings``, ``with_tcp_defaults``, and
+``FAR_TLS`` when no UCX_TLS is set). Timed like the raw TCP rows: each sender from "go" until
+its receivers acknowledged every byte (one untimed warm-up transfer first); every receiver
+checks every byte. The kvxfer ucx rows also print their ratio to it.
 
 Uses tests/hosts.py (the hosts) and tests/multihost_rank.py (the ranks). A benchmark, not a
 test: it asserts only that every request arrived byte-exact.
@@ -23,9 +33,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -115,6 +127,157 @@ def raw_tcp_tp(hosts, nbytes: int, repeat: int, p_tp: int, d_tp: int) -> list[fl
     return out
 
 
+# Raw UCX (``raw_ucx``), no kvxfer code: ucxx's low-level API, one context and worker per process
+# (tag, RMA and wake-up features, as kvxfer's), the worker progressed until the requests complete,
+# sleeping on its event fd when nothing moves (6 busy-polling processes on 2 cores would measure
+# the scheduler). Receiver ``i`` gets the bytes ``pattern(i)`` XOR the round number (1, 2, ...).
+# Both print their worker address first (JSON); then, per round, "ready" once set. What they tell
+# the parent starts with "@@ " (``say``): UCX writes its warnings to stdout too.
+RAW_UCX_COMMON = r"""
+import json, os, select, sys, time
+import numpy as np
+from ucxx._lib import libucxx as ucx_api
+from ucxx._lib.arr import Array
+F = ucx_api.Feature
+ctx = ucx_api.UCXContext(json.loads(sys.argv[1]), feature_flags=(F.TAG, F.RMA, F.WAKEUP))
+worker = ucx_api.UCXWorker(ctx); worker.init_blocking_progress_mode()
+poller = select.poll(); poller.register(worker.epoll_file_descriptor, select.POLLIN)
+n, rounds = int(sys.argv[2]), int(sys.argv[3])
+DATA, ACK = 1 << 32, 2 << 32
+def wait(reqs):
+    while not all(r.completed for r in reqs):
+        if not worker.progress_once() and worker.arm():
+            poller.poll(1)
+    for r in reqs:
+        r.check_error()
+def pattern(i):
+    return np.random.default_rng(1000 + i).integers(0, 256, n, dtype=np.uint8)
+def say(x):
+    print("@@", x, flush=True)
+def connect(hexaddr):
+    return worker.create_endpoint_from_worker_address(ucx_api.UCXAddress.create_from_buffer(bytes.fromhex(hexaddr)),
+                                                      True)
+say(json.dumps({"addr": worker.address.tobytes().hex()}))
+"""
+# The receiver (argv: config, n, rounds, its index) reads its sender's address on stdin; per round
+# it posts the receive, says "ready", receives, answers one byte, and prints whether every byte
+# is right ({"ok"}); it exits at the next line on stdin.
+RAW_UCX_RECV = RAW_UCX_COMMON + r"""
+i = int(sys.argv[4]); base = pattern(i); buf = np.zeros_like(base); one = np.ones(1, np.uint8)
+ep = connect(sys.stdin.readline().strip())
+for k in range(1, rounds + 1):
+    req = worker.tag_recv(Array(buf), ucx_api.UCXXTag(DATA | i))
+    say("ready")
+    wait([req])
+    wait([ep.tag_send(Array(one), ucx_api.UCXXTag(ACK | i))])
+    np.bitwise_xor(buf, k, out=buf)
+    say(json.dumps({"ok": bool(np.array_equal(buf, base))}))
+sys.stdin.readline(); os._exit(0)
+"""
+# The sender (argv: config, n, rounds, "index:address" of each receiver it feeds): per round it
+# fills its buffers, posts the receives of the acknowledgements, says "ready", waits for "go" on
+# stdin, tag-sends n bytes to each receiver at once and prints the seconds until every one
+# answered; it exits at the next line on stdin.
+RAW_UCX_SEND = RAW_UCX_COMMON + r"""
+peers = [(int(a.split(":")[0]), connect(a.split(":")[1])) for a in sys.argv[4:]]
+bases = {i: pattern(i) for i, _ in peers}; data = {i: np.empty_like(b) for i, b in bases.items()}
+acks = {i: np.zeros(1, np.uint8) for i in bases}
+for k in range(1, rounds + 1):
+    for i, b in bases.items():
+        np.bitwise_xor(b, k, out=data[i])
+    reqs = [worker.tag_recv(Array(acks[i]), ucx_api.UCXXTag(ACK | i)) for i in bases]
+    say("ready"); sys.stdin.readline()
+    t = time.perf_counter()
+    reqs += [ep.tag_send(Array(data[i]), ucx_api.UCXXTag(DATA | i)) for i, ep in peers]
+    wait(reqs)
+    say(time.perf_counter() - t)
+sys.stdin.readline(); os._exit(0)
+"""
+
+
+def raw_ucx_settings(ucx_tls: str) -> tuple[dict[str, str] | None, dict[str, str]]:
+    """The environment (``Host.popen``'s ``env``) and UCX config dict of a raw UCX process: what a
+    kvxfer UCX rank of ``kvxfer_request(..., ucx_tls)`` hands the context that reaches a peer in
+    another network namespace (``Workers``: ``with_tcp_defaults(ucx_settings(...))``, with
+    ``TLS=FAR_TLS`` unless UCX_TLS is set, where its data worker takes the environment's)."""
+    from kvxfer_transports.ucx import settings as st
+    env = {**UCX_ENV, "UCX_TLS": ucx_tls} if ucx_tls else None
+    environ = {**os.environ, **(env or {})}
+    config = st.with_tcp_defaults(st.ucx_settings(None, None, environ), environ)
+    if not st.tls_explicit(None, None, environ):
+        config["TLS"] = st.FAR_TLS
+    return env, config
+
+
+def raw_ucx(hosts, nbytes: int, repeat: int, p_tp: int = 1, d_tp: int = 1, ucx_tls: str = "tcp") -> list[float]:
+    """UCX's own ceiling, no kvxfer code: ``p_tp`` sending processes on host B, ``d_tp`` receiving
+    ones on host C (1 -> 1: ``raw ucx``), each receiver tag-sent ``nbytes / d_tp`` in one message
+    by the sender ``raw_tcp_tp`` gives it, UCX configured as kvxfer's ranks (``raw_ucx_settings``).
+    One warm-up round, then ``repeat`` timed ones: GB/s of the whole ``nbytes`` until the slowest
+    sender had every acknowledgement; every receiver checks every byte of every round."""
+    if p_tp > d_tp or d_tp % p_tp:
+        raise ValueError(f"raw UCX TP {p_tp} -> {d_tp}: a decode TP that is a multiple of prefill's")
+    per, fan, rounds = nbytes // d_tp, d_tp // p_tp, repeat + 1
+    env, config = raw_ucx_settings(ucx_tls)
+    head = [sys.executable, "-c"]
+    tail = [json.dumps(config), str(per), str(rounds)]
+    procs: list[subprocess.Popen] = []
+
+    def kill_all() -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+    # a child that hangs would hang the run: kill them all (their pipes close, readline fails)
+    watchdog = threading.Timer(60 + 30 * rounds, kill_all)
+    watchdog.start()
+
+    def line(p: subprocess.Popen) -> str:   # the next "@@ " line, without it
+        while True:
+            got = p.stdout.readline()
+            if not got:
+                raise RuntimeError(f"raw ucx: a process ended (exit status {p.wait(10)})")
+            if got.startswith("@@ "):
+                return got[3:].strip()
+
+    def tell(p: subprocess.Popen, text: str) -> None:
+        p.stdin.write(text + "\n")
+        p.stdin.flush()
+
+    try:
+        rcv = [hosts[2].popen([*head, RAW_UCX_RECV, *tail, str(i)], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for i in range(d_tp)]
+        procs += rcv
+        raddr = [json.loads(line(r))["addr"] for r in rcv]
+        snd = [hosts[1].popen([*head, RAW_UCX_SEND, *tail, *[f"{i}:{raddr[i]}" for i in range(s * fan, (s + 1) * fan)]],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for s in range(p_tp)]
+        procs += snd
+        saddr = [json.loads(line(s))["addr"] for s in snd]
+        for i, r in enumerate(rcv):
+            tell(r, saddr[i // fan])
+        out = []
+        for k in range(1, rounds + 1):
+            for p in rcv + snd:
+                assert line(p) == "ready"
+            for s in snd:
+                tell(s, "go")
+            took = max(float(line(s)) for s in snd)
+            for i, r in enumerate(rcv):
+                assert json.loads(line(r))["ok"], f"raw ucx TP {p_tp}->{d_tp}: round {k}, receiver {i}: bytes differ"
+            if k > 1:
+                out.append(per * d_tp / took / 1e9)
+        for p in procs:
+            tell(p, "exit")
+        for p in procs:
+            p.wait(30)
+        return out
+    finally:
+        watchdog.cancel()
+        kill_all()
+        for p in procs:
+            p.wait(10)
+
+
 def kvxfer_request(hosts, transport: str, mib: int, repeat: int, p_tp: int = 1, d_tp: int = 1,
                    ucx_tls: str = "tcp", stage: str = "") -> list[float]:
     """One ``mib`` MiB request (all heads) from prefill TP ``p_tp`` (page-major, host B) to decode
@@ -174,6 +337,8 @@ def main() -> int:
     ap.add_argument("--ucx-tls", default=UCX_ENV["UCX_TLS"], help='UCX_TLS of the UCX ranks ("": none set)')
     ap.add_argument("--ucx-stage", default="", help="stage_host values of the UCX ranks to compare (comma-separated)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat the whole set, interleaved")
+    ap.add_argument("--raw-ucx", action=argparse.BooleanOptionalAction, default=True,
+                    help="UCX's own ceiling next to the raw TCP rows (raw ucx, raw ucx TP p->d)")
     a = ap.parse_args()
     why = hosts_skip_reason()
     if why:
@@ -181,14 +346,22 @@ def main() -> int:
         return 1
     pairs = [tuple(int(x) for x in pair.split(":")) for pair in a.tp.split(",")]
     stages = a.ucx_stage.split(",") if a.ucx_stage else [""]
+    raw_ucx_on = a.raw_ucx and importlib.util.find_spec("ucxx") is not None
+    if a.raw_ucx and not raw_ucx_on:
+        print("raw ucx: ucxx does not import, skipped")
     rows: dict[str, list[float]] = {}
     with TestHosts(3) as hosts:
         for _ in range(a.rounds):
             rows.setdefault("raw tcp", []).extend(raw_tcp(hosts, a.mib << 20, a.repeat))
+            if raw_ucx_on:
+                rows.setdefault("raw ucx", []).extend(raw_ucx(hosts, a.mib << 20, a.repeat, ucx_tls=a.ucx_tls))
             for p_tp, d_tp in pairs:
                 if (p_tp, d_tp) != (1, 1):   # the shape's own ceiling, raw: as many processes as ranks
                     rows.setdefault(f"raw tcp TP {p_tp}->{d_tp}", []).extend(
                         raw_tcp_tp(hosts, a.mib << 20, a.repeat, p_tp, d_tp))
+                    if raw_ucx_on:
+                        rows.setdefault(f"raw ucx TP {p_tp}->{d_tp}", []).extend(
+                            raw_ucx(hosts, a.mib << 20, a.repeat, p_tp, d_tp, a.ucx_tls))
                 for t in a.transports.split(","):
                     if t == "ucx" and importlib.util.find_spec("ucxx") is None:
                         print("ucx: ucxx does not import, skipped")
@@ -204,9 +377,12 @@ def main() -> int:
           f"median of {a.repeat} x {a.rounds} rounds; ratio to the raw TCP median of this run ({raw:.2f} GB/s):")
     for name, v in rows.items():
         m = statistics.median(v)
-        shape = name.rsplit(" TP ", 1)[-1] if " TP " in name and not name.startswith("raw") else ""
+        shape = name.rsplit(" TP ", 1)[-1] if " TP " in name and not name.startswith("raw tcp") else ""
         ceiling = rows.get(f"raw tcp TP {shape}")
         vs = f"  {m / statistics.median(ceiling):5.2f}x of raw TP {shape}" if ceiling else ""
+        own = "raw ucx" if shape == "1->1" else f"raw ucx TP {shape}"    # UCX's own ceiling of the shape
+        if name.startswith("kvxfer ucx") and own in rows:
+            vs += f"  {m / statistics.median(rows[own]):5.2f}x of {own}"
         print(f"  {name:34s} {m:6.2f} GB/s  {m / raw:5.2f}x{vs}   runs: {', '.join(f'{x:.2f}' for x in v)}")
     return 0
 

@@ -35,6 +35,10 @@ Ceilings measured in the same run (single thread):
   memcpy     one ``copy_`` of the case's bytes              (shared-memory peers, one run)
   gather     ``index_select`` of the same pages, one process (shared-memory peers, scattered)
   tcp raw    the case's bytes over one loopback TCP socket, 1 MiB messages (TCP peers)
+  zmq raw    (a row of its own) pyzmq alone moving the case as gloo does: the floor under any
+             transport on libzmq, which receives into buffers of its own, never the caller's
+             memory: one copy more than gloo at the receiver. Where it reads below gloo, no
+             zmq transport can beat gloo on that case here
 --busy-caller: every initiator process also runs a thread busy in Python, as a serving engine's
 scheduler is; a peer whose transfers need its own threads to take the GIL (kvxfer's I/O thread)
 waits for it (``sys.getswitchinterval()``, 5 ms) while that thread runs.
@@ -60,7 +64,7 @@ from bench_peers_workers import PEERS, KiB, MiB, make_cases, source_pool, worker
 
 ROOT = Path(__file__).resolve().parents[1]
 VENVS = ROOT / ".bench-venvs"
-TCP_PEERS = {"kvxfer zmq", "gloo", "mooncake tcp", "tcp raw"}
+TCP_PEERS = {"kvxfer zmq", "gloo", "mooncake tcp", "tcp raw", "zmq raw"}
 # How each peer's environment is made: pip argument lists, in order, in a fresh venv.
 # NIXL: torch first (the CPU wheel), so that nothing pulls a CUDA build; the `nixl` meta
 # package only for its `nixl._api` import path, never with its dependencies (~5.9 GB).
