@@ -1,13 +1,22 @@
 /* kvxfer's compiled helper for host memory: the runs of a plan copied in one call.
  *
  * copy_runs(src_addr, src_size, dst_addr, dst_size, src_region, src_offset, dst_region, dst_offset,
- *           nbytes, release_gil_from)
+ *           nbytes, release_gil_from[, stream_from])
  *
- * Every argument but the last is a C-contiguous int64 array (numpy). The first four describe the
+ * Every array argument is a C-contiguous int64 array (numpy). The first four describe the
  * regions (address and size in bytes, one entry each), the next five the runs. Every run is checked
  * against its regions before the first byte moves: a bad run raises ValueError naming it and nothing
  * is copied. Then one memmove per run (right even where a run's source and destination overlap). The GIL is released for the copies when the runs hold at least
  * release_gil_from bytes: a short copy is cheaper than taking the GIL back behind a busy thread.
+ *
+ * stream_from (default: never): when the runs hold at least this many bytes, runs whose source and
+ * destination do not overlap are written with non-temporal (streaming) stores, then a store fence,
+ * so every byte is visible to other threads when the call returns. For a receiver scattering a
+ * message into a pool much larger than the caches: the stores skip reading each destination line
+ * first. Measured (32 MiB as 512 B runs into random 16-row pages of a 128 MiB pool, best of 7):
+ * rows 1024 B apart (a head slice of token-major rows) 3.80 ms with memmove, 2.54 ms streamed;
+ * back to back 2.43 and 2.49 ms. Not for a buffer read again soon (a staging frame about to be
+ * sent): streamed bytes leave the caches.
  *
  * Called by kvxfer.copy (execute_plan, copy_runs, gather_runs, scatter_runs) for regions in host
  * memory, from any thread; it keeps no state.
@@ -16,6 +25,9 @@
 #include <Python.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 typedef struct {
     Py_buffer view;
@@ -45,6 +57,50 @@ static int column(PyObject *o, const char *name, Column *c)
     return 1;
 }
 
+/* memmove, with streaming stores for the 16-byte aligned middle of the destination when the two
+ * ranges do not overlap (the head and tail go through memcpy); without SSE2, memmove. */
+static void copy_streamed(char *d, const char *s, size_t n)
+{
+#if defined(__SSE2__)
+    if (n >= 256 && (d + n <= s || s + n <= d)) {
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+        memcpy(d, s, head);
+        d += head;
+        s += head;
+        n -= head;
+        size_t body = n & ~(size_t)63;
+        for (size_t i = 0; i < body; i += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
+            _mm_stream_si128((__m128i *)(d + i), a);
+            _mm_stream_si128((__m128i *)(d + i + 16), b);
+            _mm_stream_si128((__m128i *)(d + i + 32), c);
+            _mm_stream_si128((__m128i *)(d + i + 48), e);
+        }
+        memcpy(d + body, s + body, n - body);
+        return;
+    }
+#endif
+    memmove(d, s, n);
+}
+
+static void copy_all(const int64_t *sa, const int64_t *da, const int64_t *sr, const int64_t *so, const int64_t *dr,
+                     const int64_t *dof, const int64_t *n, Py_ssize_t count, int streamed)
+{
+    if (!streamed) {
+        for (Py_ssize_t i = 0; i < count; i++)
+            memmove((char *)(uintptr_t)da[dr[i]] + dof[i], (const char *)(uintptr_t)sa[sr[i]] + so[i], (size_t)n[i]);
+        return;
+    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        copy_streamed((char *)(uintptr_t)da[dr[i]] + dof[i], (const char *)(uintptr_t)sa[sr[i]] + so[i], (size_t)n[i]);
+#if defined(__SSE2__)
+    _mm_sfence();   /* streamed stores are weakly ordered: done before anyone is told */
+#endif
+}
+
 /* 0 <= offset, 0 <= n, offset + n <= size, without overflow */
 static int inside(int64_t offset, int64_t n, int64_t size)
 {
@@ -54,12 +110,12 @@ static int inside(int64_t offset, int64_t n, int64_t size)
 static PyObject *copy_runs(PyObject *self, PyObject *args)
 {
     PyObject *objs[9];
-    long long release_from;
+    long long release_from, stream_from = -1;
     Column c[9];
     PyObject *result = NULL;
     memset(c, 0, sizeof c);
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOL", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
-                          &objs[6], &objs[7], &objs[8], &release_from))
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOL|L", &objs[0], &objs[1], &objs[2], &objs[3], &objs[4], &objs[5],
+                          &objs[6], &objs[7], &objs[8], &release_from, &stream_from))
         return NULL;
     for (int i = 0; i < 9; i++)
         if (!column(objs[i], NAMES[i], &c[i]))
@@ -95,14 +151,13 @@ static PyObject *copy_runs(PyObject *self, PyObject *args)
         }
         total = n[i] > INT64_MAX - total ? INT64_MAX : total + n[i];
     }
+    int streamed = stream_from >= 0 && total >= stream_from;
     if (total >= release_from) {
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++)
-            memmove((char *)(uintptr_t)da[dr[i]] + dof[i], (const char *)(uintptr_t)sa[sr[i]] + so[i], (size_t)n[i]);
+        copy_all(sa, da, sr, so, dr, dof, n, count, streamed);
         Py_END_ALLOW_THREADS
     } else {
-        for (Py_ssize_t i = 0; i < count; i++)
-            memmove((char *)(uintptr_t)da[dr[i]] + dof[i], (const char *)(uintptr_t)sa[sr[i]] + so[i], (size_t)n[i]);
+        copy_all(sa, da, sr, so, dr, dof, n, count, streamed);
     }
     result = Py_None;
     Py_INCREF(result);
@@ -116,7 +171,8 @@ done:
 static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS,
      "copy_runs(src_addr, src_size, dst_addr, dst_size, src_region, src_offset, dst_region, dst_offset, "
-     "nbytes, release_gil_from): check every run against its regions, then memmove each (int64 arrays)."},
+     "nbytes, release_gil_from[, stream_from]): check every run against its regions, then memmove each "
+     "(int64 arrays; streaming stores from stream_from bytes)."},
     {NULL, NULL, 0, NULL},
 };
 

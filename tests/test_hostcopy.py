@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvxfer import hostcopy
-from kvxfer.copy import RELEASE_GIL_FROM, copy_runs, execute_plan, gather_runs, scatter_runs
+from kvxfer.copy import RELEASE_GIL_FROM, STREAM_FROM, copy_runs, execute_plan, gather_runs, scatter_runs
 from kvxfer.errors import PlanError, TransportError
 from kvxfer.plan import FEW_RUNS, RunGroup, Runs, TransferPlan
 
@@ -145,3 +145,61 @@ def test_a_large_copy_lets_other_threads_run():
         sys.setswitchinterval(old)
     assert bool((dst == 1).all())
     assert max(moved) > 0, moved
+
+
+def _tables(regions: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    return (np.array([t.data_ptr() for t in regions], np.int64), np.array([t.numel() for t in regions], np.int64))
+
+
+def _columns(rows: list[tuple[int, int, int, int, int]]) -> list[np.ndarray]:
+    """The five run columns as the compiled helper takes them (contiguous int64 arrays)."""
+    return [np.ascontiguousarray(c) for c in np.array(rows, np.int64).reshape(-1, 5).T]
+
+
+@pytest.mark.parametrize("stream_from", [-1, 0])
+def test_streamed_copies_land_every_byte_whatever_the_alignment(stream_from):
+    """``stream_from``: runs of every length and alignment (streaming stores cover only a 16-byte
+    aligned middle; the head and tail are copied plainly) land exactly as without streaming."""
+    rng = np.random.default_rng(5)
+    src = [torch.from_numpy(rng.integers(0, 256, 1 << 17, dtype=np.uint8))]
+    dst = [torch.zeros(1 << 18, dtype=torch.uint8)]
+    lengths = [1, 15, 16, 63, 255, 256, 257, 300, 511, 512, 513, 1000, 4096, 4099, 8191]
+    rows, do = [], 3
+    for i, n in enumerate(lengths * 4):
+        so = int(rng.integers(0, (1 << 17) - n))
+        rows.append((0, so, 0, do, n))
+        do += n + i % 17   # every destination alignment
+    hostcopy.copy_runs(*_tables(src), *_tables(dst), *_columns(rows), RELEASE_GIL_FROM, stream_from)
+    want = torch.zeros(1 << 18, dtype=torch.uint8)
+    for _, so, _, d, n in rows:
+        want[d: d + n] = src[0][so: so + n]
+    assert torch.equal(dst[0], want)
+
+
+def test_streamed_copies_of_overlapping_runs_move_as_memmove():
+    """A run whose source and destination overlap (one region, moved by less than its length) is
+    copied as memmove, streaming or not: streaming stores front to back would read bytes they
+    had already overwritten."""
+    base = torch.from_numpy(np.random.default_rng(6).integers(0, 256, 1 << 15, dtype=np.uint8))
+    for shift in (64, -64, 4096 + 16):
+        region = [base.clone()]
+        want = base.clone()
+        so, n = 4096, 8192
+        want[so + shift: so + shift + n] = base[so: so + n].clone()
+        tab = _tables(region)
+        hostcopy.copy_runs(*tab, *tab, *_columns([(0, so, 0, so + shift, n)]), RELEASE_GIL_FROM, 0)
+        assert torch.equal(region[0], want), shift
+
+
+def test_a_scatter_large_enough_to_stream_lands_byte_exact():
+    """``scatter_runs`` of at least ``STREAM_FROM`` bytes (streaming stores): half rows into rows
+    twice as long, as a receiver lands a head slice of token-major pages."""
+    n_rows, half = (2 * STREAM_FROM) // 512, 512
+    data = torch.from_numpy(np.random.default_rng(7).integers(0, 256, n_rows * half, dtype=np.uint8))
+    dst = [torch.zeros(n_rows * 2 * half + 4096, dtype=torch.uint8)]
+    offset = np.random.default_rng(8).permutation(n_rows).astype(np.int64) * (2 * half) + half
+    scatter_runs(dst, np.zeros(n_rows, np.int64), offset, np.full(n_rows, half, np.int64), data)
+    rows = dst[0][: n_rows * 2 * half].view(n_rows, 2, half)
+    assert int(rows[:, 0].count_nonzero()) == 0 and int(dst[0][n_rows * 2 * half:].count_nonzero()) == 0
+    assert torch.equal(rows[torch.from_numpy(offset // (2 * half)), 1], data.view(n_rows, half))
+

@@ -80,3 +80,69 @@ def test_scattered_4k_pages_are_byte_exact_with_a_small_ring():
         assert [(a.request_id, a.ok, a.nbytes) for a in arrivals] == [("r", True, k * run)]
     finally:
         tx.close(), rx.close()
+
+
+def _framer(regions: list[torch.Tensor], **opts):
+    from kvxfer.transport.kit import StagingPool
+    from transports.zmq.frames import Framer
+    from transports.zmq.options import ZMQOptions
+    from transports.zmq.regions import Regions
+    options = ZMQOptions(**opts)
+    r = Regions()
+    r.set(regions)
+    staging = StagingPool(frames=2, frame_bytes=options.frame_bytes * (options.frames_per_message + 1), name="test")
+    return Framer(options, r, staging), staging, options
+
+
+def test_framed_messages_carry_every_run_within_the_message_budget():
+    """``Framer.frames`` on thousands of small runs over several region pairs (in plan order,
+    and shuffled) plus a few long ones: each packed message is at most the budget (its runs and
+    their header entries) plus at most its last run, the messages together land every byte where
+    its run says, and the totals match. Zero-copy runs go as parts of their own."""
+    rng = np.random.default_rng(11)
+    src = [torch.from_numpy(rng.integers(0, 256, 4 << 20, dtype=np.uint8)) for _ in range(3)]
+    framer, staging, o = _framer(src, frame_bytes=64 << 10, frames_per_message=2, zero_copy_min=96 << 10)
+    budget = o.frame_bytes * o.frames_per_message
+    k = 6000
+    n = rng.integers(1, 1500, k)
+    n[rng.choice(k, 5, replace=False)] = 200 << 10                 # a few zero-copy runs, split in frames
+    sr, dr = rng.integers(0, 3, k), rng.integers(0, 2, k)
+    for shuffled in (False, True):
+        if not shuffled:
+            order = np.lexsort((sr, dr))
+            sr, dr, n = sr[order], dr[order], n[order]
+        so = rng.integers(0, (4 << 20) - (200 << 10), k)
+        do = np.cumsum(n) - n                                   # every run its own destination bytes
+        dst = [torch.zeros(int(n.sum()), dtype=torch.uint8) for _ in range(2)]
+        nbytes = 0
+        for msg in framer.frames(sr, so, dr, do, n):
+            assert msg is not None   # two staging frames, each given back below
+            hdr, parts, stage, _ = msg
+            runs = np.frombuffer(hdr, "<i8").reshape(3, -1)
+            payload = b"".join(bytes(p) for p in parts)
+            if stage is not None:   # packed: its runs start within one budget, the last may run over
+                assert len(payload) <= budget + o.frame_bytes <= stage.numel()   # runs are cut at frame_bytes
+            p = 0
+            for r, off, c in runs.T.tolist():
+                dst[r][off: off + c] = torch.frombuffer(bytearray(payload[p: p + c]), dtype=torch.uint8)
+                p += c
+            assert p == len(payload)
+            nbytes += p
+            staging.put(stage)
+        assert nbytes == int(n.sum())
+        want = [torch.zeros_like(d) for d in dst]
+        for s_, o_, r, d_, c in zip(sr.tolist(), so.tolist(), dr.tolist(), do.tolist(), n.tolist()):
+            want[r][d_: d_ + c] = src[s_][o_: o_ + c]
+        assert all(torch.equal(a, b) for a, b in zip(dst, want)), shuffled
+
+
+def test_pairs_in_order_is_exactly_when_sorting_by_region_pair_changes_nothing():
+    from transports.zmq.frames import pairs_in_order
+    rng = np.random.default_rng(12)
+    for _ in range(300):
+        k = int(rng.integers(2, 40))
+        sr, dr = rng.integers(0, 3, k), rng.integers(0, 3, k)
+        if rng.random() < 0.5:
+            order = np.lexsort((sr, dr))
+            sr, dr = sr[order], dr[order]
+        assert pairs_in_order(sr, dr) == bool((np.lexsort((sr, dr)) == np.arange(k)).all()), (sr, dr)

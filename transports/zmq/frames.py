@@ -39,6 +39,16 @@ def pack_runs(runs: list[tuple[int, int, int, int, int]]) -> bytes:
     return struct.pack(f"<{3 * len(runs)}q", *[r[2] for r in runs], *[r[3] for r in runs], *[r[4] for r in runs])
 
 
+def pairs_in_order(sr: np.ndarray, dr: np.ndarray) -> bool:
+    """Do the runs come sorted by (destination region, source region) already, as a plan's runs do
+    (so no sort is needed to bring each region pair's runs together)?"""
+    change = np.flatnonzero((sr[1:] != sr[:-1]) | (dr[1:] != dr[:-1]))
+    if not len(change):
+        return True
+    before, after = (dr[change], sr[change]), (dr[change + 1], sr[change + 1])
+    return bool(((after[0] > before[0]) | ((after[0] == before[0]) & (after[1] > before[1]))).all())
+
+
 def fill_messages(runs: list[tuple], budget: int, overhead: int) -> list[list[tuple]]:
     """Runs in order, cut into messages of at most ``budget`` bytes (each run costing its
     length plus ``overhead``) and ``MAX_PARTS`` runs; a longer run gets a message of its own."""
@@ -69,71 +79,80 @@ class Framer:
         """The messages of runs given as int64 arrays (any regions)."""
         fb, host, is_host = self.frame_bytes, self.regions.host, self.regions.is_host
         n, (so, do), (sr, dr) = split_long_runs(fb, n, (so, do), (sr, dr))
-        zc = (n >= self.zero_copy_min) & is_host[sr]
+        zc = (n >= self.zero_copy_min) & is_host[sr] if len(n) and int(n.max()) >= self.zero_copy_min else None
 
-        def runs(sel) -> bytes:
-            return np.concatenate((dr[sel], do[sel], n[sel])).astype("<i8").tobytes()
+        def runs(dr, do, n) -> bytes:
+            return np.concatenate((dr, do, n)).astype("<i8").tobytes()
 
-        def views(sel) -> list[memoryview]:
-            return [memoryview(host[r][o: o + c]) for r, o, c in zip(sr[sel].tolist(), so[sel].tolist(),
-                                                                     n[sel].tolist())]
+        def views(sr, so, n) -> list[memoryview]:
+            return [memoryview(host[r][o: o + c]) for r, o, c in zip(sr.tolist(), so.tolist(), n.tolist())]
 
-        def messages(sel: np.ndarray, overhead: int, budget: int) -> list[np.ndarray]:
-            cost = n[sel] + overhead                 # header bytes count toward a packed frame
-            if len(sel) <= 1 or (len(sel) <= MAX_PARTS and cost.sum() <= budget):
-                return [sel] if len(sel) else []
-            frame_of = (np.cumsum(cost) - cost) // budget
-            if not overhead:                         # zero-copy: at most MAX_PARTS parts
-                frame_of = frame_of * len(sel) + np.arange(len(sel)) // MAX_PARTS
-            return np.split(sel, np.flatnonzero(np.diff(frame_of)) + 1) if len(sel) else []
-
-        zmsgs = messages(np.flatnonzero(zc), 0, fb * self.per_message)
-        small = np.flatnonzero(~zc)
-        if len(small) > 1 and ((sr[small] != sr[small[0]]).any() or (dr[small] != dr[small[0]]).any()):
-            small = small[np.lexsort((sr[small], dr[small]))]   # stable: plan order within a region pair
+        # Zero-copy runs: messages of at most fb * per_message bytes and MAX_PARTS parts.
+        zmsgs: list[np.ndarray] = []
+        if zc is not None and (zsel := np.flatnonzero(zc)).size:
+            cost = n[zsel]
+            frame_of = (np.cumsum(cost) - cost) // (fb * self.per_message) * len(zsel) \
+                + np.arange(len(zsel)) // MAX_PARTS
+            zmsgs = np.split(zsel, np.flatnonzero(np.diff(frame_of)) + 1)
+        # Packed runs, as contiguous columns (the plan's own arrays when that is every run, in
+        # order: no copy), sorted by region pair, so that runs back to back in the frame and at
+        # the receiver travel as one run; then cut into messages of ~fb * per_message bytes
+        # (header bytes count), as slices [a, b) of the columns.
+        cols = (sr, so, dr, do, n) if zc is None or not zc.any() else tuple(c[~zc] for c in (sr, so, dr, do, n))
+        k = len(cols[4])
+        if k > 1 and not pairs_in_order(cols[0], cols[2]):
+            order = np.lexsort((cols[0], cols[2]))   # stable: plan order within a region pair
+            cols = tuple(c[order] for c in cols)
+        pos = np.concatenate(([0], np.cumsum(cols[4])))   # each packed run's place in their byte stream
         packed = fb * self.per_message   # measured: packed frames gain from size, zero-copy parts do not
-        smsgs = messages(small, RUN_BYTES, packed)
+        cuts = [0, k] if k else [0]
+        if k > 1 and pos[-1] + RUN_BYTES * k > packed:
+            start = pos[:-1] + RUN_BYTES * np.arange(k)   # a frame's bytes: its runs and their headers
+            cuts = [0, *np.unique(np.searchsorted(start, packed * np.arange(1, start[-1] // packed + 1))).tolist(), k]
+        smsgs = list(zip(cuts[:-1], cuts[1:]))
         left = len(zmsgs) + len(smsgs)          # messages still to make: 1 is the last
         if not left:
             yield b"", [], None, True   # an empty transfer still sends its totals
         for sel in zmsgs:
             left -= 1
-            yield runs(sel), views(sel), None, not left
-        for sel in smsgs:
+            yield runs(dr[sel], do[sel], n[sel]), views(sr[sel], so[sel], n[sel]), None, not left
+        for a, b in smsgs:
             left -= 1
-            if len(sel) == 1 and is_host[sr[sel[0]]]:     # a lone run needs no staging
-                yield runs(sel), views(sel), None, not left
+            part = tuple(c[a:b] for c in cols)
+            if b - a == 1 and is_host[part[0][0]]:     # a lone run needs no staging
+                yield runs(*part[2:]), views(part[0], part[1], part[4]), None, not left
                 continue
-            pos = np.concatenate(([0], np.cumsum(n[sel])))
             while (base := self._stage()) is None:
                 yield None   # the staging ring is exhausted: asked again once zmq freed a frame
+            size = int(pos[b] - pos[a])
             try:
-                msg = self._gather(sel, pos, base, sr, so, dr, do, n)
+                msg = self._gather(pos[a: b + 1] - pos[a], base, *part)
             except BaseException:
                 self.staging.put(base)   # never handed to zmq: free again at once
                 raise
-            yield msg, [memoryview(base[: pos[-1]].numpy())], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
+            yield msg, [memoryview(base[:size].numpy())], base, not left  # type: ignore[arg-type]  # numpy's stubs give ndarray __buffer__ on Python >= 3.12 only
 
-    def _gather(self, sel, pos, base, sr, so, dr, do, n) -> bytes:
-        """A packed frame: the runs ``sel`` gathered into ``base``; returns the header's runs.
-        Host sources: one compiled call for the whole frame (``kvxfer.copy.gather_runs``: a
-        memmove per run, 1.1-1.8x ``index_select`` of the same rows from a cold pool)."""
-        host = bool(self.regions.is_host[sr[sel]].all())
+    def _gather(self, pos, base, sr, so, dr, do, n) -> bytes:
+        """A packed frame: the runs (column slices) gathered into ``base`` at ``pos``; returns the
+        header's runs. Host sources: one compiled call for the whole frame
+        (``kvxfer.copy.gather_runs``: a memmove per run, 1.1-1.8x ``index_select`` of the same rows
+        from a cold pool)."""
+        host = self.regions.all_host or bool(self.regions.is_host[sr].all())
         if host:
-            gather_runs(self.regions.tensors, sr[sel], so[sel], n[sel], out=base[: pos[-1]])
+            gather_runs(self.regions.tensors, sr, so, n, out=base[: pos[-1]])
         header = []
-        for a, b in region_spans(sr[sel], dr[sel]):         # loop per region pair in the frame
+        for a, b in region_spans(sr, dr):         # loop per region pair in the frame
             if not host:   # a frame with CUDA regions: each region pair's runs in one indexed copy
-                region = self.regions.tensors[sr[sel[a]]]
+                region = self.regions.tensors[sr[a]]
                 out = base[pos[a]: pos[b]] if region.is_cpu else torch.empty(
                     int(pos[b] - pos[a]), dtype=torch.uint8, device=region.device)
-                gather_rows(region, so[sel[a:b]], n[sel[a:b]], out)
+                gather_rows(region, so[a:b], n[a:b], out)
                 if not region.is_cpu:   # gathered on the device, then one copy to pinned host memory
                     base[pos[a]: pos[b]].copy_(out)
             # Runs back to back in the frame and at the receiver are one run there: a head
             # slice of token-major pages gathers 512 B rows into 8 KiB destination runs.
-            start, _, length = merge_runs(do[sel[a:b]], pos[a:b], n[sel[a:b]])
-            header.append((np.full(len(start), dr[sel[a]]), start, length))
+            start, _, length = merge_runs(do[a:b], pos[a:b], n[a:b])
+            header.append((np.full(len(start), dr[a]), start, length))
         return np.concatenate([np.concatenate(c) for c in zip(*header)]).astype("<i8").tobytes()
 
     def frames_few(self, runs: list[tuple[int, int, int, int, int]]) -> Iterator[Message | None]:

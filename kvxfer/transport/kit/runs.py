@@ -41,9 +41,9 @@ def split_long_runs(frame: int, n: np.ndarray, moving: Sequence[np.ndarray] = ()
 
     ``moving``: columns that advance with the bytes (offsets, addresses); ``fixed``: columns
     each piece keeps (region ids). Returns (lengths, moving columns, fixed columns)."""
-    pieces = np.maximum(-(-n // frame), 1)
-    if not len(n) or pieces.max() <= 1:
+    if not len(n) or int(n.max()) <= frame:
         return n, list(moving), list(fixed)
+    pieces = np.maximum(-(-n // frame), 1)
     idx = np.repeat(np.arange(len(n)), pieces)
     step = (np.arange(len(idx)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * frame
     return (np.minimum(n[idx] - step, frame), [m[idx] + step for m in moving], [f[idx] for f in fixed])
