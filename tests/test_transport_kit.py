@@ -266,3 +266,18 @@ def test_a_wake_that_races_with_clear_is_never_lost(monkeypatch):
         assert select.select([w.fd], [], [], 0.5)[0], "a wake-up was lost: the I/O thread would never look again"
     finally:
         w.close()
+
+
+def test_an_io_thread_copies_on_one_torch_thread_and_leaves_the_callers_alone():
+    """Every transport's I/O thread (``IOThread``) runs torch's CPU copies on itself alone: an
+    OpenMP team would stall on its barrier whenever a busy core descheduled a member. The
+    count is per thread with OpenMP: the caller's stays as it was."""
+    from kvxfer.transport.kit import IOThread
+    openmp = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+    before, seen = torch.get_num_threads(), []
+    t = IOThread("kvxfer-test-io", lambda: seen.append(torch.get_num_threads()), on_crash=lambda why: None,
+                 on_exit=lambda: None)
+    t.start()
+    t.join(10)
+    assert seen == [1 if openmp else before]
+    assert torch.get_num_threads() == before

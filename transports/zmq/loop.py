@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 
-import torch
 import zmq
 
 from kvxfer.errors import ConnectError
@@ -24,7 +23,6 @@ from .sockets import Sockets
 
 _CMDS_PER_TURN = 64              # commands handled per loop turn, so a burst of submits never
                                  # keeps the loop from pumping, receiving and its silence checks
-_OMP_PER_THREAD = "parallel backend: OpenMP" in torch.__config__.parallel_info()
 
 
 class Loop:
@@ -40,10 +38,6 @@ class Loop:
 
     def run(self, ready: Future) -> None:
         """Bind, tell ``ready`` what peers are told (or why the bind failed), then loop until ``Close``."""
-        if _OMP_PER_THREAD:
-            # Copies here go one frame at a time; an OpenMP team would stall on its barrier
-            # whenever a busy core descheduled a member. With OpenMP this is per thread.
-            torch.set_num_threads(1)
         try:
             self.sockets.bind()
         except (zmq.ZMQError, ValueError) as e:

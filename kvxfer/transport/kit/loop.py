@@ -11,6 +11,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ...errors import TransportError
 from ..base import TransferHandle, peer_failed
 
@@ -177,6 +179,12 @@ class PipeWaker:
                 pass
 
 
+# Copies on an I/O thread go one frame or message at a time; an OpenMP team of torch's would stall
+# on its barrier whenever a busy core descheduled a member. With OpenMP the thread count is per
+# thread: each I/O thread sets its own to 1 (the caller's threads keep theirs).
+_OMP_PER_THREAD = "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
 class IOThread:
     """The one thread of a transport that owns its network state.
 
@@ -206,6 +214,8 @@ class IOThread:
         return self.thread.is_alive()
 
     def _main(self) -> None:
+        if _OMP_PER_THREAD:
+            torch.set_num_threads(1)
         try:
             self._body()
         except BaseException as e:  # a bug: say so, and fail everything below instead of hanging
