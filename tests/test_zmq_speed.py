@@ -146,3 +146,29 @@ def test_pairs_in_order_is_exactly_when_sorting_by_region_pair_changes_nothing()
             order = np.lexsort((sr, dr))
             sr, dr = sr[order], dr[order]
         assert pairs_in_order(sr, dr) == bool((np.lexsort((sr, dr)) == np.arange(k)).all()), (sr, dr)
+
+
+def test_a_frame_with_device_regions_gathers_the_same_bytes_region_pair_by_region_pair():
+    """A packed frame with any region off the host gathers each region pair's runs with an
+    indexed copy (``rows.gather_rows``) instead of one compiled call. Here the regions are on the
+    CPU but marked off the host, so that path runs anywhere: every message (header and bytes)
+    must be the one the host path makes."""
+    rng = np.random.default_rng(13)
+    src = [torch.from_numpy(rng.integers(0, 256, 1 << 20, dtype=np.uint8)) for _ in range(2)]
+    k = 3000
+    n = np.full(k, 512, np.int64)
+    sr, dr = np.repeat([0, 1, 0], k // 3), np.repeat([0, 0, 1], k // 3)
+    so = rng.integers(0, (1 << 20) // 512, k) * 512
+    do = np.arange(k, dtype=np.int64) * 1024
+    out = []
+    for mark_device in (False, True):
+        framer, staging, _ = _framer(src, frame_bytes=128 << 10, frames_per_message=2)
+        if mark_device:
+            framer.regions.is_host = np.zeros(len(src) + 1, bool)
+        msgs = []
+        for msg in framer.frames(sr, so, dr, do, n):
+            hdr, parts, stage, last = msg
+            msgs.append((hdr, b"".join(bytes(p) for p in parts), last))
+            staging.put(stage)
+        out.append(msgs)
+    assert len(out[0]) > 3 and out[0] == out[1]
