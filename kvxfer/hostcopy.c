@@ -62,7 +62,8 @@ static int column(PyObject *o, const char *name, Column *c)
 static void copy_streamed(char *d, const char *s, size_t n)
 {
 #if defined(__SSE2__)
-    if (n >= 256 && (d + n <= s || s + n <= d)) {
+    uintptr_t di = (uintptr_t)d, si = (uintptr_t)s;
+    if (n >= 256 && (di + n <= si || si + n <= di)) {
         size_t head = (16 - ((uintptr_t)d & 15)) & 15;
         memcpy(d, s, head);
         d += head;
