@@ -5,6 +5,8 @@ descending order, whole pages between every layout pair, and ``ByteRanges`` cove
 """
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import pytest
 import torch
@@ -17,9 +19,10 @@ from plan_reference import (
     reference_copy,
 )
 
+from kvxfer import rangecheck
 from kvxfer.copy import copy_runs, execute_plan, gather_runs, scatter_runs
 from kvxfer.errors import LayoutError, PlanError
-from kvxfer.grant import ByteRanges
+from kvxfer.grant import ByteRanges, GrantTable
 from kvxfer.layout import (
     Layout,
     hnd_layout,
@@ -227,26 +230,88 @@ def test_whole_pages_between_every_layout_pair(src_kind: str, dst_kind: str) -> 
     assert plan.num_runs == min_runs_reference(src, s, HeadSlice(), dst, d, HeadSlice())
 
 
-def test_byte_ranges_covers_many_runs_as_it_covers_one():
-    """``covers`` over many runs (searched in sorted order) answers, run by run and in the
-    caller's order, what ``covers_run`` answers for each: inside, straddling, outside, hostile."""
+def reference_covers(granted, region, offset, nbytes) -> list[bool]:
+    """What ``ByteRanges.covers`` must answer, in plain Python: each run lies wholly inside one
+    merged stretch of the ``granted`` (region, start, nbytes) triples of its region."""
+    merged: dict[int, list[list[int]]] = {}
+    for r, a, n in sorted(zip(*(np.asarray(x).tolist() for x in granted))):
+        iv = merged.setdefault(r, [])
+        if iv and a <= iv[-1][1]:
+            iv[-1][1] = max(iv[-1][1], a + n)
+        else:
+            iv.append([a, a + n])
+    starts = {r: [a for a, _ in iv] for r, iv in merged.items()}
+
+    def one(r: int, o: int, n: int) -> bool:
+        i = bisect.bisect_right(starts.get(r, []), o) - 1
+        return n > 0 and o >= 0 and i >= 0 and o + n <= merged[r][i][1]
+    return [one(int(r), int(o), int(n)) for r, o, n in zip(region, offset, nbytes)]
+
+
+def test_byte_ranges_covers_many_runs_as_a_reference_does():
+    """``covers`` over many runs in random order (no neighbour to start from) answers, run by
+    run and in the caller's order, what a plain merge-and-search does: inside, straddling,
+    outside, hostile; ``covers_run`` the same for each run alone."""
     rng = np.random.default_rng(11)
-    k = 6000                       # above the size where covers sorts its keys
+    k = 6000
     starts = rng.choice(1 << 16, k, replace=False).astype(np.int64) * 512
-    grant = ByteRanges(rng.integers(0, 3, k), starts, np.full(k, 256, np.int64))
+    granted = (rng.integers(0, 3, k), starts, np.full(k, 256, np.int64))
+    grant = ByteRanges(*granted)
     region = rng.integers(-1, 4, 3 * k)
     offset = rng.choice(starts, 3 * k) + rng.integers(-300, 300, 3 * k)
     nbytes = rng.integers(-5, 400, 3 * k)
-    offset[::97], nbytes[::89] = -(1 << 62), 1 << 62      # hostile values
+    offset[::97], nbytes[::89], nbytes[1::89] = -(1 << 62), 1 << 62, (1 << 63) - 1   # hostile values
+    region[::101] = 1 << 40                                # a region id past the axis
+    in_one, in_zero = granted[0] == 1, granted[0] == 0     # another region's grants, named past this one's ends
+    region[5::103], offset[5::103] = 0, (1 << 40) + rng.choice(starts[in_one], len(offset[5::103]))
+    region[7::103], offset[7::103] = 1, rng.choice(starts[in_zero], len(offset[7::103])) - (1 << 40)
     got = grant.covers(region, offset, nbytes)
-    want = [grant.covers_run(int(r), int(o), int(n)) for r, o, n in zip(region, offset, nbytes)]
+    want = reference_covers(granted, region, offset, nbytes)
     assert got.tolist() == want and 0 < int(got.sum()) < len(got)
+    assert [grant.covers_run(int(r), int(o), int(n)) for r, o, n in zip(region, offset, nbytes)] == want
+    assert not grant.covers_run(0, 1 << 70, 1) and not grant.covers_run(0, 0, -(1 << 70))   # beyond int64
+
+
+def test_byte_ranges_covers_refuses_columns_it_cannot_read():
+    """The compiled check takes int64 columns of one length (anything else converts first or is
+    refused by name), and an empty grant covers nothing."""
+    grant = ByteRanges([0], [0], [4096])
+    starts, ends = grant.intervals(0)   # region 0 starts the one axis of all regions
+    assert grant.covers([0, 0], np.array([0, 4000], np.int32), [4096, 200]).tolist() == [True, False]
+    with pytest.raises(ValueError, match="offset has 1 entries"):
+        rangecheck.covered(starts, ends, np.zeros(2, np.int64), np.zeros(1, np.int64),
+                           np.ones(2, np.int64), np.empty(2, bool))
+    with pytest.raises(TypeError, match="region must be a 1-D int64 array"):
+        rangecheck.covered(starts, ends, np.zeros(2, np.int32), np.zeros(2, np.int64),
+                           np.ones(2, np.int64), np.empty(2, bool))
+    with pytest.raises(BufferError):   # a read-only result
+        rangecheck.covered(starts, ends, *(np.ones(2, np.int64) for _ in range(3)), bytes(2))
+    empty = ByteRanges([], [], [])
+    assert not empty.covers([0], [0], [1]).any() and not empty.covers_run(0, 0, 1)
+
+
+def test_grant_check_names_the_first_fault_of_a_message_in_one_call():
+    """``GrantTable.check`` refuses, in this order: a region id it has no region for, a run
+    outside the grant, a granted run past its region's end (a grant larger than the region);
+    runs as arrays or as lists, values beyond int64 refused, not raised."""
+    table = GrantTable([4096, 4096])
+    table.expect("r", ByteRanges([0, 1], [0, 0], [8192, 1024]))   # region 0's grant passes its end
+    cases = {((0,), (0,), (4096,)): None, ((1,), (512,), (512,)): None,
+             ((0,), (4000,), (200,)): "outside region", ((0, 2), (0, 0), (1, 1)): "unknown region",
+             ((0, 1), (4000, 1000), (200, 100)): "outside grant",            # the grant fault comes first
+             ((0, 1), (4000, 0), (200, 100)): "outside region", ((0,), (0,), (1 << 64,)): "outside grant"}
+    for (r, o, n), want in cases.items():
+        for cols in ((list(r), list(o), list(n)),) + (((np.array(r), np.array(o), np.array(n)),) if n[0] < 1 << 63
+                                                       else ()):
+            got = table.check("r", *cols)
+            assert (got if got is None else got.split(":")[0]) == want, (r, o, n, got)
+    assert table.check("r", [0], [0], [0, 1]).startswith("malformed header")
 
 
 def test_byte_ranges_covers_neighbour_groups_run_by_run():
-    """Runs in stream order (a page's rows next to each other) are first checked a chain's
-    span at a time: one bad run inside an otherwise granted chain is still found, and a span
-    over a gap or across regions never passes for its runs."""
+    """Runs in stream order (a page's rows next to each other) start their search at the interval
+    that held the run before: one bad run among granted neighbours is still found, and so is a
+    run that jumps over a gap, goes back, or names another region."""
     rng = np.random.default_rng(5)
     pages = rng.permutation(4096)[:512]                       # granted 16 KiB pages, scattered
     grant = ByteRanges(np.repeat([0, 1], 512), np.tile(pages * 16384, 2), np.full(1024, 16384))
@@ -258,8 +323,9 @@ def test_byte_ranges_covers_neighbour_groups_run_by_run():
     region[300] = 2                                           # a region with no grant
     offset[411], nbytes[412] = -(1 << 62), 0                  # hostile, empty
     offset[500: 516] = rng.permutation(offset[500: 516])      # a group out of order: still fine
+    granted = (np.repeat([0, 1], 512), np.tile(pages * 16384, 2), np.full(1024, 16384))
     got = grant.covers(region, offset, nbytes)
-    want = [grant.covers_run(int(r), int(o), int(n)) for r, o, n in zip(region, offset, nbytes)]
+    want = reference_covers(granted, region, offset, nbytes)
     assert got.tolist() == want
     assert not got[[100, 300, 411, 412]].any() and int((~got).sum()) <= 5
     # chains of neighbours cut anywhere (a message's cut mid-page), gaps that pass between two
@@ -276,7 +342,7 @@ def test_byte_ranges_covers_neighbour_groups_run_by_run():
         off2[pick[30:]] = r2.choice(pages, 10) * 16384 - 1     # one byte before a granted page
         reg2 = np.zeros(len(off2), np.int64)
         got = grant.covers(reg2, off2, n2)
-        assert got.tolist() == [grant.covers_run(0, int(o), int(n)) for o, n in zip(off2, n2)], seed
+        assert got.tolist() == reference_covers(granted, reg2, off2, n2), seed
     # a bad run's key reads as 0: a group in a grant that starts at byte 0 must not hide it
     first = ByteRanges([0], [0], [16384])
     offset, nbytes = np.arange(32) * 512, np.full(32, 512)

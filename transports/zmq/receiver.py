@@ -2,7 +2,7 @@
 
 Checks, in order: the header parses (``protocol.parse_data``), the whole message fits
 ``max_message_bytes`` (zmq's own limit is per part), part lengths match the runs, every run
-lies inside the request's grant (``GrantTable.check``) and its region. A violation fails the
+lies inside the request's grant and its region (``GrantTable.check``, one compiled call). A violation fails the
 transfer (nack, ``Arrival(ok=False)``) and writes nothing. Otherwise each byte is copied once,
 from the received zmq frame into the region.
 
@@ -32,7 +32,7 @@ from kvxfer.errors import ProtocolError
 from kvxfer.grant import GrantTable
 from kvxfer.transport.admission import Admissions
 from kvxfer.transport.base import Arrival
-from kvxfer.transport.kit import peer_reason, runs_inside, runs_inside_few
+from kvxfer.transport.kit import peer_reason
 
 from .devsync import WriteSync
 from .options import ZMQOptions
@@ -209,11 +209,8 @@ class Receiver:
             self._fail_in(key, self.grants.reject(request_id, reason))
             return
         with self.write_lock:
-            if k:
-                reason = self.grants.check(request_id, region, offset, nbytes, h.cap)   # also: request ended?
-            if reason is None and not (runs_inside_few(list(zip(region, offset, nbytes)), self.grants.region_sizes)
-                                       if few else runs_inside(region, offset, nbytes, self.regions.sizes)):
-                reason = self.grants.reject(request_id, "outside region: a granted run passes its region's end")
+            if k:   # the grant, the regions, and whether the request ended
+                reason = self.grants.check(request_id, region, offset, nbytes, h.cap)
             if reason is None and size:
                 device = (any(self.regions.host[r] is None for r in region) if few
                           else not bool(self.regions.is_host[region].all()))
