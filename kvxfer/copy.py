@@ -77,8 +77,20 @@ def _host_copy(src: tuple[np.ndarray, np.ndarray], dst: tuple[np.ndarray, np.nda
         raise PlanError(str(e)) from None
 
 
+def _host_staged(block: torch.Tensor, regions: tuple[np.ndarray, np.ndarray], region: np.ndarray,
+                 offset: np.ndarray, nbytes: np.ndarray, gather: bool, stream_from: int = -1) -> None:
+    """The runs into (``gather``) or out of ``block``, back to back, in one compiled call; every
+    run is checked against its region and the block first (PlanError naming it; nothing moves)."""
+    try:
+        hostcopy.copy_staged(block.data_ptr(), block.nbytes, regions[0], regions[1], _i64(region), _i64(offset),
+                             _i64(nbytes), gather, RELEASE_GIL_FROM, stream_from)
+    except ValueError as e:
+        raise PlanError(str(e)) from None
+
+
 def _staged_runs(region: np.ndarray, offset: np.ndarray, nbytes: np.ndarray, gather: bool) -> Runs:
-    """Runs between ``regions`` and one staging block (region 0), the block's bytes in run order."""
+    """Runs between ``regions`` and one staging block (region 0), the block's bytes in run order
+    (for the device path's cached moves)."""
     pos = np.concatenate(([0], np.cumsum(nbytes)[:-1])).astype(np.int64)
     zero, none = np.zeros(len(nbytes), np.int64), np.zeros(len(nbytes), bool)
     region = np.asarray(region, np.int64)
@@ -100,9 +112,9 @@ def gather_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.
             out[p: p + k].copy_(regions[r][o: o + k])
             p += k
         return out
-    src, dst = _host_table(regions), _host_table([out])
-    if src is not None and dst is not None:
-        _host_copy(src, dst, _staged_runs(region, offset, nbytes, True))
+    src = _host_table(regions)
+    if src is not None and _host_table([out]) is not None:
+        _host_staged(out, src, region, offset, nbytes, True)
         return out
     moves, _ = cached_moves(key, "gather", lambda: pair_moves(_staged_runs(region, offset, nbytes, True),
                                                                 regions, [out]), regions, [out])
@@ -123,9 +135,9 @@ def scatter_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np
             regions[r][o: o + k].copy_(data[p: p + k])
             p += k
         return
-    src, dst = _host_table([data]), _host_table(regions)
-    if src is not None and dst is not None:
-        _host_copy(src, dst, _staged_runs(region, offset, nbytes, False), STREAM_FROM)
+    dst = _host_table(regions)
+    if dst is not None and _host_table([data]) is not None:
+        _host_staged(data, dst, region, offset, nbytes, False, STREAM_FROM)
         return
     moves, _ = cached_moves(key, "scatter", lambda: pair_moves(_staged_runs(region, offset, nbytes, False),
                                                                  [data], regions), [data], regions)

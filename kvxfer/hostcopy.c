@@ -18,6 +18,15 @@
  * back to back 2.43 and 2.49 ms. Not for a buffer read again soon (a staging frame about to be
  * sent): streamed bytes leave the caches.
  *
+ * copy_staged(block_addr, block_size, addr, size, region, offset, nbytes, gather, release_gil_from[,
+ *             stream_from])
+ *
+ * The same between one contiguous block (a staging frame, a received message) and the regions: run i
+ * is at the block's offset nbytes[0] + ... + nbytes[i-1]. gather: 1 copies the runs into the block,
+ * 0 out of it. Every run is checked against its region, and their sum against block_size, before
+ * the first byte moves. It spares the caller the block-side columns copy_runs needs (a cumulative
+ * sum and two more arrays: ~20 us for the 7,800 half rows of a 4 MiB message).
+ *
  * Called by kvxfer.copy (execute_plan, copy_runs, gather_runs, scatter_runs) for regions in host
  * memory, from any thread; it keeps no state.
  */
@@ -169,11 +178,86 @@ done:
     return result;
 }
 
+static void staged_all(char *block, const int64_t *addr, const int64_t *r, const int64_t *o, const int64_t *n,
+                       Py_ssize_t count, int gather, int streamed)
+{
+    for (Py_ssize_t i = 0; i < count; i++) {
+        char *region = (char *)(uintptr_t)addr[r[i]] + o[i];
+        if (gather)
+            memmove(block, region, (size_t)n[i]);
+        else if (streamed)
+            copy_streamed(region, block, (size_t)n[i]);
+        else
+            memmove(region, block, (size_t)n[i]);
+        block += n[i];
+    }
+#if defined(__SSE2__)
+    if (streamed)
+        _mm_sfence();   /* as in copy_all */
+#endif
+}
+
+static PyObject *copy_staged(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    static const char *const names[5] = {"addr", "size", "region", "offset", "nbytes"};
+    PyObject *objs[5];
+    long long block_addr, block_size, release_from, stream_from = -1;
+    int gather;
+    Column c[5];
+    PyObject *result = NULL;
+    memset(c, 0, sizeof c);
+    if (!PyArg_ParseTuple(args, "LLOOOOOpL|L", &block_addr, &block_size, &objs[0], &objs[1], &objs[2], &objs[3],
+                          &objs[4], &gather, &release_from, &stream_from))
+        return NULL;
+    for (int i = 0; i < 5; i++)
+        if (!column(objs[i], names[i], &c[i]))
+            goto done;
+    const int64_t *addr = c[0].data, *size = c[1].data, *r = c[2].data, *o = c[3].data, *n = c[4].data;
+    Py_ssize_t nregions = c[0].len, count = c[4].len;
+    if (c[1].len != nregions || c[2].len != count || c[3].len != count) {
+        PyErr_SetString(PyExc_ValueError, "copy_staged: each region needs one address and one size, each run "
+                                          "a region, an offset and a length");
+        goto done;
+    }
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (r[i] < 0 || r[i] >= nregions || !inside(o[i], n[i], size[r[i]])) {
+            PyErr_Format(PyExc_ValueError, "copy_staged: run %zd (region %lld, offset %lld, %lld bytes) is outside "
+                         "its region", i, (long long)r[i], (long long)o[i], (long long)n[i]);
+            goto done;
+        }
+        if (!inside(total, n[i], block_size) || (n[i] && (!addr[r[i]] || !block_addr))) {
+            PyErr_Format(PyExc_ValueError, "copy_staged: run %zd passes the block's %lld bytes or an address 0", i,
+                         block_size);
+            goto done;
+        }
+        total += n[i];
+    }
+    int streamed = !gather && stream_from >= 0 && total >= stream_from;
+    if (total >= release_from) {
+        Py_BEGIN_ALLOW_THREADS
+        staged_all((char *)(uintptr_t)block_addr, addr, r, o, n, count, gather, streamed);
+        Py_END_ALLOW_THREADS
+    } else {
+        staged_all((char *)(uintptr_t)block_addr, addr, r, o, n, count, gather, streamed);
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    for (int i = 0; i < 5; i++)
+        if (c[i].held)
+            PyBuffer_Release(&c[i].view);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy_runs", copy_runs, METH_VARARGS,
      "copy_runs(src_addr, src_size, dst_addr, dst_size, src_region, src_offset, dst_region, dst_offset, "
      "nbytes, release_gil_from[, stream_from]): check every run against its regions, then memmove each "
      "(int64 arrays; streaming stores from stream_from bytes)."},
+    {"copy_staged", copy_staged, METH_VARARGS,
+     "copy_staged(block_addr, block_size, addr, size, region, offset, nbytes, gather, release_gil_from[, "
+     "stream_from]): the runs into (gather) or out of one contiguous block, back to back, each checked first."},
     {NULL, NULL, 0, NULL},
 };
 

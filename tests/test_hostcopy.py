@@ -55,13 +55,59 @@ def test_gather_and_scatter_check_their_runs_too():
     region, offset, n = np.array([0] * (k - 1) + [1]), np.arange(k, dtype=np.int64) * 64, np.full(k, 64)
     offset[-1] = 4096 - 32   # 32 bytes past the end of region 1
     out = torch.zeros(int(n.sum()), dtype=torch.uint8)
-    with pytest.raises(PlanError, match="outside its regions"):
+    with pytest.raises(PlanError, match="outside its region"):
         gather_runs(regions, region, offset, n, out)
     assert int(out.count_nonzero()) == 0
     before = [t.clone() for t in regions]
-    with pytest.raises(PlanError, match="outside its regions"):
+    with pytest.raises(PlanError, match="outside its region"):
         scatter_runs(regions, region, offset, n, torch.full((int(n.sum()),), 9, dtype=torch.uint8))
     assert all(torch.equal(a, b) for a, b in zip(before, regions))
+
+
+@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("bad, block, match", [
+    ((0, 4000, 200), None, "outside its region"),         # past the region's end
+    ((1, -16, 16), None, "outside its region"),           # negative offset
+    ((0, 0, -1), None, "outside its region"),             # negative length
+    ((0, 2**63 - 8, 16), None, "outside its region"),     # offset + n overflows int64
+    ((2, 0, 16), None, "outside its region"),             # region id past the list
+    ((-1, 0, 16), None, "outside its region"),
+    ((0, 0, 16), -8, "passes the block"),                 # the runs need 8 bytes more than the block
+])
+def test_staged_copies_refuse_a_bad_run_and_move_nothing(gather, bad, block, match):
+    """``copy_staged`` (gather_runs / scatter_runs between host regions and one block): the last
+    run is bad, or the runs need more than the block holds; nothing moves either way."""
+    regions = _regions(2, 4096, 1)
+    rows = [(i % 2, 16 * i, 16) for i in range(FEW_RUNS + 4)] + [bad]
+    region, offset, n = (np.ascontiguousarray(c) for c in np.array(rows, np.int64).T)
+    size = 16 * (len(rows) - 1) + max(bad[2], 0) + (block or 0) if block else 1 << 16
+    data = torch.full((size,), 7, dtype=torch.uint8)
+    before, before_data = [t.clone() for t in regions], data.clone()
+    with pytest.raises(ValueError, match=match):
+        hostcopy.copy_staged(data.data_ptr(), data.numel(), *_tables(regions), region, offset, n, gather,
+                             RELEASE_GIL_FROM)
+    assert all(torch.equal(a, b) for a, b in zip(before, regions)) and torch.equal(data, before_data)
+
+
+def test_staged_copies_land_in_run_order_both_ways():
+    """gather_runs then scatter_runs of the same runs (more than FEW_RUNS, every length and
+    alignment, two regions) moves every byte to its place, streamed or not."""
+    rng = np.random.default_rng(9)
+    src = [torch.from_numpy(rng.integers(0, 256, 1 << 16, dtype=np.uint8)) for _ in range(2)]
+    n = rng.integers(1, 700, 200)
+    region, offset = rng.integers(0, 2, 200), rng.integers(0, (1 << 16) - 700, 200)
+    block = gather_runs(src, region, offset, n)
+    want = torch.cat([src[r][o: o + k] for r, o, k in zip(region, offset, n)])
+    assert torch.equal(block, want)
+    for stream_from in (-1, 0):
+        dst = _regions(2, 1 << 16, 0)
+        order = np.concatenate(([0], np.cumsum(n)))
+        expect = [t.clone() for t in dst]
+        for i in range(200):   # overlapping destinations: the last run written wins, in run order
+            expect[region[i]][offset[i]: offset[i] + n[i]] = block[order[i]: order[i + 1]]
+        hostcopy.copy_staged(block.data_ptr(), block.numel(), *_tables(dst), *(np.ascontiguousarray(c, np.int64)
+                             for c in (region, offset, n)), False, RELEASE_GIL_FROM, stream_from)
+        assert all(torch.equal(a, b) for a, b in zip(dst, expect)), stream_from
 
 
 def test_runs_between_host_regions_land_byte_exact():
