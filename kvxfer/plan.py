@@ -162,6 +162,8 @@ class TransferPlan:
             e = np.zeros(0, np.int64)
             return Runs(e, e, e, e, e, np.zeros(0, bool))
         parts = [g.runs() for g in self.groups]
+        if len(parts) == 1:   # fresh arrays already: a copy of 65,536 runs' six columns cost ~0.6 ms
+            return parts[0]
         return Runs(*(np.concatenate(cols) for cols in zip(*parts)))
 
     def run_tuples(self) -> list[tuple[int, int, int, int, int]]:
