@@ -23,7 +23,8 @@
  * search. 8,192 half rows of random 16-row pages against a grant of 2,160 intervals: the numpy
  * check it replaced took 113 us a message (68 us for 511 whole pages: ~65 numpy calls a check).
  *
- * Called by kvxfer.grant (ByteRanges.covers, covers_run) from any thread; it keeps no state.
+ * Called by kvxfer.grant (ByteRanges.covers, covers_run, and first_outside for GrantTable.check)
+ * from any thread; it keeps no state.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -72,8 +73,8 @@ static Py_ssize_t find(const int64_t *starts, Py_ssize_t m, int64_t key, Py_ssiz
     if (m == 0 || starts[0] > key)
         return -1;
     /* branchless: the runs' pages are random, so a branching search mispredicts about every other
-     * step (511 whole pages against 2,160 intervals: 21 us a message, 8 us when the same message
-     * repeats); base stays the last start <= key */
+     * step (511 whole pages against 2,160 intervals: 21 us a message branching, 8 us when the same
+     * message repeats; 10.5 us branchless); base stays the last start <= key */
     const int64_t *base = starts;
     Py_ssize_t n = m;
     while (n > 1) {
