@@ -72,7 +72,7 @@ def prefill_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, inbox, o
         from .model import ModelConfig, TPModel, init_weights, shard_weights
 
         m = ModelConfig()
-        init_group(port, rank, cfg.prefill_tp)
+        init_group(port, "prefill", rank, cfg.prefill_tp)
         model = TPModel(m, shard_weights(init_weights(m), m, cfg.prefill_tp, rank), cfg.prefill_tp)
         requests = make_requests(cfg)
         pool = _pool(cfg, cfg.prefill_tp, cfg.prefill_layout, sum(len(p) for _, p in requests))
@@ -120,7 +120,7 @@ def decode_rank(cfg: DemoConfig, rank: int, port: int, bootstrap: str, outbox) -
         from .model import ModelConfig, TPModel, init_weights, shard_weights
 
         m = ModelConfig()
-        init_group(port, rank, cfg.decode_tp)
+        init_group(port, "decode", rank, cfg.decode_tp)
         group = dist.new_group(backend="gloo")
         model = TPModel(m, shard_weights(init_weights(m), m, cfg.decode_tp, rank), cfg.decode_tp)
         requests = make_requests(cfg)

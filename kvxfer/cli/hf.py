@@ -64,7 +64,7 @@ def prefill_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, inbox,
         from ..topology import heads_held
 
         torch.set_num_threads(1)
-        init_group(port, rank, cfg.prefill_tp)
+        init_group(port, "prefill", rank, cfg.prefill_tp)
         model = build_model(cfg)
         fp = agree_on_model(model)
         heads = heads_held(cfg.kv_heads, cfg.prefill_tp, rank)
@@ -111,7 +111,7 @@ def decode_rank(cfg: HFDemoConfig, rank: int, port: int, bootstrap: str, outbox)
         from ..ranks import RankSpec
 
         torch.set_num_threads(1)
-        init_group(port, rank, cfg.decode_tp)
+        init_group(port, "decode", rank, cfg.decode_tp)
         group = dist.new_group(backend="gloo")
         model = build_model(cfg)
         fp = agree_on_model(model, group)

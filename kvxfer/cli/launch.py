@@ -1,9 +1,9 @@
-"""What the demos share to run rank processes on one machine: a free port, a gloo process
-group per prefill or decode group, the demos' generous timeouts, starting the two groups and
-the bootstrap server (``start_ranks``), a decode rank's wait for a batch (``wait_batch``), a
-prefill rank's end (``finish_prefill``), reading the ranks' reports (``collect``) and the
-verdict (``verdict``). ``kvxfer demo`` (its own tiny model, ``demo.py``) and ``kvxfer demo
---model llama|qwen2`` (``hf.py``) both use it.
+"""What the demos share to run rank processes on one machine: the rendezvous store the
+launcher holds, a gloo process group per prefill or decode group, the demos' generous
+timeouts, starting the two groups and the bootstrap server (``start_ranks``), a decode rank's
+wait for a batch (``wait_batch``), a prefill rank's end (``finish_prefill``), reading the
+ranks' reports (``collect``) and the verdict (``verdict``). ``kvxfer demo`` (its own tiny
+model, ``demo.py``) and ``kvxfer demo --model llama|qwen2`` (``hf.py``) both use it.
 
 The reports a rank puts on the shared outbox (tuples, first item the kind):
 ``("ready", role, rank, ...)``, ``("result", room, tokens, ok, reason, ...)`` (decode rank 0),
@@ -13,7 +13,6 @@ The reports a rank puts on the shared outbox (tuples, first item the kind):
 from __future__ import annotations
 
 import queue
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,47 +27,59 @@ def DEMO_TIMEOUTS():
     return Timeouts(bootstrap=300.0, waiting=300.0, transfer=60.0, lease=300.0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rendezvous():
+    """The launcher's own torch store (a ``TCPStore`` server on a port the kernel picks): it
+    listens from before the ranks start until ``stop_ranks``, so no other process can take its
+    port in between (picking a free port and letting rank 0 bind it later could, and did)."""
+    from datetime import timedelta
 
-
-def init_group(port: int, rank: int, world: int):
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=DEMO_TIMEOUT))
+
+
+def init_group(port: int, group: str, rank: int, world: int):
+    """Join ``group`` ("prefill" or "decode", a prefix in the launcher's store on ``port``) as
+    ``rank`` of ``world``: the default gloo process group of a rank process."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=DEMO_TIMEOUT))
+    dist.init_process_group("gloo", store=dist.PrefixStore(group, store), rank=rank, world_size=world)
 
 
 @dataclass
 class Ranks:
     """The processes of one demo run: the bootstrap server, every rank process (prefill ranks
-    first), one inbox per prefill rank (``"stop"`` ends it) and the outbox they all report to."""
+    first), one inbox per prefill rank (``"stop"`` ends it), the outbox they all report to and
+    the rendezvous store the groups meet in."""
     server: Any          # BootstrapServer
     procs: list
     inboxes: list
     outbox: Any          # multiprocessing Queue
+    store: Any           # torch TCPStore (the server side)
 
 
 def start_ranks(cfg, prefill_rank: Callable, decode_rank: Callable) -> Ranks:
     """Start the bootstrap server, ``cfg.prefill_tp`` processes running
     ``prefill_rank(cfg, rank, port, bootstrap_url, inbox, outbox)`` and ``cfg.decode_tp``
     running ``decode_rank(cfg, rank, port, bootstrap_url, outbox)`` (spawned: each imports
-    torch afresh; ``port`` is its group's gloo rendezvous)."""
+    torch afresh; ``port`` is the launcher's rendezvous store, for ``init_group``)."""
     import multiprocessing as mp
 
     from ..control.bootstrap import BootstrapConfig, BootstrapServer
     ctx = mp.get_context("spawn")
     outbox = ctx.Queue()
     server = BootstrapServer(BootstrapConfig(expect=cfg.prefill_tp)).start()
-    p_port, d_port = free_port(), free_port()
+    store = rendezvous()
     inboxes = [ctx.Queue() for _ in range(cfg.prefill_tp)]
-    procs = [ctx.Process(target=prefill_rank, args=(cfg, r, p_port, server.url, inboxes[r], outbox), daemon=True)
+    procs = [ctx.Process(target=prefill_rank, args=(cfg, r, store.port, server.url, inboxes[r], outbox), daemon=True)
              for r in range(cfg.prefill_tp)]
-    procs += [ctx.Process(target=decode_rank, args=(cfg, r, d_port, server.url, outbox), daemon=True)
+    procs += [ctx.Process(target=decode_rank, args=(cfg, r, store.port, server.url, outbox), daemon=True)
               for r in range(cfg.decode_tp)]
     for p in procs:
         p.start()
-    return Ranks(server, procs, inboxes, outbox)
+    return Ranks(server, procs, inboxes, outbox, store)
 
 
 def collect(ranks: Ranks, cfg, on_report: Callable[[tuple], None]) -> tuple[dict[str, list], list[str]]:
@@ -107,12 +118,14 @@ def collect(ranks: Ranks, cfg, on_report: Callable[[tuple], None]) -> tuple[dict
 
 
 def stop_ranks(ranks: Ranks) -> None:
-    """Join every rank process (killing one still alive after 10 s) and stop the server."""
+    """Join every rank process (killing one still alive after 10 s), stop the server and close
+    the rendezvous store."""
     for p in ranks.procs:
         p.join(timeout=10)
         if p.is_alive():
             p.kill()
     ranks.server.stop()
+    ranks.store = None
 
 
 def verdict(cfg, results: dict, reference: dict, done: dict[str, list], errors: list[str]) -> dict:
