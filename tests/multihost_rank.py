@@ -277,9 +277,14 @@ class RankProc:
             raise RuntimeError(f"{self.role} rank: {res['error']}")
         return res
 
-    def call(self, op: str, timeout: float = 60.0, **args) -> dict:
+    def ask(self, op: str, **args) -> None:
+        """Send a command without waiting for its reply (``reply`` reads it): several ranks then
+        work on theirs at once, as each rank's own engine would."""
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
+
+    def call(self, op: str, timeout: float = 60.0, **args) -> dict:
+        self.ask(op, **args)
         return self.reply(timeout)
 
     def close(self) -> None:
