@@ -75,8 +75,7 @@ def test_doctor_works_without_ucxx() -> None:
 
 def test_doctor_says_how_long_tcp_may_keep_a_partitioned_peers_memory(tmp_path) -> None:
     """TCP's retransmission limit bounds how long memory held for a partitioned peer stays held
-    after the link returns: the doctor reads it and says that the ucx transport caps its own
-    connections where the kernel can (Linux >= 6.15), and what happens where it cannot."""
+    after the link returns: the doctor reads it, and advises lowering a long one."""
     (tmp_path / "tcp_rto_max_ms").write_text("120000\n")
     (tmp_path / "tcp_retries2").write_text("15\n")
     tcp = doctor.tcp_report(tmp_path)
@@ -85,8 +84,10 @@ def test_doctor_says_how_long_tcp_may_keep_a_partitioned_peers_memory(tmp_path) 
             "ucx": {"found": False, "why": "none"}, "prefer_system_ucx": "false",
             "rdma": {"ucx_transports": [], "ucx_built_without": [], "devices": [], "libibverbs": None,
                      "librdmacm": None}}
-    said = doctor.render({**base, "tcp": tcp})
-    assert "tcp_rto_max_ms = 120000" in said and "caps its own connections at tcp_rto_max" in said
+    assert "tcp_rto_max_ms=2000" in doctor.render({**base, "tcp": tcp})
+    (tmp_path / "tcp_rto_max_ms").write_text("2000\n")
+    short = doctor.render({**base, "tcp": doctor.tcp_report(tmp_path)})
+    assert "tcp_rto_max_ms = 2000" in short and "lower it" not in short
     (tmp_path / "tcp_rto_max_ms").unlink()   # a kernel before 6.15
     assert doctor.tcp_report(tmp_path)["rto_max_ms"] is None
     assert "not in this kernel" in doctor.render({**base, "tcp": doctor.tcp_report(tmp_path)})
