@@ -75,8 +75,9 @@ def test_doctor_works_without_ucxx() -> None:
 
 def test_doctor_says_how_long_tcp_may_keep_a_partitioned_peers_memory(tmp_path) -> None:
     """TCP's retransmission limit bounds how long memory held for a partitioned peer stays held
-    after the link returns: the doctor reads it, and warns against a low one (stop 51: at 2000
-    ms a long cut ends the connections mid-cut, after which a late write was seen)."""
+    after the link returns: the doctor reads it, and says what a low one costs (stop 51: at 2000
+    ms a long cut ends the connections mid-cut, and what the peer held stays fenced until it
+    handshakes again)."""
     (tmp_path / "tcp_rto_max_ms").write_text("120000\n")
     (tmp_path / "tcp_retries2").write_text("15\n")
     tcp = doctor.tcp_report(tmp_path)
@@ -86,10 +87,10 @@ def test_doctor_says_how_long_tcp_may_keep_a_partitioned_peers_memory(tmp_path) 
             "rdma": {"ucx_transports": [], "ucx_built_without": [], "devices": [], "libibverbs": None,
                      "librdmacm": None}}
     default = doctor.render({**base, "tcp": tcp})
-    assert "tcp_rto_max_ms = 120000" in default and "keep the default" not in default
+    assert "tcp_rto_max_ms = 120000" in default and "stays fenced" not in default
     (tmp_path / "tcp_rto_max_ms").write_text("2000\n")
     short = doctor.render({**base, "tcp": doctor.tcp_report(tmp_path)})
-    assert "tcp_rto_max_ms = 2000" in short and "keep the default (120000)" in short
+    assert "tcp_rto_max_ms = 2000" in short and "stays fenced until it handshakes again" in short
     (tmp_path / "tcp_rto_max_ms").unlink()   # a kernel before 6.15
     assert doctor.tcp_report(tmp_path)["rto_max_ms"] is None
     assert "not in this kernel" in doctor.render({**base, "tcp": doctor.tcp_report(tmp_path)})

@@ -35,10 +35,10 @@ SYSTEM_UCX_HINT = (f"to use a system UCX with RDMA (built --with-verbs --with-rd
                    f"`kvxfer doctor` and look for rc_mlx5 / rc_verbs below")
 
 RTO_SAFE_MS = 30000
-RTO_CAUTION = ("a value this low ends a cut connection mid-cut (~28 s at 2000: the kernel's retries run out), and "
-               "after such an end decode's released KV slots were written late across test hosts (stop 51: "
-               "tests/test_multihost.py's far-worker cut, 33 s, at 2000: 16.7 MB of a failed request's freed slots "
-               "changed): keep the default (120000) until kvxfer fixes that")
+RTO_CAUTION = ("a value this low also ends a cut connection mid-cut (~28 s at 2000: the kernel's retries run out); "
+               "UCX reports a reset, no proof of death after that silence, so what the peer held stays fenced until "
+               "it handshakes again, when it next sends to that rank (measured: a failed request's 16 MiB still held "
+               "38 s after a 33 s cut healed); at the default 120000 it comes back 10-20 s after such a heal")
 
 
 # ------------------------------------------------------------------------------------
