@@ -10,11 +10,9 @@ import socket
 from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
-pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
-
-from kvxfer.cli.launch import rendezvous  # noqa: E402
+from kvxfer.cli.launch import rendezvous
 
 
 def _bind(port: int) -> None:
