@@ -40,6 +40,9 @@ BAD = [
     ({"pregrant_window_bytes": -1}, ["pregrant_window_bytes=-1", "at least 0"]),
     ({"pregrant_window_requests": 2.5}, ["pregrant_window_requests=2.5", "give int"]),
     ({"ucx_config": {"RNDV_THRESH": 8192}}, ["ucx_config=", "string values"]),
+    ({"tcp_rto_max": 0.5}, ["tcp_rto_max=0.5", "None or in [1, 120] seconds"]),
+    ({"tcp_rto_max": 121}, ["tcp_rto_max=121", "None or in [1, 120] seconds"]),
+    ({"tcp_rto_max": "2"}, ["tcp_rto_max='2'", "give int or float or None"]),
 ]
 
 

@@ -2,6 +2,10 @@
 gives UCX's TCP transport, and packed rows that cross it as frames of many iov pieces."""
 from __future__ import annotations
 
+import os
+import socket
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +16,7 @@ from xfer_peer import raw_plan  # noqa: E402
 
 from kvxfer.grant import ByteRanges  # noqa: E402
 from kvxfer.transport.registry import get_transport  # noqa: E402
+from kvxfer_transports.ucx.rto import TCP_RTO_MAX_MS  # noqa: E402
 from kvxfer_transports.ucx.settings import TCP_DEFAULTS, ucx_settings, with_tcp_defaults  # noqa: E402
 
 
@@ -80,3 +85,107 @@ def test_packed_rows_cross_tcp_byte_exact(far):
     finally:
         tx.close()
         rx.close()
+
+
+def _tcp_rto_caps() -> dict[tuple, int]:
+    """Every connected TCP socket of this process: (local, remote) address -> its TCP_RTO_MAX_MS."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            dup = os.dup(int(fd))
+        except OSError:
+            continue   # closed meanwhile
+        try:
+            s = socket.socket(fileno=dup)
+        except OSError:
+            os.close(dup)
+            continue   # not a socket
+        try:
+            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+                out[(s.getsockname()[:2], s.getpeername()[:2])] = s.getsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS)
+        except OSError:
+            pass   # a listener (no peer name)
+        finally:
+            s.close()
+    return out
+
+
+needs_rto = pytest.mark.skipif(not os.path.exists("/proc/sys/net/ipv4/tcp_rto_max_ms"),
+                               reason="a kernel without TCP_RTO_MAX_MS (Linux < 6.15)")
+
+
+@needs_rto
+@pytest.mark.parametrize("far", [False, True], ids=["tls-tcp", "far-worker"])
+@pytest.mark.parametrize("cap", [2.0, None], ids=["capped", "not-capped"])
+def test_ucx_tcp_connections_get_the_retransmit_cap_and_no_other_socket_does(far, cap):
+    """Issue 35: after a partition heals, a cut connection moves again at TCP's next retry,
+    which its backoff puts up to net.ipv4.tcp_rto_max_ms (120 s) away. The transport caps that
+    backoff on its own UCX connections (``tcp_rto_max``): every TCP connection UCX made between
+    the two transports carries the cap within a few ticks, a connection of someone else's in
+    the same process (a plain socket pair on the same loopback address) keeps the kernel's,
+    and ``tcp_rto_max=None`` leaves UCX's alone too."""
+    default = int(open("/proc/sys/net/ipv4/tcp_rto_max_ms").read())
+    srv = socket.create_server(("127.0.0.1", 0))
+    mine = socket.create_connection(srv.getsockname())
+    theirs, _ = srv.accept()
+    before = set(_tcp_rto_caps())
+    opts = {"tcp_rto_max": cap} | ({} if far else {"tls": "tcp"})
+    rx, tx = get_transport("ucx", **opts), get_transport("ucx", **opts)
+    src, dst = torch.arange(1 << 16, dtype=torch.int32).view(torch.uint8), torch.zeros(1 << 18, dtype=torch.uint8)
+    try:
+        rx.register([dst])
+        tx.register([src])
+        desc = rx.descriptor()
+        if far:   # each as a peer in another network namespace of this kernel describes itself
+            ids = desc["host"].split("/")
+            desc = {**desc, "host": "/".join([ids[0], ids[1], str(int(ids[2]) + 1)])}
+            tx.workers.host_id = "/".join([ids[0], ids[1], str(int(ids[2]) + 2)])   # what its HELLO says
+        peer = tx.connect(desc)
+        z, n = np.zeros(1, np.int64), np.full(1, src.numel(), np.int64)
+        rx.expect("rto.1", ByteRanges(z, z, n))
+        h = tx.submit(peer, "rto.1", raw_plan(z, z, z, z, n), timeout=20)
+        assert h.wait(20), h.error
+        assert torch.equal(dst[: src.numel()], src)
+        want = default if cap is None else min(default, int(cap * 1000))   # a lower host setting stays
+        deadline = time.monotonic() + 10
+        while True:
+            ucx = {k: v for k, v in _tcp_rto_caps().items() if k not in before}
+            if (ucx and all(v == want for v in ucx.values())) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert len(ucx) >= 2, ucx   # both ends of at least one connection between them
+        assert set(ucx.values()) == {want}, ucx
+        caps = _tcp_rto_caps()
+        assert caps[(mine.getsockname(), mine.getpeername())] == default
+        assert caps[(theirs.getsockname(), theirs.getpeername())] == default
+    finally:
+        tx.close()
+        rx.close()
+        for s in (mine, theirs, srv):
+            s.close()
+
+
+def test_a_socket_is_taken_for_ucx_only_when_a_worker_address_holds_its_ip_and_port():
+    """``rto.packs``: UCX packs an interface's IP and port in network byte order; a loopback
+    interface by its port alone. A socket's addresses (``rto.addresses``) come in that form,
+    an IPv4-mapped IPv6 peer as its IPv4 bytes."""
+    from kvxfer_transports.ucx.rto import _ip, addresses, packs
+    ip, port = socket.inet_aton("10.213.7.2"), 40123
+    blob = b"\x02" + ip + b"\xcf\x19" * 8 + port.to_bytes(2, "big") + b"\x00" * 20
+    assert packs(blob, ip, port)
+    assert not packs(blob, socket.inet_aton("10.213.7.3"), port)          # another host, same port
+    assert not packs(blob, ip, 40124)                                      # same host, another port
+    assert not packs(blob, ip, int.from_bytes(port.to_bytes(2, "little"), "big"))   # byte order matters
+    assert packs(blob, socket.inet_aton("127.0.0.1"), port)                # loopback: the port alone
+    assert _ip(socket.AF_INET6, "::ffff:10.213.7.2") == ip
+    srv = socket.create_server(("127.0.0.1", 0))
+    c = socket.create_connection(srv.getsockname())
+    a, _ = srv.accept()
+    try:
+        assert addresses(a) == (socket.inet_aton("127.0.0.1"), srv.getsockname()[1], socket.inet_aton("127.0.0.1"),
+                                c.getsockname()[1])
+        with pytest.raises(OSError):
+            addresses(srv)   # a listener has no peer: not a connection
+    finally:
+        for s in (a, c, srv):
+            s.close()

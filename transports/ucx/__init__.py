@@ -242,7 +242,7 @@ class UCXTransport(Transport):
         """Plain JSON-safe data a peer needs: the front worker's address (``join``), region
         addresses, sizes, rkeys, where this process runs and its shared-memory settings."""
         w, r = self.workers, self.regions
-        return {"transport": self.name, "id": self.id, "address": w.front_worker.address.tobytes().hex(),
+        return {"transport": self.name, "id": self.id, "address": w.front_address.hex(),
                 "hostname": socket.gethostname()[:255], "host": w.host_id,
                 "region_base": [int(b) for b in r.base], "region_sizes": list(self.grants.region_sizes),
                 "rkeys": [k.hex() for k in r.rkeys_packed], "shm_settings": w.shm_settings}

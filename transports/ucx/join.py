@@ -287,7 +287,8 @@ class Join:
         has it)."""
         w = self.workers
         ep = w.endpoint(w.far() if far else w.worker, addr, err and not front)
-        p = self.peers.add(Peer(peer_id, ep, secret, far=far, err=err, eph=ep.handle, addr=b"" if front else addr))
+        p = self.peers.add(Peer(peer_id, ep, secret, far=far, err=err, eph=ep.handle, addr=b"" if front else addr,
+                                front_addr=addr if front else b""))
         if err and not front:
             self.peers.watch(p)
         return p

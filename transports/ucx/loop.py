@@ -4,10 +4,12 @@ and data, advances transfers, keeps time, sends, and sleeps when nothing happene
 Who calls what: ``UCXTransport`` makes the ``Loop`` with the parts it drives and runs ``run`` as
 the body of its ``kit.IOThread``, ``free`` as the thread's ``on_exit``. Everything here runs on
 that thread. ``tick`` (a few times a second) fails transfers past their deadline, pings peers,
-ends those silent past ``peer_timeout`` and looks at what fenced peers hold (``Fencing``).
+ends those silent past ``peer_timeout``, looks at what fenced peers hold (``Fencing``) and, once
+a second, caps TCP's retransmit backoff on new UCX connections (``rto``).
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from kvxfer.transport.kit import CommandQueue, StagingPool, dispatch
@@ -24,9 +26,13 @@ from .peers import Peers
 from .protocol import Ping
 from .receiver import Receiver
 from .rehandshake import Rehandshake
+from .rto import RtoCap
 from .sender import Sender
 from .turn import Calls, Leftovers, Turn
 from .workers import Workers
+
+log = logging.getLogger("kvxfer.transport.ucx")
+RTO_EVERY = 1.0   # seconds between looks for new UCX connections to cap (``rto``)
 
 
 class Loop:
@@ -40,7 +46,8 @@ class Loop:
         self.peers, self.outbox, self.inbox, self.sender, self.eager = peers, outbox, inbox, sender, eager
         self.receiver, self.landing, self.rehandshake, self.fencing = receiver, landing, rehandshake, fencing
         self.lifecycle, self.leftovers, self.rings = lifecycle, leftovers, rings
-        self.next_tick = 0.0
+        self.next_tick = self.next_rto = 0.0
+        self.rto = None if options.tcp_rto_max is None else RtoCap(options.tcp_rto_max)
 
     def run(self) -> None:
         """Run commands, progress, read control and data, check deadlines; sleep when idle."""
@@ -113,6 +120,22 @@ class Loop:
         if options.quarantine_timeout is not None:
             fencing.expire_quarantine(now)
         fencing.drop_closed_peers(now)
+        if self.rto is not None and now >= self.next_rto:
+            self.next_rto = now + RTO_EVERY
+            self.cap_rto()
+
+    def cap_rto(self) -> None:
+        """Cap TCP's retransmit backoff on the UCX connections made since the last look
+        (``rto``), while any peer is reached over TCP. Never fails the thread: a look that
+        raises turns the cap off, logged."""
+        w, peers, rto = self.workers, list(self.peers.values()), self.rto
+        if rto is None or not (w.network_only or any(p.far or p.err for p in peers)):   # err: a far sender
+            return
+        try:
+            rto.apply((w.address, w.far_address, w.front_address), [a for p in peers for a in (p.addr, p.front_addr)])
+        except Exception:
+            log.exception("UCX transport: capping TCP's retransmit backoff failed; not trying again")
+            self.rto = None
 
     def free(self) -> None:
         """Drop every UCX object (``IOThread.on_exit``): endpoints, requests, then the worker and

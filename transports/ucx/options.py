@@ -18,6 +18,7 @@ from kvxfer.errors import ConfigError
 from kvxfer.plan import FEW_RUNS
 from kvxfer.transport.options import check_kind, check_within, options_of
 
+from .rto import RTO_MAX_S, RTO_MIN_S
 from .settings import PUT_BELOW, PUT_BELOW_MANY
 
 StageHost = Literal["network", "always", "never"]
@@ -125,6 +126,15 @@ class UCXOptions:
     """Receiver, with ``eager_writes``: the most requests pregranted to any one peer at once (as
     ``pregrant_window_bytes``)."""
 
+    tcp_rto_max: float | None = 2.0
+    """Seconds: the most TCP's retransmit backoff waits on this transport's UCX connections to
+    peers reached over TCP (Linux's per-socket ``TCP_RTO_MAX_MS``, kernel >= 6.15; ``rto``). It
+    bounds how long after a partition heals a cut connection moves again, and so when what the
+    cut transfers held (a sender's source, a receiver's pregranted slots) comes back: without
+    it, the host's ``net.ipv4.tcp_rto_max_ms`` (120 s by default; 16-20 s after a 35 s cut,
+    measured). A lower host setting stays. In [1, 120] (what the kernel accepts), or None: leave
+    the kernel's."""
+
     admission: bool | None = None
     """None: a joining peer needs its latest ``admit`` token once this transport admitted a peer or
     was given a token by ``connect``; True: from the start; False: never (every peer that reaches
@@ -139,6 +149,7 @@ class UCXOptions:
         for name in ("heartbeat", "peer_timeout", "fence_grace", "connect_timeout"):
             _kind(name, getattr(self, name), int, float)
         _kind("quarantine_timeout", self.quarantine_timeout, int, float, type(None))
+        _kind("tcp_rto_max", self.tcp_rto_max, int, float, type(None))
         _kind("eager_writes", self.eager_writes, bool)
         _kind("admission", self.admission, bool, type(None))
         if self.ucx_config is not None:
@@ -161,6 +172,8 @@ class UCXOptions:
         if self.quarantine_timeout is not None:
             _within("quarantine_timeout", self.quarantine_timeout, 0, 1 << 62, "None or above 0 seconds",
                     low_open=True)
+        if self.tcp_rto_max is not None:
+            _within("tcp_rto_max", self.tcp_rto_max, RTO_MIN_S, RTO_MAX_S, "None or in [1, 120] seconds")
         if not 0 < self.heartbeat < self.peer_timeout:
             raise ConfigError(f"ucx options heartbeat={self.heartbeat} and peer_timeout={self.peer_timeout}: the "
                               "heartbeat must be above 0 and below the peer timeout")

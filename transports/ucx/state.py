@@ -65,6 +65,7 @@ class Peer:
     waiting: list = field(default_factory=list)   # sender: transfers to announce after that HELLO
     # re-handshake on a new endpoint (``err`` peers: ``Rehandshake.renew``)
     addr: bytes = b""                # its data worker's address (our endpoint to it goes there)
+    front_addr: bytes = b""          # sender: its front worker's address (where we joined it)
     rkeys_src: list = field(default_factory=list)   # sender: its regions' base, sizes, packed rkeys (kept)
     old: list = field(default_factory=list)   # sender: ``Retired`` endpoints whose puts may still be on their way
     old_ctrl: list = field(default_factory=list)   # receiver: endpoints ``renew_control`` replaced (kept open)

@@ -89,6 +89,7 @@ class Workers:
                                  f"{type(e).__name__}: {e}") from e
         self.whandle: Any = self.worker.handle
         self.address: bytes = self.worker.address.tobytes()
+        self.front_address: bytes = self.front_worker.address.tobytes()
         # The FAR_TLS worker (no shared memory, no cma), made at the first peer on another host or
         # network namespace; the I/O thread progresses and sleeps on every worker in ``all``.
         self.far_ctx: Any = None
