@@ -101,6 +101,7 @@ def test_disconnect_fails_in_flight_transfers_and_frees_after_the_flush(pair):
         assert until(lambda: not rx.writes_pending("x.1"), 5.0), f"no ABORT or FENCED came: {rx.fencing()}"
     assert until(lambda: peer not in tx.peers, 5.0), "never freed"
     assert tx.fencing()["sources"] == 0
+    assert tx.peers.retired[peer][2] is None   # flushed: the next connect's HELLO says every older epoch landed
     # Submitting to a disconnected peer fails at once; connect() brings it back.
     h2 = tx.submit(peer, "x.2", plan(4096), timeout=5)
     assert h2.wait(1) is False and "not connected" in str(h2.error), h2.error
@@ -144,7 +145,13 @@ def test_after_a_failed_flush_the_receiver_keeps_the_memory(pair, monkeypatch):
     assert until(lambda: peer not in tx.peers, 5.0), "never freed"
     time.sleep(0.5)
     assert rx.writes_pending("f.1"), f"FENCED after a failed flush: {rx.fencing()}"
+    epoch = tx.peers.retired[peer][1]
+    assert tx.peers.retired[peer][2] == epoch, "not flushed: the epoch must be kept undrained"
     monkeypatch.undo()
+    peer = tx.connect(rx.descriptor())   # a new epoch whose HELLO says that one may still land
+    transfer_lands(rx, tx, peer, src, dst, "f.2")
+    time.sleep(0.5)
+    assert rx.writes_pending("f.1"), f"released at the reconnect: {rx.fencing()}"
 
 
 def test_disconnect_is_idempotent_unknown_is_a_noop_and_connect_may_come_at_once(pair):

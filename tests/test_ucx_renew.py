@@ -9,21 +9,27 @@ from __future__ import annotations
 import collections
 import time
 import weakref
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 pytest.importorskip("ucxx")
 pytestmark = pytest.mark.slow   # the full tier: the fast one measured 90.2 s with it (its limit is 90 s)
 
 from kvxfer.grant import GrantTable  # noqa: E402
+from kvxfer_transports.ucx import bindings as ucp  # noqa: E402
 from kvxfer_transports.ucx.control import FENCED, Control  # noqa: E402
+from kvxfer_transports.ucx.fencing import Fencing  # noqa: E402
 from kvxfer_transports.ucx.join import Join  # noqa: E402
 from kvxfer_transports.ucx.landing import Landing  # noqa: E402
 from kvxfer_transports.ucx.options import UCXOptions  # noqa: E402
-from kvxfer_transports.ucx.peers import OLD_TAGS, Peers, ep_closed  # noqa: E402
+from kvxfer_transports.ucx.peers import OLD_TAGS, Peers, ep_closed, undrained  # noqa: E402
 from kvxfer_transports.ucx.protocol import SHM_FIELDS, Bye, Fail, Hello, Malformed, Welcome, parse_message  # noqa: E402
-from kvxfer_transports.ucx.state import Incoming, Outgoing, Peer  # noqa: E402
+from kvxfer_transports.ucx.settings import MUST_MATCH  # noqa: E402
+from kvxfer_transports.ucx.state import Incoming, Outgoing, Peer, Retired  # noqa: E402
 from kvxfer_transports.ucx.turn import Leftovers  # noqa: E402
+from kvxfer_transports.ucx.workers import Workers  # noqa: E402
 
 
 def hello(epoch: int, drained: int = -1) -> Hello:
@@ -174,3 +180,56 @@ def test_a_hello_queued_fence_hint_is_dropped_when_the_hello_lifts_the_fence():
     p.outbox.append(Fail(0, f"{FENCED}: flush, then HELLO with a new epoch"))
     c.handle(p, hello(1))
     assert not p.fenced and not [m for m in p.outbox if isinstance(m, Fail)]
+
+
+class _Failed:
+    """An error-handling endpoint UCX reported failed (``Fencing.check_failed`` reads ``alive``)."""
+    handle, alive = 0, False
+
+    def raise_on_error(self):
+        return None
+
+
+def _fencing(peers: Peers):
+    """A ``Fencing`` whose other parts only take calls: what ``check_failed`` keeps in
+    ``peers.retired`` for a later connect is what is checked."""
+    quiet = SimpleNamespace(fail_peer=lambda *a, **k: None, let_go=lambda *a: None, settle=lambda: None,
+                            unfence_peer=lambda p: None, writes_impossible=lambda p: None)
+    return Fencing("rx", UCXOptions(), GrantTable(), quiet, peers, quiet, quiet, quiet, quiet)
+
+
+@pytest.mark.parametrize("failure, below", [("reset after 28.1s of silence", None), ("reset", None),
+                                             ("UCXEndpointTimeoutError", 3)])
+def test_a_lost_peer_we_wrote_to_is_retired_with_what_of_ours_may_still_land(failure, below):
+    """Issue 35: a cut longer than the kernel's retransmissions ends the connection on both sides,
+    each of which forgets the other. Our puts ended with our socket whatever reset it, so the next
+    connect's HELLO lets the peer release what our failed transfers held there; a timeout proves
+    nothing, so that HELLO says our epoch 3 may still land. Without the retire, the next connect
+    started at epoch 0 with nothing drained, and the peer kept that memory fenced for good."""
+    peers = _peers()
+    p = peers.add(Peer("decode", _Failed(), b"s" * 16, err=True, sizes=np.zeros(1, np.int64), my_epoch=3))
+    p.failed_at, p.failure = 100.0, failure
+    _fencing(peers).check_failed(100.0 + UCXOptions().fence_grace)
+    assert "decode" not in peers and peers.retired["decode"] == (b"s" * 16, 3, below)
+
+
+def test_a_lost_peer_we_never_wrote_to_is_not_retired():
+    peers = _peers()
+    p = peers.add(Peer("prefill", _Failed(), b"s" * 16, err=True))   # it writes to us: no sizes
+    p.failed_at, p.failure = 100.0, "UCXEndpointTimeoutError"
+    _fencing(peers).check_failed(100.0 + UCXOptions().fence_grace)
+    assert "prefill" not in peers and not peers.retired
+
+
+def test_undrained_is_the_oldest_epoch_whose_puts_may_still_land_and_the_hello_says_it():
+    workers = SimpleNamespace(address=b"a" * 64, far_address=b"f" * 64, host_id="h", pid=1, start_ticks=2,
+                              shm_settings={k: "" for k in MUST_MATCH})
+    p = Peer("decode", _Ep(), b"s" * 16, my_epoch=5)
+    assert undrained(p, ended=True) is None and undrained(p, ended=False) == 5
+    p.old = [Retired(None, 0, ucp.EMPTY_TABLE, None, 2, drained=True), Retired(None, 0, ucp.EMPTY_TABLE, None, 4)]
+    assert undrained(p, ended=True) == 4
+    p.undrained = 1   # an endpoint forgotten before this connect that never drained
+    assert undrained(p, ended=True) == 1
+    assert Workers.hello(workers, p).drained == 1
+    p.old, p.undrained = [], None
+    assert Workers.hello(workers, p).drained == 5   # nothing may land: every epoch below ours

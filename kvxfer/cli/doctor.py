@@ -34,13 +34,6 @@ SYSTEM_UCX_HINT = (f"to use a system UCX with RDMA (built --with-verbs --with-rd
                    f"DOCA): put its lib/ on LD_LIBRARY_PATH and export {PREFER_SYSTEM}=true, then rerun "
                    f"`kvxfer doctor` and look for rc_mlx5 / rc_verbs below")
 
-RTO_SAFE_MS = 30000
-RTO_CAUTION = ("a value this low also ends a cut connection mid-cut (~28 s at 2000: the kernel's retries run out); "
-               "UCX reports a reset, no proof of death after that silence, so what the peer held stays fenced until "
-               "it handshakes again, when it next sends to that rank (measured: a failed request's 16 MiB still held "
-               "38 s after a 33 s cut healed); at the default 120000 it comes back 10-20 s after such a heal")
-
-
 # ------------------------------------------------------------------------------------
 # torch and CUDA
 # ------------------------------------------------------------------------------------
@@ -219,13 +212,13 @@ def render(r: dict) -> str:
     lines.append(f"  {PREFER_SYSTEM}={r['prefer_system_ucx']}: {SYSTEM_UCX_HINT}")
     rto = r.get("tcp", {}).get("rto_max_ms")
     if rto is None:
-        lines.append("TCP           net.ipv4.tcp_rto_max_ms: not in this kernel (Linux >= 6.15); after a partition "
-                     "heals, what a cross-host peer held comes back at TCP's next retransmission, up to 120 s later")
+        lines.append("TCP           net.ipv4.tcp_rto_max_ms: not in this kernel (Linux >= 6.15), nor the per-socket "
+                     "cap the ucx transport sets on its connections (tcp_rto_max): after a partition heals, what a "
+                     "cross-host peer held comes back at TCP's next retransmission, up to 120 s later")
     else:
-        lines.append(f"TCP           net.ipv4.tcp_rto_max_ms = {rto}: after a partition heals, what a cross-host peer "
-                     f"held comes back within about that")
-        if rto < RTO_SAFE_MS:
-            lines.append(f"  {RTO_CAUTION}")
+        lines.append(f"TCP           net.ipv4.tcp_rto_max_ms = {rto}; the ucx transport caps its own connections at "
+                     "tcp_rto_max (2 s by default): after a partition heals, what a cross-host peer held comes back "
+                     "within about that")
     return "\n".join(lines)
 
 

@@ -314,11 +314,12 @@ class EagerSends:
 
     def check_flushes(self) -> None:
         """Every turn while FENCEs wait for their flush: answer FENCED for each one completed, once
-        no endpoint a re-handshake replaced may still carry a put of ours (``Rehandshake.renew``)."""
+        no endpoint a re-handshake replaced may still carry a put of ours (``Rehandshake.renew``),
+        nor one we had before this connect (``Peer.undrained``: that one never drains)."""
         for p in self.flushing:
             left = []
             for f, rids in p.fence_flushes:
-                if (st := f.poll()) is None or any(not r.drained for r in p.old):
+                if (st := f.poll()) is None or any(not r.drained for r in p.old) or p.undrained is not None:
                     left.append((f, rids))
                 elif st == 0:
                     self.outbox.send(p, Fenced(rids))
@@ -333,7 +334,7 @@ class EagerSends:
         ``quarantine_timeout`` (our FENCED-all clears it there in any order). Not after a failed
         flush to it: what that flush covered may still land (the memory stays held until it knows
         more). True when it was told."""
-        if p.fenced_all_said or p.flush_failed or any(not r.drained for r in p.old):
+        if p.fenced_all_said or p.flush_failed or any(not r.drained for r in p.old) or p.undrained is not None:
             return False
         self.outbox.send(p, Fenced((), True))
         p.fence_answers, p.fenced_all_said = False, True

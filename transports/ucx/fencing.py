@@ -32,7 +32,7 @@ from . import bindings as ucp
 from .eager import Pregrants
 from .landing import Landing
 from .options import UCXOptions
-from .peers import Peers, close_endpoint, close_retired, failure_of
+from .peers import Peers, close_endpoint, close_retired, failure_of, undrained
 from .receiver import Receiver
 from .sender import Sender
 from .settings import process_start
@@ -122,10 +122,19 @@ class Fencing:
             if p.err and p.failed_at is None and not p.ep.alive:   # the callback's backstop
                 self._ep_failed(p, now)
             if p.failed_at is not None and now - p.failed_at >= self.options.fence_grace:
+                # Kept for a later connect (the request layer's, once the peer is heard of again):
+                # our epoch and which of our puts may still land there, for its HELLO's
+                # ``drained``. Our puts end with our socket whatever reset it, even after a silence
+                # (only the peer's side stays unproven then): without this, a peer that forgot us
+                # too kept what our failed transfers held there fenced for good (issue 35: a
+                # 33 s cut with TCP's backoff capped).
+                left = undrained(p, ended=p.failure.startswith("reset")) if p.sizes is not None else None
                 if p.failure == "reset":
                     self.release_peer(p, "lost: its connection was reset (process gone)", writes_impossible=True)
                 else:
                     self.release_peer(p, f"lost: its connection failed ({p.failure})", writes_impossible=False)
+                if p.sizes is not None:
+                    self.peers.retire(p, left)
 
     def _ep_failed(self, p: Peer, now: float) -> None:
         p.failed_at, p.failure = now, failure_of(p.ep)

@@ -229,7 +229,7 @@ class Join:
         if p is not None and p.closing:   # connected again while its disconnect was pending
             self.lifecycle.reopen(p)
         if p is None:
-            secret, epoch = self.peers.retired.pop(peer_id, (os.urandom(SECRET_BYTES), -1))
+            secret, epoch, undrained = self.peers.retired.pop(peer_id, (os.urandom(SECRET_BYTES), -1, None))
             own = peer_id == self.id
             far = not own and far_path(where, w.tls_explicit)
             # UCX error handling (``Peer.err``: its death is reported, so what it held goes) costs
@@ -242,6 +242,7 @@ class Join:
             # WELCOME, has it as ``err`` says); ourselves: our data worker
             p = self._add_peer(peer_id, w.address if own else addr, secret, far, err=err, front=not own)
             p.my_epoch = epoch + 1   # above every HELLO it had from us: lifts a fence it may hold
+            p.undrained = undrained   # our HELLO says what of those epochs may still land (``Fencing``)
             p.where, p.token, p.joining = where, token, not own
             self.peers.bind_tag(p)
             if own:

@@ -30,7 +30,7 @@ from .eager import EagerSends
 from .landing import Landing
 from .options import UCXOptions
 from .outbox import Outbox
-from .peers import Peers, close_endpoint, close_retired
+from .peers import Peers, close_endpoint, close_retired, undrained
 from .protocol import Abort, Bye, Fail
 from .receiver import Receiver
 from .regions import Regions
@@ -108,6 +108,9 @@ class Lifecycle:
             if p.close_flush.poll() is None and now - p.closing_since < self.options.peer_timeout:
                 left.append(p)
                 continue
+            # Every put of ours to it settled before this close flush began (``Sender.uses``), which
+            # covers control only: what of ours may still land is a failed put flush's epoch.
+            below = undrained(p, ended=not p.flush_failed)
             if p.close_flush.ptr is not None:
                 self.leftovers.keep(p.close_flush)
             self.peers.drop(p)
@@ -115,7 +118,7 @@ class Lifecycle:
             p.rkeys, p.close_flush = ucp.EMPTY_TABLE, None
             close_endpoint(p)   # flushed, or the peer is silent: no put of ours is in flight to it
             close_retired(p)
-            self.peers.retire(p)
+            self.peers.retire(p, below)
         self.closing = left
 
     def shutdown(self, why: str) -> None:

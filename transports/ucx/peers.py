@@ -37,6 +37,19 @@ def close_ep(ep, err: bool) -> None:
     ep.close()
 
 
+def undrained(p: Peer, ended: bool) -> int | None:
+    """The oldest of our epochs to ``p`` whose puts may still land there, as our endpoints to it
+    go (``Peers.retire``; call before ``close_retired``): a replaced endpoint's that has not
+    drained, an earlier forgotten one's (``Peer.undrained``), and the current one's unless
+    ``ended``. An endpoint ends its puts when its flush completed, or when UCX says its
+    connection was reset, whoever reset it (the peer, or our kernel giving up after its
+    retransmissions): our socket is gone and what it still held with it. None: nothing may land."""
+    left = [r.epoch for r in p.old if not r.drained and not (r.ep is not None and failure_of(r.ep) == "reset")]
+    left += [] if p.undrained is None else [p.undrained]
+    left += [] if ended else [p.my_epoch]
+    return min(left, default=None)
+
+
 def close_retired(p: Peer) -> None:
     """Close the endpoints a re-handshake replaced (``Rehandshake.renew``, ``renew_control``) and
     destroy their rkeys: the peer is freed, or its writes are proven impossible."""
@@ -100,7 +113,7 @@ class Peers:
         self.by_tag: dict[int, Peer] = {}
         self.retired_tags: collections.OrderedDict[int, None] = collections.OrderedDict()
         # Channel secret and epoch of disconnected peers (at most max_peers), for a later connect.
-        self.retired: collections.OrderedDict[str, tuple[bytes, int]] = collections.OrderedDict()
+        self.retired: collections.OrderedDict[str, tuple[bytes, int, int | None]] = collections.OrderedDict()
         self.waiting: set[Peer] = set()   # peers with control batches waiting for their budget (``Inbox``)
         # Peers whose error-handling endpoint UCX closed (failure) or we closed, queued by the close
         # callback for the I/O loop (``Fencing.check_failed``); stale ones are skipped there.
@@ -172,9 +185,11 @@ class Peers:
         for tag in [*p.old_tags, p.tag_in]:
             self._let_go(p, tag)
 
-    def retire(self, p: Peer) -> None:
-        """``p`` was disconnected and freed: keep its channel secret and epoch (bounded)."""
-        self.retired[p.id] = (p.secret, p.my_epoch)
+    def retire(self, p: Peer, undrained: int | None = None) -> None:
+        """``p`` was disconnected or lost, and freed: keep its channel secret and epoch (bounded)
+        for a later ``connect``, and ``undrained``: the oldest of our epochs to it whose puts may
+        still land (None: all landed or can land no more), which that connect's HELLO says."""
+        self.retired[p.id] = (p.secret, p.my_epoch, undrained)
         self.retired.move_to_end(p.id)
         while len(self.retired) > self.max_peers:
             self.retired.popitem(last=False)

@@ -68,6 +68,8 @@ class Peer:
     front_addr: bytes = b""          # sender: its front worker's address (where we joined it)
     rkeys_src: list = field(default_factory=list)   # sender: its regions' base, sizes, packed rkeys (kept)
     old: list = field(default_factory=list)   # sender: ``Retired`` endpoints whose puts may still be on their way
+    undrained: int | None = None     # sender: the oldest epoch of a forgotten endpoint (a failure before this
+                                     # connect proved nothing, ``Fencing.check_failed``) whose puts may still land
     old_ctrl: list = field(default_factory=list)   # receiver: endpoints ``renew_control`` replaced (kept open)
     ep_used: bool = False            # sender: a put or frame of ours went over ``ep``
     drained: int = 0                 # receiver: its latest HELLO's ``drained`` (its epochs below have landed)

@@ -133,7 +133,8 @@ class Workers:
         return Hello(self.far_address if p.far else self.address, p.secret, p.my_epoch, self.host_id, self.pid,
                      self.start_ticks, p.err, eager=True, token=p.token,
                      shm=tuple(self.shm_settings[k] for k in MUST_MATCH), ctag=p.tag_in,
-                     drained=min((r.epoch for r in p.old if not r.drained), default=p.my_epoch))
+                     drained=min([r.epoch for r in p.old if not r.drained]
+                                 + ([] if p.undrained is None else [p.undrained]), default=p.my_epoch))
 
     def progress(self, busy: bool) -> int:
         """Progress every worker for at most ``PROGRESS_BUDGET``; how many events moved. ``busy``:
