@@ -69,7 +69,7 @@ from . import bindings as ucp
 from .outbox import Outbox
 from .peers import Peers
 from .protocol import MAX_PREGRANT_BYTES, Fence, Fenced, Pregrant
-from .state import Outgoing, Peer
+from .state import Outgoing, Peer, oldest_undrained
 from .workers import Workers
 
 MAX_PREGRANTED = 1 << 16   # request ids a sender remembers per receiver (the oldest is forgotten first)
@@ -319,7 +319,7 @@ class EagerSends:
         for p in self.flushing:
             left = []
             for f, rids in p.fence_flushes:
-                if (st := f.poll()) is None or any(not r.drained for r in p.old) or p.undrained is not None:
+                if (st := f.poll()) is None or oldest_undrained(p) is not None:
                     left.append((f, rids))
                 elif st == 0:
                     self.outbox.send(p, Fenced(rids))
@@ -334,7 +334,7 @@ class EagerSends:
         ``quarantine_timeout`` (our FENCED-all clears it there in any order). Not after a failed
         flush to it: what that flush covered may still land (the memory stays held until it knows
         more). True when it was told."""
-        if p.fenced_all_said or p.flush_failed or any(not r.drained for r in p.old) or p.undrained is not None:
+        if p.fenced_all_said or p.flush_failed or oldest_undrained(p) is not None:
             return False
         self.outbox.send(p, Fenced((), True))
         p.fence_answers, p.fenced_all_said = False, True

@@ -49,7 +49,7 @@ from . import bindings as ucp
 from .outbox import Outbox
 from .peers import Peers, close_ep, failure_of
 from .sender import Sender
-from .state import Outgoing, Peer, Retired
+from .state import Outgoing, Peer, Retired, oldest_undrained
 from .workers import Workers
 
 log = logging.getLogger("kvxfer.transport.ucx")
@@ -121,7 +121,7 @@ class Rehandshake:
         so (``drained``). It is closed once nothing of ours may still be in flight over it
         (``Sender.sends_on``): a frame in UCX's rendezvous completes after the flush, and closing
         its endpoint would leave it never completed, its source or ring slot held for good."""
-        before = min((r.epoch for r in p.old if not r.drained), default=p.my_epoch)
+        before = oldest_undrained(p)
         for r in p.old:
             if r.flush is not None and (st := r.flush.poll()) is not None:
                 r.flush = None
@@ -134,7 +134,7 @@ class Rehandshake:
                 ucp.destroy_rkeys(r.rkeys)
                 r.ep, r.rkeys = None, ucp.EMPTY_TABLE
         p.old = [r for r in p.old if r.ep is not None or not r.drained]   # an undrained one stays: its epoch
-        if min((r.epoch for r in p.old if not r.drained), default=p.my_epoch) != before:
+        if oldest_undrained(p) != before:   # the HELLO's ``drained`` moved
             self.outbox.send(p, self.workers.hello(p))
 
     def renew_control(self, p: Peer) -> None:

@@ -125,6 +125,15 @@ class Retired:
     drained: bool = False            # its flush completed: what it carried has landed (or never will)
 
 
+def oldest_undrained(p: Peer) -> int | None:
+    """Sender: the oldest of our epochs to ``p`` whose puts may still land there, on an endpoint
+    other than the current one: a replaced one not drained (``Retired``), or one forgotten before
+    this connect (``Peer.undrained``). None: every older put landed. Our HELLO says it
+    (``drained``), and no FENCED is answered while there is one."""
+    older = [r.epoch for r in p.old if not r.drained]
+    return min(older if p.undrained is None else [*older, p.undrained], default=None)
+
+
 @dataclass(eq=False)
 class Outgoing:
     """An outgoing transfer (sender side), owned by the I/O thread once enqueued."""

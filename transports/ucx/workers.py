@@ -45,7 +45,7 @@ from .settings import (
     ucx_settings,
     with_tcp_defaults,
 )
-from .state import Peer
+from .state import Peer, oldest_undrained
 
 PROGRESS_BUDGET = 0.01   # seconds one turn's progress may take before the loop's other work runs
 _BUDGET_NS = int(PROGRESS_BUDGET * 1e9)
@@ -133,8 +133,7 @@ class Workers:
         return Hello(self.far_address if p.far else self.address, p.secret, p.my_epoch, self.host_id, self.pid,
                      self.start_ticks, p.err, eager=True, token=p.token,
                      shm=tuple(self.shm_settings[k] for k in MUST_MATCH), ctag=p.tag_in,
-                     drained=min([r.epoch for r in p.old if not r.drained]
-                                 + ([] if p.undrained is None else [p.undrained]), default=p.my_epoch))
+                     drained=p.my_epoch if (older := oldest_undrained(p)) is None else older)
 
     def progress(self, busy: bool) -> int:
         """Progress every worker for at most ``PROGRESS_BUDGET``; how many events moved. ``busy``:
