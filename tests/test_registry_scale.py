@@ -44,6 +44,13 @@ def lost() -> float:
     return sum(REGISTRATIONS_LOST.labels(w)._value.get() for w in ("expired", "taken"))
 
 
+def listen_drops() -> int:
+    """SYNs this host's kernel dropped because a listen queue was full (``ListenDrops``)."""
+    with open("/proc/net/netstat") as f:
+        head, values = [line.split() for line in f if line.startswith("TcpExt:")][:2]
+    return int(values[head.index("ListenDrops")])
+
+
 # ------------------------------------------------------------------------------------
 # Sizes and connections
 # ------------------------------------------------------------------------------------
@@ -130,17 +137,21 @@ def test_a_flood_from_one_address_leaves_honest_clients_and_live_keys_alone(serv
 def test_a_flood_from_many_addresses_leaves_room_for_registered_ranks(server):
     """A flood from 40 addresses (3 connections each, within any per-address share) against 64
     connections. Before: they held all of them and a registered rank that reconnects for each
-    heartbeat expired. Now a quarter of the connections is kept for addresses with registered ranks."""
+    heartbeat expired. Now a quarter of the connections is kept for addresses with registered ranks.
+    And the refused reconnects pass through the accept queue too: sized by max_connections (65) it
+    stayed full, the kernel dropped SYNs (28 in a 4 s run), and one of the rank's heartbeats waited a
+    1 s SYN retry (a full CI run saw the registration expire). Now no SYN is dropped."""
     s = server(ttl=1.5, max_connections=64, idle_timeout=0.2)   # the rank's connection closes between beats
     info = RankInfo.from_dict(record("many", layout=SMALL))
     reg = Registration(BootstrapClient(s.url), info, ttl=1.5, interval=0.4).start()
-    before = lost()
+    before, drops = lost(), listen_drops()
     flood = FloodProcess(s.port, [f"127.0.1.{i}" for i in range(1, 41)], 3)
     try:
         time.sleep(4.0)
         held = s.registry.holder("many/dp0/pp0/tp0", time.monotonic()) is not None
         assert held and reg.state == "registered" and lost() == before, "the registered rank's heartbeats were refused"
         assert s.admission.unregistered <= 64 - s.admission.reserved
+        assert listen_drops() == drops, f"the kernel dropped {listen_drops() - drops} SYNs: the accept queue was full"
     finally:
         flood.stop()
         reg.stop()

@@ -52,6 +52,10 @@ log = logging.getLogger("kvxfer.control.bootstrap")
 
 FD_SPARE = 256          # file descriptors kept for everything but client connections
 MAX_CONNECTIONS = 4096  # default: 1,024 heartbeating ranks and 1,024 watching ones, and start-up bursts
+# The accept queue holds connections admission has not seen yet, refused ones included: sized by
+# max_connections, a flood of refused reconnects kept it full and the kernel dropped a live rank's
+# SYN (its heartbeat then waited a 1 s SYN retry). The kernel caps it at net.core.somaxconn.
+LISTEN_BACKLOG = 4096
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,7 +162,7 @@ class BootstrapServer:
         factory = self._runner.server
         self._server = await asyncio.get_running_loop().create_server(
             lambda: Guard(self.admission, factory, self.config.header_timeout), self.config.host, self.config.port,
-            reuse_address=True, backlog=min(self.admission.max_connections, 4096))
+            reuse_address=True, backlog=LISTEN_BACKLOG)
         self.port = int(self._server.sockets[0].getsockname()[1])
         self._sweeper = asyncio.get_running_loop().create_task(self.api.sweep())
 
