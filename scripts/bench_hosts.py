@@ -16,6 +16,15 @@ the whole set, interleaved (A, B, A, B, ...), so load that drifts during the run
 ``--ucx-tls ""`` sets no UCX_TLS: the ranks reach each other as users get by default (the second
 worker a peer in another network namespace gets, ``settings.FAR_TLS``; TCP here).
 
+``raw ucx TP p->d copies`` (with ``--raw-ucx``, TP shapes other than 1 -> 1): the same processes
+and bytes with the copies a head slice needs and nothing else of kvxfer. Each sender's bytes for
+its receivers lie interleaved in 512 B rows (as a TP 2 -> 4 head slice of page-major KV does); it
+gathers each receiver's rows into 4 MiB frames (kvxfer's ``frame_bytes``), each into a slot of its
+own, and tag-sends them; each receiver pre-posts one slot per frame and writes each frame into
+place as it lands (kvxfer's receiver: token-major destination rows merge into long runs). No
+control messages, no planning, no Python per row: what kvxfer's frame path would cost with its
+protocol free.
+
 ``--raw-ucx`` (on by default; ``--no-raw-ucx`` leaves it out): UCX's own ceiling in the same run,
 no kvxfer code: ``raw ucx`` (one process on host B tag-sends N bytes, one contiguous host buffer,
 to one on host C) and ``raw ucx TP 2->4`` (the processes and bytes of ``raw tcp TP 2->4``), with
@@ -44,6 +53,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from hosts import UCX_ENV, TestHosts, hosts_skip_reason  # noqa: E402
 from multihost_rank import RankProc  # noqa: E402
+
+FRAME = 4 << 20   # the frames of ``raw ucx TP p->d copies``: kvxfer UCX's default ``frame_bytes``
 
 # Raw TCP: the server prints its port, receives N bytes into one buffer with recv_into,
 # answers one byte; the client sends N bytes with sendall and prints the seconds.
@@ -163,12 +174,20 @@ say(json.dumps({"addr": worker.address.tobytes().hex()}))
 # it posts the receive, says "ready", receives, answers one byte, and prints whether every byte
 # is right ({"ok"}); it exits at the next line on stdin.
 RAW_UCX_RECV = RAW_UCX_COMMON + r"""
-i = int(sys.argv[4]); base = pattern(i); buf = np.zeros_like(base); one = np.ones(1, np.uint8)
+i, frame = int(sys.argv[4]), int(sys.argv[5]); base = pattern(i); buf = np.zeros_like(base); one = np.ones(1, np.uint8)
+ring = [np.empty(min(frame, n - f), np.uint8) for f in range(0, n, frame)] if frame else []
 ep = connect(sys.stdin.readline().strip())
 for k in range(1, rounds + 1):
-    req = worker.tag_recv(Array(buf), ucx_api.UCXXTag(DATA | i))
-    say("ready")
-    wait([req])
+    if frame:   # copies: each frame into a slot of its own, then written into place
+        reqs = [worker.tag_recv(Array(r), ucx_api.UCXXTag(DATA | i | f + 1 << 16)) for f, r in enumerate(ring)]
+        say("ready")
+        for f, (req, r) in enumerate(zip(reqs, ring)):
+            wait([req])
+            buf[f * frame: f * frame + len(r)] = r
+    else:
+        req = worker.tag_recv(Array(buf), ucx_api.UCXXTag(DATA | i))
+        say("ready")
+        wait([req])
     wait([ep.tag_send(Array(one), ucx_api.UCXXTag(ACK | i))])
     np.bitwise_xor(buf, k, out=buf)
     say(json.dumps({"ok": bool(np.array_equal(buf, base))}))
@@ -179,16 +198,32 @@ sys.stdin.readline(); os._exit(0)
 # stdin, tag-sends n bytes to each receiver at once and prints the seconds until every one
 # answered; it exits at the next line on stdin.
 RAW_UCX_SEND = RAW_UCX_COMMON + r"""
-peers = [(int(a.split(":")[0]), connect(a.split(":")[1])) for a in sys.argv[4:]]
+frame = int(sys.argv[4])
+peers = [(int(a.split(":")[0]), connect(a.split(":")[1])) for a in sys.argv[5:]]
 bases = {i: pattern(i) for i, _ in peers}; data = {i: np.empty_like(b) for i, b in bases.items()}
 acks = {i: np.zeros(1, np.uint8) for i in bases}
+# copies (frame > 0): each receiver's bytes are every other 512 B row of one source, as a head
+# slice of page-major KV is; gathered frame by frame into slots of their own and tag-sent
+ROW = 512
+src = np.empty((n // ROW, len(peers), ROW), np.uint8) if frame else None
+slots = [np.empty(min(frame, n - f), np.uint8) for _ in peers for f in range(0, n, frame)] if frame else []
 for k in range(1, rounds + 1):
-    for i, b in bases.items():
+    for j, (i, b) in enumerate(bases.items()):
         np.bitwise_xor(b, k, out=data[i])
+        if frame:
+            src[:, j, :] = data[i].reshape(-1, ROW)
     reqs = [worker.tag_recv(Array(acks[i]), ucx_api.UCXXTag(ACK | i)) for i in bases]
     say("ready"); sys.stdin.readline()
     t = time.perf_counter()
-    reqs += [ep.tag_send(Array(data[i]), ucx_api.UCXXTag(DATA | i)) for i, ep in peers]
+    if frame:
+        for f, lo in enumerate(range(0, n, frame)):
+            for j, (i, ep) in enumerate(peers):
+                slot = slots[j * len(slots) // len(peers) + f]
+                np.copyto(slot.reshape(-1, ROW), src[lo // ROW: (lo + len(slot)) // ROW, j, :])
+                reqs.append(ep.tag_send(Array(slot), ucx_api.UCXXTag(DATA | i | f + 1 << 16)))
+                worker.progress_once()
+    else:
+        reqs += [ep.tag_send(Array(data[i]), ucx_api.UCXXTag(DATA | i)) for i, ep in peers]
     wait(reqs)
     say(time.perf_counter() - t)
 sys.stdin.readline(); os._exit(0)
@@ -209,10 +244,12 @@ def raw_ucx_settings(ucx_tls: str) -> tuple[dict[str, str] | None, dict[str, str
     return env, config
 
 
-def raw_ucx(hosts, nbytes: int, repeat: int, p_tp: int = 1, d_tp: int = 1, ucx_tls: str = "tcp") -> list[float]:
+def raw_ucx(hosts, nbytes: int, repeat: int, p_tp: int = 1, d_tp: int = 1, ucx_tls: str = "tcp",
+            frame: int = 0) -> list[float]:
     """UCX's own ceiling, no kvxfer code: ``p_tp`` sending processes on host B, ``d_tp`` receiving
     ones on host C (1 -> 1: ``raw ucx``), each receiver tag-sent ``nbytes / d_tp`` in one message
-    by the sender ``raw_tcp_tp`` gives it, UCX configured as kvxfer's ranks (``raw_ucx_settings``).
+    by the sender ``raw_tcp_tp`` gives it, UCX configured as kvxfer's ranks (``raw_ucx_settings``);
+    ``frame`` > 0: in frames of that many bytes, with a head slice's copies (``raw ucx TP p->d copies``).
     One warm-up round, then ``repeat`` timed ones: GB/s of the whole ``nbytes`` until the slowest
     sender had every acknowledgement; every receiver checks every byte of every round."""
     if p_tp > d_tp or d_tp % p_tp:
@@ -245,12 +282,13 @@ def raw_ucx(hosts, nbytes: int, repeat: int, p_tp: int = 1, d_tp: int = 1, ucx_t
         p.stdin.flush()
 
     try:
-        rcv = [hosts[2].popen([*head, RAW_UCX_RECV, *tail, str(i)], env=env, stdin=subprocess.PIPE,
+        rcv = [hosts[2].popen([*head, RAW_UCX_RECV, *tail, str(i), str(frame)], env=env, stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True) for i in range(d_tp)]
         procs += rcv
         raddr = [json.loads(line(r))["addr"] for r in rcv]
-        snd = [hosts[1].popen([*head, RAW_UCX_SEND, *tail, *[f"{i}:{raddr[i]}" for i in range(s * fan, (s + 1) * fan)]],
-                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for s in range(p_tp)]
+        feeds = [[f"{i}:{raddr[i]}" for i in range(s * fan, (s + 1) * fan)] for s in range(p_tp)]
+        snd = [hosts[1].popen([*head, RAW_UCX_SEND, *tail, str(frame), *feed], env=env, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for feed in feeds]
         procs += snd
         saddr = [json.loads(line(s))["addr"] for s in snd]
         for i, r in enumerate(rcv):
@@ -368,6 +406,8 @@ def main() -> int:
                     if raw_ucx_on:
                         rows.setdefault(f"raw ucx TP {p_tp}->{d_tp}", []).extend(
                             raw_ucx(hosts, a.mib << 20, a.repeat, p_tp, d_tp, a.ucx_tls))
+                        rows.setdefault(f"raw ucx TP {p_tp}->{d_tp} copies", []).extend(
+                            raw_ucx(hosts, a.mib << 20, a.repeat, p_tp, d_tp, a.ucx_tls, frame=FRAME))
                 for t in a.transports.split(","):
                     if t == "ucx" and importlib.util.find_spec("ucxx") is None:
                         print("ucx: ucxx does not import, skipped")
@@ -387,8 +427,9 @@ def main() -> int:
         ceiling = rows.get(f"raw tcp TP {shape}")
         vs = f"  {m / statistics.median(ceiling):5.2f}x of raw TP {shape}" if ceiling else ""
         own = "raw ucx" if shape == "1->1" else f"raw ucx TP {shape}"    # UCX's own ceiling of the shape
-        if name.startswith("kvxfer ucx") and own in rows:
-            vs += f"  {m / statistics.median(rows[own]):5.2f}x of {own}"
+        for ceiling_name in (own, f"{own} copies"):   # and with a head slice's copies
+            if name.startswith("kvxfer ucx") and ceiling_name in rows:
+                vs += f"  {m / statistics.median(rows[ceiling_name]):5.2f}x of {ceiling_name}"
         print(f"  {name:34s} {m:6.2f} GB/s  {m / raw:5.2f}x{vs}   runs: {', '.join(f'{x:.2f}' for x in v)}")
     return 0
 
