@@ -1,7 +1,8 @@
 """Killed senders give back what they pinned in the receiver, with ``UCX_TLS=tcp`` (issue 35).
 
-A receiver (``xfer_peer``, its own process) takes a 64 MiB transfer of 1 KiB runs from a sender
-in another process: staged frames of 4 MiB through its receive ring (8 slots), over TCP. The
+A receiver (``xfer_peer``, its own process) takes a 64 MiB transfer of 1 KiB runs, apart on both
+sides, from a sender in another process: staged frames of 4 MiB through its receive ring (8 slots:
+its pieces are small, ``Receiver.rings_host``), over TCP. The
 sender is killed (``kill -9``) mid-transfer, ``ROUNDS`` times, a new sender each time. After each
 kill, ``fencing()`` on the receiver (bytes held because a peer could still write them: the ring
 slots its frames were being received into, and grant memory) is back to 0 within ``FREED_S``
@@ -32,7 +33,7 @@ two = hosts_fixture(2)
 ROUNDS = 4
 FREED_S = 5.0            # fence_grace 1 s + the proof (a reset: ~0.1 s; a pid: a tick), with slack for a busy box
 RUNS, RUN = 65536, 1024   # 64 MiB of 1 KiB runs: staged frames (pieces under STAGE_BELOW)
-SRC, DST = 2 * RUNS * RUN, RUNS * RUN
+SRC = DST = 2 * RUNS * RUN   # every other run on both sides: the receiver's pieces are small too
 OPTS = {"tls": "tcp", "heartbeat": 0.5, "peer_timeout": 3.0, "fence_grace": 1.0, "frame_bytes": 4 << 20,
         "staging_frames": 8}
 
@@ -44,7 +45,7 @@ def _env() -> dict:
 def _plan():
     z = np.zeros(RUNS, np.int64)
     k = np.arange(RUNS, dtype=np.int64)
-    return plan_to_json(raw_plan(z, k * 2 * RUN, z, k * RUN, np.full(RUNS, RUN, np.int64)))   # sources apart
+    return plan_to_json(raw_plan(z, k * 2 * RUN, z, k * 2 * RUN, np.full(RUNS, RUN, np.int64)))   # apart
 
 
 def _sender(tmp, name: str, prefix: list[str] | None, rx_desc: dict, rx: PeerProcess,
@@ -102,7 +103,8 @@ def run_kills(tmp, rx_prefix, tx_prefix, shape=None) -> dict:
             tx.call("submit", peer=peer, request_id=rid, plan=_plan(), timeout=60.0)
             res = tx.call("wait", request_ids=[rid], wait_s=60.0)["results"][rid]
             assert res["status"] == "DONE", res
-            assert rx.call("strided_matches", region=0, seed=9, runs=RUNS, run=RUN)["same"], "bytes differ"
+            assert rx.call("strided_matches", region=0, seed=9, runs=RUNS, run=RUN, apart=True)["same"], \
+                "bytes differ"
         finally:
             tx.close()
         return report
@@ -148,10 +150,10 @@ def test_a_silent_sender_keeps_only_its_own_share_of_the_ring(tmp_path):
         token = rx.call("admit", descriptor={"id": "stuck"})["token"]
         ch = att.call("join", front=rx_desc["address"], sender="stuck", token=token, identity=True)
         assert ch["joined"]
-        n = np.full(128, 32 << 10, np.int64)   # 4 MiB of 32 KiB runs: 4 frames of 1 MiB, through the ring
-        off = (DST - (4 << 20)) + np.arange(128, dtype=np.int64) * (32 << 10)
-        rx.call("expect", request_id="pin.1", ranges={"region": enc(np.zeros(128, np.int64)), "start": enc(off),
-                                                      "nbytes": enc(n)})
+        n = np.full(1024, 4 << 10, np.int64)   # 4 MiB of 4 KiB runs: 4 frames of 1 MiB, through the ring
+        off = (DST - (4 << 20)) + np.arange(1024, dtype=np.int64) * (4 << 10)
+        rx.call("expect", request_id="pin.1", ranges={"region": enc(np.zeros(1, np.int64)), "start": enc(off[:1]),
+                                                      "nbytes": enc(np.full(1, 4 << 20, np.int64))})
         runs = hw.runs_field(*[(0, int(o), int(c)) for o, c in zip(off, n)])
         msg = hw.announce(7, "pin.1", runs, 0, frame=1 << 20) + [1]   # staged frames (11th field)
         secret = base64.b64decode(ch["secret"])
@@ -178,10 +180,11 @@ def test_a_silent_sender_keeps_only_its_own_share_of_the_ring(tmp_path):
         k = np.arange(small, dtype=np.int64)
         zs = np.zeros(small, np.int64)
         tx.call("submit", peer=peer, request_id="after.1",
-                plan=plan_to_json(raw_plan(zs, k * 2 * RUN, zs, k * RUN, np.full(small, RUN, np.int64))), timeout=20.0)
+                plan=plan_to_json(raw_plan(zs, k * 2 * RUN, zs, k * 2 * RUN, np.full(small, RUN, np.int64))),
+                timeout=20.0)
         res = tx.call("wait", request_ids=["after.1"], wait_s=30.0)["results"]["after.1"]
         assert res["status"] == "DONE", f"a transfer behind a silent peer's held slots failed: {res}"
-        assert rx.call("strided_matches", region=0, seed=9, runs=small, run=RUN)["same"]
+        assert rx.call("strided_matches", region=0, seed=9, runs=small, run=RUN, apart=True)["same"]
         att.signal(signal.SIGKILL)
         att.proc.wait(10)
         end = time.monotonic() + FREED_S

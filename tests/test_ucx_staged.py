@@ -387,3 +387,34 @@ def test_runs_to_a_far_peer_over_tcp_travel_packed():
     finally:
         tx.close()
         rx.close()
+
+
+@pytest.mark.parametrize("way", ["far", "tcp"])
+def test_staged_frames_into_long_destination_runs_land_in_place(way):
+    """A head slice into token-major slots: 512 B rows scattered on the sender (staged through its
+    ring) land in one long destination run. The receiver posts each frame in place (its pieces
+    are long: ``Receiver.rings_host``), one copy less than its ring; byte-exact, nothing past the
+    run touched, no receive slot taken. Rows with gaps between them still take the ring (above)."""
+    rx, tx = _pair(way)
+    src = torch.randint(0, 256, (16 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(15))
+    dst = torch.full((5 << 20,), CANARY, dtype=torch.uint8)
+    try:
+        rx.register([dst])
+        tx.register([src])
+        desc = rx.descriptor()
+        peer = tx.connect(_far(desc) if way == "far" else desc)
+        rows = 8192   # 4 MiB: 256 frames of 16 KiB through a send ring of 2
+        so = np.random.default_rng(16).permutation((16 << 20) // 1024)[:rows].astype(np.int64) * 1024
+        do = 4096 + np.arange(rows, dtype=np.int64) * ROW
+        z, zz = np.zeros(rows, np.int64), np.zeros(1, np.int64)
+        rx.expect("long.1", ByteRanges(zz, zz, np.full(1, dst.numel(), np.int64)))
+        h = tx.submit(peer, "long.1", raw_plan(z, so, z, do, np.full(rows, ROW)), timeout=60)
+        assert h.wait(60), h.error
+        got, want = dst.numpy(), src.numpy()
+        assert np.array_equal(got[4096:4096 + rows * ROW].reshape(rows, ROW), want[so[:, None] + np.arange(ROW)])
+        assert (got[:4096] == CANARY).all() and (got[4096 + rows * ROW:] == CANARY).all()
+        s, r = tx.staging(), rx.staging()
+        assert s["send"]["frames"] == 2 and r["recv"]["frames"] == 0, (s, r)   # staged, then in place
+    finally:
+        tx.close()
+        rx.close()

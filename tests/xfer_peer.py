@@ -256,11 +256,13 @@ class Peer:
         r = self.regions[region].numpy()[start:start + nbytes]
         return {"same": bool((r == pattern(region_seed(seed, region), start + nbytes)[start:]).all())}
 
-    def op_strided_matches(self, region: int, seed: int, runs: int, run: int):
+    def op_strided_matches(self, region: int, seed: int, runs: int, run: int, apart: bool = False):
         """Does ``region`` start with every other ``run`` bytes of a sender's region 0 filled from
-        ``seed`` (runs 0, 2, 4, ... of it, back to back)?"""
-        want = pattern(region_seed(seed, 0), 2 * runs * run).reshape(runs, 2, run)[:, 0, :].reshape(-1)
-        return {"same": bool((self.regions[region].numpy()[:runs * run] == want).all())}
+        ``seed`` (runs 0, 2, 4, ... of it, back to back; ``apart``: each at its source offset)?"""
+        want = pattern(region_seed(seed, 0), 2 * runs * run).reshape(runs, 2, run)[:, 0, :]
+        got = self.regions[region].numpy()[:2 * runs * run].reshape(runs, 2, run)[:, 0, :] if apart else \
+            self.regions[region].numpy()[:runs * run].reshape(runs, run)
+        return {"same": bool((got == want).all())}
 
     def op_health(self):
         """This process: the kvxfer threads alive, open fds, threads, RSS bytes, ``broken``."""

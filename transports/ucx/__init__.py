@@ -25,8 +25,8 @@ or a grant R did not pregrant)::
     S       puts (big runs cut in frames), packed frames (staged: as send-ring slots free),
             one ep flush per peer and turn
     S -> R  DONE      after the flush and the last frame, so every put is visible at R
-    R       every frame received (in place; staged: into a receive-ring slot as one is free,
-            re-checked against the grant and scattered), Arrival(ok=True)
+    R       every frame received (in place; staged into small pieces here: into a receive-ring
+            slot as one is free, re-checked against the grant and scattered), Arrival(ok=True)
     R -> S  ACK       only now is the handle DONE
 By default (``eager_writes``) R pregrants each request at ``expect`` (``eager``): S, pregranted,
 sends the ANNOUNCE and puts at once, without waiting for GO, and sends DONE once flushed (its handle

@@ -105,7 +105,9 @@ class UCXOptions:
     """Which host-memory frames the sender stages: "network" (peers reached over the network:
     another host or network namespace, or a UCX_TLS without shared memory; measured faster over
     TCP), "always", "never" (UCX iovs read in place). A host receiver takes staged frames into its
-    receive ring, except with "never" (in place)."""
+    receive ring when its own pieces of them are small on average (``frames.STAGE_BELOW``), in
+    place when they are long (a head slice into token-major slots) or with "never"; with "always"
+    every one through the ring."""
 
     eager_writes: bool = True
     """Receiver (the default): pregrant each expected request (and its ranges) to the connected

@@ -4,8 +4,8 @@ Every method runs on the I/O thread. ``on_announce`` (``Control``) checks every 
 against the grant and the regions before GO (an eager one, sent as its puts started, is checked
 the same and gets no GO; DONE follows their flush: ``eager``);
 ``poll_data`` (the loop, each turn) receives packed frames (in place for host memory; for CUDA,
-and staged host frames unless ``stage_host="never"``, into the receive ring, each frame scattered
-as it lands: ``land_frames``); ``on_end`` (``Control``: DONE or ABORT) and ``try_finish``
+and staged host frames whose pieces here are small (``rings_host``), into the receive ring, each
+frame scattered as it lands: ``land_frames``); ``on_end`` (``Control``: DONE or ABORT) and ``try_finish``
 acknowledge; ``fail_in`` ends a transfer and keeps the grant's memory marked in ``Landing``
 (``writes_pending``) while puts or posted receives may land, and ring slots held while frame
 receives may still write them (``frames.RingSpill`` stands in for those). ``drop_request``
@@ -32,7 +32,18 @@ from kvxfer.transport.kit import StagingPool, peer_reason
 
 from . import bindings as ucp
 from .eager import Pregrants
-from .frames import HeldSlot, RingHold, RingSpill, StagedFrames, Stream, byte_cut, cut, stream_iovs, ucx_buffer
+from .frames import (
+    STAGE_BELOW,
+    HeldSlot,
+    RingHold,
+    RingSpill,
+    StagedFrames,
+    Stream,
+    byte_cut,
+    cut,
+    stream_iovs,
+    ucx_buffer,
+)
 from .landing import Landing
 from .options import UCXOptions
 from .outbox import Outbox
@@ -94,10 +105,10 @@ class Receiver:
                                    "and every packed byte inline")
         host = regions.all_host or bool(regions.is_host[packed[0]].all())
         # The receive ring: for CUDA destinations, and for host ones the sender staged (it does for
-        # peers over the network) unless stage_host is "never"; other host frames land in place
-        # as iovs (staged ones cut as the sender cut them).
+        # peers over the network) into small pieces here (``rings_host``); other host frames land
+        # in place as iovs (staged ones cut as the sender cut them).
         ring = reason is None and total > 0 and not inline and \
-            (not host or m.staged and self.options.stage_host != "never")
+            (not host or m.staged and self.rings_host(total, packed.shape[1]))
         if ring and m.frame_bytes > self.frame_bytes:
             reason = grants.reject(rid, f"malformed header: frames of {m.frame_bytes} bytes do not fit the "
                                    f"receiver's staging frames of {self.frame_bytes}: use one frame_bytes")
@@ -146,6 +157,15 @@ class Receiver:
             if i.iov.error:
                 return self.fail_in(i, f"posting receives failed: {i.iov.error}")
         self.outbox.send(p, Go(xid, i.dtag))
+
+    def rings_host(self, total: int, pieces: int) -> bool:
+        """Do staged frames of ``total`` bytes for host memory, ``pieces`` destination runs here,
+        go through the receive ring? With ``stage_host`` "network": only when the pieces are small
+        on average (``STAGE_BELOW``, the sender's rule), where UCX's iov entries cost more than
+        the scatter; long runs (a head slice into token-major slots) take each frame in place, one
+        copy less. "always": every one; "never": none."""
+        stage_host = self.options.stage_host
+        return stage_host == "always" or (stage_host == "network" and total < STAGE_BELOW * pieces)
 
     def refuse(self, p: Peer, xid: int, rid: str, nbytes: int, notify: bytes, reason: str,
                quiet: bool = False) -> None:
