@@ -2,11 +2,11 @@
 
 A receiver (``xfer_peer``, its own process) takes a 64 MiB transfer of 1 KiB runs, apart on both
 sides, from a sender in another process: staged frames of 4 MiB through its receive ring (8 slots:
-its pieces are small, ``Receiver.rings_host``), over TCP. The
-sender is killed (``kill -9``) mid-transfer, ``ROUNDS`` times, a new sender each time. After each
-kill, ``fencing()`` on the receiver (bytes held because a peer could still write them: the ring
-slots its frames were being received into, and grant memory) is back to 0 within ``FREED_S``
-and the ring has no slot in use; after the last, a new sender's 64 MiB transfer lands byte-exact.
+its pieces are small, ``Receiver.rings_host``), over TCP. The sender is killed (``kill -9``)
+mid-transfer, ``ROUNDS`` times, a new sender each time. After each kill, ``fencing()`` on the
+receiver (bytes held because a peer could still write them: the ring slots its frames were being
+received into, and grant memory) is back to 0 within ``FREED_S`` and the ring has no slot in
+use; after the last, a new sender's 64 MiB transfer lands byte-exact.
 
 Two places: two test hosts (network namespaces: another kernel's view of the peer, no pid to
 check) and plain loopback (the same kernel: the peer's pid proves it dead). Before: across
