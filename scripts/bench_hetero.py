@@ -496,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
                           pack_below=args.pack_below)
             print(f"{t} {pl} -> {dl} ..." + (f" (and {RAW})" if g == raw_group else ""), flush=True)
             results.update(bench_group(prefill, decode, base, pairs, reps, args.seed, raw if g == raw_group else None))
+            if raw is not None and g == raw_group:   # read: gone before the next group (idle, they slowed UCX 4x)
+                for proc in raw[0] + raw[1]:
+                    proc.close()
+                raw = None
     finally:
         for proc in prefill + decode + (raw[0] + raw[1] if raw else []):
             proc.close()
