@@ -50,6 +50,14 @@ STAGE_BELOW = 8 * 1024
 SHARED_MEMORY_TLS = ("sm", "shm", "posix", "sysv", "cma", "xpmem", "knem", "all")
 
 
+def small_pieces(total: int, pieces: int) -> bool:
+    """Are ``pieces`` runs of ``total`` bytes small on average (below ``STAGE_BELOW``)? The rule
+    both ends apply to host memory with ``stage_host="network"``: the sender stages such runs
+    (``Planner.stages_host``), the receiver takes such frames through its ring
+    (``Receiver.rings_host``)."""
+    return total < STAGE_BELOW * pieces
+
+
 def network_only(tls: str) -> bool:
     """Does a ``UCX_TLS`` value leave no shared-memory transport ("tcp", "^sm,cma")? Unset or
     one naming shared memory: False."""

@@ -31,7 +31,7 @@ from kvxfer.transport.kit import (
 )
 
 from . import bindings as ucp
-from .frames import STAGE_BELOW, StagedFrames, Stream, cut
+from .frames import StagedFrames, Stream, cut, small_pieces
 from .options import UCXOptions
 from .protocol import Announce
 from .regions import Regions
@@ -90,7 +90,7 @@ class Planner:
         go through the send ring (``stage_host``; "network": small pieces to a network peer)?"""
         stage_host = self.options.stage_host
         return stage_host == "always" or (stage_host == "network" and (p.far or self.workers.network_only)
-                                          and total < STAGE_BELOW * pieces)
+                                          and small_pieces(total, pieces))
 
     def prepare(self, p: Peer, plan: TransferPlan) -> tuple:
         """Bounds-check the runs: (puts, announced runs, put count, packed runs as

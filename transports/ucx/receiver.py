@@ -33,7 +33,6 @@ from kvxfer.transport.kit import StagingPool, peer_reason
 from . import bindings as ucp
 from .eager import Pregrants
 from .frames import (
-    STAGE_BELOW,
     HeldSlot,
     RingHold,
     RingSpill,
@@ -41,6 +40,7 @@ from .frames import (
     Stream,
     byte_cut,
     cut,
+    small_pieces,
     stream_iovs,
     ucx_buffer,
 )
@@ -161,11 +161,11 @@ class Receiver:
     def rings_host(self, total: int, pieces: int) -> bool:
         """Do staged frames of ``total`` bytes for host memory, ``pieces`` destination runs here,
         go through the receive ring? With ``stage_host`` "network": only when the pieces are small
-        on average (``STAGE_BELOW``, the sender's rule), where UCX's iov entries cost more than
-        the scatter; long runs (a head slice into token-major slots) take each frame in place, one
-        copy less. "always": every one; "never": none."""
+        on average (``frames.small_pieces``, the sender's rule), where UCX's iov entries cost
+        more than the scatter; long runs (a head slice into token-major slots) take each frame in
+        place, one copy less. "always": every one; "never": none."""
         stage_host = self.options.stage_host
-        return stage_host == "always" or (stage_host == "network" and total < STAGE_BELOW * pieces)
+        return stage_host == "always" or (stage_host == "network" and small_pieces(total, pieces))
 
     def refuse(self, p: Peer, xid: int, rid: str, nbytes: int, notify: bytes, reason: str,
                quiet: bool = False) -> None:
