@@ -177,15 +177,18 @@ class Sender:
             try:
                 if copy:
                     peer.sock.send_multipart(parts, flags=zmq.NOBLOCK)
-                else:   # a tracker per part: zmq reads each (the source, or staging) until it lets go
+                else:   # a tracker per payload part: zmq reads each (the source, or staging) until it lets go
                     last = len(parts) - 1   # only the first part can meet the high-water mark
+                    # The header is our own bytes: copied, untracked (zero-copy, it would cost a
+                    # tracker and a wake-up of pyzmq's garbage-collector thread for ~100 bytes)
+                    peer.sock.send(parts[0], zmq.NOBLOCK | (zmq.SNDMORE if last else 0))
                     trackers = [peer.sock.send(p, zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0), copy=False,
-                                               track=True) for i, p in enumerate(parts)]
+                                               track=True) for i, p in enumerate(parts) if i]
                     out.trackers += trackers
             except zmq.Again:
                 break
             if stage is not None:   # reuse the buffer once zmq is done with it (no fresh pages)
-                self.staging.put(stage, None if copy else trackers[-1])
+                self.staging.put(stage, None if copy or not trackers else trackers[-1])
             peer.pending = None
             peer.clock.touch()
         # POLLOUT only when zmq pushed back, or when messages are ready to go. Not while every
