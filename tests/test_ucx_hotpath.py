@@ -12,19 +12,18 @@ import time
 
 import numpy as np
 import pytest
-import torch
 
 pytest.importorskip("ucxx")
 
+from ucx_pair import CANARY, connected_pair  # noqa: E402
+
 from kvxfer.grant import ByteRanges  # noqa: E402
 from kvxfer.plan import RunGroup, TransferPlan  # noqa: E402
-from kvxfer.transport.registry import get_transport  # noqa: E402
 from kvxfer_transports.ucx import bindings as ucp  # noqa: E402
 from kvxfer_transports.ucx import hotpath  # noqa: E402
 
 KiB = 1 << 10
 REGION = 256 * KiB
-CANARY = 0xA5
 
 
 def _rows(*rows) -> bytes:
@@ -34,16 +33,7 @@ def _rows(*rows) -> bytes:
 @pytest.fixture
 def pair():
     """(receiver, sender, peer id, source, destination): one region each, connected in-process."""
-    rx, tx = get_transport("ucx", heartbeat=0.2), get_transport("ucx", heartbeat=0.2)
-    try:
-        src = torch.randint(0, 256, (REGION,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-        dst = torch.full((REGION,), CANARY, dtype=torch.uint8)
-        rx.register([dst])
-        tx.register([src])
-        yield rx, tx, tx.connect(rx.descriptor()), src, dst
-    finally:
-        tx.close()
-        rx.close()
+    yield from connected_pair(REGION, 3, heartbeat=0.2)
 
 
 @pytest.mark.parametrize("row, why", [

@@ -39,7 +39,7 @@ Who calls whom (each part only calls parts below it)::
 
     UCXTransport -> Planner (submit), Join (connect), Admission (admit), Calls (register, disconnect),
                     Pregrants and Receiver (expect, forget), Landing and Pregrants (writes_pending),
-                    Fencing (fencing), Inbox (rejected)
+                    Fencing (fencing), Inbox (rejected), Loop (a caller's turn: submit, expect, forget)
     Loop         -> Inbox, Receiver, Sender, EagerSends, Outbox, Rehandshake, Fencing, Lifecycle
     Inbox        -> Join (a front HELLO), Control (every checked message)
     Control      -> Receiver, Sender, Join, Rehandshake, Fencing, Pregrants, Landing, Outbox, Peers
@@ -100,10 +100,12 @@ Threads: one I/O thread per transport (``kit.IOThread``) owns the worker and mak
 call. It loops while something happens and sleeps on the worker's event fd otherwise (busy
 polling was 3-40x slower on this 2-core machine whenever other processes ran). ``register``,
 ``connect`` and ``close`` hand work to it and wait; ``submit`` plans and gathers in the caller's
-thread, enqueues, and never waits on the network; it signals the worker only when the I/O thread
-sleeps. A thread that dies of a bug fails every transfer it owned and marks the transport
-``broken``. ``close()`` frees the worker, context, endpoints and shared memory itself: nothing
-waits for the garbage collector.
+thread and never waits on a peer. While the I/O thread sleeps, ``submit``, ``expect`` and
+``forget`` do its part themselves, holding its lock (``Loop.caller_turn``): ``submit`` posts
+its puts and progresses them, for at most ``loop.CALLER_BUDGET`` more; otherwise they enqueue a
+command, signalling the worker only when the I/O thread sleeps. A thread that dies of a bug
+fails every transfer it owned and marks the transport ``broken``. ``close()`` frees the worker,
+context, endpoints and shared memory itself: nothing waits for the garbage collector.
 """
 from __future__ import annotations
 
@@ -266,8 +268,10 @@ class UCXTransport(Transport):
 
     def submit(self, peer: str, request_id: str, plan: TransferPlan, *, timeout: float = DEFAULT_TIMEOUT,
                notify: bytes = b"", capability: bytes = b"") -> TransferHandle:
-        """Sender, per chunk: plans runs and gathers packed ones here; never waits on the network.
-        ``capability``: the grant's (decode's REQ); the ANNOUNCE carries it."""
+        """Sender, per chunk: plans runs and gathers packed ones here; never waits on a peer. While
+        the I/O thread sleeps, starts the transfer here too (``Loop.caller_turn``): returns done
+        when its puts were flushed within ``loop.CALLER_BUDGET``. ``capability``: the grant's
+        (decode's REQ); the ANNOUNCE carries it."""
         handle = TransferHandle(request_id, plan.nbytes, timeout, holds_source=True)
         p = self.peers.get(peer)
         why = (f"transport is broken: {self.broken}" if self.broken else "transport closed" if self._closed
@@ -282,26 +286,34 @@ class UCXTransport(Transport):
         except (PlanError, TransportError) as e:
             handle.finish(e, release=True)
             return handle
+        if self.loop.caller_turn(lambda: self.sender.start_out(out),   # the I/O thread sleeps: start it here
+                                 lambda: out.state == "flushing"):
+            return handle
         self.commands.put(Submit(peer, request_id, out, handle))
         if self.broken and not self.io.alive:   # died meanwhile: nobody will take the command
             fail_command(Submit(peer, request_id, None, handle), self.broken)
         return handle
 
     def expect(self, request_id: str, ranges, capability: bytes = b"", senders: frozenset[str] | None = None) -> None:
-        """Receiver: grant ``ranges`` to the request; with ``eager_writes`` the I/O thread sends
-        its PREGRANTs next, to ``senders`` only when given (never waited for here: decode calls
-        this under its own lock, which an arrival callback on the I/O thread may be waiting for)."""
+        """Receiver: grant ``ranges`` to the request; with ``eager_writes`` its PREGRANTs go to
+        ``senders`` only when given, sent from here while the I/O thread sleeps (a caller's turn),
+        else by that thread next. Never waits for it: decode calls this under its own lock, which
+        an arrival callback on the I/O thread may be waiting for (a caller's turn takes its lock
+        only when free, and leaves arrivals to it)."""
         super().expect(request_id, ranges, capability)
         if self.options.eager_writes and not self._closed and not self.broken:
-            self.commands.put(Call(self.pregrants.pregrant,
-                                   (request_id, None if senders is None else frozenset(senders))))
+            args = (request_id, None if senders is None else frozenset(senders))
+            if not self.loop.caller_turn(lambda: self.pregrants.pregrant(*args)):   # sent before we return
+                self.commands.put(Call(self.pregrants.pregrant, args))
 
     def forget(self, request_id: str) -> bool:
-        """Receiver: the request ended; its transfers in flight fail, later writes are dropped."""
+        """Receiver: the request ended; its transfers in flight fail, later writes are dropped
+        (its FENCEs sent from here while the I/O thread sleeps, as ``expect``'s PREGRANTs)."""
         if self.options.eager_writes:   # writes_pending until its pregranted peers said FENCED (``eager``)
             self.pregrants.queue(request_id)
         live = self.grants.forget(request_id)
-        if not self._closed and not self.broken:
+        if not self._closed and not self.broken and not self.loop.caller_turn(
+                lambda: self.receiver.drop_request(request_id)):   # its FENCEs leave before we return
             self.commands.put(Call(self.receiver.drop_request, (request_id,)))
         return live
 

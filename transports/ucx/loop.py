@@ -3,16 +3,29 @@ and data, advances transfers, keeps time, sends, and sleeps when nothing happene
 
 Who calls what: ``UCXTransport`` makes the ``Loop`` with the parts it drives and runs ``run`` as
 the body of its ``kit.IOThread``, ``free`` as the thread's ``on_exit``. Everything here runs on
-that thread. ``tick`` (a few times a second) fails transfers past their deadline, pings peers,
-ends those silent past ``peer_timeout``, looks at what fenced peers hold (``Fencing``) and, once
-a second, caps TCP's retransmit backoff on new UCX connections (``rto``).
+that thread, or on a caller's thread holding ``lock`` (``caller_turn``). ``tick`` (a few times a
+second) fails transfers past their deadline, pings peers, ends those silent past
+``peer_timeout``, looks at what fenced peers hold (``Fencing``) and, once a second, caps TCP's
+retransmit backoff on new UCX connections (``rto``).
+
+A caller's turn: the I/O thread holds ``lock`` through its turns and lets it go only while it
+sleeps. ``submit`` and ``expect`` try it: when they get it, and no command waits, the caller
+starts its transfer (or sends its PREGRANT) itself and runs ``step`` (progress, control, data,
+flushes, sends) until its transfer is done or ``CALLER_BUDGET`` passed, as the I/O thread would,
+then lets the lock go (waking the thread for what it left). One thread at a time still owns
+every part, so nothing about fencing changes; what goes is two thread hops a transfer (the
+command to the I/O thread, the handle back), each a wake-up on a loaded 2-core machine.
+Commands, ``tick``, arrivals (``Turn.later``: the receiver's callbacks) and closing stay on
+the I/O thread. Without the lock (the thread is busy), the call queues a command, as before.
 """
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 
-from kvxfer.transport.kit import CommandQueue, StagingPool, dispatch
+from kvxfer.transport.kit import CommandQueue, Crash, StagingPool, dispatch
 
 from . import bindings as ucp
 from .eager import EagerSends
@@ -33,6 +46,9 @@ from .workers import Workers
 
 log = logging.getLogger("kvxfer.transport.ucx")
 RTO_EVERY = 1.0   # seconds between looks for new UCX connections to cap (``rto``)
+# Seconds after which a caller's turn starts no more steps (``caller_turn``); what is left goes
+# on on the I/O thread. A step's progress is bounded by ``workers.PROGRESS_BUDGET`` on its own.
+CALLER_BUDGET = 0.002
 
 
 class Loop:
@@ -48,23 +64,19 @@ class Loop:
         self.lifecycle, self.leftovers, self.rings = lifecycle, leftovers, rings
         self.next_tick = self.next_rto = 0.0
         self.rto = None if options.tcp_rto_max is None else RtoCap(options.tcp_rto_max)
+        self.lock = threading.Lock()   # the I/O thread's, but while it sleeps (``caller_turn``)
 
     def run(self) -> None:
         """Run commands, progress, read control and data, check deadlines; sleep when idle."""
         turn, workers, sender, eager, lifecycle = self.turn, self.workers, self.sender, self.eager, self.lifecycle
         tick_every = min(self.options.heartbeat, 0.1)
+        self.lock.acquire()   # kept once the loop ended (closed or crashed): no caller's turn after it
         while not turn.stopped:
             turn.acts = 0
             self._run_commands()
             if turn.stopped:  # closed by a command: the endpoints are gone
                 break
-            workers.progress(self._in_flight())
-            self.inbox.poll()   # after the commands: before them, one run of 1 MiB took ~15% longer
-            self.receiver.poll_data()
-            sender.flush_puts()
-            sender.advance()
-            if eager.flushing:
-                eager.check_flushes()
+            self.step()   # after the commands: progress before them took one run of 1 MiB ~15% longer
             now = time.monotonic()
             if now >= self.next_tick:
                 self.tick(now)
@@ -79,8 +91,48 @@ class Loop:
             if not turn.acts:
                 workers.sleeping = True
                 if self.commands.empty():   # every ms while something is in flight
-                    workers.idle(1 if self._in_flight() else max(1, int((self.next_tick - now) * 1000)))
+                    workers.idle(1 if self._in_flight() else max(1, int((self.next_tick - now) * 1000)), self.lock)
                 workers.sleeping = False
+
+    def step(self) -> None:
+        """Progress the workers, read control and data, flush this turn's puts, advance transfers
+        (a turn's middle: the I/O thread's, or a caller's)."""
+        sender, eager = self.sender, self.eager
+        self.workers.progress(self._in_flight())
+        self.inbox.poll()
+        self.receiver.poll_data()
+        sender.flush_puts()
+        sender.advance()
+        if eager.flushing:
+            eager.check_flushes()
+
+    def caller_turn(self, start: Callable[[], object], more: Callable[[], bool] | None = None) -> bool:
+        """A caller's thread, while the I/O thread sleeps with no command queued (see the module
+        docstring): ``start()``, then (given ``more``) ``step`` once and again while ``more()``,
+        until ``CALLER_BUDGET`` passed; send the turn's control messages. False (nothing done):
+        the I/O thread is busy, or a command waits (it goes first): queue a command instead."""
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            if self.turn.stopped or not self.commands.empty():
+                return False
+            start()
+            until = time.monotonic() + CALLER_BUDGET
+            while more is not None:
+                self.step()
+                if self.eager.park_order:
+                    self.sender.unpark_due(time.monotonic())
+                if not more() or time.monotonic() > until:
+                    break
+            self.outbox.flush()
+        except BaseException as e:   # a bug: the I/O thread dies of it, as of one of its own
+            self.commands.put(Crash(e))
+        finally:
+            left = bool(self.turn.later) or self._in_flight()
+            self.lock.release()
+            if left:   # arrivals to deliver, transfers to advance: the I/O thread's
+                self.workers.wake()
+        return True
 
     def _in_flight(self) -> bool:
         return bool(self.sender.outgoing or self.receiver.incoming or self.inbox.recvs or self.eager.flushing)

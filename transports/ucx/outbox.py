@@ -7,10 +7,7 @@ UCX sent it.
 """
 from __future__ import annotations
 
-import numpy as np
-from ucxx._lib import libucxx as ucx_api
-from ucxx._lib.arr import Array
-
+from . import bindings as ucp
 from .options import UCXOptions
 from .peers import Peers
 from .protocol import CTRL_TAG, Fence, Fenced, Message, Pregrant, pack_batch
@@ -72,6 +69,5 @@ class Outbox:
             self._send_batch(p, msgs[:half])
             self._send_batch(p, msgs[half:])
             return
-        buf = np.frombuffer(wire, np.uint8)
-        p.last_send = p.ep.tag_send(Array(buf), ucx_api.UCXXTag(CTRL_TAG | p.tag_out))
-        self.sends.append((p.last_send, buf))
+        p.last_send = ucp.send_tagged(p.eph, wire, CTRL_TAG | p.tag_out)
+        self.sends.append((p.last_send, wire))

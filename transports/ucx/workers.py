@@ -141,15 +141,20 @@ class Workers:
         can take a while)."""
         return ucp.progress(self.handles, _BUDGET_NS, not busy)
 
-    def idle(self, ms: int) -> None:
-        """Sleep until a worker has an event (or a command signals the main one), at most ``ms``.
+    def idle(self, ms: int, lock) -> None:
+        """Sleep until a worker has an event (or a command signals the main one), at most ``ms``,
+        with the loop's ``lock`` released (a caller may run its own turn meanwhile).
         ``poll``, not ``select``: a process with many fds gives workers numbers past 1024."""
         if all(w.arm() for w in self.all):   # False: events pending, do not sleep
             if self.poller is None or self.polled != len(self.all):   # the FAR_TLS worker joined
                 self.poller, self.polled = select.poll(), len(self.all)
                 for w in self.all:
                     self.poller.register(w.epoll_file_descriptor, select.POLLIN)
-            self.poller.poll(ms)
+            lock.release()
+            try:
+                self.poller.poll(ms)
+            finally:
+                lock.acquire()
 
     def settle(self) -> None:
         """What ucxx's own progress does, each step bounded: progress, cancel the requests of failed
