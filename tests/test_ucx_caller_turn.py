@@ -116,15 +116,21 @@ def test_a_busy_io_thread_gets_a_command(pair):
 
 # ---- caller_turn's rules, on a bare Loop ------------------------------------------------------------
 
+loop_budgets: list[int] = []   # each step's progress budget, of the latest bare loop
+
+
 def bare_loop(in_flight: bool = False):
     """A ``Loop`` with stand-in parts that count what ``step`` and ``caller_turn`` call."""
     from kvxfer_transports.ucx.loop import Loop
     from kvxfer_transports.ucx.turn import Turn
     calls: list[str] = []
+    loop_budgets.clear()
     loop = Loop.__new__(Loop)
     loop.lock, loop.turn = threading.Lock(), Turn()
     loop.commands = CommandQueue(lambda: calls.append("signal"))
-    loop.workers = SimpleNamespace(progress=lambda busy: calls.append("progress"), wake=lambda: calls.append("wake"))
+    loop.workers = SimpleNamespace(progress=lambda busy, budget_ns: (calls.append("progress"),
+                                                                    loop_budgets.append(budget_ns)),
+                                   wake=lambda: calls.append("wake"))
     loop.inbox = SimpleNamespace(poll=lambda: calls.append("inbox"), recvs=[])
     loop.receiver = SimpleNamespace(poll_data=lambda: calls.append("data"), incoming={})
     loop.sender = SimpleNamespace(flush_puts=lambda: calls.append("flush"), advance=lambda: calls.append("advance"),
@@ -135,10 +141,14 @@ def bare_loop(in_flight: bool = False):
 
 
 def test_a_caller_turn_runs_start_steps_and_sends():
+    """start, a step and one more while ``more()``, the sends; each step's progress within the
+    caller's budget, not the loop's (a submit on an engine's thread)."""
+    from kvxfer_transports.ucx.loop import CALLER_BUDGET
     loop, calls = bare_loop()
     steps = iter([True, False])
     assert loop.caller_turn(lambda: calls.append("start"), lambda: next(steps))
     assert calls == ["start", *["progress", "inbox", "data", "flush", "advance"] * 2, "send"]
+    assert loop_budgets == [int(CALLER_BUDGET * 1e9)] * 2
     assert loop.lock.acquire(blocking=False)   # let go
 
 

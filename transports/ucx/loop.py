@@ -42,13 +42,15 @@ from .rehandshake import Rehandshake
 from .rto import RtoCap
 from .sender import Sender
 from .turn import Calls, Leftovers, Turn
-from .workers import Workers
+from .workers import PROGRESS_NS, Workers
 
 log = logging.getLogger("kvxfer.transport.ucx")
 RTO_EVERY = 1.0   # seconds between looks for new UCX connections to cap (``rto``)
-# Seconds after which a caller's turn starts no more steps (``caller_turn``); what is left goes
-# on on the I/O thread. A step's progress is bounded by ``workers.PROGRESS_BUDGET`` on its own.
+# Seconds after which a caller's turn starts no more steps (``caller_turn``), and the most one of
+# its steps progresses: what is left goes on on the I/O thread. A submit on an engine's thread
+# spends at most about this much moving bytes (one UCX call past it: a cma copy of one run).
 CALLER_BUDGET = 0.002
+_CALLER_NS = int(CALLER_BUDGET * 1e9)   # and its progress, each step (the loop's: ``workers.PROGRESS_BUDGET``)
 
 
 class Loop:
@@ -94,11 +96,11 @@ class Loop:
                     workers.idle(1 if self._in_flight() else max(1, int((self.next_tick - now) * 1000)), self.lock)
                 workers.sleeping = False
 
-    def step(self) -> None:
-        """Progress the workers, read control and data, flush this turn's puts, advance transfers
-        (a turn's middle: the I/O thread's, or a caller's)."""
+    def step(self, budget_ns: int = PROGRESS_NS) -> None:
+        """Progress the workers (for at most ``budget_ns``: a caller's), read control and data,
+        flush this turn's puts, advance transfers (a turn's middle: the I/O thread's, or a caller's)."""
         sender, eager = self.sender, self.eager
-        self.workers.progress(self._in_flight())
+        self.workers.progress(self._in_flight(), budget_ns)
         self.inbox.poll()
         self.receiver.poll_data()
         sender.flush_puts()
@@ -119,7 +121,7 @@ class Loop:
             start()
             until = time.monotonic() + CALLER_BUDGET
             while more is not None:
-                self.step()
+                self.step(_CALLER_NS)
                 if self.eager.park_order:
                     self.sender.unpark_due(time.monotonic())
                 if not more() or time.monotonic() > until:

@@ -48,7 +48,7 @@ from .settings import (
 from .state import Peer, oldest_undrained
 
 PROGRESS_BUDGET = 0.01   # seconds one turn's progress may take before the loop's other work runs
-_BUDGET_NS = int(PROGRESS_BUDGET * 1e9)
+PROGRESS_NS = int(PROGRESS_BUDGET * 1e9)
 
 _DATA_FEATURES = (ucx_api.Feature.TAG, ucx_api.Feature.RMA, ucx_api.Feature.WAKEUP)
 
@@ -135,11 +135,11 @@ class Workers:
                      shm=tuple(self.shm_settings[k] for k in MUST_MATCH), ctag=p.tag_in,
                      drained=p.my_epoch if (older := oldest_undrained(p)) is None else older)
 
-    def progress(self, busy: bool) -> int:
-        """Progress every worker for at most ``PROGRESS_BUDGET``; how many events moved. ``busy``:
-        something is in flight (its first round runs without the GIL too: a put into cold memory
-        can take a while)."""
-        return ucp.progress(self.handles, _BUDGET_NS, not busy)
+    def progress(self, busy: bool, budget_ns: int = PROGRESS_NS) -> int:
+        """Progress every worker until a round moves nothing, for at most ``budget_ns`` (the loop's:
+        ``PROGRESS_BUDGET``); how many events moved. ``busy``: something is in flight (its first
+        round runs without the GIL too: a put into cold memory can take a while)."""
+        return ucp.progress(self.handles, budget_ns, not busy)
 
     def idle(self, ms: int, lock) -> None:
         """Sleep until a worker has an event (or a command signals the main one), at most ``ms``,
