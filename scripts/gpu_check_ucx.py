@@ -97,6 +97,8 @@ def check_ucx_gpu_gpu(ctx: Ctx) -> str:
     tx.register([src])   # mapped with the device's memory type; refused if UCX made it another
     registered = tx.memory_types()
     expect(registered == ["cuda" if ctx.cuda else "host"], f"UCX registered the {ctx.device} region as {registered}")
+    expect(tx.loop.callers == (not ctx.cuda), "a transport with a CUDA region must leave every turn to its I/O "
+           "thread (no caller's turn: transports/ucx/loop.py)")
     out = [f"UCX transports {sorted(tls)}", f"cuda_ipc {'yes' if 'cuda_ipc' in tls else 'NO'}",
            f"registered as {registered[0]}"]
     try:

@@ -126,7 +126,7 @@ def bare_loop(in_flight: bool = False):
     calls: list[str] = []
     loop_budgets.clear()
     loop = Loop.__new__(Loop)
-    loop.lock, loop.turn = threading.Lock(), Turn()
+    loop.lock, loop.turn, loop.callers = threading.Lock(), Turn(), True
     loop.commands = CommandQueue(lambda: calls.append("signal"))
     loop.workers = SimpleNamespace(progress=lambda busy, budget_ns: (calls.append("progress"),
                                                                     loop_budgets.append(budget_ns)),
@@ -164,6 +164,14 @@ def test_a_queued_command_goes_first():
     loop, calls = bare_loop()
     loop.commands.put(Call(lambda: None, ()))
     calls.clear()
+    assert not loop.caller_turn(lambda: calls.append("start"))
+    assert calls == [] and loop.lock.acquire(blocking=False)
+
+
+def test_no_caller_turn_with_cuda_regions():
+    """A transport with a CUDA region (``callers`` off at ``register``) queues every command."""
+    loop, calls = bare_loop()
+    loop.callers = False
     assert not loop.caller_turn(lambda: calls.append("start"))
     assert calls == [] and loop.lock.acquire(blocking=False)
 

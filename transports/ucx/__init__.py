@@ -226,7 +226,8 @@ class UCXTransport(Transport):
         allocate the staging rings on the regions' CUDA device (host rings: at first use)."""
         self.calls.call(self.regions.register, [byte_view(t) for t in regions])
         cuda = [t.device for t in self.regions.tensors if t.is_cuda]
-        if cuda:   # on the I/O thread, whose streams use them
+        if cuda:   # on the I/O thread, whose streams use them; and no caller's turn (``loop``)
+            self.loop.callers = False
             for ring in (self.send_ring, self.recv_ring):
                 self.calls.call(ring.allocate, False, cuda[0])
 

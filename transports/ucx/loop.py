@@ -9,14 +9,17 @@ second) fails transfers past their deadline, pings peers, ends those silent past
 retransmit backoff on new UCX connections (``rto``).
 
 A caller's turn: the I/O thread holds ``lock`` through its turns and lets it go only while it
-sleeps. ``submit`` and ``expect`` try it: when they get it, and no command waits, the caller
-starts its transfer (or sends its PREGRANT) itself and runs ``step`` (progress, control, data,
-flushes, sends) until its transfer is done or ``CALLER_BUDGET`` passed, as the I/O thread would,
-then lets the lock go (waking the thread for what it left). One thread at a time still owns
-every part, so nothing about fencing changes; what goes is two thread hops a transfer (the
-command to the I/O thread, the handle back), each a wake-up on a loaded 2-core machine.
-Commands, ``tick``, arrivals (``Turn.later``: the receiver's callbacks) and closing stay on
-the I/O thread. Without the lock (the thread is busy), the call queues a command, as before.
+sleeps. ``submit``, ``expect`` and ``forget`` try it: when they get it, and no command waits, the
+caller starts its transfer (or sends its PREGRANT, its FENCEs) itself and, for a transfer, runs
+``step`` (progress, control, data, flushes) until it is done or ``CALLER_BUDGET`` passed, as the
+I/O thread would; then sends the turn's control messages and lets the lock go (waking the thread
+for what it left). One thread at a time still owns every part, so nothing about fencing changes;
+what goes is two thread hops a transfer (the command to the I/O thread, the handle back), each a
+wake-up on a loaded 2-core machine. Commands, ``tick``, arrivals (``Turn.later``: the receiver's
+callbacks) and closing stay on the I/O thread. Without the lock (the thread is busy), the call
+queues a command, as before. Not once a CUDA region is registered (``callers``): a step there
+gathers staged frames on the calling thread's current stream and synchronizes it (an engine's
+compute stream), and none of it ever ran on a GPU; the I/O thread does all of it, as before.
 """
 from __future__ import annotations
 
@@ -67,6 +70,7 @@ class Loop:
         self.next_tick = self.next_rto = 0.0
         self.rto = None if options.tcp_rto_max is None else RtoCap(options.tcp_rto_max)
         self.lock = threading.Lock()   # the I/O thread's, but while it sleeps (``caller_turn``)
+        self.callers = True   # caller's turns allowed: no region in CUDA memory (``UCXTransport.register``)
 
     def run(self) -> None:
         """Run commands, progress, read control and data, check deadlines; sleep when idle."""
@@ -113,7 +117,7 @@ class Loop:
         docstring): ``start()``, then (given ``more``) ``step`` once and again while ``more()``,
         until ``CALLER_BUDGET`` passed; send the turn's control messages. False (nothing done):
         the I/O thread is busy, or a command waits (it goes first): queue a command instead."""
-        if not self.lock.acquire(blocking=False):
+        if not self.callers or not self.lock.acquire(blocking=False):
             return False
         try:
             if self.turn.stopped or not self.commands.empty():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import select
+import threading
 from typing import Any
 
 from ucxx._lib import libucxx as ucx_api
@@ -141,7 +142,7 @@ class Workers:
         round runs without the GIL too: a put into cold memory can take a while)."""
         return ucp.progress(self.handles, budget_ns, not busy)
 
-    def idle(self, ms: int, lock) -> None:
+    def idle(self, ms: int, lock: threading.Lock) -> None:
         """Sleep until a worker has an event (or a command signals the main one), at most ``ms``,
         with the loop's ``lock`` released (a caller may run its own turn meanwhile).
         ``poll``, not ``select``: a process with many fds gives workers numbers past 1024."""
