@@ -59,15 +59,17 @@ def one_run(k: int) -> tuple[TransferPlan, ByteRanges, int]:
     return TransferPlan((RunGroup(z, z, z, z, off, off, n, False),)), ByteRanges(z, off, n), lo
 
 
-def move(rx, tx, pid, src, dst, rid: str, k: int) -> None:
-    """One eager transfer of 1 MiB, its PREGRANT waited for; the bytes checked, the rest canary."""
+def move(rx, tx, pid, src, dst, rid: str, k: int, arrived: list) -> None:
+    """One eager transfer of 1 MiB, its PREGRANT waited for; the bytes checked, the rest canary.
+    ``arrived``: (thread, arrival) of each arrival, from ``rx``'s callback."""
     plan, ranges, lo = one_run(k)
     dst.fill_(CANARY)
     rx.expect(rid, ranges)
     assert until(lambda: rid in tx.peers[pid].pregranted, 10.0), "no PREGRANT reached the sender"
     time.sleep(0.05)   # both I/O threads back asleep
     assert tx.submit(pid, rid, plan, timeout=10).result() is None
-    assert [a.ok for a in arrivals_of(rx, rid)] == [True]
+    assert until(lambda: any(a.request_id == rid for _, a in arrived), 10.0)
+    assert [a.ok for _, a in arrived if a.request_id == rid] == [True]
     assert torch.equal(dst[lo:lo + RUN], src[lo:lo + RUN])
     assert bool((dst[:lo] == CANARY).all()) and bool((dst[lo + RUN:] == CANARY).all())
     rx.forget(rid)
@@ -81,11 +83,14 @@ def test_an_idle_transport_works_on_the_callers_thread(pair):
     rx, tx, pid, src, dst = pair
     starts, pregrants = threads_of(tx.sender, "start_out"), threads_of(rx.pregrants, "pregrant")
     drops = threads_of(rx.receiver, "drop_request")
+    arrived: list = []
+    rx.set_arrival_callback(lambda a: arrived.append((threading.current_thread().name, a)))
     me = threading.current_thread().name
     for k in range(6):
-        move(rx, tx, pid, src, dst, f"c{k}", k)
+        move(rx, tx, pid, src, dst, f"c{k}", k, arrived)
     # a ping or heartbeat may have the I/O thread awake at one call; not at all six
     assert me in starts and me in pregrants and me in drops, (starts, pregrants, drops)
+    assert {name for name, _ in arrived} == {rx.io.thread.name}   # callbacks: never a caller's thread
 
 
 @pytest.mark.slow
