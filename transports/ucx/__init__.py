@@ -96,16 +96,17 @@ host or in another network namespace is reached through a second worker without 
 and cma (``settings.FAR_TLS``; the user's own TLS setting wins); each connection's transports
 are logged. ``disconnect`` ends one peer and frees it once fencing allows (``lifecycle``).
 
-Threads: one I/O thread per transport (``kit.IOThread``) owns the worker and makes every UCX
-call. It loops while something happens and sleeps on the worker's event fd otherwise (busy
-polling was 3-40x slower on this 2-core machine whenever other processes ran). ``register``,
-``connect`` and ``close`` hand work to it and wait; ``submit`` plans and gathers in the caller's
-thread and never waits on a peer. While the I/O thread sleeps, ``submit``, ``expect`` and
-``forget`` do its part themselves, holding its lock (``Loop.caller_turn``): ``submit`` posts
-its puts and progresses them, for at most ``loop.CALLER_BUDGET`` more; otherwise they enqueue a
-command, signalling the worker only when the I/O thread sleeps. A thread that dies of a bug
-fails every transfer it owned and marks the transport ``broken``. ``close()`` frees the worker,
-context, endpoints and shared memory itself: nothing waits for the garbage collector.
+Threads: one I/O thread per transport (``kit.IOThread``) owns the worker. It loops while
+something happens and sleeps on the worker's event fd otherwise (busy polling was 3-40x slower on
+this 2-core machine whenever other processes ran). ``register``, ``connect`` and ``close`` hand
+work to it and wait; ``submit`` plans and gathers in the caller's thread and never waits on a
+peer. While the I/O thread sleeps, ``submit``, ``expect`` and ``forget`` do its part themselves,
+holding its lock (``Loop.caller_turn``): ``submit`` posts its puts and progresses them, for at
+most ``loop.CALLER_BUDGET`` more; otherwise they enqueue a command, signalling the worker only
+when the I/O thread sleeps. So UCX calls, and the parts' state, belong to whichever thread holds
+that lock, one at a time: where the parts say "on the I/O thread", read that. A thread that dies
+of a bug fails every transfer it owned and marks the transport ``broken``. ``close()`` frees the
+worker, context, endpoints and shared memory itself: nothing waits for the garbage collector.
 """
 from __future__ import annotations
 

@@ -3,12 +3,13 @@ a transfer's puts go through the compiled helper (``hotpath.c``: ``post_puts``),
 holds the UCS log handler.
 
 ``ucxx`` loads the bundled ``libucx``; this module binds the same ``libucp.so.0`` /
-``libucs.so.0`` it loaded, with structs as in UCX 1.21's ``ucp.h``. Only the UCX transport's
-I/O thread calls these (a worker is not thread-safe), except ``worker_signal``, which wakes
-that thread from any other.
+``libucs.so.0`` it loaded, with structs as in UCX 1.21's ``ucp.h``. Only the thread that holds
+the transport's loop calls these (its I/O thread, or a caller's turn: ``loop.Loop.lock``), one
+at a time, except ``worker_signal``, which wakes that thread from any other.
 
-Also here: ``Flush`` (one ``ucp_ep_flush_nbx``), ``IovFrames`` (packed runs sent or received
-as one iov per frame, in place) and ``frame_iovs`` (runs cut into those frames).
+Also here: ``Flush`` (one ``ucp_ep_flush_nbx``; ``send_tagged``'s requests too), ``IovFrames``
+(packed runs sent or received as one iov per frame, in place) and ``frame_iovs`` (runs cut into
+those frames).
 """
 from __future__ import annotations
 

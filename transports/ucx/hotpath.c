@@ -9,8 +9,9 @@
  *   UCX call made with the GIL held waits for; a handler that took the GIL would deadlock there.
  *
  * libucp is not linked: bindings.py hands over the addresses of the few functions used (set_calls),
- * taken from the libucp that ucxx loaded. Only the UCX transport's I/O thread calls post_puts and
- * progress (a worker is not thread-safe); the log handler runs on any thread.
+ * taken from the libucp that ucxx loaded. Only the thread holding the transport's loop (its I/O
+ * thread, or a caller's turn) calls post_puts and progress, one at a time; the log handler runs
+ * on any thread.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
