@@ -84,11 +84,15 @@ def test_connect_disconnect_200_times_leaks_nothing(pair):
 
 
 @pytest.mark.parametrize("pair", [False, True], ids=["checked", "eager"], indirect=True)
-def test_disconnect_fails_in_flight_transfers_and_frees_after_the_flush(pair):
+def test_disconnect_fails_in_flight_transfers_and_frees_after_the_flush(pair, monkeypatch):
     """The transfer in flight fails; the receiver holds its memory until the sender says that no
     put of it is left: ABORT after the flush (checked), FENCED-all once every flush to it ended
-    (eager: the transfer was never announced)."""
+    (eager: the transfer was never announced). Its record (secret, epoch, what may still land)
+    is kept before it leaves ``peers``: a thread that sees it gone finds the record (CI read it
+    in between once)."""
     rx, tx, src, dst = pair
+    kept_first, drop = [], tx.peers.drop
+    monkeypatch.setattr(tx.peers, "drop", lambda p: (kept_first.append(p.id in tx.peers.retired), drop(p))[1])
     peer = tx.connect(rx.descriptor())
     rx.expect("x.1", ByteRanges(np.zeros(1, np.int64), np.zeros(1, np.int64), np.full(1, POOL, np.int64)))
     h = tx.submit(peer, "x.1", plan(POOL - 4096), timeout=10)
@@ -100,6 +104,7 @@ def test_disconnect_fails_in_flight_transfers_and_frees_after_the_flush(pair):
         rx.forget("x.1")
         assert until(lambda: not rx.writes_pending("x.1"), 5.0), f"no ABORT or FENCED came: {rx.fencing()}"
     assert until(lambda: peer not in tx.peers, 5.0), "never freed"
+    assert kept_first == [True], kept_first
     assert tx.fencing()["sources"] == 0
     assert tx.peers.retired[peer][2] is None   # flushed: the next connect's HELLO says every older epoch landed
     # Submitting to a disconnected peer fails at once; connect() brings it back.

@@ -209,8 +209,11 @@ def test_a_lost_peer_we_wrote_to_is_retired_with_what_of_ours_may_still_land(fai
     peers = _peers()
     p = peers.add(Peer("decode", _Failed(), b"s" * 16, err=True, sizes=np.zeros(1, np.int64), my_epoch=3))
     p.failed_at, p.failure = 100.0, failure
+    kept_first, drop = [], peers.drop   # kept before it leaves ``peers``: another thread may look between
+    peers.drop = lambda q: (kept_first.append(q.id in peers.retired), drop(q))[1]
     _fencing(peers).check_failed(100.0 + UCXOptions().fence_grace)
     assert "decode" not in peers and peers.retired["decode"] == (b"s" * 16, 3, below)
+    assert kept_first == [True]
 
 
 def test_a_lost_peer_we_never_wrote_to_is_not_retired():

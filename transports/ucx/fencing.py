@@ -128,13 +128,12 @@ class Fencing:
                 # (only the peer's side stays unproven then): without this, a peer that forgot us
                 # too kept what our failed transfers held there fenced for good (issue 35: a
                 # 33 s cut with TCP's backoff capped).
-                left = undrained(p, ended=p.failure.startswith("reset")) if p.sizes is not None else None
+                if p.sizes is not None:   # first: whoever sees it gone from ``peers`` finds its record
+                    self.peers.retire(p, undrained(p, ended=p.failure.startswith("reset")))
                 if p.failure == "reset":
                     self.release_peer(p, "lost: its connection was reset (process gone)", writes_impossible=True)
                 else:
                     self.release_peer(p, f"lost: its connection failed ({p.failure})", writes_impossible=False)
-                if p.sizes is not None:
-                    self.peers.retire(p, left)
 
     def _ep_failed(self, p: Peer, now: float) -> None:
         p.failed_at, p.failure = now, failure_of(p.ep)

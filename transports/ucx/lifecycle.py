@@ -113,12 +113,12 @@ class Lifecycle:
             below = undrained(p, ended=not p.flush_failed)
             if p.close_flush.ptr is not None:
                 self.leftovers.keep(p.close_flush)
+            self.peers.retire(p, below)   # first: whoever sees it gone from ``peers`` finds its record
             self.peers.drop(p)
             ucp.destroy_rkeys(p.rkeys)
             p.rkeys, p.close_flush = ucp.EMPTY_TABLE, None
             close_endpoint(p)   # flushed, or the peer is silent: no put of ours is in flight to it
             close_retired(p)
-            self.peers.retire(p, below)
         self.closing = left
 
     def shutdown(self, why: str) -> None:
