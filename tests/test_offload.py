@@ -261,6 +261,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow   # a restarted process reads the file tier (the full tier)
 def test_reload_after_restart_from_the_file_tier(tmp_path):
     kinds = ["mha_page_major_fp8", "hybrid_swa", "state", "mla"]
     for kind in kinds:

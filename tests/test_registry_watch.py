@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from waiting import until
 
 from kvxfer.control.bootstrap import BootstrapConfig, BootstrapServer
@@ -20,6 +21,7 @@ from kvxfer.control.client import BootstrapClient
 from kvxfer.control.watch import LAG, RegistryWatch
 
 
+@pytest.mark.slow   # a registry stopped and restarted, a second of waiting (the full tier)
 def test_a_view_is_current_only_while_the_registry_answers():
     server = BootstrapServer(BootstrapConfig()).start()
     port = server.port
