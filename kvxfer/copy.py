@@ -8,11 +8,17 @@ with numpy; no Python loop per run where the count can be large.
 Two executions of the same plan, chosen by where the regions live:
 
 - host regions (every region of both sides on the CPU): the compiled helper ``kvxfer.hostcopy``
-  checks every run against its region, then copies them in one call (one memmove per run, the
-  GIL released for large copies). Against the numpy row moves it replaced, with cold caches
-  (plans of 4 and 16 MiB from a shuffled pool, medians of 3 runs): page-first host pools
-  +2% to +40%, layer-first ones -8% to +18%; a plain memcpy per run is what
-  ``scripts/bench_offload.py`` shows as the ceiling for scattered pages;
+  checks every run against its region, then copies them in one call per plan group
+  (``copy_group``: one memmove per run, the runs never spelled out as arrays; the GIL released
+  for large copies). Against the numpy row moves it replaced, with cold caches (plans of 4 and
+  16 MiB from a shuffled pool, medians of 3 runs): page-first host pools +2% to +40%,
+  layer-first ones -8% to +18%; a plain memcpy per run is what ``scripts/bench_offload.py``
+  shows as the ceiling for scattered pages. A caller that copies between the same regions
+  again and again (the offload manager) reads them once (``host_table``) and passes the
+  ``HostTable``: with caches holding other bytes (a 4 MiB reload of 128 runs after 64 MiB of
+  other writes), ``RunGroup.runs()`` cost ~180 us and reading 9 regions' addresses ~100 us
+  against a ~600 us copy; without both the executor took 562 us where a C loop of memcpy over
+  the same precomputed runs took 589 (medians of 100);
 - any device region (CUDA, or ``meta`` in the tests): ``execute_plan_batched``
   (``kvxfer.copy_device``): per group and
   region pair, one gather and one scatter (``index_select`` / ``index_copy_``) with index
@@ -25,6 +31,7 @@ Two executions of the same plan, chosen by where the regions live:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -47,26 +54,37 @@ RELEASE_GIL_FROM = 256 * 1024
 STREAM_FROM = 1 << 20
 
 
-def _host_table(regions: Sequence[torch.Tensor]) -> tuple[np.ndarray, np.ndarray] | None:
-    """(addresses, sizes in bytes) of the regions, or None when one is not in host memory
-    (~0.3 us a region: a pool of 80 layers costs ~50 us a call)."""
+class HostTable(NamedTuple):
+    """Regions in host memory as the compiled helper reads them: addresses and sizes in bytes
+    (int64 arrays), the sizes again as ints (``TransferPlan.fits_regions``) and the tensors,
+    kept alive. ``host_table`` makes one per call, or once for regions that live as long as
+    their owner (a pool's, a host pool's): ``execute_plan`` takes it in place of the tensors."""
+    addr: np.ndarray
+    size: np.ndarray
+    sizes: tuple[int, ...]
+    tensors: tuple[torch.Tensor, ...]
+
+
+def host_table(regions: Sequence[torch.Tensor]) -> HostTable | None:
+    """The ``HostTable`` of ``regions``, or None when one is not in host memory (~0.3 us a
+    region with warm caches, ~10 us cold: a pool of 80 layers costs ~50 us a call and more)."""
     if not all(t.is_cpu for t in regions):
         return None
     if not all(t.is_contiguous() for t in regions):
         bad = next(t for t in regions if not t.is_contiguous())
         raise TransportError(f"region tensor of shape {tuple(bad.shape)} is not contiguous")
-    n = len(regions)
-    return (np.fromiter([t.data_ptr() for t in regions], np.int64, n),
-            np.fromiter([t.nbytes for t in regions], np.int64, n))
+    n, sizes = len(regions), tuple(t.nbytes for t in regions)
+    return HostTable(np.fromiter([t.data_ptr() for t in regions], np.int64, n), np.array(sizes, np.int64), sizes,
+                     tuple(regions))
 
 
 def _i64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, np.int64)
 
 
-def _host_copy(src: tuple[np.ndarray, np.ndarray], dst: tuple[np.ndarray, np.ndarray], runs: Runs,
+def _host_copy(src: HostTable, dst: HostTable, runs: Runs,
                stream_from: int = -1) -> None:
-    """Copy ``runs`` between host regions (``_host_table`` of each side) in one compiled call.
+    """Copy ``runs`` between host regions (``host_table`` of each side) in one compiled call.
     Every run is checked against its region first: a bad one raises PlanError naming it, and
     nothing is copied. ``stream_from``: streaming stores from that many bytes (see hostcopy.c)."""
     try:
@@ -77,7 +95,7 @@ def _host_copy(src: tuple[np.ndarray, np.ndarray], dst: tuple[np.ndarray, np.nda
         raise PlanError(str(e)) from None
 
 
-def _host_staged(block: torch.Tensor, regions: tuple[np.ndarray, np.ndarray], region: np.ndarray,
+def _host_staged(block: torch.Tensor, regions: HostTable, region: np.ndarray,
                  offset: np.ndarray, nbytes: np.ndarray, gather: bool, stream_from: int = -1) -> None:
     """The runs into (``gather``) or out of ``block``, back to back, in one compiled call; every
     run is checked against its region and the block first (PlanError naming it; nothing moves)."""
@@ -112,8 +130,8 @@ def gather_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np.
             out[p: p + k].copy_(regions[r][o: o + k])
             p += k
         return out
-    src = _host_table(regions)
-    if src is not None and _host_table([out]) is not None:
+    src = host_table(regions)
+    if src is not None and host_table([out]) is not None:
         _host_staged(out, src, region, offset, nbytes, True)
         return out
     moves, _ = cached_moves(key, "gather", lambda: pair_moves(_staged_runs(region, offset, nbytes, True),
@@ -135,8 +153,8 @@ def scatter_runs(regions: Sequence[torch.Tensor], region: np.ndarray, offset: np
             regions[r][o: o + k].copy_(data[p: p + k])
             p += k
         return
-    dst = _host_table(regions)
-    if dst is not None and _host_table([data]) is not None:
+    dst = host_table(regions)
+    if dst is not None and host_table([data]) is not None:
         _host_staged(data, dst, region, offset, nbytes, False, STREAM_FROM)
         return
     moves, _ = cached_moves(key, "scatter", lambda: pair_moves(_staged_runs(region, offset, nbytes, False),
@@ -154,7 +172,7 @@ def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.T
         for a, b, c, d, k in zip(sr.tolist(), so.tolist(), dr.tolist(), do.tolist(), n.tolist()):
             dst_regions[c][d: d + k].copy_(src_regions[a][b: b + k], non_blocking=True)
         return
-    src, dst = _host_table(src_regions), _host_table(dst_regions)
+    src, dst = host_table(src_regions), host_table(dst_regions)
     if src is not None and dst is not None:
         _host_copy(src, dst, runs)
         return
@@ -163,23 +181,34 @@ def copy_runs(src_regions: Sequence[torch.Tensor], dst_regions: Sequence[torch.T
         m.apply(src_regions, dst_regions)
 
 
-def execute_plan(plan: TransferPlan, src_regions: Sequence[torch.Tensor],
-                 dst_regions: Sequence[torch.Tensor]) -> None:
-    """The reference executor: apply ``plan`` between two local pools' byte regions. Host
-    regions take one compiled call (``_host_copy``); a device side takes ``execute_plan_batched``.
+def execute_plan(plan: TransferPlan, src_regions: Sequence[torch.Tensor] | HostTable,
+                 dst_regions: Sequence[torch.Tensor] | HostTable) -> None:
+    """The reference executor: apply ``plan`` between two local pools' byte regions (tensors,
+    or a ``HostTable`` made once for them). Host regions take one compiled call per group
+    (``hostcopy.copy_group``: the runs are never spelled out); a device side takes
+    ``execute_plan_batched``.
 
     Every run is checked against its region before a byte moves (``check_plan_bounds``; the
     compiled helper checks each run again), except for a plan ``Planner.plan`` made
     (``TransferPlan.fits``) on regions at least as large as the layouts it planned for: that
     check cannot fail, and costs ~20-40 us a request."""
-    src, dst = _host_table(src_regions), _host_table(dst_regions)
+    src = src_regions if isinstance(src_regions, HostTable) else host_table(src_regions)
+    dst = dst_regions if isinstance(dst_regions, HostTable) else host_table(dst_regions)
     if src is None or dst is None:
-        return execute_plan_batched(plan, src_regions, dst_regions)
-    src_sizes, dst_sizes = src[1].tolist(), dst[1].tolist()
-    if not plan.fits_regions(src_sizes, dst_sizes):   # a plan the planner made for such regions is in bounds
-        check_plan_bounds(plan, src_sizes, dst_sizes)
-    if plan.groups:
-        _host_copy(src, dst, plan.runs())
+        return execute_plan_batched(plan, _tensors(src_regions), _tensors(dst_regions))
+    if not plan.fits_regions(src.sizes, dst.sizes):   # a plan the planner made for such regions is in bounds
+        check_plan_bounds(plan, src.sizes, dst.sizes)
+    for g in plan.groups:
+        try:
+            hostcopy.copy_group(src.addr, src.size, dst.addr, dst.size, _i64(g.src_region), _i64(g.src_base),
+                                _i64(g.dst_region), _i64(g.dst_base), _i64(g.row_src), _i64(g.row_dst),
+                                _i64(g.row_len), g.heads, g.src_head_stride, g.dst_head_stride, RELEASE_GIL_FROM)
+        except ValueError as e:
+            raise PlanError(str(e)) from None
+
+
+def _tensors(regions: Sequence[torch.Tensor] | HostTable) -> Sequence[torch.Tensor]:
+    return regions.tensors if isinstance(regions, HostTable) else regions
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -189,5 +218,5 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
-__all__ = ["execute_plan", "execute_plan_batched", "gather_runs", "scatter_runs", "copy_runs", "byte_view",
-           "check_plan_bounds", "STATS", "RELEASE_GIL_FROM"]
+__all__ = ["execute_plan", "HostTable", "host_table", "execute_plan_batched", "gather_runs", "scatter_runs",
+           "copy_runs", "byte_view", "check_plan_bounds", "STATS", "RELEASE_GIL_FROM"]

@@ -309,8 +309,11 @@ def check_plan_bounds(plan: TransferPlan, src_sizes: Sequence[int], dst_sizes: S
             if len(regs) and (regs.min() < 0 or regs.max() >= len(sizes)):
                 raise PlanError(f"{side} region id outside 0..{len(sizes) - 1}")
             lim = np.asarray(sizes, np.int64)[regs]
-            lo = bases + (rows.min() if len(rows) else 0)
-            hi = bases + (int((rows + g.row_len).max()) + (g.heads - 1) * hs if len(rows) else 0)
+            try:   # a hand-made or hostile plan's offsets may pass int64: outside any region
+                lo = bases + (rows.min() if len(rows) else 0)
+                hi = bases + (int((rows + g.row_len).max()) + (g.heads - 1) * hs if len(rows) else 0)
+            except OverflowError:
+                raise PlanError(f"{side} run offsets of a group overflow int64") from None
             if (lo < 0).any() or (hi > lim).any():
                 p = int(np.argmax((lo < 0) | (hi > lim)))
                 raise PlanError(f"{side} run reaches byte {int(hi[p])} of region {int(regs[p])} "

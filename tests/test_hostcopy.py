@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from kvxfer import hostcopy
-from kvxfer.copy import RELEASE_GIL_FROM, STREAM_FROM, copy_runs, execute_plan, gather_runs, scatter_runs
+from kvxfer.copy import (
+    RELEASE_GIL_FROM,
+    STREAM_FROM,
+    copy_runs,
+    execute_plan,
+    gather_runs,
+    host_table,
+    scatter_runs,
+)
 from kvxfer.errors import PlanError, TransportError
 from kvxfer.plan import FEW_RUNS, RunGroup, Runs, TransferPlan
 
@@ -158,7 +166,8 @@ def test_a_device_region_in_the_list_takes_the_device_path():
         execute_plan(TransferPlan((g,)), src, dst)
 
 
-def test_a_large_copy_lets_other_threads_run():
+@pytest.mark.parametrize("helper", ["copy_runs", "copy_group"])
+def test_a_large_copy_lets_other_threads_run(helper):
     """At RELEASE_GIL_FROM bytes and above the copy runs without the GIL: a thread busy in
     Python moves on while it copies (with the GIL held it could not: the switch interval is
     longer than the copy)."""
@@ -183,7 +192,11 @@ def test_a_large_copy_lets_other_threads_run():
         moved = []
         for _ in range(3):
             before = count[0]
-            hostcopy.copy_runs(tables[0], tables[1], dtab[0], dtab[1], z, z, z, z, size, RELEASE_GIL_FROM)
+            if helper == "copy_runs":
+                hostcopy.copy_runs(tables[0], tables[1], dtab[0], dtab[1], z, z, z, z, size, RELEASE_GIL_FROM)
+            else:
+                hostcopy.copy_group(tables[0], tables[1], dtab[0], dtab[1], z, z, z, z, z, z, size, 1, 0, 0,
+                                    RELEASE_GIL_FROM)
             moved.append(count[0] - before)
     finally:
         stop[0] = True
@@ -249,3 +262,61 @@ def test_a_scatter_large_enough_to_stream_lands_byte_exact():
     assert int(rows[:, 0].count_nonzero()) == 0 and int(dst[0][n_rows * 2 * half:].count_nonzero()) == 0
     assert torch.equal(rows[torch.from_numpy(offset // (2 * half)), 1], data.view(n_rows, half))
 
+
+
+def _group(parts: list[tuple[int, int, int, int]], rows: list[tuple[int, int, int]], heads: int = 1,
+           shs: int = 0, dhs: int = 0) -> RunGroup:
+    p, r = np.array(parts, np.int64).reshape(-1, 4), np.array(rows, np.int64).reshape(-1, 3)
+    return RunGroup(p[:, 0], p[:, 1], p[:, 2], p[:, 3], r[:, 0], r[:, 1], r[:, 2], False, heads, shs, dhs)
+
+
+def test_a_group_lands_as_its_runs_would():
+    """``execute_plan`` on host regions copies each group in one call (``hostcopy.copy_group``),
+    never spelling its runs out: what lands is what ``RunGroup.runs()`` says, part x row x
+    head, for heads that did not merge and for whole rows; through a ``HostTable`` made once
+    too."""
+    rng = np.random.default_rng(5)
+    src = [torch.from_numpy(rng.integers(0, 256, 1 << 16, dtype=np.uint8)) for _ in range(3)]
+    groups = (_group([(0, 0, 1, 0), (2, 8192, 0, 4096), (1, 100, 1, 30000)],
+                     [(64 * i, 96 * i + 7, 40 + i) for i in range(20)], heads=3, shs=2048, dhs=4096),
+              _group([(1, 50, 0, 20000)], [(0, 0, 1000), (5000, 3000, 16)]))
+    plan = TransferPlan(groups)
+    want = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(2)]
+    copy_runs(src, want, plan.runs())
+    for tables in (False, True):
+        dst = [torch.zeros(1 << 16, dtype=torch.uint8) for _ in range(2)]
+        if tables:
+            execute_plan(plan, host_table(src), host_table(dst))
+        else:
+            execute_plan(plan, src, dst)
+        assert all(torch.equal(a, b) for a, b in zip(dst, want)), tables
+    assert host_table([src[0], torch.zeros(4, dtype=torch.uint8, device="meta")]) is None
+
+
+@pytest.mark.parametrize("part, row, heads, strides, match", [
+    ((0, 4000, 0, 0), (0, 0, 200), 1, (0, 0), "outside its regions"),          # source past the end
+    ((0, 0, 1, 0), (0, 4090, 16), 1, (0, 0), "outside its regions"),           # destination past the end
+    ((0, 0, 0, 0), (-16, 0, 16), 1, (0, 0), "outside its regions"),            # negative row
+    ((0, 0, 0, 0), (0, 0, -1), 1, (0, 0), "outside its regions"),              # negative length
+    ((0, 2**63 - 8, 0, 0), (16, 0, 16), 1, (0, 0), "outside its regions"),     # base + row overflows
+    ((0, 0, 0, 0), (0, 0, 16), 3, (2**62, 0), "outside its regions"),          # head 2 x stride overflows
+    ((0, 0, 0, 0), (0, 0, 16), 4, (0, 1400), "head 3"),                        # the last head leaves
+    ((2, 0, 0, 0), (0, 0, 16), 1, (0, 0), "names region"),                     # region id past the list
+    ((0, 0, -1, 0), (0, 0, 16), 1, (0, 0), "names region"),
+    ((0, 0, 0, 0), (0, 0, 16), 0, (0, 0), "heads must be >= 1"),
+])
+def test_a_bad_group_is_refused_by_the_compiled_copy_and_nothing_moves(part, row, heads, strides, match):
+    """Whatever its caller checked (``execute_plan`` skips ``check_plan_bounds`` for a plan the
+    planner vouched for), ``copy_group`` checks every part x row x head first: the bad one is
+    last (the second part, its last row), and the good ones before it must not have moved."""
+    src, dst = _regions(2, 4096, 1), _regions(2, 4096, 100)
+    before = [t.clone() for t in dst]
+    bad = _group([(0, 0, 1, 0), part], [(16 * i, 16 * i, 16) for i in range(8)] + [row], heads, *strides)
+    cols = [np.ascontiguousarray(c, np.int64) for c in (bad.src_region, bad.src_base, bad.dst_region, bad.dst_base,
+                                                          bad.row_src, bad.row_dst, bad.row_len)]
+    with pytest.raises(ValueError, match=match):
+        hostcopy.copy_group(*_tables(src), *_tables(dst), *cols, heads, *strides, RELEASE_GIL_FROM)
+    assert all(torch.equal(a, b) for a, b in zip(before, dst))
+    with pytest.raises(PlanError):   # and through the executor (its own check, before the helper's)
+        execute_plan(TransferPlan((bad,)), src, dst)
+    assert all(torch.equal(a, b) for a, b in zip(before, dst))

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-from ..copy import execute_plan
+from ..copy import execute_plan, host_table
 from ..errors import RequestError
 from ..host import HostPool
 from ..plan import Planner
@@ -50,6 +50,9 @@ class Copier:
         self.closing = False
         self._cuda = pool.device.type == "cuda"
         self._d2h, self._h2d = Planner(pool.layout, host.layout), Planner(host.layout, pool.layout)
+        # both pools' regions live as long as they do: read once, not on every copy (on the CPU)
+        self._pool_regions = host_table(pool.regions()) or pool.regions()
+        self._host_regions = host_table(host.regions()) or host.regions()
         # offloads and reloads on separate streams: a blocking reload never queues behind offloads
         self._offload_stream = torch.cuda.Stream(pool.device) if self._cuda else None
         self._reload_stream = torch.cuda.Stream(pool.device) if self._cuda else None
@@ -148,7 +151,7 @@ class Copier:
             return carry
         plan = self._d2h.plan(concat_slots(self.pool, todo, lambda r: r.src),
                               concat_slots(self.pool, todo, lambda r: r.host_slots))
-        took = self._copy(plan, self.pool.regions(), self.host.regions(), [r.event for r in todo],
+        took = self._copy(plan, self._pool_regions, self._host_regions, [r.event for r in todo],
                           self._offload_stream)
         with self._cond:
             self.stats.offload_copy_s += took
@@ -203,7 +206,7 @@ class Copier:
                        if whole is not None and len(together) == len(todo)
                        else concat_slots(self.pool, together, lambda rd: rd[1]))
                 plan = self._h2d.plan(concat_slots(self.pool, together, lambda rd: rd[0].host_slots), dst)
-                self.stats.reload_copy_s += self._copy(plan, self.host.regions(), self.pool.regions(), [event],
+                self.stats.reload_copy_s += self._copy(plan, self._host_regions, self._pool_regions, [event],
                                                        self._reload_stream)
                 self.stats.bytes_reloaded += plan.nbytes
             done = {id(r) for r, _ in together}
@@ -219,7 +222,7 @@ class Copier:
                 else:
                     regions = self.tiers.materialize(rec)
                 plan = from_compact.plan(compact_slots(compact, rec.tokens), dst)
-                self.stats.reload_copy_s += self._copy(plan, regions, self.pool.regions(), [event],
+                self.stats.reload_copy_s += self._copy(plan, regions, self._pool_regions, [event],
                                                        self._reload_stream)
                 self.stats.bytes_reloaded += plan.nbytes
             self.stats.records_reloaded += len(todo)
