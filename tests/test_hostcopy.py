@@ -164,6 +164,8 @@ def test_a_device_region_in_the_list_takes_the_device_path():
                  np.full(FEW_RUNS + 2, 32), False)
     with pytest.raises((NotImplementedError, RuntimeError)):   # torch: meta -> cpu has no data to copy
         execute_plan(TransferPlan((g,)), src, dst)
+    with pytest.raises((NotImplementedError, RuntimeError)):   # a HostTable side gives its tensors there
+        execute_plan(TransferPlan((g,)), src, host_table(dst))
 
 
 @pytest.mark.parametrize("helper", ["copy_runs", "copy_group"])
