@@ -1,6 +1,7 @@
 """The planner: (layout, slots, head slice) x (layout, slots, head slice) -> runs.
 
-Pure and vectorized: numpy over slot arrays, no I/O, no Python loop per token or page.
+Pure and vectorized: numpy over slot arrays, and one compiled call (``kvxfer/rowmerge.c``) for each
+geometry's rows and merges; no I/O, no Python loop per token or page.
 
 A ``TransferPlan`` is a few ``RunGroup``s. A group factors its runs as
 *parts x rows*: every part pair (same layer and kind on both sides) shares the same

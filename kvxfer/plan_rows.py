@@ -1,7 +1,9 @@
 """The row work of the planner (``kvxfer.plan``): part pairs that share one row pattern
-(``Geometry``), the byte offset of each token (``token_offsets``), merging runs that continue each
-other (``merge_runs``, ``merge_any_order``) and fusing parts that sit back to back on both sides
-(``fuse_parts``). Numpy only, no I/O; the planner's module docstring says how the steps fit.
+(``Geometry``), each token's row at its byte offset merged with the rows it continues
+(``Geometry.rows``; ``merge_runs``, ``merge_any_order`` for runs already made) and fusing parts
+that sit back to back on both sides (``fuse_parts``). The offsets and merges are one compiled
+call each (``kvxfer/rowmerge.c``), the rest numpy; no I/O. The planner's module docstring says
+how the steps fit.
 """
 from __future__ import annotations
 
@@ -10,17 +12,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import rowmerge
+
+
+def _merged(fill, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Run ``fill(out_rs, out_rd, out_lens) -> count`` (a ``rowmerge`` call) into fresh arrays."""
+    out = np.empty((3, n), np.int64)
+    k = fill(out[0], out[1], out[2])
+    return out[0, :k], out[1, :k], out[2, :k]
+
+
+def _i64(a) -> np.ndarray:
+    return np.ascontiguousarray(a, np.int64)
+
 
 def merge_runs(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Merge consecutive rows (runs) that are adjacent on both sides: starts ``rs`` / ``rd``."""
     if len(lens) <= 1:
         return rs, rd, lens
-    ends_s, ends_d = rs[:-1] + lens[:-1], rd[:-1] + lens[:-1]
-    cont = (rs[1:] == ends_s) & (rd[1:] == ends_d)
-    if not np.count_nonzero(cont):   # (count_nonzero: a quarter of .any()'s fixed cost)
-        return rs, rd, lens
-    starts = np.concatenate(([0], (~cont).nonzero()[0] + 1))
-    return rs[starts], rd[starts], np.add.reduceat(lens, starts)
+    rs, rd, lens = _i64(rs), _i64(rd), _i64(lens)
+    return _merged(lambda *out: rowmerge.merge(rs, rd, lens, False, *out), len(lens))
 
 
 def merge_any_order(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray, can_touch: bool):
@@ -28,11 +39,10 @@ def merge_any_order(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray, can_touch:
     order: the order of runs is free, and pages handed out in descending order on both
     sides (allocators that free a request's pages last-first) touch only in source order.
     ``can_touch`` False (see ``can_touch``) skips that sort where it cannot merge anything."""
-    rs, rd, lens = merge_runs(rs, rd, lens)
-    if can_touch and len(lens) > 1 and np.count_nonzero(rs[1:] < rs[:-1]):
-        order = np.argsort(rs, kind="stable")
-        rs, rd, lens = merge_runs(rs[order], rd[order], lens[order])
-    return rs, rd, lens
+    if len(lens) <= 1:
+        return rs, rd, lens
+    rs, rd, lens = _i64(rs), _i64(rd), _i64(lens)
+    return _merged(lambda *out: rowmerge.merge(rs, rd, lens, can_touch, *out), len(lens))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -45,20 +55,6 @@ def can_touch(page_size: int, page_stride: int, token_stride: int, length: int) 
         if (rest == 0) if page_stride == 0 else (rest % page_stride == 0):
             return True
     return False
-
-
-def token_offsets(slots: np.ndarray, page_size: int, page_stride: int, token_stride: int,
-                   shift: int = 0) -> np.ndarray:
-    if page_stride == page_size * token_stride:   # pages back to back: one multiply
-        page = slots * token_stride
-    else:
-        page, in_page = np.divmod(slots, page_size)
-        page *= page_stride
-        in_page *= token_stride
-        page += in_page
-    if shift:
-        page += shift
-    return page
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -82,16 +78,20 @@ class Geometry:
     def rows(self, src_slots: np.ndarray, dst_slots: np.ndarray) -> list[tuple]:
         """Row sets ``(row_src, row_dst, row_len, heads, src_head_stride, dst_head_stride)``."""
         (sps, sts, shs), (dps, dts, dhs), hb, nh = self.src, self.dst, self.head_bytes, self.nheads
-        so = token_offsets(src_slots, self.src_page_size, sps, sts, self.src_head0 * shs)
-        do = token_offsets(dst_slots, self.dst_page_size, dps, dts, self.dst_head0 * dhs)
-        def touch(length: int) -> bool:
-            return (can_touch(self.src_page_size, sps, sts, length)
-                    and can_touch(self.dst_page_size, dps, dts, length))
+        src_slots, dst_slots = _i64(src_slots), _i64(dst_slots)
+
+        def rows(length: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            """Each token's row of ``length`` bytes, merged (compiled: ``rowmerge.token_rows``)."""
+            touch = (can_touch(self.src_page_size, sps, sts, length)
+                     and can_touch(self.dst_page_size, dps, dts, length))
+            return _merged(lambda *out: rowmerge.token_rows(
+                src_slots, dst_slots, (self.src_page_size, sps, sts, self.src_head0 * shs),
+                (self.dst_page_size, dps, dts, self.dst_head0 * dhs), length, touch, *out), len(src_slots))
         if nh == 1 or (shs == hb and dhs == hb):
-            return [(*merge_any_order(so, do, np.full(len(so), nh * hb, np.int64), touch(nh * hb)), 1, 0, 0)]
+            return [(*rows(nh * hb), 1, 0, 0)]
         # One segment per head: merge tokens per head (whole HND pages), then heads whose
         # blocks touch on both sides, and keep the rest as a head factor of the group.
-        rs, rd, lens = merge_any_order(so, do, np.full(len(so), hb, np.int64), touch(hb))
+        rs, rd, lens = rows(hb)
         fuse = (lens == shs) & (lens == dhs)
         out = []
         if fuse.any():
@@ -154,4 +154,4 @@ def fuse_parts(row_sets: list[tuple]) -> list[tuple]:
     return out
 
 
-__all__ = ["merge_runs", "merge_any_order", "can_touch", "token_offsets", "Geometry", "fuse_parts"]
+__all__ = ["merge_runs", "merge_any_order", "can_touch", "Geometry", "fuse_parts"]

@@ -29,36 +29,16 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <string.h>
+
+#include "columns.h"
 
 #define REGION_BITS 40
 #define REGION_LIMIT ((int64_t)1 << (62 - REGION_BITS))
 #define OFFSET_LIMIT ((int64_t)1 << REGION_BITS)
 
-typedef struct {
-    Py_buffer view;
-    Py_ssize_t len;
-    int held;
-} Column;
-
 static int column(PyObject *o, const char *name, int itemsize, int writable, Column *c)
 {
-    if (PyObject_GetBuffer(o, &c->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) < 0)
-        return 0;
-    c->held = 1;
-    const char *f = c->view.format ? c->view.format : "B";
-    if (*f == '<' || *f == '=' || *f == '@')
-        f++;
-    int ok = itemsize == 8 ? (strcmp(f, "q") == 0 || strcmp(f, "l") == 0)
-                           : (strcmp(f, "B") == 0 || strcmp(f, "?") == 0 || strcmp(f, "b") == 0);
-    if (c->view.itemsize != itemsize || !ok || c->view.ndim > 1) {
-        PyErr_Format(PyExc_TypeError, "rangecheck: %s must be a 1-D %s array (got format %s, itemsize %zd)", name,
-                     itemsize == 8 ? "int64" : "uint8 or bool", c->view.format ? c->view.format : "B",
-                     c->view.itemsize);
-        return 0;
-    }
-    c->len = c->view.len / itemsize;
-    return 1;
+    return column_of("rangecheck", o, name, itemsize, writable, c);
 }
 
 /* The last interval whose start is <= key, or -1; ``hint``: where the previous run's search ended. */
@@ -132,13 +112,6 @@ static int runs(PyObject *args, int with_out, Column *c)
     return 1;
 }
 
-static void release(Column *c, int n)
-{
-    for (int i = 0; i < n; i++)
-        if (c[i].held)
-            PyBuffer_Release(&c[i].view);
-}
-
 static PyObject *covered(PyObject *Py_UNUSED(self), PyObject *args)
 {
     Column c[6];
@@ -155,7 +128,7 @@ static PyObject *covered(PyObject *Py_UNUSED(self), PyObject *args)
         }
         result = PyLong_FromSsize_t(bad);
     }
-    release(c, 6);
+    release_columns(c, 6);
     return result;
 }
 
@@ -180,7 +153,7 @@ static PyObject *first_outside(PyObject *Py_UNUSED(self), PyObject *args)
                 at = -3;
         result = PyLong_FromSsize_t(at);
     }
-    release(c, 6);
+    release_columns(c, 6);
     return result;
 }
 
@@ -197,7 +170,7 @@ static PyObject *covers_one(PyObject *Py_UNUSED(self), PyObject *args)
         Py_ssize_t hint = -1;
         result = PyBool_FromLong(inside(c[0].view.buf, c[1].view.buf, c[0].len, region, offset, nbytes, &hint));
     }
-    release(c, 2);
+    release_columns(c, 2);
     return result;
 }
 

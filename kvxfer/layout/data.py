@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import rowmerge
 from ..errors import LayoutError
 
 # Element sizes in bytes. The two fp8 formats are distinct dtypes (torch.float8_e4m3fn and
@@ -175,10 +176,9 @@ class Layout:
             return arr.astype(np.int64)
         if arr.dtype.kind not in "iu":
             raise LayoutError(f"{what} must be integers, got dtype {arr.dtype}")
-        arr = arr.astype(np.int64, copy=False)
-        if arr.min() < sp.page_size or arr.max() >= sp.num_slots:
-            bad = (arr < sp.page_size) | (arr >= sp.num_slots)
-            i = int(np.argmax(bad))
+        arr = np.ascontiguousarray(arr, np.int64)
+        i = rowmerge.outside(arr, sp.page_size, sp.num_slots)   # one compiled pass, not min() and max()
+        if i >= 0:
             where = "in the padding page" if 0 <= arr[i] < sp.page_size else "out of range"
             raise LayoutError(f"{what}[{i}] = {int(arr[i])} is {where}: space {space!r} allows "
                               f"{sp.page_size}..{sp.num_slots - 1} (page_size {sp.page_size}, "
