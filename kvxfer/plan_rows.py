@@ -31,7 +31,7 @@ def merge_runs(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray) -> tuple[np.nda
     if len(lens) <= 1:
         return rs, rd, lens
     rs, rd, lens = _i64(rs), _i64(rd), _i64(lens)
-    return _merged(lambda *out: rowmerge.merge(rs, rd, lens, False, *out), len(lens))
+    return _merged(lambda *out: rowmerge.merge(rs, rd, lens, *out), len(lens))
 
 
 def merge_any_order(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray, can_touch: bool):
@@ -39,10 +39,15 @@ def merge_any_order(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray, can_touch:
     order: the order of runs is free, and pages handed out in descending order on both
     sides (allocators that free a request's pages last-first) touch only in source order.
     ``can_touch`` False (see ``can_touch``) skips that sort where it cannot merge anything."""
-    if len(lens) <= 1:
-        return rs, rd, lens
-    rs, rd, lens = _i64(rs), _i64(rd), _i64(lens)
-    return _merged(lambda *out: rowmerge.merge(rs, rd, lens, can_touch, *out), len(lens))
+    return _in_source_order(*merge_runs(rs, rd, lens), can_touch)
+
+
+def _in_source_order(rs: np.ndarray, rd: np.ndarray, lens: np.ndarray, can_touch: bool):
+    """Merged runs merged once more in source order, when they are out of it and ``can_touch``."""
+    if can_touch and len(lens) > 1 and np.count_nonzero(rs[1:] < rs[:-1]):
+        order = np.argsort(rs, kind="stable")
+        return merge_runs(rs[order], rd[order], lens[order])
+    return rs, rd, lens
 
 
 @functools.lru_cache(maxsize=4096)
@@ -84,9 +89,10 @@ class Geometry:
             """Each token's row of ``length`` bytes, merged (compiled: ``rowmerge.token_rows``)."""
             touch = (can_touch(self.src_page_size, sps, sts, length)
                      and can_touch(self.dst_page_size, dps, dts, length))
-            return _merged(lambda *out: rowmerge.token_rows(
+            rows = _merged(lambda *out: rowmerge.token_rows(
                 src_slots, dst_slots, (self.src_page_size, sps, sts, self.src_head0 * shs),
-                (self.dst_page_size, dps, dts, self.dst_head0 * dhs), length, touch, *out), len(src_slots))
+                (self.dst_page_size, dps, dts, self.dst_head0 * dhs), length, *out), len(src_slots))
+            return _in_source_order(*rows, touch)
         if nh == 1 or (shs == hb and dhs == hb):
             return [(*rows(nh * hb), 1, 0, 0)]
         # One segment per head: merge tokens per head (whole HND pages), then heads whose

@@ -9,7 +9,7 @@ import pytest
 from kvxfer import rowmerge
 from kvxfer.errors import LayoutError
 from kvxfer.layout import token_major_layout
-from kvxfer.plan_rows import merge_any_order, merge_runs
+from kvxfer.plan_rows import Geometry, can_touch, merge_any_order, merge_runs
 
 
 def reference_merge(rs, rd, lens, sort):
@@ -67,27 +67,37 @@ def test_a_descending_request_merges_in_source_order():
         [rs.tolist(), (rs + 1000).tolist(), [32] * 4]
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(40))
 def test_token_rows_equal_the_plain_loop(seed):
     rng = np.random.default_rng(100 + seed)
     n = int(rng.integers(1, 200))
     geoms = []
     for _ in range(2):
-        page_size, token_stride = int(rng.choice([1, 4, 16])), int(rng.choice([8, 64, 256]))
-        back_to_back = rng.random() < 0.5   # pages back to back, or a page stride of its own
-        page_stride = page_size * token_stride if back_to_back else page_size * token_stride * 3
+        page_size, token_stride = int(rng.choice([1, 3, 4, 5, 16])), int(rng.choice([8, 64, 256]))
+        # pages back to back (one multiply), or a page stride of its own (shifts for a page size
+        # that is a power of two, else a division)
+        page_stride = page_size * token_stride * (1 if rng.random() < 0.5 else 3)
         geoms.append((page_size, page_stride, token_stride, int(rng.integers(0, 4)) * 8))
     # whole pages in shuffled order, some slots below zero (the floor division of a negative slot)
     pages = rng.permutation(64) - 2
     slots = [(pages[:, None] * g[0] + np.arange(g[0])).ravel() for g in geoms]
     n = min(n, *(len(s) for s in slots))
     src, dst = (np.ascontiguousarray(s[:n], np.int64) for s in slots)
-    length, sort = geoms[0][2], bool(seed % 2)
+    length = geoms[0][2]
     out = np.empty((3, n), np.int64)
-    k = rowmerge.token_rows(src, dst, geoms[0], geoms[1], length, sort, out[0], out[1], out[2])
+    k = rowmerge.token_rows(src, dst, geoms[0], geoms[1], length, out[0], out[1], out[2])
     want = reference_merge([reference_offset(int(s), *geoms[0]) for s in src],
-                           [reference_offset(int(d), *geoms[1]) for d in dst], [length] * n, sort)
+                           [reference_offset(int(d), *geoms[1]) for d in dst], [length] * n, False)
     assert out[:, :k].T.tolist() == want
+    # through the planner's geometry, with the merge in source order when asked
+    g = Geometry("a", "b", geoms[0][0], geoms[1][0], (geoms[0][1], geoms[0][2], 0), (geoms[1][1], geoms[1][2], 0),
+                 length, 0, 0, 1, *(np.zeros(1, np.int64),) * 4)
+    got = g.rows(src, dst)[0][:3]
+    touch = can_touch(geoms[0][0], geoms[0][1], geoms[0][2], length) and \
+        can_touch(geoms[1][0], geoms[1][1], geoms[1][2], length)
+    want = reference_merge([reference_offset(int(s), *geoms[0][:3], 0) for s in src],
+                           [reference_offset(int(d), *geoms[1][:3], 0) for d in dst], [length] * n, touch)
+    assert np.stack(got, axis=1).tolist() == want
 
 
 def test_outside_finds_the_first_value_out_of_range():
@@ -108,28 +118,28 @@ def test_arrays_it_cannot_read_are_refused_before_anything_is_written():
     a = np.arange(4, dtype=np.int64)
     out = [np.full(4, -7, np.int64) for _ in range(3)]
     with pytest.raises(TypeError, match="rs must be a 1-D int64 array"):
-        rowmerge.merge(a.astype(np.int32), a, a, False, *out)
+        rowmerge.merge(a.astype(np.int32), a, a, *out)
     with pytest.raises(ValueError, match="differ in length"):
-        rowmerge.merge(a, a[:3].copy(), a, False, *out)
+        rowmerge.merge(a, a[:3].copy(), a, *out)
     with pytest.raises(ValueError, match="out_lens has 3 entries, fewer than the 4 runs"):
-        rowmerge.merge(a, a, a, False, out[0], out[1], out[2][:3])
+        rowmerge.merge(a, a, a, out[0], out[1], out[2][:3])
     with pytest.raises((ValueError, BufferError), match="contiguous"):
-        rowmerge.merge(np.arange(8, dtype=np.int64)[::2], a, a, False, *out)
+        rowmerge.merge(np.arange(8, dtype=np.int64)[::2], a, a, *out)
     with pytest.raises(TypeError, match="out_rs must be a 1-D int64 array"):
-        rowmerge.merge(a, a, a, False, np.zeros(4, np.int32), out[1], out[2])
+        rowmerge.merge(a, a, a, np.zeros(4, np.int32), out[1], out[2])
     with pytest.raises((TypeError, ValueError, BufferError)):   # read-only output
         ro = np.zeros(4, np.int64)
         ro.setflags(write=False)
-        rowmerge.merge(a, a, a, False, ro, out[1], out[2])
+        rowmerge.merge(a, a, a, ro, out[1], out[2])
     geom = (16, 256, 16, 0)
     with pytest.raises(ValueError, match="src page size must be >= 1"):
-        rowmerge.token_rows(a, a, (0, 256, 16, 0), geom, 16, False, *out)
+        rowmerge.token_rows(a, a, (0, 256, 16, 0), geom, 16, *out)
     with pytest.raises(TypeError):
-        rowmerge.token_rows(a, a, [16, 256, 16, 0], geom, 16, False, *out)
+        rowmerge.token_rows(a, a, [16, 256, 16, 0], geom, 16, *out)
     with pytest.raises(ValueError, match="4 src slots vs 3 dst slots"):
-        rowmerge.token_rows(a, a[:3].copy(), geom, geom, 16, False, *out)
+        rowmerge.token_rows(a, a[:3].copy(), geom, geom, 16, *out)
     with pytest.raises(ValueError, match="fewer than the 4 runs"):
-        rowmerge.token_rows(a, a, geom, geom, 16, False, out[0][:2], out[1], out[2])
+        rowmerge.token_rows(a, a, geom, geom, 16, out[0][:2], out[1], out[2])
     with pytest.raises(TypeError, match="values must be a 1-D int64 array"):
         rowmerge.outside(np.zeros(3, np.float64), 0, 1)
     assert all((o == -7).all() for o in out)
