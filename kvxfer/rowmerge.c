@@ -15,7 +15,8 @@
  *     The index of the first value outside [lo, hi), or -1: a slot check (Layout.check_slots).
  *
  * Every array is a 1-D C-contiguous int64 array; the inputs are of one length and each out array
- * is at least as long. Sums wrap as numpy's int64 do (the planner's slots are checked before they
+ * is at least as long (token_rows' out arrays share no memory with its slot arrays: the callers
+ * make them fresh; merge's may be its inputs). Sums wrap as numpy's int64 do (the planner's slots are checked before they
  * come here, so none does). Called by kvxfer.plan_rows (merge_runs, merge_any_order,
  * Geometry.rows) and kvxfer.layout (check_slots) on the planning thread; it keeps no state and
  * holds the GIL (a few microseconds for a request's slots, ~0.25 ms for 131,072).
