@@ -89,10 +89,10 @@ class Geometry:
             """Each token's row of ``length`` bytes, merged (compiled: ``rowmerge.token_rows``)."""
             touch = (can_touch(self.src_page_size, sps, sts, length)
                      and can_touch(self.dst_page_size, dps, dts, length))
-            rows = _merged(lambda *out: rowmerge.token_rows(
+            merged = _merged(lambda *out: rowmerge.token_rows(
                 src_slots, dst_slots, (self.src_page_size, sps, sts, self.src_head0 * shs),
                 (self.dst_page_size, dps, dts, self.dst_head0 * dhs), length, *out), len(src_slots))
-            return _in_source_order(*rows, touch)
+            return _in_source_order(*merged, touch)
         if nh == 1 or (shs == hb and dhs == hb):
             return [(*rows(nh * hb), 1, 0, 0)]
         # One segment per head: merge tokens per head (whole HND pages), then heads whose
