@@ -19,6 +19,8 @@ def _merged(fill, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Run ``fill(out_rs, out_rd, out_lens) -> count`` (a ``rowmerge`` call) into fresh arrays."""
     out = np.empty((3, n), np.int64)
     k = fill(out[0], out[1], out[2])
+    if 2 * k < n:   # a plan keeps its rows while its transfer lives: not the room for n of them
+        out = out[:, :k].copy()
     return out[0, :k], out[1, :k], out[2, :k]
 
 
