@@ -20,6 +20,9 @@ Peers, each the way its users drive it:
   NIXL              descriptor lists per transfer, one WRITE (``initialize_xfer`` + ``transfer``),
                     done when its state is DONE; default UCX_TLS (cma puts here). No progress
                     thread (the Python API's spins a core): both sides poll, as engines do
+  NIXL notified     the same WRITE carrying a notification (``notif_msg``), which the target
+                    waits for: how engines drive it (the target learns that the bytes arrived),
+                    and the work kvxfer's DONE does for its receiver
   Mooncake          ``batch_transfer_sync_write`` of the runs over TCP (no RDMA NIC here)
 NIXL and Mooncake live in their own virtual environments, created on demand under
 ``.bench-venvs/<peer>`` in the repository root when ``--peers`` is given (never in kvxfer's
@@ -39,6 +42,10 @@ Ceilings measured in the same run (single thread):
              transport on libzmq, which receives into buffers of its own, never the caller's
              memory: one copy more than gloo at the receiver. Where it reads below gloo, no
              zmq transport can beat gloo on that case here
+  zmq threads  (a row of its own) zmq raw with an I/O thread per side owning its socket, as zmq
+             sockets are not thread-safe (kvxfer zmq is built so): the caller hands each transfer
+             to its I/O thread and is woken by it; the target's I/O thread receives, acks and
+             wakes the main thread. No protocol work: the floor under that design here
 --busy-caller: every initiator process also runs a thread busy in Python, as a serving engine's
 scheduler is; a peer whose transfers need its own threads to take the GIL (kvxfer's I/O thread)
 waits for it (``sys.getswitchinterval()``, 5 ms) while that thread runs.
@@ -64,7 +71,7 @@ from bench_peers_workers import PEERS, KiB, MiB, make_cases, source_pool, worker
 
 ROOT = Path(__file__).resolve().parents[1]
 VENVS = ROOT / ".bench-venvs"
-TCP_PEERS = {"kvxfer zmq", "gloo", "mooncake tcp", "tcp raw", "zmq raw"}
+TCP_PEERS = {"kvxfer zmq", "gloo", "mooncake tcp", "tcp raw", "zmq raw", "zmq threads"}
 # How each peer's environment is made: pip argument lists, in order, in a fresh venv.
 # NIXL: torch first (the CPU wheel), so that nothing pulls a CUDA build; the `nixl` meta
 # package only for its `nixl._api` import path, never with its dependencies (~5.9 GB).
@@ -300,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for peer in order:   # start every peer; each idles until its turn
                 python, why = sys.executable, ""
-                if peer in ("nixl ucx", "mooncake tcp"):
+                if peer.startswith(("nixl", "mooncake")):
                     if not args.peers:
                         results[peer] = {"error": "skipped: pass --peers"}
                         continue

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import select
 import socket
 import sys
@@ -144,6 +145,8 @@ class NixlPeer(Peer):
             self.agent.get_new_notifs()
             time.sleep(1e-4)
 
+    notify = False   # the WRITE carries no notification: the target never learns it arrived
+
     def transfer(self, case: dict, tag: str) -> None:
         n = case["nbytes"]
 
@@ -152,13 +155,34 @@ class NixlPeer(Peer):
                              np.zeros(len(offs), np.uint64)], axis=1)
         local = self.agent.get_xfer_descs(descs(self.base, case["so"]), "DRAM")
         remote = self.agent.get_xfer_descs(descs(self.remote_base, case["do"]), "DRAM")
-        h = self.agent.initialize_xfer("WRITE", local, remote, self.remote)
+        h = self.agent.initialize_xfer("WRITE", local, remote, self.remote,
+                                       notif_msg=tag.encode() if self.notify else b"")
         state = self.agent.transfer(h)
         while state == "PROC":
             state = self.agent.check_xfer_state(h)
         self.agent.release_xfer_handle(h)
         if state != "DONE":
             raise RuntimeError(f"NIXL transfer state {state}")
+
+
+class NixlNotifiedPeer(NixlPeer):
+    """NIXL as a serving engine drives it: the WRITE carries a notification (``notif_msg``), sent
+    once the bytes are in place, which is how the target learns that they arrived (vLLM's and
+    Dynamo's NIXL connectors tell the other side so). kvxfer's receiver learns it the same way,
+    from the DONE its sender sends after the flush; this row is NIXL doing that work too."""
+    notify = True
+
+    def receive(self, case: dict, tag: str, ended: Callable[[], bool]) -> None:
+        want, seen = tag.encode(), False
+        while not ended():   # as NixlPeer, and look for this transfer's notification
+            seen = seen or any(want in msgs for msgs in self.agent.get_new_notifs().values())
+            time.sleep(1e-4)
+        limit = time.monotonic() + 30
+        while not seen and time.monotonic() < limit:   # the initiator's DONE may come first
+            seen = any(want in msgs for msgs in self.agent.get_new_notifs().values())
+            time.sleep(1e-4)
+        if not seen:
+            raise RuntimeError(f"no NIXL notification for {tag}")
 
 
 class MooncakePeer(Peer):
@@ -282,6 +306,70 @@ class ZmqRaw(Peer):
         self.ctx.term()
 
 
+class ZmqThreads(ZmqRaw):
+    """``zmq raw`` with the threads every transport on libzmq has when one I/O thread per side owns
+    its sockets (zmq sockets are not thread-safe; kvxfer zmq is one): the caller hands the transfer
+    to its I/O thread (a queue and a pipe wake), which gathers and sends it, takes the ack and wakes
+    the caller; the target's I/O thread receives, writes the rows, acks, and wakes the target's main
+    thread (its arrival). No protocol work, no checks: the floor under such a design here."""
+
+    def __init__(self, role: str, pool: np.ndarray, spec: dict):
+        super().__init__(role, pool, spec)
+        self.todo: queue.SimpleQueue = queue.SimpleQueue()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        self.io: threading.Thread | None = None
+
+    def _start(self, body: Callable[[dict], None]) -> None:
+        """The I/O thread: from here on it alone uses the socket."""
+        def loop() -> None:
+            poller = self.zmq.Poller()
+            poller.register(self.wake_r, self.zmq.POLLIN)
+            while True:
+                if not poller.poll(50):
+                    continue
+                os.read(self.wake_r, 4096)
+                while not self.todo.empty():
+                    item = self.todo.get_nowait()
+                    if item is None:
+                        return
+                    case, done = item
+                    body(case)   # with one transfer at a time, a blocking receive is what a poll would do
+                    done.release()
+        self.io = threading.Thread(target=loop, daemon=True)
+        self.io.start()
+
+    def _hand_over(self, case: dict) -> None:
+        """The caller's side: queue ``case`` for the I/O thread, wake it, wait for its word."""
+        done = threading.Lock()
+        done.acquire()
+        self.todo.put((case, done))
+        os.write(self.wake_w, b"\0")
+        done.acquire()
+
+    def accept(self) -> None:
+        self._start(lambda case: ZmqRaw.receive(self, case, "", lambda: False))
+
+    def connect(self, info: dict) -> None:
+        super().connect(info)
+        self._start(lambda case: ZmqRaw.transfer(self, case, ""))
+
+    def transfer(self, case: dict, tag: str) -> None:
+        self._hand_over(case)
+
+    def receive(self, case: dict, tag: str, ended: Callable[[], bool]) -> None:
+        self._hand_over(case)
+
+    def close(self) -> None:
+        if self.io is not None:
+            self.todo.put(None)
+            os.write(self.wake_w, b"\0")
+            self.io.join(10)
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        super().close()
+
+
 class GlooPeer(Peer):
     """torch.distributed gloo send/recv: gather, 1 MiB messages in flight, scatter, ack."""
 
@@ -386,9 +474,9 @@ class KvxferPeer(Peer):
         self.t.close()
 
 
-PEERS = {"tcp raw": TcpRaw, "zmq raw": ZmqRaw, "kvxfer zmq": KvxferPeer, "kvxfer ucx": KvxferPeer,
-         "kvxfer ucx announced": KvxferPeer, "gloo": GlooPeer,
-         "nixl ucx": NixlPeer, "mooncake tcp": MooncakePeer}
+PEERS = {"tcp raw": TcpRaw, "zmq raw": ZmqRaw, "zmq threads": ZmqThreads, "kvxfer zmq": KvxferPeer,
+         "kvxfer ucx": KvxferPeer, "kvxfer ucx announced": KvxferPeer, "gloo": GlooPeer,
+         "nixl ucx": NixlPeer, "nixl ucx notified": NixlNotifiedPeer, "mooncake tcp": MooncakePeer}
 
 
 def _busy() -> None:
