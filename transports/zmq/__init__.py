@@ -28,19 +28,27 @@ the open transfers of a peer that has neither answered nor taken data for
 header carried, or when its sender went silent for ``heartbeat_timeout``. An I/O thread that
 dies of a bug fails every transfer it owned, and the transport says so (``broken``).
 
-Where one transfer's time goes (issue 20; 2 vCPUs, loopback, next to gloo send/recv + ack):
-six thread wake-ups (caller -> I/O thread by the pipe, I/O thread -> zmq's I/O thread, and
+Where one transfer's time goes (issues 20 and 39; 2 vCPUs, loopback, next to gloo send/recv +
+ack): six thread wake-ups (caller -> I/O thread by the pipe, I/O thread -> zmq's I/O thread, and
 back, on each side, then I/O thread -> caller), each ~30-50 us here, and one copy more than a
 socket recv at the receiver (zmq owns the received buffer; every run is checked before it is
-copied). A bare pyzmq DEALER/ROUTER round trip of 1 MiB already takes about gloo's time, so
-one-run 1 MiB stays near 0.5x gloo. Measured without a gain, so not done: fixed SNDBUF/RCVBUF
-(128 KiB-4 MiB: 1 MiB up to 1.5x slower than the kernel's autotuning), a 1 MiB message copied
-into zmq instead of zero-copy, 1-2 MiB messages for one transfer alone (4 KiB x1000, 16 MiB),
+copied). Those do not keep one run of 1 MiB at ~0.5x gloo: ``bench_peers.py``'s ``zmq threads``
+row, pyzmq with the same threads and hand-offs and no protocol work, reads ~0.9-1.05x gloo there.
+What is left is this transport's own work per transfer, in Python on both I/O threads (hot, 1 MiB,
+against that floor: ~1.5-1.8x its CPU per transfer on each side; +~30 us before ``Sender.start``,
++~50 in start and pump, +~40 from the ROUTER's event to ``_on_data``), which the bench's
+interleaved rounds, run with cold caches, make larger still. Measured without a gain, so not
+done: fixed SNDBUF/RCVBUF (128 KiB-4 MiB: 1 MiB up to 1.5x slower than the kernel's autotuning),
+a 1 MiB message copied into zmq instead of zero-copy (issue 39: medians ~10% faster hot, the
+bench's best round unchanged), 1-2 MiB messages for one transfer alone (4 KiB x1000, 16 MiB),
 and ``submit`` handing a few-run plan's first message to zmq itself under a lock (one wake-up
-less: within the noise of a shared 2-core machine, 16 MiB possibly slower). Done: a message's
-header is copied into zmq, untracked; only payload parts go zero-copy, each with its tracker (a
-tracked header cost every message one more tracker and wake-up of pyzmq's garbage-collector
-thread: one run of 16 MiB, 6 interleaved pairs, 2.19-2.59 -> 2.59-2.98 GB/s; 1 MiB unchanged).
+less: within the noise of a shared 2-core machine, 16 MiB possibly slower; issue 39, as UCX's
+caller's turn, the I/O thread asleep on the sockets' file descriptors with its lock let go: 1 MiB
+medians 7-9% faster hot, the 1-page request latency unchanged; the caller also taking its ack:
+nothing more). Done: a message's header is copied into zmq, untracked; only payload parts go
+zero-copy, each with its tracker (a tracked header cost every message one more tracker and
+wake-up of pyzmq's garbage-collector thread: one run of 16 MiB, 6 interleaved pairs, 2.19-2.59
+-> 2.59-2.98 GB/s; 1 MiB unchanged).
 """
 from __future__ import annotations
 
