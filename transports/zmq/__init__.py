@@ -35,7 +35,7 @@ socket recv at the receiver (zmq owns the received buffer; every run is checked 
 copied). Those do not keep one run of 1 MiB at ~0.5x gloo: ``bench_peers.py``'s ``zmq threads``
 row, pyzmq with the same threads and hand-offs and no protocol work, reads ~0.9-1.05x gloo there.
 What is left is this transport's own work per transfer, in Python on both I/O threads (hot, 1 MiB,
-against that floor: ~1.5-1.8x its CPU per transfer on each side; +~30 us before ``Sender.start``,
+against that floor: ~1.5-1.9x its CPU per transfer on each side; +~30 us before ``Sender.start``,
 +~50 in start and pump, +~40 from the ROUTER's event to ``_on_data``), which the bench's
 interleaved rounds, run with cold caches, make larger still. Measured without a gain, so not
 done: fixed SNDBUF/RCVBUF (128 KiB-4 MiB: 1 MiB up to 1.5x slower than the kernel's autotuning),
