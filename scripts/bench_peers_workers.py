@@ -127,6 +127,8 @@ class NixlPeer(Peer):
     transfer's state, the target by polling for notifications while a transfer may be under
     way, as an engine's loop would."""
 
+    notify = False   # the WRITE carries no notification: the target never learns it arrived
+
     def __init__(self, role: str, pool: np.ndarray, spec: dict):
         from nixl._api import nixl_agent, nixl_agent_config
         self.pool, self.base = pool, pool.ctypes.data
@@ -144,8 +146,6 @@ class NixlPeer(Peer):
         while not ended():   # keeps the worker progressing (the first transfer's wire-up needs it)
             self.agent.get_new_notifs()
             time.sleep(1e-4)
-
-    notify = False   # the WRITE carries no notification: the target never learns it arrived
 
     def transfer(self, case: dict, tag: str) -> None:
         n = case["nbytes"]
@@ -333,19 +333,25 @@ class ZmqThreads(ZmqRaw):
                     item = self.todo.get_nowait()
                     if item is None:
                         return
-                    case, done = item
-                    body(case)   # with one transfer at a time, a blocking receive is what a poll would do
-                    done.release()
+                    case, done, failed = item
+                    try:   # with one transfer at a time, a blocking receive is what a poll would do
+                        body(case)
+                    except Exception as e:   # the caller raises it: a failed peer is a row with its reason
+                        failed.append(e)
+                    finally:
+                        done.release()
         self.io = threading.Thread(target=loop, daemon=True)
         self.io.start()
 
     def _hand_over(self, case: dict) -> None:
         """The caller's side: queue ``case`` for the I/O thread, wake it, wait for its word."""
-        done = threading.Lock()
+        done, failed = threading.Lock(), []
         done.acquire()
-        self.todo.put((case, done))
+        self.todo.put((case, done, failed))
         os.write(self.wake_w, b"\0")
         done.acquire()
+        if failed:
+            raise failed[0]
 
     def accept(self) -> None:
         self._start(lambda case: ZmqRaw.receive(self, case, "", lambda: False))
