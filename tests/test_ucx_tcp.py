@@ -126,8 +126,10 @@ def test_ucx_tcp_connections_get_the_retransmit_cap_and_no_other_socket_does(far
     and ``tcp_rto_max=None`` leaves UCX's alone too."""
     default = int(open("/proc/sys/net/ipv4/tcp_rto_max_ms").read())
     srv = socket.create_server(("127.0.0.1", 0))
-    mine = socket.create_connection(srv.getsockname())
-    theirs, _ = srv.accept()
+    plain = []   # several pairs: one whose port happens to sit in a worker address is not judged (below)
+    for _ in range(4):
+        mine = socket.create_connection(srv.getsockname())
+        plain += [mine, srv.accept()[0]]
     before = set(_tcp_rto_caps())
     opts = {"tcp_rto_max": cap} | ({} if far else {"tls": "tcp"})
     rx, tx = get_transport("ucx", **opts), get_transport("ucx", **opts)
@@ -156,13 +158,26 @@ def test_ucx_tcp_connections_get_the_retransmit_cap_and_no_other_socket_does(far
         assert len(ucx) >= 2, ucx   # both ends of at least one connection between them
         assert set(ucx.values()) == {want}, ucx
         caps = _tcp_rto_caps()
-        assert caps[(mine.getsockname(), mine.getpeername())] == default
-        assert caps[(theirs.getsockname(), theirs.getpeername())] == default
+        judged = [s for s in plain if not _could_be_taken_for_ucx(s, (rx, tx))]
+        assert len(judged) >= 2, "every plain socket's port sits in a worker address: cannot tell"
+        for s in judged:
+            assert caps[(s.getsockname(), s.getpeername())] == default, s
     finally:
         tx.close()
         rx.close()
-        for s in (mine, theirs, srv):
+        for s in (*plain, srv):
             s.close()
+
+
+def _could_be_taken_for_ucx(s: socket.socket, transports) -> bool:
+    """Would ``rto`` take this socket for a UCX connection by chance? On loopback it matches a
+    socket by its port's two bytes anywhere in a worker address (``rto.packs``, the documented
+    false positive: ~1 socket in 400 here, 15 of 6,000), so such a socket proves nothing either way."""
+    from kvxfer_transports.ucx.rto import addresses, packs
+    a = addresses(s)
+    own = [x for t in transports for x in (t.workers.address, t.workers.far_address, t.workers.front_address) if x]
+    far = [x for t in transports for p in t.peers.values() for x in (p.addr, p.front_addr) if x]
+    return a is not None and (any(packs(x, a[0], a[1]) for x in own) or any(packs(x, a[2], a[3]) for x in far))
 
 
 def test_a_socket_is_taken_for_ucx_only_when_a_worker_address_holds_its_ip_and_port():
