@@ -171,13 +171,12 @@ def test_ucx_tcp_connections_get_the_retransmit_cap_and_no_other_socket_does(far
 
 def _could_be_taken_for_ucx(s: socket.socket, transports) -> bool:
     """Would ``rto`` take this socket for a UCX connection by chance? On loopback it matches a
-    socket by its port's two bytes anywhere in a worker address (``rto.packs``, the documented
+    socket by its port's two bytes anywhere in a worker address (``rto.taken_for_ucx``, the documented
     false positive: ~1 socket in 400 here, 15 of 6,000), so such a socket proves nothing either way."""
-    from kvxfer_transports.ucx.rto import addresses, packs
-    a = addresses(s)
+    from kvxfer_transports.ucx.rto import addresses, taken_for_ucx
     own = [x for t in transports for x in (t.workers.address, t.workers.far_address, t.workers.front_address) if x]
     far = [x for t in transports for p in t.peers.values() for x in (p.addr, p.front_addr) if x]
-    return a is not None and (any(packs(x, a[0], a[1]) for x in own) or any(packs(x, a[2], a[3]) for x in far))
+    return taken_for_ucx(addresses(s), own, far)
 
 
 def test_a_socket_is_taken_for_ucx_only_when_a_worker_address_holds_its_ip_and_port():

@@ -81,6 +81,12 @@ def packs(address: bytes, ip: bytes, port: int) -> bool:
     return (loopback or ip in address) and port.to_bytes(2, "big") in address
 
 
+def taken_for_ucx(a: tuple[bytes, int, bytes, int] | None, own: Iterable[bytes], peers: Iterable[bytes]) -> bool:
+    """Is a socket with ``addresses`` ``a`` taken for a UCX connection: its local address packed in
+    one of ``own`` (our workers' addresses), or its remote one in one of ``peers`` (theirs)?"""
+    return a is not None and (any(packs(x, a[0], a[1]) for x in own) or any(packs(x, a[2], a[3]) for x in peers))
+
+
 def _dup(fd: int) -> socket.socket:
     """A socket object on a duplicate of ``fd`` (closing it leaves ``fd`` open); OSError when
     ``fd`` is closed or not a socket (the duplicate closed again)."""
@@ -114,7 +120,7 @@ class RtoCap:
         self.seen = {ino: a for ino, a in self.seen.items() if ino in fds}
         done = 0
         for ino, fd in fds.items():
-            if ino in self.capped or (ino in self.seen and not self._ucx(self.seen[ino], own, peers)):
+            if ino in self.capped or (ino in self.seen and not taken_for_ucx(self.seen[ino], own, peers)):
                 continue
             try:
                 s = _dup(fd)
@@ -128,7 +134,7 @@ class RtoCap:
                         self.seen[ino] = addresses(s)
                     except OSError:
                         continue   # not connected yet: next look
-                    if not self._ucx(self.seen[ino], own, peers):
+                    if not taken_for_ucx(self.seen[ino], own, peers):
                         continue
                 if s.getsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS) > self.ms:   # a lower host setting stays
                     s.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, self.ms)
@@ -145,7 +151,3 @@ class RtoCap:
             self.capped.add(ino)
             done += 1
         return done
-
-    @staticmethod
-    def _ucx(a: tuple[bytes, int, bytes, int] | None, own: list[bytes], peers: list[bytes]) -> bool:
-        return a is not None and (any(packs(x, a[0], a[1]) for x in own) or any(packs(x, a[2], a[3]) for x in peers))
