@@ -45,7 +45,7 @@ class LocalTransport(Transport):
         self.id = uuid.uuid4().hex
         self.regions: list[torch.Tensor] = []
         self.grants = GrantTable()
-        self._arrivals: queue.Queue[Arrival] = queue.Queue()
+        self._arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         self._write_lock = threading.Lock()   # check + copy vs forget: none lands after forget
         self._closed = False
         self._peers: dict[str, str | None] = {}   # connected peer -> its admission of us (None: open)

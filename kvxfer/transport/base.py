@@ -197,7 +197,7 @@ class Arrival(NamedTuple):
     notify: bytes = b""
 
 
-def drain(q: "queue.Queue", timeout: float = 0.0) -> list:
+def drain(q: "queue.SimpleQueue", timeout: float = 0.0) -> list:
     """Everything in ``q``, waiting up to ``timeout`` for the first item (``arrivals`` of every transport)."""
     out = []
     try:
@@ -227,7 +227,7 @@ class Transport(ABC):
     """
     name: str = "?"
     grants: GrantTable
-    _arrivals: "queue.Queue[Arrival]"
+    _arrivals: "queue.SimpleQueue[Arrival]"
     _write_lock: threading.Lock
     _on_arrival: Callable[[Arrival], None] | None = None
 

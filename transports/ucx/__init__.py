@@ -174,7 +174,7 @@ class UCXTransport(Transport):
         opts = self.options = options if options is not None else UCXOptions.of(kwargs)
         self.id = uuid.uuid4().hex
         self.grants = GrantTable()
-        self._arrivals: queue.Queue[Arrival] = queue.Queue()
+        self._arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         self.workers = workers = Workers(opts)   # UCX refused its settings: ConfigError / TransportError here
         self.turn, self.leftovers = turn, leftovers = Turn(), Leftovers()
         self.commands = commands = CommandQueue(workers.wake)

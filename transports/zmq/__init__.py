@@ -111,7 +111,7 @@ class ZMQTransport(Transport):
         self.staging_pool = StagingPool(frames=opts.staging_frames, name=self.name,
                                         frame_bytes=opts.frame_bytes * (opts.frames_per_message + 1))
         self._sync = WriteSync(opts.event)
-        self._arrivals: queue.Queue[Arrival] = queue.Queue()
+        self._arrivals: queue.SimpleQueue[Arrival] = queue.SimpleQueue()
         self._write_lock = threading.Lock()             # check + write vs forget: none lands after forget
         self._close_lock = threading.Lock()
         self._closed = False

@@ -29,7 +29,7 @@ from .frames import Framer
 from .options import ZMQOptions
 from .protocol import RUN_BYTES, Ack, Data, End, Ping, parse_reply
 from .regions import Regions
-from .sockets import Sockets
+from .sockets import EVENTS, NOBLOCK, POLLIN, POLLOUT, SNDMORE, Sockets
 
 log = logging.getLogger("kvxfer.transport.zmq")
 
@@ -70,8 +70,9 @@ class Probe:
 class Peer:
     """One DEALER and its transfers. ``clock``: last reply or progress (silence fails them).
     ``probe``: set while ``connect`` waits for the data path's round trip. ``token``: the admission
-    token it presents at each (re)connection (b"": none)."""
-    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged", "probe", "token")
+    token it presents at each (re)connection (b"": none). ``want``: the events the poller watches
+    its socket for."""
+    __slots__ = ("endpoint", "sock", "sending", "open", "pending", "clock", "pinged", "probe", "token", "want")
 
     def __init__(self, endpoint, sock, probe: Probe | None = None, token: bytes = b""):
         self.endpoint, self.sock, self.token = endpoint, sock, token
@@ -79,6 +80,7 @@ class Peer:
         self.open: dict[int, Outgoing] = {}
         self.pending: Pending | None = None
         self.probe = probe
+        self.want = POLLIN | POLLOUT
         self.clock = PeerClock()
         self.pinged = self.clock.heard
 
@@ -173,17 +175,18 @@ class Sender:
             parts, stage, out = peer.pending.parts, peer.pending.stage, peer.pending.out
             # Small messages are copied into zmq: zero-copy costs pyzmq a tracked buffer and a
             # wake-up of its garbage-collector thread (~100 us), more than copying 256 KiB.
-            copy = sum(len(p) for p in parts) <= _COPY_BELOW
-            try:
+            copy = sum(map(len, parts)) <= _COPY_BELOW
+            sock, last = peer.sock, len(parts) - 1
+            try:   # part by part (pyzmq's send_multipart is a Python loop that costs ~2.5 us more)
+                # The header is our own bytes (24 per run): always copied, untracked. Only the first
+                # part can meet the high-water mark: zmq takes the rest of a message it started.
+                sock.send(parts[0], NOBLOCK | (SNDMORE if last else 0))
                 if copy:
-                    peer.sock.send_multipart(parts, flags=zmq.NOBLOCK)
+                    for i in range(1, last + 1):
+                        sock.send(parts[i], NOBLOCK | (SNDMORE if i < last else 0))
                 else:   # a tracker per payload part: zmq reads each (the source, or staging) until it lets go
-                    last = len(parts) - 1   # only the first part can meet the high-water mark
-                    # The header is our own bytes (24 per run): copied, untracked. Zero-copy, it
-                    # cost a tracker and a wake-up of pyzmq's garbage-collector thread a message
-                    peer.sock.send(parts[0], zmq.NOBLOCK | (zmq.SNDMORE if last else 0))
-                    trackers = [peer.sock.send(p, zmq.NOBLOCK | (zmq.SNDMORE if i < last else 0), copy=False,
-                                               track=True) for i, p in enumerate(parts) if i]
+                    trackers = [sock.send(parts[i], NOBLOCK | (SNDMORE if i < last else 0), copy=False, track=True)
+                                for i in range(1, last + 1)]
                     out.trackers += trackers
             except zmq.Again:
                 break
@@ -196,8 +199,13 @@ class Sender:
         # once and the loop would spin a core until zmq frees a frame (the loop's short tick,
         # ``Framer.starved``, looks again instead).
         ready = bool(peer.sending) and starved < len(peer.sending)
-        want = zmq.POLLIN | (zmq.POLLOUT if peer.pending is not None or ready else 0)
-        self.sockets.poller.modify(peer.sock, want)
+        self._watch(peer, POLLIN | (POLLOUT if peer.pending is not None or ready else 0))
+
+    def _watch(self, peer: Peer, want: int) -> None:
+        """The poller watches ``peer``'s socket for ``want`` (told only when it changes)."""
+        if want != peer.want:
+            self.sockets.poller.modify(peer.sock, want)
+            peer.want = want
 
     def _retire(self, out: Outgoing) -> None:
         """``out`` ended: forget it, and release its source once zmq holds nothing of it."""
@@ -242,7 +250,7 @@ class Sender:
         pid = f"{endpoint}#{n}"   # never reused, so a stale id reaches no new peer
         probe = Probe(pid, n, fut, time.monotonic() + self.options.connect_timeout)
         peer = self.peers[pid] = Peer(endpoint, sock, probe, token)
-        self.sockets.poller.register(sock, zmq.POLLIN | zmq.POLLOUT)
+        self.sockets.poller.register(sock, peer.want)
         self._probe(peer, time.monotonic())
 
     def _reconnect(self, peer: Peer) -> None:
@@ -257,7 +265,8 @@ class Sender:
         except zmq.ZMQError as e:   # cannot happen for an endpoint that connected before; keep going
             log.error("cannot reconnect to %s: %s", peer.endpoint, e)
             peer.sock = self.sockets.ctx.socket(zmq.DEALER)
-        poller.register(peer.sock, zmq.POLLIN)
+        poller.register(peer.sock, POLLIN)
+        peer.want = POLLIN
 
     def disconnect(self, pid: str) -> None:
         """``disconnect`` on the I/O thread: fail the peer's transfers, close its socket (linger 0,
@@ -290,28 +299,34 @@ class Sender:
             return
         if not probe.sent:
             try:
-                peer.sock.send(Ping(probe.nonce).pack(), flags=zmq.NOBLOCK)
+                peer.sock.send(Ping(probe.nonce).pack(), flags=NOBLOCK)
             except zmq.Again:   # no connection yet: POLLOUT (or the tick) brings us back
                 return
             probe.sent = True
-            self.sockets.poller.modify(peer.sock, zmq.POLLIN)
+            self._watch(peer, POLLIN)
 
     # -- the loop's calls --------------------------------------------------------------------
     def on_events(self, events: dict) -> None:
         """Each peer's share of one poll: its probe, its replies, and pumping."""
         for peer in list(self.peers.values()):
             flags = events.get(peer.sock, 0)
-            if peer.probe is not None and flags & zmq.POLLOUT:
+            if peer.probe is not None and flags & POLLOUT:
                 self._probe(peer, 0.0)   # connected: the ping goes out (the tick checks the deadline)
-            if flags & zmq.POLLIN:
+            if flags & POLLIN:
                 self._on_replies(peer)
             if peer.pending is not None or peer.sending:
                 self._pump(peer)
 
     def _on_replies(self, peer: Peer) -> None:
-        while peer.sock.get(zmq.EVENTS) & zmq.POLLIN:   # asked first: an empty receive raises zmq.Again
+        """The peer's DEALER is readable (the poll said so): its replies so far."""
+        sock = peer.sock
+        for i in itertools.count():
+            # The first receive finds a reply; later ones ask zmq first: a receive that finds
+            # nothing raises zmq.Again (an exception)
+            if i and not sock.get(EVENTS) & POLLIN:
+                return
             try:
-                parts = peer.sock.recv_multipart(flags=zmq.NOBLOCK)
+                parts = sock.recv_multipart(flags=NOBLOCK)
             except zmq.Again:
                 return
             peer.clock.touch()
@@ -360,7 +375,7 @@ class Sender:
             elif now - peer.pinged >= hb_ivl:
                 peer.pinged = now
                 try:
-                    peer.sock.send(Ping().pack(), flags=zmq.NOBLOCK)
+                    peer.sock.send(Ping().pack(), flags=NOBLOCK)
                 except zmq.Again:
                     pass
 

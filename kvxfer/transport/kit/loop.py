@@ -78,11 +78,9 @@ class CommandQueue:
     def take(self, limit: int = 1 << 30) -> list[Command]:
         """Up to ``limit`` commands, oldest first, without waiting."""
         out: list[Command] = []
-        while len(out) < limit:
-            try:
-                out.append(self._q.get_nowait())
-            except queue.Empty:
-                break
+        q = self._q
+        while len(out) < limit and not q.empty():   # one taker (this thread): not empty, so get finds one
+            out.append(q.get_nowait())
         return out
 
     def fail_all(self, why: str) -> None:
@@ -164,8 +162,9 @@ class PipeWaker:
     def clear(self) -> None:
         # Drain first, then let callers write again: the other order can eat the byte of a wake
         # that saw the flag down, and leave the flag up with the pipe empty (no wake-up ever after).
+        # A read that returns less than asked emptied the pipe: one system call, as a rule.
         try:
-            while os.read(self.fd, 4096):
+            while len(os.read(self.fd, 4096)) == 4096:
                 pass
         except (BlockingIOError, OSError):
             pass
