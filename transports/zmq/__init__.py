@@ -48,7 +48,14 @@ medians 7-9% faster hot, the 1-page request latency unchanged; the caller also t
 nothing more). Done: a message's header is copied into zmq, untracked; only payload parts go
 zero-copy, each with its tracker (a tracked header cost every message one more tracker and
 wake-up of pyzmq's garbage-collector thread: one run of 16 MiB, 6 interleaved pairs, 2.19-2.59
--> 2.59-2.98 GB/s; 1 MiB unchanged).
+-> 2.59-2.98 GB/s; 1 MiB unchanged); the one-message path on a diet (issue 39: pyzmq's flags as
+plain ints, the first receive after a POLLIN without asking zmq, the poller told only of changes,
+parts sent one by one, one read to clear the waker, arrivals in a SimpleQueue): I/O-thread CPU
+per hot 1 MiB transfer 234 -> 210 us (sender) and 210 -> 186 us (receiver), medians of 6
+interleaved runs, the transfer's median 724 -> 677 us; the bench's best round unchanged. Of the
+~210 us left on each side, each sleep and wake-up costs ~27 us of CPU here (a blocking receive
+as much as a poll), and a zero-copy send ~25-35 us: the rest, ~100 us a side, is Python, whose
+cost in situ is 3-6x its cost in a loop (the caches are cold after each 1 MiB copy).
 """
 from __future__ import annotations
 
