@@ -181,12 +181,10 @@ class Sender:
                 # The header is our own bytes (24 per run): always copied, untracked. Only the first
                 # part can meet the high-water mark: zmq takes the rest of a message it started.
                 sock.send(parts[0], NOBLOCK | (SNDMORE if last else 0))
-                if copy:
-                    for i in range(1, last + 1):
-                        sock.send(parts[i], NOBLOCK | (SNDMORE if i < last else 0))
-                else:   # a tracker per payload part: zmq reads each (the source, or staging) until it lets go
-                    trackers = [sock.send(parts[i], NOBLOCK | (SNDMORE if i < last else 0), copy=False, track=True)
-                                for i in range(1, last + 1)]
+                # zero-copy: a tracker per payload part, as zmq reads each (the source, or staging) until it lets go
+                trackers = [sock.send(parts[i], NOBLOCK | (SNDMORE if i < last else 0), copy=copy, track=not copy)
+                            for i in range(1, last + 1)]
+                if not copy:
                     out.trackers += trackers
             except zmq.Again:
                 break
