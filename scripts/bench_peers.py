@@ -46,6 +46,13 @@ Ceilings measured in the same run (single thread):
              sockets are not thread-safe (kvxfer zmq is built so): the caller hands each transfer
              to its I/O thread and is woken by it; the target's I/O thread receives, acks and
              wakes the main thread. No protocol work: the floor under that design here
+CPU per transfer (not with --busy-caller, whose busy thread burns a core by design): every
+thread of both worker processes, from /proc/<pid>/task/*/schedstat (Linux), read when a case's
+rounds start and when they end, divided by the peer's transfers in them. All CPU is charged to
+some transfer: work that lingers after the initiator's DONE, and idle wake-ups while other peers
+take their turns. Far steadier here than wall time: a cut in per-transfer work shows in it when
+the best-of-rounds GB/s cannot see it. kvxfer zmq is read against ``zmq threads`` (its design's
+floor), kvxfer ucx against NIXL notified (the work its DONE does).
 --busy-caller: every initiator process also runs a thread busy in Python, as a serving engine's
 scheduler is; a peer whose transfers need its own threads to take the GIL (kvxfer's I/O thread)
 waits for it (``sys.getswitchinterval()``, 5 ms) while that thread runs.
@@ -198,6 +205,11 @@ class PeerPair:
             raise RuntimeError(out["why"])
         return out
 
+    def cpu_ns(self) -> tuple[int, int] | None:
+        """CPU time so far of (target, initiator), every live thread, ns; None off Linux."""
+        got = [process_cpu_ns(p.pid) for p in self.procs]
+        return None if len(got) != 2 or None in got else (got[0], got[1])   # type: ignore[return-value]
+
     def quit(self) -> None:
         """Tell the workers to end (``close`` waits for them): pairs may end side by side."""
         if len(self.procs) == 2 and self.procs[1].poll() is None and not self.procs[1].stdin.closed:
@@ -218,6 +230,28 @@ class PeerPair:
                 p.wait()
         for f in self.logs:
             f.close()
+
+
+def process_cpu_ns(pid: int) -> int | None:
+    """CPU time (user + system) of every live thread of ``pid``, ns, from its threads' schedstat
+    (Linux); None when /proc does not have it. A thread that ended takes its time with it: the
+    workers' threads live as long as they do."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):   # it ended meanwhile
+            continue
+    return total
+
+
+CPU_FLOOR = {"kvxfer zmq": "zmq threads", "kvxfer ucx": "nixl ucx notified",
+             "kvxfer ucx announced": "nixl ucx notified"}
 
 
 def _tail(log, proc: subprocess.Popen) -> str:
@@ -264,6 +298,33 @@ def ceiling_for(peer: str, case: str) -> str:
     return "gather" if case.startswith("scattered") else "memcpy"
 
 
+def cpu_table(cpu: dict[str, dict[str, dict[str, float]]], order: list[str], cases: list[dict]) -> list[dict]:
+    """Print CPU per transfer (initiator + target) and return its rows: kvxfer's against the
+    peer in ``CPU_FLOOR`` (ratio = ours / theirs: lower is better)."""
+    if not cpu:
+        return []
+    print("\nCPU per transfer, us: initiator + target (every thread of both processes; lower is better)")
+    print(f"| peer | {' | '.join(c['name'] for c in cases)} |\n|---|" + "---|" * len(cases))
+    rows = []
+    for peer in (p for p in order if p in cpu):
+        cells = []
+        for c in cases:
+            m = cpu[peer].get(c["name"])
+            if m is None:
+                cells.append("-")
+                continue
+            total, floor = m["initiator"] + m["target"], CPU_FLOOR.get(peer, "")
+            f = cpu.get(floor, {}).get(c["name"])
+            ceil = f["initiator"] + f["target"] if f else None
+            vs = f" ({total / ceil:.2f}x {floor})" if ceil else ""
+            cells.append(f"{m['initiator']:.0f} + {m['target']:.0f}{vs}")
+            rows.append({"name": f"peers cpu per transfer {peer}, {c['name']}", "value": total, "unit": "us CPU",
+                         "ceiling": ceil, "ceiling_name": floor if ceil else "",
+                         "ratio": total / ceil if ceil else None})
+        print(f"| {peer} | " + " | ".join(cells) + " |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="256 MiB pools, 3 repetitions")
@@ -303,6 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs: dict[str, PeerPair] = {}
     local = LocalCeilings(pool_bytes, cases)
     times: dict[str, dict[str, list[float]]] = {}
+    cpu: dict[str, dict[str, dict[str, float]]] = {}   # peer -> case -> side -> us per transfer
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for peer in order:   # start every peer; each idles until its turn
@@ -327,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                     pairs.pop(peer, None)
             for i, c in enumerate(cases):
                 nbytes = c["nbytes"] * len(c["so"])
+                cpu0 = {} if args.busy_caller else {peer: pair.cpu_ns() for peer, pair in pairs.items()}
                 # small cases take a few ms: more rounds, so that the best is not a burst of load
                 for _ in range(reps * max(1, (64 * MiB) // nbytes)):
                     for name, dt in local.sample(i).items():
@@ -337,13 +400,20 @@ def main(argv: list[str] | None = None) -> int:
                         except Exception as e:
                             results[peer] = {"error": f"{c['name']}: {e}"[:300]}
                             pairs.pop(peer).close()
+                for peer, pair in pairs.items():   # back-to-back windows: all of the case's CPU
+                    a, b, n = cpu0.get(peer), pair.cpu_ns(), len(times[peer][c["name"]])
+                    if a is not None and b is not None and n:
+                        cpu.setdefault(peer, {})[c["name"]] = {"target": (b[0] - a[0]) / n / 1e3,
+                                                               "initiator": (b[1] - a[1]) / n / 1e3}
         finally:
             for pair in pairs.values():
                 pair.close()
     size = {c["name"]: c["nbytes"] * len(c["so"]) for c in cases}
     for name, by_case in times.items():
         if name not in results:
-            results[name] = {case: {"gbps": size[case] / min(t) / 1e9, "seconds": t} for case, t in by_case.items()}
+            results[name] = {case: {"gbps": size[case] / min(t) / 1e9, "seconds": t,
+                                    **({"cpu_us": cpu[name][case]} if case in cpu.get(name, {}) else {})}
+                             for case, t in by_case.items()}
     ceilings = {k: {case: r["gbps"] for case, r in results.pop(k).items()} for k in ("memcpy", "gather")}
     if "tcp raw" in results and "error" not in results["tcp raw"]:
         ceilings["tcp raw"] = {case: r["gbps"] for case, r in results["tcp raw"].items()}
@@ -369,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
         tail = f" {r['error']}" if "error" in r else ""
         print(f"| {peer} | " + " | ".join(cells) + f" |{tail}")
+    rows += cpu_table(cpu, order, cases)
     if args.json:
         args.json.write_text(json.dumps({"bench": "peers", "rows": rows, "ceilings": ceilings, "results": results,
                                          "pool_bytes": pool_bytes, "rounds": reps,

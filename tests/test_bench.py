@@ -188,3 +188,65 @@ def test_posting_row_runs_and_checks_its_bytes(tmp_path, monkeypatch):
     assert {r["unit"] for r in rows} == {"us/run", "GB/s"} and all(r["value"] > 0 for r in rows)
     data = doc["benches"]["posting"]["data"]
     assert data["runs"] == 4096 and len(data["samples"]["kvxfer ucx"]) == 1 and not data["errors"]
+
+
+def _peers_module():
+    """scripts/bench_peers.py as a module (it imports its neighbours by name)."""
+    import importlib
+    import sys
+    if str(bench.SCRIPTS) not in sys.path:
+        sys.path.insert(0, str(bench.SCRIPTS))
+    return importlib.import_module("bench_peers")
+
+
+def test_process_cpu_counts_every_live_thread():
+    """The peers' CPU figure reads every thread of a worker: CPU burned by a thread other than
+    the main one shows in it (a transport's I/O thread is where most of it goes)."""
+    import os
+    import threading
+    import time
+    bp = _peers_module()
+    if bp.process_cpu_ns(os.getpid()) is None:
+        pytest.skip("no /proc/<pid>/task/*/schedstat here")
+    burned, hold = threading.Event(), threading.Event()
+
+    def spin():
+        t = time.thread_time()
+        while time.thread_time() - t < 0.2:
+            pass
+        burned.set()
+        hold.wait()   # alive while we read: a thread that ended takes its time with it
+    th = threading.Thread(target=spin)
+    before = bp.process_cpu_ns(os.getpid())
+    th.start()
+    try:
+        assert burned.wait(30)
+        after = bp.process_cpu_ns(os.getpid())
+    finally:
+        hold.set()
+        th.join()
+    assert after - before >= 0.18e9, (before, after)
+    assert bp.process_cpu_ns(2**22 + 12345) is None   # no such process
+
+
+def test_peers_report_cpu_per_transfer_against_the_floor(tmp_path):
+    """``bench_peers.py`` end to end, two zmq peers, tiny cases: each peer's CPU per transfer
+    (initiator and target processes) is in its results, and kvxfer zmq's row reads it against
+    ``zmq threads``; every transfer's bytes were checked at the warm-up as before."""
+    import subprocess
+    import sys
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, str(bench.SCRIPTS / "bench_peers.py"), "--quick", "--reps", "1",
+                        "--only", "zmq threads,kvxfer zmq", "--pages", "16", "--page-kib", "1024",
+                        "--run-mib", "16", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    for peer in ("zmq threads", "kvxfer zmq"):
+        for case, res in doc["results"][peer].items():
+            assert res["cpu_us"]["initiator"] > 0 and res["cpu_us"]["target"] > 0, (peer, case, res)
+    rows = {r["name"]: r for r in doc["rows"] if r["name"].startswith("peers cpu per transfer")}
+    ours = rows["peers cpu per transfer kvxfer zmq, one run 16 MiB"]
+    floor = rows["peers cpu per transfer zmq threads, one run 16 MiB"]
+    assert ours["ceiling_name"] == "zmq threads" and ours["ceiling"] == pytest.approx(floor["value"])
+    assert ours["ratio"] == pytest.approx(ours["value"] / floor["value"]) and ours["unit"] == "us CPU"
+    assert "CPU per transfer" in r.stdout
