@@ -86,13 +86,22 @@ class Worker:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    def close(self):
-        if self.proc.poll() is None:
+    def tell_exit(self):
+        """Ask the worker to end (``close`` waits for it): its endpoints' closes wait for their
+        peers, so workers told together end side by side."""
+        if self.proc.poll() is None and not self.proc.stdin.closed:
             try:
                 self.send(op="exit")
-                self.proc.wait(20)
-            except (OSError, subprocess.TimeoutExpired):
-                self.kill()
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self.tell_exit()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.kill()
         self.log.close()
 
 
@@ -136,6 +145,8 @@ class World:
         return {p: self.workers[p].wait("done", timeout) for p in procs if self.workers[p].proc.poll() is None}
 
     def close(self):
+        for w in self.workers.values():   # every worker told first: their shutdowns overlap
+            w.tell_exit()
         for w in self.workers.values():
             w.close()
 
