@@ -208,7 +208,9 @@ class PeerPair:
     def cpu_ns(self) -> tuple[int, int] | None:
         """CPU time so far of (target, initiator), every live thread, ns; None off Linux."""
         got = [process_cpu_ns(p.pid) for p in self.procs]
-        return None if len(got) != 2 or None in got else (got[0], got[1])   # type: ignore[return-value]
+        if len(got) != 2 or got[0] is None or got[1] is None:
+            return None
+        return got[0], got[1]
 
     def quit(self) -> None:
         """Tell the workers to end (``close`` waits for them): pairs may end side by side."""

@@ -144,20 +144,20 @@ def test_unknown_benchmark_is_a_usage_error():
         bench.main(["--only", "nope"])
 
 
-def _posting_module():
-    """scripts/bench_posting.py as a module (it imports its neighbours by name)."""
+def _script_module(name: str):
+    """scripts/<name>.py as a module (the scripts import their neighbours by name)."""
     import importlib
     import sys
     if str(bench.SCRIPTS) not in sys.path:
         sys.path.insert(0, str(bench.SCRIPTS))
-    return importlib.import_module("bench_posting")
+    return importlib.import_module(name)
 
 
 def test_posting_plan_and_digest_catch_a_misplaced_run():
     """The posting benchmark's own check: distinct aligned runs, and a digest that sees one run
     landed in another's place."""
     import numpy as np
-    bp = _posting_module()
+    bp = _script_module("bench_posting")
     spec = {"runs": 5000, "run_bytes": 512, "pool_bytes": bp.pool_bytes(5000, 512), "seed": 0}
     case = bp.make_plan(spec)
     for offs in (case["so"], case["do"]):
@@ -190,24 +190,14 @@ def test_posting_row_runs_and_checks_its_bytes(tmp_path, monkeypatch):
     assert data["runs"] == 4096 and len(data["samples"]["kvxfer ucx"]) == 1 and not data["errors"]
 
 
-def _peers_module():
-    """scripts/bench_peers.py as a module (it imports its neighbours by name)."""
-    import importlib
-    import sys
-    if str(bench.SCRIPTS) not in sys.path:
-        sys.path.insert(0, str(bench.SCRIPTS))
-    return importlib.import_module("bench_peers")
-
-
 def test_process_cpu_counts_every_live_thread():
     """The peers' CPU figure reads every thread of a worker: CPU burned by a thread other than
     the main one shows in it (a transport's I/O thread is where most of it goes)."""
     import os
     import threading
     import time
-    bp = _peers_module()
-    if bp.process_cpu_ns(os.getpid()) is None:
-        pytest.skip("no /proc/<pid>/task/*/schedstat here")
+    bp = _script_module("bench_peers")
+    assert isinstance(bp.process_cpu_ns(os.getpid()), int)   # Linux: every thread's schedstat is there
     burned, hold = threading.Event(), threading.Event()
 
     def spin():
