@@ -35,7 +35,7 @@ def pair():
     pid = tx.connect(rx.descriptor())
     sent: list[str] = []
     orig = rx.outbox.send
-    rx.outbox.send = lambda p, m: (sent.append(type(m).__name__), orig(p, m))[1]   # what the receiver sends
+    rx.outbox.send = lambda p, m, **kw: (sent.append(type(m).__name__), orig(p, m, **kw))[1]   # what the receiver sends
     yield rx, tx, pid, src, dst, sent
     tx.close()
     rx.close()
@@ -290,7 +290,7 @@ def test_transfer_failing_while_it_waits_sends_no_abort(pair, monkeypatch):
     from kvxfer.errors import TransferTimeout
     tx_sent: list[str] = []
     orig = tx.outbox.send
-    monkeypatch.setattr(tx.outbox, "send", lambda p, m: (tx_sent.append(type(m).__name__), orig(p, m))[1])
+    monkeypatch.setattr(tx.outbox, "send", lambda p, m, **kw: (tx_sent.append(type(m).__name__), orig(p, m, **kw))[1])
     h = tx.submit(pid, "late.1", plan([0], [0], [64 * KiB]), timeout=0.5)
     assert not h.wait(20) and isinstance(h.error, TransferTimeout), h.error
     assert until(lambda: parked(tx) == 0, 5.0), "a failed transfer stayed parked"

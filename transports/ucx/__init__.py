@@ -310,12 +310,13 @@ class UCXTransport(Transport):
 
     def forget(self, request_id: str) -> bool:
         """Receiver: the request ended; its transfers in flight fail, later writes are dropped
-        (its FENCEs sent from here while the I/O thread sleeps, as ``expect``'s PREGRANTs)."""
+        (done here while the I/O thread sleeps, as ``expect``'s PREGRANTs). Its FENCEs are lazy:
+        they leave with the next batch to each peer, or at the loop's next tick (``Outbox``)."""
         if self.options.eager_writes:   # writes_pending until its pregranted peers said FENCED (``eager``)
             self.pregrants.queue(request_id)
         live = self.grants.forget(request_id)
         if not self._closed and not self.broken and not self.loop.caller_turn(
-                lambda: self.receiver.drop_request(request_id)):   # its FENCEs leave before we return
+                lambda: self.receiver.drop_request(request_id)):
             self.commands.put(Call(self.receiver.drop_request, (request_id,)))
         return live
 

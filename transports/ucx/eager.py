@@ -23,8 +23,10 @@ receiver
                       (``pregrant_window_bytes`` / ``_requests``: what is pregranted to it and
                       not yet FENCED): that peer gets a PREGRANT without ranges, so a stalled
                       peer holds at most its window (``held``, ``window_snapshot``).
-  ``fence(rid)``      after ``forget`` (``Receiver.drop_request``): FENCE(rid) to each of them (the
-                      FENCEs of one turn leave as one message: ``Outbox.send``).
+  ``fence(rid)``      after ``forget`` (``Receiver.drop_request``): FENCE(rid) to each of them,
+                      lazily: with the next batch to that peer (the next request's PREGRANT, in
+                      a stream of them) or at the loop's next tick (``Outbox``; FENCEs that
+                      leave together are one message: ``Outbox.send``).
                       ``writes_pending(rid)`` stays True from ``forget`` until each answered
                       FENCED (sent after its endpoint flush: nothing of the request is on its way
                       and nothing more will be), or was proven dead (``unfence_peer``), or
@@ -46,7 +48,9 @@ sender
                       (``on_pregrant``) or a FENCE of the request ends the wait at once; a
                       parked transfer was never announced, so failing it sends no ABORT.
   ``Sender.on_fence`` forgets the ids (``forget``), fails their eager transfers still flushing,
-                      flushes the endpoint (``flush_fence``), then FENCED (``check_flushes``).
+                      flushes the endpoint (``flush_fence``), then FENCED (``check_flushes``),
+                      lazily as the FENCE: with our next batch to it (the next transfer's), or
+                      at the tick.
 
 Why the receiver's answer is not waited for: the put's flush is remote completion (the bytes
 are in the receiver's memory); the sender put only inside the grant the receiver sent it, and
@@ -175,7 +179,7 @@ class Pregrants:
             self.fences[rid] = (ids | old[0] if old else ids, old[1] if old else time.monotonic())
             for pid in ids:
                 if (p := self.peers.get(pid)) is not None:
-                    self.outbox.send(p, Fence((rid,)))
+                    self.outbox.send(p, Fence((rid,)), lazy=True)   # with the next batch to it, or at the tick
         self.queued.discard(rid)   # after the entry is made: writes_pending sees no gap
 
     def on_fenced(self, p: Peer, m: Fenced) -> None:
@@ -322,7 +326,7 @@ class EagerSends:
                 if (st := f.poll()) is None or oldest_undrained(p) is not None:
                     left.append((f, rids))
                 elif st == 0:
-                    self.outbox.send(p, Fenced(rids))
+                    self.outbox.send(p, Fenced(rids), lazy=True)   # with the next batch to it, or at the tick
                 # failed: so did the endpoint; the receiver holds the memory until it knows more
             p.fence_flushes = left
         self.flushing = [p for p in self.flushing if p.fence_flushes]

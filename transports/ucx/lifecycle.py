@@ -141,7 +141,7 @@ class Lifecycle:
         for p in self.peers.values():
             if not p.joining:   # a joining one's endpoint goes to its front worker, which takes HELLOs only
                 self.outbox.send(p, Bye())
-        self.outbox.flush()
+        self.outbox.flush(lazy=True)
         self.turn.run_later()   # the arrivals of what failed here
         end = time.monotonic() + 0.2  # let BYE leave; a dead peer never takes it
         while self.outbox.sends and time.monotonic() < end:

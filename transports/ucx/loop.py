@@ -6,7 +6,8 @@ the body of its ``kit.IOThread``, ``free`` as the thread's ``on_exit``. Everythi
 that thread, or on a caller's thread holding ``lock`` (``caller_turn``). ``tick`` (a few times a
 second) fails transfers past their deadline, pings peers, ends those silent past
 ``peer_timeout``, looks at what fenced peers hold (``Fencing``) and, once a second, caps TCP's
-retransmit backoff on new UCX connections (``rto``).
+retransmit backoff on new UCX connections (``rto``); the turn of a tick also sends the lazy
+control messages (FENCE, FENCED) that no batch took along (``Outbox``).
 
 A caller's turn: the I/O thread holds ``lock`` through its turns and lets it go only while it
 sleeps. ``submit``, ``expect`` and ``forget`` try it: when they get it, and no command waits, the
@@ -84,12 +85,13 @@ class Loop:
                 break
             self.step()   # after the commands: progress before them took one run of 1 MiB ~15% longer
             now = time.monotonic()
-            if now >= self.next_tick:
+            ticked = now >= self.next_tick
+            if ticked:
                 self.tick(now)
                 self.next_tick = now + tick_every
             if eager.park_order:
                 sender.unpark_due(now)
-            self.outbox.flush()
+            self.outbox.flush(lazy=ticked)   # lazy messages (FENCE, FENCED) at the tick, if nothing took them
             if turn.later:
                 turn.run_later()
             if lifecycle.closing:

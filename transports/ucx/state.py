@@ -52,7 +52,8 @@ class Peer:
     where: str = "unknown"           # sender: where it is (``settings.reach``), from its descriptor
     token: bytes = b""               # sender: its owner's admission token for us, sent in every HELLO
     rkeys_packed: list = field(default_factory=list)   # sender while joining: unpacked at its WELCOME
-    outbox: list = field(default_factory=list)
+    outbox: list = field(default_factory=list)   # control messages to send it (``Outbox``)
+    outbox_due: bool = False         # one of them is not lazy: they leave at the end of this turn
     last_send: Any = None            # the latest control send to it
     next_ping: float = 0.0
     open_in: int = 0                 # incoming transfers open from it
