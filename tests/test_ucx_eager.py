@@ -68,7 +68,7 @@ def rx(request):
     t.region = region
     sent: list[str] = []
     orig = t.outbox.send
-    t.outbox.send = lambda p, m, **kw: (sent.append(type(m).__name__), orig(p, m, **kw))[1]   # what the receiver answers
+    t.outbox.send = lambda p, m, **kw: (sent.append(type(m).__name__), orig(p, m, **kw))[1]  # what the receiver answers
     t.sent = sent
     yield t
     t.close()
