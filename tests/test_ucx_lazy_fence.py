@@ -7,7 +7,9 @@ tick. On an in-process pair:
   transfer lands byte-exact, and the last FENCE, which no batch takes along, still leaves at
   the tick: its memory is released;
 - a FENCE and a PREGRANT of the same request id queued after it (the id expected again) leave
-  in that order: the sender ends up holding the new pregrant, and a transfer of it lands.
+  in that order: the sender ends up holding the new pregrant, and a transfer of it lands;
+- a peer's queue of lazy messages leaves at once when it holds ``LAZY_HELD`` of them (a flood
+  of FENCEs is answered as it comes, never held for a tick).
 """
 from __future__ import annotations
 
@@ -107,3 +109,22 @@ def test_a_fence_and_a_later_pregrant_of_the_same_id_keep_their_order(pair, batc
     m[:2 * RUN] = True
     assert np.array_equal(dst.numpy()[m], src.numpy()[m]), "the bytes differ"
     assert (dst.numpy()[~m] == CANARY).all(), "a byte outside the grants changed"
+
+
+def test_a_queue_of_lazy_messages_leaves_once_it_holds_lazy_held_of_them(pair):
+    """A flood of FENCEs from a peer is answered as it comes: lazy messages wait for company only
+    while the peer's queue is short (``LAZY_HELD`` messages of up to ``MERGE_RIDS`` ids each)."""
+    from kvxfer_transports.ucx.outbox import LAZY_HELD, MERGE_RIDS
+    from kvxfer_transports.ucx.protocol import Fenced
+    rx, tx, pid, _, _ = pair
+
+    def queue() -> list[bool]:   # on the I/O thread, inside one turn
+        p = tx.peers[pid]
+        p.outbox, p.outbox_due, due = [], False, []
+        for k in range(LAZY_HELD + 1):   # each one a message of its own: a full one before it
+            tx.outbox.send(p, Fenced(tuple(f"{k}.{i}" for i in range(MERGE_RIDS))), lazy=True)
+            due.append(p.outbox_due)
+        p.outbox, p.outbox_due = [], False
+        return due
+
+    assert tx.call_io(queue) == [False] * LAZY_HELD + [True]

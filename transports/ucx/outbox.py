@@ -13,7 +13,8 @@ held (``writes_pending``) until its FENCED came, and decode reuses the memory of
 succeeded only once it finished decoding. So in a stream of requests each one's FENCE rides with
 the next one's PREGRANT and its FENCED with the next transfer's batch: one control batch each way
 per request, not two, and no wake-up of either side for the fence alone. To a closing peer they
-leave at once.
+leave at once, and so does a peer's queue once it holds ``LAZY_HELD`` messages (each of up to
+``MERGE_RIDS`` ids): a flood of FENCEs from a peer is answered as it comes, never held a tick.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from .turn import Turn
 _MERGED = (Pregrant, Fence, Fenced)   # consecutive ones to a peer in a turn go as one (``send``)
 MERGE_RIDS = 512   # ids per merged message (joining copies the tuple: bounded, and below MAX_RIDS)
 MERGE_GRANT_BYTES = 1 << 20   # PREGRANTs join while their grants stay this small (one may be MAX_PREGRANT_BYTES)
+LAZY_HELD = 4   # messages a peer's queue holds before a lazy one makes it leave this turn
 
 
 class Outbox:
@@ -42,7 +44,7 @@ class Outbox:
         FENCE or FENCED (not "all") right after one of its kind joins it, up to ``MERGE_RIDS``
         ids: the sender answers each FENCE with an endpoint flush and a FENCED, and the receiver
         sends one per forgotten request (a turn of forgets: one flush, not one each)."""
-        if (not lazy or p.closing) and not p.outbox_due:
+        if (not lazy or p.closing or len(p.outbox) >= LAZY_HELD) and not p.outbox_due:
             p.outbox_due = True
             self.turn.acts += 1
         if p.outbox and isinstance(msg, _MERGED) and not (isinstance(msg, Fenced) and msg.all):
