@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 from .errors import ConfigError, LayoutError, PlanError, short
 from .layout import SWA
@@ -108,7 +108,7 @@ class RankSpec:
     head_map: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self):
-        d = asdict(self)
+        d = self._fields()
         if self.role not in ("prefill", "decode") or not isinstance(self.role, str):
             raise ConfigError(f"role must be 'prefill' or 'decode', got {short(self.role)}")
         if not isinstance(self.instance, str) or not _NAME.fullmatch(self.instance):
@@ -135,9 +135,14 @@ class RankSpec:
         """The global KV heads this rank holds, in the order of its pool's local heads."""
         return self.heads_of(self.tp_rank)
 
+    def _fields(self) -> dict:
+        """Every field by name (``dataclasses.asdict`` without its deep copy: a spec is made on every
+        peer record, twice per peer of a connect)."""
+        return {name: getattr(self, name) for name in _SPEC_FIELDS}
+
     def to_dict(self) -> dict:
         """Plain data; ``head_map`` only when explicit (a default record has the old shape)."""
-        d = asdict(self)
+        d = self._fields()
         if self.head_map is None:
             del d["head_map"]
         else:
@@ -148,6 +153,9 @@ class RankSpec:
     def key(self) -> str:
         """Registry key: ``instance/dp0/pp0/tp0``."""
         return f"{self.instance}/dp{self.dp_rank}/pp{self.pp_rank}/tp{self.tp_rank}"
+
+
+_SPEC_FIELDS = tuple(f.name for f in fields(RankSpec))
 
 
 # ------------------------------------------------------------------------------------

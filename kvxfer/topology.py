@@ -15,6 +15,7 @@ that feeds nobody (a replica) still confirms its requests.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, ...]
 
 
 HeadMap = Sequence[Sequence[int]]   # global heads of each TP rank of a group, in local order
+PICKS = 4096   # answers ``_picks`` keeps for the default placement (4 ints each)
 
 
 class _Group:
@@ -91,11 +93,26 @@ class _Group:
 
 
 def _picks(num_kv_heads: int, p_tp: int, d_tp: int, d_rank: int, p_map: HeadMap | None = None,
-           d_map: HeadMap | None = None) -> list[tuple[int, int, int, int]]:
+           d_map: HeadMap | None = None) -> tuple[tuple[int, int, int, int], ...]:
     """(prefill TP rank, first decode local head, first prefill local head, count) per run of
     decode rank ``d_rank``'s heads that one prefill rank holds in the same order, in decode's
     local order. O(heads held). Each head comes from one holder; replicas of a head (fewer heads
-    than prefill ranks) are spread: decode ranks that hold the same head pick different holders."""
+    than prefill ranks) are spread: decode ranks that hold the same head pick different holders.
+    With the default placement on both sides, once per (sizes, decode rank): a connect asks it
+    for every prefill rank, and each rank of a prefill process for the same decode rank, with the
+    same answer (explicit maps, from peers' records, are not kept: they may be large)."""
+    if p_map is None and d_map is None:
+        return _default_picks(num_kv_heads, p_tp, d_tp, d_rank)
+    return _picks_of(num_kv_heads, p_tp, d_tp, d_rank, p_map, d_map)
+
+
+@functools.lru_cache(maxsize=PICKS)
+def _default_picks(num_kv_heads: int, p_tp: int, d_tp: int, d_rank: int) -> tuple[tuple[int, int, int, int], ...]:
+    return _picks_of(num_kv_heads, p_tp, d_tp, d_rank, None, None)
+
+
+def _picks_of(num_kv_heads: int, p_tp: int, d_tp: int, d_rank: int, p_map: HeadMap | None,
+              d_map: HeadMap | None) -> tuple[tuple[int, int, int, int], ...]:
     pg, dg = _Group(num_kv_heads, p_tp, p_map), _Group(num_kv_heads, d_tp, d_map)
     out: list[list[int]] = []
     for j, h in enumerate(dg.held(d_rank)):
@@ -109,7 +126,7 @@ def _picks(num_kv_heads: int, p_tp: int, d_tp: int, d_rank: int, p_map: HeadMap 
             last[3] += 1
         else:
             out.append([p, j, i, 1])
-    return [(p, j, i, n) for p, j, i, n in out]
+    return tuple((p, j, i, n) for p, j, i, n in out)
 
 
 def _slices(n_dst: int, n_src: int, j: int, i: int, m: int) -> list[tuple[HeadSlice, HeadSlice]]:

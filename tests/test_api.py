@@ -53,6 +53,25 @@ def test_errors_for_bad_input_are_value_errors() -> None:
     assert issubclass(PlanError, ValueError) and issubclass(PlanError, KVXferError)
 
 
+def test_a_transport_class_is_found_once_and_an_unknown_name_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading the entry points scans every installed distribution (tens of ms), once per endpoint
+    before: a transport's class is now kept by name; a name not installed is looked for each time
+    (a transport installed since is found), and still fails by name."""
+    from kvxfer.errors import ConnectError
+    from kvxfer.transport import registry
+    scans = []
+    real = registry.entry_points
+    monkeypatch.setattr(registry, "entry_points", lambda **kw: scans.append(kw) or real(**kw))
+    for _ in range(3):
+        registry.get_transport("local").close()
+    assert len(scans) <= 1
+    scans.clear()
+    for _ in range(2):
+        with pytest.raises(ConnectError, match="unknown transport 'no-such'; installed: .*local"):
+            registry.get_transport("no-such")
+    assert len(scans) == 2
+
+
 @pytest.mark.slow   # a subprocess
 def test_import_kvxfer_loads_no_transport() -> None:
     """In a fresh interpreter (this one may have loaded transports for other tests)."""

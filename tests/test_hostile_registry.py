@@ -126,6 +126,32 @@ def test_a_layout_of_more_items_than_the_bound_is_refused_before_any_part_is_rea
         RankInfo.from_dict(rec)
 
 
+def test_a_layout_that_passed_is_not_walked_again_and_a_look_alike_is(monkeypatch):
+    """``check_layout_record`` keeps the digests of descriptions it passed: the same bytes again
+    (every HELLO of a decode rank, every record of an instance) skip the walk. A description that
+    packs the same only loosely (a tuple for a list) is walked, and refused; a refused one is
+    refused every time."""
+    from kvxfer.control import records
+    walks = []
+    real = records._walk_layout_record
+    monkeypatch.setattr(records, "_walk_layout_record", lambda lay: walks.append(1) or real(lay))
+    rec = record()
+    rec["layout"] = json.loads(json.dumps(rec["layout"]))
+    rec["layout"]["parts"][0]["base"] += 64 * 1024 * 1024   # a description of this test's own
+    for _ in range(3):
+        RankInfo.from_dict(json.loads(json.dumps(rec)))
+    assert len(walks) == 1
+    loose = {**rec["layout"], "parts": tuple(rec["layout"]["parts"])}
+    with pytest.raises(ProtocolError, match="'layout.parts' must be a list, got tuple"):
+        RankInfo.from_dict({**rec, "layout": loose})
+    bad = json.loads(json.dumps(rec))
+    bad["layout"]["parts"][0]["heads"] = "2"
+    for _ in range(2):
+        with pytest.raises(ProtocolError, match="heads"):
+            RankInfo.from_dict(bad)
+    assert len(walks) == 4
+
+
 @pytest.mark.slow   # the shared signed registry, attacked for seconds
 def test_a_name_with_a_trailing_newline_is_refused(signed_registry):
     before = snapshot()

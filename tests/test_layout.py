@@ -85,6 +85,53 @@ def test_plain_data_round_trip(name: str) -> None:
     assert [again.part(*p.key) for p in lay.parts] == list(lay.parts)
 
 
+def test_to_dict_is_plain_fresh_data_of_every_field() -> None:
+    """``to_dict`` reads each field (not ``dataclasses.asdict``): every field of every item, and a
+    new dict each call, so a caller that changes it changes nothing else."""
+    import dataclasses
+    lay = LAYOUTS["page_major_fp8_scales"]
+    d = lay.to_dict()
+    assert d == {"kind": lay.kind, "spaces": [dataclasses.asdict(s) for s in lay.spaces],
+                 "regions": [dataclasses.asdict(r) for r in lay.regions],
+                 "parts": [dataclasses.asdict(p) for p in lay.parts]}
+    d["parts"][0]["heads"] = 99
+    d["spaces"].clear()
+    assert lay.to_dict()["parts"][0]["heads"] == lay.parts[0].heads and lay.to_dict()["spaces"]
+
+
+def test_a_description_read_before_gives_back_the_same_layout() -> None:
+    """``from_dict`` keeps what it parsed by the description's exact bytes: an equal description
+    (a HELLO's, a registry record's) gives the same frozen object without parsing again; one that
+    differs anywhere, even only in a value's type, is parsed on its own, and a refused one is
+    refused every time (failures are not kept)."""
+    lay = LAYOUTS["hnd"]
+    d = json.loads(json.dumps(lay.to_dict()))
+    first = Layout.from_dict(d)
+    assert first == lay and Layout.from_dict(json.loads(json.dumps(lay.to_dict()))) is first
+    changed = json.loads(json.dumps(lay.to_dict()))
+    changed["parts"][-1]["base"] += 0   # the same: still the same object
+    assert Layout.from_dict(changed) is first
+    changed["regions"][0]["nbytes"] += 64
+    other = Layout.from_dict(changed)
+    assert other is not first and other.regions[0].nbytes == lay.regions[0].nbytes + 64
+    typed = json.loads(json.dumps(lay.to_dict()))
+    typed["parts"][0]["heads"] = True   # a bool is not the int 1: never the cached layout of heads=1
+    one = json.loads(json.dumps(lay.to_dict()))
+    one["parts"][0]["heads"] = 1
+    assert Layout.from_dict(typed) is not Layout.from_dict(one)
+    bad = json.loads(json.dumps(lay.to_dict()))
+    bad["parts"][0]["base"] = lay.regions[0].nbytes   # reaches past its region
+    for _ in range(2):
+        with pytest.raises(LayoutError, match="reaches byte"):
+            Layout.from_dict(bad)
+    odd = {"kind": lay.kind, "spaces": [{1: 2}], "regions": [], "parts": []}   # a key that is no name
+    with pytest.raises(LayoutError, match="not a layout description"):
+        Layout.from_dict(odd)
+    huge = json.loads(json.dumps(lay.to_dict()))
+    huge["regions"][0]["nbytes"] = 1 << 70   # no msgpack key: parsed as it is, and still checked
+    assert Layout.from_dict(huge).regions[0].nbytes == 1 << 70
+
+
 def test_signature_changes_with_any_field() -> None:
     a = token_major_layout(num_slots=24, page_size=4, **MHA)
     sigs = {a.signature}

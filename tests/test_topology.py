@@ -199,3 +199,22 @@ def test_unaligned_tp_is_refused():
         sources_for_decode_rank(num_kv_heads=6, p_tp=1, d_tp=4, d_rank=0, num_layers=2)
     with pytest.raises(PlanError):
         HeadSlice(2, 2)
+
+
+def test_default_head_picks_are_made_once_and_maps_of_lists_still_work():
+    """A connect asks for the same decode rank's picks once per prefill rank: with the default
+    placement they are made once and kept (4 ints of key); explicit maps (a peer's, up to
+    ``MAX_HEAD_IDS`` ids) are never kept, and maps given as lists are read as well as tuples."""
+    from kvxfer.topology import _picks
+    first = _picks(64, 8, 1, 0)
+    assert _picks(64, 8, 1, 0) is first
+    assert first == tuple((p, 8 * p, 0, 8) for p in range(8))   # decode local 8p.. from rank p's local 0..
+    lists = [[1, 0], [3, 2]]   # TP 2 with each rank's two heads swapped
+    tuples = ((1, 0), (3, 2))
+    got = _picks(4, 2, 1, 0, lists, None)
+    assert got == _picks(4, 2, 1, 0, tuples, None) == ((0, 0, 1, 1), (0, 1, 0, 1), (1, 2, 1, 1), (1, 3, 0, 1))
+    assert _picks(4, 2, 1, 0, tuples, None) is not _picks(4, 2, 1, 0, tuples, None)   # made each time
+    srcs = sources_for_decode_rank(num_kv_heads=4, p_tp=2, d_tp=1, d_rank=0, num_layers=2, p_heads=lists)
+    assert [(s.p_tp_rank, s.src_heads, s.dst_heads) for s in srcs] == [
+        (0, HeadSlice(1, 2), HeadSlice(0, 4)), (0, HeadSlice(0, 2), HeadSlice(1, 4)),
+        (1, HeadSlice(1, 2), HeadSlice(2, 4)), (1, HeadSlice(0, 2), HeadSlice(3, 4))]

@@ -7,9 +7,11 @@ Owner (an endpoint), any thread: ``ControlChannel(handler, secret=, heartbeat=, 
     identity=, on_dead=, limits=)``; ``connect(peer, address)`` (decode, once per prefill rank;
     ConnectError at once for an address no peer can reach); ``send(peer, msg)`` (never blocks);
     ``call(peer, msg, timeout)`` (blocks for the reply); ``watch(peer)`` (prefill, after an
-    accepted HELLO); ``forget(peer)`` (drop a peer: its DEALER, its replay state); ``close()``.
+    accepted HELLO); ``forget(peer)`` (drop a peer: its DEALER, its replay state); ``nudge()``
+    (the owner took on work its tick looks after); ``close()``.
 Channel thread -> handler: ``on_message(peer, msg)`` (a checked ``Message``), ``on_peer_lost(peer,
-    why)``, ``on_tick(now) -> seconds until the next tick``. None may block.
+    why)``, ``on_tick(now) -> seconds until the next tick`` (past ``TICK`` only with nothing to look
+    after: then the owner calls ``nudge`` when that changes). None may block.
 Channel thread -> owner, at most once: ``on_dead(exc)`` when the thread ended by an exception (a
     bug: input never kills it). Then ``alive`` is False and ``broken`` holds the exception; every
     pending ``call`` fails at once.
@@ -41,6 +43,7 @@ from .wire import MAX_IDENTITY, MAX_MESSAGE, Head, open_frames, peek_call, recv_
 from .zmtp import ChannelGuard
 
 log = logging.getLogger("kvxfer.control")
+TICK = 0.05   # seconds: the longest a turn waits while its owner has a request to look after (``on_tick``)
 
 
 
@@ -109,6 +112,7 @@ class ControlChannel:
             self._poller.register(self._router, zmq.POLLIN)
             self._guard.bound(self._router)
         self._closed = False
+        self.dozing = False   # the thread sleeps past a TICK: ``send`` and ``nudge`` wake it (see ``_run``)
         # the kit's thread: a bug that escapes the loop is logged and kept (``broken``), then
         # ``_finish`` closes the sockets and tells the owner
         self.io = IOThread(f"kvxfer-{name}", self._run, on_crash=lambda why: None, on_exit=self._finish)
@@ -147,14 +151,21 @@ class ControlChannel:
 
     def send(self, peer: str, msg: Message, urgent: bool = True) -> None:
         """Queue a message for ``peer``; never blocks. Lost if the peer is gone (heartbeats tell).
-        ``urgent=False`` leaves it for the channel's next turn (within a tick, <= 50 ms) instead of
-        waking the channel thread, which costs the caller a GIL hand-over on the hot path.
+        ``urgent=False`` leaves it for the channel's next turn (within a tick, <= ``TICK``) instead of
+        waking the channel thread, which costs the caller a GIL hand-over on the hot path; a thread
+        dozing past a tick (``dozing``) is woken all the same.
         ``msg`` was checked against its schema when it was built; TypeError for anything else."""
         if not isinstance(msg, Message):
             raise TypeError(f"send() takes a control message object (kvxfer.control.messages), got "
                             f"{type(msg).__name__}")
         self._outbox.append(("send", peer, msg))
-        if urgent:
+        if urgent or self.dozing:
+            self._wake()
+
+    def nudge(self) -> None:
+        """The owner has work for its ``on_tick`` again (a request began): wake the channel thread if
+        it is dozing, so the tick comes within ``TICK``. Any thread; free when it is not dozing."""
+        if self.dozing:
             self._wake()
 
     def call(self, peer: str, build: Callable[[int], Message], timeout: float) -> Message:
@@ -199,6 +210,7 @@ class ControlChannel:
         next_ping, wait = 0.0, 0.0
         while not self._closed:
             events = dict(self._poller.poll(max(0, int(wait * 1000))))
+            self.dozing = False
             self._waker.clear()    # before the outbox is flushed: a later send wakes us again
             self._flush()
             for sock in [s for s in events if isinstance(s, zmq.Socket)]:   # fds are ints: == not is
@@ -212,7 +224,16 @@ class ControlChannel:
                 self._heartbeat(now)
                 self._guard.tick(now)
                 next_ping = now + self.heartbeat.interval / 2
+            # Dozing from before the owner's tick looks at its state: work it takes on after that
+            # look (``nudge``), or a message queued (``send``), wakes the thread. Busy, it turns
+            # every TICK; idle (no request), at the heartbeat's pace (issue 39: 64 idle prefill
+            # ranks on one host took ~1/3 of a core in wake-ups, 20 a second each).
+            self.dozing = True
             wait = min(max(self.handler.on_tick(now), 0.0), next_ping - now)
+            if wait <= TICK or self._outbox:
+                self.dozing = False
+                if self._outbox:   # queued while the tick ran: flushed in the next turn
+                    wait = 0.0
 
     def _finish(self) -> None:
         """After the loop (``IOThread.on_exit``), closed or dead: sockets, then the owner is told."""

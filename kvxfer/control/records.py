@@ -9,8 +9,12 @@ with ``EndpointBase.info``.
 """
 from __future__ import annotations
 
+import hashlib
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+import msgpack
 
 from ..addresses import check_address
 from ..errors import ProtocolError, short
@@ -31,9 +35,33 @@ _LAYOUT_STR = frozenset({"kind", "name", "space", "dtype"})
 def check_layout_record(layout: Mapping) -> None:
     """The shape of a layout description (``Layout.to_dict``): lists of flat objects whose
     fields are ints (``kind``/``name``/``space``/``dtype``: strings). Meaning is checked later
-    (``Layout.from_dict``, the planner); this makes sure that check meets only ints and strings."""
+    (``Layout.from_dict``, the planner); this makes sure that check meets only ints and strings.
+    A description that passed before (the same bytes, by digest) passes again without the walk:
+    every HELLO and registry record carries one, most of them the same."""
     if not isinstance(layout, Mapping):
         raise ProtocolError("field 'layout' must be a layout description object")
+    try:   # strict: a tuple or a subclass has no key (it is walked, and refused if it must be)
+        digest = hashlib.blake2b(msgpack.packb(layout, strict_types=True), digest_size=16).digest()
+    except (TypeError, ValueError, OverflowError):
+        digest = None
+    if digest is not None:
+        with _checked_lock:
+            if digest in _checked:
+                return
+    _walk_layout_record(layout)
+    if digest is not None:
+        with _checked_lock:
+            _checked[digest] = None
+            while len(_checked) > CHECKED:
+                _checked.pop(next(iter(_checked)))
+
+
+CHECKED = 64   # digests of the last layout descriptions ``check_layout_record`` passed (16 bytes each)
+_checked: dict[bytes, None] = {}
+_checked_lock = threading.Lock()
+
+
+def _walk_layout_record(layout: Mapping) -> None:
     items = 0
     for key, v in layout.items():
         if not isinstance(key, str) or len(key) > 64:

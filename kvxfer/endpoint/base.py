@@ -125,6 +125,10 @@ class KVPoll(enum.IntEnum):
 
 
 END_STATES = (KVPoll.Success, KVPoll.Failed)
+# Seconds an endpoint with no request asks its channel to wait between ticks (``on_tick``); the
+# channel's heartbeat turns it sooner (every ``Heartbeat.interval / 2``), and a request begun
+# meanwhile wakes it (``guard``). Busy, an endpoint ticks every 5-50 ms.
+IDLE_TICK = 1.0
 
 
 class Outcome(enum.Enum):
@@ -322,12 +326,20 @@ class EndpointBase(abc.ABC):
 
     @contextlib.contextmanager
     def guard(self):
-        """The endpoint lock; callbacks queued in the yielded list run after it is released."""
+        """The endpoint lock; callbacks queued in the yielded list run after it is released. A change
+        that gave a quiet endpoint a request to look after wakes its dozing channel (``nudge``)."""
         later: list[Callable[[], None]] = []
         with self._lock:
             yield later
         for fn in later:
             fn()
+        channel = getattr(self, "channel", None)
+        if channel is not None and channel.dozing and not self.quiet():
+            channel.nudge()
+
+    @abc.abstractmethod
+    def quiet(self) -> bool:
+        """No request for ``on_tick`` to look after: the channel may doze (``IDLE_TICK``)."""
 
     @abc.abstractmethod
     def end_request(self, req: Any, outcome: Outcome, reason: str, later: list) -> None:

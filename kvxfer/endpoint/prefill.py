@@ -46,7 +46,7 @@ from ..pools import KVPool
 from ..ranks import RankSpec
 from ..transport.base import TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRows
-from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts
+from .base import END_STATES, IDLE_TICK, Clock, KVPoll, Outcome, Timeouts
 from .chunks import Chunk, DecodePeer, Target, chunk_aux, plan_chunk
 from .decode_links import DecodeLinks
 from .prefill_requests import RequestTable
@@ -315,7 +315,13 @@ class PrefillEndpoint(SenderHost):
             for s in list(self._held):
                 self._settle(s, now, later)
             self.requests.expire(now)
-        return 0.005 if self._busy or self._unready else 0.05   # reaping is not on decode's critical path
+        if self._busy or self._unready:
+            return 0.005
+        return IDLE_TICK if self.quiet() else 0.05   # reaping is not on decode's critical path
+
+    def quiet(self) -> bool:
+        """No request here for the tick to look after (any thread, no lock: a glance)."""
+        return not (self._unready or self._busy or self._held) and self.requests.idle()
 
     def _live(self) -> list[KVSender]:
         return list(self.requests.senders.values())

@@ -155,6 +155,10 @@ class RequestTable:
             self.ep.end_request(s, Outcome.Failed, why, later)
         return len(ended)
 
+    def idle(self) -> bool:
+        """Nothing for ``expire`` to look after, and no live sender."""
+        return not (self.senders or self.pending.rooms or self.withdrawn)
+
     def expire(self, now: float) -> None:
         """Every 50 ms: withdrawn rooms and REQs that waited past ``Timeouts.bootstrap`` for their
         sender are forgotten (the REQs NACKed)."""

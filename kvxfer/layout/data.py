@@ -3,11 +3,13 @@ round-trip), the dtypes and slot-space names. The words are ``kvxfer.layout``'s 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import msgpack
 import numpy as np
 
 from .. import rowmerge
@@ -97,6 +99,7 @@ class Layout:
     regions: tuple[Region, ...]
     parts: tuple[Part, ...]
     _by_key: dict = field(default=None, init=False, repr=False, compare=False)
+    _signature: str = field(default="", init=False, repr=False, compare=False)
 
     def __post_init__(self):
         spaces = {s.name: s for s in self.spaces}
@@ -142,15 +145,30 @@ class Layout:
 
     # -- plain data ----------------------------------------------------------------
     def to_dict(self) -> dict:
+        """Plain data, fresh each call (the caller may change it). Field by field, not
+        ``dataclasses.asdict`` (~10x dearer: a copy of every value), as every HELLO sends one."""
         return {
             "kind": self.kind,
-            "spaces": [dataclasses.asdict(s) for s in self.spaces],
-            "regions": [dataclasses.asdict(r) for r in self.regions],
-            "parts": [dataclasses.asdict(p) for p in self.parts],
+            "spaces": [{f: getattr(s, f) for f in _SPACE_FIELDS} for s in self.spaces],
+            "regions": [{f: getattr(r, f) for f in _REGION_FIELDS} for r in self.regions],
+            "parts": [{f: getattr(p, f) for f in _PART_FIELDS} for p in self.parts],
         }
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Layout":
+        """The layout ``d`` describes (``to_dict``'s output), or LayoutError. Layouts are frozen, so one
+        description read before gives back the same ``Layout``: the last ``PARSED`` descriptions of
+        at most ``PARSED_BYTES`` are kept, by their exact bytes (a handshake reads each peer's layout
+        a few times, and the ranks of an instance publish one and the same); bounded, so that
+        peers' descriptions cannot make it hold much."""
+        try:
+            key = msgpack.packb(d)   # exact: ints, strings and bools stay apart (1, "1", True)
+        except (TypeError, ValueError, OverflowError):   # not plain data: no key; parsed (or refused) as it is
+            return cls._parse(d)
+        return _parsed(key) if len(key) <= PARSED_BYTES else cls._parse(d)
+
+    @classmethod
+    def _parse(cls, d: Mapping) -> "Layout":
         try:
             return cls(kind=str(d["kind"]),
                        spaces=tuple(Space(**s) for s in d["spaces"]),
@@ -161,8 +179,11 @@ class Layout:
 
     @property
     def signature(self) -> str:
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
+        """A digest of the layout's description: equal for equal layouts (computed once)."""
+        if not self._signature:
+            blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()
+            object.__setattr__(self, "_signature", hashlib.sha256(blob).hexdigest()[:16])
+        return self._signature
 
     # -- slots -----------------------------------------------------------------------
     def check_slots(self, space: str, slots, what: str = "slots", distinct: bool = False) -> np.ndarray:
@@ -195,3 +216,15 @@ class Layout:
                                   f"slot of its own ({len(twice)} slot(s) repeated)")
         return arr
 
+
+_SPACE_FIELDS = tuple(f.name for f in dataclasses.fields(Space))
+_REGION_FIELDS = tuple(f.name for f in dataclasses.fields(Region))
+_PART_FIELDS = tuple(f.name for f in dataclasses.fields(Part))
+PARSED = 16                # layout descriptions ``Layout.from_dict`` keeps parsed (a few kinds of pool)
+PARSED_BYTES = 256 << 10   # ... each at most this long packed (a 126-layer FP8 pool with scales: ~80 KiB)
+
+
+@functools.lru_cache(maxsize=PARSED)
+def _parsed(key: bytes) -> Layout:
+    """``Layout.from_dict`` of the description packed in ``key`` (failures are not kept)."""
+    return Layout._parse(msgpack.unpackb(key, strict_map_key=False))

@@ -35,7 +35,8 @@ connections and then trims, at most every ``TRIM_EVERY`` seconds:
     ``FreeAfterClose(sock)``     that thread, after the socket is made.
     ``watch.socket``             polled (POLLIN) next to the thread's other sockets.
     ``watch.on_events()``        when it is readable.
-    ``watch.tick(now)``          on each of the thread's ticks: trims when a connection ended.
+    ``watch.tick(now)``          on each of the thread's ticks: trims when a connection ended,
+                                 ``SETTLE`` s after it (``due`` until then: the thread ticks on).
     ``watch.close(sock)``        before ``sock`` is closed.
 """
 from __future__ import annotations
@@ -43,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import time
 from collections.abc import Callable, Sequence
 
 import zmq
@@ -53,6 +55,8 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"   # fixed by RFC 27: one handler per con
 DOMAIN = b"kvxfer"
 _PER_TURN = 256          # requests answered per ``serve`` call, so a connect flood cannot starve the loop
 TRIM_EVERY = 5.0         # seconds between two trims at most
+SETTLE = 0.1             # seconds from a connection's end to the trim: libzmq frees its buffers when the
+                         # owning thread next touches the socket (a trim at once found them still held)
 
 Check = Callable[[bytes, Sequence[bytes]], "str | None"]
 
@@ -143,7 +147,7 @@ class FreeAfterClose:
 
     def __init__(self, sock: zmq.Socket):
         self.socket = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self._due, self._last = False, 0.0
+        self.due, self._due_at, self._last = False, 0.0, 0.0
         self.trims = 0
 
     def on_events(self) -> None:
@@ -152,11 +156,12 @@ class FreeAfterClose:
                 self.socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            self._due = True
+            self.due, self._due_at = True, time.monotonic() + SETTLE
 
     def tick(self, now: float) -> None:
-        if self._due and now - self._last >= TRIM_EVERY:
-            self._due, self._last = False, now
+        """``now``: ``time.monotonic()``."""
+        if self.due and now >= self._due_at and now - self._last >= TRIM_EVERY:
+            self.due, self._last = False, now
             self.trims += 1
             if _TRIM is not None:
                 _TRIM(0)

@@ -23,6 +23,10 @@ from .sockets import Sockets
 
 _CMDS_PER_TURN = 64              # commands handled per loop turn, so a burst of submits never
                                  # keeps the loop from pumping, receiving and its silence checks
+IDLE_MS = 1000                   # the longest a turn waits with nothing open: no transfer either way,
+                                 # no connect waiting for its pong, no source held, no trim due (a
+                                 # command or a message wakes it; issue 39: idle ranks woke 20 times
+                                 # a second)
 
 
 class Loop:
@@ -51,7 +55,8 @@ class Loop:
             # device copies, frames zmq will free, or sources it will let go of: look again soon
             soon = self.sync.waiting or self.framer.starved or time.monotonic() < self.sender.release_soon
             self.framer.starved = False
-            events = dict(poller.poll(1 if soon else 50))
+            idle = not soon and self.sender.idle() and not self.receiver.incoming and not self.sockets.trim_due()
+            events = dict(poller.poll(1 if soon else IDLE_MS if idle else 50))
             if self.waker.fd in events and not self._on_commands():
                 break
             self.sockets.on_events(events)

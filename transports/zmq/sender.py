@@ -230,6 +230,11 @@ class Sender:
             return True
         return False
 
+    def idle(self) -> bool:
+        """No transfer open, no source held in zmq, no connect waiting for its pong: the tick has
+        nothing to look after here."""
+        return not (self.out or self.releasing) and all(p.probe is None for p in self.peers.values())
+
     def fencing(self) -> dict:
         rel = list(self.releasing)
         return {"requests": 0, "bytes": 0, "sources": len(rel), "source_bytes": sum(o.handle.nbytes for o in rel)}

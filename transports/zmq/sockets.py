@@ -114,6 +114,10 @@ class Sockets:
         if self._freed is not None:
             self._freed.tick(now)
 
+    def trim_due(self) -> bool:
+        """A connection ended and the heap is not trimmed yet (``FreeAfterClose``): keep ticking."""
+        return self._freed is not None and self._freed.due
+
     def close(self, dealers: list[zmq.Socket]) -> None:
         """Every socket, then the context (queued messages are dropped: nothing reads a source after)."""
         if self._freed is not None and self.router is not None:
