@@ -52,7 +52,8 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, ...]
 
 
 HeadMap = Sequence[Sequence[int]]   # global heads of each TP rank of a group, in local order
-PICKS = 4096   # answers ``_picks`` keeps for the default placement (4 ints each)
+PICKS = 1024   # answers ``_picks`` keeps for the default placement: a decode group of up to this many ranks
+               # (each answer at most a run per head the decode rank holds: a few MB at most in all)
 
 
 class _Group:

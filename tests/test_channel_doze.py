@@ -1,8 +1,9 @@
 """Quiet ranks doze (issue 39): a control channel whose owner has no request to look after waits
 past its 50 ms tick (``TICK``), up to the heartbeat's pace, instead of waking 20 times a second;
 a non-urgent message queued meanwhile, or work its owner takes on (``nudge``), wakes it at once.
-The endpoints say when they are quiet: a request begun on a dozing rank still gets its tick
-within ``TICK``, so its deadlines hold to the tick as before.
+The endpoints say when they are quiet (no request for ``LINGER`` s: a stream of requests never
+dozes, so never pays the wake-up): a request begun on a dozing rank still gets its tick within
+``TICK``, so its deadlines hold to the tick as before.
 
 Measured before the change (8 idle prefill ranks in one process): the channel threads woke ~170
 times a second together and took ~36 ms of CPU a second; the zmq transport threads ~20 ms.
@@ -78,10 +79,13 @@ def test_a_busy_owner_is_never_left_dozing():
         ch.close()
 
 
-def test_a_request_begun_on_a_dozing_rank_gets_its_tick_within_one_tick():
-    """Both endpoints idle, their channels doze (one turn in 4 s here). A receiver and a sender that
-    nobody serves are made; the injected clocks pass their bootstrap deadline; both fail as the next
-    tick sees it, well within a second: making them woke the dozing channels (``guard``'s nudge)."""
+def test_a_request_begun_on_a_dozing_rank_gets_its_tick_within_one_tick(monkeypatch):
+    """Both endpoints idle (past ``LINGER``), their channels doze (one turn in 4 s here: the quiet tick
+    is made longer than the heartbeat's). A receiver and a sender that nobody serves are made; the injected clocks
+    pass their bootstrap deadline; both fail as the next tick sees it, well within a second: making
+    them woke the dozing channels (``guard``'s nudge)."""
+    from kvxfer.endpoint import base
+    monkeypatch.setattr(base, "IDLE_TICK", 30.0)
     pc, dc = ManualClock(), ManualClock()
     t = Timeouts(bootstrap=30, waiting=300, transfer=30, lease=30, heartbeat=SLOW_BEAT)
     pair = Pair(timeouts=t, p_clock=pc, d_clock=dc)
@@ -99,6 +103,12 @@ def test_a_request_begun_on_a_dozing_rank_gets_its_tick_within_one_tick():
         assert time.monotonic() - t0 < 1.0
         assert r.outcome is s.outcome is Outcome.TimedOut
         assert until(lambda: de.quiet() and pe.quiet(), 3.0), "quiet again once both ended"
+        looks = []   # for LINGER s the channels tick on (the next request is near): dozing only in a tick
+        for _ in range(10):
+            looks.append(de.channel.dozing or pe.channel.dozing)
+            time.sleep(0.03)
+        assert sum(looks) <= 2, looks
+        assert until(lambda: pe.channel.dozing and de.channel.dozing, 5.0), "dozing after LINGER"
         assert np.array_equal(pair.d_pool.buffers[0].numpy(), pair.before[0].numpy())   # nothing written
     finally:
         pair.close()

@@ -125,10 +125,11 @@ class KVPoll(enum.IntEnum):
 
 
 END_STATES = (KVPoll.Success, KVPoll.Failed)
-# Seconds an endpoint with no request asks its channel to wait between ticks (``on_tick``); the
-# channel's heartbeat turns it sooner (every ``Heartbeat.interval / 2``), and a request begun
-# meanwhile wakes it (``guard``). Busy, an endpoint ticks every 5-50 ms.
-IDLE_TICK = 1.0
+# Seconds an endpoint with no request for ``LINGER`` s asks its channel to wait between ticks
+# (``on_tick``); the channel's heartbeat turns it sooner (every ``Heartbeat.interval / 2``), and a
+# request begun meanwhile wakes it (``guard``). Busy, or lately, an endpoint ticks every 5-50 ms: a
+# stream of requests never pays that wake-up.
+IDLE_TICK, LINGER = 1.0, 1.0
 
 
 class Outcome(enum.Enum):
@@ -323,6 +324,7 @@ class EndpointBase(abc.ABC):
         self.xport_lock = threading.Lock()   # transports are not promised to be thread-safe
         self._closed = self._transport_closed = False
         self.broken: str | None = None        # why the endpoint cannot serve any more (see ``on_dead``)
+        self._active_at = time.monotonic()    # when the tick last saw a request (``rest``)
 
     @contextlib.contextmanager
     def guard(self):
@@ -335,11 +337,20 @@ class EndpointBase(abc.ABC):
             fn()
         channel = getattr(self, "channel", None)
         if channel is not None and channel.dozing and not self.quiet():
+            self._active_at = time.monotonic()
             channel.nudge()
 
     @abc.abstractmethod
     def quiet(self) -> bool:
         """No request for ``on_tick`` to look after: the channel may doze (``IDLE_TICK``)."""
+
+    def rest(self, busy: float) -> float:
+        """The wait a tick asks for (channel thread): ``busy`` while there are requests and ``LINGER``
+        s after the last (real time: the cadence is CPU cost, not a deadline), then ``IDLE_TICK``."""
+        real = time.monotonic()
+        if not self.quiet():
+            self._active_at = real
+        return IDLE_TICK if real - self._active_at > LINGER else busy
 
     @abc.abstractmethod
     def end_request(self, req: Any, outcome: Outcome, reason: str, later: list) -> None:
@@ -369,6 +380,8 @@ class EndpointBase(abc.ABC):
         """Channel thread, every turn: deadlines and leases on this endpoint's clock (``now``, the
         channel's real time, is not used: a test's clock may differ)."""
         with self.guard() as later:
+            if not self.quiet():   # a request the tick ends still counts (``rest``)
+                self._active_at = time.monotonic()
             return self._tick(self.clock(), later)
 
     @abc.abstractmethod

@@ -53,7 +53,7 @@ from ..pools import KVPool
 from ..ranks import RankSpec
 from ..transport.base import Arrival, Transport
 from .aux import AUX_BYTES, AuxRows
-from .base import END_STATES, IDLE_TICK, Clock, KVPoll, Outcome, Timeouts
+from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts
 from .instances import Phase, PrefillInstance
 from .prefill_links import PrefillLinks
 from .receiver import KVReceiver, Pending, ReceiverHost, chunk_problem, grant_ranges, waited_for, window_slots
@@ -389,7 +389,7 @@ class DecodeEndpoint(ReceiverHost):
         for r in [r for r in self._recvs.values() if now > r.deadline]:
             what = waited_for(r, self.timeouts, self.links.lost)
             self.end_request(r, Outcome.TimedOut, f"timed out in {r.state.name}: {what}", later)
-        return IDLE_TICK if self.quiet() else 0.05
+        return self.rest(0.05)
 
     def quiet(self) -> bool:
         """No request here for the tick to look after (any thread, no lock: a glance)."""

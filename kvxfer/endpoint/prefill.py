@@ -46,7 +46,7 @@ from ..pools import KVPool
 from ..ranks import RankSpec
 from ..transport.base import TransferStatus, Transport
 from .aux import AUX_BYTES, AuxRows
-from .base import END_STATES, IDLE_TICK, Clock, KVPoll, Outcome, Timeouts
+from .base import END_STATES, Clock, KVPoll, Outcome, Timeouts
 from .chunks import Chunk, DecodePeer, Target, chunk_aux, plan_chunk
 from .decode_links import DecodeLinks
 from .prefill_requests import RequestTable
@@ -317,7 +317,7 @@ class PrefillEndpoint(SenderHost):
             self.requests.expire(now)
         if self._busy or self._unready:
             return 0.005
-        return IDLE_TICK if self.quiet() else 0.05   # reaping is not on decode's critical path
+        return self.rest(0.05)   # reaping is not on decode's critical path
 
     def quiet(self) -> bool:
         """No request here for the tick to look after (any thread, no lock: a glance)."""
