@@ -55,7 +55,7 @@ class Loop:
             # device copies, frames zmq will free, or sources it will let go of: look again soon
             soon = self.sync.waiting or self.framer.starved or time.monotonic() < self.sender.release_soon
             self.framer.starved = False
-            idle = not soon and self.sender.idle() and not self.receiver.incoming and not self.sockets.trim_due()
+            idle = not soon and not self.receiver.incoming and not self.sockets.trim_due() and self.sender.idle()
             events = dict(poller.poll(1 if soon else IDLE_MS if idle else 50))
             if self.waker.fd in events and not self._on_commands():
                 break
