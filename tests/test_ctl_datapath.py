@@ -257,3 +257,28 @@ def test_a_retired_peer_does_not_take_a_shared_data_peer_with_it(server):
         for ep in (imp, de, pe):
             ep.close()
         tx.close()
+
+
+def test_two_records_of_one_registry_read_that_share_a_transport_id_are_refused_before_the_second_admit(server):
+    """A record that carries another rank's data descriptor, read in the same connect as that rank's
+    own: decode refuses it before admitting that id again (which would void the first rank's token),
+    naming both ranks; the first rank's admission stays the only one made."""
+    pes = [PrefillEndpoint(RankSpec(role="prefill", num_kv_heads=H, num_layers=LAYERS, tp_size=2, tp_rank=r),
+                           MHAPool(layers=LAYERS, heads=H // 2, head_dim=DIM, dtype="float32", num_pages=16,
+                                   page_size=PAGE), transport="zmq", timeouts=QUICK) for r in range(2)]
+    de = _decode(transport="zmq")
+    admits: list[str] = []
+    admit = de.transport.admit
+    de.transport.admit = lambda d: (admits.append(d["id"]), admit(d))[1]   # type: ignore[method-assign]
+    try:
+        rogue = dataclasses.replace(pes[1].info, data=pes[0].info.data)   # rank 1's control, rank 0's data
+        with pytest.raises(ConnectError, match="reuses another rank's transport") as e:
+            de.connect(peers=[pes[0].info, rogue], timeout=10)
+        assert "default/dp0/pp0/tp1" in str(e.value) and "default/dp0/pp0/tp0" in str(e.value)
+        assert admits == [pes[0].transport.descriptor()["id"]], admits
+        de.connect(peers=[pes[0].info, pes[1].info], timeout=10)   # the true records: both ranks answer
+        assert sorted(de.links.known_peers()) == ["default/dp0/pp0/tp0", "default/dp0/pp0/tp1"]
+    finally:
+        de.close()
+        for pe in pes:
+            pe.close()

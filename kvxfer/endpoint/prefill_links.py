@@ -51,6 +51,8 @@ class PrefillLinks:
         self.default: PrefillInstance | None = None
         self.planners: dict[str, list[tuple[tuple[int, int], Planner]]] = {}   # rank key -> (source, planner)
         self.known: dict[str, RankInfo] = {}               # rank key -> the record our HELLO went to
+        self._tids: dict[str, str] = {}                    # transport id -> rank key, of ``known``'s records
+        self._admitting: dict[str, str] = {}               # transport id -> rank key, of HELLOs in flight
         self.lost: dict[str, str] = {}                     # rank key -> why it is lost (no HELLO since)
         self._connects = concurrent.futures.ThreadPoolExecutor(max_workers=4,
                                                                thread_name_prefix="kvxfer-decode-connect")
@@ -155,39 +157,67 @@ class PrefillLinks:
     def _hello_all(self, groups: Groups, records: dict[str, RankInfo], me: RankInfo, deadline: float) -> None:
         """HELLO every rank of ``records`` at once from this thread (at most ``HELLO_FANOUT`` in
         flight), then keep what each answered. A refusal raises (CompatibilityError before ConnectError)."""
-        errors = hello_all(self.ep.channel, {k: r.control for k, r in records.items()}, me,
-                           self.ep.timeouts.handshake, deadline, lambda k: self._tokens(k, records[k]),
-                           HELLO_FANOUT, BUSY_RETRY)
-        if errors:
-            raise next((e for e in errors if isinstance(e, CompatibilityError)), errors[0])
-        ep, dl = self.ep, self.ep.layout
-        with ep.guard():
-            for group in groups.values():
-                for key, sources in group.items():
-                    made = [((s.p_tp_rank, s.p_pp_rank), ep.make_planner(dl, dl, s.dst_heads, s.dst_heads, s.layers,
-                                                                         kinds))
-                            for s in sources for kinds in (ep.kv_kinds, ep.state_kinds)]
-                    self.planners[key] = [(src, p) for src, p in made if p is not None]
-                    self.known[key] = records[key]
-                    self.lost.pop(key, None)
+        admitted: set[str] = set()
+        try:
+            errors = hello_all(self.ep.channel, {k: r.control for k, r in records.items()}, me,
+                               self.ep.timeouts.handshake, deadline, lambda k: self._tokens(k, records[k], admitted),
+                               HELLO_FANOUT, BUSY_RETRY)
+            if errors:
+                raise next((e for e in errors if isinstance(e, CompatibilityError)), errors[0])
+            ep, dl = self.ep, self.ep.layout
+            with ep.guard():
+                for group in groups.values():
+                    for key, sources in group.items():
+                        made = [((s.p_tp_rank, s.p_pp_rank), ep.make_planner(dl, dl, s.dst_heads, s.dst_heads,
+                                                                             s.layers, kinds))
+                                for s in sources for kinds in (ep.kv_kinds, ep.state_kinds)]
+                        self.planners[key] = [(src, p) for src, p in made if p is not None]
+                        self._know(key, records[key])
+                        self.lost.pop(key, None)
+        finally:   # the ranks that answered hold their ids through ``known`` now
+            self._admitted(admitted)
 
-    def _tokens(self, key: str, info: RankInfo) -> dict[str, bytes]:
+    def _tokens(self, key: str, info: RankInfo, admitting: set[str]) -> dict[str, bytes]:
         """The admission token our transport gives prefill rank ``key`` of ``info`` (``Transport.admit``).
-        ConnectError when another rank we handshook with holds that transport id: admitting it again
-        would void that rank's token (a record that reuses a live rank's id must not cut it off)."""
+        ConnectError when another rank holds that transport id, handshook with or being handshaken
+        with (a record of the same registry read, say): admitting it again would void that rank's
+        token (a record that reuses a live rank's id must not cut it off). The id is added to
+        ``admitting``; the caller hands it to ``_admitted`` once its HELLOs are over."""
         desc = info.data.get(self.ep.transport.name)
         if desc is None:
             return {}
-        tid = desc.get("id")
+        tid = self._tid(info)
         with self.ep.guard():
-            owner = next((k for k, known in self.known.items() if k != key and
-                          (known.data.get(self.ep.transport.name) or {}).get("id") == tid), None)
-        if owner is not None:
+            owner = self._tids.get(tid, key) if tid in self._tids else self._admitting.get(tid, key)
+            if owner == key:
+                self._admitting[tid] = key
+                admitting.add(tid)
+        if owner != key:
             raise ConnectError(f"prefill rank {key}'s {self.ep.transport.name} id {str(tid)[:40]} is prefill rank "
                                f"{owner}'s: a record that reuses another rank's transport is refused")
         with self.ep.xport_lock:
             token = self.ep.transport.admit(dict(desc))
         return {self.ep.transport.name: token} if token else {}
+
+    def _admitted(self, tids: set[str]) -> None:
+        """The HELLOs that ``_tokens`` admitted ``tids`` for are over (answered or not): a rank
+        that answered holds its id through ``known`` from now on."""
+        with self.ep.guard():
+            for tid in tids:
+                self._admitting.pop(tid, None)
+
+    def _know(self, key: str, info: RankInfo) -> None:
+        """Under the lock: prefill rank ``key`` answered a HELLO sent to ``info``."""
+        old = self.known.get(key)
+        if old is not None and self._tids.get(self._tid(old)) == key:
+            del self._tids[self._tid(old)]
+        self.known[key] = info
+        self._tids[self._tid(info)] = key
+
+    def _tid(self, info: RankInfo) -> str:
+        """Our transport's id in ``info`` as an index key (a peer's record may hold any value there)."""
+        tid = (info.data.get(self.ep.transport.name) or {}).get("id")
+        return tid if isinstance(tid, str) else repr(tid)[:200]
 
     def _failed(self, inst: PrefillInstance, why: str) -> None:
         with self.ep.guard() as later:
@@ -241,6 +271,7 @@ class PrefillLinks:
                 return False
             if replaced:
                 self.mark_lost(key, f"was replaced by a new registration (control {info.control})", later)
+        admitted: set[str] = set()
         if old.spec != info.spec:
             why = (f"re-registered with another shape ({info.spec} instead of {old.spec}): restart this decode rank "
                    f"to pull from it")
@@ -250,13 +281,18 @@ class PrefillLinks:
                 ep.channel.forget(key)            # a new connection: its replay state, a fresh HELLO
                 ep.channel.connect(key, info.control)
                 wait = REPLACED_HELLO if replaced else REJOIN_HELLO
-                hello(ep.channel, key, ep.info, min(ep.timeouts.handshake, wait), self._tokens(key, info))
+                hello(ep.channel, key, ep.info, min(ep.timeouts.handshake, wait), self._tokens(key, info, admitted))
                 why = ""
             except (ConnectError, CompatibilityError, ValueError) as e:
                 why = f"a new handshake with {info.control} failed: {e}"
+            except BaseException:
+                self._admitted(admitted)
+                raise
         with ep.guard() as later:
             if not why:
-                self.known[key] = info
+                self._know(key, info)
+            self._admitted(admitted)   # after ``_know``: the id is held all along
+            if not why:
                 if self.lost.pop(key, None) is not None:
                     log.info("prefill rank %s is back at %s: handshake done", key, info.control)
             elif key not in self.lost:
