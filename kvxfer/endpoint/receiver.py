@@ -17,7 +17,8 @@ from ..errors import RequestError
 from ..grant import ByteRanges
 from ..layout import SWA, Layout
 from ..topology import aux_source
-from .base import EndpointBase, KVPoll, Outcome, RequestBase, Timeouts
+from .base import EndpointBase, KVPoll, Outcome, Timeouts
+from .request import RequestBase
 
 
 class ReceiverHost(EndpointBase):

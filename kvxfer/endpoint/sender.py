@@ -23,8 +23,9 @@ from ..control.messages import Room
 from ..metrics import record_transfer
 from ..transport.base import TransferHandle
 from .aux import AuxRecord
-from .base import EndpointBase, KVPoll, Outcome, RequestBase
+from .base import EndpointBase, KVPoll, Outcome
 from .chunks import Chunk, Target
+from .request import RequestBase
 
 log = logging.getLogger("kvxfer.request")
 

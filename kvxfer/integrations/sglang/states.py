@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...endpoint.base import KVPoll, RequestBase
+from ...endpoint.request import KVPoll, RequestBase
 from ...errors import LayoutError, RequestError
 
 
