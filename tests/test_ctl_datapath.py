@@ -282,3 +282,17 @@ def test_two_records_of_one_registry_read_that_share_a_transport_id_are_refused_
         de.close()
         for pe in pes:
             pe.close()
+
+
+def test_a_record_whose_transport_id_is_not_a_string_is_refused_by_name(server):
+    """A peer's record may hold any value as its transport id: an unhashable one is refused with a
+    ConnectError naming it, never a TypeError out of decode's id index."""
+    pe = _prefill(server, "zmq")
+    de = _decode(transport="zmq")
+    try:
+        odd = dataclasses.replace(pe.info, data={"zmq": dict(pe.info.data["zmq"], id=[1, 2])})
+        with pytest.raises(ConnectError, match=r"cannot admit .*\[1, 2\]"):
+            de.connect(peers=[odd], timeout=5)
+    finally:
+        de.close()
+        pe.close()

@@ -188,7 +188,7 @@ class PrefillLinks:
             return {}
         tid = self._tid(info)
         with self.ep.guard():
-            owner = self._tids.get(tid, key) if tid in self._tids else self._admitting.get(tid, key)
+            owner = self._tids.get(tid) or self._admitting.get(tid) or key
             if owner == key:
                 self._admitting[tid] = key
                 admitting.add(tid)
@@ -208,9 +208,9 @@ class PrefillLinks:
 
     def _know(self, key: str, info: RankInfo) -> None:
         """Under the lock: prefill rank ``key`` answered a HELLO sent to ``info``."""
-        old = self.known.get(key)
-        if old is not None and self._tids.get(self._tid(old)) == key:
-            del self._tids[self._tid(old)]
+        old = self._tid(self.known[key]) if key in self.known else None
+        if old is not None and self._tids.get(old) == key:
+            del self._tids[old]
         self.known[key] = info
         self._tids[self._tid(info)] = key
 
