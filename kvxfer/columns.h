@@ -1,4 +1,4 @@
-/* The 1-D arrays kvxfer's compiled helpers read (rangecheck.c, rowmerge.c): a C-contiguous buffer of
+/* The 1-D arrays kvxfer's compiled helpers read (rangecheck.c, rowmerge.c, keychain.c): a C-contiguous buffer of
  * int64 (itemsize 8) or of bytes/bools (itemsize 1), checked once; ``module`` names the caller in
  * the error. ``release_columns`` gives back every buffer taken (those not taken are skipped).
  * Included by those files only: every function here is static. */

@@ -10,6 +10,7 @@ Comparisons are on raw bytes: random bf16 holds NaNs.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from kvxfer import (
 from kvxfer.errors import RequestError, StorageError
 from kvxfer.host import HostPool
 from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig
+from kvxfer.offload.records import page_keys
 
 
 # ------------------------------------------------------------------------------------
@@ -90,6 +92,35 @@ def test_shared_prefix_is_stored_once_and_restored():
         got = eng.snapshot(c, {"token": np.arange(16)})
         assert all(torch.equal(want[k], got[k]) for k in want)
         assert mgr.restore("d", np.arange(5000, 5020)) == 0
+
+
+def _python_chain(prev: bytes, tokens: np.ndarray, page_size: int) -> list[bytes]:
+    """The key chain as ``kvxfer.offload.tiers`` documents it, one hashlib call per page: what
+    record files written by any kvxfer are named by."""
+    out, raw = [], np.asarray(tokens, np.int64).tobytes()
+    for a in range(0, len(tokens) // page_size * page_size * 8, page_size * 8):
+        prev = hashlib.blake2b(prev + raw[a:a + page_size * 8], digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 15, 16, 17, 64, 256])
+def test_page_keys_are_the_documented_blake2b_chain(page_size):
+    """The compiled chain gives hashlib's keys (files on disk stay found) for every length: whole
+    pages, a partial last page (no key), none at all; prev of 0, 16 and 64 bytes."""
+    rng = np.random.default_rng(page_size)
+    for n in (0, page_size - 1, page_size, 5 * page_size + 2):
+        tok = rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64)
+        for prev in (b"", rng.bytes(16), rng.bytes(64)):
+            got = page_keys(prev, tok, page_size)
+            assert got == _python_chain(prev, tok, page_size)
+            assert len(got) == n // page_size
+    # the manager hands token ids as lists and narrower arrays too: the same keys
+    assert page_keys(b"s" * 16, list(range(40)), 8) == _python_chain(b"s" * 16, np.arange(40), 8)
+    assert page_keys(b"s" * 16, np.arange(40, dtype=np.int32), 8) == _python_chain(b"s" * 16, np.arange(40), 8)
+    for prev, size, why in ((b"x" * 65, 8, "at most 64"), (b"x", 0, "page_size > 0")):
+        with pytest.raises(ValueError, match=why):
+            page_keys(prev, np.arange(16), size)
 
 
 def test_step_does_not_block_on_the_copy(monkeypatch):

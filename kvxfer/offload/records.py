@@ -11,6 +11,11 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+try:
+    from .. import keychain
+except ImportError as e:   # an install that did not build it
+    raise ImportError(f"kvxfer's compiled helper (kvxfer/keychain.c) is not built: {e}. "
+                      "Run scripts/setup, or pip install -e . (needs a C compiler and the Python headers)") from e
 from ..errors import StorageError
 from ..layout import Layout, host_layout, restrict_layout
 
@@ -24,17 +29,11 @@ def key_seed(namespace: str) -> bytes:
     return hashlib.blake2b(namespace.encode(), digest_size=16).digest()
 
 
-def page_keys(prev: bytes, token_ids: np.ndarray, page_size: int) -> list[bytes]:
-    """Chain keys of the whole pages of ``token_ids``, continuing from ``prev``.
-
-    One blake2b per page (hashing, not copying: ~1 us a page, called once per stride)."""
-    raw = np.ascontiguousarray(token_ids, dtype=np.int64).tobytes()   # one conversion, sliced per page
-    step = 8 * page_size
-    out = []
-    for a in range(0, len(raw) - step + 1, step):
-        prev = hashlib.blake2b(prev + raw[a:a + step], digest_size=16).digest()
-        out.append(prev)
-    return out
+def page_keys(prev: bytes, token_ids, page_size: int) -> list[bytes]:
+    """Chain keys of the whole pages of ``token_ids``, continuing from ``prev``:
+    ``blake2b(key before | the page's ids as int64, digest_size=16)`` per page, in one call of the
+    compiled ``keychain.chain`` (~0.3 us a page; a stride's 8 pages in ~3 us)."""
+    return keychain.chain(prev, np.ascontiguousarray(token_ids, dtype=np.int64).reshape(-1), page_size)
 
 
 def tail_key(prev: bytes, token_ids: np.ndarray, total: int) -> bytes:
