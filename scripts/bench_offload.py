@@ -19,9 +19,11 @@ What is measured
                    On CUDA: a device -> pinned-host copy (both figures are that copy).
   offload          every request of the batch released at once: bytes / (first release ->
                    drain), through DecodeOffloadManager, i.e. planner + background thread.
-  reload           DecodeOffloadManager.reload of each request into freshly allocated,
-                   scattered slots; then checked byte for byte against the bytes offloaded
-                   (outside the timed region).
+  reload           the batch back into freshly allocated, scattered slots with one
+                   DecodeOffloadManager.reload_many call (one plan, as an engine that resumes the
+                   batch in one step calls it, and as the ceiling copies it); then checked byte for
+                   byte against the bytes offloaded (outside the timed region). Trials alternate
+                   with ``reload_each``: one reload call per request, shown beside it.
   same slots       (host memory; the goal's ceiling, issue 39's decision C) libc memcpy once per
                    run, in a C loop, of one plan between the trial's own device slots and fresh
                    slots of a second host pool of the same layout (``SameSlots``): device -> host
@@ -281,18 +283,22 @@ class SameSlots:
 
 
 def bench_bandwidth(args, pool, host_style: str) -> dict:
-    """Offload then reload ``requests x tokens`` through the manager, ``reps`` timed trials after
-    one warm-up; each trial next to its own ceiling measurements (contiguous copy; on the CPU,
-    ``SameSlots``)."""
+    """Offload then reload ``requests x tokens`` through the manager, ``2 x reps`` timed trials
+    after two warm-ups; each trial next to its own ceiling measurements (contiguous copy; on the
+    CPU, ``SameSlots``). Reload alternates: even trials take the batch back with one
+    ``reload_many`` (as an engine that resumes the batch in one step, and as the ceiling copies
+    it: one plan), odd ones with one ``reload`` per request (``reload_each``)."""
     host = HostPool.for_pool(pool, layout=host_style, size=args.requests * args.tokens)
     lib = memcpy_runs_lib() if pool.device.type == "cpu" else None
     same = SameSlots(lib, pool, host_style, args.requests * args.tokens) if lib is not None else None
     pages = Pages(args.pages, args.page_size)
     nbytes = args.requests * args.tokens * sum(p.heads * p.head_bytes for p in pool.layout.parts)
     ceiling = Ceiling(nbytes, pool.device.type)
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[float]] = {}   # per figure, its trials' values (with the ceilings of those trials)
     with DecodeOffloadManager(pool, host, OffloadConfig(stride=args.stride)) as mgr:
-        for trial in range(-1, args.reps):   # trial -1: the warm-up, not recorded
+        for trial in range(-2, 2 * args.reps):   # trials -2, -1: the warm-ups (both reloads), not recorded
+            batched = trial % 2 == 0
+            rel = "reload" if batched else "reload_each"
             reqs = {f"t{trial}r{i}": (np.arange(args.tokens) + 7919 * i + trial * 10**6, pages.alloc(args.tokens))
                     for i in range(args.requests)}
             want = {rid: token_bytes(pool, slots) for rid, (_, slots) in reqs.items()}
@@ -317,8 +323,11 @@ def bench_bandwidth(args, pool, host_style: str) -> dict:
             if pool.device.type == "cuda":
                 torch.cuda.synchronize()
             t = time.perf_counter()
-            for rid in reqs:
-                mgr.reload(rid, news[rid])
+            if batched:
+                mgr.reload_many(news)
+            else:
+                for rid in reqs:
+                    mgr.reload(rid, news[rid])
             if pool.device.type == "cuda":
                 torch.cuda.synchronize()
             t_rel = time.perf_counter() - t
@@ -326,7 +335,7 @@ def bench_bandwidth(args, pool, host_style: str) -> dict:
             assert moved_rel == nbytes, (moved_rel, nbytes)
             for rid in reqs:   # byte-exact, outside the timed region
                 if not all(torch.equal(a, b) for a, b in zip(token_bytes(pool, news[rid]), want[rid])):
-                    raise SystemExit(f"reload of {rid} (host {host_style}) is not byte-exact")
+                    raise SystemExit(f"{rel} of {rid} (host {host_style}) is not byte-exact")
             if same is not None:   # the same bytes into the same slots: the check above stands
                 same_rel = same.reload(np.concatenate([news[rid] for rid in reqs]))
             for rid in reqs:   # done: the records become cache, dropped when the next trial needs room
@@ -335,25 +344,26 @@ def bench_bandwidth(args, pool, host_style: str) -> dict:
             if trial < 0:
                 continue
             for k, v in (("ceiling", c["torch"]), ("ceiling_glibc", c["glibc"]),
-                         ("offload", gbps(moved_off, t_off)), ("reload", gbps(moved_rel, t_rel)),
-                         ("offload_copy", gbps(moved_off, copy_off)), ("reload_copy", gbps(moved_rel, copy_rel))):
+                         ("offload", gbps(moved_off, t_off)), ("offload_copy", gbps(moved_off, copy_off)),
+                         (rel, gbps(moved_rel, t_rel)), (f"{rel}_copy", gbps(moved_rel, copy_rel)),
+                         (f"{rel}_ceiling", c["torch"]), (f"{rel}_ceiling_glibc", c["glibc"])):
                 out.setdefault(k, []).append(v)
             if same is not None:
                 out.setdefault("same_offload", []).append(same_off)
-                out.setdefault("same_reload", []).append(same_rel)
+                out.setdefault(f"same_{rel}", []).append(same_rel)
     res = {k: statistics.median(v) for k, v in out.items()}
+    ceil = {"offload": "ceiling", "reload": "reload_ceiling", "reload_each": "reload_each_ceiling"}
     if same is not None:   # decision C's ratio, per trial, median
-        for k in ("offload", "reload"):
+        for k in ceil:
             res[f"{k}_same_x"] = float(np.median(np.array(out[k]) / np.array(out[f"same_{k}"])))
-    for k in ("offload_copy", "reload_copy"):
-        res[f"{k}_x"] = float(np.median(np.array(out[k]) / np.array(out["ceiling"])))
-    for k in ("offload", "reload"):
-        x = np.array(out[k]) / np.array(out["ceiling"])
+    for k, ck in ceil.items():
+        x = np.array(out[k]) / np.array(out[ck])
         # best-of-N on both sides: each at the machine's best moment (a best per-trial ratio
         # would favour trials whose ceiling was measured at a bad one)
-        res[f"{k}_x"], res[f"{k}_x_best"] = float(np.median(x)), max(out[k]) / max(out["ceiling"])
-        res[f"{k}_x_glibc"] = float(np.median(np.array(out[k]) / np.array(out["ceiling_glibc"])))
-    res["trials"] = args.reps
+        res[f"{k}_x"], res[f"{k}_x_best"] = float(np.median(x)), max(out[k]) / max(out[ck])
+        res[f"{k}_x_glibc"] = float(np.median(np.array(out[k]) / np.array(out[f"{ck}_glibc"])))
+        res[f"{k}_copy_x"] = float(np.median(np.array(out[f"{k}_copy"]) / np.array(out[ck])))
+    res["trials"] = 2 * args.reps
     return res
 
 
@@ -446,7 +456,8 @@ def main(argv=None) -> int:
     ap.add_argument("--stride", type=positive, default=128)
     ap.add_argument("--requests", type=positive, default=8)
     ap.add_argument("--tokens", type=positive, default=512, help="tokens per request (bandwidth)")
-    ap.add_argument("--reps", type=positive, default=5, help="timed bandwidth trials (after one warm-up)")
+    ap.add_argument("--reps", type=positive, default=5,
+                    help="timed bandwidth trials of each reload kind (2 x reps trials, after two warm-ups)")
     ap.add_argument("--hidden", type=positive, default=1024)
     ap.add_argument("--matmuls", type=positive, default=12)
     ap.add_argument("--prompt", type=positive, default=100)
@@ -477,8 +488,9 @@ def main(argv=None) -> int:
           f"{tok_bytes // 1024} KiB/token, {pool.regions()[0].numel() * len(pool.regions()) / 2**20:.0f} MiB on "
           f"{args.device}; stride {args.stride} ({chunk / 2**20:.1f} MiB/copy); torch threads {args.threads}")
     print(f"moving {args.requests} requests x {args.tokens} tokens = "
-          f"{args.requests * args.tokens * tok_bytes / 2**20:.0f} MiB per trial, {args.reps} trials after a "
-          f"warm-up (median of per-trial ratios; in brackets best-of-N / best-of-N ceiling)")
+          f"{args.requests * args.tokens * tok_bytes / 2**20:.0f} MiB per trial, {2 * args.reps} trials after two "
+          f"warm-ups (reload: {args.reps} batched, {args.reps} one call per request; median of per-trial ratios; "
+          f"in brackets best-of-N / best-of-N ceiling)")
     bw, ex = {}, {}
     for style in ("layer_first", "page_first"):
         r = bw[style] = bench_bandwidth(args, pool, style)
@@ -493,6 +505,9 @@ def main(argv=None) -> int:
             print(f"{'':17s}vs C memcpy per run of the same slots (SameSlots; goal >= {GOAL_BANDWIDTH_X}x):   "
                   f"offload {r['offload_same_x']:4.2f}x of {r['same_offload']:.2f} GB/s   "
                   f"reload {r['reload_same_x']:4.2f}x of {r['same_reload']:.2f} GB/s")
+        each = f" ({r['reload_each_same_x']:4.2f}x of the same slots)" if "reload_each_same_x" in r else ""
+        print(f"{'':17s}reload with one call per request (reload, not reload_many):   {r['reload_each']:6.2f} GB/s "
+              f"({r['reload_each_x']:4.2f}x){each}")
         e = ex[style] = bench_executor(args, pool, style)
         print(f"{'':17s}executor alone (execute_plan, one plan):   device->host {e['d2h']:4.2f}x   "
               f"host->device {e['h2d']:4.2f}x")
@@ -504,7 +519,7 @@ def main(argv=None) -> int:
           f"off {s['step_off_ms']:.2f} ms, on {s['step_on_ms']:.2f} ms ({s['slowdown'] * 100:+.1f}%); "
           f"step() call {s['step_call_us']:.0f} us; {s['offloaded_mb']:.0f} MB offloaded meanwhile")
     if args.json is not None:
-        figures = {"bench": "offload", "device": args.device, "trials": args.reps,
+        figures = {"bench": "offload", "device": args.device, "trials": 2 * args.reps,
                    "goals": {"bandwidth_x": GOAL_BANDWIDTH_X, "step_x": GOAL_STEP_X},
                    "bandwidth": {style: {"offload_gbps": r["offload"], "reload_gbps": r["reload"],
                                          "memcpy_gbps": r["ceiling"], "memcpy_glibc_gbps": r["ceiling_glibc"],
@@ -513,8 +528,9 @@ def main(argv=None) -> int:
                                          "offload_x_glibc": r["offload_x_glibc"],
                                          "offload_copy_x": r["offload_copy_x"], "reload_copy_x": r["reload_copy_x"],
                                          "reload_x_glibc": r["reload_x_glibc"],
+                                         "reload_each_gbps": r["reload_each"], "reload_each_x": r["reload_each_x"],
                                          **{k: r[k] for k in ("same_offload", "same_reload", "offload_same_x",
-                                                              "reload_same_x") if k in r}}
+                                                              "reload_same_x", "reload_each_same_x") if k in r}}
                                  for style, r in bw.items()},
                    "executor_alone_x": ex,
                    "step": {**s, "step_x": s["step_on_ms"] / s["step_off_ms"]},

@@ -166,11 +166,16 @@ def rank_scenario(name: str, out: Path, rank: int, world: int, groups: dict, rea
     for k, m in mgrs.items():
         log["stored"][k] = m.stats.records_offloaded
         log["records"][k] = sum(len(m._requests[r].records) for r in m._requests)
-    for (k, rid), (n, before) in sorted(want.items()):
+    back: dict = {}   # per manager, its released requests back in one reload_many
+    for (k, rid), (n, _) in sorted(want.items()):
         if k not in log["error"] and rid in log["released_at"][k]:
-            new = allocs[k].alloc(n)
-            mgrs[k].reload(rid, new)       # MLA: collective, the storing rank broadcasts
-            log["reload_ok"][f"{k}/{rid}"] = snap(pools[k], new) == before
+            back.setdefault(k, {})[rid] = allocs[k].alloc(n)
+    for k, news in back.items():
+        mgrs[k].reload_many(news)          # MLA: collective, the storing rank broadcasts
+        for rid, new in news.items():
+            log["reload_ok"][f"{k}/{rid}"] = snap(pools[k], new) == want[(k, rid)][1]
+    for (k, rid), (n, before) in sorted(want.items()):
+        if k in back and rid in back[k]:
             # a new request with the same tokens finds every record again (MLA: the storers answer)
             found = mgrs[k].restore(f"{rid}-again", toks[rid][:n])
             again = allocs[k].alloc(n)

@@ -94,6 +94,93 @@ def test_shared_prefix_is_stored_once_and_restored():
         assert mgr.restore("d", np.arange(5000, 5020)) == 0
 
 
+def _offload_batch(mgr, eng, lengths: dict[str, int], seed: int) -> dict:
+    """Decode and release requests of ``lengths`` tokens, one after another (freeing each one's
+    slots once released); returns rid -> (positions, the bytes to get back)."""
+    rng, out = np.random.default_rng(seed), {}
+    for rid, n in lengths.items():
+        toks = rng.integers(0, 32000, n)
+        slots = eng.alloc(n)
+        decode(mgr, eng, rid, toks, slots, start=1)
+        mgr.release(rid, toks, slots)
+        wait_released(mgr, rid)
+        pos = mgr.positions(rid)
+        out[rid] = (pos, eng.snapshot(slots, pos))
+        eng.free(slots)
+    return out
+
+
+def _count_copies(monkeypatch) -> list:
+    calls: list = []
+    real = copier_mod.Copier._copy
+
+    def counted(self, plan, *a, **k):
+        calls.append(plan.nbytes)
+        return real(self, plan, *a, **k)
+    monkeypatch.setattr(copier_mod.Copier, "_copy", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kind,tier", [("mha_token_major", "host"), ("hybrid_swa", "host"), ("mla", "host"),
+                                       ("state", "host"), ("mha_hnd", "file")])
+def test_reload_many_resumes_a_batch_with_one_copy(kind, tier, tmp_path, monkeypatch):
+    """Three requests back in one call, byte-exact, nothing written outside their slots. From
+    host memory that is one plan and one copy (the engine's batch, as the bench's ceiling copies
+    it); records in the file tier come back one by one in the same call."""
+    pool = POOLS[kind]()
+    eng = Engine(pool)
+    host = HostPool.for_pool(pool, size=16 if tier == "file" else 64)
+    cfg = OffloadConfig(stride=8, storage_dir=str(tmp_path) if tier == "file" else None)
+    with DecodeOffloadManager(pool, host, cfg) as mgr:
+        held = _offload_batch(mgr, eng, {"a": 13, "b": 9, "c": 17}, seed=7)
+        assert (mgr.stats.records_evicted > 0) == (tier == "file")
+        new = {rid: eng.alloc(len(pos["token"]) if "token" in pos else 1, swa_positions=pos.get("swa"))
+               for rid, (pos, _) in held.items()}
+        eng.randomize()
+        before = [b.numpy().copy() for b in pool.regions()]
+        masks = [np.zeros(len(b), bool) for b in before]
+        for rid, (pos, _) in held.items():
+            for m, c in zip(masks, eng.covered_mask(new[rid], pos)):
+                m |= c
+        copies = _count_copies(monkeypatch)
+        mgr.reload_many(new)
+        for rid, (pos, want) in held.items():
+            got = eng.snapshot(new[rid], pos)
+            assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want), rid
+        for b, after, m in zip(before, pool.regions(), masks):
+            assert np.array_equal(b[~m], after.numpy()[~m]), "reload_many wrote outside the requests' slots"
+        if tier == "host":
+            assert len(copies) == 1 and mgr.stats.records_reloaded == sum(
+                len(mgr._requests[r].records) for r in held)
+        else:
+            assert len(copies) > 1
+        assert all(mgr._requests[r].phase == "running" for r in held)   # they decode on
+
+
+def test_reload_many_checks_every_request_before_it_copies_anything():
+    pool = POOLS["mha_token_major"]()
+    eng = Engine(pool)
+    host = HostPool.for_pool(pool, size=64)
+    with DecodeOffloadManager(pool, host, OffloadConfig(stride=8)) as mgr:
+        held = _offload_batch(mgr, eng, {"a": 10, "b": 12}, seed=3)
+        mgr.step([("run", np.arange(5), eng.alloc(5))])   # a running request: nothing to reload
+        new = {rid: eng.alloc(len(pos["token"])) for rid, (pos, _) in held.items()}
+        before = [b.numpy().copy() for b in pool.regions()]
+        bad = [([("a", new["a"]), ("zz", new["b"])], RequestError, "zz is not known"),
+               ([("a", new["a"]), ("run", new["b"])], RequestError, "run is running, not offloaded"),
+               ([("a", new["a"]), ("b", new["b"]), ("a", new["a"])], RequestError, "a is listed twice"),
+               ([("a", new["a"]), ("b", new["b"][:5])], LayoutError, "reload b: 5 slots given")]
+        for batch, err, why in bad:
+            with pytest.raises(err, match=why):
+                mgr.reload_many(batch)
+            assert all(np.array_equal(x, y.numpy()) for x, y in zip(before, pool.regions())), why
+            assert mgr._requests["a"].phase == mgr._requests["b"].phase == "offloaded"
+        mgr.reload_many([(rid, new[rid]) for rid in ("b", "a")])   # pairs, in any order
+        for rid, (pos, want) in held.items():
+            got = eng.snapshot(new[rid], pos)
+            assert all(torch.equal(want[k], got[k]) for k in want), rid
+
+
 def _python_chain(prev: bytes, tokens: np.ndarray, page_size: int) -> list[bytes]:
     """The key chain as ``kvxfer.offload.tiers`` documents it, one hashlib call per page: what
     record files written by any kvxfer are named by."""

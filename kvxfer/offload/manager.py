@@ -26,7 +26,8 @@ ready         The readiness contract: ``ready`` is any object with ``query()`` a
 suspend/finish ``mgr.release(rid, token_ids, slots)``: queues the last partial stride and the
               snapshot spaces; the engine keeps the slots until a later ``poll()`` lists rid.
 resume        ``mgr.reload(rid, slots)`` (collective for replicated KV): blocking, byte-exact
-              into freshly allocated slots. For a request this manager does not know (a shared
+              into freshly allocated slots; ``mgr.reload_many({rid: slots, ...})`` resumes a
+              batch with one plan and one copy. For a request this manager does not know (a shared
               prefix, or files written before a restart) call ``mgr.restore(rid, token_ids)``
               (collective) first.
 end           ``mgr.forget(rid)``: the request is done; its records stay as cache (LRU).
@@ -184,10 +185,40 @@ class DecodeOffloadManager:
         """Blocking: copy the offloaded request into fresh engine ``slots`` (position i ->
         slots[i]; other spaces through ``pool.space_slots``), byte-exact; it runs again after.
         Collective for replicated KV (each record's storing rank broadcasts it)."""
-        req = self._get(rid)
-        if req.phase != "offloaded":
-            raise RequestError(f"reload: request {rid} is {req.phase}, not offloaded")
-        s, recs = np.asarray(slots, dtype=np.int64), req.records
+        self.reload_many([(rid, slots)])
+
+    def reload_many(self, batch: Mapping[str, Sequence[int]] | Iterable[tuple[str, Sequence[int]]]) -> None:
+        """``reload`` of several requests with one plan and one copy: what an engine that resumes a
+        batch of requests in a step calls. ``batch``: ``{rid: slots}`` or ``(rid, slots)`` pairs.
+        Every request is checked first (known, offloaded, listed once, its slots cover it): on a
+        bad one it raises and copies nothing. Collective for replicated KV: every rank of the
+        group passes the same requests in the same order."""
+        items = list(batch.items() if isinstance(batch, Mapping) else batch)
+        seen: set[str] = set()
+        for rid, _ in items:
+            req = self._get(rid)
+            if req.phase != "offloaded":
+                raise RequestError(f"reload: request {rid} is {req.phase}, not offloaded")
+            if rid in seen:
+                raise RequestError(f"reload_many: request {rid} is listed twice")
+            seen.add(rid)
+        todo: list[tuple[Record, dict[str, np.ndarray]]] = []
+        whole: dict[str, list[np.ndarray]] = {}   # every record's destination, in todo's order, per space
+        for rid, slots in items:
+            for space, d in self._destinations(rid, slots, todo).items():
+                whole.setdefault(space, []).append(d)
+        if todo:
+            self._copier.load(todo, self._tp.bcast if self.replicated and self.size > 1 else None,
+                              whole={s: v[0] if len(v) == 1 else np.concatenate(v) for s, v in whole.items()})
+        for rid, _ in items:
+            self._requests[rid].phase = "running"
+
+    def _destinations(self, rid: str, slots: Sequence[int],
+                      todo: list[tuple[Record, dict[str, np.ndarray]]]) -> dict[str, np.ndarray]:
+        """Map ``rid``'s positions to device ``slots`` (position i -> slots[i], other spaces
+        through ``pool.space_slots``), checked; append each record's share to ``todo`` (views of
+        the request's arrays) and return the request's whole destination per space."""
+        s, recs = np.asarray(slots, dtype=np.int64), self._requests[rid].records
         # every record's positions at once, per space: one mapping and one check for the request
         per_space: dict[str, list[np.ndarray]] = {}
         for rec in recs:
@@ -203,15 +234,14 @@ class DecodeOffloadManager:
             if (d == 0).any():
                 raise LayoutError(f"reload {rid}: no {space!r} slot mapped for positions "
                                   f"{pos[d == 0][:8].tolist()} (see positions(rid))")
-        todo, at = [], dict.fromkeys(mapped, 0)
-        for rec in recs:   # each record's share: views of the request's arrays
+        at = dict.fromkeys(mapped, 0)
+        for rec in recs:
             dst = {}
             for space, pos in rec.positions.items():
                 a = at[space]
                 dst[space], at[space] = mapped[space][a:a + len(pos)], a + len(pos)
             todo.append((rec, dst))
-        self._copier.load(todo, self._tp.bcast if self.replicated and self.size > 1 else None, whole=mapped)
-        req.phase = "running"
+        return mapped
 
     def forget(self, rid: str) -> None:
         """The request is over (after ``poll`` released it, after a failure, or on abort). Its
