@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,7 @@ from .httplink import HttpLink
 from .records import RankInfo
 
 DIGEST_HEX = 64                 # characters of a layout digest (hex SHA-256)
+_HEX = re.compile(f"[0-9a-f]{{{DIGEST_HEX}}}")
 MAX_MISSING = 64                # missing keys a readiness answer lists (the count is exact)
 WHOLE = ""                      # the instance name that stands for the whole registry in ``changes``
 REGISTRY_TTL = 10.0             # seconds the embedded registry keeps a registration without a heartbeat
@@ -57,7 +59,9 @@ def digest_of(raw: bytes) -> str:
 
 
 def is_digest(value) -> bool:
-    return isinstance(value, str) and len(value) == DIGEST_HEX and all(c in "0123456789abcdef" for c in value)
+    """A layout digest: ``DIGEST_HEX`` lowercase hex digits (one regex match, not a step per digit:
+    a registry read checks one per record)."""
+    return isinstance(value, str) and _HEX.fullmatch(value) is not None
 
 
 def bare_record(info: RankInfo) -> dict:
