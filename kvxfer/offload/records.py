@@ -11,13 +11,14 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
+from ..errors import StorageError
+from ..layout import Layout, host_layout, restrict_layout
+
 try:
     from .. import keychain
 except ImportError as e:   # an install that did not build it
     raise ImportError(f"kvxfer's compiled helper (kvxfer/keychain.c) is not built: {e}. "
                       "Run scripts/setup, or pip install -e . (needs a C compiler and the Python headers)") from e
-from ..errors import StorageError
-from ..layout import Layout, host_layout, restrict_layout
 
 FORMAT = "kvxfer-offload-record-v1"
 
