@@ -169,7 +169,8 @@ def test_reload_many_checks_every_request_before_it_copies_anything():
         bad = [([("a", new["a"]), ("zz", new["b"])], RequestError, "zz is not known"),
                ([("a", new["a"]), ("run", new["b"])], RequestError, "run is running, not offloaded"),
                ([("a", new["a"]), ("b", new["b"]), ("a", new["a"])], RequestError, "a is listed twice"),
-               ([("a", new["a"]), ("b", new["b"][:5])], LayoutError, "reload b: 5 slots given")]
+               ([("a", new["a"]), ("b", new["b"][:5])], LayoutError, "reload b: 5 slots given"),
+               ([("a", new["a"]), "b"], RequestError, "pairs, got 'b'")]
         for batch, err, why in bad:
             with pytest.raises(err, match=why):
                 mgr.reload_many(batch)

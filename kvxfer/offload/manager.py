@@ -194,6 +194,9 @@ class DecodeOffloadManager:
         bad one it raises and copies nothing. Collective for replicated KV: every rank of the
         group passes the same requests in the same order."""
         items = list(batch.items() if isinstance(batch, Mapping) else batch)
+        for it in items:
+            if not (isinstance(it, tuple) and len(it) == 2):
+                raise RequestError(f"reload_many takes {{rid: slots}} or (rid, slots) pairs, got {it!r:.80}")
         seen: set[str] = set()
         for rid, _ in items:
             req = self._get(rid)
