@@ -42,6 +42,9 @@ What is measured
                    of these two lines, 256 MiB of other bytes are written: caches hold none of
                    the copy's bytes, as for the manager's copies (a reload reads host memory
                    written at offload, long before).
+  restore          DecodeOffloadManager.restore of a long prompt (--restore-tokens) held on host,
+                   found whole and not at all, against one blake2b of its token ids in a single
+                   call: the hashing any content-keyed lookup of it needs at least.
   decode step      a few matmuls per step (torch on 1 thread: the engine's compute) with
                    the batch decoding one token per request per step; offload on (step() every
                    step, copies running behind) vs off, interleaved trials, median.
@@ -367,6 +370,42 @@ def bench_bandwidth(args, pool, host_style: str) -> dict:
     return res
 
 
+def bench_restore(args) -> dict:
+    """``restore`` of a long prompt (``--restore-tokens``), found whole (hit) and not at all (miss),
+    median of ``reps`` each, against one blake2b of the prompt's token ids in a single call: the
+    hashing any content-keyed lookup of it needs at least. What is left is the key chain's work per
+    page and the record lookups. The KV is one small head (the bytes do not matter here)."""
+    import hashlib
+    n, page = args.restore_tokens, args.page_size
+    pool = MHAPool(layers=1, heads=1, head_dim=8, dtype="bfloat16", num_pages=n // page + 2, page_size=page)
+    host = HostPool.for_pool(pool, size=n)
+    toks = np.arange(n, dtype=np.int64) * 7 + 3
+    hit, miss, ceiling = [], [], []
+    with DecodeOffloadManager(pool, host, OffloadConfig(stride=args.stride)) as mgr:
+        mgr.release("long", toks, np.arange(page, page + n))
+        mgr.drain()
+        assert mgr.poll().released == ["long"]
+        mgr.forget("long")
+        for i in range(args.reps + 1):   # the first round warms up, not recorded
+            t0 = time.perf_counter()
+            found = mgr.restore(f"hit{i}", toks)
+            t1 = time.perf_counter()
+            none = mgr.restore(f"miss{i}", toks + 1)
+            t2 = time.perf_counter()
+            hashlib.blake2b(toks.tobytes(), digest_size=16).digest()
+            t3 = time.perf_counter()
+            assert (found, none) == (n, 0), (found, none)
+            mgr.forget(f"hit{i}")
+            mgr.forget(f"miss{i}")
+            if i:
+                hit.append(t1 - t0)
+                miss.append(t2 - t1)
+                ceiling.append(t3 - t2)
+    med = statistics.median
+    x = {k: float(med(np.array(v) / np.array(ceiling))) for k, v in (("hit_x", hit), ("miss_x", miss))}
+    return {"tokens": n, "hit_ms": med(hit) * 1e3, "miss_ms": med(miss) * 1e3, "blake2b_ms": med(ceiling) * 1e3, **x}
+
+
 def bench_step(args, pool) -> dict:
     """Per-step time of a simulated decode loop, offload on vs off (interleaved trials)."""
     dev = pool.device
@@ -419,7 +458,7 @@ def bench_step(args, pool) -> dict:
             "step_call_us": statistics.median(calls) * 1e6, "offloaded_mb": offloaded / 1e6}
 
 
-def rows_of(bw: dict, step: dict) -> list[dict]:
+def rows_of(bw: dict, step: dict, restore: dict) -> list[dict]:
     """The figures as ``kvxfer bench`` rows (see kvxfer/bench.py)."""
     rows = []
     for style, r in bw.items():
@@ -436,6 +475,10 @@ def rows_of(bw: dict, step: dict) -> list[dict]:
                      "unit": "GB/s", "ceiling": r["same_reload_each"] if same else r["ceiling"],
                      "ceiling_name": "C memcpy per run, same slots" if same else "memcpy (torch copy_)",
                      "ratio": r["reload_each_same_x"] if same else r["reload_each_x"]})
+    for what, key in (("found whole", "hit"), ("found nothing", "miss")):
+        rows.append({"name": f"offload: restore of a {restore['tokens']}-token prompt, {what}",
+                     "value": restore[f"{key}_ms"], "unit": "ms", "ceiling": restore["blake2b_ms"],
+                     "ceiling_name": "one blake2b of its token ids", "ratio": restore[f"{key}_x"]})
     x = step["step_on_ms"] / step["step_off_ms"]
     rows.append({"name": "offload: decode step with offload on", "value": step["step_on_ms"], "unit": "ms",
                  "ceiling": step["step_off_ms"], "ceiling_name": "offload off", "ratio": x,
@@ -469,6 +512,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=positive, default=160)
     ap.add_argument("--trials", type=positive, default=5)
     ap.add_argument("--threads", type=positive, default=1, help="torch threads of the simulated model")
+    ap.add_argument("--restore-tokens", type=positive, default=32768, help="prompt length of the restore line")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--json", nargs="?", const="-", metavar="PATH",
                     help="also print the figures as one JSON object, the last line of output "
@@ -523,6 +567,10 @@ def main(argv=None) -> int:
     print(f"decode step ({args.requests} requests, {args.matmuls} matmuls of {args.hidden}^2): "
           f"off {s['step_off_ms']:.2f} ms, on {s['step_on_ms']:.2f} ms ({s['slowdown'] * 100:+.1f}%); "
           f"step() call {s['step_call_us']:.0f} us; {s['offloaded_mb']:.0f} MB offloaded meanwhile")
+    rs = bench_restore(args)
+    print(f"restore of a {rs['tokens']}-token prompt (page {args.page_size}, stride {args.stride}): found whole "
+          f"{rs['hit_ms']:.2f} ms ({rs['hit_x']:.1f}x), found nothing {rs['miss_ms']:.2f} ms ({rs['miss_x']:.1f}x) "
+          f"of one blake2b of its token ids ({rs['blake2b_ms']:.3f} ms)")
     if args.json is not None:
         figures = {"bench": "offload", "device": args.device, "trials": 2 * args.reps,
                    "goals": {"bandwidth_x": GOAL_BANDWIDTH_X, "step_x": GOAL_STEP_X},
@@ -539,7 +587,8 @@ def main(argv=None) -> int:
                                  for style, r in bw.items()},
                    "executor_alone_x": ex,
                    "step": {**s, "step_x": s["step_on_ms"] / s["step_off_ms"]},
-                   "rows": rows_of(bw, s)}
+                   "restore": rs,
+                   "rows": rows_of(bw, s, rs)}
         text = json.dumps(figures)
         if args.json != "-":
             Path(args.json).write_text(text)
