@@ -142,13 +142,15 @@ static PyObject *chain(PyObject *self, PyObject *args)
     if (!column_of("keychain", tok, "tokens", 8, 0, &c))
         goto done;
     Py_ssize_t pages = c.len / page_size;
+    if ((out = PyList_New(pages)) == NULL || pages == 0)
+        goto done;
+    /* a whole page lies inside the token buffer: its bytes, and the message's, fit in memory */
     size_t page_bytes = (size_t)page_size * 8;
-    if (page_bytes / 8 != (size_t)page_size || (msg = PyMem_Malloc(MAX_PREV + page_bytes)) == NULL) {
+    if ((msg = PyMem_Malloc(MAX_PREV + page_bytes)) == NULL) {
+        Py_CLEAR(out);
         PyErr_NoMemory();
         goto done;
     }
-    if ((out = PyList_New(pages)) == NULL)
-        goto done;
     const uint8_t *tokens = c.view.buf;
     size_t head = (size_t)prev.len;
     memcpy(msg, prev.buf, head);

@@ -209,6 +209,10 @@ def test_page_keys_are_the_documented_blake2b_chain(page_size):
     for prev, size, why in ((b"x" * 65, 8, "at most 64"), (b"x", 0, "page_size > 0")):
         with pytest.raises(ValueError, match=why):
             page_keys(prev, np.arange(16), size)
+    # a page larger than the tokens: no key, and nothing sized from the page (its 8-byte ids and the
+    # key before would wrap a size_t: to 56 bytes for 2**61 - 1 tokens, to 0 for 2**62)
+    for size in (2**61 - 1, 2**62, 2**63 - 1):
+        assert page_keys(b"x" * 64, np.arange(16), size) == []
 
 
 def test_step_does_not_block_on_the_copy(monkeypatch):
