@@ -8,6 +8,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,6 +17,16 @@ import torch
 
 KiB, MiB = 1 << 10, 1 << 20
 SAME_PAGES = "ucx put raw (same pages)"
+
+
+def die_with_parent() -> None:
+    """``preexec_fn`` of a child that must not outlive the bench: the kernel kills it when the
+    bench dies, however it dies (a SIGTERM runs no ``finally``). A ``ucx_perftest`` server left
+    behind spins a core, waiting for a client, until someone kills it (Linux; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
 
 
 # ---------------------------------------------------------------------------------------
@@ -199,7 +210,7 @@ class UcxPutRaw:
             port = probe.getsockname()[1]
         iters = int(min(max(case["total"] // size, 50), 100_000))
         server = subprocess.Popen([str(self.exe), "-p", str(port)], env=self.env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+                                  stderr=subprocess.DEVNULL, preexec_fn=die_with_parent)
         try:
             for _ in range(20):   # the server takes a moment to listen
                 time.sleep(0.2)

@@ -33,6 +33,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_transport_ceilings import die_with_parent  # noqa: E402
+
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 PAGE_CASES = (("1000 x 64K pages", 64 * KiB, 1000, False), ("16384 x 4K pages, packed", 4 * KiB, 16384, True))
 
@@ -131,7 +134,8 @@ def perftest(tls: str | None, size: int, port: int) -> float:
         env["UCX_TLS"] = tls
     exe = str(root / "bin" / "ucx_perftest")
     iters = int(min(max(100, GiB // size), 20000))
-    server = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen([exe, "-p", str(port)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              preexec_fn=die_with_parent)
     try:
         time.sleep(0.5)
         res = subprocess.run([exe, "127.0.0.1", "-p", str(port), "-t", "ucp_put_bw", "-s", str(size), "-n",
