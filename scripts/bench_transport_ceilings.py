@@ -26,7 +26,7 @@ def die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         import ctypes
         import signal
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+        ctypes.CDLL(None, use_errno=True).prctl(1, ctypes.c_ulong(int(signal.SIGKILL)))   # PR_SET_PDEATHSIG
 
 
 # ---------------------------------------------------------------------------------------
