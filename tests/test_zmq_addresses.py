@@ -2,6 +2,8 @@
 address a peer cannot reach (a wildcard never; loopback never to a peer on another host)."""
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 import torch
@@ -70,11 +72,24 @@ def test_port_range_takes_the_first_free_port():
 
 
 def test_fixed_port():
-    probe = zmq.Context.instance().socket(zmq.ROUTER)
-    port = probe.bind_to_random_port("tcp://127.0.0.1", 30000, 60000)
-    probe.close(linger=0)
-    with get_transport("zmq", endpoint=f"tcp://127.0.0.1:{port}") as rx:
-        assert rx.descriptor()["endpoint"] == f"tcp://127.0.0.1:{port}"
+    """The endpoint given is the one bound. The port is probed with a plain socket, whose close
+    frees it at once (a zmq socket's close is done later by its context's I/O thread, and the
+    transport's bind could find the port still taken); another process may still take it between
+    probe and bind, so a few ports are tried."""
+    for _ in range(5):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            rx = get_transport("zmq", endpoint=f"tcp://127.0.0.1:{port}")
+        except ConnectError as e:
+            if "Address already in use" in str(e):
+                continue
+            raise
+        with rx:
+            assert rx.descriptor()["endpoint"] == f"tcp://127.0.0.1:{port}"
+        return
+    pytest.fail("5 free ports in a row were taken before the transport could bind them")
 
 
 @pytest.mark.parametrize("ports", [(5000, 4000), (0, 10), (1, 70000), "5000-5010"])
