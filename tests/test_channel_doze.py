@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pytest
 from manual_clock import ManualClock
 from request_pair import Pair
 from support.channels import Quiet
@@ -79,6 +80,7 @@ def test_a_busy_owner_is_never_left_dozing():
         ch.close()
 
 
+@pytest.mark.slow   # it waits out LINGER twice (~2.4 s): the fast tier stays under its 90 s
 def test_a_request_begun_on_a_dozing_rank_gets_its_tick_within_one_tick(monkeypatch):
     """Both endpoints idle (past ``LINGER``), their channels doze (one turn in 4 s here: the quiet tick
     is made longer than the heartbeat's). A receiver and a sender that nobody serves are made; the injected clocks
