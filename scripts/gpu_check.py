@@ -32,6 +32,8 @@ ucx/gpu-gpu             two processes, GPU regions on both sides: memory types a
 ucx/kill-receiver       the receiver is killed mid-transfer; the sender's CUDA context still works.
 offload/vs-pinned       offload and reload of a request against plain pinned copies of the same
                         bytes (GB/s and ratio).
+offload/batch           four requests offloaded, then back with one reload_many into new slots:
+                        every layer byte-exact per request.
 
 Who runs it: a person with a GPU machine, after a change to pools, the executor, offload or a
 transport; its output goes in the issue note.
@@ -380,6 +382,44 @@ def check_offload_vs_pinned(ctx: Ctx) -> str:
             f"({d2h / t_off:.2f}x); reload {gb / t_re:.1f} GB/s vs {gb / h2d:.1f} ({h2d / t_re:.2f}x)")
 
 
+def check_offload_batch(ctx: Ctx) -> str:
+    """Four requests offloaded together, then taken back with one ``reload_many`` into new slots
+    (one plan, one copy on the reload stream): every layer's K and V byte-exact per request."""
+    from kvxfer.offload.manager import DecodeOffloadManager, OffloadConfig
+    tokens, stride, n = 1024, 256, 4
+    pool = fill(MHAPool(layers=8, heads=8, head_dim=128, dtype="bfloat16", num_pages=n * tokens * 2 // PAGE + 8,
+                        page_size=PAGE, layout="page_major", device=ctx.device), 4)
+    host = HostPool.for_pool(pool, size=n * tokens)
+    pages = np.random.default_rng(9).permutation(np.arange(1, pool.layout.spaces[0].num_pages))
+    cut = [(pages[i * tokens // PAGE:(i + 1) * tokens // PAGE, None] * PAGE + np.arange(PAGE)).ravel()
+           for i in range(2 * n)]
+    old, new = {f"r{i}": cut[i] for i in range(n)}, {f"r{i}": cut[n + i] for i in range(n)}
+
+    def kv(slots):
+        return [t.cpu().view(torch.uint8) for layer in range(8) for t in pool.get_kv_buffer(layer, slots)]
+
+    want = {rid: kv(slots) for rid, slots in old.items()}
+    with DecodeOffloadManager(pool, host, OffloadConfig(stride=stride)) as mgr:
+        ctx.sync()
+        for i, (rid, slots) in enumerate(old.items()):
+            mgr.release(rid, np.arange(tokens) + 100_000 * i, slots)
+        left = set(old)
+        deadline = time.monotonic() + 30
+        while left and time.monotonic() < deadline:
+            left -= set(mgr.poll().released)
+            time.sleep(0.001)
+        expect(not left, f"offload of {sorted(left)} did not finish in 30 s")
+        nbytes = mgr.stats.bytes_offloaded
+        t0 = time.perf_counter()
+        mgr.reload_many(new)
+        ctx.sync()
+        t_re = time.perf_counter() - t0
+    for rid, slots in new.items():
+        got = kv(slots)
+        expect(all(torch.equal(a, b) for a, b in zip(got, want[rid])), f"reload_many: {rid} differs")
+    return f"{n} requests, {nbytes / 2**20:.0f} MiB: reload_many {nbytes / 1e9 / t_re:.1f} GB/s, byte-exact"
+
+
 # ------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -412,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
     if ctx.cuda:
         run(ctx, "ucx/kill-receiver", check_ucx_kill_receiver)
     run(ctx, "offload/vs-pinned", check_offload_vs_pinned)
+    run(ctx, "offload/batch", check_offload_batch)
     failed = [n for n, ok, _ in RESULTS if not ok]
     print(f"# {len(RESULTS) - len(failed)} passed, {len(failed)} failed in {time.monotonic() - t_start:.0f} s"
           + (f": {', '.join(failed)}" if failed else ""), flush=True)
