@@ -2,12 +2,11 @@
 address a peer cannot reach (a wildcard never; loopback never to a peer on another host)."""
 from __future__ import annotations
 
-import socket
-
 import numpy as np
 import pytest
 import torch
 import zmq
+from support.ports import free_port
 from xfer_peer import raw_plan
 
 from kvxfer.addresses import split_address
@@ -72,14 +71,12 @@ def test_port_range_takes_the_first_free_port():
 
 
 def test_fixed_port():
-    """The endpoint given is the one bound. The port is probed with a plain socket, whose close
-    frees it at once (a zmq socket's close is done later by its context's I/O thread, and the
+    """The endpoint given is the one bound. The port comes from ``free_port`` (a plain socket's
+    probe, freed at once; a zmq socket's close is done later by its context's I/O thread, and the
     transport's bind could find the port still taken); another process may still take it between
     probe and bind, so a few ports are tried."""
     for _ in range(5):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         try:
             rx = get_transport("zmq", endpoint=f"tcp://127.0.0.1:{port}")
         except ConnectError as e:
