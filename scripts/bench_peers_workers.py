@@ -485,6 +485,12 @@ PEERS = {"tcp raw": TcpRaw, "zmq raw": ZmqRaw, "zmq threads": ZmqThreads, "kvxfe
          "nixl ucx": NixlPeer, "nixl ucx notified": NixlNotifiedPeer, "mooncake tcp": MooncakePeer}
 
 
+def python_tids() -> list[int]:
+    """The kernel's ids of this process's Python threads (``bench_critical_path.py`` tells them
+    from the threads of the libraries they drive)."""
+    return [t.native_id for t in threading.enumerate() if t.native_id is not None]
+
+
 def _busy() -> None:
     while True:
         sum(range(1000))
@@ -513,7 +519,7 @@ def worker(peer: str, role: str, spec: dict, say: Callable[[str, dict], None]) -
                 ctl.recv()   # "end": the initiator saw its transfer complete
                 why = check(pool, case) if cmd["verify"] and p.verify else ""
                 p.finish(cmd["tag"])
-                ctl.send({"why": why})
+                ctl.send({"why": why, "tids": python_tids()})
             return
         ctl = Ctl(socket.create_connection(("127.0.0.1", spec["target"]["ctl"])))
         p.connect(spec["target"])
@@ -525,11 +531,14 @@ def worker(peer: str, role: str, spec: dict, say: Callable[[str, dict], None]) -
             case, tag = spec["cases"][cmd["case"]], f"t{n}"
             ctl.send({"op": "begin", "case": cmd["case"], "tag": tag, "verify": cmd["verify"]})
             ctl.recv()
+            start = time.monotonic_ns()   # CLOCK_MONOTONIC, as perf's -k (bench_critical_path.py)
             t0 = time.perf_counter()
             p.transfer(case, tag)
             dt = time.perf_counter() - t0
             ctl.send({"op": "end"})
-            say("DONE", {"seconds": dt, "why": ctl.recv()["why"]})
+            reply = ctl.recv()
+            say("DONE", {"seconds": dt, "why": reply["why"], "t0_ns": start,
+                         "tids": {"initiator": python_tids(), "target": reply["tids"]}})
         ctl.send({"op": "quit"})
     finally:
         p.close()

@@ -240,3 +240,77 @@ def test_peers_report_cpu_per_transfer_against_the_floor(tmp_path):
     assert ours["ceiling_name"] == "zmq threads" and ours["ceiling"] == pytest.approx(floor["value"])
     assert ours["ratio"] == pytest.approx(ours["value"] / floor["value"]) and ours["unit"] == "us CPU"
     assert "CPU per transfer" in r.stdout
+
+
+def _switch(pid: int, tid: int, cpu: int, t_us: int, prev: int, nxt: int) -> str:
+    """One ``perf script -F pid,tid,cpu,time,event,trace --ns`` line of a context switch."""
+    return (f"  {pid}/{tid}  [{cpu:03d}]  12.{t_us * 1000:09d}: sched:sched_switch: prev_comm=x y prev_pid={prev} "
+            f"prev_prio=120 prev_state=S ==> next_comm=python next_pid={nxt} next_prio=120")
+
+
+def test_critical_path_splits_a_transfer_by_who_is_on_a_cpu():
+    """Worker pid 7: Python thread 7 and a library thread 8; pid 50 is someone else. CPU 0 runs
+    7 over [0, 100) us, then 8 over [100, 300); CPU 1 runs 50 over [0, 200), then 7 over
+    [200, 250). A transfer's window [50, 350) splits into Python, the library alone, nobody."""
+    cp = _script_module("bench_critical_path")
+    lines = [_switch(0, 0, 0, 0, 0, 7), _switch(0, 0, 1, 0, 0, 50),
+             _switch(7, 7, 0, 100, 7, 8),       # 7 leaves CPU 0 (the line names it), 8 comes
+             _switch(50, 50, 1, 200, 50, 7),    # someone else leaves CPU 1, 7 comes
+             _switch(7, 7, 1, 250, 7, 0),       # 7 sleeps
+             _switch(7, 8, 0, 300, 8, 0),       # 8 sleeps
+             "a line of some other event",
+             _switch(7, 7, 0, 400, 99, 7)]   # says 99 left CPU 0, where 0 ran: no interval for either
+    runs, owner = cp.on_cpu(lines)
+    assert owner == {0: 0, 7: 7, 50: 50, 8: 7}   # 0: the idle task
+    ns = 12_000_000_000
+    assert runs[7] == [(ns, ns + 100_000), (ns + 200_000, ns + 250_000)] and runs[8] == [(ns + 100_000, ns + 300_000)]
+    got = cp.split((ns + 50_000, ns + 350_000), runs, owner, pids={7}, python_tids={7})
+    # Python: [50, 100) and [200, 250) = 100 us; anyone of pid 7: [50, 300) = 250 us, so the
+    # library alone 150 us; nobody [300, 350) = 50 us. Thread 50 (another process) counts nowhere.
+    assert got == {"wall": 300.0, "python": 100.0, "library": 150.0, "nobody": 50.0}
+    # a thread the worker lists as Python counts so whatever process the perf lines gave it
+    assert cp.split((ns, ns + 200_000), runs, owner, pids=set(), python_tids={50})["python"] == 200.0
+    typical = cp.middle_mean([{"wall": w, "python": w / 2, "library": w / 4, "nobody": w / 4}
+                              for w in (1.0, 10, 10, 10, 10, 10, 10, 10, 10, 1000)])
+    assert typical == {"wall": 10.0, "python": 5.0, "library": 2.5, "nobody": 2.5}   # the outliers left out
+
+
+def test_each_transfer_says_when_it_started_and_which_threads_are_python(tmp_path):
+    """What ``bench_critical_path.py`` reads off each transfer of ``bench_peers.py``'s workers:
+    its start on CLOCK_MONOTONIC (perf's clock there) and both workers' Python threads."""
+    import time
+    bp = _script_module("bench_peers")
+    cases = [{"name": "one run 1 MiB", "nbytes": 1 << 20, "so": [0], "do": [1 << 20]}]
+    before = time.monotonic_ns()
+    pair = bp.PeerPair("zmq threads", __import__("sys").executable,
+                       {"pool_bytes": 4 << 20, "cases": cases, "busy_caller": False}, tmp_path, 120)
+    try:
+        done = pair.run_measured(0, verify=True)
+        pids = [p.pid for p in pair.procs]
+    finally:
+        pair.close()
+    assert before < done["t0_ns"] < time.monotonic_ns() and done["seconds"] > 0
+    # each worker's main thread (its pid) and the I/O thread zmq threads starts on each side
+    assert pids[1] in done["tids"]["initiator"] and pids[0] in done["tids"]["target"]
+    assert len(done["tids"]["initiator"]) >= 2 and len(done["tids"]["target"]) >= 2
+
+
+def test_critical_path_end_to_end_when_perf_can_run(tmp_path):
+    """The script with a real perf: every transfer of a peer is split, and the shares add up."""
+    import shutil
+    import subprocess
+    import sys
+    cp = _script_module("bench_critical_path")
+    if shutil.which("perf") is None:
+        pytest.skip("perf is not installed")
+    out = tmp_path / "cp.json"
+    r = subprocess.run([sys.executable, str(bench.SCRIPTS / "bench_critical_path.py"), "--peers", "zmq raw",
+                        "--runs", "1", "--transfers", "10", "--json", str(out)], capture_output=True, text=True,
+                       timeout=300)
+    if r.returncode == 2 and "perf" in r.stderr:   # no tracepoints or rights here: perf is optional
+        pytest.skip(r.stderr.strip()[:200])
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (run,) = json.loads(out.read_text())["runs"]["zmq raw"]
+    assert run["python"] > 0 and run["wall"] > 0
+    assert sum(run[k] for k in cp.SHARES) == pytest.approx(run["wall"], rel=1e-6)
+    assert "| zmq raw |" in r.stdout
