@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -55,6 +56,10 @@ TRACEFS = Path("/sys/kernel/tracing")
 _SWITCH = re.compile(r"^\s*(\d+)/(\d+)\s+\[(\d+)\]\s+(\d+)\.(\d+):\s+sched:sched_switch:.*\sprev_pid=(\d+)\s"
                      r".*==> .*\snext_pid=(\d+)\s")
 SHARES = ("python", "library", "nobody")
+
+
+class PerfUnavailable(RuntimeError):
+    """perf is installed but cannot record here (no rights, no events): the script exits 2."""
 
 
 def on_cpu(lines) -> tuple[dict[int, list[tuple[int, int]]], dict[int, int]]:
@@ -141,13 +146,18 @@ def _enable(rec: subprocess.Popen, ctl: Path, ack: Path, timeout: float = 60.0) 
     said: list[str] = []
 
     def talk() -> None:
-        with open(ctl, "w") as c, open(ack) as a:
-            c.write("enable\n")
-            c.flush()
-            said.append(a.readline().strip())
+        try:
+            with open(ctl, "w") as c, open(ack) as a:
+                c.write("enable\n")
+                c.flush()
+                said.append(a.readline().strip())
+        except OSError:   # perf is gone, and the ends were opened here to let this go
+            pass
     t = threading.Thread(target=talk, daemon=True)
     t.start()
-    t.join(timeout)
+    limit = time.monotonic() + timeout
+    while t.is_alive() and rec.poll() is None and time.monotonic() < limit:   # a perf that ended: at once
+        t.join(0.05)
     if said != ["ack"]:
         rec.kill()
         for path, mode in ((ctl, os.O_RDONLY), (ack, os.O_WRONLY)):
@@ -156,7 +166,7 @@ def _enable(rec: subprocess.Popen, ctl: Path, ack: Path, timeout: float = 60.0) 
             except OSError:
                 pass
         err = rec.communicate(timeout=30)[1].decode(errors="replace").strip()
-        raise RuntimeError(f"perf record did not start: {err[-300:] or 'no ack to enable'}")
+        raise PerfUnavailable(f"perf record did not start: {err[-300:] or 'no ack to enable'}")
 
 
 def measure(peer: str, case: int, cases: list[dict], transfers: int, tmp: Path, python: str) -> list[dict]:
@@ -229,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
                     results[peer].append(run)
                     print(f"  run {r + 1} {peer}: " + ", ".join(f"{k} {v:.0f}" for k, v in run.items()) + " us",
                           flush=True)
+    except PerfUnavailable as e:
+        print(f"bench_critical_path: {e}", file=sys.stderr)
+        return 2
     finally:
         if mounted:
             subprocess.run(["umount", str(TRACEFS)], capture_output=True)

@@ -314,3 +314,26 @@ def test_critical_path_end_to_end_when_perf_can_run(tmp_path):
     assert run["python"] > 0 and run["wall"] > 0
     assert sum(run[k] for k in cp.SHARES) == pytest.approx(run["wall"], rel=1e-6)
     assert "| zmq raw |" in r.stdout
+
+
+def test_critical_path_says_why_when_perf_cannot_record(tmp_path):
+    """A perf that is there but cannot record (no rights, no events) ends the script with exit
+    2 and perf's own words, at once: no traceback, no wait for an ack that never comes."""
+    import os
+    import subprocess
+    import sys
+    import time
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "perf").write_text("#!/bin/sh\necho 'perf_event_open(...) failed: Permission denied' >&2\n"
+                               "exit 255\n")
+    (fake / "perf").chmod(0o755)
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(bench.SCRIPTS / "bench_critical_path.py"), "--peers", "zmq raw",
+                        "--runs", "1", "--transfers", "2"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"})
+    if r.returncode == 2 and "tracepoints" in r.stderr:   # no tracefs here: it never gets to start perf
+        pytest.skip(r.stderr.strip()[:200])
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "perf record did not start" in r.stderr and "Permission denied" in r.stderr
+    assert "Traceback" not in r.stderr and time.monotonic() - t0 < 50   # not the 60 s wait for an ack
