@@ -142,7 +142,7 @@ def tracefs_ready() -> tuple[bool, str]:
 def _enable(rec: subprocess.Popen, ctl: Path, ack: Path, timeout: float = 60.0) -> None:
     """Turn the events of ``perf record -D -1 --control=fifo:ctl,ack`` on and wait for its ack.
     The fifos' opens block until perf opens its ends: a perf that never does is killed, and
-    the opens are let go by opening the other ends here."""
+    the helper thread is let go by holding those ends here until it ended."""
     said: list[str] = []
 
     def talk() -> None:
@@ -151,7 +151,7 @@ def _enable(rec: subprocess.Popen, ctl: Path, ack: Path, timeout: float = 60.0) 
                 c.write("enable\n")
                 c.flush()
                 said.append(a.readline().strip())
-        except OSError:   # perf is gone, and the ends were opened here to let this go
+        except OSError:   # perf is gone (a broken pipe)
             pass
     t = threading.Thread(target=talk, daemon=True)
     t.start()
@@ -160,11 +160,13 @@ def _enable(rec: subprocess.Popen, ctl: Path, ack: Path, timeout: float = 60.0) 
         t.join(0.05)
     if said != ["ack"]:
         rec.kill()
-        for path, mode in ((ctl, os.O_RDONLY), (ack, os.O_WRONLY)):
-            try:
-                os.close(os.open(path, mode | os.O_NONBLOCK))
-            except OSError:
-                pass
+        # perf's ends, held here (O_RDWR never blocks on a fifo), with a line waiting in ack:
+        # the helper's opens and its read return whenever it gets to them
+        ends = [os.open(ctl, os.O_RDWR), os.open(ack, os.O_RDWR)]
+        os.write(ends[1], b"gone\n")
+        t.join(10)
+        for fd in ends:
+            os.close(fd)
         err = rec.communicate(timeout=30)[1].decode(errors="replace").strip()
         raise PerfUnavailable(f"perf record did not start: {err[-300:] or 'no ack to enable'}")
 

@@ -296,19 +296,22 @@ def test_each_transfer_says_when_it_started_and_which_threads_are_python(tmp_pat
 
 
 def test_critical_path_end_to_end_when_perf_can_run(tmp_path):
-    """The script with a real perf: every transfer of a peer is split, and the shares add up."""
+    """The script with a real perf: every transfer of a peer is split, and the shares add up.
+    Skipped only without perf (an optional tool) or without a way to its sched tracepoints
+    (not root, no tracefs); a perf that is there and fails here fails the test."""
+    import os
     import shutil
     import subprocess
     import sys
     cp = _script_module("bench_critical_path")
     if shutil.which("perf") is None:
         pytest.skip("perf is not installed")
+    if not (cp.TRACEFS / "events" / "sched").exists() and os.geteuid() != 0:
+        pytest.skip("no sched tracepoints, and not root to mount tracefs")
     out = tmp_path / "cp.json"
     r = subprocess.run([sys.executable, str(bench.SCRIPTS / "bench_critical_path.py"), "--peers", "zmq raw",
                         "--runs", "1", "--transfers", "10", "--json", str(out)], capture_output=True, text=True,
                        timeout=300)
-    if r.returncode == 2 and "perf" in r.stderr:   # no tracepoints or rights here: perf is optional
-        pytest.skip(r.stderr.strip()[:200])
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     (run,) = json.loads(out.read_text())["runs"]["zmq raw"]
     assert run["python"] > 0 and run["wall"] > 0
@@ -316,24 +319,22 @@ def test_critical_path_end_to_end_when_perf_can_run(tmp_path):
     assert "| zmq raw |" in r.stdout
 
 
-def test_critical_path_says_why_when_perf_cannot_record(tmp_path):
+def test_critical_path_says_why_when_perf_cannot_record(tmp_path, monkeypatch, capsys):
     """A perf that is there but cannot record (no rights, no events) ends the script with exit
-    2 and perf's own words, at once: no traceback, no wait for an ack that never comes."""
+    2 and perf's own words, at once: no traceback, no wait for an ack that never comes. The
+    stand-in perf needs no tracepoints: the check for them is told they are there."""
     import os
-    import subprocess
-    import sys
     import time
+    cp = _script_module("bench_critical_path")
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "perf").write_text("#!/bin/sh\necho 'perf_event_open(...) failed: Permission denied' >&2\n"
                                "exit 255\n")
     (fake / "perf").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake}:{os.environ['PATH']}")
+    monkeypatch.setattr(cp, "tracefs_ready", lambda: (True, ""))
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, str(bench.SCRIPTS / "bench_critical_path.py"), "--peers", "zmq raw",
-                        "--runs", "1", "--transfers", "2"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"})
-    if r.returncode == 2 and "tracepoints" in r.stderr:   # no tracefs here: it never gets to start perf
-        pytest.skip(r.stderr.strip()[:200])
-    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
-    assert "perf record did not start" in r.stderr and "Permission denied" in r.stderr
-    assert "Traceback" not in r.stderr and time.monotonic() - t0 < 50   # not the 60 s wait for an ack
+    assert cp.main(["--peers", "zmq raw", "--runs", "1", "--transfers", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "perf record did not start" in err and "Permission denied" in err
+    assert "Traceback" not in err and time.monotonic() - t0 < 50   # not the 60 s wait for an ack
